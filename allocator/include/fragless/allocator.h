@@ -1,0 +1,32 @@
+// The process-wide allocator: one DeviceEngine per device, built from Options (FRAGLESS_CONF).
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fragless/config.h"
+#include "fragless/engine.h"
+
+namespace fragless {
+
+// Builds the driver `opts.driver` for one device; nullptr with *error set when it cannot.
+std::unique_ptr<Driver> make_driver(const Options& opts, int device, std::string* error);
+
+class Allocator {
+ public:
+  // Devices: the cuda driver asks the GPU; host and sim drivers expose `devices` devices.
+  static std::unique_ptr<Allocator> create(const Options& opts, int devices, std::string* error);
+
+  int device_count() const { return static_cast<int>(engines_.size()); }
+  // nullptr for an invalid device.
+  DeviceEngine* device(int d) {
+    return d >= 0 && d < device_count() ? engines_[static_cast<std::size_t>(d)].get() : nullptr;
+  }
+  const Options& options() const { return opts_; }
+
+ private:
+  Options opts_;
+  std::vector<std::unique_ptr<DeviceEngine>> engines_;
+};
+
+}  // namespace fragless

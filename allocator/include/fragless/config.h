@@ -1,0 +1,61 @@
+// Configuration: one options table (key, type, default, meaning), one parser for the FRAGLESS_CONF string
+// in PYTORCH_CUDA_ALLOC_CONF grammar, and the plain struct it produces. Parsing happens at the edge;
+// the engine only sees `Options`.
+//
+// Grammar (PyTorch's ConfigTokenizer): `key:value[,key:value]...`; a value is a token or a list
+// `[k:v,k:v,...,>:v]`; whitespace is ignored; booleans are exactly `True` or `False`.
+#pragma once
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace fragless {
+
+enum class PolicyKind { classic, expandable, fragless };
+enum class DriverKind { cuda, host, sim };
+
+const char* policy_name(PolicyKind p);
+const char* driver_kind_name(DriverKind d);
+
+inline constexpr int kRoundUpPowerOfTwoIntervals = 16;
+
+struct Options {
+  PolicyKind policy = PolicyKind::fragless;
+  DriverKind driver = DriverKind::cuda;
+  std::size_t max_split_size = SIZE_MAX;                 // bytes; SIZE_MAX = unlimited
+  std::size_t max_non_split_rounding_size = 20u << 20;   // bytes
+  std::array<std::size_t, kRoundUpPowerOfTwoIntervals> roundup_power2_divisions{};  // 0 = off
+  double garbage_collection_threshold = 0.0;             // 0 = off
+  double per_process_memory_fraction = 1.0;
+  std::size_t page_size = 2u << 20;                      // host and sim granularity, bytes
+  std::size_t capacity = 0;                              // host/sim physical budget, bytes; 0 = driver default
+  std::string trace_path;                                // empty = tracer off
+  std::string settings;                                  // the string this was parsed from
+};
+
+// One row of the options table.
+struct OptionInfo {
+  std::string_view key;
+  std::string_view type;
+  std::string_view default_value;
+  std::string_view meaning;
+};
+std::span<const OptionInfo> option_table();
+
+struct ConfigResult {
+  bool ok = false;
+  Options options;
+  std::string error;  // names the key, the value and the accepted forms
+};
+
+// Parses `text` over `base` (keys not mentioned keep base's values).
+ConfigResult parse_config(std::string_view text, const Options& base = Options{});
+
+// Reads FRAGLESS_CONF (empty when unset).
+ConfigResult config_from_environment();
+
+}  // namespace fragless

@@ -1,0 +1,110 @@
+// The per-device caching engine.
+//
+// Call chain (fast path first):
+//   allocate ─ process_events (only if events are pending)
+//            ─ round_size, pick pool (private pool if one is routed, else small/large)
+//            ─ find_free_block (best fit on the same stream)      ◄ cache hit: done, split if worth it
+//            └ allocate_slow: garbage_collect → policy grow
+//                             → release oversize blocks (max_split_size) → grow
+//                             → release_cached_blocks (sync events, give back) → grow (num_alloc_retries)
+//                             → OOM: message with requested, free, reserved-but-unallocated, largest free range
+//   free     ─ stream uses recorded? events per stream, block waits (active_pending_free)
+//            └ else back to its pool, merged with free neighbours of the same segment
+//
+// Policies (policy.h) decide how address space and physical pages back blocks: classic (one physical
+// segment per cudaMalloc), expandable (one growing segment per stream and pool, whole pages), fragless
+// (growing segments whose pages are re-backed from a device-wide page pool before new memory is created).
+#pragma once
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fragless/config.h"
+#include "fragless/driver.h"
+#include "fragless/stats.h"
+
+namespace fragless {
+
+using PoolId = std::pair<std::uint64_t, std::uint64_t>;  // PyTorch's MempoolId_t; {0,0} is the default pool
+using StreamFilter = std::function<bool(Stream)>;
+
+class EventSink;  // trace.h
+
+struct AllocError {
+  Status status = Status::ok;
+  std::string message;
+};
+
+// A block as seen from outside (snapshots, tests).
+struct BlockInfo {
+  DevicePtr address = 0;
+  std::size_t size = 0;
+  std::size_t requested_size = 0;
+  enum State { active_allocated, active_pending_free, inactive, unmapped } state = inactive;
+};
+
+struct SegmentInfo {
+  DevicePtr address = 0;          // start of the segment (or of the mapped range, for growable ones)
+  std::size_t total_size = 0;
+  std::size_t allocated_size = 0, active_size = 0, requested_size = 0;
+  Stream stream = 0;
+  bool small = false;
+  bool expandable = false;
+  PoolId pool{0, 0};
+  std::vector<BlockInfo> blocks;
+};
+
+class DeviceEngine {
+ public:
+  DeviceEngine(const Options& options, std::unique_ptr<Driver> driver);
+  ~DeviceEngine();  // gives everything back to the driver (live blocks too)
+  DeviceEngine(const DeviceEngine&) = delete;
+  DeviceEngine& operator=(const DeviceEngine&) = delete;
+
+  // nullptr for size 0 (legal, nothing allocated, error->status ok) and on failure (error filled).
+  void* allocate(std::size_t size, Stream stream, AllocError* error);
+  // Status::invalid_argument for a pointer this engine does not own (unknown or already freed).
+  Status free(void* ptr, AllocError* error = nullptr);
+  // The block holding ptr is also used on `stream`: it is reused only after that stream's work queued
+  // before its free completes. Ignored for the allocation stream. invalid_argument if ptr is unknown.
+  Status record_stream(void* ptr, Stream stream);
+  // Base address and size of the segment holding ptr (getBaseAllocation); nullptr if unknown.
+  void* base_allocation(void* ptr, std::size_t* size);
+  bool owns(void* ptr);
+
+  void empty_cache();
+  // 0 <= fraction <= 1 of the device's total memory; invalid_argument otherwise.
+  Status set_memory_fraction(double fraction);
+
+  // Private pools (CUDA graph capture, MemPool): while routed, allocations on streams accepted by
+  // `filter` come from pool `id`, kept apart from everything else until released.
+  void begin_allocate_to_pool(PoolId id, StreamFilter filter);
+  void end_allocate_to_pool(PoolId id);
+  void release_pool(PoolId id);
+
+  DeviceStats stats();
+  void reset_peak_stats();
+  void reset_accumulated_stats();
+  std::vector<SegmentInfo> snapshot();
+  DriverCounters driver_counters();
+  void reset_driver_counters();
+  // Largest free range in the cache and total free bytes in the cache (external fragmentation).
+  std::pair<std::size_t, std::size_t> free_ranges();
+
+  // Checks every invariant (see engine_invariants.cpp); empty string when all hold.
+  std::string check_invariants();
+
+  void set_event_sink(EventSink* sink);  // nullptr = tracing off
+  const Options& options() const;
+  Driver& driver();
+  int device() const;
+
+  struct State;
+
+ private:
+  std::unique_ptr<State> s_;
+};
+
+}  // namespace fragless

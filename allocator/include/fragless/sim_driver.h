@@ -1,0 +1,20 @@
+// `sim` driver: no memory at all. Addresses are numbers, handles are counters; every call is counted by
+// kind and charged a modelled cost (CostModel, default A100 figures). A capacity makes create fail with
+// out_of_memory. Used by the replay benchmark to run millions of events per second.
+#pragma once
+#include <memory>
+
+#include "fragless/driver.h"
+#include "fragless/test_events.h"
+
+namespace fragless {
+
+struct SimDriverOptions {
+  int device = 0;
+  std::size_t page_size = 2u << 20;
+  std::size_t capacity = 80ull << 30;
+};
+
+std::unique_ptr<Driver> make_sim_driver(const SimDriverOptions& opts);
+
+}  // namespace fragless

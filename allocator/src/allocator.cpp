@@ -1,0 +1,41 @@
+#include "fragless/allocator.h"
+
+#include "fragless/host_driver.h"
+#include "fragless/sim_driver.h"
+
+namespace fragless {
+
+std::unique_ptr<Driver> make_driver(const Options& opts, int device, std::string* error) {
+  switch (opts.driver) {
+    case DriverKind::host: {
+      HostDriverOptions h;
+      h.device = device;
+      h.page_size = opts.page_size;
+      if (opts.capacity) h.capacity = opts.capacity;
+      return make_host_driver(h, error);
+    }
+    case DriverKind::sim: {
+      SimDriverOptions s;
+      s.device = device;
+      s.page_size = opts.page_size;
+      if (opts.capacity) s.capacity = opts.capacity;
+      return make_sim_driver(s);
+    }
+    case DriverKind::cuda: break;
+  }
+  if (error) *error = "fragless: the cuda driver is not built into this library yet; use driver:host or driver:sim";
+  return nullptr;
+}
+
+std::unique_ptr<Allocator> Allocator::create(const Options& opts, int devices, std::string* error) {
+  auto a = std::unique_ptr<Allocator>(new Allocator());
+  a->opts_ = opts;
+  for (int d = 0; d < devices; ++d) {
+    auto drv = make_driver(opts, d, error);
+    if (!drv) return nullptr;
+    a->engines_.push_back(std::make_unique<DeviceEngine>(opts, std::move(drv)));
+  }
+  return a;
+}
+
+}  // namespace fragless

@@ -1,0 +1,268 @@
+#include "fragless/config.h"
+
+#include <bit>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <vector>
+
+namespace fragless {
+
+const char* policy_name(PolicyKind p) {
+  switch (p) {
+    case PolicyKind::classic: return "classic";
+    case PolicyKind::expandable: return "expandable";
+    case PolicyKind::fragless: return "fragless";
+  }
+  return "?";
+}
+
+const char* driver_kind_name(DriverKind d) {
+  switch (d) {
+    case DriverKind::cuda: return "cuda";
+    case DriverKind::host: return "host";
+    case DriverKind::sim: return "sim";
+  }
+  return "?";
+}
+
+namespace {
+
+constexpr OptionInfo kOptions[] = {
+    {"policy", "classic | expandable | fragless", "fragless",
+     "How address space and physical pages back blocks: PyTorch's native behaviour, PyTorch's "
+     "expandable_segments, or fragless's re-backing policy."},
+    {"expandable_segments", "True | False", "False",
+     "PyTorch's key: True selects the expandable policy unless `policy` is also given."},
+    {"max_split_size_mb", "integer >= 20 (MiB)", "unlimited",
+     "Blocks this large or larger are never split; smaller requests never take them (PyTorch's semantics)."},
+    {"max_non_split_rounding_mb", "integer >= 20 (MiB)", "20",
+     "An oversize request may take a cached block at most this much larger."},
+    {"roundup_power2_divisions", "power of two, or list [MB:div,...,>:div]", "0 (off)",
+     "Round requests up to one of `div` steps between powers of two, per size interval (PyTorch's semantics)."},
+    {"garbage_collection_threshold", "number in (0, 1)", "0 (off)",
+     "With a memory fraction below 1: above this share of the limit, free the oldest whole cached segments "
+     "(classic policy)."},
+    {"per_process_memory_fraction", "number in [0, 1]", "1",
+     "Cap on physical memory this process may reserve, as a fraction of the device's total."},
+    {"driver", "cuda | host | sim", "cuda",
+     "Backend: the real CUDA driver, host memory with cuMemMap semantics, or the counting simulator."},
+    {"page_size_mb", "power of two >= 1 (MiB)", "2", "Page (granularity) of the host and sim drivers."},
+    {"capacity_mb", "integer >= 1 (MiB)", "host 4096, sim 81920",
+     "Physical memory of one host or sim device; creating beyond it fails as out of memory."},
+    {"trace", "file path (may hold %p, %d, %r)", "(off)",
+     "Write every allocation event to this file in fragless's trace format: %p pid, %d device, "
+     "%r rank from RANK."},
+};
+
+struct Tokenizer {
+  std::vector<std::string> tokens;
+  explicit Tokenizer(std::string_view s) {
+    std::string cur;
+    auto flush = [&] {
+      if (!cur.empty()) tokens.push_back(std::move(cur));
+      cur.clear();
+    };
+    for (char c : s) {
+      if (c == ',' || c == ':' || c == '[' || c == ']') {
+        flush();
+        tokens.emplace_back(1, c);
+      } else if (c != ' ' && c != '\t' && c != '\n' && c != '\r') {
+        cur.push_back(c);
+      }
+    }
+    flush();
+  }
+};
+
+std::string accepted_keys() {
+  std::string s;
+  for (const auto& o : kOptions) {
+    if (!s.empty()) s += ", ";
+    s += o.key;
+  }
+  return s;
+}
+
+std::string bad_value(std::string_view key, std::string_view value, std::string_view expected) {
+  return "FRAGLESS_CONF: bad value '" + std::string(value) + "' for key '" + std::string(key) + "': expected " +
+         std::string(expected);
+}
+
+bool parse_uint(const std::string& t, std::size_t* out) {
+  if (t.empty() || t.size() > 19) return false;
+  for (char c : t)
+    if (c < '0' || c > '9') return false;
+  *out = std::strtoull(t.c_str(), nullptr, 10);
+  return true;
+}
+
+bool parse_double(const std::string& t, double* out) {
+  if (t.empty()) return false;
+  char* end = nullptr;
+  errno = 0;
+  *out = std::strtod(t.c_str(), &end);
+  return errno == 0 && end == t.c_str() + t.size() && std::isfinite(*out);
+}
+
+class Parser {
+ public:
+  Parser(std::string_view text, const Options& base) : toks_(Tokenizer(text).tokens), o_(base) {
+    o_.settings = std::string(text);
+  }
+
+  ConfigResult run() {
+    bool policy_given = false;
+    bool expandable = false;
+    while (i_ < toks_.size()) {
+      const std::string key = toks_[i_++];
+      if (key == "," ) continue;
+      if (!expect(":", key)) return fail();
+      if (i_ >= toks_.size()) return fail("FRAGLESS_CONF: key '" + key + "' has no value");
+      if (key == "roundup_power2_divisions") {
+        if (!divisions(key)) return fail();
+      } else {
+        const std::string v = toks_[i_++];
+        if (v == "[" || v == "]" || v == "," || v == ":")
+          return fail(bad_value(key, v, "a single value (only roundup_power2_divisions takes a list)"));
+        if (!value(key, v, &policy_given, &expandable)) return fail();
+      }
+      if (i_ < toks_.size() && toks_[i_] != ",")
+        return fail("FRAGLESS_CONF: expected ',' after the value of '" + key + "', found '" + toks_[i_] + "'");
+    }
+    if (expandable && !policy_given) o_.policy = PolicyKind::expandable;
+    ConfigResult r;
+    r.ok = true;
+    r.options = o_;
+    return r;
+  }
+
+ private:
+  ConfigResult fail(std::string msg = {}) {
+    ConfigResult r;
+    r.error = msg.empty() ? err_ : msg;
+    return r;
+  }
+
+  bool expect(const char* tok, const std::string& key) {
+    if (i_ < toks_.size() && toks_[i_] == tok) {
+      ++i_;
+      return true;
+    }
+    bool known = false;
+    for (const auto& o : kOptions) known |= o.key == key;
+    err_ = known ? "FRAGLESS_CONF: expected ':' after key '" + key + "'"
+                 : "FRAGLESS_CONF: unknown key '" + key + "' (accepted keys: " + accepted_keys() + ")";
+    return false;
+  }
+
+  bool value(const std::string& key, const std::string& v, bool* policy_given, bool* expandable) {
+    std::size_t n = 0;
+    double d = 0;
+    if (key == "policy") {
+      if (v == "classic") o_.policy = PolicyKind::classic;
+      else if (v == "expandable") o_.policy = PolicyKind::expandable;
+      else if (v == "fragless") o_.policy = PolicyKind::fragless;
+      else return err(bad_value(key, v, "classic, expandable or fragless"));
+      *policy_given = true;
+    } else if (key == "expandable_segments") {
+      if (v != "True" && v != "False") return err(bad_value(key, v, "True or False (exactly)"));
+      *expandable = v == "True";
+    } else if (key == "max_split_size_mb" || key == "max_non_split_rounding_mb") {
+      if (!parse_uint(v, &n) || n < 20) return err(bad_value(key, v, "an integer number of MiB, at least 20"));
+      const std::size_t bytes = n > (SIZE_MAX >> 20) ? SIZE_MAX : n << 20;
+      (key == "max_split_size_mb" ? o_.max_split_size : o_.max_non_split_rounding_size) = bytes;
+    } else if (key == "garbage_collection_threshold") {
+      if (!parse_double(v, &d) || !(d > 0.0 && d < 1.0)) return err(bad_value(key, v, "a number in (0, 1)"));
+      o_.garbage_collection_threshold = d;
+    } else if (key == "per_process_memory_fraction") {
+      if (!parse_double(v, &d) || !(d >= 0.0 && d <= 1.0)) return err(bad_value(key, v, "a number in [0, 1]"));
+      o_.per_process_memory_fraction = d;
+    } else if (key == "driver") {
+      if (v == "cuda") o_.driver = DriverKind::cuda;
+      else if (v == "host") o_.driver = DriverKind::host;
+      else if (v == "sim") o_.driver = DriverKind::sim;
+      else return err(bad_value(key, v, "cuda, host or sim"));
+    } else if (key == "page_size_mb") {
+      if (!parse_uint(v, &n) || n == 0 || n > 1024 || !std::has_single_bit(n))
+        return err(bad_value(key, v, "a power of two between 1 and 1024 (MiB)"));
+      o_.page_size = n << 20;
+    } else if (key == "capacity_mb") {
+      if (!parse_uint(v, &n) || n == 0 || n > (std::size_t{1} << 30))
+        return err(bad_value(key, v, "an integer number of MiB between 1 and 2^30"));
+      o_.capacity = n << 20;
+    } else if (key == "trace") {
+      o_.trace_path = v;
+    } else {
+      return err("FRAGLESS_CONF: unknown key '" + key + "' (accepted keys: " + accepted_keys() + ")");
+    }
+    return true;
+  }
+
+  // roundup_power2_divisions: a single power of two, or [K:V,...,>:V] (PyTorch's semantics).
+  bool divisions(const std::string& key) {
+    auto& table = o_.roundup_power2_divisions;
+    if (toks_[i_] != "[") {
+      std::size_t v = 0;
+      if (!parse_uint(toks_[i_], &v) || !std::has_single_bit(v))
+        return err(bad_value(key, toks_[i_], "a power of two, or a list like [256:1,512:2,>:8]"));
+      ++i_;
+      table.fill(v);
+      return true;
+    }
+    ++i_;
+    table.fill(0);
+    bool first = true;
+    int last_index = -1;
+    while (i_ < toks_.size() && toks_[i_] != "]") {
+      const std::string k = toks_[i_++];
+      if (i_ + 1 >= toks_.size() || toks_[i_] != ":")
+        return err(bad_value(key, k, "list entries of the form MB:divisions or >:divisions"));
+      ++i_;
+      const std::string vtok = toks_[i_++];
+      std::size_t v = 0;
+      if (!parse_uint(vtok, &v) || (v != 0 && !std::has_single_bit(v)))
+        return err(bad_value(key, vtok, "divisions that are 0 or a power of two"));
+      if (k == ">") {
+        for (int j = last_index + 1; j < kRoundUpPowerOfTwoIntervals; ++j) table[static_cast<std::size_t>(j)] = v;
+      } else {
+        std::size_t mb = 0;
+        if (!parse_uint(k, &mb) || !std::has_single_bit(mb))
+          return err(bad_value(key, k, "interval starts in MB that are powers of two"));
+        const int index = std::min<int>(std::bit_width(mb) - 1, kRoundUpPowerOfTwoIntervals - 1);
+        if (first)
+          for (int j = 0; j < index; ++j) table[static_cast<std::size_t>(j)] = v;
+        table[static_cast<std::size_t>(index)] = v;
+        last_index = index;
+      }
+      first = false;
+      if (i_ < toks_.size() && toks_[i_] == ",") ++i_;
+    }
+    if (i_ >= toks_.size()) return err("FRAGLESS_CONF: unterminated list for key '" + key + "' (missing ']')");
+    ++i_;  // ]
+    return true;
+  }
+
+  bool err(std::string m) {
+    err_ = std::move(m);
+    return false;
+  }
+
+  std::vector<std::string> toks_;
+  std::size_t i_ = 0;
+  Options o_;
+  std::string err_;
+};
+
+}  // namespace
+
+std::span<const OptionInfo> option_table() { return kOptions; }
+
+ConfigResult parse_config(std::string_view text, const Options& base) { return Parser(text, base).run(); }
+
+ConfigResult config_from_environment() {
+  const char* env = std::getenv("FRAGLESS_CONF");
+  return parse_config(env ? env : "");
+}
+
+}  // namespace fragless

@@ -1,0 +1,644 @@
+// DeviceEngine: pools, blocks, the retry chain and stats. See engine.h for the call chain and
+// engine_state.h for the invariants.
+#include "fragless/engine.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+
+#include "engine_state.h"
+#include "policy.h"
+#include "trace_emit.h"
+
+namespace fragless {
+
+namespace {
+
+std::unique_ptr<Policy> make_policy(PolicyKind k, DeviceEngine::State& s) {
+  switch (k) {
+    case PolicyKind::classic: return make_classic_policy(s);
+    case PolicyKind::expandable: return make_expandable_policy(s);
+    case PolicyKind::fragless: break;
+  }
+  return make_fragless_policy(s);
+}
+
+std::string format_bytes(std::size_t b) {
+  char buf[64];
+  const double v = static_cast<double>(b);
+  if (b >= (1ull << 30)) std::snprintf(buf, sizeof buf, "%.2f GiB", v / (1ull << 30));
+  else if (b >= (1ull << 20)) std::snprintf(buf, sizeof buf, "%.2f MiB", v / (1ull << 20));
+  else if (b >= (1ull << 10)) std::snprintf(buf, sizeof buf, "%.2f KiB", v / (1ull << 10));
+  else std::snprintf(buf, sizeof buf, "%zu bytes", b);
+  return buf;
+}
+
+void set_error(AllocError* e, Status st, std::string msg) {
+  if (e) { e->status = st; e->message = std::move(msg); }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------
+// State basics
+
+DeviceEngine::State::State(const Options& o, std::unique_ptr<Driver> d) : opts(o), driver(std::move(d)) {
+  default_pools.small.owner = &default_pools;
+  default_pools.small.small = true;
+  default_pools.large.owner = &default_pools;
+  std::size_t free_b = 0;
+  driver->memory_info(&free_b, &device_total);
+  if (opts.per_process_memory_fraction < 1.0)
+    allowed_memory_maximum = static_cast<std::size_t>(opts.per_process_memory_fraction * device_total);
+  stats.max_split_size = opts.max_split_size == SIZE_MAX ? -1 : static_cast<std::int64_t>(opts.max_split_size);
+  policy = make_policy(opts.policy, *this);
+}
+
+DeviceEngine::State::~State() {
+  // Give everything back, live blocks too: the process is done with this device.
+  for (auto& [id, ev] : pending_events)
+    for (auto& [e, b] : ev) driver->release_event(e);
+  pending_events.clear();
+  for (auto& [ptr, b] : active_blocks) {
+    b->state = BlockState::free;
+    b->event_count = 0;
+    b->stream_uses.clear();
+  }
+  active_blocks.clear();
+  // Reinsert every free block so the policy sees the whole cache, then release it all.
+  for (auto& seg : segments)
+    for (Block* b = seg->first; b; b = b->next)
+      if (b->state == BlockState::free && !b->in_size_set) pool_insert(b);
+  routes.clear();
+  policy->release_free(nullptr);
+  for (auto& [id, ps] : private_pools) policy->release_free(ps.get());
+  policy.reset();
+}
+
+Block* DeviceEngine::State::new_block() {
+  if (spare_blocks.empty()) {
+    constexpr std::size_t kSlab = 256;
+    block_slabs.push_back(std::make_unique<Block[]>(kSlab));
+    for (std::size_t i = 0; i < kSlab; ++i) spare_blocks.push_back(&block_slabs.back()[i]);
+  }
+  Block* b = spare_blocks.back();
+  spare_blocks.pop_back();
+  return b;
+}
+
+void DeviceEngine::State::delete_block(Block* b) {
+  *b = Block{};
+  spare_blocks.push_back(b);
+}
+
+void DeviceEngine::State::pool_insert(Block* b) {
+  b->pool->blocks.insert(b);
+  b->in_size_set = true;
+  if (!b->segment->growable && b->is_split()) {
+    stats.inactive_split.add(b->pool->small, 1);
+    stats.inactive_split_bytes.add(b->pool->small, static_cast<std::int64_t>(b->size));
+  }
+}
+
+void DeviceEngine::State::pool_erase(Block* b) {
+  b->pool->blocks.erase(b);
+  b->in_size_set = false;
+  if (!b->segment->growable && b->is_split()) {
+    stats.inactive_split.add(b->pool->small, -1);
+    stats.inactive_split_bytes.add(b->pool->small, -static_cast<std::int64_t>(b->size));
+  }
+}
+
+void DeviceEngine::State::unmapped_insert(Block* b) { b->pool->unmapped.insert(b); }
+void DeviceEngine::State::unmapped_erase(Block* b) { b->pool->unmapped.erase(b); }
+
+Block* DeviceEngine::State::merge_free(Block* b) {
+  if (Block* p = b->prev; p && p->reusable()) {
+    pool_erase(p);
+    p->size += b->size;
+    p->next = b->next;
+    if (p->next) p->next->prev = p;
+    delete_block(b);
+    b = p;
+  }
+  if (Block* n = b->next; n && n->reusable()) {
+    pool_erase(n);
+    b->size += n->size;
+    b->next = n->next;
+    if (b->next) b->next->prev = b;
+    delete_block(n);
+  }
+  return b;
+}
+
+Block* DeviceEngine::State::merge_unmapped(Block* b) {
+  if (Block* p = b->prev; p && p->state == BlockState::unmapped) {
+    unmapped_erase(p);
+    p->size += b->size;
+    p->next = b->next;
+    if (p->next) p->next->prev = p;
+    delete_block(b);
+    b = p;
+  }
+  if (Block* n = b->next; n && n->state == BlockState::unmapped) {
+    unmapped_erase(n);
+    b->size += n->size;
+    b->next = n->next;
+    if (b->next) b->next->prev = b;
+    delete_block(n);
+  }
+  return b;
+}
+
+void DeviceEngine::State::add_reserved(bool small, std::int64_t bytes) {
+  stats.reserved_bytes.add(small, bytes);
+  total_reserved = static_cast<std::size_t>(static_cast<std::int64_t>(total_reserved) + bytes);
+}
+
+void DeviceEngine::State::forced_sync(Stream st) {
+  driver->synchronize_stream(st);
+  ++stats.num_forced_syncs;
+}
+
+bool DeviceEngine::State::capacity_allows(std::size_t extra) const {
+  return allowed_memory_maximum == 0 || total_reserved + extra <= allowed_memory_maximum;
+}
+
+PoolSet& DeviceEngine::State::pool_set_for(Stream st) {
+  for (auto it = routes.rbegin(); it != routes.rend(); ++it)
+    if (!it->second || it->second(st)) return *it->first;
+  return default_pools;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Fast path
+
+Block* DeviceEngine::State::find_free_block(AllocParams& p) {
+  BlockPool& pool = *p.pool;
+  if (allowed_memory_maximum && opts.garbage_collection_threshold > 0) ++pool.get_free_blocks_call_count;
+  Block key;
+  key.stream = p.stream;
+  key.size = p.rounded;
+  auto it = pool.blocks.lower_bound(&key);
+  if (it == pool.blocks.end() || (*it)->stream != p.stream) return nullptr;
+  if ((*it)->segment->growable && policy->prefer_non_growable()) {
+    auto growable_size = [](const Block* b) {
+      return b->size + (b->next && b->next->state == BlockState::unmapped ? b->next->size : 0);
+    };
+    for (auto next = std::next(it); next != pool.blocks.end() && (*next)->stream == p.stream &&
+                                    growable_size(*next) < growable_size(*it);
+         ++next)
+      it = next;
+  }
+  Block* b = *it;
+  // Oversize rules: small requests never take an oversize block; an oversize request takes a block at
+  // most max_non_split_rounding_size larger.
+  if (p.rounded < opts.max_split_size && b->size >= opts.max_split_size) return nullptr;
+  if (p.rounded >= opts.max_split_size && b->size >= p.rounded + opts.max_non_split_rounding_size) return nullptr;
+  pool_erase(b);
+  return b;
+}
+
+Block* DeviceEngine::State::take_block(Block* b, AllocParams& p) {
+  const bool small = p.pool->small;
+  if (policy->should_split(b, p.rounded)) {
+    Block* rest = new_block();
+    rest->ptr = b->ptr + p.rounded;
+    rest->size = b->size - p.rounded;
+    rest->segment = b->segment;
+    rest->pool = b->pool;
+    rest->stream = b->stream;
+    rest->prev = b;
+    rest->next = b->next;
+    if (rest->next) rest->next->prev = rest;
+    b->next = rest;
+    b->size = p.rounded;
+    pool_insert(rest);
+  }
+  b->state = BlockState::allocated;
+  b->requested = p.requested;
+  b->gc_count_base = p.pool->get_free_blocks_call_count;
+  const auto size = static_cast<std::int64_t>(b->size);
+  const auto req = static_cast<std::int64_t>(p.requested);
+  stats.allocation.add(small, 1);
+  stats.allocated_bytes.add(small, size);
+  stats.active.add(small, 1);
+  stats.active_bytes.add(small, size);
+  stats.requested_bytes.add(small, req);
+  stats.live_bytes.add(req);
+  if (b->size >= opts.max_split_size) stats.oversize_allocations.add(1);
+  active_blocks.emplace(b->ptr, b);
+  emit(*this, TraceAction::alloc, b->stream, b->ptr, p.requested, b->size);
+  return b;
+}
+
+void DeviceEngine::State::free_block(Block* b) {
+  const bool small = b->pool->small;
+  const auto size = static_cast<std::int64_t>(b->size);
+  stats.active.add(small, -1);
+  stats.active_bytes.add(small, -size);
+  stats.requested_bytes.add(small, -static_cast<std::int64_t>(b->requested));
+  active_blocks.erase(b->ptr);
+  emit(*this, TraceAction::free_completed, b->stream, b->ptr, b->requested, b->size);
+  b->state = BlockState::free;
+  b->stream_uses.clear();
+  b = merge_free(b);
+  pool_insert(b);
+}
+
+void DeviceEngine::State::insert_events(Block* b) {
+  for (Stream st : b->stream_uses) {
+    Event e = 0;
+    if (driver->record_event(st, &e) != Status::ok) {
+      // Could not record: wait for the stream instead, so the block is safe to reuse.
+      forced_sync(st);
+      continue;
+    }
+    ++b->event_count;
+    ++pending_event_count;
+    pending_events[st].emplace_back(e, b);
+  }
+  b->stream_uses.clear();
+}
+
+void DeviceEngine::State::process_events() {
+  for (auto it = pending_events.begin(); it != pending_events.end();) {
+    auto& q = it->second;
+    while (!q.empty()) {
+      auto [e, b] = q.front();
+      if (driver->query_event(e) != Status::ok) break;  // not_ready: later events on this stream are too
+      driver->release_event(e);
+      q.pop_front();
+      --pending_event_count;
+      if (--b->event_count == 0) free_block(b);
+    }
+    it = q.empty() ? pending_events.erase(it) : std::next(it);
+  }
+}
+
+void DeviceEngine::State::synchronize_and_free_events() {
+  if (pending_events.empty()) return;
+  ++stats.num_sync_all_streams;
+  for (auto& [st, q] : pending_events) {
+    for (auto [e, b] : q) {
+      driver->synchronize_event(e);
+      ++stats.num_forced_syncs;
+      driver->release_event(e);
+      --pending_event_count;
+      if (--b->event_count == 0) free_block(b);
+    }
+  }
+  pending_events.clear();
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Slow path: the retry chain
+
+bool DeviceEngine::State::garbage_collect(AllocParams& p) {
+  // PyTorch's rule: only with a memory fraction and a threshold; only whole-segment (non-split),
+  // non-growable free blocks of the large pool, oldest first by the pool's allocation clock.
+  if (!allowed_memory_maximum || opts.garbage_collection_threshold <= 0) return false;
+  const auto threshold = static_cast<std::size_t>(opts.garbage_collection_threshold *
+                                                  static_cast<double>(allowed_memory_maximum));
+  if (total_reserved <= threshold) return false;
+  const std::size_t target = total_reserved - threshold;
+  BlockPool& pool = p.pool->owner->large;
+  auto eligible = [](const Block* b) { return !b->is_split() && !b->segment->growable; };
+  std::size_t reclaimed = 0;
+  bool freed = true;
+  while (reclaimed < target && freed) {
+    freed = false;
+    double total_age = 0;
+    std::size_t n = 0;
+    for (const Block* b : pool.blocks)
+      if (eligible(b)) {
+        total_age += static_cast<double>(pool.get_free_blocks_call_count - b->gc_count_base);
+        ++n;
+      }
+    if (n == 0) break;
+    const double age_threshold = total_age / static_cast<double>(n);
+    std::vector<Block*> victims;
+    for (Block* b : pool.blocks)
+      if (eligible(b) && static_cast<double>(pool.get_free_blocks_call_count - b->gc_count_base) >= age_threshold)
+        victims.push_back(b);
+    for (Block* b : victims) {
+      if (reclaimed >= target) break;
+      const std::size_t size = b->size;
+      if (policy->release_whole_segment(b)) {
+        reclaimed += size;
+        freed = true;
+      }
+    }
+  }
+  return reclaimed > 0;
+}
+
+bool DeviceEngine::State::release_available_cached_blocks(AllocParams& p) {
+  if (opts.max_split_size == SIZE_MAX) return false;
+  BlockPool& pool = *p.pool;
+  auto oversize = [&](const Block* b) {
+    return b->stream == p.stream && !b->segment->growable && !b->is_split() && b->size >= opts.max_split_size;
+  };
+  // The smallest oversize block that covers the request on its own...
+  const std::size_t want = std::max(p.rounded, opts.max_split_size);
+  Block* best = nullptr;
+  for (Block* b : pool.blocks)
+    if (oversize(b) && b->size >= want && (!best || b->size < best->size)) best = b;
+  if (best) return policy->release_whole_segment(best);
+  // ...else oversize blocks from the largest down until enough is released.
+  std::vector<Block*> big;
+  for (Block* b : pool.blocks)
+    if (oversize(b)) big.push_back(b);
+  std::sort(big.begin(), big.end(), [](const Block* a, const Block* b) { return a->size > b->size; });
+  std::size_t total = 0;
+  for (Block* b : big) {
+    if (total >= p.rounded) break;
+    const std::size_t size = b->size;
+    if (policy->release_whole_segment(b)) total += size;
+  }
+  return total >= p.rounded;
+}
+
+void DeviceEngine::State::release_cached_blocks(PoolSet* only) {
+  synchronize_and_free_events();
+  policy->release_free(only ? only : &default_pools);
+  if (!only) maybe_free_private_pools();
+}
+
+void DeviceEngine::State::maybe_free_private_pools() {
+  for (auto it = private_pools.begin(); it != private_pools.end();) {
+    PoolSet* ps = it->second.get();
+    if (!ps->released) { ++it; continue; }
+    policy->release_free(ps);
+    const bool empty = std::none_of(segments.begin(), segments.end(),
+                                    [&](const auto& seg) { return seg->owner == ps; });
+    it = empty ? private_pools.erase(it) : std::next(it);
+  }
+}
+
+Block* DeviceEngine::State::allocate_slow(AllocParams& p, AllocError* err) {
+  garbage_collect(p);
+  Block* b = policy->grow(p);
+  if (!b && p.status == Status::out_of_memory && release_available_cached_blocks(p)) b = policy->grow(p);
+  if (!b && p.status == Status::out_of_memory) {
+    release_cached_blocks(nullptr);
+    ++stats.num_alloc_retries;
+    // The pool may hold a fitting block again (events completed and merged): try the cache first.
+    b = find_free_block(p);
+    if (!b) b = policy->grow(p);
+  }
+  if (b) return b;
+  const std::string driver_msg = p.status == Status::out_of_memory ? std::string() : driver->last_error();
+  std::size_t free_b = 0, total_b = 0;
+  driver->memory_info(&free_b, &total_b);
+  if (p.status == Status::out_of_memory) {
+    ++stats.num_ooms;
+    emit(*this, TraceAction::oom, p.stream, free_b, p.requested, p.rounded);
+  }
+  set_error(err, p.status, oom_message(p, driver_msg));
+  return nullptr;
+}
+
+std::string DeviceEngine::State::oom_message(const AllocParams& p, const std::string& driver_error) {
+  std::size_t free_b = 0, total_b = 0;
+  driver->memory_info(&free_b, &total_b);
+  std::size_t largest = 0, total_free = 0;
+  for (PoolSet* ps : {&default_pools}) {
+    for (BlockPool* bp : {&ps->small, &ps->large})
+      for (Block* b : bp->blocks) {
+        largest = std::max(largest, b->size);
+        total_free += b->size;
+      }
+  }
+  const std::size_t allocated = static_cast<std::size_t>(stats.allocated_bytes.all().current);
+  const std::size_t unallocated = total_reserved > allocated ? total_reserved - allocated : 0;
+  std::string m;
+  if (p.status != Status::out_of_memory) {
+    m = "fragless: driver error while allocating " + format_bytes(p.requested) + " on device " +
+        std::to_string(driver->device()) + ": " + driver_error;
+    return m;
+  }
+  m = "CUDA out of memory (fragless, policy " + std::string(policy_name(opts.policy)) + "). Tried to allocate " +
+      format_bytes(p.requested) + " (" + format_bytes(p.rounded) + " after rounding). GPU " +
+      std::to_string(driver->device()) + " has a total capacity of " + format_bytes(total_b) + " of which " +
+      format_bytes(free_b) + " is free.";
+  if (allowed_memory_maximum)
+    m += " This process is limited to " + format_bytes(allowed_memory_maximum) +
+         " (per_process_memory_fraction).";
+  m += " Of the reserved memory " + format_bytes(allocated) + " is allocated and " + format_bytes(unallocated) +
+       " is reserved but unallocated; the largest free cached range is " + format_bytes(largest);
+  if (total_free > 0) {
+    char pct[32];
+    std::snprintf(pct, sizeof pct, "%.1f%%",
+                  100.0 * (1.0 - static_cast<double>(largest) / static_cast<double>(total_free)));
+    m += std::string(" (external fragmentation ") + pct + ")";
+  }
+  m += ". Live (requested) bytes: " + format_bytes(static_cast<std::size_t>(stats.live_bytes.current)) + ".";
+  if (opts.policy == PolicyKind::classic && unallocated > total_b / 20)
+    m += " Much memory is reserved but unallocated: try FRAGLESS_CONF=policy:fragless to avoid fragmentation.";
+  else
+    m += " Try a smaller batch or sequence length, free tensors you no longer need, or raise "
+         "per_process_memory_fraction.";
+  return m;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Public API
+
+DeviceEngine::DeviceEngine(const Options& options, std::unique_ptr<Driver> driver)
+    : s_(std::make_unique<State>(options, std::move(driver))) {}
+
+DeviceEngine::~DeviceEngine() = default;
+
+void* DeviceEngine::allocate(std::size_t size, Stream stream, AllocError* err) {
+  if (err) err->status = Status::ok;
+  if (size == 0) return nullptr;
+  State& s = *s_;
+  if (size >= kMaxRequest) {
+    set_error(err, Status::out_of_memory,
+              "CUDA out of memory (fragless). Tried to allocate more than 1EB memory (" + std::to_string(size) +
+                  " bytes requested on device " + std::to_string(s.driver->device()) + ").");
+    std::lock_guard lk(s.mu);
+    ++s.stats.num_ooms;
+    return nullptr;
+  }
+  std::lock_guard lk(s.mu);
+  if (s.pending_event_count) s.process_events();
+  AllocParams p;
+  p.requested = size;
+  p.rounded = round_size(size, s.opts);
+  p.stream = stream;
+  p.pool = &(s.routes.empty() ? s.default_pools : s.pool_set_for(stream)).pool(is_small(p.rounded));
+  Block* b = s.find_free_block(p);
+  if (!b) b = s.allocate_slow(p, err);
+  if (!b) return nullptr;
+  return reinterpret_cast<void*>(s.take_block(b, p)->ptr);
+}
+
+Status DeviceEngine::free(void* ptr, AllocError* err) {
+  if (ptr == nullptr) return Status::ok;
+  State& s = *s_;
+  std::lock_guard lk(s.mu);
+  auto it = s.active_blocks.find(reinterpret_cast<DevicePtr>(ptr));
+  if (it == s.active_blocks.end() || it->second->state != BlockState::allocated) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf,
+                  "fragless: free of pointer %p on device %d that fragless did not allocate or already freed; "
+                  "nothing was changed",
+                  ptr, s.driver->device());
+    set_error(err, Status::invalid_argument, buf);
+    return Status::invalid_argument;
+  }
+  Block* b = it->second;
+  const bool small = b->pool->small;
+  const auto size = static_cast<std::int64_t>(b->size);
+  s.stats.allocation.add(small, -1);
+  s.stats.allocated_bytes.add(small, -size);
+  s.stats.live_bytes.add(-static_cast<std::int64_t>(b->requested));
+  if (b->size >= s.opts.max_split_size) s.stats.oversize_allocations.add(-1);
+  emit(s, TraceAction::free_requested, b->stream, b->ptr, b->requested, b->size);
+  if (!b->stream_uses.empty()) {
+    b->state = BlockState::free;  // not allocated any more, but waits for its events (active_pending_free)
+    s.insert_events(b);
+    if (b->event_count == 0) {
+      b->state = BlockState::allocated;
+      s.free_block(b);
+    }
+  } else {
+    s.free_block(b);
+  }
+  return Status::ok;
+}
+
+Status DeviceEngine::record_stream(void* ptr, Stream stream) {
+  State& s = *s_;
+  std::lock_guard lk(s.mu);
+  auto it = s.active_blocks.find(reinterpret_cast<DevicePtr>(ptr));
+  if (it == s.active_blocks.end() || it->second->state != BlockState::allocated) return Status::invalid_argument;
+  Block* b = it->second;
+  if (stream == b->stream) return Status::ok;
+  if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
+    b->stream_uses.push_back(stream);
+  return Status::ok;
+}
+
+bool DeviceEngine::owns(void* ptr) {
+  std::lock_guard lk(s_->mu);
+  return s_->active_blocks.count(reinterpret_cast<DevicePtr>(ptr)) != 0;
+}
+
+void* DeviceEngine::base_allocation(void* ptr, std::size_t* size) {
+  State& s = *s_;
+  std::lock_guard lk(s.mu);
+  auto it = s.active_blocks.find(reinterpret_cast<DevicePtr>(ptr));
+  if (it == s.active_blocks.end()) return nullptr;
+  Block* b = it->second;
+  if (b->segment->growable) {  // the block itself is the base: growable segments are not shareable as a whole
+    if (size) *size = b->size;
+    return ptr;
+  }
+  if (size) *size = b->segment->va_size;
+  return reinterpret_cast<void*>(b->segment->base);
+}
+
+void DeviceEngine::empty_cache() {
+  std::lock_guard lk(s_->mu);
+  s_->release_cached_blocks(nullptr);
+}
+
+Status DeviceEngine::set_memory_fraction(double fraction) {
+  if (!(fraction >= 0.0 && fraction <= 1.0)) return Status::invalid_argument;
+  std::lock_guard lk(s_->mu);
+  s_->opts.per_process_memory_fraction = fraction;
+  s_->allowed_memory_maximum = fraction < 1.0 ? static_cast<std::size_t>(fraction * s_->device_total) : 0;
+  return Status::ok;
+}
+
+void DeviceEngine::begin_allocate_to_pool(PoolId id, StreamFilter filter) {
+  State& s = *s_;
+  std::lock_guard lk(s.mu);
+  auto& ps = s.private_pools[id];
+  if (!ps) {
+    ps = std::make_unique<PoolSet>();
+    ps->id = id;
+    ps->small.owner = ps.get();
+    ps->small.small = true;
+    ps->large.owner = ps.get();
+  }
+  ps->released = false;
+  s.routes.emplace_back(ps.get(), std::move(filter));
+}
+
+void DeviceEngine::end_allocate_to_pool(PoolId id) {
+  State& s = *s_;
+  std::lock_guard lk(s.mu);
+  auto it = std::find_if(s.routes.rbegin(), s.routes.rend(), [&](auto& r) { return r.first->id == id; });
+  if (it != s.routes.rend()) s.routes.erase(std::next(it).base());
+}
+
+void DeviceEngine::release_pool(PoolId id) {
+  State& s = *s_;
+  std::lock_guard lk(s.mu);
+  auto it = s.private_pools.find(id);
+  if (it == s.private_pools.end()) return;
+  std::erase_if(s.routes, [&](auto& r) { return r.first == it->second.get(); });
+  it->second->released = true;
+  s.maybe_free_private_pools();
+}
+
+DeviceStats DeviceEngine::stats() {
+  std::lock_guard lk(s_->mu);
+  return s_->stats;
+}
+
+void DeviceEngine::reset_peak_stats() {
+  std::lock_guard lk(s_->mu);
+  s_->stats.reset_peaks();
+}
+
+void DeviceEngine::reset_accumulated_stats() {
+  std::lock_guard lk(s_->mu);
+  s_->stats.reset_accumulated();
+}
+
+std::vector<SegmentInfo> DeviceEngine::snapshot() {
+  std::lock_guard lk(s_->mu);
+  return s_->snapshot();
+}
+
+DriverCounters DeviceEngine::driver_counters() {
+  std::lock_guard lk(s_->mu);
+  return s_->driver->counters();
+}
+
+void DeviceEngine::reset_driver_counters() {
+  std::lock_guard lk(s_->mu);
+  s_->driver->reset_counters();
+}
+
+std::pair<std::size_t, std::size_t> DeviceEngine::free_ranges() {
+  std::lock_guard lk(s_->mu);
+  std::size_t largest = 0, total = 0;
+  for (BlockPool* bp : {&s_->default_pools.small, &s_->default_pools.large})
+    for (Block* b : bp->blocks) {
+      largest = std::max(largest, b->size);
+      total += b->size;
+    }
+  return {largest, total};
+}
+
+std::string DeviceEngine::check_invariants() {
+  std::lock_guard lk(s_->mu);
+  return s_->check_invariants();
+}
+
+void DeviceEngine::set_event_sink(EventSink* sink) {
+  std::lock_guard lk(s_->mu);
+  s_->sink = sink;
+}
+
+const Options& DeviceEngine::options() const { return s_->opts; }
+Driver& DeviceEngine::driver() { return *s_->driver; }
+int DeviceEngine::device() const { return s_->driver->device(); }
+
+}  // namespace fragless

@@ -1,0 +1,182 @@
+// Internal state of one DeviceEngine. Layering (top to bottom): PoolSet → BlockPool → Segment → Block,
+// with physical pages coming from a PageSource (policy.h).
+//
+// Invariants (checked by check_invariants after every operation in the randomized tests):
+//  I1  The blocks of a segment tile [base, base + va_size) exactly, in address order, linked by prev/next.
+//  I2  An allocated or free block lies entirely in mapped, accessible pages; an unmapped block lies
+//      entirely in unmapped pages and starts and ends on page boundaries.
+//  I3  A block is in its BlockPool's size set iff it is free, mapped, and has no pending events;
+//      in the unmapped set iff it is unmapped. No two adjacent free mapped blocks without events exist
+//      (they are merged), nor two adjacent unmapped blocks.
+//  I4  A physical page (handle, offset) backs at most one mapped page of one segment.
+//  I5  Stats equal a recount from the block lists; reserved equals physical bytes held from the driver.
+//  I6  Every allocated or pending block is in `active_blocks` under its address, and nothing else is.
+#pragma once
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <unordered_map>
+#include <vector>
+
+#include "fragless/engine.h"
+#include "fragless/rounding.h"
+
+namespace fragless {
+
+class EventSink;
+struct Segment;
+struct BlockPool;
+struct PoolSet;
+
+enum class BlockState : std::uint8_t { free, allocated, unmapped };
+
+struct Block {
+  DevicePtr ptr = 0;
+  std::size_t size = 0;
+  std::size_t requested = 0;   // meaningful only while allocated or pending
+  Block* prev = nullptr;       // neighbours within the segment, address order
+  Block* next = nullptr;
+  Segment* segment = nullptr;
+  BlockPool* pool = nullptr;
+  Stream stream = 0;
+  std::vector<Stream> stream_uses;  // streams recorded with record_stream (not the allocation stream)
+  std::uint64_t gc_count_base = 0;
+  std::uint32_t event_count = 0;    // outstanding events recorded at free for stream_uses
+  BlockState state = BlockState::free;
+  bool in_size_set = false;
+
+  bool mapped() const { return state != BlockState::unmapped; }
+  bool is_split() const { return prev != nullptr || next != nullptr; }
+  bool pending() const { return state == BlockState::free && event_count > 0; }
+  // Free, mapped, no outstanding events: may be reused or merged.
+  bool reusable() const { return state == BlockState::free && event_count == 0 && stream_uses.empty(); }
+};
+
+struct BySize {
+  bool operator()(const Block* a, const Block* b) const {
+    if (a->stream != b->stream) return a->stream < b->stream;
+    if (a->size != b->size) return a->size < b->size;
+    return a->ptr < b->ptr;
+  }
+};
+struct ByAddress {
+  bool operator()(const Block* a, const Block* b) const {
+    if (a->stream != b->stream) return a->stream < b->stream;
+    return a->ptr < b->ptr;
+  }
+};
+
+// Free blocks of one pool kind (small or large) of one PoolSet, across streams.
+struct BlockPool {
+  std::set<Block*, BySize> blocks;      // free, mapped, no events
+  std::set<Block*, ByAddress> unmapped; // unmapped blocks of growable segments
+  PoolSet* owner = nullptr;
+  bool small = false;
+  std::uint64_t get_free_blocks_call_count = 0;  // GC clock
+};
+
+// The default pool or one private pool (MemPool / graph capture).
+struct PoolSet {
+  PoolId id{0, 0};
+  BlockPool small, large;
+  bool released = false;  // release_pool was called: nothing new is allocated here
+  BlockPool& pool(bool is_small) { return is_small ? small : large; }
+};
+
+// Where one page of a segment gets its physical memory.
+struct PageRef {
+  PhysHandle handle = 0;
+  std::size_t offset = 0;
+  bool valid() const { return handle != 0; }
+};
+
+struct Segment {
+  DevicePtr base = 0;
+  std::size_t va_size = 0;      // reserved address space
+  std::size_t page_size = 0;    // classic: va_size (one page); growable: the policy's page size
+  std::size_t mapped_bytes = 0;
+  bool growable = false;
+  bool small = false;
+  Stream stream = 0;
+  PoolSet* owner = nullptr;
+  Block* first = nullptr;
+  std::vector<PageRef> pages;   // one entry per page; invalid = unmapped
+  std::size_t requested_va = 0; // classic: the cudaMalloc size (va_size may be rounded to granularity)
+};
+
+struct AllocParams {
+  std::size_t requested = 0;
+  std::size_t rounded = 0;
+  Stream stream = 0;
+  BlockPool* pool = nullptr;
+  Status status = Status::ok;  // of the last driver failure, for the OOM decision
+};
+
+class Policy;
+
+struct DeviceEngine::State {
+  State(const Options& o, std::unique_ptr<Driver> d);
+  ~State();
+
+  std::mutex mu;
+  Options opts;
+  std::unique_ptr<Driver> driver;
+  std::unique_ptr<Policy> policy;
+  EventSink* sink = nullptr;
+
+  PoolSet default_pools;
+  std::map<PoolId, std::unique_ptr<PoolSet>> private_pools;
+  std::vector<std::pair<PoolSet*, StreamFilter>> routes;  // begin_allocate_to_pool, newest last
+
+  std::vector<std::unique_ptr<Segment>> segments;
+  std::unordered_map<DevicePtr, Block*> active_blocks;
+  std::map<Stream, std::deque<std::pair<Event, Block*>>> pending_events;
+  std::size_t pending_event_count = 0;
+
+  DeviceStats stats;
+  std::size_t total_reserved = 0;              // physical bytes held
+  std::size_t allowed_memory_maximum = 0;      // 0 = no limit (fraction 1)
+  std::size_t device_total = 0;
+
+  // Block object pool (avoids a heap allocation per split).
+  std::vector<std::unique_ptr<Block[]>> block_slabs;
+  std::vector<Block*> spare_blocks;
+  Block* new_block();
+  void delete_block(Block* b);
+
+  // Pool membership, with the inactive_split stats that go with it.
+  void pool_insert(Block* b);
+  void pool_erase(Block* b);
+  // Merges b with reusable neighbours; b must be free, mapped, no events, not in the pool. Returns the result.
+  Block* merge_free(Block* b);
+  void unmapped_insert(Block* b);
+  void unmapped_erase(Block* b);
+  // Merges an unmapped block with unmapped neighbours.
+  Block* merge_unmapped(Block* b);
+
+  Block* find_free_block(AllocParams& p);
+  Block* take_block(Block* b, AllocParams& p);  // split if worth it, mark allocated, stats
+  void free_block(Block* b);                    // allocated/pending -> free in pool
+  void process_events();
+  void synchronize_and_free_events();
+  void insert_events(Block* b);
+
+  Block* allocate_slow(AllocParams& p, AllocError* err);
+  void release_cached_blocks(PoolSet* only);
+  bool garbage_collect(AllocParams& p);
+  bool release_available_cached_blocks(AllocParams& p);
+  void maybe_free_private_pools();
+
+  PoolSet& pool_set_for(Stream s);
+  bool capacity_allows(std::size_t extra_bytes) const;
+  std::string oom_message(const AllocParams& p, const std::string& driver_error);
+  void add_reserved(bool small, std::int64_t bytes);
+  void forced_sync(Stream s);
+
+  std::string check_invariants();
+  std::vector<SegmentInfo> snapshot();
+};
+
+}  // namespace fragless

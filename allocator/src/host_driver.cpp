@@ -1,0 +1,291 @@
+// host driver: cuMemMap semantics over real host memory (see host_driver.h).
+#include "fragless/host_driver.h"
+
+#include <fcntl.h>
+#include <linux/falloc.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <vector>
+
+namespace fragless {
+
+TestEvents* sim_test_events(Driver& d);  // sim_driver.cpp
+
+namespace {
+
+class HostDriver final : public Driver {
+ public:
+  HostDriver(const HostDriverOptions& o, int fd)
+      : Driver(o.device, o.page_size), fd_(fd), capacity_(round_down(o.capacity, o.page_size)) {
+    free_ranges_.emplace(0, capacity_);
+  }
+  ~HostDriver() override {
+    for (auto& [va, r] : reservations_) munmap(reinterpret_cast<void*>(va), r);
+    close(fd_);
+  }
+  const char* name() const override { return "host"; }
+  TestEvents& events() { return events_; }
+
+  void memory_info(std::size_t* free_bytes, std::size_t* total_bytes) override {
+    *free_bytes = capacity_ - used_;
+    *total_bytes = capacity_;
+  }
+  std::string last_error() const override { return last_error_; }
+
+  void inject(DriverCall c, std::uint64_t nth, Status st) {
+    auto& r = faults_[static_cast<int>(c)];
+    r.countdown = nth;
+    r.status = st;
+  }
+
+  HostDriverCensus census() const {
+    HostDriverCensus c;
+    c.handles = handles_.size();
+    c.mappings = mappings_.size();
+    c.reservations = reservations_.size();
+    c.physical_bytes = used_;
+    return c;
+  }
+
+ private:
+  struct Handle { std::size_t offset, size, map_count; };
+  struct Mapping { std::size_t size; PhysHandle handle; bool accessible; };
+  struct Fault { std::uint64_t countdown = 0; Status status = Status::ok; };
+
+  static std::size_t round_down(std::size_t v, std::size_t to) { return v / to * to; }
+
+  // Failure injection: true (and the status to return) when this call is the one to fail.
+  bool injected(DriverCall c, Status* st) {
+    Fault& f = faults_[static_cast<int>(c)];
+    if (f.countdown == 0 || --f.countdown != 0) return false;
+    *st = f.status;
+    last_error_ = std::string(driver_call_name(c)) + ": injected failure (" + status_name(f.status) + ")";
+    return true;
+  }
+  Status fail(const std::string& what, Status st = Status::invalid_argument) {
+    last_error_ = what;
+    return st;
+  }
+  bool aligned(std::size_t v) const { return v % granularity() == 0; }
+
+  // The reservation holding [va, va+size), or end().
+  std::map<DevicePtr, std::size_t>::iterator reservation_of(DevicePtr va, std::size_t size) {
+    auto it = reservations_.upper_bound(va);
+    if (it == reservations_.begin()) return reservations_.end();
+    --it;
+    return va + size <= it->first + it->second ? it : reservations_.end();
+  }
+  bool overlaps_mapping(DevicePtr va, std::size_t size) const {
+    auto it = mappings_.lower_bound(va);
+    if (it != mappings_.end() && it->first < va + size) return true;
+    if (it != mappings_.begin()) {
+      --it;
+      if (it->first + it->second.size > va) return true;
+    }
+    return false;
+  }
+
+  Status do_reserve(std::size_t size, DevicePtr* va) override {
+    if (Status st; injected(DriverCall::reserve, &st)) return st;
+    if (size == 0 || !aligned(size)) return fail("reserve: size not a multiple of the granularity");
+    const std::size_t g = granularity();
+    void* p = mmap(nullptr, size + g, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return fail(std::string("reserve: mmap: ") + std::strerror(errno), Status::out_of_memory);
+    auto base = reinterpret_cast<DevicePtr>(p);
+    const DevicePtr aligned_base = (base + g - 1) / g * g;
+    if (aligned_base > base) munmap(p, aligned_base - base);
+    const DevicePtr end = base + size + g;
+    if (end > aligned_base + size) munmap(reinterpret_cast<void*>(aligned_base + size), end - aligned_base - size);
+    reservations_.emplace(aligned_base, size);
+    *va = aligned_base;
+    return Status::ok;
+  }
+
+  Status do_free_reservation(DevicePtr va, std::size_t size) override {
+    if (Status st; injected(DriverCall::free_reservation, &st)) return st;
+    auto it = reservations_.find(va);
+    if (it == reservations_.end() || it->second != size) return fail("free_reservation: not a reservation");
+    if (overlaps_mapping(va, size)) return fail("free_reservation: range still has mappings");
+    munmap(reinterpret_cast<void*>(va), size);
+    reservations_.erase(it);
+    return Status::ok;
+  }
+
+  Status do_create(std::size_t size, PhysHandle* h) override {
+    if (Status st; injected(DriverCall::create, &st)) return st;
+    if (size == 0 || !aligned(size)) return fail("create: size not a multiple of the granularity");
+    for (auto it = free_ranges_.begin(); it != free_ranges_.end(); ++it) {  // first fit
+      if (it->second < size) continue;
+      const std::size_t offset = it->first, len = it->second;
+      free_ranges_.erase(it);
+      if (len > size) free_ranges_.emplace(offset + size, len - size);
+      used_ += size;
+      *h = next_handle_++;
+      handles_.emplace(*h, Handle{offset, size, 0});
+      return Status::ok;
+    }
+    return fail("create: out of memory (" + std::to_string(capacity_ - used_) + " of " + std::to_string(capacity_) +
+                    " bytes free)",
+                Status::out_of_memory);
+  }
+
+  Status do_release(PhysHandle h) override {
+    if (Status st; injected(DriverCall::release, &st)) return st;
+    auto it = handles_.find(h);
+    if (it == handles_.end()) return fail("release: unknown handle");
+    if (it->second.map_count) return fail("release: handle still mapped");
+    const Handle hd = it->second;
+    handles_.erase(it);
+    // Punch a hole so the memory really goes back, then coalesce the free range.
+    fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(hd.offset),
+              static_cast<off_t>(hd.size));
+    used_ -= hd.size;
+    std::size_t off = hd.offset, len = hd.size;
+    auto next = free_ranges_.lower_bound(off);
+    if (next != free_ranges_.end() && next->first == off + len) {
+      len += next->second;
+      next = free_ranges_.erase(next);
+    }
+    if (next != free_ranges_.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == off) {
+        off = prev->first;
+        len += prev->second;
+        free_ranges_.erase(prev);
+      }
+    }
+    free_ranges_.emplace(off, len);
+    return Status::ok;
+  }
+
+  Status do_map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t offset) override {
+    if (Status st; injected(DriverCall::map, &st)) return st;
+    if (size == 0 || !aligned(va) || !aligned(size) || !aligned(offset)) return fail("map: unaligned argument");
+    auto hit = handles_.find(h);
+    if (hit == handles_.end()) return fail("map: unknown handle");
+    if (offset + size > hit->second.size) return fail("map: range beyond the handle");
+    if (reservation_of(va, size) == reservations_.end()) return fail("map: range not inside one reservation");
+    if (overlaps_mapping(va, size)) return fail("map: range already mapped");
+    void* p = mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_SHARED | MAP_FIXED, fd_,
+                   static_cast<off_t>(hit->second.offset + offset));
+    if (p == MAP_FAILED) return fail(std::string("map: mmap: ") + std::strerror(errno), Status::driver_error);
+    mappings_.emplace(va, Mapping{size, h, false});
+    ++hit->second.map_count;
+    return Status::ok;
+  }
+
+  Status do_unmap(DevicePtr va, std::size_t size) override {
+    if (Status st; injected(DriverCall::unmap, &st)) return st;
+    // The range must cover whole mappings, back to back, and nothing else.
+    auto first = mappings_.find(va);
+    if (first == mappings_.end()) return fail("unmap: no mapping starts at this address");
+    DevicePtr at = va;
+    auto it = first;
+    while (at < va + size) {
+      if (it == mappings_.end() || it->first != at) return fail("unmap: range is not whole, contiguous mappings");
+      at += it->second.size;
+      ++it;
+    }
+    if (at != va + size) return fail("unmap: range ends inside a mapping");
+    void* p = mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
+                   -1, 0);
+    if (p == MAP_FAILED) return fail(std::string("unmap: mmap: ") + std::strerror(errno), Status::driver_error);
+    for (auto m = first; m != it; ++m) --handles_[m->second.handle].map_count;
+    mappings_.erase(first, it);
+    return Status::ok;
+  }
+
+  Status do_set_access(DevicePtr va, std::size_t size) override {
+    if (Status st; injected(DriverCall::set_access, &st)) return st;
+    // Must be fully mapped.
+    auto it = mappings_.upper_bound(va);
+    if (it == mappings_.begin()) return fail("set_access: range not mapped");
+    --it;
+    DevicePtr at = va;
+    std::vector<Mapping*> touched;
+    while (at < va + size) {
+      if (it == mappings_.end() || it->first > at || it->first + it->second.size <= at)
+        return fail("set_access: range not fully mapped");
+      touched.push_back(&it->second);
+      at = it->first + it->second.size;
+      ++it;
+    }
+    if (mprotect(reinterpret_cast<void*>(va), size, PROT_READ | PROT_WRITE) != 0)
+      return fail(std::string("set_access: mprotect: ") + std::strerror(errno), Status::driver_error);
+    for (Mapping* m : touched) m->accessible = true;
+    return Status::ok;
+  }
+
+  Status do_record_event(Stream s, Event* e) override {
+    if (Status st; injected(DriverCall::record_event, &st)) return st;
+    *e = events_.record(s);
+    return Status::ok;
+  }
+  Status do_query_event(Event e) override { return events_.query(e); }
+  Status do_synchronize_event(Event e) override {
+    events_.synchronize(e);
+    return Status::ok;
+  }
+  Status do_release_event(Event e) override {
+    events_.release(e);
+    return Status::ok;
+  }
+  Status do_synchronize_stream(Stream s) override {
+    if (Status st; injected(DriverCall::synchronize_stream, &st)) return st;
+    events_.synchronize_stream(s);
+    return Status::ok;
+  }
+
+  int fd_;
+  std::size_t capacity_;
+  std::size_t used_ = 0;
+  PhysHandle next_handle_ = 1;
+  std::map<std::size_t, std::size_t> free_ranges_;  // offset -> length, in the memfd
+  std::map<PhysHandle, Handle> handles_;
+  std::map<DevicePtr, std::size_t> reservations_;   // base -> size
+  std::map<DevicePtr, Mapping> mappings_;
+  Fault faults_[kDriverCallCount];
+  TestEvents events_;
+  std::string last_error_;
+};
+
+}  // namespace
+
+std::unique_ptr<Driver> make_host_driver(const HostDriverOptions& opts, std::string* error) {
+  if (opts.page_size == 0 || (opts.page_size & (opts.page_size - 1)) != 0 ||
+      opts.page_size % static_cast<std::size_t>(sysconf(_SC_PAGESIZE)) != 0) {
+    if (error) *error = "host driver: page size must be a power of two and a multiple of the OS page size";
+    return nullptr;
+  }
+  if (opts.capacity < opts.page_size) {
+    if (error) *error = "host driver: capacity smaller than one page";
+    return nullptr;
+  }
+  const int fd = memfd_create("fragless-host-device", MFD_CLOEXEC);
+  if (fd < 0 || ftruncate(fd, static_cast<off_t>(opts.capacity)) != 0) {
+    if (error) *error = std::string("host driver: memfd: ") + std::strerror(errno);
+    if (fd >= 0) close(fd);
+    return nullptr;
+  }
+  return std::make_unique<HostDriver>(opts, fd);
+}
+
+TestEvents* test_events_of(Driver& d) {
+  if (auto* h = dynamic_cast<HostDriver*>(&d)) return &h->events();
+  return sim_test_events(d);
+}
+
+void host_driver_inject_failure(Driver& d, DriverCall call, std::uint64_t nth, Status status) {
+  if (auto* h = dynamic_cast<HostDriver*>(&d)) h->inject(call, nth, status);
+}
+
+HostDriverCensus host_driver_census(Driver& d) {
+  if (auto* h = dynamic_cast<HostDriver*>(&d)) return h->census();
+  return {};
+}
+
+}  // namespace fragless

@@ -1,0 +1,39 @@
+// Policies decide how address space and physical pages back blocks. The engine owns pools, blocks,
+// stats and the retry chain; a policy implements four small hooks.
+#pragma once
+#include <memory>
+
+#include "engine_state.h"
+
+namespace fragless {
+
+class Policy {
+ public:
+  explicit Policy(DeviceEngine::State& s) : s_(s) {}
+  virtual ~Policy() = default;
+  virtual PolicyKind kind() const = 0;
+  // Makes a free, mapped block of at least p.rounded bytes for (p.pool, p.stream) and returns it outside
+  // the pool; nullptr with p.status set when the driver or the memory limit refused.
+  virtual Block* grow(AllocParams& p) = 0;
+  // Gives back to the driver everything cached (free, no events) in `only`, or in every pool when null.
+  virtual void release_free(PoolSet* only) = 0;
+  // Releases the segment of a free block that is a whole segment (classic); false if it cannot.
+  virtual bool release_whole_segment(Block* b) { return false; }
+  // Whether free block b should be split to serve a request of `rounded` bytes.
+  virtual bool should_split(const Block* b, std::size_t rounded) const = 0;
+  // Whether best fit should prefer blocks that cannot grow (PyTorch's expandable-segments rule).
+  virtual bool prefer_non_growable() const { return false; }
+  // Physical bytes held but backing no page of any segment (fragless's idle pages).
+  virtual std::size_t idle_bytes() const { return 0; }
+  // Checks the policy's own invariants (empty when they hold).
+  virtual std::string check() const { return {}; }
+
+ protected:
+  DeviceEngine::State& s_;
+};
+
+std::unique_ptr<Policy> make_classic_policy(DeviceEngine::State& s);
+std::unique_ptr<Policy> make_expandable_policy(DeviceEngine::State& s);
+std::unique_ptr<Policy> make_fragless_policy(DeviceEngine::State& s);
+
+}  // namespace fragless

@@ -1,0 +1,120 @@
+// classic: PyTorch's native (non-expandable) behaviour. Each segment is one cudaMalloc-sized physical
+// allocation (reserve + create + map + set access), carved into blocks; blocks never cross segments;
+// only whole free segments go back to the driver.
+#include <vector>
+
+#include "policy.h"
+#include "trace_emit.h"
+
+namespace fragless {
+namespace {
+
+class ClassicPolicy final : public Policy {
+ public:
+  using Policy::Policy;
+  PolicyKind kind() const override { return PolicyKind::classic; }
+
+  bool should_split(const Block* b, std::size_t rounded) const override {
+    const std::size_t remaining = b->size - rounded;
+    if (b->pool->small) return remaining >= kMinBlockSize;
+    return rounded < s_.opts.max_split_size && remaining > kSmallSize;
+  }
+
+  Block* grow(AllocParams& p) override {
+    const std::size_t size = classic_segment_size(p.rounded);
+    const std::size_t va_size = round_up(size, s_.driver->granularity());
+    if (!s_.capacity_allows(va_size)) {
+      p.status = Status::out_of_memory;
+      return nullptr;
+    }
+    Driver& d = *s_.driver;
+    DevicePtr va = 0;
+    PhysHandle h = 0;
+    Status st = d.reserve(va_size, &va);
+    if (st == Status::ok) {
+      st = d.create(va_size, &h);
+      if (st == Status::ok) {
+        st = d.map(va, va_size, h, 0);
+        if (st == Status::ok) {
+          st = d.set_access(va, va_size);
+          if (st != Status::ok) d.unmap(va, va_size);
+        }
+        if (st != Status::ok) d.release(h);
+      }
+      if (st != Status::ok) d.free_reservation(va, va_size);
+    }
+    if (st != Status::ok) {
+      p.status = st;
+      return nullptr;
+    }
+    auto seg = std::make_unique<Segment>();
+    seg->base = va;
+    seg->va_size = va_size;
+    seg->page_size = va_size;
+    seg->mapped_bytes = va_size;
+    seg->small = p.pool->small;
+    seg->stream = p.stream;
+    seg->owner = p.pool->owner;
+    seg->pages.push_back(PageRef{h, 0});
+    Block* b = s_.new_block();
+    b->ptr = va;
+    b->size = va_size;
+    b->segment = seg.get();
+    b->pool = p.pool;
+    b->stream = p.stream;
+    seg->first = b;
+    s_.segments.push_back(std::move(seg));
+    s_.add_reserved(p.pool->small, static_cast<std::int64_t>(va_size));
+    s_.stats.segment.add(p.pool->small, 1);
+    if (va_size >= s_.opts.max_split_size) s_.stats.oversize_segments.add(1);
+    ++s_.stats.num_device_alloc;
+    emit(s_, TraceAction::segment_alloc, p.stream, va, va_size, va_size);
+    return b;
+  }
+
+  bool release_whole_segment(Block* b) override {
+    if (b->is_split() || b->segment->growable || !b->reusable()) return false;
+    s_.pool_erase(b);
+    Segment* seg = b->segment;
+    Driver& d = *s_.driver;
+    // A failure here leaves the memory where it was: keep the segment cached rather than lose track of it.
+    if (d.unmap(seg->base, seg->va_size) != Status::ok) {
+      s_.pool_insert(b);
+      return false;
+    }
+    d.release(seg->pages[0].handle);
+    d.free_reservation(seg->base, seg->va_size);
+    s_.add_reserved(seg->small, -static_cast<std::int64_t>(seg->va_size));
+    s_.stats.segment.add(seg->small, -1);
+    if (seg->va_size >= s_.opts.max_split_size) s_.stats.oversize_segments.add(-1);
+    ++s_.stats.num_device_free;
+    emit(s_, TraceAction::segment_free, seg->stream, seg->base, seg->va_size, seg->va_size);
+    s_.delete_block(b);
+    std::erase_if(s_.segments, [&](const auto& p) { return p.get() == seg; });
+    return true;
+  }
+
+  void release_free(PoolSet* only) override {
+    for (PoolSet* ps : pool_sets(only))
+      for (BlockPool* bp : {&ps->small, &ps->large}) {
+        std::vector<Block*> whole;
+        for (Block* b : bp->blocks)
+          if (!b->is_split()) whole.push_back(b);
+        for (Block* b : whole) release_whole_segment(b);
+      }
+  }
+
+ private:
+  std::vector<PoolSet*> pool_sets(PoolSet* only) {
+    if (only) return {only};
+    std::vector<PoolSet*> all{&s_.default_pools};
+    for (auto& [id, ps] : s_.private_pools) all.push_back(ps.get());
+    return all;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Policy> make_classic_policy(DeviceEngine::State& s) { return std::make_unique<ClassicPolicy>(s); }
+
+}  // namespace fragless

@@ -1,0 +1,71 @@
+// expandable: PyTorch's expandable_segments:True. One growing segment per (stream, pool); 2 MiB pages in
+// the small pool and 20 MiB pages in the large pool (rounded up to the driver's granularity); one physical
+// handle per page, created on map and released on unmap.
+#include "policy_growable.h"
+#include "trace_emit.h"
+
+namespace fragless {
+namespace {
+
+class ExpandablePolicy final : public GrowablePolicy {
+ public:
+  using GrowablePolicy::GrowablePolicy;
+  PolicyKind kind() const override { return PolicyKind::expandable; }
+
+ protected:
+  std::size_t page_size(bool small) const override {
+    return round_up(small ? kSmallBuffer : kLargeBuffer, s_.driver->granularity());
+  }
+
+  Status map_pages(Segment& seg, std::size_t first, std::size_t n) override {
+    const std::size_t page = seg.page_size;
+    if (!s_.capacity_allows(n * page)) return Status::out_of_memory;
+    Driver& d = *s_.driver;
+    std::size_t done = 0;
+    Status st = Status::ok;
+    for (; done < n; ++done) {
+      PhysHandle h = 0;
+      const DevicePtr va = seg.base + (first + done) * page;
+      if ((st = d.create(page, &h)) != Status::ok) break;
+      if ((st = d.map(va, page, h, 0)) != Status::ok) {
+        d.release(h);
+        break;
+      }
+      seg.pages[first + done] = PageRef{h, 0};
+    }
+    if (st == Status::ok) st = d.set_access(seg.base + first * page, n * page);
+    if (st != Status::ok) {  // undo: nothing of this call stays mapped
+      for (std::size_t i = 0; i < done; ++i) {
+        PageRef& r = seg.pages[first + i];
+        d.unmap(seg.base + (first + i) * page, page);
+        d.release(r.handle);
+        r = PageRef{};
+      }
+      return st;
+    }
+    s_.add_reserved(seg.small, static_cast<std::int64_t>(n * page));
+    return Status::ok;
+  }
+
+  std::size_t unmap_pages(Segment& seg, std::size_t first, std::size_t n) override {
+    const std::size_t page = seg.page_size;
+    Driver& d = *s_.driver;
+    std::size_t done = 0;
+    for (; done < n; ++done) {
+      PageRef& r = seg.pages[first + done];
+      if (d.unmap(seg.base + (first + done) * page, page) != Status::ok) break;
+      d.release(r.handle);
+      r = PageRef{};
+    }
+    s_.add_reserved(seg.small, -static_cast<std::int64_t>(done * page));
+    return done;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Policy> make_expandable_policy(DeviceEngine::State& s) {
+  return std::make_unique<ExpandablePolicy>(s);
+}
+
+}  // namespace fragless

@@ -1,0 +1,218 @@
+#include "policy_growable.h"
+
+#include <algorithm>
+#include <set>
+
+#include "trace_emit.h"
+
+namespace fragless {
+
+bool GrowablePolicy::whole_pages(const Block* b, std::size_t* lo, std::size_t* hi) {
+  const Segment& seg = *b->segment;
+  const std::size_t start = b->ptr - seg.base, end = start + b->size;
+  *lo = round_up(start, seg.page_size) / seg.page_size;
+  *hi = end / seg.page_size;
+  return *hi > *lo;
+}
+
+std::vector<PoolSet*> GrowablePolicy::pool_sets(PoolSet* only) {
+  if (only) return {only};
+  std::vector<PoolSet*> all{&s_.default_pools};
+  for (auto& [id, ps] : s_.private_pools) all.push_back(ps.get());
+  return all;
+}
+
+Segment* GrowablePolicy::new_segment(AllocParams& p) {
+  const std::size_t page = page_size(p.pool->small);
+  const std::size_t total = s_.device_total ? s_.device_total : (std::size_t{1} << 36);
+  const std::size_t va_size = round_up(total + total / 8, page);
+  DevicePtr va = 0;
+  if (Status st = s_.driver->reserve(va_size, &va); st != Status::ok) {
+    p.status = st;
+    return nullptr;
+  }
+  auto seg = std::make_unique<Segment>();
+  seg->base = va;
+  seg->va_size = va_size;
+  seg->page_size = page;
+  seg->growable = true;
+  seg->small = p.pool->small;
+  seg->stream = p.stream;
+  seg->owner = p.pool->owner;
+  seg->pages.resize(va_size / page);
+  Block* b = s_.new_block();
+  b->ptr = va;
+  b->size = va_size;
+  b->segment = seg.get();
+  b->pool = p.pool;
+  b->stream = p.stream;
+  b->state = BlockState::unmapped;
+  seg->first = b;
+  s_.unmapped_insert(b);
+  s_.segments.push_back(std::move(seg));
+  return s_.segments.back().get();
+}
+
+// The lowest-address run of reusable and unmapped blocks on this stream that holds p.rounded bytes and
+// contains at least one unmapped block; returns its first block.
+Block* GrowablePolicy::find_run(AllocParams& p) {
+  Block key;
+  key.stream = p.stream;
+  auto fits = [&](Block* c) {
+    std::size_t sum = 0;
+    for (Block* b = c; b && (b->reusable() || b->state == BlockState::unmapped); b = b->next)
+      if ((sum += b->size) >= p.rounded) return true;
+    return false;
+  };
+  for (auto it = p.pool->unmapped.lower_bound(&key); it != p.pool->unmapped.end() && (*it)->stream == p.stream;
+       ++it) {
+    Block* c = *it;
+    if (c->prev && c->prev->reusable()) c = c->prev;
+    if (fits(c)) return c;
+  }
+  return nullptr;
+}
+
+Status GrowablePolicy::map_block(Block* u, std::size_t bytes) {
+  Segment& seg = *u->segment;
+  const std::size_t first = (u->ptr - seg.base) / seg.page_size;
+  if (Status st = map_pages(seg, first, bytes / seg.page_size); st != Status::ok) return st;
+  s_.unmapped_erase(u);
+  if (bytes < u->size) {
+    Block* rest = s_.new_block();
+    rest->ptr = u->ptr + bytes;
+    rest->size = u->size - bytes;
+    rest->segment = u->segment;
+    rest->pool = u->pool;
+    rest->stream = u->stream;
+    rest->state = BlockState::unmapped;
+    rest->prev = u;
+    rest->next = u->next;
+    if (rest->next) rest->next->prev = rest;
+    u->next = rest;
+    u->size = bytes;
+    s_.unmapped_insert(rest);
+  }
+  u->state = BlockState::free;
+  seg.mapped_bytes += bytes;
+  ++s_.stats.num_device_alloc;
+  emit(s_, TraceAction::segment_map, seg.stream, u->ptr, bytes, bytes);
+  return Status::ok;
+}
+
+Block* GrowablePolicy::grow(AllocParams& p) {
+  Block* head = find_run(p);
+  if (!head) {
+    Segment* seg = new_segment(p);
+    if (!seg) return nullptr;
+    head = seg->first;
+  }
+  run_lo_ = head->ptr;
+  run_hi_ = head->ptr + round_up(p.rounded, head->segment->page_size) + head->segment->page_size;
+  if (head->state == BlockState::free) s_.pool_erase(head);
+  for (;;) {
+    if (head->state == BlockState::free && head->size >= p.rounded) break;
+    Block* u = head->state == BlockState::unmapped ? head : head->next;
+    const std::size_t have = head->state == BlockState::free ? head->size : 0;
+    const std::size_t bytes = std::min(round_up(p.rounded - have, u->segment->page_size), u->size);
+    if (Status st = map_block(u, bytes); st != Status::ok) {
+      p.status = st;
+      if (head->state == BlockState::free) s_.pool_insert(head);
+      run_lo_ = run_hi_ = 0;
+      return nullptr;
+    }
+    // u is now free and mapped; merge it with head (if free) and the reusable block after it.
+    if (head != u) {
+      head->size += u->size;
+      head->next = u->next;
+      if (head->next) head->next->prev = head;
+      s_.delete_block(u);
+    } else {
+      head = u;
+    }
+    if (Block* n = head->next; n && n->reusable()) {
+      s_.pool_erase(n);
+      head->size += n->size;
+      head->next = n->next;
+      if (head->next) head->next->prev = head;
+      s_.delete_block(n);
+    }
+  }
+  run_lo_ = run_hi_ = 0;
+  return head;
+}
+
+bool GrowablePolicy::unmap_block_pages(Block* b, std::size_t lo, std::size_t hi) {
+  Segment& seg = *b->segment;
+  s_.pool_erase(b);
+  const std::size_t done = unmap_pages(seg, lo, hi - lo);
+  if (done == 0) {
+    s_.pool_insert(b);
+    return false;
+  }
+  hi = lo + done;
+  const DevicePtr ulo = seg.base + lo * seg.page_size, uhi = seg.base + hi * seg.page_size;
+  const DevicePtr end = b->ptr + b->size;
+  auto split_after = [&](Block* x, DevicePtr at) {
+    Block* r = s_.new_block();
+    r->ptr = at;
+    r->size = x->ptr + x->size - at;
+    r->segment = x->segment;
+    r->pool = x->pool;
+    r->stream = x->stream;
+    r->prev = x;
+    r->next = x->next;
+    if (r->next) r->next->prev = r;
+    x->next = r;
+    x->size = at - x->ptr;
+    return r;
+  };
+  Block* mid = b;
+  if (ulo > b->ptr) {
+    mid = split_after(b, ulo);
+    s_.pool_insert(b);  // the head stays free and mapped
+  }
+  if (uhi < end) {
+    Block* tail = split_after(mid, uhi);
+    s_.pool_insert(tail);
+  }
+  mid->state = BlockState::unmapped;
+  s_.unmapped_insert(s_.merge_unmapped(mid));
+  seg.mapped_bytes -= uhi - ulo;
+  ++s_.stats.num_device_free;
+  emit(s_, TraceAction::segment_unmap, seg.stream, ulo, uhi - ulo, uhi - ulo);
+  return true;
+}
+
+void GrowablePolicy::release_free(PoolSet* only) {
+  const auto sets = pool_sets(only);
+  struct Victim { Block* b; std::size_t lo, hi; };
+  std::vector<Victim> victims;
+  std::set<Stream> streams;
+  for (PoolSet* ps : sets)
+    for (BlockPool* bp : {&ps->small, &ps->large})
+      for (Block* b : bp->blocks) {
+        std::size_t lo, hi;
+        if (b->segment->growable && whole_pages(b, &lo, &hi)) {
+          victims.push_back({b, lo, hi});
+          streams.insert(b->stream);
+        }
+      }
+  // Unmapping is not stream-ordered: wait for the work queued on each stream first (as PyTorch does).
+  for (Stream st : streams) s_.forced_sync(st);
+  for (auto& v : victims) unmap_block_pages(v.b, v.lo, v.hi);
+  // Drop segments that are entirely unmapped.
+  std::erase_if(s_.segments, [&](const std::unique_ptr<Segment>& seg) {
+    if (!seg->growable || seg->mapped_bytes != 0) return false;
+    if (std::find(sets.begin(), sets.end(), seg->owner) == sets.end()) return false;
+    Block* b = seg->first;
+    if (b->next || b->state != BlockState::unmapped) return false;
+    if (s_.driver->free_reservation(seg->base, seg->va_size) != Status::ok) return false;
+    s_.unmapped_erase(b);
+    s_.delete_block(b);
+    return true;
+  });
+  after_release();
+}
+
+}  // namespace fragless

@@ -1,0 +1,51 @@
+// Growable segments, shared by the expandable and fragless policies.
+//
+// A growable segment is a large address-space reservation (9/8 of device memory, like PyTorch's) whose
+// pages are mapped on demand. Its blocks tile the whole reservation; unmapped stretches are blocks in
+// state `unmapped`, kept in the pool's address-ordered `unmapped` set. Growing finds the lowest address
+// where a run of reusable free and unmapped blocks fits the request and maps the missing pages;
+// releasing unmaps every whole free page and drops segments that end up entirely unmapped.
+//
+// Subclasses decide where physical pages come from (map_pages / unmap_pages).
+#pragma once
+#include "policy.h"
+
+namespace fragless {
+
+class GrowablePolicy : public Policy {
+ public:
+  using Policy::Policy;
+  bool should_split(const Block* b, std::size_t rounded) const override {
+    return b->size - rounded >= kMinBlockSize;
+  }
+  bool prefer_non_growable() const override { return true; }
+  Block* grow(AllocParams& p) override;
+  void release_free(PoolSet* only) override;
+
+ protected:
+  virtual std::size_t page_size(bool small) const = 0;
+  // Backs pages [first, first + n) of seg with physical memory, maps them and sets access; all or nothing.
+  // Adds to reserved what it creates.
+  virtual Status map_pages(Segment& seg, std::size_t first, std::size_t n) = 0;
+  // Unmaps pages [first, first + n) (the caller synchronised the stream); returns how many leading pages
+  // were unmapped (n on success).
+  virtual std::size_t unmap_pages(Segment& seg, std::size_t first, std::size_t n) = 0;
+  virtual void after_release() {}
+
+  // Unmaps whole pages [lo, hi) (segment page indices) inside reusable block b, which is in its pool.
+  // Splits b into free head, unmapped middle and free tail. False if nothing could be unmapped.
+  bool unmap_block_pages(Block* b, std::size_t lo, std::size_t hi);
+  // Whole pages inside b: [*lo, *hi); false if none.
+  static bool whole_pages(const Block* b, std::size_t* lo, std::size_t* hi);
+  std::vector<PoolSet*> pool_sets(PoolSet* only);
+
+  // The run being grown in the current grow() call: reclaim must not take pages from it.
+  DevicePtr run_lo_ = 0, run_hi_ = 0;
+
+ private:
+  Segment* new_segment(AllocParams& p);
+  Block* find_run(AllocParams& p);
+  Status map_block(Block* u, std::size_t bytes);
+};
+
+}  // namespace fragless

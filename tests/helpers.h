@@ -1,0 +1,54 @@
+// Shared helpers for the tests: engines over every driver and policy.
+#pragma once
+#include <catch2/catch.hpp>
+#include <memory>
+#include <string>
+
+#include "fragless/engine.h"
+#include "fragless/host_driver.h"
+#include "fragless/sim_driver.h"
+
+namespace fragless::test {
+
+constexpr std::size_t MiB = 1u << 20;
+
+struct EngineSpec {
+  PolicyKind policy = PolicyKind::fragless;
+  DriverKind driver = DriverKind::sim;
+  std::size_t capacity = 1024 * MiB;
+  std::size_t page = 2 * MiB;
+  Options base{};
+};
+
+inline std::unique_ptr<DeviceEngine> make_engine(const EngineSpec& spec) {
+  Options o = spec.base;
+  o.policy = spec.policy;
+  o.driver = spec.driver;
+  std::unique_ptr<Driver> d;
+  if (spec.driver == DriverKind::host) {
+    HostDriverOptions h;
+    h.capacity = spec.capacity;
+    h.page_size = spec.page;
+    std::string err;
+    d = make_host_driver(h, &err);
+    REQUIRE(d != nullptr);
+  } else {
+    SimDriverOptions s;
+    s.capacity = spec.capacity;
+    s.page_size = spec.page;
+    d = make_sim_driver(s);
+  }
+  return std::make_unique<DeviceEngine>(o, std::move(d));
+}
+
+inline std::int64_t reserved(DeviceEngine& e) { return e.stats().reserved_bytes.all().current; }
+
+inline void require_consistent(DeviceEngine& e) {
+  const std::string err = e.check_invariants();
+  INFO(err);
+  REQUIRE(err.empty());
+}
+
+inline const char* name(PolicyKind p) { return policy_name(p); }
+
+}  // namespace fragless::test

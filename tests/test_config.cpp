@@ -1,0 +1,104 @@
+#include <catch2/catch.hpp>
+#include <fstream>
+#include <sstream>
+
+#include "fragless/config.h"
+
+using namespace fragless;
+
+namespace {
+Options ok(const char* text) {
+  auto r = parse_config(text);
+  INFO(text << " -> " << r.error);
+  REQUIRE(r.ok);
+  return r.options;
+}
+std::string bad(const char* text) {
+  auto r = parse_config(text);
+  INFO(text);
+  REQUIRE_FALSE(r.ok);
+  return r.error;
+}
+}  // namespace
+
+TEST_CASE("config: defaults and simple keys", "[config]") {
+  Options o = ok("");
+  CHECK(o.policy == PolicyKind::fragless);
+  CHECK(o.max_split_size == SIZE_MAX);
+  o = ok("policy:classic, max_split_size_mb:128 ,garbage_collection_threshold:0.6");
+  CHECK(o.policy == PolicyKind::classic);
+  CHECK(o.max_split_size == 128u << 20);
+  CHECK(o.garbage_collection_threshold == Approx(0.6));
+  o = ok("driver:sim,capacity_mb:2048,page_size_mb:4,trace:/tmp/t-%p-%d.fgt");
+  CHECK(o.driver == DriverKind::sim);
+  CHECK(o.capacity == 2048u << 20);
+  CHECK(o.page_size == 4u << 20);
+  CHECK(o.trace_path == "/tmp/t-%p-%d.fgt");
+  CHECK(ok("per_process_memory_fraction:0.5").per_process_memory_fraction == Approx(0.5));
+  CHECK(ok("max_non_split_rounding_mb:1024").max_non_split_rounding_size == 1024u << 20);
+}
+
+TEST_CASE("config: expandable_segments selects expandable unless policy is given", "[config]") {
+  CHECK(ok("expandable_segments:True").policy == PolicyKind::expandable);
+  CHECK(ok("expandable_segments:False").policy == PolicyKind::fragless);
+  CHECK(ok("expandable_segments:True,policy:fragless").policy == PolicyKind::fragless);
+  CHECK(ok("policy:classic,expandable_segments:True").policy == PolicyKind::classic);
+  CHECK(bad("expandable_segments:true").find("True or False") != std::string::npos);
+}
+
+TEST_CASE("config: roundup_power2_divisions lists follow PyTorch's tests", "[config]") {
+  auto div = [](const Options& o, std::size_t mb) {
+    std::size_t i = 0;
+    while ((std::size_t{2} << i) <= mb && i < 15) ++i;
+    return o.roundup_power2_divisions[i];
+  };
+  Options o = ok("roundup_power2_divisions:[64:8,128:2,256:4,512:2,1024:4,>:1]");
+  const std::size_t sizes1[] = {32, 64, 128, 256, 512, 1024, 2048, 4096, 8192};
+  const std::size_t want1[] = {8, 8, 2, 4, 2, 4, 1, 1, 1};
+  for (int i = 0; i < 9; ++i) CHECK(div(o, sizes1[i]) == want1[i]);
+  o = ok("roundup_power2_divisions:[128:8,256:16,512:1,2048:8,>:2]");
+  const std::size_t sizes2[] = {64, 128, 256, 512, 1024, 2048, 4096};
+  const std::size_t want2[] = {8, 8, 16, 1, 0, 8, 2};
+  for (int i = 0; i < 7; ++i) CHECK(div(o, sizes2[i]) == want2[i]);
+  o = ok("roundup_power2_divisions:4");
+  CHECK(div(o, 64) == 4);
+  CHECK(div(o, 256) == 4);
+  CHECK(div(o, 2048) == 4);
+}
+
+TEST_CASE("config: every bad input names the key, the value and the accepted forms", "[config][bad-input]") {
+  CHECK(bad("bogus:1").find("unknown key 'bogus'") != std::string::npos);
+  CHECK(bad("bogus:1").find("accepted keys: policy") != std::string::npos);
+  CHECK(bad("policy:fast").find("'fast' for key 'policy'") != std::string::npos);
+  CHECK(bad("max_split_size_mb:19").find("at least 20") != std::string::npos);
+  CHECK(bad("max_split_size_mb:-5").find("max_split_size_mb") != std::string::npos);
+  CHECK(bad("max_split_size_mb:12abc").find("12abc") != std::string::npos);
+  CHECK(bad("garbage_collection_threshold:1.0").find("(0, 1)") != std::string::npos);
+  CHECK(bad("garbage_collection_threshold:nan").find("garbage_collection_threshold") != std::string::npos);
+  CHECK(bad("per_process_memory_fraction:1.5").find("[0, 1]") != std::string::npos);
+  CHECK(bad("roundup_power2_divisions:3").find("power of two") != std::string::npos);
+  CHECK(bad("roundup_power2_divisions:[64:3]").find("'3'") != std::string::npos);
+  CHECK(bad("roundup_power2_divisions:[63:2]").find("'63'") != std::string::npos);
+  CHECK(bad("roundup_power2_divisions:[64:2").find("missing ']'") != std::string::npos);
+  CHECK(bad("policy").find("expected ':'") != std::string::npos);
+  CHECK(bad("policy:").find("no value") != std::string::npos);
+  CHECK(bad("policy:classic:expandable").find("expected ','") != std::string::npos);
+  CHECK(bad("driver:gpu").find("cuda, host or sim") != std::string::npos);
+  CHECK(bad("page_size_mb:3").find("power of two") != std::string::npos);
+  CHECK(bad("capacity_mb:0").find("capacity_mb") != std::string::npos);
+  CHECK(bad("policy:[classic]").find("single value") != std::string::npos);
+}
+
+TEST_CASE("config: the README documents every key of the options table", "[config][docs]") {
+  std::ifstream f(FRAGLESS_SOURCE_DIR "/README.md");
+  REQUIRE(f.good());
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const std::string readme = ss.str();
+  for (const auto& row : option_table()) {
+    const std::string line = "| `" + std::string(row.key) + "` | " + std::string(row.type) + " | " +
+                             std::string(row.default_value) + " | " + std::string(row.meaning) + " |";
+    INFO("README.md lacks the row: " << line);
+    CHECK(readme.find(line) != std::string::npos);
+  }
+}

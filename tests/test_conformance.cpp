@@ -1,0 +1,190 @@
+// One conformance suite over every policy and driver.
+#include <cstring>
+#include <set>
+#include <vector>
+
+#include "helpers.h"
+
+using namespace fragless;
+using namespace fragless::test;
+
+namespace {
+
+EngineSpec any_spec() {
+  EngineSpec s;
+  s.policy = GENERATE(PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless);
+  s.driver = GENERATE(DriverKind::sim, DriverKind::host);
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("conformance: blocks are distinct, aligned and usable", "[conformance]") {
+  EngineSpec spec = any_spec();
+  CAPTURE(name(spec.policy), driver_kind_name(spec.driver));
+  auto e = make_engine(spec);
+  std::vector<std::pair<char*, std::size_t>> live;
+  const std::size_t sizes[] = {1, 512, 513, 4096, 1u << 20, (1u << 20) + 1, 3 * MiB, 12 * MiB, 25 * MiB};
+  for (std::size_t s : sizes) {
+    auto* p = static_cast<char*>(e->allocate(s, 0, nullptr));
+    REQUIRE(p);
+    CHECK(reinterpret_cast<std::uintptr_t>(p) % 512 == 0);
+    if (spec.driver == DriverKind::host) std::memset(p, 0xab, s);  // really mapped and writable
+    live.emplace_back(p, s);
+  }
+  std::set<std::pair<std::uintptr_t, std::uintptr_t>> ranges;
+  for (auto [p, s] : live) ranges.insert({reinterpret_cast<std::uintptr_t>(p), reinterpret_cast<std::uintptr_t>(p) + s});
+  std::uintptr_t end = 0;
+  for (auto [lo, hi] : ranges) {
+    CHECK(lo >= end);
+    end = hi;
+  }
+  auto st = e->stats();
+  std::int64_t requested = 0;
+  for (auto [p, s] : live) requested += static_cast<std::int64_t>(s);
+  CHECK(st.live_bytes.current == requested);
+  CHECK(st.allocation.all().current == static_cast<std::int64_t>(live.size()));
+  require_consistent(*e);
+  for (auto [p, s] : live) REQUIRE(e->free(p) == Status::ok);
+  require_consistent(*e);
+  CHECK(e->stats().allocated_bytes.all().current == 0);
+}
+
+TEST_CASE("conformance: a freed block is reused on its stream without driver calls", "[conformance]") {
+  EngineSpec spec = any_spec();
+  CAPTURE(name(spec.policy), driver_kind_name(spec.driver));
+  auto e = make_engine(spec);
+  void* a = e->allocate(5 * MiB, 7, nullptr);
+  REQUIRE(a);
+  REQUIRE(e->free(a) == Status::ok);
+  const auto before = e->driver_counters();
+  void* b = e->allocate(5 * MiB, 7, nullptr);
+  CHECK(b == a);
+  const auto after = e->driver_counters();
+  CHECK(after.calls == before.calls);
+  // Another stream never takes it while it is free in stream 7's cache.
+  void* c = e->allocate(5 * MiB, 8, nullptr);
+  REQUIRE(e->free(b) == Status::ok);
+  void* d = e->allocate(5 * MiB, 8, nullptr);
+  CHECK(d != a);
+  CHECK(c != a);
+  require_consistent(*e);
+}
+
+TEST_CASE("conformance: record_stream holds a block until the other stream's work is done", "[conformance]") {
+  EngineSpec spec = any_spec();
+  CAPTURE(name(spec.policy), driver_kind_name(spec.driver));
+  auto e = make_engine(spec);
+  TestEvents* ev = test_events_of(e->driver());
+  REQUIRE(ev);
+  void* a = e->allocate(3 * MiB, 1, nullptr);
+  REQUIRE(e->record_stream(a, 2) == Status::ok);
+  ev->hold(2);
+  REQUIRE(e->free(a) == Status::ok);
+  CHECK(e->stats().active.all().current == 1);  // pending free
+  void* b = e->allocate(3 * MiB, 1, nullptr);
+  CHECK(b != a);  // not reused while stream 2 may still use it
+  require_consistent(*e);
+  auto snap = e->snapshot();
+  bool saw_pending = false;
+  for (auto& s : snap)
+    for (auto& blk : s.blocks) saw_pending |= blk.address == reinterpret_cast<DevicePtr>(a) &&
+                                              blk.state == BlockInfo::active_pending_free;
+  CHECK(saw_pending);
+  ev->complete(2);
+  REQUIRE(e->free(b) == Status::ok);
+  void* c = e->allocate(3 * MiB, 1, nullptr);  // events processed first: a (the lower block) is back
+  CHECK((c == a || c == b));
+  CHECK(e->stats().active.all().current == 1);
+  require_consistent(*e);
+}
+
+TEST_CASE("conformance: empty_cache with nothing live gives everything back", "[conformance]") {
+  EngineSpec spec = any_spec();
+  CAPTURE(name(spec.policy), driver_kind_name(spec.driver));
+  auto e = make_engine(spec);
+  std::vector<void*> ptrs;
+  for (std::size_t s : {100u, 600000u, 3u << 20, 30u << 20, 1u << 20})
+    for (int stream : {0, 5}) ptrs.push_back(e->allocate(s, static_cast<Stream>(stream), nullptr));
+  TestEvents* ev = test_events_of(e->driver());
+  REQUIRE(e->record_stream(ptrs[0], 9) == Status::ok);
+  ev->hold(9);
+  for (void* p : ptrs) REQUIRE(e->free(p) == Status::ok);
+  e->empty_cache();  // waits for stream 9's event, then releases
+  CHECK(reserved(*e) == 0);
+  CHECK(e->snapshot().empty());
+  require_consistent(*e);
+  if (spec.driver == DriverKind::host) {
+    auto c = host_driver_census(e->driver());
+    CHECK(c.handles == 0);
+    CHECK(c.mappings == 0);
+    CHECK(c.reservations == 0);
+    CHECK(c.physical_bytes == 0);
+  }
+  CHECK(e->stats().num_sync_all_streams == 1);
+}
+
+TEST_CASE("conformance: OOM frees the cache, retries, then reports clearly", "[conformance]") {
+  EngineSpec spec = any_spec();
+  spec.capacity = 64 * MiB;
+  CAPTURE(name(spec.policy), driver_kind_name(spec.driver));
+  auto e = make_engine(spec);
+  void* a = e->allocate(40 * MiB, 0, nullptr);
+  REQUIRE(a);
+  REQUIRE(e->free(a) == Status::ok);
+  AllocError err;
+  void* b = e->allocate(50 * MiB, 0, &err);
+  INFO(err.message);
+  REQUIRE(b);  // the cached 40 MiB went back (or was re-backed) to make room
+  if (spec.policy == PolicyKind::classic) CHECK(e->stats().num_alloc_retries == 1);
+  require_consistent(*e);
+  const auto reserved_before = reserved(*e);
+  void* c = e->allocate(40 * MiB, 0, &err);
+  CHECK(c == nullptr);
+  CHECK(err.status == Status::out_of_memory);
+  CHECK(err.message.find("out of memory") != std::string::npos);
+  CHECK(err.message.find("Tried to allocate 40.00 MiB") != std::string::npos);
+  CHECK(err.message.find("reserved but unallocated") != std::string::npos);
+  CHECK(e->stats().num_ooms == 1);
+  CHECK(reserved(*e) <= reserved_before);
+  require_consistent(*e);
+  REQUIRE(e->free(b) == Status::ok);
+  CHECK(e->allocate(40 * MiB, 0, nullptr) != nullptr);  // works again once memory is free
+  require_consistent(*e);
+}
+
+TEST_CASE("conformance: per-process memory fraction caps reserved memory", "[conformance]") {
+  EngineSpec spec = any_spec();
+  CAPTURE(name(spec.policy), driver_kind_name(spec.driver));
+  auto e = make_engine(spec);  // 1 GiB device
+  REQUIRE(e->set_memory_fraction(0.25) == Status::ok);
+  AllocError err;
+  CHECK(e->allocate(300 * MiB, 0, &err) == nullptr);
+  CHECK(err.message.find("per_process_memory_fraction") != std::string::npos);
+  CHECK(e->allocate(200 * MiB, 0, nullptr) != nullptr);
+  CHECK(reserved(*e) <= 256 * static_cast<std::int64_t>(MiB));
+  CHECK(e->set_memory_fraction(1.5) == Status::invalid_argument);
+  CHECK(e->set_memory_fraction(-0.1) == Status::invalid_argument);
+  require_consistent(*e);
+}
+
+TEST_CASE("conformance: stats use PyTorch's key names and peaks reset", "[conformance]") {
+  EngineSpec spec = any_spec();
+  auto e = make_engine(spec);
+  void* a = e->allocate(3 * MiB, 0, nullptr);
+  void* b = e->allocate(1000, 0, nullptr);
+  auto flat = e->stats().flatten();
+  for (const char* k : {"allocated_bytes.all.current", "reserved_bytes.all.peak", "active_bytes.large_pool.current",
+                        "requested_bytes.small_pool.current", "num_alloc_retries", "num_ooms",
+                        "inactive_split_bytes.all.current", "segment.all.current", "num_device_alloc",
+                        "num_sync_all_streams", "max_split_size", "oversize_allocations.current"})
+    CHECK(flat.count(k) == 1);
+  CHECK(flat["allocated_bytes.all.current"] == static_cast<std::int64_t>(3 * MiB + 1024));
+  CHECK(flat["requested_bytes.all.current"] == static_cast<std::int64_t>(3 * MiB + 1000));
+  CHECK(flat["max_split_size"] == -1);
+  e->free(a);
+  e->free(b);
+  CHECK(e->stats().allocated_bytes.all().peak == static_cast<std::int64_t>(3 * MiB + 1024));
+  e->reset_peak_stats();
+  CHECK(e->stats().allocated_bytes.all().peak == 0);
+}

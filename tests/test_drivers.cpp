@@ -1,0 +1,123 @@
+// The host and sim drivers keep cuMemMap's rules.
+#include <cstring>
+
+#include "helpers.h"
+
+using namespace fragless;
+using namespace fragless::test;
+
+namespace {
+std::unique_ptr<Driver> host(std::size_t capacity = 64 * MiB, std::size_t page = 2 * MiB) {
+  HostDriverOptions o;
+  o.capacity = capacity;
+  o.page_size = page;
+  std::string err;
+  auto d = make_host_driver(o, &err);
+  REQUIRE(d);
+  return d;
+}
+}  // namespace
+
+TEST_CASE("host driver: reserve, create, map, set access, unmap, release", "[driver]") {
+  auto d = host();
+  DevicePtr va = 0;
+  REQUIRE(d->reserve(8 * MiB, &va) == Status::ok);
+  CHECK(va % (2 * MiB) == 0);
+  PhysHandle h = 0;
+  REQUIRE(d->create(4 * MiB, &h) == Status::ok);
+  REQUIRE(d->map(va, 2 * MiB, h, 0) == Status::ok);
+  REQUIRE(d->map(va + 4 * MiB, 2 * MiB, h, 2 * MiB) == Status::ok);
+  CHECK(d->map(va, 2 * MiB, h, 0) == Status::invalid_argument);            // already mapped
+  CHECK(d->set_access(va, 4 * MiB) == Status::invalid_argument);            // not fully mapped
+  REQUIRE(d->set_access(va, 2 * MiB) == Status::ok);
+  REQUIRE(d->set_access(va + 4 * MiB, 2 * MiB) == Status::ok);
+  std::memset(reinterpret_cast<void*>(va), 0x5a, 2 * MiB);
+  std::memset(reinterpret_cast<void*>(va + 4 * MiB), 0xa5, 2 * MiB);
+  // The same physical page mapped at a second address shows the same bytes (re-backing works).
+  DevicePtr va2 = 0;
+  REQUIRE(d->reserve(2 * MiB, &va2) == Status::ok);
+  REQUIRE(d->map(va2, 2 * MiB, h, 0) == Status::ok);
+  REQUIRE(d->set_access(va2, 2 * MiB) == Status::ok);
+  CHECK(*reinterpret_cast<unsigned char*>(va2 + 12345) == 0x5a);
+  CHECK(d->release(h) == Status::invalid_argument);  // still mapped
+  CHECK(d->unmap(va, 4 * MiB) == Status::invalid_argument);  // not whole contiguous mappings
+  REQUIRE(d->unmap(va, 2 * MiB) == Status::ok);
+  REQUIRE(d->unmap(va + 4 * MiB, 2 * MiB) == Status::ok);
+  REQUIRE(d->unmap(va2, 2 * MiB) == Status::ok);
+  CHECK(d->free_reservation(va, 8 * MiB) == Status::ok);
+  CHECK(d->free_reservation(va2, 2 * MiB) == Status::ok);
+  REQUIRE(d->release(h) == Status::ok);
+  auto c = host_driver_census(*d);
+  CHECK(c.handles == 0);
+  CHECK(c.physical_bytes == 0);
+  CHECK(d->counters()[DriverCall::map] == 4);  // refused calls are counted too
+}
+
+TEST_CASE("host driver: unmap may cover several adjacent mappings", "[driver]") {
+  auto d = host();
+  DevicePtr va = 0;
+  REQUIRE(d->reserve(6 * MiB, &va) == Status::ok);
+  PhysHandle h = 0;
+  REQUIRE(d->create(6 * MiB, &h) == Status::ok);
+  for (int i = 0; i < 3; ++i) REQUIRE(d->map(va + i * 2 * MiB, 2 * MiB, h, i * 2 * MiB) == Status::ok);
+  CHECK(d->unmap(va, 5 * MiB) == Status::invalid_argument);
+  REQUIRE(d->unmap(va, 6 * MiB) == Status::ok);
+  CHECK(host_driver_census(*d).mappings == 0);
+}
+
+TEST_CASE("host driver: capacity makes create fail as out of memory", "[driver]") {
+  auto d = host(8 * MiB);
+  PhysHandle a = 0, b = 0;
+  REQUIRE(d->create(6 * MiB, &a) == Status::ok);
+  CHECK(d->create(4 * MiB, &b) == Status::out_of_memory);
+  CHECK(d->last_error().find("out of memory") != std::string::npos);
+  REQUIRE(d->release(a) == Status::ok);
+  CHECK(d->create(8 * MiB, &b) == Status::ok);
+  std::size_t free_b = 1, total = 0;
+  d->memory_info(&free_b, &total);
+  CHECK(free_b == 0);
+  CHECK(total == 8 * MiB);
+}
+
+TEST_CASE("host driver: bad arguments and injected failures", "[driver]") {
+  CHECK(make_host_driver(HostDriverOptions{0, 3000, 1 * MiB}, nullptr) == nullptr);
+  auto d = host();
+  DevicePtr va = 0;
+  PhysHandle h = 0;
+  CHECK(d->reserve(12345, &va) == Status::invalid_argument);
+  CHECK(d->map(0x1000, 2 * MiB, 42, 0) == Status::invalid_argument);
+  host_driver_inject_failure(*d, DriverCall::create, 2, Status::out_of_memory);
+  CHECK(d->create(2 * MiB, &h) == Status::ok);
+  CHECK(d->create(2 * MiB, &h) == Status::out_of_memory);
+  CHECK(d->last_error().find("injected") != std::string::npos);
+  CHECK(d->create(2 * MiB, &h) == Status::ok);  // one-shot
+}
+
+TEST_CASE("sim driver: counts calls, charges modelled cost, enforces capacity", "[driver]") {
+  SimDriverOptions o;
+  o.capacity = 10 * MiB;
+  auto d = make_sim_driver(o);
+  DevicePtr va = 0;
+  PhysHandle h = 0, h2 = 0;
+  REQUIRE(d->reserve(20 * MiB, &va) == Status::ok);
+  REQUIRE(d->create(8 * MiB, &h) == Status::ok);
+  CHECK(d->create(4 * MiB, &h2) == Status::out_of_memory);
+  REQUIRE(d->map(va, 8 * MiB, h, 0) == Status::ok);
+  REQUIRE(d->set_access(va, 8 * MiB) == Status::ok);
+  CHECK(d->counters()[DriverCall::create] == 2);
+  CHECK(d->counters().modelled_us == Approx(19.0 + 2 * 193.32 + 1.45 + 35.99));
+}
+
+TEST_CASE("test events: held streams keep events pending until completed or waited on", "[driver]") {
+  auto d = host();
+  TestEvents* ev = test_events_of(*d);
+  REQUIRE(ev);
+  Event e1 = 0, e2 = 0;
+  REQUIRE(d->record_event(1, &e1) == Status::ok);
+  CHECK(d->query_event(e1) == Status::ok);
+  ev->hold(1);
+  REQUIRE(d->record_event(1, &e2) == Status::ok);
+  CHECK(d->query_event(e2) == Status::not_ready);
+  REQUIRE(d->synchronize_event(e2) == Status::ok);
+  CHECK(d->query_event(e2) == Status::ok);
+}

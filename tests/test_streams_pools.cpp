@@ -1,0 +1,102 @@
+// Private pools, garbage collection and oversize blocks.
+#include <vector>
+
+#include "helpers.h"
+
+using namespace fragless;
+using namespace fragless::test;
+
+TEST_CASE("private pools keep their memory apart until released", "[pools]") {
+  EngineSpec spec;
+  spec.policy = GENERATE(PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless);
+  CAPTURE(name(spec.policy));
+  auto e = make_engine(spec);
+  const PoolId graph{1, 0};
+  e->begin_allocate_to_pool(graph, [](Stream s) { return s == 4; });
+  void* in_pool = e->allocate(8 * MiB, 4, nullptr);
+  void* outside = e->allocate(8 * MiB, 5, nullptr);  // the filter rejects stream 5
+  e->end_allocate_to_pool(graph);
+  REQUIRE(in_pool);
+  REQUIRE(outside);
+  auto snap = e->snapshot();
+  bool private_seen = false;
+  for (auto& s : snap)
+    for (auto& b : s.blocks)
+      if (b.address == reinterpret_cast<DevicePtr>(in_pool)) private_seen = s.pool == graph;
+  CHECK(private_seen);
+  REQUIRE(e->free(in_pool) == Status::ok);
+  // Default-pool allocations on stream 4 never take the private pool's free block.
+  void* again = e->allocate(8 * MiB, 4, nullptr);
+  CHECK(again != in_pool);
+  // The pool's memory is kept through empty_cache while the pool lives...
+  e->empty_cache();
+  const auto held = reserved(*e);
+  CHECK(held >= static_cast<std::int64_t>(16 * MiB + 8 * MiB));
+  // ...and returned once it is released.
+  e->release_pool(graph);
+  e->empty_cache();
+  CHECK(reserved(*e) < held);
+  require_consistent(*e);
+  e->free(again);
+  e->free(outside);
+  e->empty_cache();
+  CHECK(reserved(*e) == 0);
+}
+
+TEST_CASE("classic: max_split_size keeps oversize blocks whole and releases them before a retry", "[pools]") {
+  EngineSpec spec;
+  spec.policy = PolicyKind::classic;
+  spec.capacity = 200 * MiB;
+  spec.base.max_split_size = 40 * MiB;
+  auto e = make_engine(spec);
+  void* a = e->allocate(100 * MiB, 0, nullptr);
+  void* b = e->allocate(60 * MiB, 0, nullptr);
+  void* c = e->allocate(5 * MiB, 0, nullptr);  // a 20 MiB segment: 180 MiB reserved
+  REQUIRE((a && b && c));
+  REQUIRE(e->free(a) == Status::ok);
+  REQUIRE(e->free(b) == Status::ok);
+  CHECK(e->stats().oversize_segments.current == 2);
+  // A request below max_split_size never takes an oversize block: it needs a new 30 MiB segment, which
+  // does not fit, so the smallest oversize block that covers max(request, max_split_size) goes first.
+  void* d = e->allocate(30 * MiB, 0, nullptr);
+  REQUIRE(d);
+  CHECK(d != a);
+  CHECK(e->stats().num_alloc_retries == 0);
+  CHECK(e->stats().oversize_segments.current == 1);
+  CHECK(reserved(*e) == 150 * static_cast<std::int64_t>(MiB));
+  require_consistent(*e);
+}
+
+TEST_CASE("classic: garbage collection frees old whole segments above the threshold", "[pools]") {
+  EngineSpec spec;
+  spec.policy = PolicyKind::classic;
+  spec.capacity = 1024 * MiB;
+  spec.base.garbage_collection_threshold = 0.5;
+  auto e = make_engine(spec);
+  REQUIRE(e->set_memory_fraction(0.5) == Status::ok);  // limit 512 MiB, GC above 256 MiB
+  std::vector<void*> ptrs;
+  for (int i = 0; i < 10; ++i) ptrs.push_back(e->allocate(30 * MiB, 0, nullptr));
+  for (void* p : ptrs) REQUIRE(e->free(p) == Status::ok);
+  CHECK(reserved(*e) == 300 * static_cast<std::int64_t>(MiB));
+  // A miss (a size no cached block fits) triggers GC first.
+  REQUIRE(e->allocate(64 * MiB, 0, nullptr));
+  CHECK(reserved(*e) <= 256 * static_cast<std::int64_t>(MiB) + 64 * static_cast<std::int64_t>(MiB));
+  require_consistent(*e);
+}
+
+TEST_CASE("fragless: re-backs free pages from holes instead of creating memory", "[fragless]") {
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  auto e = make_engine(spec);
+  // A pattern that fragments: interleaved 3 MiB blocks, free every other one, then ask for 8 MiB.
+  std::vector<void*> ptrs;
+  for (int i = 0; i < 20; ++i) ptrs.push_back(e->allocate(3 * MiB, 0, nullptr));
+  for (int i = 0; i < 20; i += 2) REQUIRE(e->free(ptrs[static_cast<std::size_t>(i)]) == Status::ok);
+  const auto before = reserved(*e);
+  const auto creates_before = e->driver_counters()[DriverCall::create];
+  for (int i = 0; i < 2; ++i) REQUIRE(e->allocate(8 * MiB, 0, nullptr));
+  CHECK(reserved(*e) == before);  // whole free pages in the holes backed the new blocks
+  CHECK(e->driver_counters()[DriverCall::create] == creates_before);
+  CHECK(e->stats().num_forced_syncs >= 1);
+  require_consistent(*e);
+}
