@@ -29,11 +29,10 @@ TEST_CASE("config: defaults and simple keys", "[config]") {
   CHECK(o.policy == PolicyKind::classic);
   CHECK(o.max_split_size == 128u << 20);
   CHECK(o.garbage_collection_threshold == Approx(0.6));
-  o = ok("driver:sim,capacity_mb:2048,page_size_mb:4,trace:/tmp/t-%p-%d.fgt");
+  o = ok("driver:sim,capacity_mb:2048,page_size_mb:4");
   CHECK(o.driver == DriverKind::sim);
   CHECK(o.capacity == 2048u << 20);
   CHECK(o.page_size == 4u << 20);
-  CHECK(o.trace_path == "/tmp/t-%p-%d.fgt");
   CHECK(ok("per_process_memory_fraction:0.5").per_process_memory_fraction == Approx(0.5));
   CHECK(ok("max_non_split_rounding_mb:1024").max_non_split_rounding_size == 1024u << 20);
 }

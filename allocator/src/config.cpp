@@ -29,10 +29,10 @@ const char* driver_kind_name(DriverKind d) {
 namespace {
 
 constexpr OptionInfo kOptions[] = {
-    {"policy", "classic | expandable | fragless", "fragless",
+    {"policy", "classic, expandable or fragless", "fragless",
      "How address space and physical pages back blocks: PyTorch's native behaviour, PyTorch's "
      "expandable_segments, or fragless's re-backing policy."},
-    {"expandable_segments", "True | False", "False",
+    {"expandable_segments", "True or False", "False",
      "PyTorch's key: True selects the expandable policy unless `policy` is also given."},
     {"max_split_size_mb", "integer >= 20 (MiB)", "unlimited",
      "Blocks this large or larger are never split; smaller requests never take them (PyTorch's semantics)."},
@@ -45,14 +45,11 @@ constexpr OptionInfo kOptions[] = {
      "(classic policy)."},
     {"per_process_memory_fraction", "number in [0, 1]", "1",
      "Cap on physical memory this process may reserve, as a fraction of the device's total."},
-    {"driver", "cuda | host | sim", "cuda",
+    {"driver", "cuda, host or sim", "cuda",
      "Backend: the real CUDA driver, host memory with cuMemMap semantics, or the counting simulator."},
     {"page_size_mb", "power of two >= 1 (MiB)", "2", "Page (granularity) of the host and sim drivers."},
     {"capacity_mb", "integer >= 1 (MiB)", "host 4096, sim 81920",
      "Physical memory of one host or sim device; creating beyond it fails as out of memory."},
-    {"trace", "file path (may hold %p, %d, %r)", "(off)",
-     "Write every allocation event to this file in fragless's trace format: %p pid, %d device, "
-     "%r rank from RANK."},
 };
 
 struct Tokenizer {
@@ -191,8 +188,6 @@ class Parser {
       if (!parse_uint(v, &n) || n == 0 || n > (std::size_t{1} << 30))
         return err(bad_value(key, v, "an integer number of MiB between 1 and 2^30"));
       o_.capacity = n << 20;
-    } else if (key == "trace") {
-      o_.trace_path = v;
     } else {
       return err("FRAGLESS_CONF: unknown key '" + key + "' (accepted keys: " + accepted_keys() + ")");
     }

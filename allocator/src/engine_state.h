@@ -22,6 +22,7 @@
 
 #include "fragless/engine.h"
 #include "fragless/rounding.h"
+#include "spin_mutex.h"
 
 namespace fragless {
 
@@ -120,7 +121,7 @@ struct DeviceEngine::State {
   State(const Options& o, std::unique_ptr<Driver> d);
   ~State();
 
-  std::mutex mu;
+  SpinMutex mu;  // one lock per device, never recursive
   Options opts;
   std::unique_ptr<Driver> driver;
   std::unique_ptr<Policy> policy;

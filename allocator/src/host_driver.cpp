@@ -216,6 +216,12 @@ class HostDriver final : public Driver {
     }
     if (mprotect(reinterpret_cast<void*>(va), size, PROT_READ | PROT_WRITE) != 0)
       return fail(std::string("set_access: mprotect: ") + std::strerror(errno), Status::driver_error);
+    // Fault the page tables in with one call, as a GPU mapping is ready once access is set (far cheaper than
+    // a page fault per 4 KiB on first touch). Best effort: older kernels lack MADV_POPULATE_WRITE.
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+    madvise(reinterpret_cast<void*>(va), size, MADV_POPULATE_WRITE);
     for (Mapping* m : touched) m->accessible = true;
     return Status::ok;
   }

@@ -43,7 +43,14 @@ class FraglessPolicy final : public GrowablePolicy {
   std::size_t page_size(bool) const override { return page_; }
 
   Status map_pages(Segment& seg, std::size_t first, std::size_t n) override {
-    if (idle_.size() < n) reclaim(n - idle_.size());
+    if (idle_.size() < n && s_.total_reserved + (n - idle_.size()) * page_ > budget(n)) {
+      auto cands = reclaim_candidates();
+      std::size_t reclaimable = 0;
+      for (const auto& c : cands) reclaimable += c.hi - c.lo;
+      // Touch nothing when even everything together cannot succeed: the retry chain takes over.
+      if (idle_.size() + reclaimable + creatable_pages() < n) return Status::out_of_memory;
+      reclaim(std::move(cands), n - idle_.size());
+    }
     if (idle_.size() < n) {
       if (Status st = create_pages(n - idle_.size()); st != Status::ok) return st;
     }
@@ -120,6 +127,8 @@ class FraglessPolicy final : public GrowablePolicy {
   Status create_pages(std::size_t missing) {
     const std::size_t growth = std::clamp<std::size_t>(s_.total_reserved / 128 / page_, 1, (64u << 20) / page_);
     std::size_t pages = std::max(missing, growth);
+    const std::size_t room = budget(missing) > s_.total_reserved ? (budget(missing) - s_.total_reserved) / page_ : 0;
+    pages = std::max(missing, std::min(pages, room));
     if (!s_.capacity_allows(pages * page_)) pages = missing;
     if (!s_.capacity_allows(pages * page_)) return Status::out_of_memory;
     PhysHandle h = 0;
@@ -157,10 +166,22 @@ class FraglessPolicy final : public GrowablePolicy {
     emit(s_, TraceAction::phys_create, 0, 0, pages * page_, pages * page_);
   }
 
-  // Unmaps up to `want` whole free pages from holes of the default pool (never from the run being grown),
-  // largest holes first, so their physical memory can back the request instead of new memory.
-  void reclaim(std::size_t want) {
-    struct Candidate { Block* b; std::size_t lo, hi; };
+  struct Candidate { Block* b; std::size_t lo, hi; };
+
+  // Note [Reserve budget]
+  // Re-backing costs driver calls and a stream synchronisation; creating memory raises reserved. We create
+  // freely while reserved stays within kSlack of the highest live footprint seen (counting the request),
+  // and re-back from holes only beyond that. Peak reserved therefore stays within about kSlack of peak
+  // live (plus partial pages at hole edges), while a workload that grows steadily never pays for reclaim.
+  static constexpr std::size_t kSlackDivisor = 64;  // 1/64 = 1.6%
+  std::size_t budget(std::size_t pages_needed) const {
+    const auto live = static_cast<std::size_t>(std::max<std::int64_t>(
+        s_.stats.live_bytes.peak, s_.stats.live_bytes.current + static_cast<std::int64_t>(pages_needed * page_)));
+    return live + live / kSlackDivisor;
+  }
+
+  // Whole free pages in holes of the default pool, outside the run being grown.
+  std::vector<Candidate> reclaim_candidates() {
     std::vector<Candidate> cands;
     for (BlockPool* bp : {&s_.default_pools.large, &s_.default_pools.small})
       for (Block* b : bp->blocks) {
@@ -169,6 +190,22 @@ class FraglessPolicy final : public GrowablePolicy {
         if (b->ptr < run_hi_ && b->ptr + b->size > run_lo_) continue;
         cands.push_back({b, lo, hi});
       }
+    return cands;
+  }
+
+  // Pages that could still be created within the device's free memory and the memory fraction.
+  std::size_t creatable_pages() {
+    std::size_t free_b = 0, total_b = 0;
+    s_.driver->memory_info(&free_b, &total_b);
+    if (s_.allowed_memory_maximum)
+      free_b = std::min(free_b, s_.allowed_memory_maximum > s_.total_reserved
+                                    ? s_.allowed_memory_maximum - s_.total_reserved : 0);
+    return free_b / page_;
+  }
+
+  // Unmaps up to `want` whole free pages from the candidates, largest holes first, so their physical
+  // memory can back the request instead of new memory.
+  void reclaim(std::vector<Candidate> cands, std::size_t want) {
     if (cands.empty()) return;
     std::sort(cands.begin(), cands.end(),
               [](const Candidate& a, const Candidate& b) { return a.hi - a.lo > b.hi - b.lo; });
@@ -178,6 +215,7 @@ class FraglessPolicy final : public GrowablePolicy {
       got += cands[n].hi - cands[n].lo;
       streams.insert(cands[n].b->stream);
     }
+    // Unmapping is not stream-ordered: the holes' streams must have finished their queued work.
     for (Stream st : streams) s_.forced_sync(st);
     std::size_t left = want;
     for (std::size_t i = 0; i < n && left > 0; ++i) {

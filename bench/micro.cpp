@@ -1,0 +1,117 @@
+// Micro-benchmarks (Google Benchmark): cache-hit malloc+free pairs over a training-like size mix, one and
+// two threads, for each policy; the same mix through mimalloc as the reference floor; the growth path on
+// the sim driver.
+#include <benchmark/benchmark.h>
+#include <mimalloc.h>
+
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "fragless/engine.h"
+#include "fragless/sim_driver.h"
+
+using namespace fragless;
+
+namespace {
+
+// A training-like mix: many small tensors (biases, norms), activations of 1–40 MiB, all multiples of 512 B.
+std::vector<std::size_t> size_mix() {
+  std::mt19937_64 rng(42);
+  std::vector<std::size_t> sizes;
+  for (int i = 0; i < 1024; ++i) {
+    const int k = static_cast<int>(rng() % 10);
+    std::size_t s;
+    if (k < 4) s = 512 * (1 + rng() % 64);               // up to 32 KiB
+    else if (k < 6) s = 4096 * (1 + rng() % 256);        // up to 1 MiB
+    else if (k < 9) s = (1u << 20) * (1 + rng() % 16);   // 1–16 MiB
+    else s = (1u << 20) * (16 + rng() % 24);             // 16–40 MiB
+    sizes.push_back(s);
+  }
+  return sizes;
+}
+
+std::unique_ptr<DeviceEngine> engine(PolicyKind p) {
+  Options o;
+  o.policy = p;
+  o.driver = DriverKind::sim;
+  SimDriverOptions so;
+  so.capacity = 64ull << 30;
+  return std::make_unique<DeviceEngine>(o, make_sim_driver(so));
+}
+
+DeviceEngine* shared_engine(PolicyKind p) {
+  static std::unique_ptr<DeviceEngine> engines[3];
+  auto& e = engines[static_cast<int>(p)];
+  if (!e) e = engine(p);
+  return e.get();
+}
+
+// Cache hits: the working set (64 live blocks) is allocated once; each iteration frees one block and
+// allocates the same size again on the same stream, which best fit serves from the cache.
+void BM_CacheHitPair(benchmark::State& state) {
+  const auto policy = static_cast<PolicyKind>(state.range(0));
+  DeviceEngine* e = shared_engine(policy);
+  const auto sizes = size_mix();
+  const Stream stream = static_cast<Stream>(state.thread_index() + 1);
+  std::vector<void*> live(64);
+  std::vector<std::size_t> live_size(64);
+  for (std::size_t i = 0; i < live.size(); ++i) {
+    live_size[i] = sizes[(i * 7 + static_cast<std::size_t>(state.thread_index()) * 13) % sizes.size()];
+    live[i] = e->allocate(live_size[i], stream, nullptr);
+  }
+  std::size_t i = 0;
+  for (auto _ : state) {
+    const std::size_t k = i++ & 63;
+    e->free(live[k]);
+    live[k] = e->allocate(live_size[k], stream, nullptr);
+    benchmark::DoNotOptimize(live[k]);
+  }
+  for (void* p : live) e->free(p);
+  state.SetLabel(policy_name(policy));
+}
+BENCHMARK(BM_CacheHitPair)->Arg(0)->Arg(1)->Arg(2)->Threads(1)->Threads(2)->UseRealTime();
+
+// The same pairs through mimalloc: a general-purpose allocator's floor for the same bookkeeping.
+void BM_MimallocPair(benchmark::State& state) {
+  const auto sizes = size_mix();
+  std::vector<void*> live(64);
+  std::vector<std::size_t> live_size(64);
+  for (std::size_t i = 0; i < live.size(); ++i) {
+    live_size[i] = sizes[(i * 7 + static_cast<std::size_t>(state.thread_index()) * 13) % sizes.size()];
+    live[i] = mi_malloc(live_size[i]);
+  }
+  std::size_t i = 0;
+  for (auto _ : state) {
+    const std::size_t k = i++ & 63;
+    mi_free(live[k]);
+    live[k] = mi_malloc(live_size[k]);
+    benchmark::DoNotOptimize(live[k]);
+  }
+  for (void* p : live) mi_free(p);
+  state.SetLabel("mimalloc");
+}
+BENCHMARK(BM_MimallocPair)->Threads(1)->Threads(2)->UseRealTime();
+
+// Growth: every iteration builds a fresh engine and allocates a step's worth of new memory, so each
+// request goes down the slow path (segments, pages, physical memory) on the sim driver.
+void BM_GrowthPath(benchmark::State& state) {
+  const auto policy = static_cast<PolicyKind>(state.range(0));
+  const auto sizes = size_mix();
+  std::int64_t allocs = 0;
+  for (auto _ : state) {
+    auto e = engine(policy);
+    for (std::size_t s : sizes) benchmark::DoNotOptimize(e->allocate(s, 0, nullptr));
+    allocs += static_cast<std::int64_t>(sizes.size());
+    state.PauseTiming();
+    e.reset();
+    state.ResumeTiming();
+  }
+  state.SetItemsProcessed(allocs);
+  state.SetLabel(policy_name(policy));
+}
+BENCHMARK(BM_GrowthPath)->Arg(0)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();

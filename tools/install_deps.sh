@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Installs the Debian packages fragless builds and tests with, when any is missing (idempotent).
+set -euo pipefail
+packages=(g++ cmake make catch2 libbenchmark-dev libmimalloc-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
