@@ -19,7 +19,7 @@ TEST_CASE("round_size follows PyTorch's rules", "[rounding]") {
   CHECK(round_size(4u << 20, o) == 4u << 20);           // powers of two unchanged
 }
 
-TEST_CASE("division table lookup covers [2^i MiB, 2^(i+1) MiB)", "[rounding]") {
+TEST_CASE("division table lookup covers 2^i MiB up to 2^(i+1) MiB", "[rounding]") {
   Options o;
   o.roundup_power2_divisions[0] = 2;
   o.roundup_power2_divisions[1] = 8;

@@ -1,0 +1,277 @@
+#include "pickle.h"
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+namespace fragless::formats {
+
+const PyValue* PyValue::get(std::string_view key) const {
+  if (type != Type::dict) return nullptr;
+  for (const auto& [k, v] : entries)
+    if (k->type == Type::str && k->s == key) return v.get();
+  return nullptr;
+}
+
+namespace {
+
+constexpr std::uint32_t kMaxDepth = 512;
+
+class Unpickler {
+ public:
+  explicit Unpickler(std::string_view d) : d_(d) {}
+
+  PickleResult run() {
+    PickleResult r;
+    arena_ = r.arena.get();
+    try {
+      r.value = loop();
+    } catch (const Error& e) {
+      r.value = nullptr;
+      r.error = e.what;
+    }
+    return r;
+  }
+
+ private:
+  struct Error { std::string what; };
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw Error{"pickle: " + what + " at byte " + std::to_string(op_pos_)};
+  }
+
+  std::uint8_t byte() {
+    if (pos_ >= d_.size()) fail("input ends inside an instruction (truncated file)");
+    return static_cast<std::uint8_t>(d_[pos_++]);
+  }
+  std::string_view take(std::uint64_t n) {
+    if (n > d_.size() - pos_) fail("declared length " + std::to_string(n) + " runs past the end of the input");
+    auto v = d_.substr(pos_, n);
+    pos_ += n;
+    return v;
+  }
+  std::uint64_t le(int n) {
+    auto b = take(static_cast<std::uint64_t>(n));
+    std::uint64_t v = 0;
+    for (int i = n - 1; i >= 0; --i) v = v << 8 | static_cast<std::uint8_t>(b[static_cast<std::size_t>(i)]);
+    return v;
+  }
+  std::string_view line() {
+    const auto nl = d_.find('\n', pos_);
+    if (nl == std::string_view::npos) fail("input ends inside a text argument (truncated file)");
+    auto v = d_.substr(pos_, nl - pos_);
+    pos_ = nl + 1;
+    return v;
+  }
+
+  PyRef make(PyValue::Type t) {
+    auto v = std::make_shared<PyValue>();
+    v->type = t;
+    if (t == PyValue::Type::list || t == PyValue::Type::tuple || t == PyValue::Type::dict ||
+        t == PyValue::Type::set)
+      arena_->containers.push_back(v);
+    return v;
+  }
+  PyRef make_int(std::int64_t i) {
+    auto v = make(PyValue::Type::integer);
+    v->i = i;
+    return v;
+  }
+  PyRef make_str(std::string_view s, PyValue::Type t = PyValue::Type::str) {
+    auto v = make(t);
+    v->s = std::string(s);
+    return v;
+  }
+  // Signed little-endian integer of n bytes (LONG1/LONG4).
+  PyRef make_long(std::string_view b) {
+    if (b.empty()) return make_int(0);
+    if (b.size() > 8) fail("integer wider than 64 bits");
+    std::uint64_t v = 0;
+    for (std::size_t i = b.size(); i-- > 0;) v = v << 8 | static_cast<std::uint8_t>(b[i]);
+    if (b.size() < 8 && (static_cast<std::uint8_t>(b.back()) & 0x80)) v |= ~std::uint64_t{0} << (8 * b.size());
+    return make_int(static_cast<std::int64_t>(v));
+  }
+
+  void push(PyRef v) { stack_.push_back(std::move(v)); }
+  PyRef pop() {
+    if (stack_.size() <= mark_base()) fail("stack underflow");
+    auto v = std::move(stack_.back());
+    stack_.pop_back();
+    return v;
+  }
+  PyRef& top() {
+    if (stack_.size() <= mark_base()) fail("stack underflow");
+    return stack_.back();
+  }
+  std::size_t mark_base() const { return marks_.empty() ? 0 : marks_.back(); }
+  std::vector<PyRef> pop_mark() {
+    if (marks_.empty()) fail("no MARK for this instruction");
+    const std::size_t m = marks_.back();
+    marks_.pop_back();
+    std::vector<PyRef> out(std::make_move_iterator(stack_.begin() + static_cast<std::ptrdiff_t>(m)),
+                           std::make_move_iterator(stack_.end()));
+    stack_.resize(m);
+    return out;
+  }
+  void add_child(PyValue& parent, const PyRef& child) {
+    if (child->depth + 1 > kMaxDepth) fail("nesting deeper than " + std::to_string(kMaxDepth));
+    if (child->depth + 1 > parent.depth) parent.depth = child->depth + 1;
+  }
+  void append(PyRef& container, std::vector<PyRef> items) {
+    if (container->type != PyValue::Type::list && container->type != PyValue::Type::set)
+      fail("APPEND/ADDITEMS to something that is not a list or set");
+    for (auto& it : items) {
+      add_child(*container, it);
+      container->items.push_back(std::move(it));
+    }
+  }
+  void set_items(PyRef& dict, std::vector<PyRef> kv) {
+    if (dict->type != PyValue::Type::dict) fail("SETITEM(S) on something that is not a dict");
+    if (kv.size() % 2) fail("SETITEMS with an odd number of values");
+    for (std::size_t i = 0; i < kv.size(); i += 2) {
+      add_child(*dict, kv[i]);
+      add_child(*dict, kv[i + 1]);
+      dict->entries.emplace_back(std::move(kv[i]), std::move(kv[i + 1]));
+    }
+  }
+  PyRef tuple(std::vector<PyRef> items) {
+    auto t = make(PyValue::Type::tuple);
+    for (auto& it : items) add_child(*t, it);
+    t->items = std::move(items);
+    return t;
+  }
+  void memo_put(std::uint64_t idx) {
+    if (idx > (1u << 26)) fail("memo index too large");
+    if (memo_.size() <= idx) memo_.resize(idx + 1);
+    memo_[idx] = top();
+  }
+  PyRef memo_get(std::uint64_t idx) {
+    if (idx >= memo_.size() || !memo_[idx]) fail("memo index " + std::to_string(idx) + " not defined");
+    return memo_[idx];
+  }
+
+  PyRef loop() {
+    for (;;) {
+      op_pos_ = pos_;
+      const std::uint8_t op = byte();
+      switch (op) {
+        case 0x80: if (byte() > 5) fail("unsupported pickle protocol"); break;  // PROTO
+        case 0x95: le(8); break;                                                 // FRAME (length is advisory)
+        case '.': {                                                              // STOP
+          auto v = pop();
+          if (!stack_.empty() || !marks_.empty()) fail("STOP with items left on the stack");
+          return v;
+        }
+        case '(': marks_.push_back(stack_.size()); break;                        // MARK
+        case '0': pop(); break;                                                  // POP
+        case '1': pop_mark(); break;                                             // POP_MARK
+        case '2': push(top()); break;                                            // DUP
+        case 'N': push(make(PyValue::Type::none)); break;
+        case 0x88: case 0x89: {                                                  // NEWTRUE / NEWFALSE
+          auto v = make(PyValue::Type::boolean);
+          v->i = op == 0x88;
+          push(v);
+          break;
+        }
+        case 'K': push(make_int(byte())); break;                                 // BININT1
+        case 'M': push(make_int(static_cast<std::int64_t>(le(2)))); break;      // BININT2
+        case 'J': push(make_int(static_cast<std::int32_t>(le(4)))); break;      // BININT
+        case 0x8a: { const auto n = byte(); push(make_long(take(n))); break; }  // LONG1
+        case 0x8b: push(make_long(take(le(4)))); break;                          // LONG4
+        case 'I': case 'L': {                                                    // INT / LONG (text)
+          std::string t(line());
+          if (!t.empty() && t.back() == 'L') t.pop_back();
+          if (t == "01" || t == "00") { auto v = make(PyValue::Type::boolean); v->i = t == "01"; push(v); break; }
+          char* end = nullptr;
+          errno = 0;
+          const long long v = std::strtoll(t.c_str(), &end, 10);
+          if (t.empty() || errno || end != t.c_str() + t.size()) fail("bad integer literal");
+          push(make_int(v));
+          break;
+        }
+        case 'G': {                                                              // BINFLOAT (big-endian)
+          auto b = take(8);
+          std::uint64_t u = 0;
+          for (char c : b) u = u << 8 | static_cast<std::uint8_t>(c);
+          auto v = make(PyValue::Type::real);
+          std::memcpy(&v->f, &u, 8);
+          push(v);
+          break;
+        }
+        case 'F': {                                                              // FLOAT (text)
+          std::string t(line());
+          char* end = nullptr;
+          auto v = make(PyValue::Type::real);
+          v->f = std::strtod(t.c_str(), &end);
+          if (t.empty() || end != t.c_str() + t.size()) fail("bad float literal");
+          push(v);
+          break;
+        }
+        case 0x8c: { const auto n = byte(); push(make_str(take(n))); break; }    // SHORT_BINUNICODE
+        case 'X': push(make_str(take(le(4)))); break;                            // BINUNICODE
+        case 0x8d: push(make_str(take(le(8)))); break;                           // BINUNICODE8
+        case 'V': push(make_str(line())); break;                                 // UNICODE (raw-escaped)
+        case 'U': { const auto n = byte(); push(make_str(take(n))); break; }     // SHORT_BINSTRING
+        case 'T': push(make_str(take(le(4)))); break;                            // BINSTRING
+        case 'S': push(make_str(line())); break;                                 // STRING (quoted repr)
+        case 'C': { const auto n = byte(); push(make_str(take(n), PyValue::Type::bytes)); break; }
+        case 'B': push(make_str(take(le(4)), PyValue::Type::bytes)); break;
+        case 0x8e: case 0x96: push(make_str(take(le(8)), PyValue::Type::bytes)); break;  // BINBYTES8 / BYTEARRAY8
+        case '}': push(make(PyValue::Type::dict)); break;
+        case ']': push(make(PyValue::Type::list)); break;
+        case ')': push(make(PyValue::Type::tuple)); break;
+        case 0x8f: push(make(PyValue::Type::set)); break;                        // EMPTY_SET
+        case 'd': { auto kv = pop_mark(); auto dct = make(PyValue::Type::dict); set_items(dct, std::move(kv)); push(dct); break; }
+        case 'l': { auto it = pop_mark(); auto lst = make(PyValue::Type::list); append(lst, std::move(it)); push(lst); break; }
+        case 't': push(tuple(pop_mark())); break;
+        case 0x91: { auto it = pop_mark(); auto st = make(PyValue::Type::set); append(st, std::move(it)); push(st); break; }  // FROZENSET
+        case 0x85: { auto a = pop(); push(tuple({a})); break; }
+        case 0x86: { auto b = pop(); auto a = pop(); push(tuple({a, b})); break; }
+        case 0x87: { auto c = pop(); auto b = pop(); auto a = pop(); push(tuple({a, b, c})); break; }
+        case 'a': { auto v = pop(); append(top(), {v}); break; }                 // APPEND
+        case 'e': { auto it = pop_mark(); append(top(), std::move(it)); break; } // APPENDS
+        case 0x90: { auto it = pop_mark(); append(top(), std::move(it)); break; } // ADDITEMS
+        case 's': { auto v = pop(); auto k = pop(); set_items(top(), {k, v}); break; }  // SETITEM
+        case 'u': { auto kv = pop_mark(); set_items(top(), std::move(kv)); break; }     // SETITEMS
+        case 0x94: memo_put(memo_.size()); break;                                // MEMOIZE
+        case 'q': memo_put(byte()); break;                                       // BINPUT
+        case 'r': memo_put(le(4)); break;                                        // LONG_BINPUT
+        case 'p': memo_put(std::strtoull(std::string(line()).c_str(), nullptr, 10)); break;  // PUT
+        case 'h': push(memo_get(byte())); break;                                 // BINGET
+        case 'j': push(memo_get(le(4))); break;                                  // LONG_BINGET
+        case 'g': push(memo_get(std::strtoull(std::string(line()).c_str(), nullptr, 10))); break;  // GET
+        case 'c': fail("refused GLOBAL: the file asks to import a Python object; only data is accepted");
+        case 0x93: fail("refused STACK_GLOBAL: the file asks to import a Python object; only data is accepted");
+        case 'R': fail("refused REDUCE: the file asks to call a Python object; only data is accepted");
+        case 'b': fail("refused BUILD: the file asks to set an object's state; only data is accepted");
+        case 'i': fail("refused INST: the file asks to build a Python object; only data is accepted");
+        case 'o': fail("refused OBJ: the file asks to build a Python object; only data is accepted");
+        case 0x81: fail("refused NEWOBJ: the file asks to build a Python object; only data is accepted");
+        case 0x92: fail("refused NEWOBJ_EX: the file asks to build a Python object; only data is accepted");
+        case 0x82: case 0x83: case 0x84: fail("refused EXT: the file refers to a registered extension object");
+        case 'P': case 'Q': fail("refused PERSID: the file refers to a persistent object");
+        case 0x97: case 0x98: fail("refused out-of-band buffer: only in-band data is accepted");
+        default: {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "0x%02x", op);
+          fail(std::string("unknown opcode ") + buf);
+        }
+      }
+      if (stack_.size() > (std::size_t{1} << 26)) fail("stack too large");
+    }
+  }
+
+  std::string_view d_;
+  std::size_t pos_ = 0, op_pos_ = 0;
+  std::vector<PyRef> stack_;
+  std::vector<std::size_t> marks_;
+  std::vector<PyRef> memo_;
+  PickleArena* arena_ = nullptr;
+};
+
+}  // namespace
+
+PickleResult read_pickle(std::string_view data) { return Unpickler(data).run(); }
+
+}  // namespace fragless::formats

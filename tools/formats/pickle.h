@@ -1,0 +1,56 @@
+// A pickle reader that accepts data only.
+//
+// Understands protocols 0–5 for dicts, lists, tuples, sets, str, bytes, int, float, bool, None, the memo
+// and frames. Every opcode that could build an object or run code (GLOBAL, STACK_GLOBAL, REDUCE, BUILD,
+// INST, OBJ, NEWOBJ, NEWOBJ_EX, EXT*, PERSID, BINPERSID, buffers) is refused with an error naming it and
+// its offset: nothing from the input is ever executed or looked up. Bounded: nesting depth, declared
+// lengths (checked against the bytes left) and integer widths are limited.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace fragless::formats {
+
+struct PyValue;
+using PyRef = std::shared_ptr<PyValue>;
+
+struct PyValue {
+  enum class Type { none, boolean, integer, real, str, bytes, list, tuple, dict, set } type = Type::none;
+  std::int64_t i = 0;
+  double f = 0;
+  std::string s;                                // str (UTF-8) and bytes
+  std::vector<PyRef> items;                     // list, tuple, set
+  std::vector<std::pair<PyRef, PyRef>> entries; // dict, insertion order
+  std::uint32_t depth = 1;
+
+  // Dict lookup by string key (nullptr if absent or not a dict).
+  const PyValue* get(std::string_view key) const;
+  bool is_number() const { return type == Type::integer || type == Type::real || type == Type::boolean; }
+  std::int64_t as_int() const { return type == Type::real ? static_cast<std::int64_t>(f) : i; }
+};
+
+// Owns every container read, and empties them all when destroyed: a hostile file cannot leak memory
+// through reference cycles built with the memo, and destruction never recurses deeply.
+struct PickleArena {
+  std::vector<PyRef> containers;
+  ~PickleArena() {
+    for (auto& c : containers) {
+      c->items.clear();
+      c->entries.clear();
+    }
+  }
+};
+
+struct PickleResult {
+  PyRef value;        // null on error
+  std::string error;  // names the problem and the byte offset
+  std::shared_ptr<PickleArena> arena = std::make_shared<PickleArena>();  // declared last: destroyed first
+};
+
+PickleResult read_pickle(std::string_view data);
+
+}  // namespace fragless::formats
