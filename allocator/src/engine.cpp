@@ -591,6 +591,12 @@ DeviceStats DeviceEngine::stats() {
   return s_->stats;
 }
 
+DeviceEngine::Usage DeviceEngine::usage() {
+  std::lock_guard lk(s_->mu);
+  return {s_->stats.allocated_bytes.all().current, s_->stats.reserved_bytes.all().current,
+          s_->stats.live_bytes.current};
+}
+
 void DeviceEngine::reset_peak_stats() {
   std::lock_guard lk(s_->mu);
   s_->stats.reset_peaks();

@@ -85,6 +85,9 @@ class DeviceEngine {
   void release_pool(PoolId id);
 
   DeviceStats stats();
+  // Current allocated, reserved and live bytes: a cheap subset of stats() for per-event sampling.
+  struct Usage { std::int64_t allocated = 0, reserved = 0, live = 0; };
+  Usage usage();
   void reset_peak_stats();
   void reset_accumulated_stats();
   std::vector<SegmentInfo> snapshot();

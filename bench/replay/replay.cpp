@@ -1,0 +1,104 @@
+#include "replay.h"
+
+#include <chrono>
+#include <unordered_map>
+
+#include "fragless/engine.h"
+#include "fragless/sim_driver.h"
+
+namespace fragless::replay {
+
+ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, std::uint64_t capacity) {
+  ReplayResult r;
+  r.input = t.source;
+  r.device = device;
+  r.policy = policy;
+  if (static_cast<std::size_t>(device) < t.recorded_peak_reserved.size())
+    r.pytorch_recorded_peak_reserved = t.recorded_peak_reserved[static_cast<std::size_t>(device)];
+  Options o;
+  o.policy = policy;
+  o.driver = DriverKind::sim;
+  SimDriverOptions so;
+  so.device = device;
+  so.capacity = capacity ? capacity : (80ull << 30);
+  DeviceEngine e(o, make_sim_driver(so));
+  std::unordered_map<std::uint64_t, void*> ptrs;  // trace address -> replayed block
+  ptrs.reserve(t.events.size() / 2 + t.seed.size());
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const auto& s : t.seed) {
+    if (s.device != device) continue;
+    void* p = e.allocate(s.size, s.stream, nullptr);
+    if (!p) {
+      r.error = t.source + ": the memory live before the window does not fit the capacity";
+      return r;
+    }
+    ptrs[s.address] = p;
+  }
+  e.reset_driver_counters();  // the window's driver calls only
+  const auto seed_syncs = e.stats().num_forced_syncs;
+  double allocated_integral = 0, reserved_integral = 0;
+  std::int64_t last_time = -1, first_time = -1;
+  DeviceEngine::Usage u = e.usage();
+  std::size_t index = 0;
+  for (const auto& ev : t.events) {
+    ++index;
+    if (ev.device != device) continue;
+    ++r.events;
+    // Time-weighted integrals: trace time where recorded, else one unit per event.
+    double dt = 1;
+    if (ev.time_us >= 0) {
+      if (first_time < 0) first_time = ev.time_us;
+      dt = last_time < 0 ? 0 : static_cast<double>(ev.time_us - last_time);
+      last_time = ev.time_us;
+    }
+    allocated_integral += static_cast<double>(u.allocated) * dt;
+    reserved_integral += static_cast<double>(u.reserved) * dt;
+    switch (ev.op) {
+      case formats::Op::alloc: {
+        AllocError err;
+        void* p = e.allocate(ev.size, ev.stream, &err);
+        if (!p && ev.size) {
+          if (!capacity || err.status != Status::out_of_memory) {
+            r.error = t.source + ": event " + std::to_string(index) + ": " + err.message;
+            return r;
+          }
+          ++r.ooms;
+          continue;
+        }
+        ptrs[ev.address] = p;
+        break;
+      }
+      case formats::Op::free: {
+        auto it = ptrs.find(ev.address);
+        if (it == ptrs.end()) {
+          if (capacity) continue;  // its allocation failed with OOM
+          r.error = t.source + ": event " + std::to_string(index) + ": free of an address never allocated";
+          return r;
+        }
+        e.free(it->second);
+        ptrs.erase(it);
+        break;
+      }
+      case formats::Op::empty_cache: e.empty_cache(); break;
+      case formats::Op::segment_alloc:
+      case formats::Op::segment_free: break;  // what PyTorch did; not an instruction to us
+    }
+    u = e.usage();
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  const DeviceStats st = e.stats();
+  r.peak_live = st.live_bytes.peak;
+  r.peak_allocated = st.allocated_bytes.all().peak;
+  r.peak_reserved = st.reserved_bytes.all().peak;
+  r.fragmentation_at_peak = st.fragmentation_at_peak();
+  r.overhead_over_live = st.overhead_over_live();
+  r.time_weighted_fragmentation = reserved_integral > 0 ? 1.0 - allocated_integral / reserved_integral : 0.0;
+  r.driver = e.driver_counters();
+  r.forced_syncs = st.num_forced_syncs - seed_syncs;
+  if (t.has_time && last_time >= 0) r.trace_duration_us = static_cast<double>(last_time - first_time);
+  r.replay_seconds = std::chrono::duration<double>(t1 - t0).count();
+  r.events_per_second = r.replay_seconds > 0 ? static_cast<double>(r.events) / r.replay_seconds : 0;
+  return r;
+}
+
+}  // namespace fragless::replay

@@ -1,0 +1,31 @@
+// Replays a trace through one policy on the sim driver and measures it.
+#pragma once
+#include <optional>
+#include <string>
+
+#include "fragless/config.h"
+#include "fragless/driver.h"
+#include "trace_model.h"
+
+namespace fragless::replay {
+
+struct ReplayResult {
+  std::string input;
+  int device = 0;
+  PolicyKind policy = PolicyKind::fragless;
+  std::uint64_t events = 0;
+  std::int64_t peak_live = 0, peak_allocated = 0, peak_reserved = 0;
+  double fragmentation_at_peak = 0, overhead_over_live = 0, time_weighted_fragmentation = 0;
+  std::uint64_t ooms = 0;
+  DriverCounters driver;  // calls made during the window (seeding excluded)
+  std::int64_t forced_syncs = 0;
+  std::optional<double> trace_duration_us;
+  double replay_seconds = 0, events_per_second = 0;
+  std::optional<std::uint64_t> pytorch_recorded_peak_reserved;
+  std::string error;  // non-empty: the trace could not be replayed (names the position)
+};
+
+// capacity 0 = 80 GiB and OOM is an error; otherwise OOMs are counted and the replay goes on.
+ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, std::uint64_t capacity);
+
+}  // namespace fragless::replay

@@ -1,0 +1,259 @@
+#include "workload.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <random>
+#include <sstream>
+#include <vector>
+
+namespace fragless::replay {
+
+namespace {
+
+// Log-normal fits (of total tokens per request) to public traces; produced by tools/fit_seqlen.py.
+struct SeqFit { const char* name; double mu, sigma; int lo, hi; };
+constexpr SeqFit kFits[] = {
+    {"sharegpt", 7.5458, 0.9995, 11, 8149},     // microsoft/sarathi-serve ShareGPT (llama2 tokenizer)
+    {"azure-conv", 6.9092, 0.8145, 64, 14089},  // Azure LLM inference trace 2023, conversation
+    {"azure-code", 7.0581, 1.2687, 12, 7841},   // Azure LLM inference trace 2023, code
+    {"arxiv", 7.9087, 0.3694, 39, 4096},        // microsoft/vidur arXiv summarization
+};
+
+struct Config {
+  std::string name;
+  int layers = 24, d_model = 1024, heads = 16, d_ff = 4096, vocab = 10000, batch = 4, steps = 6, max_seq = 2048;
+  int dtype = 4, ckpt = 0;
+  std::uint64_t seed = 1;
+  std::string seqlen = "sharegpt";
+};
+
+class Emitter {
+ public:
+  explicit Emitter(formats::Trace* t) : t_(t) {}
+  std::uint64_t alloc(std::uint64_t bytes, bool seed = false) {
+    const std::uint64_t addr = (next_++) << 12;
+    formats::Event e;
+    e.op = formats::Op::alloc;
+    e.address = addr;
+    e.size = std::max<std::uint64_t>(bytes, 1);
+    (seed ? t_->seed : t_->events).push_back(e);
+    return addr;
+  }
+  void free(std::uint64_t addr, std::uint64_t bytes) {
+    formats::Event e;
+    e.op = formats::Op::free;
+    e.address = addr;
+    e.size = std::max<std::uint64_t>(bytes, 1);
+    t_->events.push_back(e);
+  }
+
+ private:
+  formats::Trace* t_;
+  std::uint64_t next_ = 1;
+};
+
+struct Tensor { std::uint64_t addr, bytes; };
+
+bool parse(const std::string& spec, Config* c, std::string* error) {
+  std::string rest = spec.substr(std::string("workload:").size());
+  const auto colon = rest.find(':');
+  c->name = rest.substr(0, colon);
+  if (c->name != "transformer-train" && c->name != "transformer-infer") {
+    *error = "unknown workload '" + c->name + "' (expected transformer-train or transformer-infer)";
+    return false;
+  }
+  if (colon == std::string::npos) return true;
+  std::stringstream kv(rest.substr(colon + 1));
+  std::string item;
+  const std::map<std::string, int*> ints = {{"layers", &c->layers}, {"d_model", &c->d_model}, {"heads", &c->heads},
+                                            {"d_ff", &c->d_ff}, {"vocab", &c->vocab}, {"batch", &c->batch},
+                                            {"steps", &c->steps}, {"max_seq", &c->max_seq}, {"ckpt", &c->ckpt}};
+  while (std::getline(kv, item, ',')) {
+    const auto eq = item.find('=');
+    if (eq == std::string::npos) {
+      *error = "workload option '" + item + "' is not key=value";
+      return false;
+    }
+    const std::string k = item.substr(0, eq), v = item.substr(eq + 1);
+    if (auto it = ints.find(k); it != ints.end()) {
+      char* end = nullptr;
+      const long n = std::strtol(v.c_str(), &end, 10);
+      if (v.empty() || *end || n < 0 || n > 1000000) {
+        *error = "workload option " + k + ": bad value '" + v + "'";
+        return false;
+      }
+      *it->second = static_cast<int>(n);
+    } else if (k == "seqlen") {
+      c->seqlen = v;
+    } else if (k == "seed") {
+      c->seed = std::strtoull(v.c_str(), nullptr, 10);
+    } else if (k == "dtype") {
+      if (v != "fp32" && v != "bf16") {
+        *error = "workload option dtype: expected fp32 or bf16, got '" + v + "'";
+        return false;
+      }
+      c->dtype = v == "fp32" ? 4 : 2;
+    } else {
+      *error = "unknown workload option '" + k + "'";
+      return false;
+    }
+  }
+  if (c->layers < 1 || c->d_model < 1 || c->heads < 1 || c->batch < 1 || c->steps < 1 || c->max_seq < 1) {
+    *error = "workload: layers, d_model, heads, batch, steps and max_seq must be at least 1";
+    return false;
+  }
+  return true;
+}
+
+class SeqLen {
+ public:
+  SeqLen(const Config& c, std::string* error) : rng_(c.seed), max_(c.max_seq) {
+    if (c.seqlen.rfind("fixed:", 0) == 0) {
+      fixed_ = std::atoi(c.seqlen.c_str() + 6);
+      if (fixed_ < 1) *error = "seqlen fixed:N needs N >= 1";
+      return;
+    }
+    for (const auto& f : kFits)
+      if (c.seqlen == f.name) fit_ = &f;
+    if (!fit_) *error = "unknown seqlen '" + c.seqlen + "' (sharegpt, azure-conv, azure-code, arxiv or fixed:N)";
+  }
+  int draw() {
+    if (fixed_) return std::min(fixed_, max_);
+    std::lognormal_distribution<double> d(fit_->mu, fit_->sigma);
+    const int v = static_cast<int>(std::lround(d(rng_)));
+    return std::clamp(std::clamp(v, fit_->lo, fit_->hi), 1, max_);
+  }
+
+ private:
+  std::mt19937_64 rng_;
+  int max_;
+  int fixed_ = 0;
+  const SeqFit* fit_ = nullptr;
+};
+
+void train(const Config& c, SeqLen& lens, Emitter& em) {
+  const std::uint64_t d = static_cast<std::uint64_t>(c.d_model), ff = static_cast<std::uint64_t>(c.d_ff);
+  const std::uint64_t w = static_cast<std::uint64_t>(c.dtype);
+  // Parameters (fp32 master weights), live before the first step.
+  std::vector<std::uint64_t> params = {static_cast<std::uint64_t>(c.vocab) * d * 4};
+  for (int l = 0; l < c.layers; ++l)
+    for (std::uint64_t n : {d * 4, d * d * 4, d * d * 4, d * d * 4, d * d * 4, d * 4, d * ff * 4, ff * d * 4})
+      params.push_back(n);
+  params.push_back(d * 4);
+  params.push_back(static_cast<std::uint64_t>(c.vocab) * d * 4);
+  for (auto n : params) em.alloc(n, true);
+  std::vector<Tensor> grads, adam;
+  for (int step = 0; step < c.steps; ++step) {
+    int s = 0;
+    for (int b = 0; b < c.batch; ++b) s = std::max(s, lens.draw());  // pad to the longest sequence
+    const std::uint64_t B = static_cast<std::uint64_t>(c.batch), S = static_cast<std::uint64_t>(s);
+    const std::uint64_t H = static_cast<std::uint64_t>(c.heads), act = B * S * d * w;
+    const Tensor tokens{em.alloc(B * S * 8), B * S * 8};
+    Tensor x{em.alloc(act), act};
+    std::vector<std::vector<Tensor>> saved(static_cast<std::size_t>(c.layers));
+    for (int l = 0; l < c.layers; ++l) {
+      auto& keep = saved[static_cast<std::size_t>(l)];
+      auto a = [&](std::uint64_t n) { return Tensor{em.alloc(n), n}; };
+      keep.push_back(x);                                      // layer input
+      Tensor norm1 = a(act), q = a(act), k = a(act), v = a(act);
+      Tensor scores = a(B * H * S * S * w), probs = a(B * H * S * S * w);
+      em.free(scores.addr, scores.bytes);                    // softmax output is what backward needs
+      Tensor ctx = a(act), proj = a(act), resid = a(act), norm2 = a(act);
+      Tensor h1 = a(B * S * ff * w), h2 = a(B * S * ff * w), out = a(act);
+      Tensor next = a(act);
+      for (Tensor t : {norm1, q, k, v, probs, ctx, proj, resid, norm2, h1, h2, out}) {
+        if (c.ckpt) em.free(t.addr, t.bytes); else keep.push_back(t);
+      }
+      x = next;
+    }
+    const std::uint64_t logits_bytes = B * S * static_cast<std::uint64_t>(c.vocab) * 4;
+    Tensor logits{em.alloc(logits_bytes), logits_bytes};
+    Tensor dlogits{em.alloc(logits_bytes), logits_bytes};
+    em.free(logits.addr, logits.bytes);
+    Tensor dx{em.alloc(act), act};
+    em.free(dlogits.addr, dlogits.bytes);
+    em.free(x.addr, x.bytes);
+    if (grads.empty())
+      for (auto n : params) grads.push_back({em.alloc(n), n});
+    for (int l = c.layers - 1; l >= 0; --l) {
+      auto& keep = saved[static_cast<std::size_t>(l)];
+      std::vector<Tensor> recomputed;
+      if (c.ckpt)
+        for (std::uint64_t n : {act, act, act, act, B * H * S * S * w, act, act, act, act, B * S * ff * w,
+                                B * S * ff * w, act})
+          recomputed.push_back({em.alloc(n), n});
+      Tensor g1{em.alloc(B * S * ff * w), B * S * ff * w}, g2{em.alloc(B * H * S * S * w), B * H * S * S * w};
+      Tensor ndx{em.alloc(act), act};
+      em.free(g2.addr, g2.bytes);
+      em.free(g1.addr, g1.bytes);
+      for (auto it = recomputed.rbegin(); it != recomputed.rend(); ++it) em.free(it->addr, it->bytes);
+      for (auto it = keep.rbegin(); it != keep.rend(); ++it) em.free(it->addr, it->bytes);
+      em.free(dx.addr, dx.bytes);
+      dx = ndx;
+    }
+    em.free(dx.addr, dx.bytes);
+    em.free(tokens.addr, tokens.bytes);
+    if (adam.empty())
+      for (auto n : params) {
+        adam.push_back({em.alloc(n), n});
+        adam.push_back({em.alloc(n), n});
+      }
+    for (auto n : params) {  // AdamW temporaries, one parameter at a time
+      Tensor t{em.alloc(n), n};
+      em.free(t.addr, t.bytes);
+    }
+  }
+  for (auto& g : grads) em.free(g.addr, g.bytes);
+  for (auto& a : adam) em.free(a.addr, a.bytes);
+}
+
+void infer(const Config& c, SeqLen& lens, Emitter& em) {
+  const std::uint64_t d = static_cast<std::uint64_t>(c.d_model), ff = static_cast<std::uint64_t>(c.d_ff);
+  const std::uint64_t w = static_cast<std::uint64_t>(c.dtype);
+  em.alloc(static_cast<std::uint64_t>(c.vocab) * d * w, true);
+  for (int l = 0; l < c.layers; ++l)
+    for (std::uint64_t n : {d * d * w, d * d * w, d * d * w, d * d * w, d * ff * w, ff * d * w}) em.alloc(n, true);
+  for (int step = 0; step < c.steps; ++step) {
+    int s = 0;
+    for (int b = 0; b < c.batch; ++b) s = std::max(s, lens.draw());
+    const std::uint64_t B = static_cast<std::uint64_t>(c.batch), S = static_cast<std::uint64_t>(s);
+    const std::uint64_t H = static_cast<std::uint64_t>(c.heads), act = B * S * d * w;
+    std::vector<Tensor> kv;
+    Tensor x{em.alloc(act), act};
+    for (int l = 0; l < c.layers; ++l) {
+      kv.push_back({em.alloc(act), act});  // K cache
+      kv.push_back({em.alloc(act), act});  // V cache
+      Tensor q{em.alloc(act), act}, sc{em.alloc(B * H * S * S * w), B * H * S * S * w};
+      Tensor ctx{em.alloc(act), act};
+      em.free(sc.addr, sc.bytes);
+      em.free(q.addr, q.bytes);
+      Tensor h{em.alloc(B * S * ff * w), B * S * ff * w};
+      Tensor next{em.alloc(act), act};
+      em.free(h.addr, h.bytes);
+      em.free(ctx.addr, ctx.bytes);
+      em.free(x.addr, x.bytes);
+      x = next;
+    }
+    Tensor logits{em.alloc(B * static_cast<std::uint64_t>(c.vocab) * 4), B * static_cast<std::uint64_t>(c.vocab) * 4};
+    em.free(logits.addr, logits.bytes);
+    em.free(x.addr, x.bytes);
+    for (auto& t : kv) em.free(t.addr, t.bytes);
+  }
+}
+
+}  // namespace
+
+bool make_workload(const std::string& spec, formats::Trace* out, std::string* error) {
+  Config c;
+  if (!parse(spec, &c, error)) return false;
+  SeqLen lens(c, error);
+  if (!error->empty()) return false;
+  *out = formats::Trace{};
+  out->source = spec;
+  Emitter em(out);
+  if (c.name == "transformer-train") train(c, lens, em); else infer(c, lens, em);
+  return true;
+}
+
+}  // namespace fragless::replay

@@ -1,0 +1,180 @@
+// Trace formats (safe pickle reader, PyTorch snapshots, RMM CSV) and the replay on real traces.
+#include <catch2/catch.hpp>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "pickle.h"
+#include "replay.h"
+#include "trace_model.h"
+#include "workload.h"
+
+using namespace fragless;
+using namespace fragless::formats;
+
+namespace {
+
+const std::string kData = FRAGLESS_SOURCE_DIR "/../shared/data/traces/torch";
+
+// CTest runs the [data] tests only when ../shared/data exists (and reports them skipped otherwise), so
+// a missing directory here is a failure, never a silent pass.
+bool have_data() { return std::filesystem::exists(kData); }
+
+std::string str(std::initializer_list<int> bytes) {
+  std::string s;
+  for (int b : bytes) s.push_back(static_cast<char>(b));
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("pickle: reads data and refuses anything that could run code", "[formats][bad-input]") {
+  // {'a': [1, 2.5, 'x', None, True]} at protocol 2, by hand.
+  const std::string ok = str({0x80, 2, '}', 'q', 0, 'X', 1, 0, 0, 0, 'a', ']', '(', 'K', 1, 'G', 0x40, 0x04, 0, 0, 0, 0,
+                              0, 0, 0x8c, 1, 'x', 'N', 0x88, 'e', 's', '.'});
+  auto r = read_pickle(ok);
+  INFO(r.error);
+  REQUIRE(r.value);
+  const PyValue* a = r.value->get("a");
+  REQUIRE(a);
+  REQUIRE(a->items.size() == 5);
+  CHECK(a->items[1]->f == 2.5);
+  CHECK(a->items[2]->s == "x");
+
+  const std::pair<std::string, const char*> hostile[] = {
+      {str({0x80, 2, 'c', 'o', 's', '\n', 's', 'y', 's', 't', 'e', 'm', '\n', '.'}), "GLOBAL"},
+      {str({0x80, 4, 0x8c, 1, 'o', 0x8c, 1, 's', 0x93, '.'}), "STACK_GLOBAL"},
+      {str({0x80, 2, 'N', ')', 'R', '.'}), "REDUCE"},
+      {str({0x80, 2, '}', '}', 'b', '.'}), "BUILD"},
+      {str({0x80, 2, ')', ')', 0x81, '.'}), "NEWOBJ"},
+      {str({0x80, 2, 'X', 0xff, 0xff, 0xff, 0x7f, 'a'}), "runs past the end"},
+      {str({0x80, 2, ']', 'K'}), "truncated"},
+      {str({0x80, 2, 0xfe, '.'}), "unknown opcode 0xfe"},
+      {str({0x80, 2, 'h', 7, '.'}), "memo index 7 not defined"},
+      {str({0x80, 2, 0x8a, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, '.'}), "wider than 64 bits"},
+      {str({0x80, 2, 'a', '.'}), "stack underflow"},
+  };
+  for (const auto& [bytes, want] : hostile) {
+    auto h = read_pickle(bytes);
+    INFO(want << " -> " << h.error);
+    CHECK_FALSE(h.value);
+    CHECK(h.error.find(want) != std::string::npos);
+  }
+  // Deep nesting is refused, not a stack overflow.
+  std::string deep = str({0x80, 2});
+  for (int i = 0; i < 5000; ++i) deep += ']';
+  for (int i = 0; i < 4999; ++i) deep += 'a';
+  deep += '.';
+  auto d = read_pickle(deep);
+  CHECK_FALSE(d.value);
+  CHECK(d.error.find("nesting deeper") != std::string::npos);
+  // A self-referencing list built through the memo does not leak or hang.
+  auto cyc = read_pickle(str({0x80, 2, ']', 'q', 0, 'h', 0, 'a', '.'}));
+  CHECK(cyc.value);
+}
+
+TEST_CASE("RMM CSV: reads RMM's log, rejects bad rows with file and line", "[formats][bad-input]") {
+  auto r = trace_from_rmm_csv(
+      "Thread,Time,Action,Pointer,Size,Stream\n1,12:00:00.000001,allocate,0x7f00,1048576,0\n"
+      "1,12:00:00.000003,allocate failure,(nil),99,0\n1,12:00:00.000005,free,0x7f00,1048576,0\n",
+      "log.csv");
+  REQUIRE(r.ok);
+  CHECK(r.trace.events.size() == 2);
+  CHECK(r.trace.has_time);
+  CHECK(r.trace.events[1].time_us - r.trace.events[0].time_us == 4);
+  CHECK(trace_from_rmm_csv("Thread,Time,Action,Size\n", "a.csv").error.find("missing column 'Pointer'") != std::string::npos);
+  CHECK(trace_from_rmm_csv("Action,Pointer,Size\nallocate,0xzz,5\n", "b.csv").error == "b.csv:2: bad pointer '0xzz'");
+  CHECK(trace_from_rmm_csv("Action,Pointer,Size\nallocate,0x10,-5\n", "c.csv").error.find("bad size") != std::string::npos);
+  CHECK(trace_from_rmm_csv("Action,Pointer,Size\nresize,0x10,5\n", "d.csv").error.find("unknown action 'resize'") != std::string::npos);
+  CHECK(trace_from_rmm_csv("Action,Pointer,Size\nfree,0x10,5\n", "e.csv").error.find("never allocated") != std::string::npos);
+  CHECK(trace_from_rmm_csv("Action,Pointer,Size\nallocate,0x10\n", "f.csv").error.find("expected 3 fields") != std::string::npos);
+}
+
+TEST_CASE("replay: the oracle cases as RMM logs reserve PyTorch's figures", "[replay][oracle]") {
+  auto csv = [](std::initializer_list<std::size_t> first, std::initializer_list<std::size_t> second) {
+    std::string s = "Thread,Time,Action,Pointer,Size,Stream\n";
+    std::uint64_t a = 0x1000;
+    for (auto n : first) s += "0,0,allocate,0x" + std::to_string(a++) + "," + std::to_string(n) + ",0\n";
+    if (second.size()) {
+      for (std::uint64_t k = 0x1000; k < a; ++k) s += "0,0,free,0x" + std::to_string(k) + ",0,0\n";
+      for (auto n : second) s += "0,0,allocate,0x" + std::to_string(a++) + "," + std::to_string(n) + ",0\n";
+    }
+    return s;
+  };
+  constexpr std::size_t M = 1u << 20;
+  auto peak = [&](const std::string& text, PolicyKind p) {
+    auto r = trace_from_rmm_csv(text, "case.csv");
+    INFO(r.error);
+    REQUIRE(r.ok);
+    auto res = replay::replay(r.trace, 0, p, 0);
+    REQUIRE(res.error.empty());
+    return res.peak_reserved / static_cast<std::int64_t>(M);
+  };
+  const auto c1 = csv({16 * M, 16 * M, 16 * M, 16 * M, 16 * M, 16 * M, 16 * M, 16 * M}, {32 * M, 32 * M, 32 * M, 32 * M});
+  CHECK(peak(c1, PolicyKind::classic) == 256);
+  CHECK(peak(c1, PolicyKind::expandable) == 140);
+  CHECK(peak(csv({32 * M, 32 * M, 32 * M, 32 * M}, {16 * M, 16 * M, 16 * M, 16 * M, 16 * M, 16 * M, 16 * M, 16 * M}),
+             PolicyKind::classic) == 128);
+  CHECK(peak(csv({2 * M, M / 2}, {}), PolicyKind::classic) == 22);
+  CHECK(peak(csv({2 * M, 2 * M}, {}), PolicyKind::classic) == 20);
+}
+
+TEST_CASE("snapshots: every shared PyTorch trace loads; peak live matches the reference", "[formats][replay][data]") {
+  REQUIRE(have_data());
+  std::size_t files = 0;
+  for (const auto& f : std::filesystem::directory_iterator(kData)) {
+    auto r = load_trace(f.path().string());
+    INFO(f.path() << ": " << r.error);
+    REQUIRE(r.ok);
+    ++files;
+  }
+  CHECK(files == 23);
+  // Peak live including the tensors from before the window (reference/real-data.md §10).
+  const std::pair<const char*, double> want[] = {{"cranberrii_ftcourse_memory_snapshot.pickle", 5603.9},
+                                                 {"cs336_bcrafton_484099c_memory_snapshot.pickle", 3670.9},
+                                                 {"mercuryb1_sqattn_cuda_memory_snapshot.pickle", 4149.7}};
+  for (const auto& [name, mib] : want) {
+    auto r = load_trace(kData + "/" + name);
+    REQUIRE(r.ok);
+    auto res = replay::replay(r.trace, 0, PolicyKind::fragless, 0);
+    REQUIRE(res.error.empty());
+    CHECK(static_cast<double>(res.peak_live) / (1 << 20) == Approx(mib).epsilon(0.001));
+  }
+}
+
+TEST_CASE("fidelity: classic replays of traces with segment events track PyTorch's peak reserved", "[replay][data]") {
+  REQUIRE(have_data());
+  // silmont's complete trace is an exact oracle; the others are windows within 5%.
+  const std::pair<const char*, double> cases[] = {{"cs336_silmont2000_75d09aa_mem_snapshot.pickle", 0.0},
+                                                  {"cranberrii_ftcourse_memory_snapshot.pickle", 0.05},
+                                                  {"cs336_wedsonlin_87b0864_results_medium_512_training_memory_snapshot.pickle", 0.05}};
+  for (const auto& [name, tol] : cases) {
+    auto r = load_trace(kData + "/" + name);
+    REQUIRE(r.ok);
+    auto res = replay::replay(r.trace, 0, PolicyKind::classic, 0);
+    REQUIRE(res.pytorch_recorded_peak_reserved);
+    const double ours = static_cast<double>(res.peak_reserved), theirs = static_cast<double>(*res.pytorch_recorded_peak_reserved);
+    INFO(name << ": classic " << ours / (1 << 20) << " MiB, PyTorch " << theirs / (1 << 20) << " MiB");
+    CHECK(std::abs(ours - theirs) <= tol * theirs);
+  }
+}
+
+TEST_CASE("workloads: built-in transformer steps replay through every policy", "[replay]") {
+  for (const char* spec : {"workload:transformer-train:steps=3,layers=4", "workload:transformer-infer:seqlen=azure-conv",
+                           "workload:transformer-train:seqlen=fixed:512,ckpt=1,dtype=bf16,layers=4"}) {
+    formats::Trace t;
+    std::string err;
+    REQUIRE(replay::make_workload(spec, &t, &err));
+    for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless}) {
+      auto res = replay::replay(t, 0, p, 0);
+      INFO(spec << " " << policy_name(p) << " " << res.error);
+      REQUIRE(res.error.empty());
+      CHECK(res.peak_reserved >= res.peak_live);
+    }
+  }
+  formats::Trace t;
+  std::string err;
+  CHECK_FALSE(replay::make_workload("workload:transformer-train:seqlen=zipf", &t, &err));
+  CHECK(err.find("unknown seqlen 'zipf'") != std::string::npos);
+  CHECK_FALSE(replay::make_workload("workload:gpt", &t, &(err = "")));
+}

@@ -1,0 +1,145 @@
+// RAPIDS RMM logging_resource_adaptor CSV: Thread,Time,Action,Pointer,Size,Stream.
+#include <cinttypes>
+#include <cstdio>
+#include <map>
+#include <sstream>
+#include <vector>
+
+#include "trace_model.h"
+
+namespace fragless::formats {
+
+namespace {
+
+std::vector<std::string> split(const std::string& line) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (char c : line) {
+    if (c == ',') {
+      out.push_back(cur);
+      cur.clear();
+    } else if (c != '\r') {
+      cur.push_back(c);
+    }
+  }
+  out.push_back(cur);
+  for (auto& s : out) {
+    while (!s.empty() && s.front() == ' ') s.erase(s.begin());
+    while (!s.empty() && s.back() == ' ') s.pop_back();
+  }
+  return out;
+}
+
+bool parse_hex(std::string s, std::uint64_t* v) {
+  if (s == "(nil)") {
+    *v = 0;
+    return true;
+  }
+  if (s.rfind("0x", 0) == 0 || s.rfind("0X", 0) == 0) s = s.substr(2);
+  if (s.empty() || s.size() > 16) return false;
+  std::uint64_t r = 0;
+  for (char c : s) {
+    int d;
+    if (c >= '0' && c <= '9') d = c - '0';
+    else if (c >= 'a' && c <= 'f') d = c - 'a' + 10;
+    else if (c >= 'A' && c <= 'F') d = c - 'A' + 10;
+    else return false;
+    r = r << 4 | static_cast<std::uint64_t>(d);
+  }
+  *v = r;
+  return true;
+}
+
+bool parse_dec(const std::string& s, std::uint64_t* v) {
+  if (s.empty() || s.size() > 19) return false;
+  std::uint64_t r = 0;
+  for (char c : s) {
+    if (c < '0' || c > '9') return false;
+    r = r * 10 + static_cast<std::uint64_t>(c - '0');
+  }
+  *v = r;
+  return true;
+}
+
+// HH:MM:SS.ffffff -> microseconds of the day; -1 when absent or another form.
+std::int64_t parse_time(const std::string& s) {
+  unsigned h, m, sec, us;
+  if (std::sscanf(s.c_str(), "%u:%u:%u.%u", &h, &m, &sec, &us) == 4)
+    return ((static_cast<std::int64_t>(h) * 60 + m) * 60 + sec) * 1000000 + us;
+  std::uint64_t v;
+  if (parse_dec(s, &v)) return static_cast<std::int64_t>(v);
+  return -1;
+}
+
+}  // namespace
+
+LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) {
+  LoadResult r;
+  std::istringstream in(text);
+  std::string line;
+  std::size_t lineno = 0;
+  auto fail = [&](const std::string& what) {
+    r.ok = false;
+    r.error = name + ":" + std::to_string(lineno) + ": " + what;
+    return r;
+  };
+  if (!std::getline(in, line)) return fail("empty file (expected the header Thread,Time,Action,Pointer,Size,Stream)");
+  ++lineno;
+  const auto header = split(line);
+  std::map<std::string, std::size_t> col;
+  for (std::size_t i = 0; i < header.size(); ++i) col[header[i]] = i;
+  for (const char* need : {"Action", "Pointer", "Size"})
+    if (!col.count(need)) return fail(std::string("missing column '") + need + "' in the header");
+  const bool has_stream = col.count("Stream"), has_time = col.count("Time");
+  Trace& t = r.trace;
+  t.source = name;
+  std::map<std::uint64_t, bool> live;
+  while (std::getline(in, line)) {
+    ++lineno;
+    if (line.empty() || line == "\r") continue;
+    const auto f = split(line);
+    if (f.size() < header.size()) return fail("expected " + std::to_string(header.size()) + " fields, found " + std::to_string(f.size()));
+    Event e;
+    const std::string& action = f[col["Action"]];
+    if (action == "allocate") e.op = Op::alloc;
+    else if (action == "free") e.op = Op::free;
+    else if (action == "allocate failure") continue;
+    else return fail("unknown action '" + action + "' (expected allocate, allocate failure or free)");
+    if (!parse_hex(f[col["Pointer"]], &e.address)) return fail("bad pointer '" + f[col["Pointer"]] + "'");
+    if (!parse_dec(f[col["Size"]], &e.size)) return fail("bad size '" + f[col["Size"]] + "'");
+    if (has_stream && !parse_hex(f[col["Stream"]], &e.stream)) return fail("bad stream '" + f[col["Stream"]] + "'");
+    if (has_time) {
+      e.time_us = parse_time(f[col["Time"]]);
+      t.has_time |= e.time_us >= 0;
+    }
+    if (e.op == Op::alloc) {
+      live[e.address] = true;
+    } else if (!live.erase(e.address)) {
+      return fail("free of address 0x" + [&] {
+        char b[32];
+        std::snprintf(b, sizeof b, "%" PRIx64, e.address);
+        return std::string(b);
+      }() + " that was never allocated in this log");
+    }
+    t.events.push_back(e);
+  }
+  r.ok = true;
+  return r;
+}
+
+std::string trace_to_rmm_csv(const Trace& t, int device) {
+  std::string out = "Thread,Time,Action,Pointer,Size,Stream\n";
+  char buf[160];
+  auto put = [&](const Event& e, const char* action) {
+    std::snprintf(buf, sizeof buf, "0,%" PRId64 ",%s,0x%" PRIx64 ",%" PRIu64 ",%" PRIx64 "\n",
+                  e.time_us < 0 ? 0 : e.time_us, action, e.address, e.size, e.stream);
+    out += buf;
+  };
+  for (const auto& e : t.seed)
+    if (e.device == device) put(e, "allocate");
+  for (const auto& e : t.events)
+    if (e.device == device && (e.op == Op::alloc || e.op == Op::free)) put(e, e.op == Op::alloc ? "allocate" : "free");
+  return out;
+}
+
+}  // namespace fragless::formats
