@@ -1,4 +1,5 @@
 // Bad input has a defined, documented result: a clear error, state unchanged, no crash.
+#include "fragless/allocator.h"
 #include "helpers.h"
 
 using namespace fragless;
@@ -39,4 +40,20 @@ TEST_CASE("bad input: unknown pointers, double frees, size 0, absurd sizes", "[b
   CHECK(e->stats().num_ooms == 3);
   require_consistent(*e);
   CHECK(e->allocate(4096, 0, nullptr) != nullptr);  // still works
+}
+
+TEST_CASE("bad input: invalid devices and driver choices are refused clearly", "[bad-input]") {
+  Options o;
+  o.driver = DriverKind::sim;
+  std::string err;
+  auto a = Allocator::create(o, 2, &err);
+  REQUIRE(a);
+  CHECK(a->device_count() == 2);
+  CHECK(a->device(0) != nullptr);
+  CHECK(a->device(1) != nullptr);
+  CHECK(a->device(2) == nullptr);
+  CHECK(a->device(-1) == nullptr);
+  o.driver = DriverKind::cuda;  // not built yet: a clear error, no crash
+  CHECK(Allocator::create(o, 1, &err) == nullptr);
+  CHECK(err.find("cuda driver") != std::string::npos);
 }

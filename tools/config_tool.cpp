@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
               o.per_process_memory_fraction);
   std::printf("roundup_power2_divisions:");
   for (auto d : o.roundup_power2_divisions) std::printf(" %zu", d);
-  std::printf("\npage_size: %zu bytes\ncapacity: %zu bytes%s\ntrace: %s\n", o.page_size, o.capacity,
-              o.capacity ? "" : " (driver default)", o.trace_path.empty() ? "(off)" : o.trace_path.c_str());
+  std::printf("\npage_size: %zu bytes\ncapacity: %zu bytes%s\n", o.page_size, o.capacity,
+              o.capacity ? "" : " (driver default)");
   return 0;
 }

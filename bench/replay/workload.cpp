@@ -11,7 +11,7 @@ namespace fragless::replay {
 
 namespace {
 
-// Log-normal fits (of total tokens per request) to public traces; produced by tools/fit_seqlen.py.
+// Log-normal fits (of total tokens per request) to public traces; produced by tools/fit_sequence_lengths.py.
 struct SeqFit { const char* name; double mu, sigma; int lo, hi; };
 constexpr SeqFit kFits[] = {
     {"sharegpt", 7.5458, 0.9995, 11, 8149},     // microsoft/sarathi-serve ShareGPT (llama2 tokenizer)

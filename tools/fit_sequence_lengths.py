@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fits the log-normal sequence-length parameters shipped in bench/replay/workload.cpp.
 
-Usage: python3 tools/fit_seqlen.py ../shared/data/seqlen
+Usage: python3 tools/fit_sequence_lengths.py ../shared/data/seqlen
 Prints mu and sigma of log(total tokens) and the observed range for each distribution.
 """
 import csv
