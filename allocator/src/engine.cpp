@@ -112,21 +112,23 @@ void DeviceEngine::State::pool_erase(Block* b) {
 void DeviceEngine::State::unmapped_insert(Block* b) { b->pool->unmapped.insert(b); }
 void DeviceEngine::State::unmapped_erase(Block* b) { b->pool->unmapped.erase(b); }
 
+void DeviceEngine::State::absorb_next(Block* b) {
+  Block* n = b->next;
+  b->size += n->size;
+  b->next = n->next;
+  if (b->next) b->next->prev = b;
+  delete_block(n);
+}
+
 Block* DeviceEngine::State::merge_free(Block* b) {
   if (Block* p = b->prev; p && p->reusable()) {
     pool_erase(p);
-    p->size += b->size;
-    p->next = b->next;
-    if (p->next) p->next->prev = p;
-    delete_block(b);
+    absorb_next(p);
     b = p;
   }
   if (Block* n = b->next; n && n->reusable()) {
     pool_erase(n);
-    b->size += n->size;
-    b->next = n->next;
-    if (b->next) b->next->prev = b;
-    delete_block(n);
+    absorb_next(b);
   }
   return b;
 }
@@ -134,18 +136,12 @@ Block* DeviceEngine::State::merge_free(Block* b) {
 Block* DeviceEngine::State::merge_unmapped(Block* b) {
   if (Block* p = b->prev; p && p->state == BlockState::unmapped) {
     unmapped_erase(p);
-    p->size += b->size;
-    p->next = b->next;
-    if (p->next) p->next->prev = p;
-    delete_block(b);
+    absorb_next(p);
     b = p;
   }
   if (Block* n = b->next; n && n->state == BlockState::unmapped) {
     unmapped_erase(n);
-    b->size += n->size;
-    b->next = n->next;
-    if (b->next) b->next->prev = b;
-    delete_block(n);
+    absorb_next(b);
   }
   return b;
 }

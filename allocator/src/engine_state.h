@@ -150,6 +150,8 @@ struct DeviceEngine::State {
   // Pool membership, with the inactive_split stats that go with it.
   void pool_insert(Block* b);
   void pool_erase(Block* b);
+  // Splices b->next into b (sizes add up); the caller has taken both out of their sets.
+  void absorb_next(Block* b);
   // Merges b with reusable neighbours; b must be free, mapped, no events, not in the pool. Returns the result.
   Block* merge_free(Block* b);
   void unmapped_insert(Block* b);

@@ -2,6 +2,7 @@
 // stats and the retry chain; a policy implements four small hooks.
 #pragma once
 #include <memory>
+#include <vector>
 
 #include "engine_state.h"
 
@@ -29,6 +30,14 @@ class Policy {
   virtual std::string check() const { return {}; }
 
  protected:
+  // `only`, or the default pool and every private pool when null.
+  std::vector<PoolSet*> pool_sets(PoolSet* only) {
+    if (only) return {only};
+    std::vector<PoolSet*> all{&s_.default_pools};
+    for (auto& [id, ps] : s_.private_pools) all.push_back(ps.get());
+    return all;
+  }
+
   DeviceEngine::State& s_;
 };
 

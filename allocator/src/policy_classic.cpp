@@ -103,14 +103,6 @@ class ClassicPolicy final : public Policy {
         for (Block* b : whole) release_whole_segment(b);
       }
   }
-
- private:
-  std::vector<PoolSet*> pool_sets(PoolSet* only) {
-    if (only) return {only};
-    std::vector<PoolSet*> all{&s_.default_pools};
-    for (auto& [id, ps] : s_.private_pools) all.push_back(ps.get());
-    return all;
-  }
 };
 
 }  // namespace

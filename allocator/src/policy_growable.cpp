@@ -15,13 +15,6 @@ bool GrowablePolicy::whole_pages(const Block* b, std::size_t* lo, std::size_t* h
   return *hi > *lo;
 }
 
-std::vector<PoolSet*> GrowablePolicy::pool_sets(PoolSet* only) {
-  if (only) return {only};
-  std::vector<PoolSet*> all{&s_.default_pools};
-  for (auto& [id, ps] : s_.private_pools) all.push_back(ps.get());
-  return all;
-}
-
 Segment* GrowablePolicy::new_segment(AllocParams& p) {
   const std::size_t page = page_size(p.pool->small);
   const std::size_t total = s_.device_total ? s_.device_total : (std::size_t{1} << 36);
@@ -122,20 +115,10 @@ Block* GrowablePolicy::grow(AllocParams& p) {
       return nullptr;
     }
     // u is now free and mapped; merge it with head (if free) and the reusable block after it.
-    if (head != u) {
-      head->size += u->size;
-      head->next = u->next;
-      if (head->next) head->next->prev = head;
-      s_.delete_block(u);
-    } else {
-      head = u;
-    }
+    if (head != u) s_.absorb_next(head); else head = u;
     if (Block* n = head->next; n && n->reusable()) {
       s_.pool_erase(n);
-      head->size += n->size;
-      head->next = n->next;
-      if (head->next) head->next->prev = head;
-      s_.delete_block(n);
+      s_.absorb_next(head);
     }
   }
   run_lo_ = run_hi_ = 0;

@@ -37,7 +37,6 @@ class GrowablePolicy : public Policy {
   bool unmap_block_pages(Block* b, std::size_t lo, std::size_t hi);
   // Whole pages inside b: [*lo, *hi); false if none.
   static bool whole_pages(const Block* b, std::size_t* lo, std::size_t* hi);
-  std::vector<PoolSet*> pool_sets(PoolSet* only);
 
   // The run being grown in the current grow() call: reclaim must not take pages from it.
   DevicePtr run_lo_ = 0, run_hi_ = 0;
