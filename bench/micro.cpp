@@ -4,12 +4,16 @@
 #include <benchmark/benchmark.h>
 #include <mimalloc.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
+#include <string>
 #include <random>
 #include <vector>
 
 #include "fragless/engine.h"
 #include "fragless/sim_driver.h"
+#include "fragless/tracer.h"
 
 using namespace fragless;
 
@@ -71,6 +75,43 @@ void BM_CacheHitPair(benchmark::State& state) {
   state.SetLabel(policy_name(policy));
 }
 BENCHMARK(BM_CacheHitPair)->Arg(0)->Arg(1)->Arg(2)->Threads(1)->Threads(2)->UseRealTime();
+
+// The same cache-hit pairs with the tracer on (fragless policy), writing a real file in the temporary
+// directory: the difference to BM_CacheHitPair/2 is the tracer's cost per alloc+free pair.
+void BM_CacheHitPairTraced(benchmark::State& state) {
+  std::string err;
+  const char* tmp = std::getenv("TMPDIR");
+  const std::string path = std::string(tmp && *tmp ? tmp : "/tmp") + "/fragless-bench-%p.trace";
+  auto tracing = Tracing::open(path, 1, "fragless", &err);
+  if (!tracing) {
+    state.SkipWithError(err.c_str());
+    return;
+  }
+  auto e = engine(PolicyKind::fragless);
+  e->set_event_sink(tracing->sink(0));
+  const auto sizes = size_mix();
+  std::vector<void*> live(64);
+  std::vector<std::size_t> live_size(64);
+  for (std::size_t i = 0; i < live.size(); ++i) {
+    live_size[i] = sizes[(i * 7) % sizes.size()];
+    live[i] = e->allocate(live_size[i], 1, nullptr);
+  }
+  std::size_t i = 0;
+  for (auto _ : state) {
+    const std::size_t k = i++ & 63;
+    e->free(live[k]);
+    live[k] = e->allocate(live_size[k], 1, nullptr);
+    benchmark::DoNotOptimize(live[k]);
+  }
+  for (void* p : live) e->free(p);
+  e->flush_trace();
+  const auto paths = tracing->paths();
+  e.reset();
+  tracing.reset();
+  for (auto& p : paths) std::remove(p.c_str());
+  state.SetLabel("fragless, tracer on");
+}
+BENCHMARK(BM_CacheHitPairTraced)->UseRealTime();
 
 // The same pairs through mimalloc: a general-purpose allocator's floor for the same bookkeeping.
 void BM_MimallocPair(benchmark::State& state) {

@@ -30,12 +30,25 @@ std::unique_ptr<Driver> make_driver(const Options& opts, int device, std::string
 std::unique_ptr<Allocator> Allocator::create(const Options& opts, int devices, std::string* error) {
   auto a = std::unique_ptr<Allocator>(new Allocator());
   a->opts_ = opts;
+  if (!opts.trace.empty()) {
+    a->tracing_ = Tracing::open(opts.trace, devices, policy_name(opts.policy), error);
+    if (!a->tracing_) return nullptr;
+  }
   for (int d = 0; d < devices; ++d) {
     auto drv = make_driver(opts, d, error);
     if (!drv) return nullptr;
     a->engines_.push_back(std::make_unique<DeviceEngine>(opts, std::move(drv)));
+    if (a->tracing_) a->engines_.back()->set_event_sink(a->tracing_->sink(d));
   }
   return a;
+}
+
+void Allocator::flush_traces() {
+  for (auto& e : engines_) e->flush_trace();
+}
+
+std::vector<std::string> Allocator::trace_paths() const {
+  return tracing_ ? tracing_->paths() : std::vector<std::string>{};
 }
 
 }  // namespace fragless

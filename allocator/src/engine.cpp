@@ -228,14 +228,14 @@ Block* DeviceEngine::State::take_block(Block* b, AllocParams& p) {
   return b;
 }
 
-void DeviceEngine::State::free_block(Block* b) {
+void DeviceEngine::State::free_block(Block* b, bool traced) {
   const bool small = b->pool->small;
   const auto size = static_cast<std::int64_t>(b->size);
   stats.active.add(small, -1);
   stats.active_bytes.add(small, -size);
   stats.requested_bytes.add(small, -static_cast<std::int64_t>(b->requested));
   active_blocks.erase(b->ptr);
-  emit(*this, TraceAction::free_completed, b->stream, b->ptr, b->requested, b->size);
+  if (traced) emit(*this, TraceAction::free_completed, b->stream, b->ptr, b->requested, b->size);
   b->state = BlockState::free;
   b->stream_uses.clear();
   b = merge_free(b);
@@ -492,8 +492,8 @@ Status DeviceEngine::free(void* ptr, AllocError* err) {
   s.stats.allocated_bytes.add(small, -size);
   s.stats.live_bytes.add(-static_cast<std::int64_t>(b->requested));
   if (b->size >= s.opts.max_split_size) s.stats.oversize_allocations.add(-1);
-  emit(s, TraceAction::free_requested, b->stream, b->ptr, b->requested, b->size);
   if (!b->stream_uses.empty()) {
+    emit(s, TraceAction::free_requested, b->stream, b->ptr, b->requested, b->size);
     b->state = BlockState::free;  // not allocated any more, but waits for its events (active_pending_free)
     s.insert_events(b);
     if (b->event_count == 0) {
@@ -501,7 +501,8 @@ Status DeviceEngine::free(void* ptr, AllocError* err) {
       s.free_block(b);
     }
   } else {
-    s.free_block(b);
+    emit(s, TraceAction::free, b->stream, b->ptr, b->requested, b->size);
+    s.free_block(b, /*traced=*/false);
   }
   return Status::ok;
 }
@@ -539,7 +540,13 @@ void* DeviceEngine::base_allocation(void* ptr, std::size_t* size) {
 
 void DeviceEngine::empty_cache() {
   std::lock_guard lk(s_->mu);
+  emit(*s_, TraceAction::empty_cache, 0, 0, 0, 0);
   s_->release_cached_blocks(nullptr);
+}
+
+void DeviceEngine::flush_trace() {
+  std::lock_guard lk(s_->mu);
+  if (s_->sink) s_->sink->flush();
 }
 
 Status DeviceEngine::set_memory_fraction(double fraction) {

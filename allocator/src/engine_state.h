@@ -161,7 +161,7 @@ struct DeviceEngine::State {
 
   Block* find_free_block(AllocParams& p);
   Block* take_block(Block* b, AllocParams& p);  // split if worth it, mark allocated, stats
-  void free_block(Block* b);                    // allocated/pending -> free in pool
+  void free_block(Block* b, bool traced = true);  // allocated/pending -> free in pool
   void process_events();
   void synchronize_and_free_events();
   void insert_events(Block* b);

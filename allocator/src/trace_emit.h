@@ -1,7 +1,5 @@
 // Emitting trace events from the engine: one predictable branch when no sink is installed.
 #pragma once
-#include <chrono>
-
 #include "engine_state.h"
 #include "fragless/trace.h"
 
@@ -10,9 +8,6 @@ namespace fragless {
 [[gnu::noinline]] inline void emit_event(DeviceEngine::State& s, TraceAction a, Stream stream, DevicePtr addr,
                                          std::uint64_t requested, std::uint64_t size) {
   TraceEvent e;
-  e.time_ns = static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
-          .count());
   e.action = a;
   e.device = s.driver->device();
   e.stream = stream;

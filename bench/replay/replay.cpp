@@ -43,6 +43,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, std:
   for (const auto& ev : t.events) {
     ++index;
     if (ev.device != device) continue;
+    if (ev.op != formats::Op::alloc && ev.op != formats::Op::free && ev.op != formats::Op::empty_cache) continue;
     ++r.events;
     // Time-weighted integrals: trace time where recorded, else one unit per event.
     double dt = 1;
@@ -80,8 +81,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, std:
         break;
       }
       case formats::Op::empty_cache: e.empty_cache(); break;
-      case formats::Op::segment_alloc:
-      case formats::Op::segment_free: break;  // what PyTorch did; not an instruction to us
+      default: break;  // what the recorded allocator did (segments, pages, OOMs): not an instruction to us
     }
     u = e.usage();
   }

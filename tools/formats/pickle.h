@@ -54,3 +54,35 @@ struct PickleResult {
 PickleResult read_pickle(std::string_view data);
 
 }  // namespace fragless::formats
+
+namespace fragless::formats {
+
+// A streaming pickle writer (protocol 4, no memo, no frames) for the data types the reader accepts:
+// what Python's pickle.load and PyTorch's viewer read back as plain dicts, lists, tuples, str, int,
+// float, bool and None.
+class PickleWriter {
+ public:
+  PickleWriter();
+  void begin_dict();   // then key, value, key, value, ...
+  void end_dict();
+  void begin_list();
+  void end_list();
+  void begin_tuple();
+  void end_tuple();
+  void str(std::string_view s);
+  void integer(std::int64_t v);
+  void uinteger(std::uint64_t v);
+  void real(double v);
+  void boolean(bool v);
+  void none();
+  // Key-value helpers inside a dict.
+  void kv(std::string_view k, std::string_view v) { str(k); str(v); }
+  void kv_int(std::string_view k, std::int64_t v) { str(k); integer(v); }
+  void kv_uint(std::string_view k, std::uint64_t v) { str(k); uinteger(v); }
+  std::string finish();  // STOP; the writer is spent
+
+ private:
+  std::string out_;
+};
+
+}  // namespace fragless::formats

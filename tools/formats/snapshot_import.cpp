@@ -1,9 +1,7 @@
 // PyTorch memory snapshot (torch.cuda.memory._dump_snapshot) → Trace.
 #include <algorithm>
-#include <fstream>
 #include <map>
 #include <set>
-#include <sstream>
 
 #include "pickle.h"
 #include "trace_model.h"
@@ -110,15 +108,22 @@ LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string
         }
         allocated_in_window.erase(ev.address);
       } else if (action == "segment_alloc" || action == "segment_map") {
-        ev.op = Op::segment_alloc;
+        ev.op = action == "segment_alloc" ? Op::segment_alloc : Op::segment_map;
         deltas.push_back(static_cast<std::int64_t>(ev.size));
         seg_delta += static_cast<std::int64_t>(ev.size);
       } else if (action == "segment_free" || action == "segment_unmap") {
-        ev.op = Op::segment_free;
+        ev.op = action == "segment_free" ? Op::segment_free : Op::segment_unmap;
         deltas.push_back(-static_cast<std::int64_t>(ev.size));
         seg_delta -= static_cast<std::int64_t>(ev.size);
+      } else if (action == "free_requested") {
+        ev.op = Op::free_requested;
+      } else if (action == "oom") {
+        ev.op = Op::oom;
+        ev.address = static_cast<std::uint64_t>(num(e->get("device_free"), num(e->get("addr"))));
+      } else if (action == "snapshot") {
+        ev.op = Op::snapshot;
       } else {
-        continue;  // free_requested, snapshot, oom: not replayed
+        continue;  // an action of a newer PyTorch: nothing to replay
       }
       t.events.push_back(ev);
     }
@@ -142,18 +147,6 @@ LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string
     t.recorded_peak_reserved[dev] = static_cast<std::uint64_t>(std::max<std::int64_t>(peak, 0));
   }
   return r;
-}
-
-LoadResult load_trace(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return fail(path, "cannot open");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  const std::string bytes = ss.str();
-  if (bytes.size() >= 2 && static_cast<unsigned char>(bytes[0]) == 0x80) return trace_from_snapshot_bytes(bytes, path);
-  if (bytes.rfind("Thread,", 0) == 0 || bytes.find("Action") != std::string::npos)
-    return trace_from_rmm_csv(bytes, path);
-  return fail(path, "unknown trace format (expected a PyTorch snapshot pickle or an RMM log CSV)");
 }
 
 }  // namespace fragless::formats

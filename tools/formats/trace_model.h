@@ -7,7 +7,16 @@
 
 namespace fragless::formats {
 
-enum class Op : std::uint8_t { alloc, free, segment_alloc, segment_free, empty_cache };
+// `free` is the moment a block went back to the cache (PyTorch's free_completed, RMM's free, fragless's
+// free/free_completed); `free_requested` (the user's call while the block still waits for other streams)
+// is kept for conversions but not replayed. Segment, page and OOM events are what the recorded
+// allocator did: kept for conversions and PyTorch's recorded peak, not instructions to a replay.
+enum class Op : std::uint8_t {
+  alloc, free, free_requested, segment_alloc, segment_free, segment_map, segment_unmap, phys_create,
+  phys_release, oom, snapshot, empty_cache
+};
+const char* op_name(Op op);
+bool is_segment_op(Op op);  // segment_alloc/free/map/unmap
 
 struct Event {
   Op op = Op::alloc;
@@ -15,6 +24,7 @@ struct Event {
   std::uint64_t stream = 0;
   std::uint64_t address = 0;  // the address the trace recorded (the key that pairs a free with its alloc)
   std::uint64_t size = 0;     // requested bytes (alloc, free) or segment bytes
+  std::uint64_t block_size = 0;  // bytes after rounding, when the trace recorded it (native traces); else 0
   std::int64_t time_us = -1;  // -1 when the trace has no time
 };
 
@@ -34,13 +44,34 @@ struct Trace {
 struct LoadResult {
   bool ok = false;
   Trace trace;
-  std::string error;  // names the file and the position
+  std::string error;    // names the file and the position
+  std::string warning;  // loaded, but something was off (a native trace cut short by a crash)
 };
 
-// Reads a trace in any supported format, detected from content: PyTorch snapshot pickle or RMM CSV.
+enum class Format { native, rmm_csv, snapshot };
+const char* format_name(Format f);
+// "native", "rmm"/"csv", "snapshot"/"pickle"; false when unknown.
+bool parse_format(const std::string& s, Format* f);
+// From a file name's extension: .fgt/.trace/.bin native, .csv RMM, .pickle/.pkl snapshot.
+bool format_from_extension(const std::string& path, Format* f);
+// Detected from content; false when none matches.
+bool detect_format(const std::string& bytes, Format* f);
+
+// Reads a trace in any supported format, detected from content: native, PyTorch snapshot pickle or RMM CSV.
 LoadResult load_trace(const std::string& path);
+LoadResult trace_from_bytes(const std::string& bytes, const std::string& name);
 LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string& name);
 LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name);
+LoadResult trace_from_native_bytes(const std::string& bytes, const std::string& name);
+
+// Writers. RMM logs have no device column: one device per file.
 std::string trace_to_rmm_csv(const Trace& t, int device);
+std::string trace_to_native(const Trace& t);
+// PyTorch's _dump_snapshot layout (segments + device_traces), drawable by torch.cuda._memory_viz and
+// pytorch.org/memory_viz. Segments are reconstructed from the trace's segment events; blocks live at the
+// end outside any recorded segment get a segment of their own.
+std::string trace_to_snapshot(const Trace& t);
+// Writes `bytes` to `path` atomically enough for tools (temp file + rename); false with *error on failure.
+bool write_file(const std::string& path, const std::string& bytes, std::string* error);
 
 }  // namespace fragless::formats

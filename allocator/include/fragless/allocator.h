@@ -6,6 +6,7 @@
 
 #include "fragless/config.h"
 #include "fragless/engine.h"
+#include "fragless/tracer.h"
 
 namespace fragless {
 
@@ -23,9 +24,13 @@ class Allocator {
     return d >= 0 && d < device_count() ? engines_[static_cast<std::size_t>(d)].get() : nullptr;
   }
   const Options& options() const { return opts_; }
+  // Hands every buffered trace record to the writers and waits until they are written.
+  void flush_traces();
+  std::vector<std::string> trace_paths() const;
 
  private:
   Options opts_;
+  std::unique_ptr<Tracing> tracing_;  // before engines_: outlives them (their teardown is traced too)
   std::vector<std::unique_ptr<DeviceEngine>> engines_;
 };
 

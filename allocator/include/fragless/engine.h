@@ -100,6 +100,7 @@ class DeviceEngine {
   std::string check_invariants();
 
   void set_event_sink(EventSink* sink);  // nullptr = tracing off
+  void flush_trace();                    // hands buffered trace records to the sink's writer
   const Options& options() const;
   Driver& driver();
   int device() const;

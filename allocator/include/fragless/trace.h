@@ -19,10 +19,14 @@ enum class TraceAction : std::uint8_t {
   phys_release = 9,    // physical memory released (cuMemRelease)
   oom = 10,            // allocation failed; address = free device bytes
   snapshot = 11,
+  empty_cache = 12,    // empty_cache() called
+  free = 13,           // free_requested and free_completed at once (no stream uses to wait for)
 };
+inline constexpr int kTraceActionMax = 13;
+const char* trace_action_name(TraceAction a);
 
+// The sink stamps the time: the engine does not read a clock when tracing is off.
 struct TraceEvent {
-  std::uint64_t time_ns = 0;
   TraceAction action = TraceAction::alloc;
   std::int32_t device = 0;
   Stream stream = 0;
@@ -35,6 +39,7 @@ class EventSink {
  public:
   virtual ~EventSink() = default;
   virtual void on_event(const TraceEvent& e) = 0;  // called with the device lock held: keep it short
+  virtual void flush() {}                           // called with the device lock held
 };
 
 }  // namespace fragless

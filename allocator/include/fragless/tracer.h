@@ -1,0 +1,41 @@
+// The runtime tracer: one EventSink per device that appends fixed-size records (trace_format.h) to an
+// in-memory buffer and hands full buffers to a writer thread, so the hot path never calls the kernel.
+// Enabled by FRAGLESS_CONF's `trace` key; the path may contain %p (pid), %d (device), %r (rank from RANK)
+// and %% (a percent sign). Without %d, every device of the process writes to the same file.
+#pragma once
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "fragless/trace.h"
+
+namespace fragless {
+
+// RANK from the environment; -1 when unset or not a number.
+int rank_from_environment();
+// Expands %p, %d, %r and %%; an unknown %x is an error (empty result, *error set).
+std::string expand_trace_path(std::string_view pattern, int device, int pid, int rank, std::string* error);
+
+class TraceFile;
+
+// Owns the trace files and the per-device sinks of one process (or one Allocator).
+class Tracing {
+ public:
+  // Opens (truncates) the files for `devices` devices. nullptr with *error naming the path on failure.
+  static std::unique_ptr<Tracing> open(std::string_view pattern, int devices, const char* policy,
+                                       std::string* error);
+  ~Tracing();  // writes everything still buffered and closes the files
+
+  EventSink* sink(int device);
+  std::vector<std::string> paths() const;
+  // Records lost because a write failed (disk full, ...); 0 normally.
+  std::uint64_t dropped_records() const;
+
+ private:
+  Tracing() = default;
+  std::vector<std::unique_ptr<TraceFile>> files_;
+  std::vector<std::unique_ptr<EventSink>> sinks_;
+};
+
+}  // namespace fragless

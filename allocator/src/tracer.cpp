@@ -1,0 +1,319 @@
+#include "fragless/tracer.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "fragless/trace_format.h"
+
+#if defined(__x86_64__)
+#include <x86intrin.h>
+#endif
+
+namespace fragless {
+
+const char* trace_action_name(TraceAction a) {
+  switch (a) {
+    case TraceAction::alloc: return "alloc";
+    case TraceAction::free_requested: return "free_requested";
+    case TraceAction::free_completed: return "free_completed";
+    case TraceAction::segment_alloc: return "segment_alloc";
+    case TraceAction::segment_free: return "segment_free";
+    case TraceAction::segment_map: return "segment_map";
+    case TraceAction::segment_unmap: return "segment_unmap";
+    case TraceAction::phys_create: return "phys_create";
+    case TraceAction::phys_release: return "phys_release";
+    case TraceAction::oom: return "oom";
+    case TraceAction::snapshot: return "snapshot";
+    case TraceAction::empty_cache: return "empty_cache";
+    case TraceAction::free: return "free";
+  }
+  return "unknown";
+}
+
+int rank_from_environment() {
+  const char* r = std::getenv("RANK");
+  if (!r || !*r) return -1;
+  char* end = nullptr;
+  const long v = std::strtol(r, &end, 10);
+  return (*end || v < 0 || v > 1'000'000) ? -1 : static_cast<int>(v);
+}
+
+std::string expand_trace_path(std::string_view pattern, int device, int pid, int rank, std::string* error) {
+  std::string out;
+  for (std::size_t i = 0; i < pattern.size(); ++i) {
+    if (pattern[i] != '%') {
+      out.push_back(pattern[i]);
+      continue;
+    }
+    const char c = i + 1 < pattern.size() ? pattern[++i] : '\0';
+    switch (c) {
+      case 'p': out += std::to_string(pid); break;
+      case 'd': out += std::to_string(device); break;
+      case 'r': out += std::to_string(rank < 0 ? 0 : rank); break;
+      case '%': out.push_back('%'); break;
+      default:
+        if (error)
+          *error = "FRAGLESS_CONF: bad value '" + std::string(pattern) +
+                   "' for key 'trace': '%' must be followed by p (pid), d (device), r (rank) or %";
+        return {};
+    }
+  }
+  if (out.empty() && error) *error = "FRAGLESS_CONF: the 'trace' path is empty";
+  return out;
+}
+
+namespace {
+
+// Nanoseconds since the tracer's origin from the cheapest clock available: the invariant TSC on x86-64
+// (about 10 ns a read, calibrated against the monotonic clock once), the monotonic clock elsewhere.
+struct Clock {
+  std::uint64_t origin_unix_ns = 0;
+#if defined(__x86_64__)
+  std::uint64_t tick0 = 0;
+  unsigned __int128 mult = 0;  // ns per tick << 32
+  std::uint64_t now() const {
+    return static_cast<std::uint64_t>((static_cast<unsigned __int128>(__rdtsc() - tick0) * mult) >> 32);
+  }
+#else
+  std::chrono::steady_clock::time_point t0;
+  std::uint64_t now() const {
+    return static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+  }
+#endif
+  Clock() {
+    using namespace std::chrono;
+    origin_unix_ns = static_cast<std::uint64_t>(duration_cast<nanoseconds>(system_clock::now().time_since_epoch()).count());
+#if defined(__x86_64__)
+    const auto m0 = steady_clock::now();
+    tick0 = __rdtsc();
+    auto m1 = m0;
+    while ((m1 = steady_clock::now()) - m0 < microseconds(2000)) {
+    }
+    const std::uint64_t tick1 = __rdtsc();
+    const double ns = static_cast<double>(duration_cast<nanoseconds>(m1 - m0).count());
+    const double ticks = static_cast<double>(tick1 - tick0);
+    mult = static_cast<unsigned __int128>(ns / (ticks > 0 ? ticks : 1) * 4294967296.0);
+#else
+    t0 = steady_clock::now();
+#endif
+  }
+};
+
+const Clock& clock() {
+  static const Clock c;
+  return c;
+}
+
+}  // namespace
+
+// One output file and its writer thread. Sinks hand it full buffers; it writes them in order.
+class TraceFile {
+ public:
+  static constexpr std::size_t kBuffers = 2;
+
+  TraceFile(int fd, std::string path) : fd_(fd), path_(std::move(path)), thread_([this] { run(); }) {}
+  ~TraceFile() {
+    {
+      std::lock_guard lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+    ::close(fd_);
+  }
+  const std::string& path() const { return path_; }
+  std::uint64_t dropped() const {
+    std::lock_guard lk(mu_);
+    return dropped_;
+  }
+
+  // Queues `n` records at `p`; *busy stays true until they are written.
+  void submit(const NativeTraceRecord* p, std::size_t n, bool* busy) {
+    {
+      std::lock_guard lk(mu_);
+      *busy = true;
+      jobs_.push_back({p, n, busy});
+    }
+    cv_.notify_all();
+  }
+  void wait_until_written(const bool* busy) {
+    std::unique_lock lk(mu_);
+    done_.wait(lk, [&] { return !*busy; });
+  }
+
+ private:
+  struct Job {
+    const NativeTraceRecord* p;
+    std::size_t n;
+    bool* busy;
+  };
+
+  void run() {
+    std::unique_lock lk(mu_);
+    for (;;) {
+      cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stop_ and nothing left
+      Job j = jobs_.front();
+      jobs_.pop_front();
+      lk.unlock();
+      const bool ok = write_all(reinterpret_cast<const char*>(j.p), j.n * sizeof(NativeTraceRecord));
+      lk.lock();
+      if (!ok) {
+        if (!dropped_)
+          std::fprintf(stderr, "fragless: writing the trace to %s failed (%s); later records are dropped\n",
+                       path_.c_str(), std::strerror(errno));
+        dropped_ += j.n;
+      }
+      *j.busy = false;
+      done_.notify_all();
+    }
+  }
+
+  bool write_all(const char* p, std::size_t n) {
+    if (dropped_) return false;
+    while (n) {
+      const ssize_t w = ::write(fd_, p, n);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) return false;
+      p += w;
+      n -= static_cast<std::size_t>(w);
+    }
+    return true;
+  }
+
+  int fd_;
+  std::string path_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_, done_;
+  std::deque<Job> jobs_;
+  bool stop_ = false;
+  std::uint64_t dropped_ = 0;
+  std::thread thread_;  // last: starts after everything above exists
+};
+
+namespace {
+
+// Per-device sink: double-buffered; the engine's device lock serialises on_event and flush.
+class TraceSink final : public EventSink {
+ public:
+  static constexpr std::size_t kCapacity = 8192;  // records per buffer (384 KiB)
+
+  TraceSink(TraceFile* f, int device) : file_(f), clock_(&clock()), device_(static_cast<std::uint16_t>(device)) {
+    for (auto& b : bufs_) b.reset(new NativeTraceRecord[kCapacity]);
+    cur_ = bufs_[0].get();
+  }
+  ~TraceSink() override { flush(); }
+
+  void on_event(const TraceEvent& e) override {
+    if (n_ == kCapacity) hand_off();
+    NativeTraceRecord& r = cur_[n_++];
+    r.time_ns = clock_->now();
+    r.address = e.address;
+    r.requested = e.requested_size;
+    r.block = e.block_size;
+    r.stream = e.stream;
+    r.device = device_;
+    r.action = static_cast<std::uint8_t>(e.action);
+    r.marker = kTraceRecordMarker;
+    r.sequence = seq_++;
+  }
+
+  void flush() override {
+    if (n_) hand_off();
+    for (auto& busy : busy_) file_->wait_until_written(&busy);
+  }
+
+ private:
+  void hand_off() {
+    file_->submit(cur_, n_, &busy_[active_]);
+    active_ ^= 1;
+    file_->wait_until_written(&busy_[active_]);  // normally long done
+    cur_ = bufs_[active_].get();
+    n_ = 0;
+  }
+
+  TraceFile* file_;
+  const Clock* clock_;
+  std::uint16_t device_;
+  std::uint32_t seq_ = 0;
+  std::unique_ptr<NativeTraceRecord[]> bufs_[2];
+  bool busy_[2] = {false, false};
+  int active_ = 0;
+  NativeTraceRecord* cur_ = nullptr;
+  std::size_t n_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, const char* policy,
+                                       std::string* error) {
+  auto t = std::unique_ptr<Tracing>(new Tracing());
+  const int pid = static_cast<int>(::getpid());
+  const int rank = rank_from_environment();
+  const bool per_device = pattern.find("%d") != std::string_view::npos;
+  const int nfiles = per_device ? devices : 1;
+  (void)clock();  // calibrate before the first event
+  for (int f = 0; f < nfiles; ++f) {
+    const std::string path = expand_trace_path(pattern, f, pid, rank, error);
+    if (path.empty()) return nullptr;
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+      if (error) *error = "fragless: cannot open trace file '" + path + "': " + std::strerror(errno);
+      return nullptr;
+    }
+    NativeTraceHeader h{};
+    std::memcpy(h.magic, kTraceMagic, sizeof h.magic);
+    h.version = kTraceVersion;
+    h.header_size = sizeof(NativeTraceHeader);
+    h.record_size = sizeof(NativeTraceRecord);
+    h.pid = static_cast<std::uint32_t>(pid);
+    h.rank = rank;
+    h.device = per_device ? f : -1;
+    h.origin_unix_ns = clock().origin_unix_ns;
+    std::strncpy(h.policy, policy ? policy : "", sizeof h.policy - 1);
+    if (::write(fd, &h, sizeof h) != static_cast<ssize_t>(sizeof h)) {
+      if (error) *error = "fragless: cannot write trace file '" + path + "': " + std::strerror(errno);
+      ::close(fd);
+      return nullptr;
+    }
+    t->files_.push_back(std::make_unique<TraceFile>(fd, path));
+  }
+  for (int d = 0; d < devices; ++d)
+    t->sinks_.push_back(std::make_unique<TraceSink>(t->files_[per_device ? static_cast<std::size_t>(d) : 0].get(), d));
+  return t;
+}
+
+Tracing::~Tracing() {
+  sinks_.clear();  // flushes
+  files_.clear();  // joins the writers, closes
+}
+
+EventSink* Tracing::sink(int device) {
+  return device >= 0 && static_cast<std::size_t>(device) < sinks_.size() ? sinks_[static_cast<std::size_t>(device)].get()
+                                                                          : nullptr;
+}
+
+std::vector<std::string> Tracing::paths() const {
+  std::vector<std::string> p;
+  for (auto& f : files_) p.push_back(f->path());
+  return p;
+}
+
+std::uint64_t Tracing::dropped_records() const {
+  std::uint64_t n = 0;
+  for (auto& f : files_) n += f->dropped();
+  return n;
+}
+
+}  // namespace fragless

@@ -1,0 +1,285 @@
+// The runtime tracer and the native format: paths, recording through the Allocator, flushing, replaying
+// what was recorded, truncated and corrupt files; conversions between every pair of formats.
+#include <catch2/catch.hpp>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <unistd.h>
+
+#include "fragless/allocator.h"
+#include "fragless/trace_format.h"
+#include "fragless/tracer.h"
+#include "pickle.h"
+#include "replay.h"
+#include "trace_model.h"
+#include "workload.h"
+
+using namespace fragless;
+using namespace fragless::formats;
+
+namespace {
+
+std::string temp_dir() {
+  auto d = std::filesystem::temp_directory_path() / ("fragless-test-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(d);
+  return d.string();
+}
+
+std::string slurp(const std::string& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::size_t count(const Trace& t, Op op, int device = -1) {
+  std::size_t n = 0;
+  for (auto& e : t.events) n += e.op == op && (device < 0 || e.device == device);
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("tracer: path patterns expand pid, device and rank", "[tracer]") {
+  std::string err;
+  CHECK(expand_trace_path("/t/run-%p-%d-%r.fgt", 3, 42, 7, &err) == "/t/run-42-3-7.fgt");
+  CHECK(expand_trace_path("a%%b", 0, 1, -1, &err) == "a%b");
+  CHECK(expand_trace_path("x%r", 0, 1, -1, &err) == "x0");  // no RANK: rank 0
+  CHECK(expand_trace_path("x%q", 0, 1, 0, &err).empty());
+  CHECK(err.find("'%' must be followed by") != std::string::npos);
+  auto bad = parse_config("trace:/tmp/x%q");
+  CHECK_FALSE(bad.ok);
+  CHECK(bad.error.find("'trace'") != std::string::npos);
+  auto good = parse_config("trace:/tmp/x-%p-%d.fgt");
+  REQUIRE(good.ok);
+  CHECK(good.options.trace == "/tmp/x-%p-%d.fgt");
+}
+
+TEST_CASE("tracer: records every event, per device, and replays to the same reserved peak", "[tracer]") {
+  const std::string dir = temp_dir();
+  auto parsed = parse_config("driver:host,capacity_mb:1024,trace:" + dir + "/rec-%d.fgt");
+  REQUIRE(parsed.ok);
+  std::string err;
+  std::vector<std::string> paths;
+  std::int64_t live_peak_reserved[2] = {0, 0};
+  std::size_t allocs[2] = {0, 0}, frees[2] = {0, 0};
+  {
+    auto a = Allocator::create(parsed.options, 2, &err);
+    REQUIRE(a);
+    paths = a->trace_paths();
+    REQUIRE(paths.size() == 2);
+    std::mt19937_64 rng(7);
+    for (int d = 0; d < 2; ++d) {
+      DeviceEngine* e = a->device(d);
+      std::vector<void*> live;
+      for (int i = 0; i < 3000; ++i) {
+        if (live.size() < 60 && (live.empty() || rng() % 2 != 0)) {
+          const std::size_t size = rng() % 4 == 0 ? (1 + rng() % 24) << 20 : 512 * (1 + rng() % 2000);
+          void* p = e->allocate(size, 1 + rng() % 2, nullptr);
+          REQUIRE(p);
+          ++allocs[d];
+          if (rng() % 10 == 0) e->record_stream(p, 9);
+          live.push_back(p);
+        } else {
+          const std::size_t k = rng() % live.size();
+          REQUIRE(e->free(live[k]) == Status::ok);
+          ++frees[d];
+          live.erase(live.begin() + static_cast<long>(k));
+        }
+        if (i == 1500) e->empty_cache();
+      }
+      for (void* p : live) e->free(p), ++frees[d];
+      e->empty_cache();  // completes the frees still waiting for their streams
+      live_peak_reserved[d] = e->stats().reserved_bytes.all().peak;
+    }
+    a->flush_traces();
+    // Flushed while the allocator is alive: the records are in the file already.
+    auto mid = load_trace(paths[0]);
+    REQUIRE(mid.ok);
+    CHECK(count(mid.trace, Op::alloc) == allocs[0]);
+  }
+  for (int d = 0; d < 2; ++d) {
+    auto r = load_trace(paths[static_cast<std::size_t>(d)]);
+    INFO(r.error);
+    REQUIRE(r.ok);
+    CHECK(r.warning.empty());
+    CHECK(r.trace.has_time);
+    CHECK(count(r.trace, Op::alloc, d) == allocs[d]);
+    CHECK(count(r.trace, Op::free, d) == frees[d]);
+    CHECK(count(r.trace, Op::empty_cache, d) == 2);
+    CHECK(count(r.trace, Op::free_requested, d) > 0);  // record_stream'd blocks wait for their events
+    CHECK(count(r.trace, Op::segment_map, d) + count(r.trace, Op::phys_create, d) > 0);
+    for (std::size_t i = 1; i < r.trace.events.size(); ++i)
+      REQUIRE(r.trace.events[i].time_us >= r.trace.events[i - 1].time_us);
+    // The engine is deterministic: replaying the recorded requests through the same policy on the sim
+    // driver reserves exactly what the traced run reserved.
+    auto res = replay::replay(r.trace, d, PolicyKind::fragless, 0);
+    REQUIRE(res.error.empty());
+    CHECK(res.peak_reserved == live_peak_reserved[d]);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("tracer: without %d every device shares one file", "[tracer]") {
+  const std::string dir = temp_dir();
+  auto parsed = parse_config("driver:sim,trace:" + dir + "/shared.fgt");
+  REQUIRE(parsed.ok);
+  std::string err;
+  std::string path;
+  {
+    auto a = Allocator::create(parsed.options, 3, &err);
+    REQUIRE(a);
+    REQUIRE(a->trace_paths().size() == 1);
+    path = a->trace_paths()[0];
+    for (int d = 0; d < 3; ++d)
+      for (int i = 0; i < 20000; ++i) a->device(d)->free(a->device(d)->allocate(4096 * (1 + i % 7), 0, nullptr));
+  }
+  auto r = load_trace(path);
+  REQUIRE(r.ok);
+  for (int d = 0; d < 3; ++d) CHECK(count(r.trace, Op::alloc, d) == 20000);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("tracer: an unwritable path is a clear error", "[tracer][bad-input]") {
+  auto parsed = parse_config("driver:sim,trace:/nonexistent-dir/x.fgt");
+  REQUIRE(parsed.ok);
+  std::string err;
+  CHECK_FALSE(Allocator::create(parsed.options, 1, &err));
+  CHECK(err.find("cannot open trace file '/nonexistent-dir/x.fgt'") != std::string::npos);
+}
+
+TEST_CASE("native format: cut short, corrupt, other versions", "[formats][bad-input]") {
+  Trace t;
+  std::string err;
+  REQUIRE(replay::make_workload("workload:transformer-train:steps=1,layers=2", &t, &err));
+  const std::string good = trace_to_native(t);
+  REQUIRE((good.size() - 64) % 48 == 0);
+  const std::size_t records = (good.size() - 64) / 48;
+
+  SECTION("a crash mid-record: reads up to the last complete record, with a warning") {
+    auto r = trace_from_native_bytes(good.substr(0, good.size() - 20), "cut.fgt");
+    REQUIRE(r.ok);
+    CHECK(r.trace.events.size() == records - 1);
+    CHECK(r.warning.find("partial record at byte") != std::string::npos);
+  }
+  SECTION("header cut short") {
+    auto r = trace_from_native_bytes(good.substr(0, 30), "h.fgt");
+    CHECK_FALSE(r.ok);
+    CHECK(r.error.find("h.fgt: native trace header cut short") != std::string::npos);
+  }
+  SECTION("unknown version") {
+    std::string b = good;
+    b[8] = 9;
+    auto r = trace_from_native_bytes(b, "v.fgt");
+    CHECK_FALSE(r.ok);
+    CHECK(r.error.find("unsupported native trace version 9") != std::string::npos);
+  }
+  SECTION("garbage record") {
+    std::string b = good;
+    b[64 + 48 * 5 + 43] = 0x11;  // marker of record 5
+    auto r = trace_from_native_bytes(b, "g.fgt");
+    CHECK_FALSE(r.ok);
+    CHECK(r.error.find("corrupt record 5 at byte 304") != std::string::npos);
+  }
+  SECTION("a free of an address never allocated") {
+    Trace bad;
+    bad.events.push_back({Op::free, 0, 0, 0x1000, 512, 0, -1});
+    auto r = trace_from_native_bytes(trace_to_native(bad), "f.fgt");
+    CHECK_FALSE(r.ok);
+    CHECK(r.error.find("free of address 0x1000 that was never allocated") != std::string::npos);
+  }
+}
+
+TEST_CASE("conversions: native, RMM CSV and PyTorch snapshots carry the same allocations", "[formats]") {
+  Trace t;
+  std::string err;
+  REQUIRE(replay::make_workload("workload:transformer-train:steps=2,layers=3", &t, &err));
+  auto allocs_frees = [](const Trace& x) {
+    std::vector<std::tuple<int, std::uint64_t, std::uint64_t>> v;
+    for (auto& s : x.seed) v.emplace_back(0, s.address, s.size);
+    for (auto& e : x.events)
+      if (e.op == Op::alloc || e.op == Op::free) v.emplace_back(e.op == Op::alloc ? 0 : 1, e.address, e.size);
+    return v;
+  };
+  const auto expect = allocs_frees(t);
+  auto native = trace_from_native_bytes(trace_to_native(t), "n");
+  REQUIRE(native.ok);
+  CHECK(allocs_frees(native.trace) == expect);
+  auto csv = trace_from_rmm_csv(trace_to_rmm_csv(native.trace, 0), "c");
+  REQUIRE(csv.ok);
+  CHECK(allocs_frees(csv.trace) == expect);
+  const std::string snap = trace_to_snapshot(csv.trace);
+  auto back = trace_from_snapshot_bytes(snap, "s");
+  INFO(back.error);
+  REQUIRE(back.ok);
+  CHECK(allocs_frees(back.trace) == expect);
+  // The same peak through any format.
+  auto a = replay::replay(t, 0, PolicyKind::classic, 0), b = replay::replay(back.trace, 0, PolicyKind::classic, 0);
+  CHECK(a.peak_reserved == b.peak_reserved);
+  CHECK(a.peak_live == b.peak_live);
+}
+
+TEST_CASE("snapshot writer: segments tile their blocks as PyTorch's viewer asserts", "[formats]") {
+  // A recorded run with mapped pages and blocks still live at the end.
+  const std::string dir = temp_dir();
+  auto parsed = parse_config("driver:sim,policy:expandable,trace:" + dir + "/s.fgt");
+  REQUIRE(parsed.ok);
+  std::string err, path;
+  {
+    auto a = Allocator::create(parsed.options, 1, &err);
+    REQUIRE(a);
+    path = a->trace_paths()[0];
+    DeviceEngine* e = a->device(0);
+    std::vector<void*> keep;
+    for (int i = 0; i < 200; ++i) {
+      void* p = e->allocate((1 + i % 13) * 300000, 0, nullptr);
+      if (i % 3) e->free(p);
+      else keep.push_back(p);
+    }
+    a->flush_traces();
+    auto r = load_trace(path);
+    REQUIRE(r.ok);
+    auto pr = read_pickle(trace_to_snapshot(r.trace));
+    REQUIRE(pr.value);
+    const PyValue* segs = pr.value->get("segments");
+    REQUIRE(segs);
+    std::size_t live_blocks = 0;
+    for (auto& s : segs->items) {
+      std::int64_t sum = 0;
+      for (auto& b : s->get("blocks")->items) {
+        sum += b->get("size")->as_int();
+        live_blocks += b->get("state")->s == "active_allocated";
+      }
+      CHECK(sum == s->get("total_size")->as_int());
+    }
+    CHECK(live_blocks == keep.size());
+    const PyValue* traces = pr.value->get("device_traces");
+    REQUIRE(traces);
+    REQUIRE(traces->items.size() == 1);
+    std::size_t maps = 0;
+    for (auto& ev : traces->items[0]->items) maps += ev->get("action")->s == "segment_map";
+    CHECK(maps > 0);
+    for (void* p : keep) e->free(p);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("pickle writer: integers of every width and strings round-trip", "[formats]") {
+  PickleWriter w;
+  w.begin_list();
+  const std::int64_t ints[] = {0, 255, 256, 65535, 65536, -1, -129, INT32_MAX, INT32_MIN, 1ll << 40, -(1ll << 40), INT64_MAX, INT64_MIN};
+  for (auto v : ints) w.integer(v);
+  w.str(std::string(300, 'x'));
+  w.real(2.5);
+  w.boolean(true);
+  w.none();
+  w.end_list();
+  auto pr = read_pickle(w.finish());
+  REQUIRE(pr.value);
+  REQUIRE(pr.value->items.size() == std::size(ints) + 4);
+  for (std::size_t i = 0; i < std::size(ints); ++i) CHECK(pr.value->items[i]->i == ints[i]);
+  CHECK(pr.value->items[std::size(ints)]->s.size() == 300);
+  CHECK(pr.value->items[std::size(ints) + 1]->f == 2.5);
+}

@@ -1,0 +1,172 @@
+// fragless's native trace format (allocator/include/fragless/trace_format.h): reader and writer.
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <unordered_set>
+
+#include "fragless/trace.h"
+#include "fragless/trace_format.h"
+#include "trace_model.h"
+
+namespace fragless::formats {
+
+namespace {
+
+constexpr std::uint16_t kFlagNoTime = 1;
+
+bool op_of(std::uint8_t action, Op* op) {
+  switch (static_cast<TraceAction>(action)) {
+    case TraceAction::alloc: *op = Op::alloc; return true;
+    case TraceAction::free_requested: *op = Op::free_requested; return true;
+    case TraceAction::free_completed:
+    case TraceAction::free: *op = Op::free; return true;
+    case TraceAction::segment_alloc: *op = Op::segment_alloc; return true;
+    case TraceAction::segment_free: *op = Op::segment_free; return true;
+    case TraceAction::segment_map: *op = Op::segment_map; return true;
+    case TraceAction::segment_unmap: *op = Op::segment_unmap; return true;
+    case TraceAction::phys_create: *op = Op::phys_create; return true;
+    case TraceAction::phys_release: *op = Op::phys_release; return true;
+    case TraceAction::oom: *op = Op::oom; return true;
+    case TraceAction::snapshot: *op = Op::snapshot; return true;
+    case TraceAction::empty_cache: *op = Op::empty_cache; return true;
+  }
+  return false;
+}
+
+TraceAction action_of(Op op) {
+  switch (op) {
+    case Op::alloc: return TraceAction::alloc;
+    case Op::free: return TraceAction::free_completed;
+    case Op::free_requested: return TraceAction::free_requested;
+    case Op::segment_alloc: return TraceAction::segment_alloc;
+    case Op::segment_free: return TraceAction::segment_free;
+    case Op::segment_map: return TraceAction::segment_map;
+    case Op::segment_unmap: return TraceAction::segment_unmap;
+    case Op::phys_create: return TraceAction::phys_create;
+    case Op::phys_release: return TraceAction::phys_release;
+    case Op::oom: return TraceAction::oom;
+    case Op::snapshot: return TraceAction::snapshot;
+    case Op::empty_cache: return TraceAction::empty_cache;
+  }
+  return TraceAction::alloc;
+}
+
+}  // namespace
+
+LoadResult trace_from_native_bytes(const std::string& bytes, const std::string& name) {
+  LoadResult r;
+  auto fail = [&](const std::string& what) {
+    r.ok = false;
+    r.error = name + ": " + what;
+    return r;
+  };
+  NativeTraceHeader h;
+  if (bytes.size() < sizeof kTraceMagic || std::memcmp(bytes.data(), kTraceMagic, sizeof kTraceMagic) != 0)
+    return fail("not a fragless native trace (bad magic)");
+  if (bytes.size() < sizeof h) return fail("native trace header cut short (" + std::to_string(bytes.size()) + " of 64 bytes)");
+  std::memcpy(&h, bytes.data(), sizeof h);
+  if (h.version != kTraceVersion)
+    return fail("unsupported native trace version " + std::to_string(h.version) + " (this build reads version " +
+                std::to_string(kTraceVersion) + ")");
+  if (h.header_size < sizeof h || h.header_size > bytes.size())
+    return fail("bad header size " + std::to_string(h.header_size));
+  if (h.record_size != sizeof(NativeTraceRecord))
+    return fail("bad record size " + std::to_string(h.record_size) + " (version 1 records are 48 bytes)");
+  const bool timed = !(h.flags & kFlagNoTime);
+  Trace& t = r.trace;
+  t.source = name;
+  t.has_time = false;
+  const std::size_t body = bytes.size() - h.header_size;
+  const std::size_t n = body / sizeof(NativeTraceRecord);
+  t.events.reserve(n);
+  std::vector<std::unordered_set<std::uint64_t>> live_by_device;
+  for (std::size_t i = 0; i < n; ++i) {
+    NativeTraceRecord rec;
+    const std::size_t off = h.header_size + i * sizeof rec;
+    std::memcpy(&rec, bytes.data() + off, sizeof rec);
+    Event e;
+    if (rec.marker != kTraceRecordMarker || !op_of(rec.action, &e.op))
+      return fail("corrupt record " + std::to_string(i) + " at byte " + std::to_string(off) + " (action " +
+                  std::to_string(rec.action) + ", marker " + std::to_string(rec.marker) + ")");
+    e.device = rec.device;
+    e.stream = rec.stream;
+    e.address = rec.address;
+    e.size = rec.requested;
+    e.block_size = rec.block;
+    if (timed) {
+      e.time_us = static_cast<std::int64_t>((h.origin_unix_ns + rec.time_ns) / 1000);
+      t.has_time = true;
+    }
+    if (live_by_device.size() <= rec.device) live_by_device.resize(rec.device + 1u);
+    auto& lv = live_by_device[rec.device];
+    if (e.op == Op::alloc) {
+      if (!lv.insert(e.address).second)
+        return fail("record " + std::to_string(i) + " at byte " + std::to_string(off) + ": address 0x" +
+                    [&] { char b[24]; std::snprintf(b, sizeof b, "%" PRIx64, e.address); return std::string(b); }() +
+                    " allocated twice without a free");
+    } else if (e.op == Op::free) {
+      if (!lv.erase(e.address))
+        return fail("record " + std::to_string(i) + " at byte " + std::to_string(off) + ": free of address 0x" +
+                    [&] { char b[24]; std::snprintf(b, sizeof b, "%" PRIx64, e.address); return std::string(b); }() +
+                    " that was never allocated in this trace");
+    }
+    t.events.push_back(e);
+  }
+  if (body % sizeof(NativeTraceRecord))
+    r.warning = name + ": the trace ends in a partial record at byte " +
+                std::to_string(h.header_size + n * sizeof(NativeTraceRecord)) + " (cut short, e.g. by a crash); read " +
+                std::to_string(n) + " complete records";
+  r.ok = true;
+  return r;
+}
+
+std::string trace_to_native(const Trace& t) {
+  NativeTraceHeader h{};
+  std::memcpy(h.magic, kTraceMagic, sizeof h.magic);
+  h.version = kTraceVersion;
+  h.header_size = sizeof h;
+  h.record_size = sizeof(NativeTraceRecord);
+  h.flags = t.has_time ? 0 : kFlagNoTime;
+  h.rank = -1;
+  h.device = -1;
+  std::int64_t t0 = -1;
+  for (const auto* list : {&t.seed, &t.events})
+    for (const auto& e : *list)
+      if (e.time_us >= 0 && (t0 < 0 || e.time_us < t0)) t0 = e.time_us;
+  if (t0 < 0) t0 = 0;
+  h.origin_unix_ns = static_cast<std::uint64_t>(t0) * 1000;
+  std::strncpy(h.policy, "converted", sizeof h.policy - 1);
+  std::string out(reinterpret_cast<const char*>(&h), sizeof h);
+  out.reserve(sizeof h + (t.seed.size() + t.events.size()) * sizeof(NativeTraceRecord));
+  std::uint32_t seq = 0;
+  // Frees that follow a free_requested of the same address complete it; others are immediate frees.
+  std::vector<std::unordered_set<std::uint64_t>> pending;
+  auto put = [&](const Event& e, TraceAction a) {
+    NativeTraceRecord rec{};
+    rec.time_ns = e.time_us >= 0 ? static_cast<std::uint64_t>(e.time_us - t0) * 1000 : 0;
+    rec.address = e.address;
+    rec.requested = e.size;
+    rec.block = e.block_size;
+    rec.stream = e.stream;
+    rec.device = static_cast<std::uint16_t>(e.device);
+    rec.action = static_cast<std::uint8_t>(a);
+    rec.marker = kTraceRecordMarker;
+    rec.sequence = seq++;
+    out.append(reinterpret_cast<const char*>(&rec), sizeof rec);
+  };
+  for (const auto& e : t.seed) put(e, TraceAction::alloc);
+  for (const auto& e : t.events) {
+    if (pending.size() <= static_cast<std::size_t>(e.device)) pending.resize(static_cast<std::size_t>(e.device) + 1);
+    auto& p = pending[static_cast<std::size_t>(e.device)];
+    if (e.op == Op::free_requested) p.insert(e.address);
+    if (e.op == Op::free && !p.erase(e.address)) {
+      put(e, TraceAction::free);
+      continue;
+    }
+    put(e, action_of(e.op));
+  }
+  return out;
+}
+
+}  // namespace fragless::formats

@@ -1,0 +1,95 @@
+#include <bit>
+#include <cstring>
+
+#include "pickle.h"
+
+namespace fragless::formats {
+
+namespace {
+constexpr char kProto = '\x80', kStop = '.', kMark = '(', kEmptyDict = '}', kSetItems = 'u', kEmptyList = ']',
+               kAppends = 'e', kTuple = 't', kBinInt = 'J', kBinInt1 = 'K', kBinInt2 = 'M', kLong1 = '\x8a',
+               kShortUnicode = '\x8c', kUnicode = 'X', kBinFloat = 'G', kTrue = '\x88', kFalse = '\x89', kNone = 'N';
+}  // namespace
+
+PickleWriter::PickleWriter() {
+  out_.push_back(kProto);
+  out_.push_back('\x04');
+}
+
+void PickleWriter::begin_dict() {
+  out_.push_back(kEmptyDict);
+  out_.push_back(kMark);
+}
+void PickleWriter::end_dict() { out_.push_back(kSetItems); }
+void PickleWriter::begin_list() {
+  out_.push_back(kEmptyList);
+  out_.push_back(kMark);
+}
+void PickleWriter::end_list() { out_.push_back(kAppends); }
+void PickleWriter::begin_tuple() { out_.push_back(kMark); }
+void PickleWriter::end_tuple() { out_.push_back(kTuple); }
+
+void PickleWriter::str(std::string_view s) {
+  if (s.size() < 256) {
+    out_.push_back(kShortUnicode);
+    out_.push_back(static_cast<char>(s.size()));
+  } else {
+    out_.push_back(kUnicode);
+    const auto n = static_cast<std::uint32_t>(s.size());
+    for (int i = 0; i < 4; ++i) out_.push_back(static_cast<char>(n >> (8 * i)));
+  }
+  out_.append(s);
+}
+
+void PickleWriter::integer(std::int64_t v) {
+  if (v >= 0 && v < 256) {
+    out_.push_back(kBinInt1);
+    out_.push_back(static_cast<char>(v));
+  } else if (v >= 0 && v < 65536) {
+    out_.push_back(kBinInt2);
+    out_.push_back(static_cast<char>(v));
+    out_.push_back(static_cast<char>(v >> 8));
+  } else if (v >= INT32_MIN && v <= INT32_MAX) {
+    out_.push_back(kBinInt);
+    const auto u = static_cast<std::uint32_t>(static_cast<std::int32_t>(v));
+    for (int i = 0; i < 4; ++i) out_.push_back(static_cast<char>(u >> (8 * i)));
+  } else {
+    // LONG1: little-endian two's complement, as few bytes as keep the sign.
+    auto u = static_cast<std::uint64_t>(v);
+    std::string b;
+    for (int i = 0; i < 8; ++i) b.push_back(static_cast<char>(u >> (8 * i)));
+    while (b.size() > 1) {
+      const auto last = static_cast<unsigned char>(b.back());
+      const auto prev = static_cast<unsigned char>(b[b.size() - 2]);
+      if ((last == 0 && !(prev & 0x80)) || (last == 0xff && (prev & 0x80))) b.pop_back();
+      else break;
+    }
+    out_.push_back(kLong1);
+    out_.push_back(static_cast<char>(b.size()));
+    out_ += b;
+  }
+}
+
+void PickleWriter::uinteger(std::uint64_t v) {
+  if (v <= static_cast<std::uint64_t>(INT64_MAX)) return integer(static_cast<std::int64_t>(v));
+  out_.push_back(kLong1);
+  out_.push_back('\x09');
+  for (int i = 0; i < 8; ++i) out_.push_back(static_cast<char>(v >> (8 * i)));
+  out_.push_back('\0');  // positive
+}
+
+void PickleWriter::real(double v) {
+  out_.push_back(kBinFloat);
+  const auto u = std::bit_cast<std::uint64_t>(v);
+  for (int i = 7; i >= 0; --i) out_.push_back(static_cast<char>(u >> (8 * i)));  // big-endian
+}
+
+void PickleWriter::boolean(bool v) { out_.push_back(v ? kTrue : kFalse); }
+void PickleWriter::none() { out_.push_back(kNone); }
+
+std::string PickleWriter::finish() {
+  out_.push_back(kStop);
+  return std::move(out_);
+}
+
+}  // namespace fragless::formats

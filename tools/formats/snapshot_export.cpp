@@ -1,0 +1,206 @@
+// Trace → PyTorch memory snapshot (the layout of torch.cuda.memory._dump_snapshot), so that
+// torch.cuda._memory_viz and pytorch.org/memory_viz draw fragless traces.
+#include <algorithm>
+#include <map>
+#include <tuple>
+#include <unordered_set>
+
+#include "pickle.h"
+#include "trace_model.h"
+
+namespace fragless::formats {
+
+namespace {
+
+struct LiveBlock {
+  std::uint64_t requested = 0, size = 0, stream = 0;
+};
+
+struct SegOut {
+  std::uint64_t address = 0, size = 0, stream = 0;
+  bool expandable = false;
+};
+
+std::uint64_t round512(std::uint64_t n) { return n == 0 ? 512 : (n + 511) / 512 * 512; }
+
+// The segments alive at the end of the trace on one device, with their blocks.
+std::vector<std::pair<SegOut, std::vector<std::pair<std::uint64_t, LiveBlock>>>> end_state(const Trace& t, int dev) {
+  std::map<std::uint64_t, LiveBlock> live;
+  std::map<std::uint64_t, SegOut> segs;  // classic segments and mapped ranges (merged when adjacent)
+  for (const auto& e : t.seed)
+    if (e.device == dev) live[e.address] = {e.size, e.block_size ? e.block_size : round512(e.size), e.stream};
+  for (const auto& e : t.events) {
+    if (e.device != dev) continue;
+    switch (e.op) {
+      case Op::alloc: live[e.address] = {e.size, e.block_size ? e.block_size : round512(e.size), e.stream}; break;
+      case Op::free: live.erase(e.address); break;
+      case Op::segment_alloc: segs[e.address] = {e.address, e.size, e.stream, false}; break;
+      case Op::segment_free: segs.erase(e.address); break;
+      case Op::segment_map: {
+        SegOut s{e.address, e.size, e.stream, true};
+        auto it = segs.lower_bound(e.address);
+        if (it != segs.begin()) {  // merge with the range ending where this one starts
+          auto prev = std::prev(it);
+          if (prev->second.expandable && prev->first + prev->second.size == e.address) {
+            s.address = prev->first;
+            s.size += prev->second.size;
+            segs.erase(prev);
+          }
+        }
+        it = segs.find(e.address + e.size);
+        if (it != segs.end() && it->second.expandable) {
+          s.size += it->second.size;
+          segs.erase(it);
+        }
+        segs[s.address] = s;
+        break;
+      }
+      case Op::segment_unmap: {
+        // Cut [a, b) out of whichever mapped range holds it.
+        const std::uint64_t a = e.address, b = e.address + e.size;
+        auto it = segs.upper_bound(a);
+        if (it == segs.begin()) break;
+        --it;
+        const SegOut s = it->second;
+        if (!s.expandable || s.address + s.size < b) break;
+        segs.erase(it);
+        if (a > s.address) segs[s.address] = {s.address, a - s.address, s.stream, true};
+        if (b < s.address + s.size) segs[b] = {b, s.address + s.size - b, s.stream, true};
+        break;
+      }
+      default: break;
+    }
+  }
+  std::vector<std::pair<SegOut, std::vector<std::pair<std::uint64_t, LiveBlock>>>> out;
+  for (auto& [addr, s] : segs) out.push_back({s, {}});
+  for (auto& [addr, b] : live) {
+    // The recorded segment holding the block; else a segment of its own (allocated before any
+    // recorded segment event).
+    auto it = std::upper_bound(out.begin(), out.end(), addr,
+                               [](std::uint64_t a, const auto& seg) { return a < seg.first.address; });
+    if (it != out.begin()) {
+      auto& seg = *std::prev(it);
+      if (addr < seg.first.address + seg.first.size) {
+        LiveBlock c = b;
+        c.size = std::min(c.size, seg.first.address + seg.first.size - addr);
+        if (seg.second.empty() || seg.second.back().first + seg.second.back().second.size <= addr) {
+          seg.second.push_back({addr, c});
+          continue;
+        }
+      }
+    }
+    out.push_back({SegOut{addr, b.size, b.stream, false}, {{addr, b}}});
+  }
+  std::sort(out.begin(), out.end(), [](const auto& x, const auto& y) { return x.first.address < y.first.address; });
+  return out;
+}
+
+}  // namespace
+
+std::string trace_to_snapshot(const Trace& t) {
+  const int ndev = t.devices();
+  PickleWriter w;
+  w.begin_dict();
+  w.str("segments");
+  w.begin_list();
+  for (int dev = 0; dev < ndev; ++dev) {
+    for (auto& [seg, blocks] : end_state(t, dev)) {
+      std::uint64_t allocated = 0, requested = 0;
+      for (auto& [a, b] : blocks) {
+        allocated += b.size;
+        requested += b.requested;
+      }
+      w.begin_dict();
+      w.kv_int("device", dev);
+      w.kv_uint("address", seg.address);
+      w.kv_uint("total_size", seg.size);
+      w.kv_uint("allocated_size", allocated);
+      w.kv_uint("active_size", allocated);
+      w.kv_uint("requested_size", requested);
+      w.kv_uint("stream", seg.stream);
+      w.kv("segment_type", seg.size <= (2u << 20) && !seg.expandable ? "small" : "large");
+      w.str("segment_pool_id");
+      w.begin_tuple();
+      w.integer(0);
+      w.integer(0);
+      w.end_tuple();
+      w.str("is_expandable");
+      w.boolean(seg.expandable);
+      w.str("frames");
+      w.begin_list();
+      w.end_list();
+      w.str("blocks");
+      w.begin_list();
+      // Blocks tile the segment: live blocks, inactive gaps between them.
+      std::uint64_t at = seg.address;
+      auto block = [&](std::uint64_t addr, std::uint64_t size, std::uint64_t req, bool active) {
+        w.begin_dict();
+        w.kv_uint("address", addr);
+        w.kv_uint("size", size);
+        w.kv_uint("requested_size", req);
+        w.kv("state", active ? "active_allocated" : "inactive");
+        w.str("frames");
+        w.begin_list();
+        w.end_list();
+        w.end_dict();
+      };
+      for (auto& [a, b] : blocks) {
+        if (a > at) block(at, a - at, 0, false);
+        block(a, b.size, b.requested, true);
+        at = a + b.size;
+      }
+      if (at < seg.address + seg.size) block(at, seg.address + seg.size - at, 0, false);
+      w.end_list();
+      w.end_dict();
+    }
+  }
+  w.end_list();
+  w.str("device_traces");
+  w.begin_list();
+  for (int dev = 0; dev < ndev; ++dev) {
+    w.begin_list();
+    std::unordered_set<std::uint64_t> requested;  // frees already announced by free_requested
+    auto entry = [&](const Event& e, const char* action) {
+      w.begin_dict();
+      w.kv("action", action);
+      w.kv_uint(e.op == Op::oom ? "device_free" : "addr", e.address);
+      w.kv_uint("size", e.size);
+      w.kv_uint("stream", e.stream);
+      if (e.time_us >= 0) w.kv_int("time_us", e.time_us);
+      w.str("frames");
+      w.begin_list();
+      w.end_list();
+      w.end_dict();
+    };
+    for (const auto& e : t.events) {
+      if (e.device != dev) continue;
+      switch (e.op) {
+        case Op::free_requested:
+          requested.insert(e.address);
+          entry(e, "free_requested");
+          break;
+        case Op::free:
+          if (!requested.erase(e.address)) entry(e, "free_requested");
+          entry(e, "free_completed");
+          break;
+        case Op::phys_create:
+        case Op::phys_release:
+        case Op::empty_cache: break;  // no PyTorch counterpart
+        default: entry(e, op_name(e.op)); break;
+      }
+    }
+    w.end_list();
+  }
+  w.end_list();
+  w.str("allocator_settings");
+  w.begin_dict();
+  w.kv("PYTORCH_CUDA_ALLOC_CONF", "");
+  w.end_dict();
+  w.str("external_annotations");
+  w.begin_list();
+  w.end_list();
+  w.end_dict();
+  return w.finish();
+}
+
+}  // namespace fragless::formats
