@@ -144,19 +144,26 @@ TEST_CASE("snapshots: every shared PyTorch trace loads; peak live matches the re
 
 TEST_CASE("fidelity: classic replays of traces with segment events track PyTorch's peak reserved", "[replay][data]") {
   REQUIRE(have_data());
-  // silmont's complete trace is an exact oracle; the others are windows within 5%.
-  const std::pair<const char*, double> cases[] = {{"cs336_silmont2000_75d09aa_mem_snapshot.pickle", 0.0},
-                                                  {"cranberrii_ftcourse_memory_snapshot.pickle", 0.05},
-                                                  {"cs336_wedsonlin_87b0864_results_medium_512_training_memory_snapshot.pickle", 0.05}};
-  for (const auto& [name, tol] : cases) {
-    auto r = load_trace(kData + "/" + name);
+  // Every shared trace with a window of events (4 of them record segment events; in the others the
+  // reserved memory did not change over the window), one assertion per trace: within 5% of what PyTorch
+  // recorded (the importer seeds the live blocks and, for classic, the cache shape before the window;
+  // bursts of segment_free replay as empty_cache calls).
+  std::size_t checked = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(kData)) {
+    auto r = load_trace(entry.path().string());
     REQUIRE(r.ok);
+    bool has_allocs = false;
+    for (auto& e : r.trace.events) has_allocs |= e.op == Op::alloc && e.device == 0;
+    if (!has_allocs) continue;  // segments-only snapshots: nothing to replay
     auto res = replay::replay(r.trace, 0, PolicyKind::classic, 0);
+    REQUIRE(res.error.empty());
     REQUIRE(res.pytorch_recorded_peak_reserved);
     const double ours = static_cast<double>(res.peak_reserved), theirs = static_cast<double>(*res.pytorch_recorded_peak_reserved);
-    INFO(name << ": classic " << ours / (1 << 20) << " MiB, PyTorch " << theirs / (1 << 20) << " MiB");
-    CHECK(std::abs(ours - theirs) <= tol * theirs);
+    INFO(entry.path().filename().string() << ": classic " << ours / (1 << 20) << " MiB, PyTorch " << theirs / (1 << 20) << " MiB");
+    CHECK(std::abs(ours - theirs) <= 0.05 * theirs);
+    ++checked;
   }
+  CHECK(checked >= 17);
 }
 
 TEST_CASE("workloads: built-in transformer steps replay through every policy", "[replay]") {

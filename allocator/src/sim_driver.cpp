@@ -8,7 +8,8 @@ namespace {
 
 class SimDriver final : public Driver {
  public:
-  explicit SimDriver(const SimDriverOptions& o) : Driver(o.device, o.page_size), capacity_(o.capacity) {}
+  explicit SimDriver(const SimDriverOptions& o)
+      : Driver(o.device, o.page_size), capacity_(o.capacity), top_down_(o.top_down) {}
   const char* name() const override { return "sim"; }
   TestEvents& events() { return events_; }
 
@@ -21,6 +22,13 @@ class SimDriver final : public Driver {
  private:
   Status do_reserve(std::size_t size, DevicePtr* va) override {
     const std::size_t g = granularity();
+    if (top_down_) {
+      const std::size_t span = (size + g - 1) / g * g + g;  // a guard page between reservations
+      if (span > next_down_ - 0x100000000000ull) return Status::out_of_memory;
+      next_down_ -= span;
+      *va = next_down_;
+      return Status::ok;
+    }
     next_va_ = (next_va_ + g - 1) / g * g;
     *va = next_va_;
     next_va_ += size + g;  // a guard page between reservations catches overruns in the checker
@@ -68,6 +76,8 @@ class SimDriver final : public Driver {
   std::size_t capacity_;
   std::size_t used_ = 0;
   DevicePtr next_va_ = 0x7f0000000000ull;
+  DevicePtr next_down_ = 0x7ff000000000ull;
+  bool top_down_ = false;
   PhysHandle next_handle_ = 1;
   std::unordered_map<PhysHandle, std::size_t> sizes_;
   TestEvents events_;

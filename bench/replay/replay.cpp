@@ -1,5 +1,6 @@
 #include "replay.h"
 
+#include <algorithm>
 #include <chrono>
 #include <unordered_map>
 
@@ -9,6 +10,13 @@
 namespace fragless::replay {
 
 ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, std::uint64_t capacity) {
+  ReplayOptions o;
+  o.capacity = capacity;
+  return replay(t, device, policy, o);
+}
+
+ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, const ReplayOptions& opt) {
+  const std::uint64_t capacity = opt.capacity;
   ReplayResult r;
   r.input = t.source;
   r.device = device;
@@ -21,10 +29,23 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, std:
   SimDriverOptions so;
   so.device = device;
   so.capacity = capacity ? capacity : (80ull << 30);
+  so.top_down = true;
   DeviceEngine e(o, make_sim_driver(so));
   std::unordered_map<std::uint64_t, void*> ptrs;  // trace address -> replayed block
   ptrs.reserve(t.events.size() / 2 + t.seed.size());
   const auto t0 = std::chrono::steady_clock::now();
+  // The cache shape before the window is the recorded allocator's own state: for the classic policy (the
+  // allocator that made these snapshots) each segment PyTorch held is created (a 2 MiB segment holds small
+  // blocks) and freed, then the live blocks are allocated into that cache. The other policies start from
+  // the live blocks alone: their own history before the window is unknown.
+  if (policy == PolicyKind::classic) {
+    std::vector<void*> pre;
+    for (const auto& s : t.pre_segments)
+      if (s.device == device)
+        if (void* p = e.allocate(s.size == (2u << 20) ? 512 : s.size, s.stream, nullptr)) pre.push_back(p);
+    for (void* p : pre) e.free(p);
+    e.reset_peak_stats();  // peaks count from the window's start
+  }
   for (const auto& s : t.seed) {
     if (s.device != device) continue;
     void* p = e.allocate(s.size, s.stream, nullptr);
@@ -40,8 +61,20 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, std:
   std::int64_t last_time = -1, first_time = -1;
   DeviceEngine::Usage u = e.usage();
   std::size_t index = 0;
+  const std::size_t stride = opt.curve_points ? std::max<std::size_t>(1, t.events.size() / opt.curve_points) : 0;
+  r.curve_in_seconds = t.has_time;
+  std::uint64_t unreported = 0;
   for (const auto& ev : t.events) {
     ++index;
+    if (stride && index % stride == 0 && (ev.time_us >= 0 || !t.has_time)) {
+      const double x = t.has_time ? static_cast<double>(ev.time_us - (first_time < 0 ? ev.time_us : first_time)) / 1e6
+                                  : static_cast<double>(index);
+      r.curve.push_back({x, u.live, u.allocated, u.reserved});
+    }
+    if (opt.progress && ++unreported == 65536) {
+      opt.progress->fetch_add(unreported, std::memory_order_relaxed);
+      unreported = 0;
+    }
     if (ev.device != device) continue;
     if (ev.op != formats::Op::alloc && ev.op != formats::Op::free && ev.op != formats::Op::empty_cache) continue;
     ++r.events;
@@ -85,6 +118,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, std:
     }
     u = e.usage();
   }
+  if (opt.progress) opt.progress->fetch_add(unreported, std::memory_order_relaxed);
   const auto t1 = std::chrono::steady_clock::now();
   const DeviceStats st = e.stats();
   r.peak_live = st.live_bytes.peak;

@@ -1,6 +1,8 @@
 // Replays a trace through one policy on the sim driver and measures it.
 #pragma once
+#include <atomic>
 #include <optional>
+#include <vector>
 #include <string>
 
 #include "fragless/config.h"
@@ -23,9 +25,19 @@ struct ReplayResult {
   double replay_seconds = 0, events_per_second = 0;
   std::optional<std::uint64_t> pytorch_recorded_peak_reserved;
   std::string error;  // non-empty: the trace could not be replayed (names the position)
+  struct Point { double x; std::int64_t live, allocated, reserved; };  // x: trace seconds, or event index
+  std::vector<Point> curve;  // filled when ReplayOptions::curve_points > 0
+  bool curve_in_seconds = false;
+};
+
+struct ReplayOptions {
+  std::uint64_t capacity = 0;                      // 0 = 80 GiB and OOM is an error
+  std::size_t curve_points = 0;                    // sample usage about this many times (for --plot)
+  std::atomic<std::uint64_t>* progress = nullptr;  // events replayed, added in batches
 };
 
 // capacity 0 = 80 GiB and OOM is an error; otherwise OOMs are counted and the replay goes on.
 ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, std::uint64_t capacity);
+ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, const ReplayOptions& options);
 
 }  // namespace fragless::replay

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <fstream>
 #include <map>
 #include <random>
 #include <sstream>
@@ -26,6 +28,8 @@ struct Config {
   int dtype = 4, ckpt = 0;
   std::uint64_t seed = 1;
   std::string seqlen = "sharegpt";
+  bool seqlen_given = false;
+  const std::vector<int>* lengths = nullptr;
 };
 
 class Emitter {
@@ -86,6 +90,7 @@ bool parse(const std::string& spec, Config* c, std::string* error) {
       *it->second = static_cast<int>(n);
     } else if (k == "seqlen") {
       c->seqlen = v;
+      c->seqlen_given = true;
     } else if (k == "seed") {
       c->seed = std::strtoull(v.c_str(), nullptr, 10);
     } else if (k == "dtype") {
@@ -109,6 +114,11 @@ bool parse(const std::string& spec, Config* c, std::string* error) {
 class SeqLen {
  public:
   SeqLen(const Config& c, std::string* error) : rng_(c.seed), max_(c.max_seq) {
+    if (c.lengths && !c.seqlen_given) {
+      lengths_ = c.lengths;
+      if (lengths_->empty()) *error = "the sequence-length file has no lengths";
+      return;
+    }
     if (c.seqlen.rfind("fixed:", 0) == 0) {
       fixed_ = std::atoi(c.seqlen.c_str() + 6);
       if (fixed_ < 1) *error = "seqlen fixed:N needs N >= 1";
@@ -120,6 +130,7 @@ class SeqLen {
   }
   int draw() {
     if (fixed_) return std::min(fixed_, max_);
+    if (lengths_) return std::clamp((*lengths_)[rng_() % lengths_->size()], 1, max_);
     std::lognormal_distribution<double> d(fit_->mu, fit_->sigma);
     const int v = static_cast<int>(std::lround(d(rng_)));
     return std::clamp(std::clamp(v, fit_->lo, fit_->hi), 1, max_);
@@ -130,6 +141,7 @@ class SeqLen {
   int max_;
   int fixed_ = 0;
   const SeqFit* fit_ = nullptr;
+  const std::vector<int>* lengths_ = nullptr;
 };
 
 void train(const Config& c, SeqLen& lens, Emitter& em) {
@@ -244,15 +256,93 @@ void infer(const Config& c, SeqLen& lens, Emitter& em) {
 
 }  // namespace
 
-bool make_workload(const std::string& spec, formats::Trace* out, std::string* error) {
+bool make_workload(const std::string& spec, formats::Trace* out, std::string* error,
+                   const std::vector<int>* lengths) {
   Config c;
   if (!parse(spec, &c, error)) return false;
+  c.lengths = lengths;
   SeqLen lens(c, error);
   if (!error->empty()) return false;
   *out = formats::Trace{};
   out->source = spec;
   Emitter em(out);
   if (c.name == "transformer-train") train(c, lens, em); else infer(c, lens, em);
+  return true;
+}
+
+bool read_seqlen_file(const std::string& path, std::vector<int>* out, std::string* error) {
+  std::ifstream in(path);
+  if (!in) {
+    *error = path + ": cannot open";
+    return false;
+  }
+  auto split = [](const std::string& line) {
+    std::vector<std::string> f;
+    std::stringstream ss(line);
+    std::string x;
+    while (std::getline(ss, x, ',')) {
+      while (!x.empty() && (x.back() == '\r' || x.back() == ' ')) x.pop_back();
+      while (!x.empty() && x.front() == ' ') x.erase(x.begin());
+      f.push_back(x);
+    }
+    return f;
+  };
+  std::string line;
+  if (!std::getline(in, line)) {
+    *error = path + ": empty file (expected a CSV header)";
+    return false;
+  }
+  const auto header = split(line);
+  auto col = [&](const char* name) -> int {
+    for (std::size_t i = 0; i < header.size(); ++i)
+      if (header[i] == name) return static_cast<int>(i);
+    return -1;
+  };
+  std::vector<int> cols;
+  for (const char* n : {"seqlen", "length", "tokens", "total_tokens", "num_total_tokens"})
+    if (cols.empty() && col(n) >= 0) cols = {col(n)};
+  const std::pair<const char*, const char*> pairs[] = {
+      {"ContextTokens", "GeneratedTokens"}, {"num_prefill_tokens", "num_decode_tokens"}, {"input_length", "output_length"}};
+  for (auto [a, b] : pairs)
+    if (cols.empty() && col(a) >= 0 && col(b) >= 0) cols = {col(a), col(b)};
+  std::vector<std::vector<std::string>> rows;
+  while (std::getline(in, line))
+    if (!line.empty() && line != "\r") rows.push_back(split(line));
+  auto integer = [](const std::string& v, long* n) {
+    char* end = nullptr;
+    *n = std::strtol(v.c_str(), &end, 10);
+    return !v.empty() && !*end && *n >= 0;
+  };
+  if (cols.empty() && !rows.empty())
+    for (std::size_t i = 0; i < header.size() && cols.empty(); ++i) {
+      long n;
+      if (i < rows[0].size() && integer(rows[0][i], &n)) cols = {static_cast<int>(i)};
+    }
+  if (cols.empty()) {
+    *error = path + ": no sequence-length column (seqlen, length, tokens, total_tokens, num_total_tokens, a "
+                    "prompt/output pair, or any integer column)";
+    return false;
+  }
+  out->clear();
+  for (std::size_t r = 0; r < rows.size(); ++r) {
+    long total = 0;
+    for (int c : cols) {
+      long n = 0;
+      if (static_cast<std::size_t>(c) >= rows[r].size() || !integer(rows[r][static_cast<std::size_t>(c)], &n) ||
+          n > 10'000'000) {
+        *error = path + ":" + std::to_string(r + 2) + ": '" +
+                 (static_cast<std::size_t>(c) < rows[r].size() ? rows[r][static_cast<std::size_t>(c)] : std::string()) +
+                 "' in column " + header[static_cast<std::size_t>(c)] + " is not a sequence length";
+        return false;
+      }
+      total += n;
+    }
+    if (total > 0) out->push_back(static_cast<int>(total));
+  }
+  if (out->empty()) {
+    *error = path + ": no sequence lengths";
+    return false;
+  }
   return true;
 }
 

@@ -2,6 +2,7 @@
 // over batches of variable-length sequences, so the replay runs with no input file at all.
 #pragma once
 #include <string>
+#include <vector>
 
 #include "trace_model.h"
 
@@ -10,6 +11,14 @@ namespace fragless::replay {
 // spec: "workload:NAME[:key=value,...]", NAME = transformer-train | transformer-infer. Keys: layers,
 // d_model, heads, d_ff, vocab, batch, steps, seqlen (sharegpt | azure-conv | azure-code | arxiv | fixed:N),
 // max_seq, dtype (fp32 | bf16), ckpt (0 | 1), seed. Returns false with *error on a bad spec.
-bool make_workload(const std::string& spec, formats::Trace* out, std::string* error);
+// `lengths`, when given and the spec names no seqlen, replaces the fitted distribution: sequence lengths
+// are drawn from it uniformly (a user's own data, see read_seqlen_file).
+bool make_workload(const std::string& spec, formats::Trace* out, std::string* error,
+                   const std::vector<int>* lengths = nullptr);
+
+// Sequence lengths from a CSV with a header: the column seqlen, length, tokens, total_tokens or
+// num_total_tokens; else the sum of a prompt/output pair (ContextTokens + GeneratedTokens,
+// num_prefill_tokens + num_decode_tokens, input_length + output_length); else the first integer column.
+bool read_seqlen_file(const std::string& path, std::vector<int>* out, std::string* error);
 
 }  // namespace fragless::replay

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include "pickle.h"
 #include "trace_model.h"
@@ -52,6 +53,7 @@ LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string
   std::vector<std::uint64_t> reserved_end(std::max<std::size_t>(ndev, 1), 0);
   // Blocks live at dump time, per device: address -> (requested, stream).
   std::vector<std::map<std::uint64_t, std::pair<std::uint64_t, std::uint64_t>>> live_at_dump(reserved_end.size());
+  std::vector<std::vector<std::tuple<std::uint64_t, std::uint64_t, bool>>> segments_at_dump(reserved_end.size());
   for (const auto& sp : segments->items) {
     const PyValue* seg = sp.get();
     if (seg->type != PyValue::Type::dict) return fail(name, "segment entry is not a dict");
@@ -59,8 +61,15 @@ LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string
     if (dev >= reserved_end.size()) {
       reserved_end.resize(dev + 1, 0);
       live_at_dump.resize(dev + 1);
+      segments_at_dump.resize(dev + 1);
     }
     reserved_end[dev] += static_cast<std::uint64_t>(num(seg->get("total_size")));
+    {
+      const PyValue* ex = seg->get("is_expandable");
+      segments_at_dump[dev].emplace_back(static_cast<std::uint64_t>(num(seg->get("address"))),
+                                         static_cast<std::uint64_t>(num(seg->get("total_size"))),
+                                         ex && ex->type == PyValue::Type::boolean && ex->i != 0);
+    }
     const PyValue* blocks = seg->get("blocks");
     if (!blocks || blocks->type != PyValue::Type::list) continue;
     std::uint64_t addr = static_cast<std::uint64_t>(num(seg->get("address")));
@@ -79,6 +88,7 @@ LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string
     const PyValue* list = traces->items[dev].get();
     if (list->type != PyValue::Type::list) return fail(name, "device_traces[" + std::to_string(dev) + "] is not a list");
     std::set<std::uint64_t> allocated_in_window;
+    const std::size_t first_event = t.events.size();
     std::int64_t seg_delta = 0, running = 0, peak = 0;
     std::vector<std::int64_t> deltas;
     std::size_t index = 0;
@@ -126,6 +136,49 @@ LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string
         continue;  // an action of a newer PyTorch: nothing to replay
       }
       t.events.push_back(ev);
+    }
+    // A burst of consecutive segment_free entries is what torch.cuda.empty_cache() (or PyTorch's own
+    // release-everything OOM retry) leaves in a snapshot: the program asked for its cache to be emptied, so
+    // every replayed policy gets the same empty_cache call there. A lone segment_free (garbage
+    // collection, an oversize release) is PyTorch's own decision and is not replayed.
+    {
+      std::vector<Event> with_calls;
+      with_calls.reserve(t.events.size() - first_event + 16);
+      for (std::size_t i = first_event; i < t.events.size(); ++i) {
+        const Event& ev = t.events[i];
+        if (ev.op == Op::segment_free && (i == first_event || t.events[i - 1].op != Op::segment_free) &&
+            i + 1 < t.events.size() && t.events[i + 1].op == Op::segment_free) {
+          Event call = ev;
+          call.op = Op::empty_cache;
+          call.address = call.size = 0;
+          with_calls.push_back(call);
+        }
+        with_calls.push_back(ev);
+      }
+      t.events.resize(first_event);
+      t.events.insert(t.events.end(), with_calls.begin(), with_calls.end());
+    }
+    // Classic segments alive before the window: freed in it without being created in it, or alive at the
+    // dump and never seen in it.
+    {
+      std::set<std::uint64_t> created, seen;
+      for (std::size_t i = first_event; i < t.events.size(); ++i) {
+        const Event& ev = t.events[i];
+        if (ev.op == Op::segment_alloc) created.insert(ev.address), seen.insert(ev.address);
+        if (ev.op == Op::segment_free) {
+          if (!created.erase(ev.address) && !seen.count(ev.address)) t.pre_segments.push_back(ev);
+          seen.insert(ev.address);
+        }
+      }
+      for (const auto& [addr, size, expandable] : segments_at_dump[dev])
+        if (!expandable && !seen.count(addr)) {
+          Event s;
+          s.op = Op::segment_alloc;
+          s.device = static_cast<std::int32_t>(dev);
+          s.address = addr;
+          s.size = size;
+          t.pre_segments.push_back(s);
+        }
     }
     // Blocks live at dump time that the window never allocated were live throughout: seed them too.
     std::set<std::uint64_t> allocated_ever;

@@ -34,6 +34,9 @@ struct Trace {
   // Allocations live before the window (frees of unknown addresses, blocks live at dump that the window
   // never allocated): replayed as allocations before the first event.
   std::vector<Event> seed;
+  // Classic segments that existed before the window (their sizes), so a replay can start from the same
+  // cache shape: created and freed before the seed is allocated.
+  std::vector<Event> pre_segments;
   bool has_time = false;
   // PyTorch's own peak reserved over the window per device, when the snapshot tells it (segments at dump
   // time rolled back through the window's segment events); empty otherwise.

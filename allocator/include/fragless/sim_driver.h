@@ -13,6 +13,9 @@ struct SimDriverOptions {
   int device = 0;
   std::size_t page_size = 2u << 20;
   std::size_t capacity = 80ull << 30;
+  // Hand out address space from the top down, as the CUDA driver's cudaMalloc mostly does: newer segments
+  // sit at lower addresses, which decides best-fit ties between equal free blocks (the replay uses it).
+  bool top_down = false;
 };
 
 std::unique_ptr<Driver> make_sim_driver(const SimDriverOptions& opts);

@@ -1,0 +1,266 @@
+// fragless-trace: inspect, convert and summarise allocation traces in any supported format
+// (fragless native, RAPIDS RMM log CSV, PyTorch memory snapshot pickle).
+//
+//   fragless-trace info FILE...
+//   fragless-trace convert IN OUT [--to native|rmm|snapshot] [--device N]
+//   fragless-trace summary FILE [--json] [--points N]
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <unordered_map>
+
+#include "trace_model.h"
+
+using namespace fragless::formats;
+using json = nlohmann::ordered_json;
+
+namespace {
+
+int fail(const std::string& msg) {
+  std::fprintf(stderr, "fragless-trace: %s\n", msg.c_str());
+  return 2;
+}
+
+bool load(const std::string& path, Trace* t, std::string* error, Format* format = nullptr) {
+  auto r = load_trace(path);
+  if (!r.ok) {
+    *error = r.error;
+    return false;
+  }
+  if (!r.warning.empty()) std::fprintf(stderr, "fragless-trace: warning: %s\n", r.warning.c_str());
+  *t = std::move(r.trace);
+  if (format) {
+    std::FILE* f = std::fopen(path.c_str(), "rb");
+    char head[512] = {};
+    const std::size_t n = f ? std::fread(head, 1, sizeof head, f) : 0;
+    if (f) std::fclose(f);
+    detect_format(std::string(head, n), format);
+  }
+  return true;
+}
+
+std::string size_bucket(std::uint64_t s) {
+  static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  std::uint64_t b = 512;
+  while (b < s) b <<= 1;
+  int u = 0;
+  std::uint64_t v = b;
+  while (v >= 1024 && u < 4) v >>= 10, ++u;
+  return "<=" + std::to_string(v) + " " + units[u];
+}
+
+std::string hex(std::uint64_t v) {
+  char b[24];
+  std::snprintf(b, sizeof b, "0x%" PRIx64, v);
+  return b;
+}
+
+json summarise(const Trace& t, int points) {
+  json out;
+  out["source"] = t.source;
+  out["devices"] = json::array();
+  for (int d = 0; d < t.devices(); ++d) {
+    std::map<std::uint64_t, std::pair<std::string, std::uint64_t>> hist;  // bucket upper bound -> (label, count)
+    struct PerStream { std::uint64_t allocs = 0, frees = 0, bytes = 0; };
+    std::map<std::uint64_t, PerStream> streams;
+    std::unordered_map<std::uint64_t, std::uint64_t> live;
+    std::int64_t live_bytes = 0, peak = 0, peak_time = -1;
+    std::uint64_t peak_index = 0, n = 0, allocs = 0, frees = 0, segment_events = 0, ooms = 0, empty_caches = 0;
+    std::int64_t first_time = -1, last_time = -1;
+    for (auto& s : t.seed)
+      if (s.device == d) live[s.address] = s.size, live_bytes += static_cast<std::int64_t>(s.size);
+    const std::int64_t seed_bytes = live_bytes;
+    peak = live_bytes;
+    std::vector<const Event*> evs;
+    for (auto& e : t.events)
+      if (e.device == d) evs.push_back(&e);
+    json curve = json::array();
+    const std::size_t step = std::max<std::size_t>(1, evs.size() / static_cast<std::size_t>(std::max(points, 1)));
+    for (const Event* e : evs) {
+      if (e->time_us >= 0) {
+        if (first_time < 0) first_time = e->time_us;
+        last_time = e->time_us;
+      }
+      switch (e->op) {
+        case Op::alloc: {
+          ++allocs;
+          live[e->address] = e->size;
+          live_bytes += static_cast<std::int64_t>(e->size);
+          auto& st = streams[e->stream];
+          ++st.allocs;
+          st.bytes += e->size;
+          std::uint64_t b = 512;
+          while (b < e->size) b <<= 1;
+          auto& h = hist[b];
+          if (h.first.empty()) h.first = size_bucket(e->size);
+          ++h.second;
+          if (live_bytes > peak) peak = live_bytes, peak_index = n, peak_time = e->time_us;
+          break;
+        }
+        case Op::free: {
+          ++frees;
+          ++streams[e->stream].frees;
+          auto it = live.find(e->address);
+          if (it != live.end()) live_bytes -= static_cast<std::int64_t>(it->second), live.erase(it);
+          break;
+        }
+        case Op::oom: ++ooms; break;
+        case Op::empty_cache: ++empty_caches; break;
+        default: segment_events += is_segment_op(e->op); break;
+      }
+      if (n % step == 0) curve.push_back({{"event", n}, {"time_us", e->time_us}, {"live_bytes", live_bytes}});
+      ++n;
+    }
+    if (!evs.empty() && (n - 1) % step != 0)
+      curve.push_back({{"event", n - 1}, {"time_us", evs.back()->time_us}, {"live_bytes", live_bytes}});
+    json dj;
+    dj["device"] = d;
+    dj["events"] = n;
+    dj["allocs"] = allocs;
+    dj["frees"] = frees;
+    dj["segment_events"] = segment_events;
+    dj["ooms"] = ooms;
+    dj["empty_cache_calls"] = empty_caches;
+    dj["live_before_window_bytes"] = seed_bytes;
+    dj["peak_live_bytes"] = peak;
+    dj["peak_live_event"] = peak_index;
+    dj["peak_live_time_us"] = peak_time >= 0 ? json(peak_time) : json(nullptr);
+    dj["live_at_end_bytes"] = live_bytes;
+    dj["duration_us"] = first_time >= 0 ? json(last_time - first_time) : json(nullptr);
+    if (static_cast<std::size_t>(d) < t.recorded_peak_reserved.size() && t.recorded_peak_reserved[static_cast<std::size_t>(d)])
+      dj["pytorch_recorded_peak_reserved_bytes"] = *t.recorded_peak_reserved[static_cast<std::size_t>(d)];
+    else
+      dj["pytorch_recorded_peak_reserved_bytes"] = nullptr;
+    json hj = json::array();
+    for (auto& [b, h] : hist) hj.push_back({{"bucket", h.first}, {"upper_bytes", b}, {"allocs", h.second}});
+    dj["size_histogram"] = hj;
+    json sj = json::array();
+    for (auto& [s, st] : streams)
+      sj.push_back({{"stream", hex(s)}, {"allocs", st.allocs}, {"frees", st.frees}, {"bytes_allocated", st.bytes}});
+    dj["streams"] = sj;
+    dj["live_bytes_curve"] = curve;
+    out["devices"].push_back(dj);
+  }
+  return out;
+}
+
+double mib(double b) { return b / (1 << 20); }
+
+void print_summary(const json& s) {
+  std::printf("%s\n", s["source"].get<std::string>().c_str());
+  for (auto& d : s["devices"]) {
+    if (d["events"].get<std::uint64_t>() == 0) continue;
+    std::printf("device %d: %" PRIu64 " events (%" PRIu64 " allocs, %" PRIu64 " frees, %" PRIu64 " segment events, %" PRIu64
+                " OOMs, %" PRIu64 " empty_cache)\n",
+                d["device"].get<int>(), d["events"].get<std::uint64_t>(), d["allocs"].get<std::uint64_t>(),
+                d["frees"].get<std::uint64_t>(), d["segment_events"].get<std::uint64_t>(), d["ooms"].get<std::uint64_t>(),
+                d["empty_cache_calls"].get<std::uint64_t>());
+    std::printf("  peak live %.1f MiB at event %" PRIu64 "; live before the window %.1f MiB, at the end %.1f MiB\n",
+                mib(d["peak_live_bytes"].get<double>()), d["peak_live_event"].get<std::uint64_t>(),
+                mib(d["live_before_window_bytes"].get<double>()), mib(d["live_at_end_bytes"].get<double>()));
+    if (!d["duration_us"].is_null()) std::printf("  duration %.3f s\n", d["duration_us"].get<double>() / 1e6);
+    if (!d["pytorch_recorded_peak_reserved_bytes"].is_null())
+      std::printf("  PyTorch's recorded peak reserved %.1f MiB\n", mib(d["pytorch_recorded_peak_reserved_bytes"].get<double>()));
+    std::printf("  sizes:\n");
+    for (auto& h : d["size_histogram"])
+      std::printf("    %-12s %10" PRIu64 "\n", h["bucket"].get<std::string>().c_str(), h["allocs"].get<std::uint64_t>());
+    std::printf("  streams:\n");
+    for (auto& st : d["streams"])
+      std::printf("    %-18s %10" PRIu64 " allocs %10" PRIu64 " frees %12.1f MiB allocated\n",
+                  st["stream"].get<std::string>().c_str(), st["allocs"].get<std::uint64_t>(), st["frees"].get<std::uint64_t>(),
+                  mib(st["bytes_allocated"].get<double>()));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"fragless-trace: inspect, convert and summarise allocation traces "
+               "(fragless native, RMM log CSV, PyTorch memory snapshot pickle; detected from content)"};
+  app.require_subcommand(1);
+
+  std::vector<std::string> info_files;
+  auto* info = app.add_subcommand("info", "Format, devices, event counts and time span of each trace");
+  info->add_option("files", info_files, "trace files")->required();
+
+  std::string in, out, to;
+  int device = 0;
+  auto* convert = app.add_subcommand("convert", "Convert a trace to another format (from OUT's extension or --to)");
+  convert->add_option("input", in, "trace file")->required();
+  convert->add_option("output", out, "output file (.fgt native, .csv RMM, .pickle PyTorch snapshot)")->required();
+  convert->add_option("--to", to, "native, rmm or snapshot")->check(CLI::IsMember({"native", "rmm", "csv", "snapshot", "pickle"}));
+  convert->add_option("--device", device, "device to write (RMM logs hold one device)")->check(CLI::NonNegativeNumber);
+
+  std::string sum_file;
+  bool as_json = false;
+  int points = 200;
+  auto* summary = app.add_subcommand("summary", "Size histogram, live-bytes curve, peaks, per-stream counts");
+  summary->add_option("file", sum_file, "trace file")->required();
+  summary->add_flag("--json", as_json, "one JSON document on stdout");
+  summary->add_option("--points", points, "points of the live-bytes curve")->check(CLI::Range(1, 1000000));
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+
+  std::string err;
+  if (*info) {
+    for (auto& f : info_files) {
+      Trace t;
+      Format fmt = Format::native;
+      if (!load(f, &t, &err, &fmt)) return fail(err);
+      std::uint64_t by_op[12] = {};
+      for (auto& e : t.events) ++by_op[static_cast<int>(e.op)];
+      std::int64_t t0 = -1, t1 = -1;
+      for (auto& e : t.events)
+        if (e.time_us >= 0) {
+          if (t0 < 0) t0 = e.time_us;
+          t1 = std::max(t1, e.time_us);
+        }
+      std::printf("%s\n  format %s, %d device(s), %zu events, %zu allocations live before the window\n", f.c_str(),
+                  format_name(fmt), t.devices(), t.events.size(), t.seed.size());
+      std::printf("  ");
+      for (int op = 0; op < 12; ++op)
+        if (by_op[op]) std::printf("%s %" PRIu64 "  ", op_name(static_cast<Op>(op)), by_op[op]);
+      std::printf("\n");
+      if (t0 >= 0) std::printf("  time span %.6f s\n", static_cast<double>(t1 - t0) / 1e6);
+      else std::printf("  no timestamps\n");
+    }
+    return 0;
+  }
+  if (*convert) {
+    Format f;
+    if (!to.empty()) parse_format(to, &f);
+    else if (!format_from_extension(out, &f))
+      return fail("cannot tell the output format from '" + out + "'; use --to native|rmm|snapshot");
+    Trace t;
+    if (!load(in, &t, &err)) return fail(err);
+    if (f == Format::rmm_csv && t.devices() > 1)
+      std::fprintf(stderr, "fragless-trace: %s has %d devices; an RMM log holds one: writing device %d (--device)\n",
+                   in.c_str(), t.devices(), device);
+    std::string bytes;
+    switch (f) {
+      case Format::native: bytes = trace_to_native(t); break;
+      case Format::rmm_csv: bytes = trace_to_rmm_csv(t, device); break;
+      case Format::snapshot: bytes = trace_to_snapshot(t); break;
+    }
+    if (!write_file(out, bytes, &err)) return fail(err);
+    std::fprintf(stderr, "fragless-trace: wrote %s (%s, %zu bytes)\n", out.c_str(), format_name(f), bytes.size());
+    return 0;
+  }
+  if (*summary) {
+    Trace t;
+    if (!load(sum_file, &t, &err)) return fail(err);
+    const json s = summarise(t, points);
+    if (as_json) std::printf("%s\n", s.dump().c_str());
+    else print_summary(s);
+    return 0;
+  }
+  return 2;
+}
