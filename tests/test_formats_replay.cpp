@@ -185,3 +185,28 @@ TEST_CASE("workloads: built-in transformer steps replay through every policy", "
   CHECK(err.find("unknown seqlen 'zipf'") != std::string::npos);
   CHECK_FALSE(replay::make_workload("workload:gpt", &t, &(err = "")));
 }
+
+TEST_CASE("workloads: the generator's peak live is within 25% of the real Wedsonlin training traces", "[replay][data]") {
+  REQUIRE(have_data());
+  // The Wedsonlin medium model: d_model 1024, 24 layers, 16 heads, d_ff 4096, vocab 10000, batch 4,
+  // attention and residual dropout, fixed contexts.
+  for (int ctx : {128, 256, 512, 1024}) {
+    auto real = load_trace(kData + "/cs336_wedsonlin_87b0864_results_medium_" + std::to_string(ctx) +
+                           "_training_memory_snapshot.pickle");
+    REQUIRE(real.ok);
+    const auto real_res = replay::replay(real.trace, 0, PolicyKind::classic, 0);
+    REQUIRE(real_res.error.empty());
+    formats::Trace gen;
+    std::string err;
+    REQUIRE(replay::make_workload("workload:transformer-train:seqlen=fixed:" + std::to_string(ctx) +
+                                      ",layers=24,d_model=1024,heads=16,d_ff=4096,vocab=10000,batch=4,steps=3,dropout=1",
+                                  &gen, &err));
+    const auto gen_res = replay::replay(gen, 0, PolicyKind::classic, 0);
+    REQUIRE(gen_res.error.empty());
+    const double ratio = static_cast<double>(gen_res.peak_live) / static_cast<double>(real_res.peak_live);
+    INFO("context " << ctx << ": generated " << gen_res.peak_live / (1 << 20) << " MiB, real "
+                    << real_res.peak_live / (1 << 20) << " MiB");
+    CHECK(ratio >= 0.75);
+    CHECK(ratio <= 1.25);
+  }
+}

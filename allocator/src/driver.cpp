@@ -28,7 +28,7 @@ CostModel CostModel::a100() {
   // Event record/query are cheap host calls (~1 µs); a synchronisation is charged nothing here because its
   // real cost is the GPU work it waits for, which the engine counts separately as a forced sync.
   CostModel m;
-  auto set = [&](DriverCall c, double us) { m.us[static_cast<int>(c)] = us; };
+  auto set = [&](DriverCall c, double cost_us) { m.us[static_cast<int>(c)] = cost_us; };
   set(DriverCall::reserve, 19.0);
   set(DriverCall::free_reservation, 19.0);
   set(DriverCall::create, 193.32);

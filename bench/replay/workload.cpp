@@ -25,7 +25,7 @@ constexpr SeqFit kFits[] = {
 struct Config {
   std::string name;
   int layers = 24, d_model = 1024, heads = 16, d_ff = 4096, vocab = 10000, batch = 4, steps = 6, max_seq = 2048;
-  int dtype = 4, ckpt = 0;
+  int dtype = 4, ckpt = 0, dropout = 0;
   std::uint64_t seed = 1;
   std::string seqlen = "sharegpt";
   bool seqlen_given = false;
@@ -72,7 +72,8 @@ bool parse(const std::string& spec, Config* c, std::string* error) {
   std::string item;
   const std::map<std::string, int*> ints = {{"layers", &c->layers}, {"d_model", &c->d_model}, {"heads", &c->heads},
                                             {"d_ff", &c->d_ff}, {"vocab", &c->vocab}, {"batch", &c->batch},
-                                            {"steps", &c->steps}, {"max_seq", &c->max_seq}, {"ckpt", &c->ckpt}};
+                                            {"steps", &c->steps}, {"max_seq", &c->max_seq}, {"ckpt", &c->ckpt},
+                                            {"dropout", &c->dropout}};
   while (std::getline(kv, item, ',')) {
     const auto eq = item.find('=');
     if (eq == std::string::npos) {
@@ -171,10 +172,27 @@ void train(const Config& c, SeqLen& lens, Emitter& em) {
       Tensor norm1 = a(act), q = a(act), k = a(act), v = a(act);
       Tensor scores = a(B * H * S * S * w), probs = a(B * H * S * S * w);
       em.free(scores.addr, scores.bytes);                    // softmax output is what backward needs
-      Tensor ctx = a(act), proj = a(act), resid = a(act), norm2 = a(act);
+      std::vector<Tensor> extra;  // dropout: masks (1 byte per element) and dropped outputs, saved for backward
+      if (c.dropout) {
+        extra.push_back(a(B * H * S * S));
+        extra.push_back(a(B * H * S * S * w));
+      }
+      Tensor ctx = a(act), proj = a(act);
+      if (c.dropout) {
+        extra.push_back(a(B * S * d));
+        extra.push_back(a(act));
+      }
+      Tensor resid = a(act), norm2 = a(act);
       Tensor h1 = a(B * S * ff * w), h2 = a(B * S * ff * w), out = a(act);
+      if (c.dropout) {
+        extra.push_back(a(B * S * d));
+        extra.push_back(a(act));
+      }
       Tensor next = a(act);
       for (Tensor t : {norm1, q, k, v, probs, ctx, proj, resid, norm2, h1, h2, out}) {
+        if (c.ckpt) em.free(t.addr, t.bytes); else keep.push_back(t);
+      }
+      for (Tensor t : extra) {
         if (c.ckpt) em.free(t.addr, t.bytes); else keep.push_back(t);
       }
       x = next;

@@ -2,6 +2,7 @@
 // torch.cuda._memory_viz and pytorch.org/memory_viz draw fragless traces.
 #include <algorithm>
 #include <map>
+#include <set>
 #include <tuple>
 #include <unordered_set>
 
@@ -27,6 +28,8 @@ std::uint64_t round512(std::uint64_t n) { return n == 0 ? 512 : (n + 511) / 512 
 std::vector<std::pair<SegOut, std::vector<std::pair<std::uint64_t, LiveBlock>>>> end_state(const Trace& t, int dev) {
   std::map<std::uint64_t, LiveBlock> live;
   std::map<std::uint64_t, SegOut> segs;  // classic segments and mapped ranges (merged when adjacent)
+  bool any_segment_events = false;
+  for (const auto& e : t.events) any_segment_events |= e.device == dev && is_segment_op(e.op);
   for (const auto& e : t.seed)
     if (e.device == dev) live[e.address] = {e.size, e.block_size ? e.block_size : round512(e.size), e.stream};
   for (const auto& e : t.events) {
@@ -70,6 +73,18 @@ std::vector<std::pair<SegOut, std::vector<std::pair<std::uint64_t, LiveBlock>>>>
       }
       default: break;
     }
+  }
+  // Without segment events the trace does not say which segments held the blocks: only the blocks live
+  // throughout (seeds never freed) need one, so that the viewer and importers know they exist.
+  if (!any_segment_events) {
+    std::map<std::uint64_t, LiveBlock> throughout;
+    for (const auto& e : t.seed)
+      if (e.device == dev && live.count(e.address)) throughout[e.address] = live[e.address];
+    std::set<std::uint64_t> reallocated;
+    for (const auto& e : t.events)
+      if (e.device == dev && e.op == Op::alloc) reallocated.insert(e.address);
+    for (auto a : reallocated) throughout.erase(a);
+    live = std::move(throughout);
   }
   std::vector<std::pair<SegOut, std::vector<std::pair<std::uint64_t, LiveBlock>>>> out;
   for (auto& [addr, s] : segs) out.push_back({s, {}});
@@ -195,6 +210,8 @@ std::string trace_to_snapshot(const Trace& t) {
   w.str("allocator_settings");
   w.begin_dict();
   w.kv("PYTORCH_CUDA_ALLOC_CONF", "");
+  w.str("fragless_converted");  // segments are reconstructed, not what an allocator recorded
+  w.boolean(true);
   w.end_dict();
   w.str("external_annotations");
   w.begin_list();

@@ -84,6 +84,12 @@ LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string
     }
   }
   t.recorded_peak_reserved.assign(reserved_end.size(), std::nullopt);
+  // Written by fragless-trace convert: the segments are reconstructed, so they say nothing about what an
+  // allocator reserved.
+  bool converted = false;
+  if (root->type == PyValue::Type::dict)
+    if (const PyValue* st = root->get("allocator_settings"))
+      if (const PyValue* c = st->get("fragless_converted")) converted = c->type == PyValue::Type::boolean && c->i;
   for (std::size_t dev = 0; traces && dev < traces->items.size(); ++dev) {
     const PyValue* list = traces->items[dev].get();
     if (list->type != PyValue::Type::list) return fail(name, "device_traces[" + std::to_string(dev) + "] is not a list");
@@ -166,12 +172,12 @@ LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string
         const Event& ev = t.events[i];
         if (ev.op == Op::segment_alloc) created.insert(ev.address), seen.insert(ev.address);
         if (ev.op == Op::segment_free) {
-          if (!created.erase(ev.address) && !seen.count(ev.address)) t.pre_segments.push_back(ev);
+          if (!converted && !created.erase(ev.address) && !seen.count(ev.address)) t.pre_segments.push_back(ev);
           seen.insert(ev.address);
         }
       }
       for (const auto& [addr, size, expandable] : segments_at_dump[dev])
-        if (!expandable && !seen.count(addr)) {
+        if (!converted && !expandable && !seen.count(addr)) {
           Event s;
           s.op = Op::segment_alloc;
           s.device = static_cast<std::int32_t>(dev);
@@ -197,7 +203,7 @@ LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string
     running = static_cast<std::int64_t>(reserved_end[dev]) - seg_delta;
     peak = running;
     for (auto d : deltas) peak = std::max(peak, running += d);
-    t.recorded_peak_reserved[dev] = static_cast<std::uint64_t>(std::max<std::int64_t>(peak, 0));
+    if (!converted) t.recorded_peak_reserved[dev] = static_cast<std::uint64_t>(std::max<std::int64_t>(peak, 0));
   }
   return r;
 }
