@@ -14,6 +14,8 @@
 #include "fragless/engine.h"
 #include "fragless/sim_driver.h"
 #include "fragless/tracer.h"
+#include "replay.h"
+#include "workload.h"
 
 using namespace fragless;
 
@@ -81,7 +83,10 @@ BENCHMARK(BM_CacheHitPair)->Arg(0)->Arg(1)->Arg(2)->Threads(1)->Threads(2)->UseR
 void BM_CacheHitPairTraced(benchmark::State& state) {
   std::string err;
   const char* tmp = std::getenv("TMPDIR");
-  const std::string path = std::string(tmp && *tmp ? tmp : "/tmp") + "/fragless-bench-%p.trace";
+  // Arg 0: a real file in the temporary directory (the writer thread copies ~100 bytes per pair into the
+  // page cache on the other core); arg 1: /dev/null (the hot path and the hand-off only).
+  const bool to_null = state.range(0) == 1;
+  const std::string path = to_null ? std::string("/dev/null") : std::string(tmp && *tmp ? tmp : "/tmp") + "/fragless-bench-%p.trace";
   auto tracing = Tracing::open(path, 1, "fragless", &err);
   if (!tracing) {
     state.SkipWithError(err.c_str());
@@ -108,10 +113,11 @@ void BM_CacheHitPairTraced(benchmark::State& state) {
   const auto paths = tracing->paths();
   e.reset();
   tracing.reset();
-  for (auto& p : paths) std::remove(p.c_str());
-  state.SetLabel("fragless, tracer on");
+  if (!to_null)
+    for (auto& p : paths) std::remove(p.c_str());
+  state.SetLabel(to_null ? "fragless, tracer on, to /dev/null" : "fragless, tracer on, to a file");
 }
-BENCHMARK(BM_CacheHitPairTraced)->UseRealTime();
+BENCHMARK(BM_CacheHitPairTraced)->Arg(0)->Arg(1)->UseRealTime();
 
 // The same pairs through mimalloc: a general-purpose allocator's floor for the same bookkeeping.
 void BM_MimallocPair(benchmark::State& state) {
@@ -154,5 +160,31 @@ void BM_GrowthPath(benchmark::State& state) {
 BENCHMARK(BM_GrowthPath)->Arg(0)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond);
 
 }  // namespace
+
+// Replay throughput (events per second, one thread) on the sim driver: a generated training run (every
+// machine) and, when ../shared/data is beside the repository, the largest real dev trace.
+void BM_Replay(benchmark::State& state) {
+  const auto policy = static_cast<PolicyKind>(state.range(0));
+  static formats::Trace workload, real;
+  static bool ready = false;
+  if (!ready) {
+    std::string err;
+    replay::make_workload("workload:transformer-train:steps=40,layers=24", &workload, &err);
+    auto r = formats::load_trace(FRAGLESS_SOURCE_DIR
+                                 "/../shared/data/traces/torch/cs336_wedsonlin_87b0864_results_medium_1024_training_memory_snapshot.pickle");
+    if (r.ok) real = std::move(r.trace);
+    ready = true;
+  }
+  const formats::Trace& t = state.range(1) ? real : workload;
+  if (t.events.empty()) {
+    state.SkipWithError("../shared/data is not beside the repository");
+    return;
+  }
+  std::uint64_t events = 0;
+  for (auto _ : state) events += replay::replay(t, 0, policy, 0).events;
+  state.counters["events_per_second"] = benchmark::Counter(static_cast<double>(events), benchmark::Counter::kIsRate);
+  state.SetLabel(std::string(policy_name(policy)) + (state.range(1) ? ", wedsonlin 1024 training" : ", transformer-train"));
+}
+BENCHMARK(BM_Replay)->ArgsProduct({{0, 1, 2}, {0, 1}})->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();
