@@ -53,7 +53,12 @@ TEST_CASE("bad input: invalid devices and driver choices are refused clearly", "
   CHECK(a->device(1) != nullptr);
   CHECK(a->device(2) == nullptr);
   CHECK(a->device(-1) == nullptr);
-  o.driver = DriverKind::cuda;  // not built yet: a clear error, no crash
-  CHECK(Allocator::create(o, 1, &err) == nullptr);
-  CHECK(err.find("cuda driver") != std::string::npos);
+  // The cuda driver on a machine without a GPU (or a build without the CUDA headers): a clear error that
+  // says what is missing, no crash. (Where libcuda is there, or a test loaded the libcuda double, it works.)
+  o.driver = DriverKind::cuda;
+  err.clear();
+  if (!Allocator::create(o, 1, &err)) {
+    INFO(err);
+    CHECK((err.find("libcuda") != std::string::npos || err.find("cuda driver") != std::string::npos));
+  }
 }

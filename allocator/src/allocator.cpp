@@ -1,5 +1,6 @@
 #include "fragless/allocator.h"
 
+#include "fragless/cuda_driver.h"
 #include "fragless/host_driver.h"
 #include "fragless/sim_driver.h"
 
@@ -21,15 +22,32 @@ std::unique_ptr<Driver> make_driver(const Options& opts, int device, std::string
       if (opts.capacity) s.capacity = opts.capacity;
       return make_sim_driver(s);
     }
-    case DriverKind::cuda: break;
+    case DriverKind::cuda: {
+#if defined(FRAGLESS_HAVE_CUDA)
+      CudaDriverOptions c;
+      c.device = device;
+      c.peer_access = opts.peer_access;
+      return make_cuda_driver(c, error);
+#else
+      break;
+#endif
+    }
   }
-  if (error) *error = "fragless: the cuda driver is not built into this library yet; use driver:host or driver:sim";
+  if (error) *error = "fragless: this build has no cuda driver (the CUDA headers were not found); use driver:host or driver:sim";
   return nullptr;
 }
 
 std::unique_ptr<Allocator> Allocator::create(const Options& opts, int devices, std::string* error) {
   auto a = std::unique_ptr<Allocator>(new Allocator());
   a->opts_ = opts;
+  if (devices < 0) {  // as many as the driver has
+#if defined(FRAGLESS_HAVE_CUDA)
+    devices = opts.driver == DriverKind::cuda ? cuda_device_count(error) : 1;
+    if (devices < 0) return nullptr;
+#else
+    devices = 1;
+#endif
+  }
   if (!opts.trace.empty()) {
     a->tracing_ = Tracing::open(opts.trace, devices, policy_name(opts.policy), error);
     if (!a->tracing_) return nullptr;

@@ -50,6 +50,9 @@ constexpr OptionInfo kOptions[] = {
     {"page_size_mb", "power of two >= 1 (MiB)", "2", "Page (granularity) of the host and sim drivers."},
     {"capacity_mb", "integer >= 1 (MiB)", "host 4096, sim 81920",
      "Physical memory of one host or sim device; creating beyond it fails as out of memory."},
+    {"peer_access", "True or False", "False",
+     "cuda driver: also grant every peer device that can access this one (cuDeviceCanAccessPeer) access to "
+     "fragless memory, for peer copies and NCCL P2P."},
     {"trace", "file path; %p pid, %d device, %r rank, %% percent", "off",
      "Record every allocator event to this file in fragless's native format (one file per device with %d; "
      "use %r under torchrun). The path may not contain ',' or ':'."},
@@ -191,6 +194,9 @@ class Parser {
       if (!parse_uint(v, &n) || n == 0 || n > (std::size_t{1} << 30))
         return err(bad_value(key, v, "an integer number of MiB between 1 and 2^30"));
       o_.capacity = n << 20;
+    } else if (key == "peer_access") {
+      if (v != "True" && v != "False") return err(bad_value(key, v, "True or False (exactly)"));
+      o_.peer_access = v == "True";
     } else if (key == "trace") {
       for (std::size_t i = 0; i < v.size(); ++i)
         if (v[i] == '%' && (i + 1 >= v.size() || std::string_view("pdr%").find(v[i + 1]) == std::string_view::npos))

@@ -70,9 +70,35 @@ DeviceEngine::State::~State() {
     for (Block* b = seg->first; b; b = b->next)
       if (b->state == BlockState::free && !b->in_size_set) pool_insert(b);
   routes.clear();
-  policy->release_free(nullptr);
-  for (auto& [id, ps] : private_pools) policy->release_free(ps.get());
+  // Twice: a give-back that failed once (a transient driver error) gets another chance.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    policy->release_free(nullptr);
+    for (auto& [id, ps] : private_pools) policy->release_free(ps.get());
+    retry_deferred();
+  }
   policy.reset();
+  retry_deferred();
+}
+
+void DeviceEngine::State::give_back_mapping(DevicePtr va, std::size_t size) {
+  if (driver->unmap(va, size) != Status::ok) deferred_unmaps.emplace_back(va, size);
+}
+
+void DeviceEngine::State::give_back_handle(PhysHandle h) {
+  if (driver->release(h) != Status::ok) deferred_handles.push_back(h);
+}
+
+void DeviceEngine::State::give_back_reservation(DevicePtr va, std::size_t size) {
+  if (driver->free_reservation(va, size) != Status::ok) deferred_reservations.emplace_back(va, size);
+}
+
+bool DeviceEngine::State::retry_deferred() {
+  // Mappings first (a reservation cannot be freed while mapped), then handles, then address ranges.
+  std::erase_if(deferred_unmaps, [&](const auto& m) { return driver->unmap(m.first, m.second) == Status::ok; });
+  std::erase_if(deferred_handles, [&](PhysHandle h) { return driver->release(h) == Status::ok; });
+  std::erase_if(deferred_reservations,
+                [&](const auto& r) { return driver->free_reservation(r.first, r.second) == Status::ok; });
+  return deferred_unmaps.empty() && deferred_handles.empty() && deferred_reservations.empty();
 }
 
 Block* DeviceEngine::State::new_block() {
@@ -359,6 +385,7 @@ void DeviceEngine::State::release_cached_blocks(PoolSet* only) {
   synchronize_and_free_events();
   policy->release_free(only ? only : &default_pools);
   if (!only) maybe_free_private_pools();
+  retry_deferred();
 }
 
 void DeviceEngine::State::maybe_free_private_pools() {
@@ -373,6 +400,7 @@ void DeviceEngine::State::maybe_free_private_pools() {
 }
 
 Block* DeviceEngine::State::allocate_slow(AllocParams& p, AllocError* err) {
+  if (!deferred_unmaps.empty() || !deferred_handles.empty() || !deferred_reservations.empty()) retry_deferred();
   garbage_collect(p);
   Block* b = policy->grow(p);
   if (!b && p.status == Status::out_of_memory && release_available_cached_blocks(p)) b = policy->grow(p);

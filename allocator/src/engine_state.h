@@ -178,6 +178,16 @@ struct DeviceEngine::State {
   void add_reserved(bool small, std::int64_t bytes);
   void forced_sync(Stream s);
 
+  // Giving memory back can fail (a driver error, an injected fault). The engine then forgets the memory
+  // (its stats drop) but keeps the driver-side object here and retries at the next slow allocation,
+  // release and teardown, so a transient failure never leaks a handle, a mapping or an address range.
+  void give_back_mapping(DevicePtr va, std::size_t size);   // unmap, or retry later
+  void give_back_handle(PhysHandle h);                      // release, or retry later
+  void give_back_reservation(DevicePtr va, std::size_t size);  // free_reservation, or retry later
+  bool retry_deferred();                                    // true when nothing is left
+  std::vector<std::pair<DevicePtr, std::size_t>> deferred_unmaps, deferred_reservations;
+  std::vector<PhysHandle> deferred_handles;
+
   std::string check_invariants();
   std::vector<SegmentInfo> snapshot();
 };

@@ -37,11 +37,11 @@ class ClassicPolicy final : public Policy {
         st = d.map(va, va_size, h, 0);
         if (st == Status::ok) {
           st = d.set_access(va, va_size);
-          if (st != Status::ok) d.unmap(va, va_size);
+          if (st != Status::ok) s_.give_back_mapping(va, va_size);
         }
-        if (st != Status::ok) d.release(h);
+        if (st != Status::ok) s_.give_back_handle(h);
       }
-      if (st != Status::ok) d.free_reservation(va, va_size);
+      if (st != Status::ok) s_.give_back_reservation(va, va_size);
     }
     if (st != Status::ok) {
       p.status = st;
@@ -82,8 +82,8 @@ class ClassicPolicy final : public Policy {
       s_.pool_insert(b);
       return false;
     }
-    d.release(seg->pages[0].handle);
-    d.free_reservation(seg->base, seg->va_size);
+    s_.give_back_handle(seg->pages[0].handle);
+    s_.give_back_reservation(seg->base, seg->va_size);
     s_.add_reserved(seg->small, -static_cast<std::int64_t>(seg->va_size));
     s_.stats.segment.add(seg->small, -1);
     if (seg->va_size >= s_.opts.max_split_size) s_.stats.oversize_segments.add(-1);

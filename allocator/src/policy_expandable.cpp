@@ -28,7 +28,7 @@ class ExpandablePolicy final : public GrowablePolicy {
       const DevicePtr va = seg.base + (first + done) * page;
       if ((st = d.create(page, &h)) != Status::ok) break;
       if ((st = d.map(va, page, h, 0)) != Status::ok) {
-        d.release(h);
+        s_.give_back_handle(h);
         break;
       }
       seg.pages[first + done] = PageRef{h, 0};
@@ -37,8 +37,8 @@ class ExpandablePolicy final : public GrowablePolicy {
     if (st != Status::ok) {  // undo: nothing of this call stays mapped
       for (std::size_t i = 0; i < done; ++i) {
         PageRef& r = seg.pages[first + i];
-        d.unmap(seg.base + (first + i) * page, page);
-        d.release(r.handle);
+        s_.give_back_mapping(seg.base + (first + i) * page, page);
+        s_.give_back_handle(r.handle);
         r = PageRef{};
       }
       return st;
@@ -54,7 +54,7 @@ class ExpandablePolicy final : public GrowablePolicy {
     for (; done < n; ++done) {
       PageRef& r = seg.pages[first + done];
       if (d.unmap(seg.base + (first + done) * page, page) != Status::ok) break;
-      d.release(r.handle);
+      s_.give_back_handle(r.handle);
       r = PageRef{};
     }
     s_.add_reserved(seg.small, -static_cast<std::int64_t>(done * page));

@@ -66,7 +66,7 @@ class FraglessPolicy final : public GrowablePolicy {
     }
     if (st == Status::ok) st = d.set_access(seg.base + first * page_, n * page_);
     if (st != Status::ok) {
-      if (done) d.unmap(seg.base + first * page_, done * page_);
+      if (done) s_.give_back_mapping(seg.base + first * page_, done * page_);
       give_back(seg, first, done);
       return st;
     }
@@ -93,7 +93,7 @@ class FraglessPolicy final : public GrowablePolicy {
     }
     for (auto it = chunks_.begin(); it != chunks_.end();) {
       if (it->second.in_use != 0) { ++it; continue; }
-      s_.driver->release(it->first);
+      s_.give_back_handle(it->first);
       const std::size_t bytes = it->second.pages * page_;
       s_.add_reserved(false, -static_cast<std::int64_t>(bytes));
       emit(s_, TraceAction::phys_release, 0, 0, bytes, bytes);
@@ -150,7 +150,7 @@ class FraglessPolicy final : public GrowablePolicy {
     for (std::size_t i = 0; i < missing; ++i) {
       PhysHandle h = 0;
       if (Status st = s_.driver->create(page_, &h); st != Status::ok) {
-        for (PhysHandle m : made) s_.driver->release(m);
+        for (PhysHandle m : made) s_.give_back_handle(m);
         return st;
       }
       made.push_back(h);

@@ -15,7 +15,7 @@ std::unique_ptr<Driver> make_driver(const Options& opts, int device, std::string
 
 class Allocator {
  public:
-  // Devices: the cuda driver asks the GPU; host and sim drivers expose `devices` devices.
+  // `devices` engines (-1: as many as the cuda driver reports; 1 for host and sim).
   static std::unique_ptr<Allocator> create(const Options& opts, int devices, std::string* error);
 
   int device_count() const { return static_cast<int>(engines_.size()); }

@@ -1,0 +1,23 @@
+// `cuda` driver: the real CUDA driver API, loaded at run time (dlopen + cuGetProcAddress; never linked), so
+// the library loads on any machine and explains itself where there is no GPU. FRAGLESS_LIBCUDA names
+// another library to load instead of libcuda.so.1 (the tests' libcuda double).
+#pragma once
+#include <memory>
+#include <string>
+
+#include "fragless/driver.h"
+
+namespace fragless {
+
+struct CudaDriverOptions {
+  int device = 0;
+  bool peer_access = false;  // also grant access to every peer device that can access this one
+};
+
+// Devices the driver sees; -1 with *error when libcuda cannot be loaded or initialised.
+int cuda_device_count(std::string* error);
+// nullptr with *error (naming the CUresult) when the device cannot be used: no libcuda, no such device,
+// no virtual memory management support.
+std::unique_ptr<Driver> make_cuda_driver(const CudaDriverOptions& opts, std::string* error);
+
+}  // namespace fragless

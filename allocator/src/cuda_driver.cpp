@@ -1,0 +1,282 @@
+// The cuda driver: every VMM and event call through function pointers obtained from libcuda at run time.
+#include "fragless/cuda_driver.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <vector>
+
+#include <cuda.h>
+
+namespace fragless {
+
+namespace {
+
+// Function pointers, looked up by base name with cuGetProcAddress for CUDA 12.0 semantics (so that, for
+// example, "cuMemGetInfo" is the _v2 entry point).
+struct Api {
+  void* lib = nullptr;
+  std::string error;  // why loading failed
+  CUresult (*getProcAddress)(const char*, void**, int, cuuint64_t) = nullptr;
+  CUresult (*init)(unsigned) = nullptr;
+  CUresult (*getErrorName)(CUresult, const char**) = nullptr;
+  CUresult (*getErrorString)(CUresult, const char**) = nullptr;
+  CUresult (*deviceGetCount)(int*) = nullptr;
+  CUresult (*deviceGet)(CUdevice*, int) = nullptr;
+  CUresult (*deviceGetAttribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
+  CUresult (*deviceCanAccessPeer)(int*, CUdevice, CUdevice) = nullptr;
+  CUresult (*primaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
+  CUresult (*ctxGetCurrent)(CUcontext*) = nullptr;
+  CUresult (*ctxSetCurrent)(CUcontext) = nullptr;
+  CUresult (*memGetInfo)(size_t*, size_t*) = nullptr;
+  CUresult (*memGetAllocationGranularity)(size_t*, const CUmemAllocationProp*, CUmemAllocationGranularity_flags) = nullptr;
+  CUresult (*memAddressReserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long) = nullptr;
+  CUresult (*memAddressFree)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*memCreate)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*, unsigned long long) = nullptr;
+  CUresult (*memRelease)(CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*memMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long) = nullptr;
+  CUresult (*memUnmap)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*memSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
+  CUresult (*eventCreate)(CUevent*, unsigned) = nullptr;
+  CUresult (*eventRecord)(CUevent, CUstream) = nullptr;
+  CUresult (*eventQuery)(CUevent) = nullptr;
+  CUresult (*eventSynchronize)(CUevent) = nullptr;
+  CUresult (*eventDestroy)(CUevent) = nullptr;
+  CUresult (*streamSynchronize)(CUstream) = nullptr;
+
+  std::string describe(const char* call, CUresult r) const {
+    const char* name = nullptr;
+    const char* text = nullptr;
+    if (getErrorName) getErrorName(r, &name);
+    if (getErrorString) getErrorString(r, &text);
+    return std::string(call) + ": " + (name ? name : "CUDA error " + std::to_string(static_cast<int>(r))) + " (" +
+           (text ? text : "no description") + ")";
+  }
+};
+
+template <typename F>
+bool resolve(Api& a, const char* name, F* fn) {
+  void* p = nullptr;
+  if (a.getProcAddress(name, &p, 12000, 0) != CUDA_SUCCESS || !p) {
+    a.error = std::string("fragless: libcuda has no ") + name;
+    return false;
+  }
+  *fn = reinterpret_cast<F>(p);
+  return true;
+}
+
+const Api& api() {
+  static Api a;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const char* path = std::getenv("FRAGLESS_LIBCUDA");
+    const char* lib_name = path && *path ? path : "libcuda.so.1";
+    a.lib = dlopen(lib_name, RTLD_NOW | RTLD_LOCAL);
+    if (!a.lib) {
+      const char* why = dlerror();
+      a.error = std::string("fragless: cannot load ") + lib_name + " (" + (why ? why : "unknown") +
+                "): no NVIDIA driver on this machine; use driver:host or driver:sim to run without a GPU";
+      return;
+    }
+    a.getProcAddress = reinterpret_cast<decltype(a.getProcAddress)>(dlsym(a.lib, "cuGetProcAddress"));
+    if (!a.getProcAddress) {
+      a.error = std::string("fragless: ") + lib_name + " has no cuGetProcAddress (a CUDA 11.3 or newer driver is needed)";
+      return;
+    }
+    const bool ok = resolve(a, "cuInit", &a.init) && resolve(a, "cuGetErrorName", &a.getErrorName) &&
+                    resolve(a, "cuGetErrorString", &a.getErrorString) && resolve(a, "cuDeviceGetCount", &a.deviceGetCount) &&
+                    resolve(a, "cuDeviceGet", &a.deviceGet) && resolve(a, "cuDeviceGetAttribute", &a.deviceGetAttribute) &&
+                    resolve(a, "cuDeviceCanAccessPeer", &a.deviceCanAccessPeer) &&
+                    resolve(a, "cuDevicePrimaryCtxRetain", &a.primaryCtxRetain) &&
+                    resolve(a, "cuCtxGetCurrent", &a.ctxGetCurrent) && resolve(a, "cuCtxSetCurrent", &a.ctxSetCurrent) &&
+                    resolve(a, "cuMemGetInfo", &a.memGetInfo) &&
+                    resolve(a, "cuMemGetAllocationGranularity", &a.memGetAllocationGranularity) &&
+                    resolve(a, "cuMemAddressReserve", &a.memAddressReserve) &&
+                    resolve(a, "cuMemAddressFree", &a.memAddressFree) && resolve(a, "cuMemCreate", &a.memCreate) &&
+                    resolve(a, "cuMemRelease", &a.memRelease) && resolve(a, "cuMemMap", &a.memMap) &&
+                    resolve(a, "cuMemUnmap", &a.memUnmap) && resolve(a, "cuMemSetAccess", &a.memSetAccess) &&
+                    resolve(a, "cuEventCreate", &a.eventCreate) && resolve(a, "cuEventRecord", &a.eventRecord) &&
+                    resolve(a, "cuEventQuery", &a.eventQuery) && resolve(a, "cuEventSynchronize", &a.eventSynchronize) &&
+                    resolve(a, "cuEventDestroy", &a.eventDestroy) &&
+                    resolve(a, "cuStreamSynchronize", &a.streamSynchronize);
+    if (!ok) return;
+    if (CUresult r = a.init(0); r != CUDA_SUCCESS) a.error = "fragless: " + a.describe("cuInit", r);
+  });
+  return a;
+}
+
+Status status_of(CUresult r) {
+  switch (r) {
+    case CUDA_SUCCESS: return Status::ok;
+    case CUDA_ERROR_OUT_OF_MEMORY: return Status::out_of_memory;
+    case CUDA_ERROR_NOT_READY: return Status::not_ready;
+    case CUDA_ERROR_NOT_SUPPORTED: return Status::not_supported;
+    case CUDA_ERROR_INVALID_VALUE: return Status::invalid_argument;
+    default: return Status::driver_error;
+  }
+}
+
+class CudaDriver final : public Driver {
+ public:
+  CudaDriver(const CudaDriverOptions& o, CUdevice dev, CUcontext primary, std::size_t granularity,
+             CUmemAllocationProp prop, std::vector<CUmemAccessDesc> access)
+      : Driver(o.device, granularity), dev_(dev), primary_(primary), prop_(prop), access_(std::move(access)) {}
+  const char* name() const override { return "cuda"; }
+
+  void memory_info(std::size_t* free_bytes, std::size_t* total_bytes) override {
+    ensure_context();
+    std::size_t f = 0, t = 0;
+    if (api().memGetInfo(&f, &t) != CUDA_SUCCESS) f = t = 0;
+    *free_bytes = f;
+    *total_bytes = t;
+  }
+  std::string last_error() const override {
+    std::lock_guard lk(err_mu_);
+    return last_error_;
+  }
+
+ private:
+  // Calls from a thread with no current context (a fresh thread in the host program) run on the
+  // device's primary context.
+  void ensure_context() {
+    CUcontext c = nullptr;
+    if (api().ctxGetCurrent(&c) == CUDA_SUCCESS && c == nullptr) api().ctxSetCurrent(primary_);
+  }
+  Status check(const char* call, CUresult r) {
+    if (r == CUDA_SUCCESS) return Status::ok;
+    if (r != CUDA_ERROR_NOT_READY) {
+      std::lock_guard lk(err_mu_);
+      last_error_ = api().describe(call, r);
+    }
+    return status_of(r);
+  }
+
+  Status do_reserve(std::size_t size, DevicePtr* va) override {
+    CUdeviceptr p = 0;
+    const Status st = check("cuMemAddressReserve", api().memAddressReserve(&p, size, granularity(), 0, 0));
+    if (st == Status::ok) *va = static_cast<DevicePtr>(p);
+    return st;
+  }
+  Status do_free_reservation(DevicePtr va, std::size_t size) override {
+    return check("cuMemAddressFree", api().memAddressFree(static_cast<CUdeviceptr>(va), size));
+  }
+  Status do_create(std::size_t size, PhysHandle* h) override {
+    ensure_context();
+    CUmemGenericAllocationHandle handle = 0;
+    const Status st = check("cuMemCreate", api().memCreate(&handle, size, &prop_, 0));
+    if (st == Status::ok) *h = static_cast<PhysHandle>(handle);
+    return st;
+  }
+  Status do_release(PhysHandle h) override { return check("cuMemRelease", api().memRelease(h)); }
+  Status do_map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t offset) override {
+    return check("cuMemMap", api().memMap(static_cast<CUdeviceptr>(va), size, offset, h, 0));
+  }
+  Status do_unmap(DevicePtr va, std::size_t size) override {
+    return check("cuMemUnmap", api().memUnmap(static_cast<CUdeviceptr>(va), size));
+  }
+  Status do_set_access(DevicePtr va, std::size_t size) override {
+    return check("cuMemSetAccess", api().memSetAccess(static_cast<CUdeviceptr>(va), size, access_.data(), access_.size()));
+  }
+  Status do_record_event(Stream s, Event* e) override {
+    ensure_context();
+    CUevent ev = nullptr;
+    if (Status st = check("cuEventCreate", api().eventCreate(&ev, CU_EVENT_DISABLE_TIMING)); st != Status::ok) return st;
+    if (Status st = check("cuEventRecord", api().eventRecord(ev, reinterpret_cast<CUstream>(s))); st != Status::ok) {
+      api().eventDestroy(ev);
+      return st;
+    }
+    *e = reinterpret_cast<Event>(ev);
+    return Status::ok;
+  }
+  Status do_query_event(Event e) override { return check("cuEventQuery", api().eventQuery(reinterpret_cast<CUevent>(e))); }
+  Status do_synchronize_event(Event e) override {
+    return check("cuEventSynchronize", api().eventSynchronize(reinterpret_cast<CUevent>(e)));
+  }
+  Status do_release_event(Event e) override { return check("cuEventDestroy", api().eventDestroy(reinterpret_cast<CUevent>(e))); }
+  Status do_synchronize_stream(Stream s) override {
+    ensure_context();
+    return check("cuStreamSynchronize", api().streamSynchronize(reinterpret_cast<CUstream>(s)));
+  }
+
+  CUdevice dev_;
+  CUcontext primary_;
+  CUmemAllocationProp prop_;
+  std::vector<CUmemAccessDesc> access_;
+  mutable std::mutex err_mu_;
+  std::string last_error_;
+};
+
+}  // namespace
+
+int cuda_device_count(std::string* error) {
+  const Api& a = api();
+  if (!a.error.empty()) {
+    if (error) *error = a.error;
+    return -1;
+  }
+  int n = 0;
+  if (CUresult r = a.deviceGetCount(&n); r != CUDA_SUCCESS) {
+    if (error) *error = "fragless: " + a.describe("cuDeviceGetCount", r);
+    return -1;
+  }
+  return n;
+}
+
+std::unique_ptr<Driver> make_cuda_driver(const CudaDriverOptions& o, std::string* error) {
+  const Api& a = api();
+  auto fail = [&](const std::string& m) -> std::unique_ptr<Driver> {
+    if (error) *error = m;
+    return nullptr;
+  };
+  if (!a.error.empty()) return fail(a.error);
+  const int count = cuda_device_count(error);
+  if (count < 0) return nullptr;
+  if (o.device < 0 || o.device >= count)
+    return fail("fragless: invalid device " + std::to_string(o.device) + " (this machine has " + std::to_string(count) +
+                " CUDA devices)");
+  CUdevice dev = 0;
+  if (CUresult r = a.deviceGet(&dev, o.device); r != CUDA_SUCCESS) return fail("fragless: " + a.describe("cuDeviceGet", r));
+  int vmm = 0, posix_fd = 0, rdma = 0;
+  a.deviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev);
+  if (!vmm)
+    return fail("fragless: device " + std::to_string(o.device) +
+                " does not support CUDA virtual memory management (cuMemCreate/cuMemMap), which fragless needs");
+  a.deviceGetAttribute(&posix_fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev);
+  a.deviceGetAttribute(&rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, dev);
+  CUcontext primary = nullptr;
+  if (CUresult r = a.primaryCtxRetain(&primary, dev); r != CUDA_SUCCESS)
+    return fail("fragless: " + a.describe("cuDevicePrimaryCtxRetain", r));
+  CUcontext current = nullptr;
+  if (a.ctxGetCurrent(&current) == CUDA_SUCCESS && current == nullptr) a.ctxSetCurrent(primary);
+  // The allocation properties used for every cuMemCreate; the granularity is queried with exactly these.
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = dev;
+  prop.requestedHandleTypes = posix_fd ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
+  prop.allocFlags.gpuDirectRDMACapable = rdma ? 1 : 0;
+  std::size_t gran = 0;
+  if (CUresult r = a.memGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM); r != CUDA_SUCCESS || !gran)
+    return fail("fragless: " + a.describe("cuMemGetAllocationGranularity", r));
+  std::vector<CUmemAccessDesc> access;
+  CUmemAccessDesc self{};
+  self.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  self.location.id = dev;
+  self.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  access.push_back(self);
+  if (o.peer_access)
+    for (int d = 0; d < count; ++d) {
+      CUdevice peer = 0;
+      int can = 0;
+      if (d == o.device || a.deviceGet(&peer, d) != CUDA_SUCCESS) continue;
+      if (a.deviceCanAccessPeer(&can, peer, dev) == CUDA_SUCCESS && can) {
+        CUmemAccessDesc p = self;
+        p.location.id = peer;
+        access.push_back(p);
+      }
+    }
+  return std::make_unique<CudaDriver>(o, dev, primary, gran, prop, std::move(access));
+}
+
+}  // namespace fragless
