@@ -50,6 +50,9 @@ constexpr OptionInfo kOptions[] = {
     {"page_size_mb", "power of two >= 1 (MiB)", "2", "Page (granularity) of the host and sim drivers."},
     {"capacity_mb", "integer >= 1 (MiB)", "host 4096, sim 81920",
      "Physical memory of one host or sim device; creating beyond it fails as out of memory."},
+    {"on_oom", "throw or null", "throw",
+     "libfragless.so: on out of memory, throw a C++ exception carrying the diagnosis (PyTorch raises it as a "
+     "RuntimeError) or return NULL (for PyTorch MemPool mode, which retries and raises OutOfMemoryError)."},
     {"peer_access", "True or False", "False",
      "cuda driver: also grant every peer device that can access this one (cuDeviceCanAccessPeer) access to "
      "fragless memory, for peer copies and NCCL P2P."},
@@ -194,6 +197,9 @@ class Parser {
       if (!parse_uint(v, &n) || n == 0 || n > (std::size_t{1} << 30))
         return err(bad_value(key, v, "an integer number of MiB between 1 and 2^30"));
       o_.capacity = n << 20;
+    } else if (key == "on_oom") {
+      if (v != "throw" && v != "null") return err(bad_value(key, v, "throw or null"));
+      o_.oom_returns_null = v == "null";
     } else if (key == "peer_access") {
       if (v != "True" && v != "False") return err(bad_value(key, v, "True or False (exactly)"));
       o_.peer_access = v == "True";

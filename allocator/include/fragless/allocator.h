@@ -27,6 +27,8 @@ class Allocator {
   // Hands every buffered trace record to the writers and waits until they are written.
   void flush_traces();
   std::vector<std::string> trace_paths() const;
+  // The tracer's sink for a device (nullptr when tracing is off), for callers that chain sinks.
+  EventSink* trace_sink(int device) { return tracing_ ? tracing_->sink(device) : nullptr; }
 
  private:
   Options opts_;

@@ -33,6 +33,7 @@ struct Options {
   double per_process_memory_fraction = 1.0;
   std::size_t page_size = 2u << 20;                      // host and sim granularity, bytes
   std::size_t capacity = 0;                              // host/sim physical budget, bytes; 0 = driver default
+  bool oom_returns_null = false;                         // libfragless.so: on_oom:null instead of throwing
   bool peer_access = false;                              // cuda: grant peers that can access this device
   std::string trace;                                     // trace path pattern (%p %d %r); empty = off
   std::string settings;                                  // the string this was parsed from

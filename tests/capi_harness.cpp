@@ -1,0 +1,204 @@
+// Drives build/lib/libfragless.so exactly as PyTorch's CUDAPluggableAllocator does: dlopen, symbols looked
+// up by name, the allocation functions and every hook called through plain function pointers, on the
+// libcuda test double. Usage: fragless-capi-harness LIBFRAGLESS LIBFAKECUDA
+#include <dlfcn.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "fake_cuda.h"
+#include "pickle.h"
+
+namespace {
+
+int failures = 0;
+#define EXPECT(cond)                                                        \
+  do {                                                                      \
+    if (!(cond)) {                                                          \
+      std::fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond); \
+      ++failures;                                                           \
+    }                                                                       \
+  } while (0)
+
+struct CUstream_st;
+using cudaStream_t = CUstream_st*;
+struct PoolId { unsigned long long first, second; };
+
+template <typename F>
+F sym(void* lib, const char* name) {
+  void* p = dlsym(lib, name);
+  if (!p) {
+    std::fprintf(stderr, "FAIL: libfragless.so does not export %s\n", name);
+    std::exit(1);
+  }
+  return reinterpret_cast<F>(p);
+}
+
+cudaStream_t stream(std::uintptr_t v) { return reinterpret_cast<cudaStream_t>(v); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3) return std::fprintf(stderr, "usage: fragless-capi-harness LIBFRAGLESS LIBFAKECUDA\n"), 2;
+  setenv("FRAGLESS_LIBCUDA", argv[2], 1);
+  void* fake = dlopen(argv[2], RTLD_NOW | RTLD_LOCAL);
+  void* lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+  if (!fake || !lib) return std::fprintf(stderr, "FAIL: dlopen: %s\n", dlerror()), 1;
+  auto hold = sym<decltype(&fakecuda_hold_stream)>(fake, "fakecuda_hold_stream");
+  auto census = sym<decltype(&fakecuda_get_census)>(fake, "fakecuda_get_census");
+
+  // The names and types PyTorch's hooks use.
+  auto malloc_fn = sym<void* (*)(size_t, int, cudaStream_t)>(lib, "fragless_malloc");
+  auto free_fn = sym<void (*)(void*, size_t, int, cudaStream_t)>(lib, "fragless_free");
+  auto init_fn = sym<void (*)(int)>(lib, "fragless_init");
+  auto reset_fn = sym<void (*)()>(lib, "fragless_empty_cache");
+  auto fraction_fn = sym<void (*)(double, int)>(lib, "fragless_set_memory_fraction");
+  auto base_fn = sym<void* (*)(void*, size_t*)>(lib, "fragless_get_base_allocation");
+  auto record_fn = sym<void (*)(void*, cudaStream_t)>(lib, "fragless_record_stream");
+  auto begin_pool = sym<void (*)(int, PoolId, std::function<bool(cudaStream_t)>)>(lib, "fragless_begin_allocate_to_pool");
+  auto end_pool = sym<void (*)(int, PoolId)>(lib, "fragless_end_allocate_to_pool");
+  auto release_pool = sym<void (*)(int, PoolId)>(lib, "fragless_release_pool");
+  auto stats_fn = sym<long (*)(int, char*, size_t)>(lib, "fragless_memory_stats");
+  auto snapshot_fn = sym<long (*)(char*, size_t)>(lib, "fragless_snapshot");
+  auto history_fn = sym<void (*)(size_t)>(lib, "fragless_record_history");
+  auto last_error = sym<const char* (*)()>(lib, "fragless_last_error");
+  auto count_fn = sym<int (*)()>(lib, "fragless_device_count");
+
+  init_fn(2);
+  EXPECT(count_fn() == 2);
+  history_fn(10000);
+
+  // A multi-stream workload on both devices, with cross-stream use and empty_cache.
+  const cudaStream_t s1 = stream(0x100), s2 = stream(0x200), s3 = stream(0x300);
+  for (int dev = 0; dev < 2; ++dev) {
+    std::vector<std::pair<void*, size_t>> live;
+    for (int i = 0; i < 200; ++i) {
+      const size_t size = (i % 5 == 0) ? (size_t{1} + i % 7) << 20 : 512 * (1 + (i * 37) % 900);
+      void* p = malloc_fn(size, dev, i % 2 ? s1 : s2);
+      EXPECT(p != nullptr);
+      std::memset(p, i & 0xff, size);  // the memory is real on the double
+      if (i % 7 == 0) record_fn(p, s3);
+      live.emplace_back(p, size);
+      if (i % 3 == 2) {
+        free_fn(live.front().first, live.front().second, dev, i % 2 ? s1 : s2);
+        live.erase(live.begin());
+      }
+      if (i == 100) reset_fn();
+    }
+    for (auto& [p, size] : live) free_fn(p, size, dev, s1);
+  }
+
+  // record_stream: a block used on a held stream is not reused until that stream's work is done.
+  hold(s3, 1);
+  void* a = malloc_fn(4 << 20, 0, s1);
+  record_fn(a, s3);
+  free_fn(a, 4 << 20, 0, s1);
+  void* b = malloc_fn(4 << 20, 0, s1);
+  EXPECT(b != a);
+  hold(s3, 0);
+  free_fn(b, 4 << 20, 0, s1);
+
+  // Base allocation of a block fragless owns.
+  void* c = malloc_fn(3 << 20, 1, s2);
+  size_t base_size = 0;
+  EXPECT(base_fn(c, &base_size) != nullptr);
+  EXPECT(base_size >= (3u << 20));
+  free_fn(c, 3 << 20, 1, s2);
+
+  // Private pools (CUDA graph capture / MemPool).
+  begin_pool(0, {1, 1}, [&](cudaStream_t s) { return s == s2; });
+  void* d = malloc_fn(1 << 20, 0, s2);
+  end_pool(0, {1, 1});
+  EXPECT(d != nullptr);
+  free_fn(d, 1 << 20, 0, s2);
+  release_pool(0, {1, 1});
+
+  // Stats with PyTorch's names.
+  char buf[16384];
+  const long n = stats_fn(0, buf, sizeof buf);
+  EXPECT(n > 0 && n < static_cast<long>(sizeof buf));
+  const std::string stats(buf);
+  EXPECT(stats.find("\"allocated_bytes.all.current\":0") != std::string::npos);
+  EXPECT(stats.find("\"reserved_bytes.all.peak\":") != std::string::npos);
+  EXPECT(stats.find("\"num_alloc_retries\":") != std::string::npos);
+  EXPECT(stats_fn(7, buf, sizeof buf) == -1);
+  EXPECT(std::string(last_error()).find("invalid device 7") != std::string::npos);
+
+  // A snapshot in PyTorch's layout, with the recorded history as device_traces.
+  void* e = malloc_fn(5 << 20, 0, s1);
+  const long need = snapshot_fn(nullptr, 0);
+  EXPECT(need > 0);
+  std::string snap(static_cast<size_t>(need) + 1, '\0');
+  EXPECT(snapshot_fn(snap.data(), snap.size()) == need);
+  snap.resize(static_cast<size_t>(need));
+  auto pr = fragless::formats::read_pickle(snap);
+  EXPECT(pr.value != nullptr);
+  if (pr.value) {
+    const auto* segs = pr.value->get("segments");
+    const auto* traces = pr.value->get("device_traces");
+    EXPECT(segs && !segs->items.empty());
+    EXPECT(traces && traces->items.size() == 2);
+    std::size_t live_blocks = 0, allocs = 0;
+    if (segs)
+      for (auto& s : segs->items) {
+        std::int64_t sum = 0;
+        for (auto& blk : s->get("blocks")->items) {
+          sum += blk->get("size")->as_int();
+          live_blocks += blk->get("state")->s == "active_allocated";
+        }
+        EXPECT(sum == s->get("total_size")->as_int());
+      }
+    if (traces)
+      for (auto& ev : traces->items[0]->items) allocs += ev->get("action")->s == "alloc";
+    EXPECT(live_blocks == 1);
+    EXPECT(allocs > 100);
+  }
+  free_fn(e, 5 << 20, 0, s1);
+
+  // Size 0 is legal: NULL, no exception.
+  bool threw = false;
+  try {
+    EXPECT(malloc_fn(0, 0, s1) == nullptr);
+  } catch (...) {
+    threw = true;
+  }
+  EXPECT(!threw);
+
+  // Out of memory reaches the caller as an exception carrying the diagnosis, never as a bare NULL.
+  fraction_fn(0.25, 0);  // 256 MiB of the double's 1024
+  std::string oom;
+  try {
+    void* big = malloc_fn(600u << 20, 0, s1);
+    EXPECT(big == nullptr);  // not reached
+  } catch (const std::runtime_error& ex) {
+    oom = ex.what();
+  }
+  std::fprintf(stderr, "OOM as raised: %s\n", oom.c_str());
+  EXPECT(oom.find("CUDA out of memory") != std::string::npos);
+  EXPECT(oom.find("fragless") != std::string::npos);
+  fraction_fn(1.0, 0);
+  void* after = malloc_fn(600u << 20, 0, s1);  // usable again
+  EXPECT(after != nullptr);
+  free_fn(after, 600u << 20, 0, s1);
+
+  // A bad free is reported, changes nothing and does not crash.
+  int local = 0;
+  free_fn(&local, 4, 0, s1);
+  EXPECT(std::string(last_error()).find("did not allocate") != std::string::npos);
+
+  // Everything back after empty_cache.
+  reset_fn();
+  fakecuda_census cs{};
+  census(&cs);
+  std::fprintf(stderr, "after empty_cache: %ld handles, %ld mappings, %zu bytes\n", cs.handles, cs.mappings, cs.used_bytes);
+  EXPECT(cs.handles == 0 && cs.mappings == 0 && cs.used_bytes == 0);
+
+  if (failures) return std::fprintf(stderr, "%d check(s) failed\n", failures), 1;
+  std::printf("libfragless.so driven as PyTorch does: all checks passed\n");
+  return 0;
+}

@@ -1,0 +1,27 @@
+// An engine's state (segments, blocks, recent events) as a PyTorch memory snapshot pickle: what
+// torch.cuda.memory._snapshot() returns and _dump_snapshot() writes, so PyTorch's viewer draws it.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "fragless/engine.h"
+#include "fragless/trace.h"
+
+namespace fragless::formats {
+
+struct HistoryEntry {
+  TraceAction action = TraceAction::alloc;
+  std::uint64_t address = 0, size = 0;
+  Stream stream = 0;
+  std::int64_t time_us = 0;
+};
+
+struct DeviceState {
+  int device = 0;
+  std::vector<SegmentInfo> segments;
+  std::vector<HistoryEntry> history;  // oldest first
+};
+
+std::string engine_snapshot_pickle(const std::vector<DeviceState>& devices, const std::string& settings);
+
+}  // namespace fragless::formats

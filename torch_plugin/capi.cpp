@@ -1,0 +1,284 @@
+// libfragless.so: the C ABI over one process-wide Allocator (fragless.h). Only fragless_* symbols are
+// exported (exports.map).
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "engine_snapshot.h"
+#include "fragless/allocator.h"
+#include "fragless/fragless.h"
+
+namespace fragless {
+
+// What fragless_malloc throws when memory runs out (unless on_oom:null).
+class OutOfMemoryError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+namespace {
+
+thread_local std::string t_last_error;
+
+// Per device: forwards to the tracer (if on) and keeps the last N events for snapshots (if on).
+class DeviceSink final : public EventSink {
+ public:
+  explicit DeviceSink(EventSink* tracer) : tracer_(tracer) {}
+  void on_event(const TraceEvent& e) override {
+    if (tracer_) tracer_->on_event(e);
+    if (max_entries_ == 0) return;
+    std::lock_guard lk(mu_);
+    formats::HistoryEntry h;
+    h.action = e.action;
+    h.address = e.action == TraceAction::segment_map || e.action == TraceAction::segment_unmap ||
+                        e.action == TraceAction::segment_alloc || e.action == TraceAction::segment_free ||
+                        e.action == TraceAction::oom || e.action == TraceAction::alloc ||
+                        e.action == TraceAction::free || e.action == TraceAction::free_requested ||
+                        e.action == TraceAction::free_completed
+                    ? e.address
+                    : 0;
+    h.size = e.requested_size;
+    h.stream = e.stream;
+    h.time_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                    std::chrono::system_clock::now().time_since_epoch()).count();
+    ring_.push_back(h);
+    while (ring_.size() > max_entries_) ring_.pop_front();
+  }
+  void flush() override {
+    if (tracer_) tracer_->flush();
+  }
+  void set_history(std::size_t n) {
+    std::lock_guard lk(mu_);
+    max_entries_ = n;
+    while (ring_.size() > n) ring_.pop_front();
+  }
+  std::vector<formats::HistoryEntry> history() {
+    std::lock_guard lk(mu_);
+    return {ring_.begin(), ring_.end()};
+  }
+  bool needed() const { return tracer_ != nullptr || max_entries_ != 0; }
+
+ private:
+  EventSink* tracer_;
+  std::size_t max_entries_ = 0;
+  std::mutex mu_;
+  std::deque<formats::HistoryEntry> ring_;
+};
+
+struct Process {
+  std::mutex mu;  // guards creation only
+  std::unique_ptr<Allocator> alloc;
+  std::vector<std::unique_ptr<DeviceSink>> sinks;
+  std::string init_error;
+  bool tried = false;
+};
+
+// Never destroyed: CUDA programs free memory from static destructors and atexit handlers.
+Process& proc() {
+  static Process* p = new Process();
+  return *p;
+}
+
+void flush_at_exit() {
+  Process& p = proc();
+  if (p.alloc) p.alloc->flush_traces();
+}
+
+// The allocator, created on first use with `devices` devices (-1: as many as the driver has).
+Allocator* get(int devices = -1) {
+  Process& p = proc();
+  std::lock_guard lk(p.mu);
+  if (p.alloc) return p.alloc.get();
+  if (p.tried) {
+    t_last_error = p.init_error;
+    return nullptr;
+  }
+  p.tried = true;
+  auto conf = config_from_environment();
+  if (!conf.ok) {
+    p.init_error = conf.error;
+    t_last_error = p.init_error;
+    std::fprintf(stderr, "%s\n", p.init_error.c_str());
+    return nullptr;
+  }
+  std::string err;
+  p.alloc = Allocator::create(conf.options, devices, &err);
+  if (!p.alloc) {
+    p.init_error = err;
+    t_last_error = err;
+    std::fprintf(stderr, "%s\n", err.c_str());
+    return nullptr;
+  }
+  for (int d = 0; d < p.alloc->device_count(); ++d) {
+    p.sinks.push_back(std::make_unique<DeviceSink>(p.alloc->trace_sink(d)));
+    p.alloc->device(d)->set_event_sink(p.alloc->trace_sink(d) ? p.sinks.back().get() : nullptr);
+  }
+  std::atexit(flush_at_exit);
+  return p.alloc.get();
+}
+
+DeviceEngine* engine(int device) {
+  Allocator* a = get();
+  if (!a) return nullptr;
+  DeviceEngine* e = a->device(device);
+  if (!e)
+    t_last_error = "fragless: invalid device " + std::to_string(device) + " (fragless manages " +
+                   std::to_string(a->device_count()) + " devices)";
+  return e;
+}
+
+// The engine that owns ptr (PyTorch's base-allocation and record_stream hooks do not say which device).
+DeviceEngine* owner(void* ptr) {
+  Allocator* a = get();
+  if (!a) return nullptr;
+  for (int d = 0; d < a->device_count(); ++d)
+    if (a->device(d)->owns(ptr)) return a->device(d);
+  return nullptr;
+}
+
+long copy_out(const std::string& s, char* buf, std::size_t len) {
+  if (buf && len) {
+    const std::size_t n = std::min(s.size(), len - 1);
+    std::memcpy(buf, s.data(), n);
+    buf[n] = '\0';
+  }
+  return static_cast<long>(s.size());
+}
+
+}  // namespace
+}  // namespace fragless
+
+using namespace fragless;
+
+extern "C" {
+
+void* fragless_malloc(size_t size, int device, cudaStream_t stream) {
+  t_last_error.clear();
+  if (size == 0) return nullptr;  // legal: nothing to allocate
+  DeviceEngine* e = engine(device);
+  if (!e) {
+    if (proc().alloc && proc().alloc->options().oom_returns_null) return nullptr;
+    throw std::runtime_error(t_last_error);
+  }
+  AllocError err;
+  void* p = e->allocate(size, reinterpret_cast<Stream>(stream), &err);
+  if (p) return p;
+  t_last_error = err.message;
+  if (e->options().oom_returns_null) return nullptr;
+  if (err.status == Status::out_of_memory) throw OutOfMemoryError(err.message);
+  throw std::runtime_error(err.message);
+}
+
+void fragless_free(void* ptr, size_t, int device, cudaStream_t) {
+  if (!ptr) return;
+  DeviceEngine* e = engine(device);
+  if (!e || e->owns(ptr) == false) e = owner(ptr);
+  AllocError err;
+  if (!e || e->free(ptr, &err) != Status::ok) {
+    t_last_error = e ? err.message : "fragless: free of a pointer fragless did not allocate";
+    std::fprintf(stderr, "%s\n", t_last_error.c_str());
+  }
+}
+
+void fragless_init(int device_count) { get(device_count > 0 ? device_count : -1); }
+
+void fragless_empty_cache(void) {
+  if (Allocator* a = get())
+    for (int d = 0; d < a->device_count(); ++d) a->device(d)->empty_cache();
+}
+
+void fragless_set_memory_fraction(double fraction, int device) {
+  if (DeviceEngine* e = engine(device))
+    if (e->set_memory_fraction(fraction) != Status::ok)
+      t_last_error = "fragless: memory fraction " + std::to_string(fraction) + " is not in [0, 1]";
+}
+
+void* fragless_get_base_allocation(void* ptr, size_t* size) {
+  DeviceEngine* e = owner(ptr);
+  return e ? e->base_allocation(ptr, size) : ptr;
+}
+
+void fragless_record_stream(void* ptr, cudaStream_t stream) {
+  if (DeviceEngine* e = owner(ptr)) e->record_stream(ptr, reinterpret_cast<Stream>(stream));
+}
+
+void fragless_begin_allocate_to_pool(int device, fragless_pool_id pool, std::function<bool(cudaStream_t)> filter) {
+  if (DeviceEngine* e = engine(device))
+    e->begin_allocate_to_pool({pool.first, pool.second},
+                              [f = std::move(filter)](Stream s) { return f(reinterpret_cast<cudaStream_t>(s)); });
+}
+
+void fragless_end_allocate_to_pool(int device, fragless_pool_id pool) {
+  if (DeviceEngine* e = engine(device)) e->end_allocate_to_pool({pool.first, pool.second});
+}
+
+void fragless_release_pool(int device, fragless_pool_id pool) {
+  if (DeviceEngine* e = engine(device)) e->release_pool({pool.first, pool.second});
+}
+
+long fragless_memory_stats(int device, char* buf, size_t len) {
+  DeviceEngine* e = engine(device);
+  if (!e) return -1;
+  std::string json = "{";
+  for (const auto& [k, v] : e->stats().flatten()) {
+    if (json.size() > 1) json += ",";
+    json += "\"" + k + "\":" + std::to_string(v);
+  }
+  json += "}";
+  return copy_out(json, buf, len);
+}
+
+int fragless_reset_peak_stats(int device) {
+  DeviceEngine* e = engine(device);
+  if (!e) return -1;
+  e->reset_peak_stats();
+  return 0;
+}
+
+int fragless_reset_accumulated_stats(int device) {
+  DeviceEngine* e = engine(device);
+  if (!e) return -1;
+  e->reset_accumulated_stats();
+  return 0;
+}
+
+long fragless_snapshot(char* buf, size_t len) {
+  Allocator* a = get();
+  if (!a) return -1;
+  std::vector<formats::DeviceState> devices;
+  for (int d = 0; d < a->device_count(); ++d) {
+    formats::DeviceState s;
+    s.device = d;
+    s.segments = a->device(d)->snapshot();
+    s.history = proc().sinks[static_cast<std::size_t>(d)]->history();
+    devices.push_back(std::move(s));
+  }
+  return copy_out(formats::engine_snapshot_pickle(devices, a->options().settings), buf, len);
+}
+
+void fragless_record_history(size_t max_entries) {
+  Allocator* a = get();
+  if (!a) return;
+  for (int d = 0; d < a->device_count(); ++d) {
+    DeviceSink* s = proc().sinks[static_cast<std::size_t>(d)].get();
+    s->set_history(max_entries);
+    a->device(d)->set_event_sink(s->needed() ? s : nullptr);
+  }
+}
+
+const char* fragless_last_error(void) { return t_last_error.c_str(); }
+
+void fragless_trace_flush(void) {
+  if (Allocator* a = get()) a->flush_traces();
+}
+
+int fragless_device_count(void) {
+  Allocator* a = get();
+  return a ? a->device_count() : -1;
+}
+
+}  // extern "C"

@@ -1,0 +1,65 @@
+/* fragless's C ABI: what PyTorch's CUDAPluggableAllocator, the Python helper and any C program load from
+ * libfragless.so. Every function is safe to call before fragless_init (it initialises with the device
+ * count the driver reports). Configuration comes from FRAGLESS_CONF (PYTORCH_CUDA_ALLOC_CONF grammar).
+ *
+ * Out of memory: fragless_malloc throws a C++ exception (fragless::OutOfMemoryError, derived from
+ * std::runtime_error) whose message starts with "CUDA out of memory." and carries fragless's diagnosis;
+ * PyTorch turns it into a Python RuntimeError with that text instead of wrapping a null pointer. With
+ * FRAGLESS_CONF on_oom:null it returns NULL instead (for MemPool mode, where PyTorch retries and raises
+ * torch.cuda.OutOfMemoryError itself); fragless_last_error() then holds the diagnosis. */
+#ifndef FRAGLESS_FRAGLESS_H_
+#define FRAGLESS_FRAGLESS_H_
+
+#include <stddef.h>
+
+#ifdef __cplusplus
+#include <functional>
+#include <utility>
+extern "C" {
+#endif
+
+#define FRAGLESS_API __attribute__((visibility("default")))
+
+struct CUstream_st;
+typedef struct CUstream_st* cudaStream_t; /* the CUDA runtime's own definition */
+
+/* CUDAPluggableAllocator(path, "fragless_malloc", "fragless_free") */
+FRAGLESS_API void* fragless_malloc(size_t size, int device, cudaStream_t stream);
+FRAGLESS_API void fragless_free(void* ptr, size_t size, int device, cudaStream_t stream);
+
+/* Optional hooks, with the signatures PyTorch's setters expect. */
+FRAGLESS_API void fragless_init(int device_count);                         /* set_init_fn */
+FRAGLESS_API void fragless_empty_cache(void);                              /* set_reset_fn */
+FRAGLESS_API void fragless_set_memory_fraction(double fraction, int device); /* set_memory_fraction_fn */
+FRAGLESS_API void* fragless_get_base_allocation(void* ptr, size_t* size);  /* set_base_alloc_fn */
+FRAGLESS_API void fragless_record_stream(void* ptr, cudaStream_t stream);  /* set_record_stream_fn */
+typedef struct { unsigned long long first, second; } fragless_pool_id; /* MempoolId_t's layout */
+#ifdef __cplusplus
+/* set_begin_allocate_to_pool: PyTorch passes a C++ std::function by value (a C++ ABI dependency). */
+FRAGLESS_API void fragless_begin_allocate_to_pool(int device, fragless_pool_id pool, std::function<bool(cudaStream_t)> filter);
+#endif
+FRAGLESS_API void fragless_end_allocate_to_pool(int device, fragless_pool_id pool); /* set_end_allocate_to_pool_fn */
+FRAGLESS_API void fragless_release_pool(int device, fragless_pool_id pool);         /* set_release_pool */
+
+/* Statistics with torch.cuda.memory_stats() key names, as one JSON object, written into buf (NUL-terminated
+ * when len > 0). Returns the length of the full text (call again with a larger buffer when it is >= len),
+ * or -1 for an invalid device (see fragless_last_error). */
+FRAGLESS_API long fragless_memory_stats(int device, char* buf, size_t len);
+FRAGLESS_API int fragless_reset_peak_stats(int device);
+FRAGLESS_API int fragless_reset_accumulated_stats(int device);
+/* A snapshot in PyTorch's layout (the pickle torch.cuda.memory._dump_snapshot writes): segments of every
+ * device and, when history is on, recent events as device_traces. Same buffer protocol; -1 on error. */
+FRAGLESS_API long fragless_snapshot(char* buf, size_t len);
+/* Keep the last max_entries events per device for snapshots (max_entries 0 turns it off). */
+FRAGLESS_API void fragless_record_history(size_t max_entries);
+/* The last error of this thread ("" if none). */
+FRAGLESS_API const char* fragless_last_error(void);
+/* Writes buffered trace records (the tracer also flushes at exit). */
+FRAGLESS_API void fragless_trace_flush(void);
+/* Devices fragless manages (initialising if needed); -1 if it cannot start (see fragless_last_error). */
+FRAGLESS_API int fragless_device_count(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
