@@ -1,0 +1,69 @@
+"""The Python helper without a GPU and without PyTorch: loading libfragless.so, the ctypes binding, stats
+keys, snapshots in PyTorch's layout. Run with FRAGLESS_LIBRARY and FRAGLESS_LIBCUDA (the libcuda double)
+set; the PyTorch part is a separate test, reported skipped where torch is missing."""
+import ctypes
+import os
+import pickle
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "torch_plugin", "python"))
+import fragless  # noqa: E402
+
+lib = fragless.library()
+assert fragless.library_path() == os.environ["FRAGLESS_LIBRARY"]
+assert fragless.device_count() == 2, fragless.device_count()
+fragless.record_history(1000)
+
+stream = ctypes.c_void_p(0x100)
+ptrs = [lib.fragless_malloc(size, 0, stream) for size in (512, 3 << 20, 24 << 20)]
+assert all(ptrs), fragless.last_error()
+stats = fragless.memory_stats(0)
+for key in ("allocated_bytes.all.current", "reserved_bytes.all.peak", "active_bytes.large_pool.current",
+            "num_alloc_retries", "num_ooms", "segment.all.current", "requested_bytes.all.current",
+            "fragless.live_bytes.current"):
+    assert key in stats, key
+assert stats["allocation.all.current"] == 3
+assert stats["allocated_bytes.all.current"] >= (27 << 20)
+assert list(stats) == sorted(stats)
+
+snap = fragless.snapshot()
+assert set(snap) >= {"segments", "device_traces"}
+assert len(snap["device_traces"]) == 2
+actions = [e["action"] for e in snap["device_traces"][0]]
+assert actions.count("alloc") == 3, actions
+live = sum(b["state"] == "active_allocated" for s in snap["segments"] for b in s["blocks"])
+assert live == 3, live
+with tempfile.TemporaryDirectory() as d:
+    path = os.path.join(d, "snap.pickle")
+    fragless.dump_snapshot(path)
+    with open(path, "rb") as f:
+        assert pickle.load(f)["segments"]
+
+for p, size in zip(ptrs, (512, 3 << 20, 24 << 20)):
+    lib.fragless_free(p, size, 0, stream)
+fragless.empty_cache()
+stats = fragless.memory_stats(0)
+assert stats["allocated_bytes.all.current"] == 0
+assert stats["reserved_bytes.all.current"] == 0, stats["reserved_bytes.all.current"]
+print(fragless.memory_summary(0))
+
+try:
+    fragless.memory_stats(5)
+    raise AssertionError("an invalid device was accepted")
+except RuntimeError as e:
+    assert "invalid device 5" in str(e), e
+
+try:
+    import torch  # noqa: F401
+    have_torch = True
+except ImportError:
+    have_torch = False
+if not have_torch:
+    import fragless.torch as ft
+    try:
+        ft.enable()
+        raise AssertionError("enable() without PyTorch did not complain")
+    except ImportError as e:
+        assert "needs PyTorch" in str(e), e
+print("python helper: all checks passed")

@@ -1,0 +1,152 @@
+"""fragless from Python: the ctypes binding of libfragless.so and PyTorch-shaped helpers.
+
+    import fragless.torch
+    fragless.torch.enable()            # before the first CUDA allocation
+    ...
+    fragless.torch.memory_stats()      # torch.cuda.memory_stats() key names
+    fragless.torch.dump_snapshot("snap.pickle")   # open at pytorch.org/memory_viz
+
+The library is found through FRAGLESS_LIBRARY, next to this package, in the repository's build/lib, or
+on the loader path, in that order.
+"""
+import ctypes
+import ctypes.util
+import io
+import json
+import os
+import pickle
+
+__all__ = ["library", "library_path", "memory_stats", "memory_summary", "snapshot", "dump_snapshot",
+           "empty_cache", "record_history", "last_error", "device_count"]
+
+_lib = None
+_path = None
+
+
+def _candidates():
+    env = os.environ.get("FRAGLESS_LIBRARY")
+    if env:
+        yield env
+    here = os.path.dirname(os.path.abspath(__file__))
+    yield os.path.join(here, "libfragless.so")
+    yield os.path.normpath(os.path.join(here, "..", "..", "..", "build", "lib", "libfragless.so"))
+    found = ctypes.util.find_library("fragless")
+    if found:
+        yield found
+
+
+def library_path():
+    """The libfragless.so this process uses (loading it if needed)."""
+    library()
+    return _path
+
+
+def library():
+    """The loaded libfragless.so, with argument and result types declared."""
+    global _lib, _path
+    if _lib is not None:
+        return _lib
+    tried = []
+    for path in _candidates():
+        if os.path.sep in path and not os.path.exists(path):
+            tried.append(path)
+            continue
+        lib = ctypes.CDLL(path)
+        _lib, _path = lib, path
+        break
+    else:
+        raise OSError("fragless: libfragless.so not found (tried: %s); build it with cmake or set FRAGLESS_LIBRARY"
+                      % ", ".join(tried))
+    c = ctypes
+    _lib.fragless_malloc.restype = c.c_void_p
+    _lib.fragless_malloc.argtypes = [c.c_size_t, c.c_int, c.c_void_p]
+    _lib.fragless_free.argtypes = [c.c_void_p, c.c_size_t, c.c_int, c.c_void_p]
+    _lib.fragless_init.argtypes = [c.c_int]
+    _lib.fragless_memory_stats.restype = c.c_long
+    _lib.fragless_memory_stats.argtypes = [c.c_int, c.c_char_p, c.c_size_t]
+    _lib.fragless_snapshot.restype = c.c_long
+    _lib.fragless_snapshot.argtypes = [c.c_char_p, c.c_size_t]
+    _lib.fragless_record_history.argtypes = [c.c_size_t]
+    _lib.fragless_last_error.restype = c.c_char_p
+    _lib.fragless_device_count.restype = c.c_int
+    _lib.fragless_reset_peak_stats.argtypes = [c.c_int]
+    _lib.fragless_reset_accumulated_stats.argtypes = [c.c_int]
+    return _lib
+
+
+def last_error():
+    return library().fragless_last_error().decode()
+
+
+def device_count():
+    n = library().fragless_device_count()
+    if n < 0:
+        raise RuntimeError(last_error())
+    return n
+
+
+def _read(fn, *args):
+    need = fn(*args, None, 0)
+    if need < 0:
+        raise RuntimeError(last_error())
+    buf = ctypes.create_string_buffer(need + 1)
+    got = fn(*args, buf, need + 1)
+    if got < 0:
+        raise RuntimeError(last_error())
+    return buf.raw[:got]
+
+
+def memory_stats(device=0):
+    """fragless's statistics for `device` with torch.cuda.memory_stats() key names, sorted."""
+    stats = json.loads(_read(library().fragless_memory_stats, int(device)).decode())
+    return dict(sorted(stats.items()))
+
+
+def memory_summary(device=0):
+    """A short human-readable table of the main statistics."""
+    s = memory_stats(device)
+    mib = lambda k: s.get(k, 0) / 2**20
+    rows = [("allocated", "allocated_bytes.all"), ("reserved", "reserved_bytes.all"),
+            ("active", "active_bytes.all"), ("requested", "requested_bytes.all"),
+            ("live (fragless)", "fragless.live_bytes")]
+    lines = ["fragless memory summary, device %d" % device, "%-18s %14s %14s" % ("", "current MiB", "peak MiB")]
+    for name, key in rows:
+        lines.append("%-18s %14.1f %14.1f" % (name, mib(key + ".current"), mib(key + ".peak")))
+    lines.append("allocations %d, segments %d, OOMs %d, retries %d, forced syncs %d" % (
+        s.get("allocation.all.current", 0), s.get("segment.all.current", 0), s.get("num_ooms", 0),
+        s.get("num_alloc_retries", 0), s.get("fragless.num_forced_syncs", 0)))
+    return "\n".join(lines)
+
+
+class _DataOnly(pickle.Unpickler):
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError("fragless snapshot refers to %s.%s" % (module, name))
+
+
+def snapshot_bytes():
+    """The snapshot as the pickle torch.cuda.memory._dump_snapshot writes."""
+    return _read(library().fragless_snapshot)
+
+
+def snapshot():
+    """A dict in PyTorch's snapshot layout: segments + device_traces (torch.cuda._memory_viz reads it)."""
+    return _DataOnly(io.BytesIO(snapshot_bytes())).load()
+
+
+def dump_snapshot(path="dump_snapshot.pickle"):
+    with open(path, "wb") as f:
+        f.write(snapshot_bytes())
+
+
+def record_history(max_entries=100000):
+    """Keep the last `max_entries` allocator events per device for snapshot()'s device_traces (0: off)."""
+    library().fragless_record_history(int(max_entries))
+
+
+def empty_cache():
+    library().fragless_empty_cache()
+
+
+def reset_peak_stats(device=0):
+    if library().fragless_reset_peak_stats(int(device)) < 0:
+        raise RuntimeError(last_error())
