@@ -1,0 +1,27 @@
+// fragless::torch::install(): registers libfragless's C ABI as LibTorch's CUDA allocator from C++
+// (torch::cuda::CUDAPluggableAllocator::createCustomAllocator + changeCurrentAllocator), with every hook.
+// Built only against a LibTorch with CUDA (>= 2.1); Debian's libtorch-dev is CPU-only, so this file has
+// not been compiled in this project's CI.
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#include "fragless/fragless.h"
+#include "fragless/torch_cuda.h"
+
+namespace fragless::torch {
+
+void install() {
+  namespace pa = ::torch::cuda::CUDAPluggableAllocator;
+  auto a = pa::createCustomAllocator(
+      [](size_t size, int device, cudaStream_t stream) { return fragless_malloc(size, device, stream); },
+      [](void* ptr, size_t size, int device, cudaStream_t stream) { fragless_free(ptr, size, device, stream); });
+  if (auto p = std::dynamic_pointer_cast<pa::CUDAPluggableAllocator>(a)) {
+    p->set_init_fn([](int n) { fragless_init(n); });
+    p->set_reset_fn([] { fragless_empty_cache(); });
+    p->set_memory_fraction_fn([](double f, int d) { fragless_set_memory_fraction(f, d); });
+    p->set_base_alloc_fn([](void* ptr, size_t* size) { return fragless_get_base_allocation(ptr, size); });
+    p->set_record_stream_fn([](void* ptr, cudaStream_t s) { fragless_record_stream(ptr, s); });
+  }
+  pa::changeCurrentAllocator(a);
+}
+
+}  // namespace fragless::torch
