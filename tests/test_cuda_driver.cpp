@@ -21,6 +21,9 @@ namespace {
 constexpr std::size_t MiB = 1u << 20;
 constexpr int kOom = 2, kIllegalAddress = 700;  // CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_ILLEGAL_ADDRESS
 
+// Every test in this process uses the double: set before any test runs (the cuda driver reads it once).
+const bool g_use_double = (setenv("FRAGLESS_LIBCUDA", FRAGLESS_FAKECUDA_PATH, 1), true);
+
 // The double, loaded once per process (the cuda driver dlopens the same file: one instance).
 struct Fake {
   void* lib = nullptr;
@@ -168,7 +171,9 @@ TEST_CASE("cuda driver: OOM on create frees the cache, retries, then reports OOM
 }
 
 TEST_CASE("cuda driver: a failure at every call site of map, set access, unmap and release leaks nothing", "[cuda]") {
-  const char* calls[] = {"cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease", "cuMemCreate", "cuMemAddressReserve"};
+  const char* calls[] = {"cuMemMap",       "cuMemSetAccess", "cuMemUnmap",    "cuMemRelease",       "cuMemCreate",
+                         "cuMemAddressReserve", "cuMemAddressFree", "cuEventCreate", "cuEventRecord", "cuEventQuery",
+                         "cuEventSynchronize", "cuStreamSynchronize"};
   std::size_t runs = 0;
   for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless}) {
     // How many times the workload calls each function.

@@ -59,11 +59,11 @@ DeviceEngine::State::~State() {
   for (auto& [id, ev] : pending_events)
     for (auto& [e, b] : ev) driver->release_event(e);
   pending_events.clear();
-  for (auto& [ptr, b] : active_blocks) {
+  active_blocks.for_each([](DevicePtr, Block* b) {
     b->state = BlockState::free;
     b->event_count = 0;
     b->stream_uses.clear();
-  }
+  });
   active_blocks.clear();
   // Reinsert every free block so the policy sees the whole cache, then release it all.
   for (auto& seg : segments)
@@ -239,7 +239,7 @@ Block* DeviceEngine::State::take_block(Block* b, AllocParams& p) {
   }
   b->state = BlockState::allocated;
   b->requested = p.requested;
-  b->gc_count_base = p.pool->get_free_blocks_call_count;
+  b->gc_count_base = static_cast<std::uint32_t>(p.pool->get_free_blocks_call_count);
   const auto size = static_cast<std::int64_t>(b->size);
   const auto req = static_cast<std::int64_t>(p.requested);
   stats.allocation.add(small, 1);
@@ -249,7 +249,7 @@ Block* DeviceEngine::State::take_block(Block* b, AllocParams& p) {
   stats.requested_bytes.add(small, req);
   stats.live_bytes.add(req);
   if (b->size >= opts.max_split_size) stats.oversize_allocations.add(1);
-  active_blocks.emplace(b->ptr, b);
+  active_blocks.put(b->ptr, b);
   emit(*this, TraceAction::alloc, b->stream, b->ptr, p.requested, b->size);
   return b;
 }
@@ -334,14 +334,15 @@ bool DeviceEngine::State::garbage_collect(AllocParams& p) {
     std::size_t n = 0;
     for (const Block* b : pool.blocks)
       if (eligible(b)) {
-        total_age += static_cast<double>(pool.get_free_blocks_call_count - b->gc_count_base);
+        total_age += static_cast<double>(static_cast<std::uint32_t>(pool.get_free_blocks_call_count) - b->gc_count_base);
         ++n;
       }
     if (n == 0) break;
     const double age_threshold = total_age / static_cast<double>(n);
     std::vector<Block*> victims;
     for (Block* b : pool.blocks)
-      if (eligible(b) && static_cast<double>(pool.get_free_blocks_call_count - b->gc_count_base) >= age_threshold)
+      if (eligible(b) &&
+          static_cast<double>(static_cast<std::uint32_t>(pool.get_free_blocks_call_count) - b->gc_count_base) >= age_threshold)
         victims.push_back(b);
     for (Block* b : victims) {
       if (reclaimed >= target) break;
@@ -503,8 +504,8 @@ Status DeviceEngine::free(void* ptr, AllocError* err) {
   if (ptr == nullptr) return Status::ok;
   State& s = *s_;
   std::lock_guard lk(s.mu);
-  auto it = s.active_blocks.find(reinterpret_cast<DevicePtr>(ptr));
-  if (it == s.active_blocks.end() || it->second->state != BlockState::allocated) {
+  Block* found = s.active_blocks.get(reinterpret_cast<DevicePtr>(ptr));
+  if (!found || found->state != BlockState::allocated) {
     char buf[160];
     std::snprintf(buf, sizeof buf,
                   "fragless: free of pointer %p on device %d that fragless did not allocate or already freed; "
@@ -513,7 +514,7 @@ Status DeviceEngine::free(void* ptr, AllocError* err) {
     set_error(err, Status::invalid_argument, buf);
     return Status::invalid_argument;
   }
-  Block* b = it->second;
+  Block* b = found;
   const bool small = b->pool->small;
   const auto size = static_cast<std::int64_t>(b->size);
   s.stats.allocation.add(small, -1);
@@ -538,12 +539,10 @@ Status DeviceEngine::free(void* ptr, AllocError* err) {
 Status DeviceEngine::record_stream(void* ptr, Stream stream) {
   State& s = *s_;
   std::lock_guard lk(s.mu);
-  auto it = s.active_blocks.find(reinterpret_cast<DevicePtr>(ptr));
-  if (it == s.active_blocks.end() || it->second->state != BlockState::allocated) return Status::invalid_argument;
-  Block* b = it->second;
+  Block* b = s.active_blocks.get(reinterpret_cast<DevicePtr>(ptr));
+  if (!b || b->state != BlockState::allocated) return Status::invalid_argument;
   if (stream == b->stream) return Status::ok;
-  if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
-    b->stream_uses.push_back(stream);
+  b->stream_uses.add(stream);
   return Status::ok;
 }
 
@@ -555,9 +554,8 @@ bool DeviceEngine::owns(void* ptr) {
 void* DeviceEngine::base_allocation(void* ptr, std::size_t* size) {
   State& s = *s_;
   std::lock_guard lk(s.mu);
-  auto it = s.active_blocks.find(reinterpret_cast<DevicePtr>(ptr));
-  if (it == s.active_blocks.end()) return nullptr;
-  Block* b = it->second;
+  Block* b = s.active_blocks.get(reinterpret_cast<DevicePtr>(ptr));
+  if (!b) return nullptr;
   if (b->segment->growable) {  // the block itself is the base: growable segments are not shareable as a whole
     if (size) *size = b->size;
     return ptr;

@@ -81,8 +81,7 @@ std::string DeviceEngine::State::check_invariants() {
       const bool pending = b->pending();
       if (allocated || pending) {
         ++active_count;
-        auto it = active_blocks.find(b->ptr);
-        if (it == active_blocks.end() || it->second != b) fail("I6: active block not in the address map", b);
+        if (active_blocks.get(b->ptr) != b) fail("I6: active block not in the address map", b);
         rc.add(rc.active, small, 1);
         rc.add(rc.active_bytes, small, static_cast<std::int64_t>(b->size));
         rc.add(rc.requested, small, static_cast<std::int64_t>(b->requested));

@@ -22,6 +22,7 @@
 
 #include "fragless/engine.h"
 #include "fragless/rounding.h"
+#include "block_map.h"
 #include "spin_mutex.h"
 
 namespace fragless {
@@ -33,6 +34,25 @@ struct PoolSet;
 
 enum class BlockState : std::uint8_t { free, allocated, unmapped };
 
+// Streams recorded on a block with record_stream (not its allocation stream). Almost always empty, so it
+// costs one pointer in the block until the first use.
+class StreamUses {
+ public:
+  bool empty() const { return !v_ || v_->empty(); }
+  void clear() { v_.reset(); }
+  void add(Stream s) {
+    if (!v_) v_ = std::make_unique<std::vector<Stream>>();
+    for (Stream x : *v_)
+      if (x == s) return;
+    v_->push_back(s);
+  }
+  const Stream* begin() const { return v_ ? v_->data() : nullptr; }
+  const Stream* end() const { return v_ ? v_->data() + v_->size() : nullptr; }
+
+ private:
+  std::unique_ptr<std::vector<Stream>> v_;
+};
+
 struct Block {
   DevicePtr ptr = 0;
   std::size_t size = 0;
@@ -42,9 +62,9 @@ struct Block {
   Segment* segment = nullptr;
   BlockPool* pool = nullptr;
   Stream stream = 0;
-  std::vector<Stream> stream_uses;  // streams recorded with record_stream (not the allocation stream)
-  std::uint64_t gc_count_base = 0;
-  std::uint32_t event_count = 0;    // outstanding events recorded at free for stream_uses
+  StreamUses stream_uses;           // streams recorded with record_stream (not the allocation stream)
+  std::uint32_t gc_count_base = 0;  // the pool's GC clock at allocation (ages compare modulo 2^32)
+  std::uint16_t event_count = 0;    // outstanding events recorded at free, one per stream use
   BlockState state = BlockState::free;
   bool in_size_set = false;
 
@@ -132,7 +152,7 @@ struct DeviceEngine::State {
   std::vector<std::pair<PoolSet*, StreamFilter>> routes;  // begin_allocate_to_pool, newest last
 
   std::vector<std::unique_ptr<Segment>> segments;
-  std::unordered_map<DevicePtr, Block*> active_blocks;
+  BlockMap active_blocks;
   std::map<Stream, std::deque<std::pair<Event, Block*>>> pending_events;
   std::size_t pending_event_count = 0;
 
