@@ -7,6 +7,8 @@ set -euo pipefail
 secs="${1:-60}"
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${2:-$root/build-fuzz}"
+mkdir -p "$build"
+build="$(cd "$build" && pwd)"
 command -v clang++ >/dev/null || { echo "fuzz.sh: clang++ is not installed (apt-get install clang libclang-rt-14-dev)"; exit 77; }
 cmake -S "$root" -B "$build" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DFRAGLESS_FUZZ=ON -DFRAGLESS_BUILD_TESTS=OFF -DFRAGLESS_BUILD_BENCH=OFF >/dev/null
@@ -26,12 +28,14 @@ fi
 "$build/bin/fuzz-native" -runs=0 >/dev/null 2>&1 || true
 cp "$corpus/csv/a" "$corpus/any/"
 run() {
-  local target="$1" dir="$2"
+  local target="$1" dir="$2" rc=0
   echo "fuzz.sh: $target for ${secs}s"
   (cd "$build/crashes" && "$build/bin/$target" -max_total_time="$secs" -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
-    -print_final_stats=1 "$corpus/$dir" 2>&1 | grep -E "stat::number_of_executed_units|ERROR|SUMMARY|Done" || true)
-  if ls "$build/crashes"/crash-* "$build/crashes"/timeout-* "$build/crashes"/oom-* >/dev/null 2>&1; then
-    echo "fuzz.sh: $target found a failing input:"; ls "$build/crashes"; exit 1
+    -print_final_stats=1 "$corpus/$dir" >"$build/$target.log" 2>&1) || rc=$?
+  grep -E "stat::number_of_executed_units|ERROR|SUMMARY|Done" "$build/$target.log" || true
+  if [ "$rc" -ne 0 ] || ls "$build/crashes"/crash-* "$build/crashes"/timeout-* "$build/crashes"/oom-* >/dev/null 2>&1; then
+    echo "fuzz.sh: $target failed (exit $rc); log: $build/$target.log; inputs:"; ls "$build/crashes"; tail -30 "$build/$target.log"
+    exit 1
   fi
 }
 run fuzz-config config

@@ -6,6 +6,8 @@ set -euo pipefail
 kind="${1:?asan or tsan}"
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${2:-$root/build-$kind}"
+mkdir -p "$build"
+build="$(cd "$build" && pwd)"
 jobs="${FRAGLESS_SANITIZE_JOBS:-2}"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export FRAGLESS_WATCHDOG_S=900

@@ -119,9 +119,9 @@ Status status_of(CUresult r) {
 
 class CudaDriver final : public Driver {
  public:
-  CudaDriver(const CudaDriverOptions& o, CUdevice dev, CUcontext primary, std::size_t granularity,
+  CudaDriver(const CudaDriverOptions& o, CUcontext primary, std::size_t granularity,
              CUmemAllocationProp prop, std::vector<CUmemAccessDesc> access)
-      : Driver(o.device, granularity), dev_(dev), primary_(primary), prop_(prop), access_(std::move(access)) {}
+      : Driver(o.device, granularity), primary_(primary), prop_(prop), access_(std::move(access)) {}
   const char* name() const override { return "cuda"; }
 
   void memory_info(std::size_t* free_bytes, std::size_t* total_bytes) override {
@@ -199,7 +199,7 @@ class CudaDriver final : public Driver {
     return check("cuStreamSynchronize", api().streamSynchronize(reinterpret_cast<CUstream>(s)));
   }
 
-  CUdevice dev_;
+
   CUcontext primary_;
   CUmemAllocationProp prop_;
   std::vector<CUmemAccessDesc> access_;
@@ -276,7 +276,7 @@ std::unique_ptr<Driver> make_cuda_driver(const CudaDriverOptions& o, std::string
         access.push_back(p);
       }
     }
-  return std::make_unique<CudaDriver>(o, dev, primary, gran, prop, std::move(access));
+  return std::make_unique<CudaDriver>(o, primary, gran, prop, std::move(access));
 }
 
 }  // namespace fragless

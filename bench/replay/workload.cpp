@@ -26,6 +26,7 @@ struct Config {
   std::string name;
   int layers = 24, d_model = 1024, heads = 16, d_ff = 4096, vocab = 10000, batch = 4, steps = 6, max_seq = 2048;
   int dtype = 4, ckpt = 0, dropout = 0;
+  bool pad_to_longest = false;  // padding=longest: every sequence padded to the batch's longest
   std::uint64_t seed = 1;
   std::string seqlen = "sharegpt";
   bool seqlen_given = false;
@@ -92,6 +93,12 @@ bool parse(const std::string& spec, Config* c, std::string* error) {
     } else if (k == "seqlen") {
       c->seqlen = v;
       c->seqlen_given = true;
+    } else if (k == "padding") {
+      if (v != "longest" && v != "none") {
+        *error = "workload option padding: expected longest or none, got '" + v + "'";
+        return false;
+      }
+      c->pad_to_longest = v == "longest";
     } else if (k == "seed") {
       c->seed = std::strtoull(v.c_str(), nullptr, 10);
     } else if (k == "dtype") {
@@ -145,6 +152,26 @@ class SeqLen {
   const std::vector<int>* lengths_ = nullptr;
 };
 
+// One step's batch: tokens (activations scale with them) and attention elements per head (scores scale
+// with them). padding=longest pads every sequence to the longest (B·S_max, B·S_max²); padding=none packs
+// them without cross-sequence attention, as variable-length kernels do (Σs, Σs²).
+struct Batch { std::uint64_t tokens = 0, attention = 0; };
+Batch draw_batch(const Config& c, SeqLen& lens) {
+  Batch bt;
+  std::uint64_t longest = 0;
+  for (int b = 0; b < c.batch; ++b) {
+    const auto s = static_cast<std::uint64_t>(lens.draw());
+    longest = std::max(longest, s);
+    bt.tokens += s;
+    bt.attention += s * s;
+  }
+  if (c.pad_to_longest) {
+    bt.tokens = static_cast<std::uint64_t>(c.batch) * longest;
+    bt.attention = static_cast<std::uint64_t>(c.batch) * longest * longest;
+  }
+  return bt;
+}
+
 void train(const Config& c, SeqLen& lens, Emitter& em) {
   const std::uint64_t d = static_cast<std::uint64_t>(c.d_model), ff = static_cast<std::uint64_t>(c.d_ff);
   const std::uint64_t w = static_cast<std::uint64_t>(c.dtype);
@@ -158,11 +185,10 @@ void train(const Config& c, SeqLen& lens, Emitter& em) {
   for (auto n : params) em.alloc(n, true);
   std::vector<Tensor> grads, adam;
   for (int step = 0; step < c.steps; ++step) {
-    int s = 0;
-    for (int b = 0; b < c.batch; ++b) s = std::max(s, lens.draw());  // pad to the longest sequence
-    const std::uint64_t B = static_cast<std::uint64_t>(c.batch), S = static_cast<std::uint64_t>(s);
-    const std::uint64_t H = static_cast<std::uint64_t>(c.heads), act = B * S * d * w;
-    const Tensor tokens{em.alloc(B * S * 8), B * S * 8};
+    const Batch bt = draw_batch(c, lens);
+    const std::uint64_t BS = bt.tokens, BSS = bt.attention;
+    const std::uint64_t H = static_cast<std::uint64_t>(c.heads), act = BS * d * w;
+    const Tensor tokens{em.alloc(BS * 8), BS * 8};
     Tensor x{em.alloc(act), act};
     std::vector<std::vector<Tensor>> saved(static_cast<std::size_t>(c.layers));
     for (int l = 0; l < c.layers; ++l) {
@@ -170,22 +196,22 @@ void train(const Config& c, SeqLen& lens, Emitter& em) {
       auto a = [&](std::uint64_t n) { return Tensor{em.alloc(n), n}; };
       keep.push_back(x);                                      // layer input
       Tensor norm1 = a(act), q = a(act), k = a(act), v = a(act);
-      Tensor scores = a(B * H * S * S * w), probs = a(B * H * S * S * w);
+      Tensor scores = a(H * BSS * w), probs = a(H * BSS * w);
       em.free(scores.addr, scores.bytes);                    // softmax output is what backward needs
       std::vector<Tensor> extra;  // dropout: masks (1 byte per element) and dropped outputs, saved for backward
       if (c.dropout) {
-        extra.push_back(a(B * H * S * S));
-        extra.push_back(a(B * H * S * S * w));
+        extra.push_back(a(H * BSS));
+        extra.push_back(a(H * BSS * w));
       }
       Tensor ctx = a(act), proj = a(act);
       if (c.dropout) {
-        extra.push_back(a(B * S * d));
+        extra.push_back(a(BS * d));
         extra.push_back(a(act));
       }
       Tensor resid = a(act), norm2 = a(act);
-      Tensor h1 = a(B * S * ff * w), h2 = a(B * S * ff * w), out = a(act);
+      Tensor h1 = a(BS * ff * w), h2 = a(BS * ff * w), out = a(act);
       if (c.dropout) {
-        extra.push_back(a(B * S * d));
+        extra.push_back(a(BS * d));
         extra.push_back(a(act));
       }
       Tensor next = a(act);
@@ -197,7 +223,7 @@ void train(const Config& c, SeqLen& lens, Emitter& em) {
       }
       x = next;
     }
-    const std::uint64_t logits_bytes = B * S * static_cast<std::uint64_t>(c.vocab) * 4;
+    const std::uint64_t logits_bytes = BS * static_cast<std::uint64_t>(c.vocab) * 4;
     Tensor logits{em.alloc(logits_bytes), logits_bytes};
     Tensor dlogits{em.alloc(logits_bytes), logits_bytes};
     em.free(logits.addr, logits.bytes);
@@ -210,10 +236,10 @@ void train(const Config& c, SeqLen& lens, Emitter& em) {
       auto& keep = saved[static_cast<std::size_t>(l)];
       std::vector<Tensor> recomputed;
       if (c.ckpt)
-        for (std::uint64_t n : {act, act, act, act, B * H * S * S * w, act, act, act, act, B * S * ff * w,
-                                B * S * ff * w, act})
+        for (std::uint64_t n : {act, act, act, act, H * BSS * w, act, act, act, act, BS * ff * w,
+                                BS * ff * w, act})
           recomputed.push_back({em.alloc(n), n});
-      Tensor g1{em.alloc(B * S * ff * w), B * S * ff * w}, g2{em.alloc(B * H * S * S * w), B * H * S * S * w};
+      Tensor g1{em.alloc(BS * ff * w), BS * ff * w}, g2{em.alloc(H * BSS * w), H * BSS * w};
       Tensor ndx{em.alloc(act), act};
       em.free(g2.addr, g2.bytes);
       em.free(g1.addr, g1.bytes);
@@ -245,20 +271,19 @@ void infer(const Config& c, SeqLen& lens, Emitter& em) {
   for (int l = 0; l < c.layers; ++l)
     for (std::uint64_t n : {d * d * w, d * d * w, d * d * w, d * d * w, d * ff * w, ff * d * w}) em.alloc(n, true);
   for (int step = 0; step < c.steps; ++step) {
-    int s = 0;
-    for (int b = 0; b < c.batch; ++b) s = std::max(s, lens.draw());
-    const std::uint64_t B = static_cast<std::uint64_t>(c.batch), S = static_cast<std::uint64_t>(s);
-    const std::uint64_t H = static_cast<std::uint64_t>(c.heads), act = B * S * d * w;
+    const Batch bt = draw_batch(c, lens);
+    const std::uint64_t BS = bt.tokens, BSS = bt.attention, B = static_cast<std::uint64_t>(c.batch);
+    const std::uint64_t H = static_cast<std::uint64_t>(c.heads), act = BS * d * w;
     std::vector<Tensor> kv;
     Tensor x{em.alloc(act), act};
     for (int l = 0; l < c.layers; ++l) {
       kv.push_back({em.alloc(act), act});  // K cache
       kv.push_back({em.alloc(act), act});  // V cache
-      Tensor q{em.alloc(act), act}, sc{em.alloc(B * H * S * S * w), B * H * S * S * w};
+      Tensor q{em.alloc(act), act}, sc{em.alloc(H * BSS * w), H * BSS * w};
       Tensor ctx{em.alloc(act), act};
       em.free(sc.addr, sc.bytes);
       em.free(q.addr, q.bytes);
-      Tensor h{em.alloc(B * S * ff * w), B * S * ff * w};
+      Tensor h{em.alloc(BS * ff * w), BS * ff * w};
       Tensor next{em.alloc(act), act};
       em.free(h.addr, h.bytes);
       em.free(ctx.addr, ctx.bytes);
