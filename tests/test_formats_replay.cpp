@@ -88,6 +88,13 @@ TEST_CASE("RMM CSV: reads RMM's log, rejects bad rows with file and line", "[for
   CHECK(trace_from_rmm_csv("Action,Pointer,Size\nresize,0x10,5\n", "d.csv").error.find("unknown action 'resize'") != std::string::npos);
   CHECK(trace_from_rmm_csv("Action,Pointer,Size\nfree,0x10,5\n", "e.csv").error.find("never allocated") != std::string::npos);
   CHECK(trace_from_rmm_csv("Action,Pointer,Size\nallocate,0x10\n", "f.csv").error.find("expected 3 fields") != std::string::npos);
+  // Found by fuzz-csv (UBSan: signed overflow converting the time): absurd clock fields are an error.
+  CHECK(trace_from_rmm_csv("Time,Action,Pointer,Size\n4294967295:59:59.999999,allocate,0x10,5\n", "g.csv").error ==
+        "g.csv:2: bad time '4294967295:59:59.999999' (expected HH:MM:SS.ffffff or microseconds)");
+  CHECK(trace_from_rmm_csv("Time,Action,Pointer,Size\n99999999999999999999,allocate,0x10,5\n", "h.csv").error.find("bad time") !=
+        std::string::npos);
+  CHECK(trace_from_rmm_csv("Time,Action,Pointer,Size\n01:02:03.000004,allocate,0x10,5\n", "i.csv").trace.events.at(0).time_us ==
+        3723000004);
 }
 
 TEST_CASE("replay: the oracle cases as RMM logs reserve PyTorch's figures", "[replay][oracle]") {

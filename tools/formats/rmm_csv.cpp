@@ -1,5 +1,6 @@
 // RAPIDS RMM logging_resource_adaptor CSV: Thread,Time,Action,Pointer,Size,Stream.
 #include <cinttypes>
+#include <cstdint>
 #include <cstdio>
 #include <map>
 #include <sstream>
@@ -61,14 +62,19 @@ bool parse_dec(const std::string& s, std::uint64_t* v) {
   return true;
 }
 
-// HH:MM:SS.ffffff -> microseconds of the day; -1 when absent or another form.
+// HH:MM:SS.ffffff (RMM's form) or plain microseconds -> microseconds; -1 when empty, -2 when malformed or
+// out of range (fields beyond a clock's, or a value that would overflow).
 std::int64_t parse_time(const std::string& s) {
+  if (s.empty()) return -1;
   unsigned h, m, sec, us;
-  if (std::sscanf(s.c_str(), "%u:%u:%u.%u", &h, &m, &sec, &us) == 4)
+  char tail;
+  if (std::sscanf(s.c_str(), "%u:%u:%u.%u%c", &h, &m, &sec, &us, &tail) == 4) {
+    if (h >= 1000000 || m >= 60 || sec >= 61 || us >= 10000000) return -2;
     return ((static_cast<std::int64_t>(h) * 60 + m) * 60 + sec) * 1000000 + us;
+  }
   std::uint64_t v;
-  if (parse_dec(s, &v)) return static_cast<std::int64_t>(v);
-  return -1;
+  if (parse_dec(s, &v) && v <= static_cast<std::uint64_t>(INT64_MAX)) return static_cast<std::int64_t>(v);
+  return -2;
 }
 
 }  // namespace
@@ -110,6 +116,7 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
     if (has_stream && !parse_hex(f[col["Stream"]], &e.stream)) return fail("bad stream '" + f[col["Stream"]] + "'");
     if (has_time) {
       e.time_us = parse_time(f[col["Time"]]);
+      if (e.time_us == -2) return fail("bad time '" + f[col["Time"]] + "' (expected HH:MM:SS.ffffff or microseconds)");
       t.has_time |= e.time_us >= 0;
     }
     if (e.op == Op::alloc) {

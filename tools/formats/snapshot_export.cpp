@@ -7,6 +7,7 @@
 #include <unordered_set>
 
 #include "pickle.h"
+#include "snapshot_layout.h"
 #include "trace_model.h"
 
 namespace fragless::formats {
@@ -120,53 +121,28 @@ std::string trace_to_snapshot(const Trace& t) {
   w.begin_list();
   for (int dev = 0; dev < ndev; ++dev) {
     for (auto& [seg, blocks] : end_state(t, dev)) {
-      std::uint64_t allocated = 0, requested = 0;
+      layout::SegmentHeader h;
+      h.device = dev;
+      h.address = seg.address;
+      h.total_size = seg.size;
       for (auto& [a, b] : blocks) {
-        allocated += b.size;
-        requested += b.requested;
+        h.allocated_size += b.size;
+        h.requested_size += b.requested;
       }
-      w.begin_dict();
-      w.kv_int("device", dev);
-      w.kv_uint("address", seg.address);
-      w.kv_uint("total_size", seg.size);
-      w.kv_uint("allocated_size", allocated);
-      w.kv_uint("active_size", allocated);
-      w.kv_uint("requested_size", requested);
-      w.kv_uint("stream", seg.stream);
-      w.kv("segment_type", seg.size <= (2u << 20) && !seg.expandable ? "small" : "large");
-      w.str("segment_pool_id");
-      w.begin_tuple();
-      w.integer(0);
-      w.integer(0);
-      w.end_tuple();
-      w.str("is_expandable");
-      w.boolean(seg.expandable);
-      w.str("frames");
-      w.begin_list();
-      w.end_list();
-      w.str("blocks");
-      w.begin_list();
+      h.active_size = h.allocated_size;
+      h.stream = seg.stream;
+      h.small = seg.size <= (2u << 20) && !seg.expandable;
+      h.expandable = seg.expandable;
+      layout::begin_segment(w, h);
       // Blocks tile the segment: live blocks, inactive gaps between them.
       std::uint64_t at = seg.address;
-      auto block = [&](std::uint64_t addr, std::uint64_t size, std::uint64_t req, bool active) {
-        w.begin_dict();
-        w.kv_uint("address", addr);
-        w.kv_uint("size", size);
-        w.kv_uint("requested_size", req);
-        w.kv("state", active ? "active_allocated" : "inactive");
-        w.str("frames");
-        w.begin_list();
-        w.end_list();
-        w.end_dict();
-      };
       for (auto& [a, b] : blocks) {
-        if (a > at) block(at, a - at, 0, false);
-        block(a, b.size, b.requested, true);
+        if (a > at) layout::block(w, at, a - at, 0, "inactive");
+        layout::block(w, a, b.size, b.requested, "active_allocated");
         at = a + b.size;
       }
-      if (at < seg.address + seg.size) block(at, seg.address + seg.size - at, 0, false);
-      w.end_list();
-      w.end_dict();
+      if (at < seg.address + seg.size) layout::block(w, at, seg.address + seg.size - at, 0, "inactive");
+      layout::end_segment(w);
     }
   }
   w.end_list();
@@ -175,48 +151,28 @@ std::string trace_to_snapshot(const Trace& t) {
   for (int dev = 0; dev < ndev; ++dev) {
     w.begin_list();
     std::unordered_set<std::uint64_t> requested;  // frees already announced by free_requested
-    auto entry = [&](const Event& e, const char* action) {
-      w.begin_dict();
-      w.kv("action", action);
-      w.kv_uint(e.op == Op::oom ? "device_free" : "addr", e.address);
-      w.kv_uint("size", e.size);
-      w.kv_uint("stream", e.stream);
-      if (e.time_us >= 0) w.kv_int("time_us", e.time_us);
-      w.str("frames");
-      w.begin_list();
-      w.end_list();
-      w.end_dict();
-    };
     for (const auto& e : t.events) {
       if (e.device != dev) continue;
+      auto entry = [&](const char* action) { layout::trace_entry(w, action, e.address, e.size, e.stream, e.time_us); };
       switch (e.op) {
         case Op::free_requested:
           requested.insert(e.address);
-          entry(e, "free_requested");
+          entry("free_requested");
           break;
         case Op::free:
-          if (!requested.erase(e.address)) entry(e, "free_requested");
-          entry(e, "free_completed");
+          if (!requested.erase(e.address)) entry("free_requested");
+          entry("free_completed");
           break;
         case Op::phys_create:
         case Op::phys_release:
         case Op::empty_cache: break;  // no PyTorch counterpart
-        default: entry(e, op_name(e.op)); break;
+        default: entry(op_name(e.op)); break;
       }
     }
     w.end_list();
   }
   w.end_list();
-  w.str("allocator_settings");
-  w.begin_dict();
-  w.kv("PYTORCH_CUDA_ALLOC_CONF", "");
-  w.str("fragless_converted");  // segments are reconstructed, not what an allocator recorded
-  w.boolean(true);
-  w.end_dict();
-  w.str("external_annotations");
-  w.begin_list();
-  w.end_list();
-  w.end_dict();
+  layout::end_snapshot(w, "", /*converted=*/true);
   return w.finish();
 }
 

@@ -1,0 +1,80 @@
+#include "snapshot_layout.h"
+
+#include <cstring>
+
+namespace fragless::formats::layout {
+
+namespace {
+void empty_frames(PickleWriter& w) {
+  w.str("frames");
+  w.begin_list();
+  w.end_list();
+}
+}  // namespace
+
+void begin_segment(PickleWriter& w, const SegmentHeader& s) {
+  w.begin_dict();
+  w.kv_int("device", s.device);
+  w.kv_uint("address", s.address);
+  w.kv_uint("total_size", s.total_size);
+  w.kv_uint("allocated_size", s.allocated_size);
+  w.kv_uint("active_size", s.active_size);
+  w.kv_uint("requested_size", s.requested_size);
+  w.kv_uint("stream", s.stream);
+  w.kv("segment_type", s.small ? "small" : "large");
+  w.str("segment_pool_id");
+  w.begin_tuple();
+  w.uinteger(s.pool_first);
+  w.uinteger(s.pool_second);
+  w.end_tuple();
+  w.str("is_expandable");
+  w.boolean(s.expandable);
+  empty_frames(w);
+  w.str("blocks");
+  w.begin_list();
+}
+
+void end_segment(PickleWriter& w) {
+  w.end_list();
+  w.end_dict();
+}
+
+void block(PickleWriter& w, std::uint64_t address, std::uint64_t size, std::uint64_t requested, const char* state) {
+  w.begin_dict();
+  w.kv_uint("address", address);
+  w.kv_uint("size", size);
+  w.kv_uint("requested_size", requested);
+  w.kv("state", state);
+  empty_frames(w);
+  w.end_dict();
+}
+
+void trace_entry(PickleWriter& w, const char* action, std::uint64_t address, std::uint64_t size, std::uint64_t stream,
+                 std::int64_t time_us) {
+  w.begin_dict();
+  w.kv("action", action);
+  w.kv_uint(std::strcmp(action, "oom") == 0 ? "device_free" : "addr", address);
+  w.kv_uint("size", size);
+  w.kv_uint("stream", stream);
+  if (time_us >= 0) w.kv_int("time_us", time_us);
+  empty_frames(w);
+  w.end_dict();
+}
+
+void end_snapshot(PickleWriter& w, const std::string& settings, bool converted) {
+  w.str("allocator_settings");
+  w.begin_dict();
+  w.kv("PYTORCH_CUDA_ALLOC_CONF", settings);
+  w.kv("allocator", "fragless");
+  if (converted) {
+    w.str("fragless_converted");  // segments reconstructed from a trace, not what an allocator recorded
+    w.boolean(true);
+  }
+  w.end_dict();
+  w.str("external_annotations");
+  w.begin_list();
+  w.end_list();
+  w.end_dict();
+}
+
+}  // namespace fragless::formats::layout

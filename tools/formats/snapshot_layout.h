@@ -1,0 +1,28 @@
+// The pieces of PyTorch's snapshot layout (reference §13), written once for both snapshot writers: the
+// converter (snapshot_export.cpp) and the engine's live snapshot (engine_snapshot.cpp).
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "pickle.h"
+
+namespace fragless::formats::layout {
+
+struct SegmentHeader {
+  int device = 0;
+  std::uint64_t address = 0, total_size = 0, allocated_size = 0, active_size = 0, requested_size = 0, stream = 0;
+  bool small = false, expandable = false;
+  std::uint64_t pool_first = 0, pool_second = 0;
+};
+
+// Opens a segment dict and its "blocks" list; write its blocks, then end_segment.
+void begin_segment(PickleWriter& w, const SegmentHeader& s);
+void end_segment(PickleWriter& w);
+void block(PickleWriter& w, std::uint64_t address, std::uint64_t size, std::uint64_t requested, const char* state);
+// One device_traces entry; an OOM entry carries the device's free bytes as "device_free". time_us < 0: none.
+void trace_entry(PickleWriter& w, const char* action, std::uint64_t address, std::uint64_t size,
+                 std::uint64_t stream, std::int64_t time_us);
+// allocator_settings and external_annotations, then closes the top-level dict.
+void end_snapshot(PickleWriter& w, const std::string& settings, bool converted);
+
+}  // namespace fragless::formats::layout
