@@ -4,6 +4,7 @@
   tools/results_tables.py replay   FILES...   one row per trace, device and policy
   tools/results_tables.py fidelity FILES...   classic's peak reserved vs PyTorch's recorded peak
   tools/results_tables.py validate DATA_DIR   generated vs real Wedsonlin training peak live
+  tools/results_tables.py published DIR       the STAlloc artifact's published figures (context only)
 Run from the repository root after building (uses build/bin/fragless-replay)."""
 import json
 import os
@@ -58,8 +59,28 @@ def validate_table(data):
               f"{gen['peak_live_bytes'] / real['peak_live_bytes']:.3f} |")
 
 
+def published_table(directory):
+    """The STAlloc artifact's per-allocator figures (../shared/data/published): peak reserved, peak allocated
+    and utilisation (allocated / reserved) per pipeline-stage group, as published."""
+    import csv
+    names = {"torch": "PyTorch 2.3", "segment": "expandable_segments", "gmlake": "GMLake", "alloc": "STAlloc"}
+    print("| workload | allocator | group 1 reserved GB | group 1 allocated GB | group 1 utilisation (as published) "
+          "| group 2 reserved GB | group 2 allocated GB | group 2 utilisation (as published) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for f in sorted(os.listdir(directory)):
+        if not f.endswith(".csv"):
+            continue
+        with open(os.path.join(directory, f)) as fh:
+            for row in csv.DictReader(fh):
+                who = next((v for k, v in names.items() if row["log_file"].startswith(k)), row["log_file"])
+                print(f"| {f.split('_')[0]} | {who} | {row['group1_reserved'].rstrip('GB')} | "
+                      f"{row['group1_allocated'].rstrip('GB')} | {row['group1_utilization']} | "
+                      f"{row['group2_reserved'].rstrip('GB')} | {row['group2_allocated'].rstrip('GB')} | "
+                      f"{row['group2_utilization']} |")
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 3:
         sys.exit(__doc__)
     {"replay": replay_table, "fidelity": fidelity_table,
-     "validate": lambda a: validate_table(a[0])}[sys.argv[1]](sys.argv[2:])
+     "validate": lambda a: validate_table(a[0]), "published": lambda a: published_table(a[0])}[sys.argv[1]](sys.argv[2:])
