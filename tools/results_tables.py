@@ -25,14 +25,16 @@ def mib(b):
 
 def replay_table(files):
     print("| trace | policy | peak live MiB | peak reserved MiB | overhead over live | frag at peak | creates | maps "
-          "| unmaps | forced syncs | modelled driver ms | PyTorch recorded peak MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| unmaps | forced syncs | modelled driver ms | driver / trace time | PyTorch recorded peak MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in run(files):
         d = r["driver_calls"]
+        dur = r["trace_duration_us"]
+        share = "-" if not dur else f"{100 * r['modelled_driver_us'] / dur:.2f}%"
         print(f"| {os.path.basename(r['input'])} | {r['policy']} | {mib(r['peak_live_bytes'])} | "
               f"{mib(r['peak_reserved_bytes'])} | {100 * r['overhead_over_live']:.2f}% | "
               f"{100 * r['fragmentation_at_peak']:.2f}% | {d['create']} | {d['map']} | {d['unmap']} | "
-              f"{r['forced_syncs']} | {r['modelled_driver_us'] / 1000:.2f} | "
+              f"{r['forced_syncs']} | {r['modelled_driver_us'] / 1000:.2f} | {share} | "
               f"{mib(r['pytorch_recorded_peak_reserved_bytes'])} |")
 
 
