@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "fake_cuda.h"
+#include "fault_workload.h"
 #include "fragless/allocator.h"
 #include "fragless/cuda_driver.h"
 
@@ -76,33 +77,10 @@ void require_nothing_held() {
   REQUIRE(c.used_bytes == 0);
 }
 
-// A scripted multi-stream workload: allocations of several sizes on two streams, cross-stream use,
-// frees, empty_cache. Returns false at the first failed allocation (with its message in *error).
 bool workload(DeviceEngine& e, std::string* error) {
-  std::vector<void*> live;
-  const std::size_t sizes[] = {512, 3 * MiB, 24 * MiB, 1 * MiB + 4096, 40 * MiB, 700 * 1024, 6 * MiB};
-  for (int round = 0; round < 3; ++round) {
-    for (std::size_t i = 0; i < std::size(sizes); ++i) {
-      AllocError err;
-      void* p = e.allocate(sizes[i], (i % 2) ? 0x51 : 0x52, &err);
-      if (!p) {
-        *error = err.message;
-        for (void* q : live) e.free(q);
-        return false;
-      }
-      std::memset(p, 0x5a, std::min<std::size_t>(sizes[i], 4096));
-      if (i % 3 == 0) e.record_stream(p, 0x53);
-      live.push_back(p);
-    }
-    for (std::size_t i = 0; i < live.size(); i += 2) e.free(live[i]);
-    std::vector<void*> keep;
-    for (std::size_t i = 1; i < live.size(); i += 2) keep.push_back(live[i]);
-    live = keep;
-    if (round == 1) e.empty_cache();
-  }
-  for (void* p : live) e.free(p);
-  e.empty_cache();
-  return true;
+  return fragless::test::fault_workload(e, error, [](bool on) {
+    fake().hold(reinterpret_cast<void*>(fragless::test::kFaultStreamUse), on ? 1 : 0);
+  });
 }
 
 }  // namespace

@@ -3,9 +3,7 @@
 // engine is consistent, the error reached the caller with a message, empty_cache gives every handle,
 // mapping and reservation back, and allocations succeed once the fault has cleared. (The cuda driver's
 // sweep on the libcuda double is in test_cuda_driver.cpp.)
-#include <cstring>
-#include <vector>
-
+#include "fault_workload.h"
 #include "helpers.h"
 
 using namespace fragless;
@@ -13,36 +11,9 @@ using namespace fragless::test;
 
 namespace {
 
-// Returns false at the first failed allocation (its message in *error).
 bool workload(DeviceEngine& e, std::string* error) {
   TestEvents* ev = test_events_of(e.driver());
-  std::vector<void*> live;
-  const std::size_t sizes[] = {512, 3 * MiB, 24 * MiB, MiB + 4096, 40 * MiB, 700 * 1024, 6 * MiB};
-  for (int round = 0; round < 3; ++round) {
-    if (round == 1) ev->hold(0x53);  // record_stream'd blocks wait: events, queries, synchronisation
-    for (std::size_t i = 0; i < std::size(sizes); ++i) {
-      AllocError err;
-      void* p = e.allocate(sizes[i], (i % 2) ? 0x51 : 0x52, &err);
-      if (!p) {
-        *error = err.message;
-        for (void* q : live) e.free(q);
-        ev->complete(0x53);
-        return false;
-      }
-      std::memset(p, 0x5a, std::min<std::size_t>(sizes[i], 4096));
-      if (i % 3 == 0) e.record_stream(p, 0x53);
-      live.push_back(p);
-    }
-    for (std::size_t i = 0; i < live.size(); i += 2) e.free(live[i]);
-    std::vector<void*> keep;
-    for (std::size_t i = 1; i < live.size(); i += 2) keep.push_back(live[i]);
-    live = keep;
-    if (round == 1) e.empty_cache();  // waits for the held stream: a forced synchronisation
-    if (round == 2) ev->complete(0x53);
-  }
-  for (void* p : live) e.free(p);
-  e.empty_cache();
-  return true;
+  return fault_workload(e, error, [ev](bool on) { on ? ev->hold(kFaultStreamUse) : ev->complete(kFaultStreamUse); });
 }
 
 }  // namespace

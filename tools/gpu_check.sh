@@ -25,7 +25,7 @@ fi
 lib="$root/build-gpu/lib"
 run() {  # run MODE [ENV...]
   local mode="$1"; shift
-  env "$@" FRAGLESS_LIBRARY="$lib/libfragless.so" python3 tools/gpu_train.py --mode "$mode" --steps "$steps" 2>/tmp/gpu_$mode.err |
+  env "$@" FRAGLESS_LIBRARY="$lib/libfragless.so" python3 tools/gpu_train.py --mode "$mode" --steps "$steps" 2>"$root/build-gpu/gpu_$mode.err" |
     tail -1 || true
 }
 {
@@ -47,5 +47,5 @@ for r in rows:
           100 * r["fragmentation_at_peak"], 1000 * r["median_step_s"], r["alloc_free_us"], same))
 missing = {"native", "expandable", "fragless", "preload"} - {r["mode"] for r in rows}
 if missing:
-    print("runs that failed (see /tmp/gpu_<mode>.err):", ", ".join(sorted(missing)))
+    print("runs that failed (see build-gpu/gpu_<mode>.err):", ", ".join(sorted(missing)))
 PY
