@@ -98,7 +98,7 @@ bool DeviceEngine::State::retry_deferred() {
   std::erase_if(deferred_handles, [&](PhysHandle h) { return driver->release(h) == Status::ok; });
   std::erase_if(deferred_reservations,
                 [&](const auto& r) { return driver->free_reservation(r.first, r.second) == Status::ok; });
-  return deferred_unmaps.empty() && deferred_handles.empty() && deferred_reservations.empty();
+  return !has_deferred();
 }
 
 Block* DeviceEngine::State::new_block() {
@@ -401,7 +401,7 @@ void DeviceEngine::State::maybe_free_private_pools() {
 }
 
 Block* DeviceEngine::State::allocate_slow(AllocParams& p, AllocError* err) {
-  if (!deferred_unmaps.empty() || !deferred_handles.empty() || !deferred_reservations.empty()) retry_deferred();
+  if (has_deferred()) retry_deferred();
   garbage_collect(p);
   Block* b = policy->grow(p);
   if (!b && p.status == Status::out_of_memory && release_available_cached_blocks(p)) b = policy->grow(p);
@@ -504,8 +504,8 @@ Status DeviceEngine::free(void* ptr, AllocError* err) {
   if (ptr == nullptr) return Status::ok;
   State& s = *s_;
   std::lock_guard lk(s.mu);
-  Block* found = s.active_blocks.get(reinterpret_cast<DevicePtr>(ptr));
-  if (!found || found->state != BlockState::allocated) {
+  Block* b = s.active_blocks.get(reinterpret_cast<DevicePtr>(ptr));
+  if (!b || b->state != BlockState::allocated) {
     char buf[160];
     std::snprintf(buf, sizeof buf,
                   "fragless: free of pointer %p on device %d that fragless did not allocate or already freed; "
@@ -514,7 +514,6 @@ Status DeviceEngine::free(void* ptr, AllocError* err) {
     set_error(err, Status::invalid_argument, buf);
     return Status::invalid_argument;
   }
-  Block* b = found;
   const bool small = b->pool->small;
   const auto size = static_cast<std::int64_t>(b->size);
   s.stats.allocation.add(small, -1);

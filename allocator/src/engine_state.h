@@ -205,6 +205,9 @@ struct DeviceEngine::State {
   void give_back_handle(PhysHandle h);                      // release, or retry later
   void give_back_reservation(DevicePtr va, std::size_t size);  // free_reservation, or retry later
   bool retry_deferred();                                    // true when nothing is left
+  bool has_deferred() const {
+    return !deferred_unmaps.empty() || !deferred_handles.empty() || !deferred_reservations.empty();
+  }
   std::vector<std::pair<DevicePtr, std::size_t>> deferred_unmaps, deferred_reservations;
   std::vector<PhysHandle> deferred_handles;
 
