@@ -34,13 +34,7 @@ class DeviceSink final : public EventSink {
     std::lock_guard lk(mu_);
     formats::HistoryEntry h;
     h.action = e.action;
-    h.address = e.action == TraceAction::segment_map || e.action == TraceAction::segment_unmap ||
-                        e.action == TraceAction::segment_alloc || e.action == TraceAction::segment_free ||
-                        e.action == TraceAction::oom || e.action == TraceAction::alloc ||
-                        e.action == TraceAction::free || e.action == TraceAction::free_requested ||
-                        e.action == TraceAction::free_completed
-                    ? e.address
-                    : 0;
+    h.address = e.address;  // 0 for events without one (physical create/release, empty_cache)
     h.size = e.requested_size;
     h.stream = e.stream;
     h.time_us = std::chrono::duration_cast<std::chrono::microseconds>(
@@ -175,13 +169,13 @@ void* fragless_malloc(size_t size, int device, cudaStream_t stream) {
 
 void fragless_free(void* ptr, size_t, int device, cudaStream_t) {
   if (!ptr) return;
+  // PyTorch passes the allocation's device: one lookup. Only a refused free looks at the other devices.
   DeviceEngine* e = engine(device);
-  if (!e || e->owns(ptr) == false) e = owner(ptr);
   AllocError err;
-  if (!e || e->free(ptr, &err) != Status::ok) {
-    t_last_error = e ? err.message : "fragless: free of a pointer fragless did not allocate";
-    std::fprintf(stderr, "%s\n", t_last_error.c_str());
-  }
+  if (e && e->free(ptr, &err) == Status::ok) return;
+  if (DeviceEngine* o = owner(ptr); o && o != e && o->free(ptr, &err) == Status::ok) return;
+  t_last_error = err.message.empty() ? "fragless: free of a pointer fragless did not allocate" : err.message;
+  std::fprintf(stderr, "%s\n", t_last_error.c_str());
 }
 
 void fragless_init(int device_count) { get(device_count > 0 ? device_count : -1); }

@@ -99,34 +99,36 @@ FAKE_API CUresult cuInit(unsigned) {
   return CUDA_SUCCESS;
 }
 
+namespace {
+// The errors the double can return (or be told to inject): code, name, description.
+struct ErrorText { CUresult code; const char* name; const char* text; };
+constexpr ErrorText kErrors[] = {
+    {CUDA_SUCCESS, "CUDA_SUCCESS", "no error"},
+    {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+    {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
+    {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+    {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+    {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"},
+    {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
+};
+const ErrorText* error_text(CUresult e) {
+  for (const auto& t : kErrors)
+    if (t.code == e) return &t;
+  return nullptr;
+}
+}  // namespace
+
 FAKE_API CUresult cuGetErrorName(CUresult e, const char** s) {
-  switch (e) {
-    case CUDA_SUCCESS: *s = "CUDA_SUCCESS"; break;
-    case CUDA_ERROR_INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; break;
-    case CUDA_ERROR_OUT_OF_MEMORY: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
-    case CUDA_ERROR_NOT_READY: *s = "CUDA_ERROR_NOT_READY"; break;
-    case CUDA_ERROR_NOT_SUPPORTED: *s = "CUDA_ERROR_NOT_SUPPORTED"; break;
-    case CUDA_ERROR_INVALID_DEVICE: *s = "CUDA_ERROR_INVALID_DEVICE"; break;
-    case CUDA_ERROR_ILLEGAL_ADDRESS: *s = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
-    case CUDA_ERROR_LAUNCH_FAILED: *s = "CUDA_ERROR_LAUNCH_FAILED"; break;
-    default: *s = "CUDA_ERROR_UNKNOWN"; return CUDA_ERROR_INVALID_VALUE;
-  }
-  return CUDA_SUCCESS;
+  const ErrorText* t = error_text(e);
+  *s = t ? t->name : "CUDA_ERROR_UNKNOWN";
+  return t ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 FAKE_API CUresult cuGetErrorString(CUresult e, const char** s) {
-  switch (e) {
-    case CUDA_SUCCESS: *s = "no error"; break;
-    case CUDA_ERROR_INVALID_VALUE: *s = "invalid argument"; break;
-    case CUDA_ERROR_OUT_OF_MEMORY: *s = "out of memory"; break;
-    case CUDA_ERROR_NOT_READY: *s = "device not ready"; break;
-    case CUDA_ERROR_NOT_SUPPORTED: *s = "operation not supported"; break;
-    case CUDA_ERROR_INVALID_DEVICE: *s = "invalid device ordinal"; break;
-    case CUDA_ERROR_ILLEGAL_ADDRESS: *s = "an illegal memory access was encountered"; break;
-    case CUDA_ERROR_LAUNCH_FAILED: *s = "unspecified launch failure"; break;
-    default: *s = "unknown error"; return CUDA_ERROR_INVALID_VALUE;
-  }
-  return CUDA_SUCCESS;
+  const ErrorText* t = error_text(e);
+  *s = t ? t->text : "unknown error";
+  return t ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 FAKE_API CUresult cuDeviceGetCount(int* n) {
