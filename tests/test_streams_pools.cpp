@@ -84,19 +84,85 @@ TEST_CASE("classic: garbage collection frees old whole segments above the thresh
   require_consistent(*e);
 }
 
+// Interleaved 3 MiB blocks on `stream` with every other one freed: ten holes, each holding a whole page.
+// Returns the blocks still live.
+static std::vector<void*> make_holes(DeviceEngine& e, Stream stream) {
+  std::vector<void*> ptrs, live;
+  for (int i = 0; i < 20; ++i) ptrs.push_back(e.allocate(3 * MiB, stream, nullptr));
+  for (std::size_t i = 0; i < ptrs.size(); ++i) {
+    REQUIRE(ptrs[i]);
+    if (i % 2 == 0) REQUIRE(e.free(ptrs[i]) == Status::ok); else live.push_back(ptrs[i]);
+  }
+  return live;
+}
+
 TEST_CASE("fragless: re-backs free pages from holes instead of creating memory", "[fragless]") {
   EngineSpec spec;
   spec.policy = PolicyKind::fragless;
   auto e = make_engine(spec);
-  // A pattern that fragments: interleaved 3 MiB blocks, free every other one, then ask for 8 MiB.
-  std::vector<void*> ptrs;
-  for (int i = 0; i < 20; ++i) ptrs.push_back(e->allocate(3 * MiB, 0, nullptr));
-  for (int i = 0; i < 20; i += 2) REQUIRE(e->free(ptrs[static_cast<std::size_t>(i)]) == Status::ok);
+  // A pattern that fragments, then a request no hole fits.
+  make_holes(*e, 0);
   const auto before = reserved(*e);
   const auto creates_before = e->driver_counters()[DriverCall::create];
   for (int i = 0; i < 2; ++i) REQUIRE(e->allocate(8 * MiB, 0, nullptr));
   CHECK(reserved(*e) == before);  // whole free pages in the holes backed the new blocks
   CHECK(e->driver_counters()[DriverCall::create] == creates_before);
-  CHECK(e->stats().num_forced_syncs >= 1);
+  // The holes are on the requesting stream: their pages are lent in stream order, without a sync.
+  CHECK(e->stats().num_forced_syncs == 0);
+  CHECK(e->driver_counters()[DriverCall::record_event] >= 1);
   require_consistent(*e);
+}
+
+TEST_CASE("fragless: holes on another stream are reclaimed only after that stream's work", "[fragless]") {
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  auto e = make_engine(spec);
+  make_holes(*e, 1);
+  const auto before = reserved(*e);
+  // Stream 2 owns no hole: taking stream 1's pages needs stream 1 to be done, which is a forced sync.
+  REQUIRE(e->allocate(8 * MiB, 2, nullptr));
+  CHECK(reserved(*e) == before);
+  CHECK(e->stats().num_forced_syncs >= 1);
+  CHECK(e->driver_counters()[DriverCall::record_event] == 0);
+  require_consistent(*e);
+}
+
+TEST_CASE("fragless: a lent range is unmapped only after its stream's work, and waited for if needed first",
+          "[fragless]") {
+  for (DriverKind dk : {DriverKind::sim, DriverKind::host}) {
+    CAPTURE(driver_kind_name(dk));
+    EngineSpec spec;
+    spec.policy = PolicyKind::fragless;
+    spec.driver = dk;
+    spec.capacity = 256 * MiB;
+    auto e = make_engine(spec);
+    TestEvents* ev = test_events_of(e->driver());
+    REQUIRE(ev);
+    const std::vector<void*> live = make_holes(*e, 1);
+    ev->hold(1);  // stream 1's work is still running: the lending event stays pending
+    const auto unmaps = e->driver_counters()[DriverCall::unmap];
+    void* big = e->allocate(8 * MiB, 1, nullptr);
+    REQUIRE(big);
+    CHECK(e->stats().num_forced_syncs == 0);
+    CHECK(e->driver_counters()[DriverCall::unmap] == unmaps);  // the old mapping is still there
+    require_consistent(*e);
+    // Another request wants the lent range back before the event completed: it must wait first.
+    std::vector<void*> more;
+    for (int i = 0; i < 10; ++i) more.push_back(e->allocate(3 * MiB, 1, nullptr));
+    for (void* p : more) REQUIRE(p);
+    CHECK(e->driver_counters()[DriverCall::unmap] > unmaps);
+    CHECK(e->stats().num_forced_syncs >= 1);
+    require_consistent(*e);
+    ev->complete(1);
+    for (void* p : more) REQUIRE(e->free(p) == Status::ok);
+    REQUIRE(e->free(big) == Status::ok);
+    for (void* p : live) REQUIRE(e->free(p) == Status::ok);
+    e->empty_cache();
+    CHECK(reserved(*e) == 0);
+    require_consistent(*e);
+    if (dk == DriverKind::host) {
+      auto c = host_driver_census(e->driver());
+      CHECK(c.mappings == 0);
+    }
+  }
 }

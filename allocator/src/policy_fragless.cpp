@@ -4,12 +4,23 @@
 // Note [Re-backing instead of growing]
 // Classic caching fragments because freed memory sits in holes of the wrong shape; expandable segments
 // fix the address-space side but still hold every page of every hole until empty_cache. Here a page's
-// physical memory is not tied to its address: before new physical memory is created, whole free pages
-// are unmapped from holes (any stream of the default pool, once the stream's queued work is done) and
-// mapped where the request needs them. Physical memory is created in chunks (one handle, several pages,
-// each page mapped on its own so that it can be unmapped on its own) to amortise cuMemCreate, with the
-// chunk bounded by a small fraction of what is already reserved so idle pages cost little. Private pools
-// (graph capture) are never reclaimed from: their addresses are baked into graphs.
+// physical memory is not tied to its address: before new physical memory is created beyond a small
+// budget (Note [Reserve budget]), whole free pages are taken from holes of the default pool and mapped
+// where the request needs them. Physical memory is created in chunks (one handle, several pages, each page
+// mapped on its own so that it can be unmapped on its own) to amortise cuMemCreate. Private pools (graph
+// capture) are never reclaimed from: their addresses are baked into graphs.
+//
+// Note [Lending pages without a sync]
+// cuMemUnmap is not stream-ordered, so unmapping a hole while its stream may still run work that used it
+// needs a synchronisation first (PyTorch synchronises before every unmap). But a hole on the requesting
+// stream need not be unmapped first: its pages are mapped at the new address while the old mapping stays
+// (one handle may be mapped at several addresses). The new block's work is queued on the same stream after
+// everything that used the hole, so stream order makes the sharing safe. An event recorded on the stream
+// at that moment tells when the old mapping may go; it is unmapped once the event has completed (polled on
+// later slow paths), or, if its address range is needed again before that, after waiting for the event,
+// which counts as a forced synchronisation. Holes on other streams are still unmapped after synchronising
+// their streams. Until its old mapping is gone a lent range is `unmapped` to the engine and no other
+// request maps it.
 //
 // In a steady state (the same step again) every request hits the cache, so no driver call and no
 // synchronisation happen at all; the driver is only touched when the working set changes shape.
@@ -36,6 +47,17 @@ class FraglessPolicy final : public GrowablePolicy {
       in_use += c.in_use;
     }
     if (in_use + idle_.size() != chunk_bytes / page_) return "fragless page pool: pages in use + idle != created";
+    if (!fresh_.empty()) return "fragless page pool: pages lent to a request were left over";
+    for (const Pending& p : pending_) {
+      const DevicePtr lo = p.seg->base + p.first * page_, hi = lo + p.n * page_;
+      if (p.first + p.n > p.seg->pages.size()) return "fragless: a lent range lies outside its segment";
+      for (std::size_t i = p.first; i < p.first + p.n; ++i)
+        if (p.seg->pages[i].handle) return "fragless: a lent range was mapped again before its old mapping went";
+      // The engine sees the range as unmapped: it must lie inside unmapped blocks.
+      for (Block* b = p.seg->first; b; b = b->next)
+        if (b->ptr < hi && b->ptr + b->size > lo && b->state != BlockState::unmapped)
+          return "fragless: a lent range overlaps a block that is not unmapped";
+    }
     return {};
   }
 
@@ -43,24 +65,32 @@ class FraglessPolicy final : public GrowablePolicy {
   std::size_t page_size(bool) const override { return page_; }
 
   Status map_pages(Segment& seg, std::size_t first, std::size_t n) override {
+    poll_pending();
+    finish_pending(&seg, first, n);  // the range may still be mapped to pages lent out without a sync
+    fresh_.clear();
     if (idle_.size() < n && s_.total_reserved + (n - idle_.size()) * page_ > budget(n)) {
       auto cands = reclaim_candidates();
       std::size_t reclaimable = 0;
       for (const auto& c : cands) reclaimable += c.hi - c.lo;
       // Touch nothing when even everything together cannot succeed: the retry chain takes over.
       if (idle_.size() + reclaimable + creatable_pages() < n) return Status::out_of_memory;
-      reclaim(std::move(cands), n - idle_.size());
+      reclaim(std::move(cands), n - idle_.size(), seg.stream);
     }
-    if (idle_.size() < n) {
-      if (Status st = create_pages(n - idle_.size()); st != Status::ok) return st;
+    if (idle_.size() + fresh_.size() < n) {
+      if (Status st = create_pages(n - idle_.size() - fresh_.size()); st != Status::ok) {
+        return_fresh();
+        return st;
+      }
     }
     Driver& d = *s_.driver;
     std::size_t done = 0;
     Status st = Status::ok;
     for (; done < n; ++done) {
-      const PageRef r = idle_.back();
+      // Pages taken from this stream's holes without a sync go first: only this stream may use them yet.
+      std::vector<PageRef>& from = fresh_.empty() ? idle_ : fresh_;
+      const PageRef r = from.back();
       if ((st = d.map(seg.base + (first + done) * page_, page_, r.handle, r.offset)) != Status::ok) break;
-      idle_.pop_back();
+      from.pop_back();
       seg.pages[first + done] = r;
       ++chunks_[r.handle].in_use;
     }
@@ -68,6 +98,7 @@ class FraglessPolicy final : public GrowablePolicy {
     if (st != Status::ok) {
       if (done) s_.give_back_mapping(seg.base + first * page_, done * page_);
       give_back(seg, first, done);
+      return_fresh();
       return st;
     }
     if (seg.small) move_reserved(true, n * page_);
@@ -75,11 +106,33 @@ class FraglessPolicy final : public GrowablePolicy {
   }
 
   std::size_t unmap_pages(Segment& seg, std::size_t first, std::size_t n) override {
-    if (s_.driver->unmap(seg.base + first * page_, n * page_) != Status::ok) return 0;
+    const DevicePtr va = seg.base + first * page_;
+    if (lend_) {
+      // Note [Lending pages without a sync]: the old mapping stays until the stream's queued work is done.
+      Event e = 0;
+      if (s_.driver->record_event(seg.stream, &e) == Status::ok) {
+        pending_.push_back({&seg, first, n, e});
+        const std::size_t before = idle_.size();
+        give_back(seg, first, n);
+        fresh_.insert(fresh_.end(), idle_.begin() + static_cast<std::ptrdiff_t>(before), idle_.end());
+        idle_.resize(before);
+        if (seg.small) move_reserved(false, n * page_);
+        return n;
+      }
+      s_.forced_sync(seg.stream);  // no event: wait for the stream instead, then unmap at once
+    }
+    if (s_.driver->unmap(va, n * page_) != Status::ok) return 0;
     give_back(seg, first, n);
     if (seg.small) move_reserved(false, n * page_);
     return n;
   }
+
+  void release_free(PoolSet* only) override {
+    finish_pending(nullptr, 0, 0);
+    GrowablePolicy::release_free(only);
+  }
+
+  std::size_t lent_ranges() const override { return pending_.size(); }
 
   // After a release (empty_cache, OOM retry): give back every chunk none of whose pages is mapped.
   void after_release() override {
@@ -104,6 +157,45 @@ class FraglessPolicy final : public GrowablePolicy {
 
  private:
   struct Chunk { std::size_t pages = 0, in_use = 0; };
+  // A range whose pages were lent to a request on the same stream while the old mapping stayed: unmapped
+  // once the event (recorded on the segment's stream at lending time) has completed.
+  struct Pending { Segment* seg; std::size_t first, n; Event event; };
+
+  // Unmaps the lent ranges whose work is done, without waiting.
+  void poll_pending() {
+    std::erase_if(pending_, [&](const Pending& p) {
+      if (s_.driver->query_event(p.event) != Status::ok) return false;
+      unmap_lent(p);
+      return true;
+    });
+  }
+
+  // Unmaps the lent ranges of seg overlapping pages [first, first + n), or all of them when seg is null,
+  // waiting for their events where needed (a forced sync, counted).
+  void finish_pending(const Segment* seg, std::size_t first, std::size_t n) {
+    std::erase_if(pending_, [&](const Pending& p) {
+      if (seg && (p.seg != seg || p.first >= first + n || p.first + p.n <= first)) return false;
+      if (s_.driver->query_event(p.event) != Status::ok) {
+        s_.driver->synchronize_event(p.event);
+        ++s_.stats.num_forced_syncs;
+      }
+      unmap_lent(p);
+      return true;
+    });
+  }
+
+  void unmap_lent(const Pending& p) {
+    s_.give_back_mapping(p.seg->base + p.first * page_, p.n * page_);
+    s_.driver->release_event(p.event);
+  }
+
+  // Lent pages a failed request did not use: other streams may take them only after the lender's work.
+  void return_fresh() {
+    if (fresh_.empty()) return;
+    finish_pending(nullptr, 0, 0);
+    idle_.insert(idle_.end(), fresh_.begin(), fresh_.end());
+    fresh_.clear();
+  }
 
   void give_back(Segment& seg, std::size_t first, std::size_t n) {
     for (std::size_t i = 0; i < n; ++i) {
@@ -122,10 +214,13 @@ class FraglessPolicy final : public GrowablePolicy {
     st.by_pool[kLargePool].add(to_small ? -b : b);
   }
 
-  // Creates physical memory for at least `missing` pages; the chunk grows with what is reserved already
-  // (1/128 of it, at most 64 MiB) so cuMemCreate calls stay few while idle memory stays small.
+  // Creates physical memory for at least `missing` pages, in one chunk of at least kChunkBytes so that
+  // cuMemCreate calls stay few, but never past the reserve budget, so the chunk's idle tail stays small.
+  // 16 MiB is below PyTorch's own 20 MiB large page: at a new peak our overshoot is at most what
+  // expandable segments round up to anyway (measured: docs/RESULTS.md, "Policy parameters").
+  static constexpr std::size_t kChunkBytes = std::size_t{16} << 20;
   Status create_pages(std::size_t missing) {
-    const std::size_t growth = std::clamp<std::size_t>(s_.total_reserved / 128 / page_, 1, (64u << 20) / page_);
+    const std::size_t growth = std::max<std::size_t>(1, kChunkBytes / page_);
     std::size_t pages = std::max(missing, growth);
     const std::size_t room = budget(missing) > s_.total_reserved ? (budget(missing) - s_.total_reserved) / page_ : 0;
     pages = std::max(missing, std::min(pages, room));
@@ -169,14 +264,15 @@ class FraglessPolicy final : public GrowablePolicy {
   struct Candidate { Block* b; std::size_t lo, hi; };
 
   // Note [Reserve budget]
-  // Re-backing costs driver calls and a stream synchronisation; creating memory raises reserved. We create
-  // freely while reserved stays within kSlack of the highest live footprint seen (counting the request),
-  // and re-back from holes only beyond that. Peak reserved therefore stays within about kSlack of peak
-  // live (plus partial pages at hole edges), while a workload that grows steadily never pays for reclaim.
+  // Creating memory raises reserved; re-backing from holes costs an unmap and a map but, for holes on the
+  // requesting stream, no synchronisation (Note [Lending pages without a sync]). We create freely only
+  // while reserved stays within 1/kSlackDivisor of what is live now plus the request, and re-back from
+  // holes beyond that. Counting live now, not the peak so far, matters: when a step's shape changes
+  // below an earlier peak, the holes the old shape left are reused before new memory is made.
   static constexpr std::size_t kSlackDivisor = 64;  // 1/64 = 1.6%
   std::size_t budget(std::size_t pages_needed) const {
-    const auto live = static_cast<std::size_t>(std::max<std::int64_t>(
-        s_.stats.live_bytes.peak, s_.stats.live_bytes.current + static_cast<std::int64_t>(pages_needed * page_)));
+    const auto live = static_cast<std::size_t>(
+        std::max<std::int64_t>(0, s_.stats.live_bytes.current) + static_cast<std::int64_t>(pages_needed * page_));
     return live + live / kSlackDivisor;
   }
 
@@ -203,32 +299,51 @@ class FraglessPolicy final : public GrowablePolicy {
     return free_b / page_;
   }
 
-  // Unmaps up to `want` whole free pages from the candidates, largest holes first, so their physical
-  // memory can back the request instead of new memory.
-  void reclaim(std::vector<Candidate> cands, std::size_t want) {
+  // Takes up to `want` whole free pages from the candidates for a request on `stream`. Holes on the same
+  // stream come first, largest first: their pages are lent without a sync (Note [Lending pages without a
+  // sync]). Holes on other streams are unmapped after their streams have finished their queued work.
+  void reclaim(std::vector<Candidate> cands, std::size_t want, Stream stream) {
     if (cands.empty()) return;
-    std::sort(cands.begin(), cands.end(),
-              [](const Candidate& a, const Candidate& b) { return a.hi - a.lo > b.hi - b.lo; });
+    std::sort(cands.begin(), cands.end(), [&](const Candidate& a, const Candidate& b) {
+      const bool sa = a.b->stream == stream, sb = b.b->stream == stream;
+      if (sa != sb) return sa;
+      return a.hi - a.lo > b.hi - b.lo;
+    });
     std::size_t got = 0, n = 0;
     std::set<Stream> streams;
     for (; n < cands.size() && got < want; ++n) {
       got += cands[n].hi - cands[n].lo;
-      streams.insert(cands[n].b->stream);
+      if (cands[n].b->stream != stream) streams.insert(cands[n].b->stream);
     }
-    // Unmapping is not stream-ordered: the holes' streams must have finished their queued work.
+    // Unmapping is not stream-ordered: other streams' holes wait for their streams' queued work.
     for (Stream st : streams) s_.forced_sync(st);
     std::size_t left = want;
     for (std::size_t i = 0; i < n && left > 0; ++i) {
       auto& c = cands[i];
       const std::size_t take = std::min(left, c.hi - c.lo);
+      const bool same = c.b->stream == stream;  // c.b may be merged away below
+      lend_ = same;
       // Take the top pages of the hole: the low part stays mapped next to its allocated neighbour.
-      if (unmap_block_pages(c.b, c.hi - take, c.hi)) left -= take;
+      const bool ok = unmap_block_pages(c.b, c.hi - take, c.hi);
+      lend_ = false;
+      if (ok) {
+        left -= take;
+        if (!same) {  // unmapped at once: plain idle pages, move them to this request
+          for (std::size_t k = 0; k < take; ++k) {
+            fresh_.push_back(idle_.back());
+            idle_.pop_back();
+          }
+        }
+      }
     }
   }
 
   std::size_t page_ = s_.driver->granularity();
   std::unordered_map<PhysHandle, Chunk> chunks_;
   std::vector<PageRef> idle_;
+  std::vector<PageRef> fresh_;     // pages reclaimed for the request being mapped
+  std::vector<Pending> pending_;   // lent ranges still mapped at their old address
+  bool lend_ = false;              // unmap_pages is lending (same-stream reclaim)
 };
 
 }  // namespace
