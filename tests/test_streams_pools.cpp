@@ -166,3 +166,40 @@ TEST_CASE("fragless: a lent range is unmapped only after its stream's work, and 
     }
   }
 }
+
+constexpr std::size_t KiB = 1024;
+
+TEST_CASE("fragless: a small request takes a large-pool remnant no large request fits", "[fragless]") {
+  for (PolicyKind pk : {PolicyKind::fragless, PolicyKind::expandable}) {
+    CAPTURE(name(pk));
+    EngineSpec spec;
+    spec.policy = pk;
+    auto e = make_engine(spec);
+    void* a = e->allocate(1536 * KiB, 0, nullptr);
+    void* b = e->allocate(4 * MiB, 0, nullptr);
+    REQUIRE(a);
+    REQUIRE(b);
+    REQUIRE(e->free(a) == Status::ok);
+    void* c = e->allocate(1152 * KiB, 0, nullptr);  // best fit: a's hole, leaving a 384 KiB remnant
+    REQUIRE(c == a);
+    void* d = e->allocate(256 * KiB, 0, nullptr);
+    REQUIRE(d);
+    const auto& st = e->stats();
+    const auto at = reinterpret_cast<DevicePtr>(d), lo = reinterpret_cast<DevicePtr>(a);
+    if (pk == PolicyKind::fragless) {
+      CHECK((at >= lo + 1152 * KiB && at < lo + 1536 * KiB));  // inside the remnant
+      CHECK(st.reserved_bytes.by_pool[kSmallPool].current == 0);  // the small pool did not grow
+      CHECK(st.allocated_bytes.by_pool[kLargePool].current ==
+            static_cast<std::int64_t>((4096 + 1152 + 256) * KiB));
+    } else {  // PyTorch's behaviour: small requests live in the small pool only
+      CHECK(st.reserved_bytes.by_pool[kSmallPool].current > 0);
+      CHECK(st.allocated_bytes.by_pool[kSmallPool].current == static_cast<std::int64_t>(256 * KiB));
+    }
+    require_consistent(*e);
+    REQUIRE(e->free(d) == Status::ok);
+    REQUIRE(e->free(c) == Status::ok);
+    CHECK(e->stats().allocated_bytes.by_pool[kLargePool].current == static_cast<std::int64_t>(4 * MiB));
+    REQUIRE(e->free(b) == Status::ok);
+    require_consistent(*e);
+  }
+}

@@ -221,6 +221,24 @@ Block* DeviceEngine::State::find_free_block(AllocParams& p) {
   return b;
 }
 
+// Note [Small requests in large remnants]
+// A free block of the large pool smaller than kSmallSize fits no large request: it waits for a neighbour
+// to be freed. Meanwhile it pins the pages under it. A small request that would otherwise grow the small
+// pool takes the best-fitting such remnant instead; the block then belongs to the large pool (its stats
+// too) and goes back there when freed.
+Block* DeviceEngine::State::take_large_remnant(AllocParams& p) {
+  BlockPool& large = p.pool->owner->large;
+  Block key;
+  key.stream = p.stream;
+  key.size = p.rounded;
+  auto it = large.blocks.lower_bound(&key);
+  if (it == large.blocks.end() || (*it)->stream != p.stream || (*it)->size >= kSmallSize) return nullptr;
+  Block* b = *it;
+  pool_erase(b);
+  p.pool = &large;
+  return b;
+}
+
 Block* DeviceEngine::State::take_block(Block* b, AllocParams& p) {
   const bool small = p.pool->small;
   if (policy->should_split(b, p.rounded)) {
@@ -403,6 +421,8 @@ void DeviceEngine::State::maybe_free_private_pools() {
 Block* DeviceEngine::State::allocate_slow(AllocParams& p, AllocError* err) {
   if (has_deferred()) retry_deferred();
   garbage_collect(p);
+  if (p.pool->small && policy->small_from_large_remnants())
+    if (Block* b = take_large_remnant(p)) return b;
   Block* b = policy->grow(p);
   if (!b && p.status == Status::out_of_memory && release_available_cached_blocks(p)) b = policy->grow(p);
   if (!b && p.status == Status::out_of_memory) {

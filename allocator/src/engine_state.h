@@ -197,6 +197,7 @@ struct DeviceEngine::State {
   std::string oom_message(const AllocParams& p, const std::string& driver_error);
   void add_reserved(bool small, std::int64_t bytes);
   void forced_sync(Stream s);
+  Block* take_large_remnant(AllocParams& p);
 
   // Giving memory back can fail (a driver error, an injected fault). The engine then forgets the memory
   // (its stats drop) but keeps the driver-side object here and retries at the next slow allocation,

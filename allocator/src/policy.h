@@ -22,6 +22,9 @@ class Policy {
   virtual bool release_whole_segment(Block* b) { return false; }
   // Whether free block b should be split to serve a request of `rounded` bytes.
   virtual bool should_split(const Block* b, std::size_t rounded) const = 0;
+  // Whether a small request that misses its own pool may take a free block of the large pool that no large
+  // request fits (under kSmallSize) before the small pool grows (fragless).
+  virtual bool small_from_large_remnants() const { return false; }
   // Whether best fit should prefer blocks that cannot grow (PyTorch's expandable-segments rule).
   virtual bool prefer_non_growable() const { return false; }
   // Physical bytes held but backing no page of any segment (fragless's idle pages).

@@ -39,6 +39,7 @@ class FraglessPolicy final : public GrowablePolicy {
   using GrowablePolicy::GrowablePolicy;
   PolicyKind kind() const override { return PolicyKind::fragless; }
   std::size_t idle_bytes() const override { return idle_.size() * page_; }
+  bool small_from_large_remnants() const override { return true; }  // Note [Small requests in large remnants]
 
   std::string check() const override {
     std::size_t chunk_bytes = 0, in_use = 0;
