@@ -35,6 +35,15 @@ TEST_CASE("config: defaults and simple keys", "[config]") {
   CHECK(o.page_size == 4u << 20);
   CHECK(ok("per_process_memory_fraction:0.5").per_process_memory_fraction == Approx(0.5));
   CHECK(ok("max_non_split_rounding_mb:1024").max_non_split_rounding_size == 1024u << 20);
+  CHECK(o.chunk_size == 16u << 20);
+  CHECK(o.reserve_slack == Approx(1.0 / 64));
+  CHECK(o.lend_pages);
+  CHECK(o.small_in_remnants);
+  o = ok("chunk_size_mb:64,reserve_slack:0,lend_pages:False,small_in_remnants:False");
+  CHECK(o.chunk_size == 64u << 20);
+  CHECK(o.reserve_slack == 0.0);
+  CHECK_FALSE(o.lend_pages);
+  CHECK_FALSE(o.small_in_remnants);
 }
 
 TEST_CASE("config: expandable_segments selects expandable unless policy is given", "[config]") {
@@ -86,6 +95,9 @@ TEST_CASE("config: every bad input names the key, the value and the accepted for
   CHECK(bad("page_size_mb:3").find("power of two") != std::string::npos);
   CHECK(bad("capacity_mb:0").find("capacity_mb") != std::string::npos);
   CHECK(bad("policy:[classic]").find("single value") != std::string::npos);
+  CHECK(bad("chunk_size_mb:0").find("chunk_size_mb") != std::string::npos);
+  CHECK(bad("reserve_slack:-0.1").find("[0, 1]") != std::string::npos);
+  CHECK(bad("lend_pages:yes").find("True or False") != std::string::npos);
 }
 
 TEST_CASE("config: the README documents every key of the options table", "[config][docs]") {

@@ -113,6 +113,20 @@ TEST_CASE("fragless: re-backs free pages from holes instead of creating memory",
   require_consistent(*e);
 }
 
+TEST_CASE("fragless: with lend_pages:False, same-stream holes are unmapped after a sync", "[fragless]") {
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  spec.base.lend_pages = false;
+  auto e = make_engine(spec);
+  make_holes(*e, 0);
+  const auto before = reserved(*e);
+  REQUIRE(e->allocate(8 * MiB, 0, nullptr));
+  CHECK(reserved(*e) == before);
+  CHECK(e->stats().num_forced_syncs >= 1);
+  CHECK(e->driver_counters()[DriverCall::record_event] == 0);
+  require_consistent(*e);
+}
+
 TEST_CASE("fragless: holes on another stream are reclaimed only after that stream's work", "[fragless]") {
   EngineSpec spec;
   spec.policy = PolicyKind::fragless;

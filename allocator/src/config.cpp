@@ -56,6 +56,19 @@ constexpr OptionInfo kOptions[] = {
     {"peer_access", "True or False", "False",
      "cuda driver: also grant every peer device that can access this one (cuDeviceCanAccessPeer) access to "
      "fragless memory, for peer copies and NCCL P2P."},
+    {"chunk_size_mb", "integer >= 1 (MiB)", "16",
+     "fragless policy: physical memory is created in chunks of at least this much (fewer cuMemCreate calls; "
+     "up to this much may sit idle at a new peak)."},
+    {"reserve_slack", "number in [0, 1]", "0.015625",
+     "fragless policy: new memory is created freely while reserved stays within this share above live bytes "
+     "plus the request; beyond it, whole free pages are taken from holes first."},
+    {"lend_pages", "True or False", "True",
+     "fragless policy: pages of a hole on the requesting stream are mapped where needed without a "
+     "synchronisation (the old mapping goes once the stream's queued work is done). False: synchronise and "
+     "unmap first, as PyTorch does."},
+    {"small_in_remnants", "True or False", "True",
+     "fragless policy: a small request (<= 1 MiB) that would grow the small pool may take a free large-pool "
+     "block under 1 MiB, which no large request fits."},
     {"trace", "file path; %p pid, %d device, %r rank, %% percent", "off",
      "Record every allocator event to this file in fragless's native format (one file per device with %d; "
      "use %r under torchrun). The path may not contain ',' or ':'."},
@@ -203,6 +216,16 @@ class Parser {
     } else if (key == "peer_access") {
       if (v != "True" && v != "False") return err(bad_value(key, v, "True or False (exactly)"));
       o_.peer_access = v == "True";
+    } else if (key == "chunk_size_mb") {
+      if (!parse_uint(v, &n) || n == 0 || n > (std::size_t{1} << 20))
+        return err(bad_value(key, v, "an integer number of MiB between 1 and 2^20"));
+      o_.chunk_size = n << 20;
+    } else if (key == "reserve_slack") {
+      if (!parse_double(v, &d) || !(d >= 0.0 && d <= 1.0)) return err(bad_value(key, v, "a number in [0, 1]"));
+      o_.reserve_slack = d;
+    } else if (key == "lend_pages" || key == "small_in_remnants") {
+      if (v != "True" && v != "False") return err(bad_value(key, v, "True or False (exactly)"));
+      (key == "lend_pages" ? o_.lend_pages : o_.small_in_remnants) = v == "True";
     } else if (key == "trace") {
       for (std::size_t i = 0; i < v.size(); ++i)
         if (v[i] == '%' && (i + 1 >= v.size() || std::string_view("pdr%").find(v[i + 1]) == std::string_view::npos))

@@ -39,7 +39,7 @@ class FraglessPolicy final : public GrowablePolicy {
   using GrowablePolicy::GrowablePolicy;
   PolicyKind kind() const override { return PolicyKind::fragless; }
   std::size_t idle_bytes() const override { return idle_.size() * page_; }
-  bool small_from_large_remnants() const override { return true; }  // Note [Small requests in large remnants]
+  bool small_from_large_remnants() const override { return s_.opts.small_in_remnants; }
 
   std::string check() const override {
     std::size_t chunk_bytes = 0, in_use = 0;
@@ -215,13 +215,12 @@ class FraglessPolicy final : public GrowablePolicy {
     st.by_pool[kLargePool].add(to_small ? -b : b);
   }
 
-  // Creates physical memory for at least `missing` pages, in one chunk of at least kChunkBytes so that
-  // cuMemCreate calls stay few, but never past the reserve budget, so the chunk's idle tail stays small.
-  // 16 MiB is below PyTorch's own 20 MiB large page: at a new peak our overshoot is at most what
-  // expandable segments round up to anyway (measured: docs/RESULTS.md, "Policy parameters").
-  static constexpr std::size_t kChunkBytes = std::size_t{16} << 20;
+  // Creates physical memory for at least `missing` pages, in one chunk of at least chunk_size (default
+  // 16 MiB) so that cuMemCreate calls stay few, but never past the reserve budget, so the chunk's idle tail
+  // stays small. 16 MiB is below PyTorch's own 20 MiB large page: at a new peak our overshoot is at most
+  // what expandable segments round up to anyway (docs/RESULTS.md, "Policy parameters").
   Status create_pages(std::size_t missing) {
-    const std::size_t growth = std::max<std::size_t>(1, kChunkBytes / page_);
+    const std::size_t growth = std::max<std::size_t>(1, s_.opts.chunk_size / page_);
     std::size_t pages = std::max(missing, growth);
     const std::size_t room = budget(missing) > s_.total_reserved ? (budget(missing) - s_.total_reserved) / page_ : 0;
     pages = std::max(missing, std::min(pages, room));
@@ -267,14 +266,13 @@ class FraglessPolicy final : public GrowablePolicy {
   // Note [Reserve budget]
   // Creating memory raises reserved; re-backing from holes costs an unmap and a map but, for holes on the
   // requesting stream, no synchronisation (Note [Lending pages without a sync]). We create freely only
-  // while reserved stays within 1/kSlackDivisor of what is live now plus the request, and re-back from
-  // holes beyond that. Counting live now, not the peak so far, matters: when a step's shape changes
-  // below an earlier peak, the holes the old shape left are reused before new memory is made.
-  static constexpr std::size_t kSlackDivisor = 64;  // 1/64 = 1.6%
+  // while reserved stays within reserve_slack (default 1/64) of what is live now plus the request, and
+  // re-back from holes beyond that. Counting live now, not the peak so far, matters: when a step's shape
+  // changes below an earlier peak, the holes the old shape left are reused before new memory is made.
   std::size_t budget(std::size_t pages_needed) const {
     const auto live = static_cast<std::size_t>(
         std::max<std::int64_t>(0, s_.stats.live_bytes.current) + static_cast<std::int64_t>(pages_needed * page_));
-    return live + live / kSlackDivisor;
+    return live + static_cast<std::size_t>(static_cast<double>(live) * s_.opts.reserve_slack);
   }
 
   // Whole free pages in holes of the default pool, outside the run being grown.
@@ -314,7 +312,7 @@ class FraglessPolicy final : public GrowablePolicy {
     std::set<Stream> streams;
     for (; n < cands.size() && got < want; ++n) {
       got += cands[n].hi - cands[n].lo;
-      if (cands[n].b->stream != stream) streams.insert(cands[n].b->stream);
+      if (cands[n].b->stream != stream || !s_.opts.lend_pages) streams.insert(cands[n].b->stream);
     }
     // Unmapping is not stream-ordered: other streams' holes wait for their streams' queued work.
     for (Stream st : streams) s_.forced_sync(st);
@@ -322,7 +320,7 @@ class FraglessPolicy final : public GrowablePolicy {
     for (std::size_t i = 0; i < n && left > 0; ++i) {
       auto& c = cands[i];
       const std::size_t take = std::min(left, c.hi - c.lo);
-      const bool same = c.b->stream == stream;  // c.b may be merged away below
+      const bool same = c.b->stream == stream && s_.opts.lend_pages;  // c.b may be merged away below
       lend_ = same;
       // Take the top pages of the hole: the low part stays mapped next to its allocated neighbour.
       const bool ok = unmap_block_pages(c.b, c.hi - take, c.hi);

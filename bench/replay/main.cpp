@@ -29,10 +29,13 @@ int usage(const char* msg) {
   if (msg) std::fprintf(stderr, "fragless-replay: %s\n", msg);
   std::fprintf(stderr,
                "usage: fragless-replay [--policy classic,expandable,fragless] [--capacity-gib N] [--json]\n"
+               "                       [--conf KEY:VALUE,...]\n"
                "                       [--plot FILE.png] [--seqlen-file CSV] INPUT...\n"
                "  INPUT: a fragless native trace, PyTorch memory snapshot pickle or RMM log CSV (detected from\n"
                "         content), or workload:NAME[:key=value,...]\n"
                "  --plot: live/allocated/reserved over time per policy, drawn by gnuplot into a PNG\n"
+               "  --conf: allocator settings in FRAGLESS_CONF grammar (policy tuning keys such as chunk_size_mb,\n"
+               "          reserve_slack, lend_pages); policy and driver are set by the replay\n"
                "  --seqlen-file: sequence lengths for the workloads (a CSV column, see the README)\n"
                "  NAME: transformer-train | transformer-infer; keys: layers d_model heads d_ff vocab batch steps\n"
                "        seqlen (sharegpt|azure-conv|azure-code|arxiv|fixed:N) max_seq dtype (fp32|bf16) ckpt seed\n");
@@ -134,6 +137,7 @@ int main(int argc, char** argv) {
   std::uint64_t capacity = 0;
   bool json = false;
   std::string plot, seqlen_file;
+  Options base;
   std::vector<std::string> inputs;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -158,6 +162,10 @@ int main(int argc, char** argv) {
       plot = argv[++i];
     } else if (a == "--seqlen-file" && i + 1 < argc) {
       seqlen_file = argv[++i];
+    } else if (a == "--conf" && i + 1 < argc) {
+      const auto cr = parse_config(argv[++i], base);
+      if (!cr.ok) return usage(cr.error.c_str());
+      base = cr.options;
     } else if (!a.empty() && a[0] == '-') {
       return usage(("unknown option " + a).c_str());
     } else {
@@ -204,6 +212,7 @@ int main(int argc, char** argv) {
   ro.capacity = capacity;
   ro.curve_points = plot.empty() ? 0 : 2000;
   ro.progress = &progress;
+  ro.base = base;
   auto worker = [&] {
     for (std::size_t k; (k = next++) < tasks.size(); ++done)
       results[k] = fragless::replay::replay(traces[tasks[k].input], tasks[k].device, tasks[k].policy, ro);

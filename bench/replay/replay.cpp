@@ -23,7 +23,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
   r.policy = policy;
   if (static_cast<std::size_t>(device) < t.recorded_peak_reserved.size())
     r.pytorch_recorded_peak_reserved = t.recorded_peak_reserved[static_cast<std::size_t>(device)];
-  Options o;
+  Options o = opt.base;
   o.policy = policy;
   o.driver = DriverKind::sim;
   SimDriverOptions so;

@@ -34,6 +34,7 @@ struct ReplayOptions {
   std::uint64_t capacity = 0;                      // 0 = 80 GiB and OOM is an error
   std::size_t curve_points = 0;                    // sample usage about this many times (for --plot)
   std::atomic<std::uint64_t>* progress = nullptr;  // events replayed, added in batches
+  Options base;                                    // allocator settings (--conf); policy and driver are set per run
 };
 
 // capacity 0 = 80 GiB and OOM is an error; otherwise OOMs are counted and the replay goes on.

@@ -36,6 +36,11 @@ struct Options {
   bool oom_returns_null = false;                         // libfragless.so: on_oom:null instead of throwing
   bool peer_access = false;                              // cuda: grant peers that can access this device
   std::string trace;                                     // trace path pattern (%p %d %r); empty = off
+  // fragless policy (docs/ARCHITECTURE.md, "The fragless policy").
+  std::size_t chunk_size = 16u << 20;                    // physical memory created per cuMemCreate, bytes
+  double reserve_slack = 1.0 / 64;                       // reserved may exceed live + request by this share
+  bool lend_pages = true;                                // same-stream holes lend pages without a sync
+  bool small_in_remnants = true;                         // small requests may use sub-MiB large-pool remnants
   std::string settings;                                  // the string this was parsed from
 };
 
