@@ -5,6 +5,11 @@
   tools/results_tables.py fidelity FILES...   classic's peak reserved vs PyTorch's recorded peak
   tools/results_tables.py validate DATA_DIR   generated vs real Wedsonlin training peak live
   tools/results_tables.py published DIR       the STAlloc artifact's published figures (context only)
+  tools/results_tables.py targets  FILES...   the fragless policy against the targets, per input
+  tools/results_tables.py params   FILES...   the fragless policy's settings, one row each (ablation)
+  tools/results_tables.py variants            workload variants beyond the defaults (dtype, checkpointing, ...)
+FILES are traces; the eight default workloads (four sequence-length distributions, training and inference)
+are added to `targets` and `params`.
 Run from the repository root after building (uses build/bin/fragless-replay)."""
 import json
 import os
@@ -81,8 +86,92 @@ def published_table(directory):
                       f"{row['group2_utilization']} |")
 
 
+WORKLOADS = [f"workload:transformer-{kind}:seqlen={dist}"
+             for dist in ("sharegpt", "azure-conv", "azure-code", "arxiv") for kind in ("train", "infer")]
+
+
+def overhead_limit(live):
+    """The issue's target: 2% over peak live from 1 GiB of peak live up, 2% + 4 MiB below (one stream)."""
+    return 0.02 if live >= 2**30 else 0.02 + 4 * 2**20 / live
+
+
+def by_input(results):
+    out = {}
+    for r in results:
+        out.setdefault((r["input"], r["device"]), {})[r["policy"]] = r
+    return out
+
+
+def targets_table(files):
+    rows = by_input(run([*files, *WORKLOADS]))
+    print("| input | peak live MiB | fragless overhead | limit | best other policy MiB | fragless MiB | forced syncs "
+          "| driver / trace time | met |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (name, dev), p in rows.items():
+        f = p["fragless"]
+        live = f["peak_live_bytes"]
+        best = min(p["expandable"]["peak_reserved_bytes"], p["classic"]["peak_reserved_bytes"])
+        ov, lim = f["overhead_over_live"], overhead_limit(live)
+        dur = f["trace_duration_us"]
+        share = f["modelled_driver_us"] / dur if dur else None
+        misses = [m for m, bad in (("overhead", ov > lim), ("worse than another policy", f["peak_reserved_bytes"] > best),
+                                   ("driver time", share is not None and share > 0.01)) if bad]
+        print(f"| {os.path.basename(name)} | {mib(live)} | {100 * ov:.2f}% | {100 * lim:.2f}% | {mib(best)} | "
+              f"{mib(f['peak_reserved_bytes'])} | {f['forced_syncs']} | "
+              f"{'-' if share is None else f'{100 * share:.2f}%'} | {'yes' if not misses else 'no: ' + ', '.join(misses)} |")
+
+
+PARAMS = ["", "lend_pages:False", "small_in_remnants:False", "reserve_slack:0", "reserve_slack:0.0078125",
+          "reserve_slack:0.03125", "chunk_size_mb:8", "chunk_size_mb:32", "chunk_size_mb:64"]
+
+
+def params_table(files):
+    inputs = [*files, *WORKLOADS]
+    base = by_input(run(["--policy", "classic,expandable", *inputs]))
+    print("| fragless settings | inputs over the overhead target | inputs above expandable or classic "
+          "| mean overhead over live | largest overhead | forced syncs (all inputs) | cuMemCreate calls "
+          "| mean driver / trace time |")
+    print("|---|---|---|---|---|---|---|---|")
+    for conf in PARAMS:
+        rows = run(["--policy", "fragless", *(["--conf", conf] if conf else []), *inputs])
+        over = worse = syncs = creates = 0
+        ovs, shares = [], []
+        for r in rows:
+            p = base[(r["input"], r["device"])]
+            live = r["peak_live_bytes"]
+            ovs.append(r["overhead_over_live"])
+            over += r["overhead_over_live"] > overhead_limit(live)
+            worse += r["peak_reserved_bytes"] > min(p["expandable"]["peak_reserved_bytes"],
+                                                    p["classic"]["peak_reserved_bytes"])
+            syncs += r["forced_syncs"]
+            creates += r["driver_calls"]["create"]
+            if r["trace_duration_us"]:
+                shares.append(r["modelled_driver_us"] / r["trace_duration_us"])
+        print(f"| {conf or 'defaults'} | {over} of {len(rows)} | {worse} | {100 * sum(ovs) / len(ovs):.2f}% | "
+              f"{100 * max(ovs):.2f}% | {syncs} | {creates} | {100 * sum(shares) / len(shares):.1f}% |")
+
+
+def variants_table(_):
+    """Workload variants the targets do not name, to show where fragless is not the best policy."""
+    cfgs = [f"workload:transformer-{kind}:seqlen={dist},{extra}"
+            for dist in ("sharegpt", "azure-code", "arxiv") for kind in ("train", "infer")
+            for extra in ("dtype=bf16", "ckpt=1", "layers=12,d_model=768,heads=12,batch=16", "seed=7,batch=2",
+                          "dtype=bf16,ckpt=1,seed=3")
+            if not (kind == "infer" and "ckpt" in extra)]
+    rows = by_input(run(cfgs))
+    print("| workload | peak live MiB | classic | expandable | fragless | fragless vs best other |")
+    print("|---|---|---|---|---|---|")
+    for (name, _), p in rows.items():
+        live = p["fragless"]["peak_live_bytes"]
+        ov = {k: 100 * p[k]["overhead_over_live"] for k in ("classic", "expandable", "fragless")}
+        best = min(p["classic"]["peak_reserved_bytes"], p["expandable"]["peak_reserved_bytes"])
+        diff = p["fragless"]["peak_reserved_bytes"] - best
+        print(f"| {name.split(':', 1)[1]} | {mib(live)} | {ov['classic']:.2f}% | {ov['expandable']:.2f}% | "
+              f"{ov['fragless']:.2f}% | {'+' if diff > 0 else ''}{diff / 2**20:.0f} MiB |")
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 3:
+    if len(sys.argv) < 3 and not (len(sys.argv) == 2 and sys.argv[1] == "variants"):
         sys.exit(__doc__)
-    {"replay": replay_table, "fidelity": fidelity_table,
+    {"replay": replay_table, "fidelity": fidelity_table, "targets": targets_table, "params": params_table, "variants": variants_table,
      "validate": lambda a: validate_table(a[0]), "published": lambda a: published_table(a[0])}[sys.argv[1]](sys.argv[2:])
