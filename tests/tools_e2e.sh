@@ -49,6 +49,9 @@ if command -v gnuplot >/dev/null; then
 else
   echo "SKIPPED (loudly): gnuplot is not installed, --plot was not checked"
 fi
+# --conf reaches the policy: with lend_pages:False a same-stream re-backing synchronises first.
+check "--conf changes a fragless setting" test "$("$bin/fragless-replay" --policy fragless --json \
+  --conf lend_pages:False "workload:transformer-infer" | grep -o '"forced_syncs":[0-9]*')" != '"forced_syncs":0'
 printf 'len\n100\n2000\n700\n' >"$work/lens.csv"
 check "--seqlen-file drives the workload" "$bin/fragless-replay" --seqlen-file "$work/lens.csv" "workload:transformer-train:steps=2,layers=2"
 
@@ -67,4 +70,5 @@ check_error "missing input file" "cannot open" "$bin/fragless-trace" summary "$w
 check_error "bad output extension" "use --to" "$bin/fragless-trace" convert "$work/o.fgt" "$work/o.xyz"
 check_error "unknown policy" "unknown policy 'best'" "$bin/fragless-replay" --policy best "$work/o.fgt"
 check_error "bad workload" "unknown workload 'gpt'" "$bin/fragless-replay" workload:gpt
+check_error "bad --conf value" "bad value '7' for key 'reserve_slack'" "$bin/fragless-replay" --conf reserve_slack:7 "$work/o.fgt"
 [ "$failures" -eq 0 ] || { echo "$failures check(s) failed"; exit 1; }
