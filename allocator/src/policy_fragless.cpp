@@ -98,7 +98,7 @@ class FraglessPolicy final : public GrowablePolicy {
     if (st == Status::ok) st = d.set_access(seg.base + first * page_, n * page_);
     if (st != Status::ok) {
       if (done) s_.give_back_mapping(seg.base + first * page_, done * page_);
-      give_back(seg, first, done);
+      give_back(seg, first, done, idle_);
       return_fresh();
       return st;
     }
@@ -113,17 +113,14 @@ class FraglessPolicy final : public GrowablePolicy {
       Event e = 0;
       if (s_.driver->record_event(seg.stream, &e) == Status::ok) {
         pending_.push_back({&seg, first, n, e});
-        const std::size_t before = idle_.size();
-        give_back(seg, first, n);
-        fresh_.insert(fresh_.end(), idle_.begin() + static_cast<std::ptrdiff_t>(before), idle_.end());
-        idle_.resize(before);
+        give_back(seg, first, n, fresh_);
         if (seg.small) move_reserved(false, n * page_);
         return n;
       }
       s_.forced_sync(seg.stream);  // no event: wait for the stream instead, then unmap at once
     }
     if (s_.driver->unmap(va, n * page_) != Status::ok) return 0;
-    give_back(seg, first, n);
+    give_back(seg, first, n, reclaiming_ ? fresh_ : idle_);
     if (seg.small) move_reserved(false, n * page_);
     return n;
   }
@@ -190,19 +187,20 @@ class FraglessPolicy final : public GrowablePolicy {
     s_.driver->release_event(p.event);
   }
 
-  // Lent pages a failed request did not use: other streams may take them only after the lender's work.
+  // After a failed request: the pages it was lent (used or not) become idle pages, which any stream may
+  // take, so the lenders' queued work must be done first.
   void return_fresh() {
-    if (fresh_.empty()) return;
-    finish_pending(nullptr, 0, 0);
+    if (!pending_.empty()) finish_pending(nullptr, 0, 0);
     idle_.insert(idle_.end(), fresh_.begin(), fresh_.end());
     fresh_.clear();
   }
 
-  void give_back(Segment& seg, std::size_t first, std::size_t n) {
+  // Unmapped pages [first, first + n) of seg go back to `to` (the idle pages, or the request's).
+  void give_back(Segment& seg, std::size_t first, std::size_t n, std::vector<PageRef>& to) {
     for (std::size_t i = 0; i < n; ++i) {
       PageRef& r = seg.pages[first + i];
       --chunks_[r.handle].in_use;
-      idle_.push_back(r);
+      to.push_back(r);
       r = PageRef{};
     }
   }
@@ -320,20 +318,11 @@ class FraglessPolicy final : public GrowablePolicy {
     for (std::size_t i = 0; i < n && left > 0; ++i) {
       auto& c = cands[i];
       const std::size_t take = std::min(left, c.hi - c.lo);
-      const bool same = c.b->stream == stream && s_.opts.lend_pages;  // c.b may be merged away below
-      lend_ = same;
+      lend_ = c.b->stream == stream && s_.opts.lend_pages;
+      reclaiming_ = true;  // the pages go to this request (fresh_)
       // Take the top pages of the hole: the low part stays mapped next to its allocated neighbour.
-      const bool ok = unmap_block_pages(c.b, c.hi - take, c.hi);
-      lend_ = false;
-      if (ok) {
-        left -= take;
-        if (!same) {  // unmapped at once: plain idle pages, move them to this request
-          for (std::size_t k = 0; k < take; ++k) {
-            fresh_.push_back(idle_.back());
-            idle_.pop_back();
-          }
-        }
-      }
+      if (unmap_block_pages(c.b, c.hi - take, c.hi)) left -= take;
+      lend_ = reclaiming_ = false;
     }
   }
 
@@ -343,6 +332,7 @@ class FraglessPolicy final : public GrowablePolicy {
   std::vector<PageRef> fresh_;     // pages reclaimed for the request being mapped
   std::vector<Pending> pending_;   // lent ranges still mapped at their old address
   bool lend_ = false;              // unmap_pages is lending (same-stream reclaim)
+  bool reclaiming_ = false;        // unmap_pages works for reclaim(): pages go to fresh_
 };
 
 }  // namespace
