@@ -195,14 +195,20 @@ PoolSet& DeviceEngine::State::pool_set_for(Stream st) {
 // ---------------------------------------------------------------------------------------------------------
 // Fast path
 
-Block* DeviceEngine::State::find_free_block(AllocParams& p) {
-  BlockPool& pool = *p.pool;
-  if (allowed_memory_maximum && opts.garbage_collection_threshold > 0) ++pool.get_free_blocks_call_count;
+// The smallest free block of `pool` on p's stream that holds p.rounded bytes, or end().
+std::set<Block*, BySize>::iterator DeviceEngine::State::best_fit(BlockPool& pool, const AllocParams& p) {
   Block key;
   key.stream = p.stream;
   key.size = p.rounded;
   auto it = pool.blocks.lower_bound(&key);
-  if (it == pool.blocks.end() || (*it)->stream != p.stream) return nullptr;
+  return it != pool.blocks.end() && (*it)->stream == p.stream ? it : pool.blocks.end();
+}
+
+Block* DeviceEngine::State::find_free_block(AllocParams& p) {
+  BlockPool& pool = *p.pool;
+  if (allowed_memory_maximum && opts.garbage_collection_threshold > 0) ++pool.get_free_blocks_call_count;
+  auto it = best_fit(pool, p);
+  if (it == pool.blocks.end()) return nullptr;
   if ((*it)->segment->growable && policy->prefer_non_growable()) {
     auto growable_size = [](const Block* b) {
       return b->size + (b->next && b->next->state == BlockState::unmapped ? b->next->size : 0);
@@ -228,11 +234,8 @@ Block* DeviceEngine::State::find_free_block(AllocParams& p) {
 // too) and goes back there when freed.
 Block* DeviceEngine::State::take_large_remnant(AllocParams& p) {
   BlockPool& large = p.pool->owner->large;
-  Block key;
-  key.stream = p.stream;
-  key.size = p.rounded;
-  auto it = large.blocks.lower_bound(&key);
-  if (it == large.blocks.end() || (*it)->stream != p.stream || (*it)->size >= kSmallSize) return nullptr;
+  auto it = best_fit(large, p);
+  if (it == large.blocks.end() || (*it)->size >= kSmallSize) return nullptr;
   Block* b = *it;
   pool_erase(b);
   p.pool = &large;

@@ -179,6 +179,7 @@ struct DeviceEngine::State {
   // Merges an unmapped block with unmapped neighbours.
   Block* merge_unmapped(Block* b);
 
+  std::set<Block*, BySize>::iterator best_fit(BlockPool& pool, const AllocParams& p);
   Block* find_free_block(AllocParams& p);
   Block* take_block(Block* b, AllocParams& p);  // split if worth it, mark allocated, stats
   void free_block(Block* b, bool traced = true);  // allocated/pending -> free in pool

@@ -29,9 +29,6 @@ class Policy {
   virtual bool prefer_non_growable() const { return false; }
   // Physical bytes held but backing no page of any segment (fragless's idle pages).
   virtual std::size_t idle_bytes() const { return 0; }
-  // Address ranges whose pages were lent to a request on the same stream and are still mapped at their old
-  // address, waiting for the stream's queued work before the unmap (fragless).
-  virtual std::size_t lent_ranges() const { return 0; }
   // Checks the policy's own invariants (empty when they hold).
   virtual std::string check() const { return {}; }
 

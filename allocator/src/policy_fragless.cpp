@@ -108,7 +108,7 @@ class FraglessPolicy final : public GrowablePolicy {
 
   std::size_t unmap_pages(Segment& seg, std::size_t first, std::size_t n) override {
     const DevicePtr va = seg.base + first * page_;
-    if (lend_) {
+    if (unmap_for_ == UnmapFor::lend) {
       // Note [Lending pages without a sync]: the old mapping stays until the stream's queued work is done.
       Event e = 0;
       if (s_.driver->record_event(seg.stream, &e) == Status::ok) {
@@ -120,7 +120,7 @@ class FraglessPolicy final : public GrowablePolicy {
       s_.forced_sync(seg.stream);  // no event: wait for the stream instead, then unmap at once
     }
     if (s_.driver->unmap(va, n * page_) != Status::ok) return 0;
-    give_back(seg, first, n, reclaiming_ ? fresh_ : idle_);
+    give_back(seg, first, n, unmap_for_ == UnmapFor::release ? idle_ : fresh_);
     if (seg.small) move_reserved(false, n * page_);
     return n;
   }
@@ -129,8 +129,6 @@ class FraglessPolicy final : public GrowablePolicy {
     finish_pending(nullptr, 0, 0);
     GrowablePolicy::release_free(only);
   }
-
-  std::size_t lent_ranges() const override { return pending_.size(); }
 
   // After a release (empty_cache, OOM retry): give back every chunk none of whose pages is mapped.
   void after_release() override {
@@ -318,11 +316,10 @@ class FraglessPolicy final : public GrowablePolicy {
     for (std::size_t i = 0; i < n && left > 0; ++i) {
       auto& c = cands[i];
       const std::size_t take = std::min(left, c.hi - c.lo);
-      lend_ = c.b->stream == stream && s_.opts.lend_pages;
-      reclaiming_ = true;  // the pages go to this request (fresh_)
+      unmap_for_ = c.b->stream == stream && s_.opts.lend_pages ? UnmapFor::lend : UnmapFor::reclaim;
       // Take the top pages of the hole: the low part stays mapped next to its allocated neighbour.
       if (unmap_block_pages(c.b, c.hi - take, c.hi)) left -= take;
-      lend_ = reclaiming_ = false;
+      unmap_for_ = UnmapFor::release;
     }
   }
 
@@ -331,8 +328,9 @@ class FraglessPolicy final : public GrowablePolicy {
   std::vector<PageRef> idle_;
   std::vector<PageRef> fresh_;     // pages reclaimed for the request being mapped
   std::vector<Pending> pending_;   // lent ranges still mapped at their old address
-  bool lend_ = false;              // unmap_pages is lending (same-stream reclaim)
-  bool reclaiming_ = false;        // unmap_pages works for reclaim(): pages go to fresh_
+  // Why unmap_pages is called: a release (pages become idle), a reclaim for the request being mapped
+  // (pages go to fresh_), or a same-stream reclaim that lends without a sync (fresh_, old mapping kept).
+  enum class UnmapFor { release, reclaim, lend } unmap_for_ = UnmapFor::release;
 };
 
 }  // namespace
