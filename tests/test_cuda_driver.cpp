@@ -10,6 +10,8 @@
 #include <functional>
 #include <vector>
 
+#include <cuda.h>
+
 #include "fake_cuda.h"
 #include "fault_workload.h"
 #include "fragless/allocator.h"
@@ -191,6 +193,70 @@ TEST_CASE("cuda driver: a failure at every call site of map, set access, unmap a
         }
   }
   CHECK(runs > 50);
+}
+
+// The double at its C ABI, as a program linked against libcuda calls it: it keeps the driver contract
+// (driver.h, R5-R8) and is never more permissive than CUDA.
+TEST_CASE("libcuda double: the driver contract (whole handles, whole unmaps, release while mapped)", "[cuda][contract]") {
+  Fake& f = fake();
+  auto sym = [&](const char* n) { void* p = dlsym(f.lib, n); REQUIRE(p); return p; };
+  auto init = reinterpret_cast<CUresult (*)(unsigned)>(sym("cuInit"));
+  auto create = reinterpret_cast<CUresult (*)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
+                                              unsigned long long)>(sym("cuMemCreate"));
+  auto release = reinterpret_cast<CUresult (*)(CUmemGenericAllocationHandle)>(sym("cuMemRelease"));
+  auto reserve = reinterpret_cast<CUresult (*)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long)>(
+      sym("cuMemAddressReserve"));
+  auto addr_free = reinterpret_cast<CUresult (*)(CUdeviceptr, size_t)>(sym("cuMemAddressFree"));
+  auto map = reinterpret_cast<CUresult (*)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                                           unsigned long long)>(sym("cuMemMap"));
+  auto unmap = reinterpret_cast<CUresult (*)(CUdeviceptr, size_t)>(sym("cuMemUnmap"));
+  auto access = reinterpret_cast<CUresult (*)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t)>(sym("cuMemSetAccess"));
+  REQUIRE(init(0) == CUDA_SUCCESS);
+  f.reset();
+  const long bytes_before = static_cast<long>(f.now().used_bytes);
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = 0;
+  CUmemAccessDesc desc{};
+  desc.location = prop.location;
+  desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  CUmemGenericAllocationHandle h4 = 0, h2 = 0;
+  CUdeviceptr va = 0, other = 0;
+  REQUIRE(create(&h4, 4 * MiB, &prop, 0) == CUDA_SUCCESS);
+  REQUIRE(create(&h2, 2 * MiB, &prop, 0) == CUDA_SUCCESS);
+  REQUIRE(reserve(&va, 16 * MiB, 0, 0, 0) == CUDA_SUCCESS);
+  REQUIRE(reserve(&other, 4 * MiB, 0, 0, 0) == CUDA_SUCCESS);
+  // R5: whole handle, offset 0.
+  CHECK(map(va, 2 * MiB, 2 * MiB, h4, 0) == CUDA_ERROR_INVALID_VALUE);  // an interior slice
+  CHECK(map(va, 2 * MiB, 0, h4, 0) == CUDA_ERROR_INVALID_VALUE);        // half a handle
+  CHECK(map(va, 8 * MiB, 0, h4, 0) == CUDA_ERROR_INVALID_VALUE);        // more than the handle
+  REQUIRE(map(va, 4 * MiB, 0, h4, 0) == CUDA_SUCCESS);
+  REQUIRE(map(va + 4 * MiB, 2 * MiB, 0, h2, 0) == CUDA_SUCCESS);
+  // R6 and R7: whole, adjacent mappings only.
+  CHECK(access(va, 2 * MiB, &desc, 1) == CUDA_ERROR_INVALID_VALUE);
+  CHECK(access(va, 8 * MiB, &desc, 1) == CUDA_ERROR_INVALID_VALUE);
+  REQUIRE(access(va, 6 * MiB, &desc, 1) == CUDA_SUCCESS);
+  CHECK(unmap(va, 2 * MiB) == CUDA_ERROR_INVALID_VALUE);
+  CHECK(unmap(va + 2 * MiB, 4 * MiB) == CUDA_ERROR_INVALID_VALUE);
+  CHECK(f.now().mappings == 2);
+  // R9 and R8: a second mapping; released while mapped, the memory stays until the last mapping goes.
+  REQUIRE(map(other, 4 * MiB, 0, h4, 0) == CUDA_SUCCESS);
+  REQUIRE(access(other, 4 * MiB, &desc, 1) == CUDA_SUCCESS);
+  std::memset(reinterpret_cast<void*>(va + MiB), 0x77, 64);
+  CHECK(*reinterpret_cast<unsigned char*>(other + MiB + 3) == 0x77);
+  REQUIRE(release(h4) == CUDA_SUCCESS);
+  CHECK(release(h4) == CUDA_ERROR_INVALID_VALUE);
+  CHECK(map(va + 8 * MiB, 4 * MiB, 0, h4, 0) == CUDA_ERROR_INVALID_VALUE);  // released: cannot be mapped again
+  CHECK(static_cast<long>(f.now().used_bytes) == bytes_before + static_cast<long>(6 * MiB));
+  REQUIRE(unmap(va, 6 * MiB) == CUDA_SUCCESS);  // two adjacent mappings in one call
+  CHECK(static_cast<long>(f.now().used_bytes) == bytes_before + static_cast<long>(6 * MiB));  // h4 still at `other`
+  REQUIRE(unmap(other, 4 * MiB) == CUDA_SUCCESS);
+  CHECK(static_cast<long>(f.now().used_bytes) == bytes_before + static_cast<long>(2 * MiB));
+  REQUIRE(release(h2) == CUDA_SUCCESS);
+  REQUIRE(addr_free(va, 16 * MiB) == CUDA_SUCCESS);
+  REQUIRE(addr_free(other, 4 * MiB) == CUDA_SUCCESS);
+  CHECK(static_cast<long>(f.now().used_bytes) == bytes_before);
 }
 
 #else

@@ -133,9 +133,17 @@ TEST_CASE("fragless: holes on another stream are reclaimed only after that strea
   auto e = make_engine(spec);
   make_holes(*e, 1);
   const auto before = reserved(*e);
-  // Stream 2 owns no hole: taking stream 1's pages needs stream 1 to be done, which is a forced sync.
-  REQUIRE(e->allocate(8 * MiB, 2, nullptr));
-  CHECK(reserved(*e) == before);
+  // While the device has room, another stream's holes stay put: taking them would need a sync.
+  void* roomy = e->allocate(8 * MiB, 2, nullptr);
+  REQUIRE(roomy);
+  CHECK(reserved(*e) > before);
+  CHECK(e->stats().num_forced_syncs == 0);
+  // On a full device, stream 3 owns no hole: taking stream 1's pages needs stream 1 to be done, which is
+  // a forced sync (the last resort before an OOM).
+  const auto full = reserved(*e);
+  REQUIRE(e->set_memory_fraction(static_cast<double>(full) / static_cast<double>(1024 * MiB)) == Status::ok);
+  REQUIRE(e->allocate(8 * MiB, 3, nullptr));
+  CHECK(reserved(*e) == full);
   CHECK(e->stats().num_forced_syncs >= 1);
   CHECK(e->driver_counters()[DriverCall::record_event] == 0);
   require_consistent(*e);

@@ -56,12 +56,19 @@ constexpr OptionInfo kOptions[] = {
     {"peer_access", "True or False", "False",
      "cuda driver: also grant every peer device that can access this one (cuDeviceCanAccessPeer) access to "
      "fragless memory, for peer copies and NCCL P2P."},
+    {"handles", "pages, ends or whole", "ends",
+     "fragless policy: the shape of new physical handles (a mapping is always one whole handle). pages: one "
+     "handle per page (finest re-backing, most cuMemCreate calls); ends: the body of a growth in handles of "
+     "at most handle_max_mb, its last page in a handle of its own; whole: one handle per growth."},
+    {"handle_max_mb", "integer >= 1 (MiB)", "32",
+     "fragless policy (handles ends): the body of a growth is created in handles of at most this much; a live "
+     "block that straddles a handle pins less than this of it."},
     {"chunk_size_mb", "integer >= 1 (MiB)", "16",
-     "fragless policy: physical memory is created in chunks of at least this much (fewer cuMemCreate calls; "
-     "up to this much may sit idle at a new peak)."},
+     "fragless policy (handles ends or whole): a growth's new handle may be rounded up to this much, mapped as "
+     "free space after the request, to save cuMemCreate calls; never past reserve_slack of live bytes."},
     {"reserve_slack", "number in [0, 1]", "0.015625",
-     "fragless policy: new memory is created freely while reserved stays within this share above live bytes "
-     "plus the request; beyond it, whole free pages are taken from holes first."},
+     "fragless policy: the most a growth's new memory may exceed its request, as a share of live bytes "
+     "(memory is only created when the memory held cannot be put under the request)."},
     {"lend_pages", "True or False", "True",
      "fragless policy: pages of a hole on the requesting stream are mapped where needed without a "
      "synchronisation (the old mapping goes once the stream's queued work is done). False: synchronise and "
@@ -216,6 +223,15 @@ class Parser {
     } else if (key == "peer_access") {
       if (v != "True" && v != "False") return err(bad_value(key, v, "True or False (exactly)"));
       o_.peer_access = v == "True";
+    } else if (key == "handles") {
+      if (v == "pages") o_.handle_shape = HandleShape::pages;
+      else if (v == "ends") o_.handle_shape = HandleShape::ends;
+      else if (v == "whole") o_.handle_shape = HandleShape::whole;
+      else return err(bad_value(key, v, "pages, ends or whole"));
+    } else if (key == "handle_max_mb") {
+      if (!parse_uint(v, &n) || n == 0 || n > (std::size_t{1} << 20))
+        return err(bad_value(key, v, "an integer number of MiB between 1 and 2^20"));
+      o_.handle_max = n << 20;
     } else if (key == "chunk_size_mb") {
       if (!parse_uint(v, &n) || n == 0 || n > (std::size_t{1} << 20))
         return err(bad_value(key, v, "an integer number of MiB between 1 and 2^20"));

@@ -131,7 +131,7 @@ class CudaDriver final : public Driver {
     *free_bytes = f;
     *total_bytes = t;
   }
-  std::string last_error() const override {
+  std::string do_last_error() const override {
     std::lock_guard lk(err_mu_);
     return last_error_;
   }

@@ -43,3 +43,160 @@ CostModel CostModel::a100() {
 }
 
 }  // namespace fragless
+
+namespace fragless {
+
+// ---- The contract (driver.h, R1-R9) ----
+
+bool DriverContract::whole_mappings(DevicePtr va, std::size_t size) const {
+  auto it = mappings_.find(va);
+  DevicePtr at = va;
+  while (at < va + size) {
+    if (it == mappings_.end() || it->first != at) return false;
+    at += it->second.size;
+    ++it;
+  }
+  return at == va + size;
+}
+
+const char* DriverContract::check_reserve(std::size_t size) const {
+  if (size == 0 || !aligned(size)) return "reserve: size must be a non-zero multiple of the granularity (R1)";
+  return nullptr;
+}
+
+const char* DriverContract::check_free_reservation(DevicePtr va, std::size_t size) const {
+  auto it = reservations_.find(va);
+  if (it == reservations_.end() || it->second != size)
+    return "free_reservation: (address, size) must be exactly one reservation (R3)";
+  auto m = mappings_.lower_bound(va);
+  if (m != mappings_.end() && m->first < va + size) return "free_reservation: the range still has mappings (R3)";
+  return nullptr;
+}
+
+const char* DriverContract::check_create(std::size_t size) const {
+  if (size == 0 || !aligned(size)) return "create: size must be a non-zero multiple of the granularity (R1)";
+  return nullptr;
+}
+
+const char* DriverContract::check_release(PhysHandle h) const {
+  auto it = handles_.find(h);
+  if (it == handles_.end() || it->second.released) return "release: unknown or already released handle (R8)";
+  return nullptr;
+}
+
+const char* DriverContract::check_map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t offset) const {
+  if (size == 0 || !aligned(va) || !aligned(size) || !aligned(offset))
+    return "map: address, size and offset must be multiples of the granularity (R1)";
+  auto hit = handles_.find(h);
+  if (hit == handles_.end() || hit->second.released) return "map: unknown or released handle (R5)";
+  if (offset != 0) return "map: offset into the handle must be 0 (R5; cuda.h: 'currently must be zero')";
+  if (size != hit->second.size) return "map: a mapping must be the whole handle (R5)";
+  auto r = reservations_.upper_bound(va);
+  if (r == reservations_.begin() || va + size > std::prev(r)->first + std::prev(r)->second)
+    return "map: range must lie inside one reservation (R5)";
+  auto m = mappings_.lower_bound(va);
+  if (m != mappings_.end() && m->first < va + size) return "map: range overlaps a mapping (R5)";
+  if (m != mappings_.begin() && std::prev(m)->first + std::prev(m)->second.size > va)
+    return "map: range overlaps a mapping (R5)";
+  return nullptr;
+}
+
+const char* DriverContract::check_set_access(DevicePtr va, std::size_t size) const {
+  if (size == 0 || !whole_mappings(va, size)) return "set_access: range must be whole, adjacent mappings (R6)";
+  return nullptr;
+}
+
+const char* DriverContract::check_unmap(DevicePtr va, std::size_t size) const {
+  if (size == 0 || !whole_mappings(va, size))
+    return "unmap: range must be whole, adjacent mappings, never part of one (R7)";
+  return nullptr;
+}
+
+bool DriverContract::released(PhysHandle h) {
+  auto it = handles_.find(h);
+  if (it->second.map_count == 0) {
+    handles_.erase(it);
+    return true;
+  }
+  it->second.released = true;
+  return false;
+}
+
+void DriverContract::mapped(DevicePtr va, std::size_t size, PhysHandle h) {
+  mappings_[va] = MappingState{size, h};
+  ++handles_[h].map_count;
+}
+
+void DriverContract::unmapped(DevicePtr va, std::size_t size, std::vector<PhysHandle>* gone) {
+  auto first = mappings_.find(va), last = mappings_.lower_bound(va + size);
+  for (auto it = first; it != last; ++it) {
+    auto h = handles_.find(it->second.handle);
+    if (--h->second.map_count == 0 && h->second.released) {
+      gone->push_back(h->first);
+      handles_.erase(h);
+    }
+  }
+  mappings_.erase(first, last);
+}
+
+// ---- The checked entry points ----
+
+Status Driver::reserve(std::size_t size, DevicePtr* va) {
+  charge(DriverCall::reserve);
+  if (const char* r = contract_.check_reserve(size)) return refuse(r);
+  const Status st = fail_through(do_reserve(size, va));
+  if (st == Status::ok) contract_.reserved(*va, size);
+  return st;
+}
+
+Status Driver::free_reservation(DevicePtr va, std::size_t size) {
+  charge(DriverCall::free_reservation);
+  if (const char* r = contract_.check_free_reservation(va, size)) return refuse(r);
+  const Status st = fail_through(do_free_reservation(va, size));
+  if (st == Status::ok) contract_.freed_reservation(va);
+  return st;
+}
+
+Status Driver::create(std::size_t size, PhysHandle* h) {
+  charge(DriverCall::create);
+  if (const char* r = contract_.check_create(size)) return refuse(r);
+  const Status st = fail_through(do_create(size, h));
+  if (st == Status::ok) contract_.created(*h, size);
+  return st;
+}
+
+Status Driver::release(PhysHandle h) {
+  charge(DriverCall::release);
+  if (const char* r = contract_.check_release(h)) return refuse(r);
+  const Status st = fail_through(do_release(h));
+  if (st == Status::ok && contract_.released(h)) memory_gone(h);
+  return st;
+}
+
+Status Driver::map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t offset) {
+  charge(DriverCall::map);
+  if (const char* r = contract_.check_map(va, size, h, offset)) return refuse(r);
+  const Status st = fail_through(do_map(va, size, h, offset));
+  if (st == Status::ok) contract_.mapped(va, size, h);
+  return st;
+}
+
+Status Driver::unmap(DevicePtr va, std::size_t size) {
+  charge(DriverCall::unmap);
+  if (const char* r = contract_.check_unmap(va, size)) return refuse(r);
+  const Status st = fail_through(do_unmap(va, size));
+  if (st == Status::ok) {
+    std::vector<PhysHandle> gone;
+    contract_.unmapped(va, size, &gone);
+    for (PhysHandle h : gone) memory_gone(h);
+  }
+  return st;
+}
+
+Status Driver::set_access(DevicePtr va, std::size_t size) {
+  charge(DriverCall::set_access);
+  if (const char* r = contract_.check_set_access(va, size)) return refuse(r);
+  return fail_through(do_set_access(va, size));
+}
+
+}  // namespace fragless

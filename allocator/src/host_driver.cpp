@@ -34,7 +34,7 @@ class HostDriver final : public Driver {
     *free_bytes = capacity_ - used_;
     *total_bytes = capacity_;
   }
-  std::string last_error() const override { return last_error_; }
+  std::string do_last_error() const override { return last_error_; }
 
   void inject(DriverCall c, std::uint64_t nth, Status st) {
     auto& r = faults_[static_cast<int>(c)];
@@ -52,7 +52,7 @@ class HostDriver final : public Driver {
   }
 
  private:
-  struct Handle { std::size_t offset, size, map_count; };
+  struct Handle { std::size_t offset, size; };
   struct Mapping { std::size_t size; PhysHandle handle; bool accessible; };
   struct Fault { std::uint64_t countdown = 0; Status status = Status::ok; };
 
@@ -72,13 +72,6 @@ class HostDriver final : public Driver {
   }
   bool aligned(std::size_t v) const { return v % granularity() == 0; }
 
-  // The reservation holding [va, va+size), or end().
-  std::map<DevicePtr, std::size_t>::iterator reservation_of(DevicePtr va, std::size_t size) {
-    auto it = reservations_.upper_bound(va);
-    if (it == reservations_.begin()) return reservations_.end();
-    --it;
-    return va + size <= it->first + it->second ? it : reservations_.end();
-  }
   bool overlaps_mapping(DevicePtr va, std::size_t size) const {
     auto it = mappings_.lower_bound(va);
     if (it != mappings_.end() && it->first < va + size) return true;
@@ -125,7 +118,7 @@ class HostDriver final : public Driver {
       if (len > size) free_ranges_.emplace(offset + size, len - size);
       used_ += size;
       *h = next_handle_++;
-      handles_.emplace(*h, Handle{offset, size, 0});
+      handles_.emplace(*h, Handle{offset, size});
       return Status::ok;
     }
     return fail("create: out of memory (" + std::to_string(capacity_ - used_) + " of " + std::to_string(capacity_) +
@@ -133,11 +126,14 @@ class HostDriver final : public Driver {
                 Status::out_of_memory);
   }
 
-  Status do_release(PhysHandle h) override {
+  // The base class checked the handle (R8); the memory goes in memory_gone, once nothing maps it.
+  Status do_release(PhysHandle) override {
     if (Status st; injected(DriverCall::release, &st)) return st;
+    return Status::ok;
+  }
+
+  void memory_gone(PhysHandle h) override {
     auto it = handles_.find(h);
-    if (it == handles_.end()) return fail("release: unknown handle");
-    if (it->second.map_count) return fail("release: handle still mapped");
     const Handle hd = it->second;
     handles_.erase(it);
     // Punch a hole so the memory really goes back, then coalesce the free range.
@@ -159,61 +155,32 @@ class HostDriver final : public Driver {
       }
     }
     free_ranges_.emplace(off, len);
-    return Status::ok;
   }
 
-  Status do_map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t offset) override {
+  // The base class enforced R1 and R5: a whole handle at offset 0, inside one reservation, over nothing mapped.
+  Status do_map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t) override {
     if (Status st; injected(DriverCall::map, &st)) return st;
-    if (size == 0 || !aligned(va) || !aligned(size) || !aligned(offset)) return fail("map: unaligned argument");
     auto hit = handles_.find(h);
-    if (hit == handles_.end()) return fail("map: unknown handle");
-    if (offset + size > hit->second.size) return fail("map: range beyond the handle");
-    if (reservation_of(va, size) == reservations_.end()) return fail("map: range not inside one reservation");
-    if (overlaps_mapping(va, size)) return fail("map: range already mapped");
     void* p = mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_SHARED | MAP_FIXED, fd_,
-                   static_cast<off_t>(hit->second.offset + offset));
+                   static_cast<off_t>(hit->second.offset));
     if (p == MAP_FAILED) return fail(std::string("map: mmap: ") + std::strerror(errno), Status::driver_error);
     mappings_.emplace(va, Mapping{size, h, false});
-    ++hit->second.map_count;
     return Status::ok;
   }
 
+  // The base class enforced R7: whole, adjacent mappings.
   Status do_unmap(DevicePtr va, std::size_t size) override {
     if (Status st; injected(DriverCall::unmap, &st)) return st;
-    // The range must cover whole mappings, back to back, and nothing else.
-    auto first = mappings_.find(va);
-    if (first == mappings_.end()) return fail("unmap: no mapping starts at this address");
-    DevicePtr at = va;
-    auto it = first;
-    while (at < va + size) {
-      if (it == mappings_.end() || it->first != at) return fail("unmap: range is not whole, contiguous mappings");
-      at += it->second.size;
-      ++it;
-    }
-    if (at != va + size) return fail("unmap: range ends inside a mapping");
     void* p = mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
                    -1, 0);
     if (p == MAP_FAILED) return fail(std::string("unmap: mmap: ") + std::strerror(errno), Status::driver_error);
-    for (auto m = first; m != it; ++m) --handles_[m->second.handle].map_count;
-    mappings_.erase(first, it);
+    mappings_.erase(mappings_.find(va), mappings_.lower_bound(va + size));
     return Status::ok;
   }
 
+  // The base class enforced R6: whole, adjacent mappings.
   Status do_set_access(DevicePtr va, std::size_t size) override {
     if (Status st; injected(DriverCall::set_access, &st)) return st;
-    // Must be fully mapped.
-    auto it = mappings_.upper_bound(va);
-    if (it == mappings_.begin()) return fail("set_access: range not mapped");
-    --it;
-    DevicePtr at = va;
-    std::vector<Mapping*> touched;
-    while (at < va + size) {
-      if (it == mappings_.end() || it->first > at || it->first + it->second.size <= at)
-        return fail("set_access: range not fully mapped");
-      touched.push_back(&it->second);
-      at = it->first + it->second.size;
-      ++it;
-    }
     if (mprotect(reinterpret_cast<void*>(va), size, PROT_READ | PROT_WRITE) != 0)
       return fail(std::string("set_access: mprotect: ") + std::strerror(errno), Status::driver_error);
     // Fault the page tables in with one call, as a GPU mapping is ready once access is set (far cheaper than
@@ -222,7 +189,7 @@ class HostDriver final : public Driver {
 #define MADV_POPULATE_WRITE 23
 #endif
     madvise(reinterpret_cast<void*>(va), size, MADV_POPULATE_WRITE);
-    for (Mapping* m : touched) m->accessible = true;
+    for (auto it = mappings_.find(va); it != mappings_.end() && it->first < va + size; ++it) it->second.accessible = true;
     return Status::ok;
   }
 

@@ -17,8 +17,8 @@ class ExpandablePolicy final : public GrowablePolicy {
     return round_up(small ? kSmallBuffer : kLargeBuffer, s_.driver->granularity());
   }
 
-  Status map_pages(Segment& seg, std::size_t first, std::size_t n) override {
-    const std::size_t page = seg.page_size;
+  Status map_pages(Segment& seg, std::size_t first, std::size_t* n_io, std::size_t) override {
+    const std::size_t page = seg.page_size, n = *n_io;
     if (!s_.capacity_allows(n * page)) return Status::out_of_memory;
     Driver& d = *s_.driver;
     std::size_t done = 0;

@@ -1,33 +1,56 @@
 // fragless: growable segments with page-granular (2 MiB) pages whose physical memory comes from a
-// device-wide page pool.
+// device-wide pool of whole handles (handle_pool.h).
 //
-// Note [Re-backing instead of growing]
-// Classic caching fragments because freed memory sits in holes of the wrong shape; expandable segments
-// fix the address-space side but still hold every page of every hole until empty_cache. Here a page's
-// physical memory is not tied to its address: before new physical memory is created beyond a small
-// budget (Note [Reserve budget]), whole free pages are taken from holes of the default pool and mapped
-// where the request needs them. Physical memory is created in chunks (one handle, several pages, each page
-// mapped on its own so that it can be unmapped on its own) to amortise cuMemCreate. Private pools (graph
-// capture) are never reclaimed from: their addresses are baked into graphs.
+// Note [Whole handles]
+// CUDA maps a physical handle only whole, at offset 0 (driver.h, R5), and unmaps whole mappings only (R7).
+// So the unit that can move from one address to another is a handle, and its size is a policy choice:
+// one page per handle moves the finest but costs a cuMemCreate per page; one handle per growth costs one
+// call but pins the whole growth while any byte of it is live. The default (`handles:ends`) puts the body
+// of a growth in one handle and its last page, the one a neighbour may share, in a handle of its own
+// (docs/RESULTS.md, "Handle shapes", measures all three). A handle larger than what a request still needs
+// is mapped whole anyway when the unmapped room after the request holds it: the extra pages become free
+// space at the segment's end, so no held memory is ever unusable for lack of a split.
+//
+// Note [Complete re-backing]
+// Invariant, checked after every operation: fragless creates new physical memory only when no physical
+// memory it already holds and could put under the request without waiting remains — no idle handle that
+// fits the room, and no whole handle under a free block of a default pool on the requesting stream
+// (holes and free segment tails alike), outside the run being grown. One exception ends cycles (Note
+// [Refills]): a growth into pages that a reclaim took memory from within the last kRefillWindow growths
+// creates its memory.
+//
+// Note [Refills]
+// A repeated step can make re-backing cycle: a miss at R takes memory from hole H, the next step's miss at
+// H takes it back from R, and so on, an unmap and a map every step for ever. The sign is a growth into
+// pages that a reclaim stripped shortly before: the memory taken from there was still needed there. Such a
+// growth creates new memory instead (idle handles still come first), so both places keep memory and the
+// step reaches a steady state with no driver call. A refill is bounded: it may not take reserved past
+// reserve_slack above the peak of live bytes plus two pages; a larger growth into stripped pages (a
+// repeated chain of doubling activations, whose second pass lands where the first pass took memory from)
+// re-backs completely instead, at the price of its driver calls. Lent ranges whose events have
+// completed are unmapped first, so their handles count too. Holes on other streams need a
+// synchronisation before their memory can move (cuMemUnmap is not stream-ordered); taking them is a
+// counted last resort, used only when creating would exceed the device. Private pools (graph capture)
+// are never reclaimed from: their addresses are baked into graphs.
 //
 // Note [Lending pages without a sync]
 // cuMemUnmap is not stream-ordered, so unmapping a hole while its stream may still run work that used it
 // needs a synchronisation first (PyTorch synchronises before every unmap). But a hole on the requesting
-// stream need not be unmapped first: its pages are mapped at the new address while the old mapping stays
-// (one handle may be mapped at several addresses). The new block's work is queued on the same stream after
-// everything that used the hole, so stream order makes the sharing safe. An event recorded on the stream
-// at that moment tells when the old mapping may go; it is unmapped once the event has completed (polled on
-// later slow paths), or, if its address range is needed again before that, after waiting for the event,
-// which counts as a forced synchronisation. Holes on other streams are still unmapped after synchronising
-// their streams. Until its old mapping is gone a lent range is `unmapped` to the engine and no other
-// request maps it.
+// stream need not be unmapped first: its handles are mapped at the new address while the old mappings stay
+// (R9: one handle may be mapped at several addresses). The new block's work is queued on the same stream
+// after everything that used the hole, so stream order makes the sharing safe. An event recorded on the
+// stream at that moment tells when the old mappings may go; they are unmapped once the event has completed
+// (polled on later slow paths), or, if their address range is needed again before that, after waiting for
+// the event, which counts as a forced synchronisation. Until its old mapping is gone a lent range is
+// `unmapped` to the engine and no other request maps it.
 //
 // In a steady state (the same step again) every request hits the cache, so no driver call and no
 // synchronisation happen at all; the driver is only touched when the working set changes shape.
 #include <algorithm>
+#include <deque>
 #include <set>
-#include <unordered_map>
 
+#include "handle_pool.h"
 #include "policy_growable.h"
 #include "trace_emit.h"
 
@@ -38,22 +61,20 @@ class FraglessPolicy final : public GrowablePolicy {
  public:
   using GrowablePolicy::GrowablePolicy;
   PolicyKind kind() const override { return PolicyKind::fragless; }
-  std::size_t idle_bytes() const override { return idle_.size() * page_; }
+  std::size_t idle_bytes() const override { return pool_.idle_pages() * page_; }
   bool small_from_large_remnants() const override { return s_.opts.small_in_remnants; }
 
   std::string check() const override {
-    std::size_t chunk_bytes = 0, in_use = 0;
-    for (auto& [h, c] : chunks_) {
-      chunk_bytes += c.pages * page_;
-      in_use += c.in_use;
-    }
-    if (in_use + idle_.size() != chunk_bytes / page_) return "fragless page pool: pages in use + idle != created";
-    if (!fresh_.empty()) return "fragless page pool: pages lent to a request were left over";
+    if (!audit_.empty()) return audit_;
+    std::size_t mapped = 0;
+    for (const auto& seg : s_.segments)
+      if (seg->growable) mapped += seg->mapped_bytes / page_;
+    if (std::string e = pool_.check(mapped); !e.empty()) return e;
     for (const Pending& p : pending_) {
       const DevicePtr lo = p.seg->base + p.first * page_, hi = lo + p.n * page_;
       if (p.first + p.n > p.seg->pages.size()) return "fragless: a lent range lies outside its segment";
       for (std::size_t i = p.first; i < p.first + p.n; ++i)
-        if (p.seg->pages[i].handle) return "fragless: a lent range was mapped again before its old mapping went";
+        if (p.seg->pages[i].valid()) return "fragless: a lent range was mapped again before its old mapping went";
       // The engine sees the range as unmapped: it must lie inside unmapped blocks.
       for (Block* b = p.seg->first; b; b = b->next)
         if (b->ptr < hi && b->ptr + b->size > lo && b->state != BlockState::unmapped)
@@ -65,62 +86,73 @@ class FraglessPolicy final : public GrowablePolicy {
  protected:
   std::size_t page_size(bool) const override { return page_; }
 
-  Status map_pages(Segment& seg, std::size_t first, std::size_t n) override {
+  // Whole pages of b, narrowed to the whole mappings inside them (R7).
+  bool unmappable_pages(const Block* b, std::size_t* lo, std::size_t* hi) const override {
+    return whole_pages(b, lo, hi) && whole_mappings(*b->segment, lo, hi);
+  }
+
+  Status map_pages(Segment& seg, std::size_t first, std::size_t* n_io, std::size_t room) override {
+    const std::size_t need = *n_io;
+    ++tick_;
     poll_pending();
-    finish_pending(&seg, first, n);  // the range may still be mapped to pages lent out without a sync
-    fresh_.clear();
-    if (idle_.size() < n && s_.total_reserved + (n - idle_.size()) * page_ > budget(n)) {
-      auto cands = reclaim_candidates();
-      std::size_t reclaimable = 0;
-      for (const auto& c : cands) reclaimable += c.hi - c.lo;
+    finish_pending(&seg, first, need);  // the range may still be mapped to handles lent out without a sync
+    room = room_before_pending(seg, first, need, room);
+    planned_ = 0;
+    take_idle(need, room);
+    const bool refill = planned_ < need && refills(seg, first, need - planned_);
+    if (planned_ < need && !refill) {
       // Touch nothing when even everything together cannot succeed: the retry chain takes over.
-      if (idle_.size() + reclaimable + creatable_pages() < n) return Status::out_of_memory;
-      reclaim(std::move(cands), n - idle_.size(), seg.stream);
+      if (planned_ + reclaimable_pages() + creatable_pages() < need) return fail_request(Status::out_of_memory, {});
+      reclaim(seg.stream, /*other_streams=*/false, need, room);  // Note [Complete re-backing]
     }
-    if (idle_.size() + fresh_.size() < n) {
-      if (Status st = create_pages(n - idle_.size() - fresh_.size()); st != Status::ok) {
-        return_fresh();
-        return st;
-      }
+    if (planned_ < need && !can_create(need - planned_)) reclaim(seg.stream, /*other_streams=*/true, need, room);
+    std::vector<PhysHandle> created;
+    if (planned_ < need) {
+      if (!refill) audit_creation(seg, need - planned_, room - planned_);
+      // A refill creates exactly what it misses: the memory it puts back is what the cycle moved.
+      if (Status st = create(need - planned_, refill ? need - planned_ : room - planned_, &created); st != Status::ok)
+        return fail_request(st, created);
     }
+
+    // Map every taken handle whole, in order, from `first`; then one set_access over them all (R6).
     Driver& d = *s_.driver;
-    std::size_t done = 0;
+    const std::vector<PhysHandle>& order = pool_.taken();
+    std::size_t at = first, mapped = 0;
     Status st = Status::ok;
-    for (; done < n; ++done) {
-      // Pages taken from this stream's holes without a sync go first: only this stream may use them yet.
-      std::vector<PageRef>& from = fresh_.empty() ? idle_ : fresh_;
-      const PageRef r = from.back();
-      if ((st = d.map(seg.base + (first + done) * page_, page_, r.handle, r.offset)) != Status::ok) break;
-      from.pop_back();
-      seg.pages[first + done] = r;
-      ++chunks_[r.handle].in_use;
+    for (; mapped < order.size(); ++mapped) {
+      const PhysHandle h = order[mapped];
+      const std::size_t k = pool_.pages(h);
+      if ((st = d.map(seg.base + at * page_, k * page_, h, 0)) != Status::ok) break;
+      for (std::size_t i = 0; i < k; ++i) seg.pages[at + i] = PageRef{h, i * page_};
+      pool_.mark_mapped(h);
+      at += k;
     }
-    if (st == Status::ok) st = d.set_access(seg.base + first * page_, n * page_);
+    if (st == Status::ok) st = d.set_access(seg.base + first * page_, (at - first) * page_);
+    pool_.forget_taken(mapped);
     if (st != Status::ok) {
-      if (done) s_.give_back_mapping(seg.base + first * page_, done * page_);
-      give_back(seg, first, done, idle_);
-      return_fresh();
-      return st;
+      if (at > first) s_.give_back_mapping(seg.base + first * page_, (at - first) * page_);
+      give_back(seg, first, at - first, /*to_request=*/false);
+      return fail_request(st, created);
     }
-    if (seg.small) move_reserved(true, n * page_);
+    if (seg.small) move_reserved(true, (at - first) * page_);
+    *n_io = at - first;
     return Status::ok;
   }
 
   std::size_t unmap_pages(Segment& seg, std::size_t first, std::size_t n) override {
-    const DevicePtr va = seg.base + first * page_;
     if (unmap_for_ == UnmapFor::lend) {
-      // Note [Lending pages without a sync]: the old mapping stays until the stream's queued work is done.
+      // Note [Lending pages without a sync]: the old mappings stay until the stream's queued work is done.
       Event e = 0;
       if (s_.driver->record_event(seg.stream, &e) == Status::ok) {
         pending_.push_back({&seg, first, n, e});
-        give_back(seg, first, n, fresh_);
+        give_back(seg, first, n, /*to_request=*/true);
         if (seg.small) move_reserved(false, n * page_);
         return n;
       }
       s_.forced_sync(seg.stream);  // no event: wait for the stream instead, then unmap at once
     }
-    if (s_.driver->unmap(va, n * page_) != Status::ok) return 0;
-    give_back(seg, first, n, unmap_for_ == UnmapFor::release ? idle_ : fresh_);
+    if (s_.driver->unmap(seg.base + first * page_, n * page_) != Status::ok) return 0;
+    give_back(seg, first, n, /*to_request=*/unmap_for_ != UnmapFor::release);
     if (seg.small) move_reserved(false, n * page_);
     return n;
   }
@@ -130,32 +162,152 @@ class FraglessPolicy final : public GrowablePolicy {
     GrowablePolicy::release_free(only);
   }
 
-  // After a release (empty_cache, OOM retry): give back every chunk none of whose pages is mapped.
+  // After a release (empty_cache, OOM retry): every idle handle goes back to the driver.
   void after_release() override {
-    std::vector<PageRef> keep;
-    std::unordered_map<PhysHandle, std::size_t> idle_count;
-    for (const PageRef& r : idle_) ++idle_count[r.handle];
-    for (const PageRef& r : idle_) {
-      auto it = chunks_.find(r.handle);
-      if (it->second.in_use == 0 && idle_count[r.handle] == it->second.pages) continue;  // released below
-      keep.push_back(r);
-    }
-    for (auto it = chunks_.begin(); it != chunks_.end();) {
-      if (it->second.in_use != 0) { ++it; continue; }
-      s_.give_back_handle(it->first);
-      const std::size_t bytes = it->second.pages * page_;
-      s_.add_reserved(false, -static_cast<std::int64_t>(bytes));
-      emit(s_, TraceAction::phys_release, 0, 0, bytes, bytes);
-      it = chunks_.erase(it);
-    }
-    idle_ = std::move(keep);
+    pool_.release_idle([&](PhysHandle h, std::size_t pages) { release_handle(h, pages); });
   }
 
  private:
-  struct Chunk { std::size_t pages = 0, in_use = 0; };
-  // A range whose pages were lent to a request on the same stream while the old mapping stayed: unmapped
-  // once the event (recorded on the segment's stream at lending time) has completed.
+  // A range whose handles were lent to a request on the same stream while the old mappings stayed:
+  // unmapped once the event (recorded on the segment's stream at lending time) has completed.
   struct Pending { Segment* seg; std::size_t first, n; Event event; };
+  struct Stripped { const Segment* seg; std::size_t lo, hi; std::uint64_t tick; };
+  static constexpr std::uint64_t kRefillWindow = 256;  // growths
+  // Whole mappings [lo, hi) (segment pages) inside the free block b.
+  struct Candidate { Block* b; std::size_t lo, hi; };
+
+  static std::size_t mapping_start(const Segment& seg, std::size_t page) {
+    return page - seg.pages[page].offset / seg.page_size;
+  }
+  // Narrows mapped pages [*lo, *hi) of seg to the whole mappings inside them; false if none.
+  bool whole_mappings(const Segment& seg, std::size_t* lo, std::size_t* hi) const {
+    if (*hi <= *lo) return false;
+    if (seg.pages[*lo].offset != 0) *lo = mapping_start(seg, *lo) + pool_.pages(seg.pages[*lo].handle);
+    if (*hi > *lo) {
+      const std::size_t last = mapping_start(seg, *hi - 1);
+      if (last + pool_.pages(seg.pages[*hi - 1].handle) > *hi) *hi = last;
+    }
+    return *hi > *lo;
+  }
+  // The pages of free block b that reclaim may take: its whole mappings beyond the run being grown (a
+  // block the run ends in keeps the part the run needs).
+  bool reclaimable(const Block* b, std::size_t* lo, std::size_t* hi) const {
+    if (!whole_pages(b, lo, hi)) return false;
+    const Segment& seg = *b->segment;
+    if (b->ptr < run_hi_ && b->ptr + b->size > run_lo_) {
+      if (b->ptr < run_lo_ || run_hi_ <= seg.base) return false;
+      *lo = std::max(*lo, round_up(run_hi_ - seg.base, page_) / page_);
+    }
+    return whole_mappings(seg, lo, hi);
+  }
+
+  // ---- Placement: idle handles ----
+
+  void take_idle(std::size_t need, std::size_t room) {
+    while (planned_ < need) {
+      const PhysHandle h = pool_.pick(need - planned_, room - planned_);
+      if (!h) return;
+      pool_.take_idle(h);
+      planned_ += pool_.pages(h);
+    }
+  }
+
+  // ---- Reclaim: whole handles under free blocks ----
+
+  // Free blocks of the default pools (never private ones) on `stream` (or on every other stream), outside
+  // the run being grown, with the whole mappings inside them.
+  std::vector<Candidate> candidates(Stream stream, bool other_streams) const {
+    std::vector<Candidate> cands;
+    for (const BlockPool* bp : {&s_.default_pools.large, &s_.default_pools.small})
+      for (Block* b : bp->blocks) {
+        if (!b->segment->growable || (b->stream == stream) == other_streams) continue;
+        std::size_t lo, hi;
+        if (reclaimable(b, &lo, &hi)) cands.push_back({b, lo, hi});
+      }
+    return cands;
+  }
+
+  std::size_t reclaimable_pages() const {
+    std::size_t n = 0;
+    for (bool other : {false, true})  // stream 0 and every other stream: each block once
+      for (const Candidate& c : candidates(0, other)) n += c.hi - c.lo;
+    return n;
+  }
+
+  // Takes whole handles from holes until the request's need is met, never more than its room. Largest
+  // holes first; inside a hole, from the top down (the low part stays next to its allocated neighbour),
+  // adjacent handles in one unmap. Same-stream holes lend without a sync; other streams' holes wait for
+  // their streams first (counted).
+  void reclaim(Stream stream, bool other_streams, std::size_t need, std::size_t room) {
+    std::vector<Candidate> cands = candidates(stream, other_streams);
+    std::sort(cands.begin(), cands.end(), [](const Candidate& a, const Candidate& b) { return a.hi - a.lo > b.hi - b.lo; });
+    std::vector<Candidate> groups;
+    std::size_t got = planned_;
+    for (const Candidate& c : cands) {
+      const Segment& seg = *c.b->segment;
+      std::size_t at = c.hi, top = c.hi;
+      while (at > c.lo && got < need) {
+        const std::size_t start = mapping_start(seg, at - 1), len = at - start;
+        if (got + len <= room) {
+          got += len;
+        } else {
+          if (top > at) groups.push_back({c.b, at, top});
+          top = start;
+        }
+        at = start;
+      }
+      if (top > at) groups.push_back({c.b, at, top});
+      if (got >= need) break;
+    }
+    const bool lend = !other_streams && s_.opts.lend_pages;
+    if (!lend) {
+      std::set<Stream> streams;
+      for (const Candidate& g : groups) streams.insert(g.b->stream);
+      for (Stream st : streams) s_.forced_sync(st);  // cuMemUnmap is not stream-ordered
+    }
+    unmap_for_ = lend ? UnmapFor::lend : UnmapFor::reclaim;
+    for (const Candidate& g : groups) unmap_block_pages(g.b, g.lo, g.hi);
+    unmap_for_ = UnmapFor::release;
+  }
+
+  // Note [Complete re-backing], checked: just before memory is created, an independent recount (from the
+  // segments' block lists, not the pools' size sets) finds nothing on the requesting stream that could
+  // still go under the request without waiting.
+  void audit_creation(const Segment& target, std::size_t missing, std::size_t room) {
+    if (pool_.idle_pages_within(room) > 0) {
+      audit_ = "fragless: created memory while an idle handle fitted the request (Note [Complete re-backing])";
+      return;
+    }
+    for (const auto& seg : s_.segments) {
+      if (!seg->growable || seg->owner != &s_.default_pools || seg->stream != target.stream) continue;
+      for (Block* b = seg->first; b; b = b->next) {
+        if (!b->reusable()) continue;
+        std::size_t lo, hi;
+        if (!whole_pages(b, &lo, &hi)) continue;
+        if (b->ptr < run_hi_ && b->ptr + b->size > run_lo_) {  // the run's own part is not for taking
+          if (b->ptr < run_lo_) continue;
+          lo = std::max(lo, (run_hi_ - seg->base + page_ - 1) / page_);
+        }
+        for (std::size_t i = lo; i < hi; ++i) {
+          const std::size_t start = mapping_start(*seg, i), len = pool_.pages(seg->pages[i].handle);
+          if (start >= lo && start + len <= hi && len <= room) {
+            audit_ = "fragless: created " + std::to_string(missing) + " pages while a free block on the stream "
+                     "held a whole handle that fitted (Note [Complete re-backing])";
+            return;
+          }
+        }
+      }
+    }
+  }
+
+  // ---- Lending ----
+
+  // The room a request may map into stops at the next lent range of the segment.
+  std::size_t room_before_pending(const Segment& seg, std::size_t first, std::size_t need, std::size_t room) const {
+    for (const Pending& p : pending_)
+      if (p.seg == &seg && p.first >= first + need && p.first < first + room) room = p.first - first;
+    return room;
+  }
 
   // Unmaps the lent ranges whose work is done, without waiting.
   void poll_pending() {
@@ -185,25 +337,49 @@ class FraglessPolicy final : public GrowablePolicy {
     s_.driver->release_event(p.event);
   }
 
-  // After a failed request: the pages it was lent (used or not) become idle pages, which any stream may
-  // take, so the lenders' queued work must be done first.
-  void return_fresh() {
-    if (!pending_.empty()) finish_pending(nullptr, 0, 0);
-    idle_.insert(idle_.end(), fresh_.begin(), fresh_.end());
-    fresh_.clear();
+  // ---- Failure and bookkeeping ----
+
+  // A failed request: the handles it was lent (used or not) become idle, which any stream may take, so the
+  // lenders' queued work must be done first; what it created goes back to the driver.
+  Status fail_request(Status st, const std::vector<PhysHandle>& created) {
+    if (!pending_.empty() && !pool_.taken().empty()) finish_pending(nullptr, 0, 0);
+    pool_.return_taken();
+    for (PhysHandle h : created) {
+      const std::size_t pages = pool_.pages(h);
+      pool_.remove_idle(h);
+      release_handle(h, pages);
+    }
+    return st;
   }
 
-  // Unmapped pages [first, first + n) of seg go back to `to` (the idle pages, or the request's).
-  void give_back(Segment& seg, std::size_t first, std::size_t n, std::vector<PageRef>& to) {
-    for (std::size_t i = 0; i < n; ++i) {
-      PageRef& r = seg.pages[first + i];
-      --chunks_[r.handle].in_use;
-      to.push_back(r);
+  // Unmapped pages [first, first + n) of seg: their handles go to the request being mapped, or idle.
+  void give_back(Segment& seg, std::size_t first, std::size_t n, bool to_request) {
+    for (std::size_t i = first; i < first + n; ++i) {
+      PageRef& r = seg.pages[i];
+      if (r.offset == 0) to_request ? pool_.unmapped_to_taken(r.handle) : pool_.unmapped_to_idle(r.handle);
       r = PageRef{};
+    }
+    if (to_request) {
+      planned_ += n;
+      stripped_.push_back({&seg, first, first + n, tick_});
     }
   }
 
-  // Reserved is reported per pool as mapped bytes; idle pages count as large-pool reserve.
+  // Whether creating `missing` pages at pages [first, ...) of seg is a refill (Note [Refills]): the pages
+  // were stripped by a reclaim lately, and the new memory keeps reserved within reserve_slack of the peak
+  // of live bytes plus two pages, so a refill never raises the overhead over live beyond that.
+  bool refills(const Segment& seg, std::size_t first, std::size_t missing) {
+    const auto peak = static_cast<double>(std::max<std::int64_t>(0, s_.stats.live_bytes.peak));
+    if (static_cast<double>(s_.total_reserved + missing * page_) > peak * (1 + s_.opts.reserve_slack) + 2.0 * page_)
+      return false;
+    while (!stripped_.empty() && tick_ - stripped_.front().tick >= kRefillWindow) stripped_.pop_front();
+    const std::size_t n = missing;
+    for (const Stripped& s : stripped_)
+      if (s.seg == &seg && s.lo < first + n && s.hi > first) return true;
+    return false;
+  }
+
+  // Reserved is reported per pool as mapped bytes; idle handles count as large-pool reserve.
   void move_reserved(bool to_small, std::size_t bytes) {
     const auto b = static_cast<std::int64_t>(bytes);
     auto& st = s_.stats.reserved_bytes;
@@ -211,78 +387,14 @@ class FraglessPolicy final : public GrowablePolicy {
     st.by_pool[kLargePool].add(to_small ? -b : b);
   }
 
-  // Creates physical memory for at least `missing` pages, in one chunk of at least chunk_size (default
-  // 16 MiB) so that cuMemCreate calls stay few, but never past the reserve budget, so the chunk's idle tail
-  // stays small. 16 MiB is below PyTorch's own 20 MiB large page: at a new peak our overshoot is at most
-  // what expandable segments round up to anyway (docs/RESULTS.md, "Policy parameters").
-  Status create_pages(std::size_t missing) {
-    const std::size_t growth = std::max<std::size_t>(1, s_.opts.chunk_size / page_);
-    std::size_t pages = std::max(missing, growth);
-    const std::size_t room = budget(missing) > s_.total_reserved ? (budget(missing) - s_.total_reserved) / page_ : 0;
-    pages = std::max(missing, std::min(pages, room));
-    if (!s_.capacity_allows(pages * page_)) pages = missing;
-    if (!s_.capacity_allows(pages * page_)) return Status::out_of_memory;
-    PhysHandle h = 0;
-    Status st = s_.driver->create(pages * page_, &h);
-    if (st == Status::out_of_memory && pages > missing) {
-      pages = missing;
-      st = s_.driver->create(pages * page_, &h);
-    }
-    if (st == Status::out_of_memory && missing > 1) return create_page_by_page(missing);
-    if (st != Status::ok) return st;
-    add_chunk(h, pages);
-    return Status::ok;
+  void release_handle(PhysHandle h, std::size_t pages) {
+    s_.give_back_handle(h);
+    const std::size_t bytes = pages * page_;
+    s_.add_reserved(false, -static_cast<std::int64_t>(bytes));
+    emit(s_, TraceAction::phys_release, 0, 0, bytes, bytes);
   }
 
-  // Last resort when one contiguous handle cannot be had: one page per handle.
-  // All or nothing: on failure the pages created here are released again.
-  Status create_page_by_page(std::size_t missing) {
-    std::vector<PhysHandle> made;
-    for (std::size_t i = 0; i < missing; ++i) {
-      PhysHandle h = 0;
-      if (Status st = s_.driver->create(page_, &h); st != Status::ok) {
-        for (PhysHandle m : made) s_.give_back_handle(m);
-        return st;
-      }
-      made.push_back(h);
-    }
-    for (PhysHandle h : made) add_chunk(h, 1);
-    return Status::ok;
-  }
-
-  void add_chunk(PhysHandle h, std::size_t pages) {
-    chunks_[h] = Chunk{pages, 0};
-    for (std::size_t i = pages; i-- > 0;) idle_.push_back(PageRef{h, i * page_});
-    s_.add_reserved(false, static_cast<std::int64_t>(pages * page_));
-    emit(s_, TraceAction::phys_create, 0, 0, pages * page_, pages * page_);
-  }
-
-  struct Candidate { Block* b; std::size_t lo, hi; };
-
-  // Note [Reserve budget]
-  // Creating memory raises reserved; re-backing from holes costs an unmap and a map but, for holes on the
-  // requesting stream, no synchronisation (Note [Lending pages without a sync]). We create freely only
-  // while reserved stays within reserve_slack (default 1/64) of what is live now plus the request, and
-  // re-back from holes beyond that. Counting live now, not the peak so far, matters: when a step's shape
-  // changes below an earlier peak, the holes the old shape left are reused before new memory is made.
-  std::size_t budget(std::size_t pages_needed) const {
-    const auto live = static_cast<std::size_t>(
-        std::max<std::int64_t>(0, s_.stats.live_bytes.current) + static_cast<std::int64_t>(pages_needed * page_));
-    return live + static_cast<std::size_t>(static_cast<double>(live) * s_.opts.reserve_slack);
-  }
-
-  // Whole free pages in holes of the default pool, outside the run being grown.
-  std::vector<Candidate> reclaim_candidates() {
-    std::vector<Candidate> cands;
-    for (BlockPool* bp : {&s_.default_pools.large, &s_.default_pools.small})
-      for (Block* b : bp->blocks) {
-        std::size_t lo, hi;
-        if (!b->segment->growable || !whole_pages(b, &lo, &hi)) continue;
-        if (b->ptr < run_hi_ && b->ptr + b->size > run_lo_) continue;
-        cands.push_back({b, lo, hi});
-      }
-    return cands;
-  }
+  // ---- New memory ----
 
   // Pages that could still be created within the device's free memory and the memory fraction.
   std::size_t creatable_pages() {
@@ -293,43 +405,69 @@ class FraglessPolicy final : public GrowablePolicy {
                                     ? s_.allowed_memory_maximum - s_.total_reserved : 0);
     return free_b / page_;
   }
+  bool can_create(std::size_t pages) { return s_.capacity_allows(pages * page_) && creatable_pages() >= pages; }
 
-  // Takes up to `want` whole free pages from the candidates for a request on `stream`. Holes on the same
-  // stream come first, largest first: their pages are lent without a sync (Note [Lending pages without a
-  // sync]). Holes on other streams are unmapped after their streams have finished their queued work.
-  void reclaim(std::vector<Candidate> cands, std::size_t want, Stream stream) {
-    if (cands.empty()) return;
-    std::sort(cands.begin(), cands.end(), [&](const Candidate& a, const Candidate& b) {
-      const bool sa = a.b->stream == stream, sb = b.b->stream == stream;
-      if (sa != sb) return sa;
-      return a.hi - a.lo > b.hi - b.lo;
-    });
-    std::size_t got = 0, n = 0;
-    std::set<Stream> streams;
-    for (; n < cands.size() && got < want; ++n) {
-      got += cands[n].hi - cands[n].lo;
-      if (cands[n].b->stream != stream || !s_.opts.lend_pages) streams.insert(cands[n].b->stream);
+  // The handles a growth of `missing` pages creates (Note [Whole handles]). With `ends` and `whole`, the
+  // last one may be rounded up to chunk_size, but by no more than reserve_slack of live bytes and never
+  // past the room: fewer cuMemCreate calls at a bounded cost in idle memory.
+  std::vector<std::size_t> shape(std::size_t missing, std::size_t room) {
+    if (s_.opts.handle_shape == HandleShape::pages) return std::vector<std::size_t>(missing, 1);
+    const std::size_t chunk = std::max<std::size_t>(1, s_.opts.chunk_size / page_);
+    const auto live = static_cast<double>(std::max<std::int64_t>(0, s_.stats.live_bytes.current));
+    const auto slack = static_cast<std::size_t>(live * s_.opts.reserve_slack) / page_;
+    std::size_t extra = std::min(room, std::max(missing, std::min(chunk, missing + slack))) - missing;
+    if (extra && !can_create(missing + extra)) extra = 0;
+    if (s_.opts.handle_shape == HandleShape::whole || missing < 2) return {missing + extra};
+    // The body in handles of at most handle_max pages, then the last page (which a neighbour may share)
+    // with the slack: a live block that later straddles a body handle pins less than handle_max of it.
+    const std::size_t body_max = std::max<std::size_t>(1, s_.opts.handle_max / page_);
+    std::vector<std::size_t> sizes;
+    for (std::size_t left = missing - 1; left > 0;) {
+      const std::size_t k = std::min(left, body_max);
+      sizes.push_back(k);
+      left -= k;
     }
-    // Unmapping is not stream-ordered: other streams' holes wait for their streams' queued work.
-    for (Stream st : streams) s_.forced_sync(st);
-    std::size_t left = want;
-    for (std::size_t i = 0; i < n && left > 0; ++i) {
-      auto& c = cands[i];
-      const std::size_t take = std::min(left, c.hi - c.lo);
-      unmap_for_ = c.b->stream == stream && s_.opts.lend_pages ? UnmapFor::lend : UnmapFor::reclaim;
-      // Take the top pages of the hole: the low part stays mapped next to its allocated neighbour.
-      if (unmap_block_pages(c.b, c.hi - take, c.hi)) left -= take;
-      unmap_for_ = UnmapFor::release;
+    sizes.push_back(1 + extra);
+    return sizes;
+  }
+
+  // Creates the handles for `missing` pages; they join the request. A handle that cannot be had in one
+  // piece is created page by page (the last resort when physical memory is too fragmented for a large one).
+  Status create(std::size_t missing, std::size_t room, std::vector<PhysHandle>* created) {
+    for (std::size_t pages : shape(missing, room)) {
+      if (!s_.capacity_allows(pages * page_)) return Status::out_of_memory;
+      PhysHandle h = 0;
+      Status st = s_.driver->create(pages * page_, &h);
+      if (st == Status::ok) {
+        add_created(h, pages, created);
+        continue;
+      }
+      if (st != Status::out_of_memory || pages == 1) return st;
+      for (std::size_t i = 0; i < pages; ++i) {
+        if ((st = s_.driver->create(page_, &h)) != Status::ok) return st;
+        add_created(h, 1, created);
+      }
     }
+    return Status::ok;
+  }
+
+  void add_created(PhysHandle h, std::size_t pages, std::vector<PhysHandle>* created) {
+    pool_.add_taken(h, pages);
+    planned_ += pages;
+    created->push_back(h);
+    s_.add_reserved(false, static_cast<std::int64_t>(pages * page_));
+    emit(s_, TraceAction::phys_create, 0, 0, pages * page_, pages * page_);
   }
 
   std::size_t page_ = s_.driver->granularity();
-  std::unordered_map<PhysHandle, Chunk> chunks_;
-  std::vector<PageRef> idle_;
-  std::vector<PageRef> fresh_;     // pages reclaimed for the request being mapped
+  HandlePool pool_;
+  std::size_t planned_ = 0;        // pages taken for the request being mapped
+  std::uint64_t tick_ = 0;         // growths so far
+  std::deque<Stripped> stripped_;  // ranges reclaims took memory from, within kRefillWindow growths
   std::vector<Pending> pending_;   // lent ranges still mapped at their old address
-  // Why unmap_pages is called: a release (pages become idle), a reclaim for the request being mapped
-  // (pages go to fresh_), or a same-stream reclaim that lends without a sync (fresh_, old mapping kept).
+  std::string audit_;              // a broken Note [Complete re-backing], for check()
+  // Why unmap_pages is called: a release (handles become idle), a reclaim for the request being mapped
+  // (handles go to it), or a same-stream reclaim that lends without a sync (to it, old mapping kept).
   enum class UnmapFor { release, reclaim, lend } unmap_for_ = UnmapFor::release;
 };
 

@@ -69,7 +69,9 @@ Block* GrowablePolicy::find_run(AllocParams& p) {
 Status GrowablePolicy::map_block(Block* u, std::size_t bytes) {
   Segment& seg = *u->segment;
   const std::size_t first = (u->ptr - seg.base) / seg.page_size;
-  if (Status st = map_pages(seg, first, bytes / seg.page_size); st != Status::ok) return st;
+  std::size_t n = bytes / seg.page_size;
+  if (Status st = map_pages(seg, first, &n, u->size / seg.page_size); st != Status::ok) return st;
+  bytes = n * seg.page_size;
   s_.unmapped_erase(u);
   if (bytes < u->size) {
     Block* rest = s_.new_block();
@@ -176,7 +178,7 @@ void GrowablePolicy::release_free(PoolSet* only) {
     for (BlockPool* bp : {&ps->small, &ps->large})
       for (Block* b : bp->blocks) {
         std::size_t lo, hi;
-        if (b->segment->growable && whole_pages(b, &lo, &hi)) {
+        if (b->segment->growable && unmappable_pages(b, &lo, &hi)) {
           victims.push_back({b, lo, hi});
           streams.insert(b->stream);
         }

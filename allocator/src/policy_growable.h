@@ -24,9 +24,11 @@ class GrowablePolicy : public Policy {
 
  protected:
   virtual std::size_t page_size(bool small) const = 0;
-  // Backs pages [first, first + n) of seg with physical memory, maps them and sets access; all or nothing.
-  // Adds to reserved what it creates.
-  virtual Status map_pages(Segment& seg, std::size_t first, std::size_t n) = 0;
+  // Backs pages [first, first + *n) of seg with physical memory, maps them and sets access; all or nothing.
+  // The pages [first, first + room) are unmapped and free to use: a policy whose physical handles span
+  // several pages may map more than asked (up to room), and says how many in *n. Adds to reserved what it
+  // creates.
+  virtual Status map_pages(Segment& seg, std::size_t first, std::size_t* n, std::size_t room) = 0;
   // Unmaps pages [first, first + n) (the caller synchronised the stream); returns how many leading pages
   // were unmapped (n on success).
   virtual std::size_t unmap_pages(Segment& seg, std::size_t first, std::size_t n) = 0;
@@ -37,6 +39,11 @@ class GrowablePolicy : public Policy {
   bool unmap_block_pages(Block* b, std::size_t lo, std::size_t hi);
   // Whole pages inside b: [*lo, *hi); false if none.
   static bool whole_pages(const Block* b, std::size_t* lo, std::size_t* hi);
+  // The pages inside b that can be unmapped: whole pages, narrowed by a policy whose mappings span several
+  // pages to whole mappings (driver.h, R7). False if none.
+  virtual bool unmappable_pages(const Block* b, std::size_t* lo, std::size_t* hi) const {
+    return whole_pages(b, lo, hi);
+  }
 
   // The run being grown in the current grow() call: reclaim must not take pages from it.
   DevicePtr run_lo_ = 0, run_hi_ = 0;

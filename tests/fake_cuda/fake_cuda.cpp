@@ -1,8 +1,11 @@
 // A test double of libcuda: the driver-API functions fragless uses, with their C ABI, over host memory.
 // Physical allocations are memfds; reservations are PROT_NONE mappings; cuMemMap maps the memfd over the
 // reservation (still inaccessible, as CUDA leaves it) and cuMemSetAccess makes it readable and writable,
-// so programs really read and write what they allocate. Checks the pre-conditions CUDA documents and
-// returns CUDA_ERROR_INVALID_VALUE when one is broken. Failure injection: fakecuda_fail("cuMemMap", n, e).
+// so programs really read and write what they allocate. Checks the pre-conditions CUDA documents, in
+// their strictest reading (the rules R1-R9 of allocator/include/fragless/driver.h), and returns
+// CUDA_ERROR_INVALID_VALUE when one is broken: a mapping is a whole handle at offset 0; unmap and set
+// access cover whole, adjacent mappings; a released handle keeps its memory until its last mapping goes
+// and can no longer be mapped. The double is never more permissive than CUDA. Failure injection: fakecuda_fail("cuMemMap", n, e).
 // Environment: FAKECUDA_DEVICES (default 2), FAKECUDA_CAPACITY_MB (per device, default 1024).
 #include <cuda.h>
 #include <sys/mman.h>
@@ -15,6 +18,7 @@
 #include <set>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "fake_cuda.h"
 
@@ -24,7 +28,7 @@ namespace {
 
 constexpr std::size_t kGranularity = 2u << 20;
 
-struct Handle { int fd; std::size_t size; int device; };
+struct Handle { int fd; std::size_t size; int device; int map_count; bool released; };
 struct Mapping { std::size_t size; CUmemGenericAllocationHandle handle; };
 struct Fault { int countdown; CUresult error; };
 struct FakeEvent { CUstream stream; bool done; };
@@ -78,6 +82,26 @@ bool overlaps_mapping(State& s, CUdeviceptr va, std::size_t size) {
   if (it != s.mappings.end() && it->first < va + size) return true;
   if (it != s.mappings.begin() && std::prev(it)->first + std::prev(it)->second.size > va) return true;
   return false;
+}
+
+// Whether [va, va+size) consists of whole, adjacent mappings (R6, R7).
+bool whole_mappings(State& s, CUdeviceptr va, std::size_t size) {
+  if (size == 0) return false;
+  std::size_t covered = 0;
+  for (auto it = s.mappings.find(va); it != s.mappings.end() && it->first < va + size; ++it) {
+    if (it->first != va + covered) return false;
+    covered += it->second.size;
+  }
+  return covered == size;
+}
+
+// The memory of a released handle goes once nothing maps it (R8).
+void drop_if_unused(State& s, CUmemGenericAllocationHandle h) {
+  auto it = s.handles.find(h);
+  if (it == s.handles.end() || !it->second.released || it->second.map_count > 0) return;
+  close(it->second.fd);
+  s.used[it->second.device] -= it->second.size;
+  s.handles.erase(it);
 }
 
 bool in_reservation(State& s, CUdeviceptr va, std::size_t size) {
@@ -230,7 +254,7 @@ FAKE_API CUresult cuMemCreate(CUmemGenericAllocationHandle* h, size_t size, cons
   }
   s.used[dev] += size;
   *h = s.next_handle++;
-  s.handles[*h] = {fd, size, dev};
+  s.handles[*h] = {fd, size, dev, 0, false};
   return CUDA_SUCCESS;
 }
 
@@ -238,10 +262,9 @@ FAKE_API CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
   ENTER("cuMemRelease");
   State& s = st();
   auto it = s.handles.find(h);
-  if (it == s.handles.end()) return CUDA_ERROR_INVALID_VALUE;
-  close(it->second.fd);  // a mapping keeps the memory until it is unmapped, as in CUDA
-  s.used[it->second.device] -= it->second.size;
-  s.handles.erase(it);
+  if (it == s.handles.end() || it->second.released) return CUDA_ERROR_INVALID_VALUE;
+  it->second.released = true;  // a mapping keeps the memory until it is unmapped, as in CUDA
+  drop_if_unused(s, h);
   return CUDA_SUCCESS;
 }
 
@@ -249,40 +272,37 @@ FAKE_API CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, CUmemGene
   ENTER("cuMemMap");
   State& s = st();
   auto it = s.handles.find(h);
-  if (it == s.handles.end() || size == 0 || size % kGranularity || va % kGranularity || offset % kGranularity ||
-      offset + size > it->second.size || !in_reservation(s, va, size) || overlaps_mapping(s, va, size))
+  // R5: one whole, unreleased handle at offset 0 ("currently must be zero"), inside one reservation,
+  // over nothing mapped.
+  if (it == s.handles.end() || it->second.released || size == 0 || va % kGranularity || offset != 0 ||
+      size != it->second.size || !in_reservation(s, va, size) || overlaps_mapping(s, va, size))
     return CUDA_ERROR_INVALID_VALUE;
-  void* m = mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_SHARED | MAP_FIXED, it->second.fd, static_cast<off_t>(offset));
+  void* m = mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_SHARED | MAP_FIXED, it->second.fd, 0);
   if (m == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
   s.mappings[va] = {size, h};
+  ++it->second.map_count;
   return CUDA_SUCCESS;
 }
 
 FAKE_API CUresult cuMemUnmap(CUdeviceptr va, size_t size) {
   ENTER("cuMemUnmap");
   State& s = st();
-  // The range must cover whole mappings exactly.
-  std::size_t covered = 0;
-  for (auto it = s.mappings.find(va); it != s.mappings.end() && it->first < va + size; ++it) {
-    if (it->first != va + covered) return CUDA_ERROR_INVALID_VALUE;
-    covered += it->second.size;
-  }
-  if (covered != size || size == 0) return CUDA_ERROR_INVALID_VALUE;
+  if (!whole_mappings(s, va, size)) return CUDA_ERROR_INVALID_VALUE;  // R7
   mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+  std::vector<CUmemGenericAllocationHandle> touched;
+  for (auto it = s.mappings.find(va); it != s.mappings.end() && it->first < va + size; ++it) {
+    --s.handles[it->second.handle].map_count;
+    touched.push_back(it->second.handle);
+  }
   s.mappings.erase(s.mappings.find(va), s.mappings.lower_bound(va + size));
+  for (auto h : touched) drop_if_unused(s, h);
   return CUDA_SUCCESS;
 }
 
 FAKE_API CUresult cuMemSetAccess(CUdeviceptr va, size_t size, const CUmemAccessDesc* desc, size_t count) {
   ENTER("cuMemSetAccess");
   State& s = st();
-  if (!desc || count == 0) return CUDA_ERROR_INVALID_VALUE;
-  std::size_t covered = 0;
-  for (auto it = s.mappings.find(va); it != s.mappings.end() && it->first < va + size; ++it) {
-    if (it->first != va + covered) return CUDA_ERROR_INVALID_VALUE;
-    covered += it->second.size;
-  }
-  if (covered < size) return CUDA_ERROR_INVALID_VALUE;
+  if (!desc || count == 0 || !whole_mappings(s, va, size)) return CUDA_ERROR_INVALID_VALUE;  // R6
   mprotect(reinterpret_cast<void*>(va), size, PROT_READ | PROT_WRITE);
   return CUDA_SUCCESS;
 }

@@ -17,6 +17,8 @@ namespace fragless {
 
 enum class PolicyKind { classic, expandable, fragless };
 enum class DriverKind { cuda, host, sim };
+// How the fragless policy shapes new physical handles (docs/ARCHITECTURE.md, "Whole handles").
+enum class HandleShape { pages, ends, whole };
 
 const char* policy_name(PolicyKind p);
 const char* driver_kind_name(DriverKind d);
@@ -37,8 +39,10 @@ struct Options {
   bool peer_access = false;                              // cuda: grant peers that can access this device
   std::string trace;                                     // trace path pattern (%p %d %r); empty = off
   // fragless policy (docs/ARCHITECTURE.md, "The fragless policy").
-  std::size_t chunk_size = 16u << 20;                    // physical memory created per cuMemCreate, bytes
-  double reserve_slack = 1.0 / 64;                       // reserved may exceed live + request by this share
+  HandleShape handle_shape = HandleShape::ends;         // shape of new physical handles
+  std::size_t handle_max = 32u << 20;                    // handles:ends: largest body handle, bytes
+  std::size_t chunk_size = 16u << 20;                    // a growth's new handle may round up to this, bytes
+  double reserve_slack = 1.0 / 64;                       // ...but exceed the request by at most this share of live
   bool lend_pages = true;                                // same-stream holes lend pages without a sync
   bool small_in_remnants = true;                         // small requests may use sub-MiB large-pool remnants
   std::string settings;                                  // the string this was parsed from

@@ -7,24 +7,46 @@
 // Every public operation is non-virtual: it counts the call, charges its modelled cost and forwards to the
 // private `do_*` hook (the RMM pattern), so call accounting is identical for every driver.
 //
-// Pre/post-conditions (the same ones CUDA states for cuMemMap and friends):
-//  - every size, address and offset is a multiple of granularity();
-//  - reserve: on ok, [*va, *va+size) is reserved address space, aligned to granularity(), inaccessible;
-//  - create: on ok, *handle names `size` bytes of physical memory; out_of_memory when the budget is exceeded
-//    (nothing is held then);
-//  - map: [va, va+size) lies in one reservation and is not mapped; [offset, offset+size) lies in the handle;
-//    the range is mapped but not yet accessible;
-//  - set_access: [va, va+size) is fully mapped; afterwards it is readable and writable by the device;
-//  - unmap: [va, va+size) covers whole mappings only; afterwards it is plain reservation again;
-//  - release: the handle is no longer mapped anywhere; its memory goes back;
-//  - free_reservation: nothing inside is mapped;
-//  - events: record_event marks the current end of a stream's queue; query_event says ok once the work
-//    before it is done, else not_ready; synchronize_* wait (each one is a forced sync the engine counts).
+// The driver contract. These are the rules the CUDA driver states or, where its documentation is
+// ambiguous, the stricter reading of them. The base class enforces them for every driver (cuda, host and
+// sim) before the call reaches the implementation, so the host and sim drivers never accept what CUDA
+// refuses, and a bug in a policy fails the same way on a CPU as on a GPU. The libcuda test double
+// (tests/fake_cuda) enforces the same rules on its own, at the C ABI. A broken rule returns
+// invalid_argument, and last_error() names the rule.
+//
+//  R1 granularity: every size, address and offset is a multiple of granularity(), sizes are non-zero
+//     (cuda.h, cuMemCreate/cuMemMap/cuMemAddressReserve: "must be a multiple of the granularity").
+//  R2 reserve: on ok, [*va, *va+size) is reserved address space, aligned to granularity(), inaccessible.
+//  R3 free_reservation: (va, size) is exactly one earlier reservation, and nothing inside it is mapped
+//     (cuMemAddressFree; NVIDIA's VMM blog: unmap, release, then free the address range).
+//  R4 create: on ok, *handle names `size` bytes of physical memory; out_of_memory when the device (or the
+//     driver's budget) cannot give them, and nothing is held then.
+//  R5 map: a mapping is one whole handle: `offset` must be 0 (cuda.h, cuMemMap: "offset - Offset into the
+//     memory represented by ... Note: currently must be zero") and `size` must be the handle's whole
+//     size (the header allows a partial size; no production allocator relies on it and XLA's VMM work
+//     found only whole handles map, so we take the stricter reading). [va, va+size) lies in one
+//     reservation and overlaps no mapping. The handle must not have been released. The range is mapped
+//     but not yet accessible ("calling cuMemMap does not make the address accessible").
+//  R6 set_access: [va, va+size) consists of whole, adjacent mappings (cuMemSetAccess: "the range must be
+//     fully mapped"; the stricter reading: it starts and ends on mapping boundaries); afterwards it is
+//     readable and writable by the device.
+//  R7 unmap: [va, va+size) consists of whole, adjacent mappings, never part of one (cuMemUnmap: "the
+//     range must cover entire mappings"; several adjacent mappings in one call are allowed, as NVIDIA's
+//     VectorMemMap sample does); afterwards it is plain reservation again, with no access.
+//  R8 release: the handle is known and not yet released. Releasing a handle that is still mapped is
+//     allowed: its memory stays until its last mapping is unmapped (cuMemRelease: "the memory will be
+//     freed when all outstanding mappings to the memory are unmapped"), and it can no longer be mapped.
+//  R9 one handle may be mapped at several addresses at once; all of them see the same bytes.
+//  Events: record_event marks the current end of a stream's queue; query_event says ok once the work
+//  before it is done, else not_ready; synchronize_* wait (each one is a forced sync the engine counts).
 #pragma once
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <string>
+#include <unordered_map>
+#include <vector>
 
 namespace fragless {
 
@@ -63,6 +85,48 @@ struct DriverCounters {
   std::uint64_t operator[](DriverCall c) const { return calls[static_cast<int>(c)]; }
 };
 
+// What the driver holds, as the contract sees it: reservations, handles and mappings. The base class keeps
+// one and checks every VMM call against it (R1-R9 above); each check returns nullptr when the call may go
+// ahead, else the rule it breaks.
+class DriverContract {
+ public:
+  explicit DriverContract(std::size_t granularity) : g_(granularity) {}
+  const char* check_reserve(std::size_t size) const;
+  const char* check_free_reservation(DevicePtr va, std::size_t size) const;
+  const char* check_create(std::size_t size) const;
+  const char* check_release(PhysHandle h) const;
+  const char* check_map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t offset) const;
+  const char* check_set_access(DevicePtr va, std::size_t size) const;
+  const char* check_unmap(DevicePtr va, std::size_t size) const;
+
+  void reserved(DevicePtr va, std::size_t size) { reservations_[va] = size; }
+  void freed_reservation(DevicePtr va) { reservations_.erase(va); }
+  void created(PhysHandle h, std::size_t size) { handles_[h] = HandleState{size, 0, false}; }
+  // Returns true when the memory goes now (no mapping left); else it goes with the last unmap.
+  bool released(PhysHandle h);
+  void mapped(DevicePtr va, std::size_t size, PhysHandle h);
+  // Appends to `gone` the released handles whose last mapping this unmap removed.
+  void unmapped(DevicePtr va, std::size_t size, std::vector<PhysHandle>* gone);
+
+  std::size_t handle_size(PhysHandle h) const {
+    auto it = handles_.find(h);
+    return it == handles_.end() ? 0 : it->second.size;
+  }
+  std::size_t mapping_count() const { return mappings_.size(); }
+  std::size_t handle_count() const { return handles_.size(); }
+
+ private:
+  struct HandleState { std::size_t size, map_count; bool released; };
+  struct MappingState { std::size_t size; PhysHandle handle; };
+  bool aligned(std::size_t v) const { return v % g_ == 0; }
+  bool whole_mappings(DevicePtr va, std::size_t size) const;
+
+  std::size_t g_;
+  std::map<DevicePtr, std::size_t> reservations_;
+  std::unordered_map<PhysHandle, HandleState> handles_;
+  std::map<DevicePtr, MappingState> mappings_;
+};
+
 class Driver {
  public:
   virtual ~Driver() = default;
@@ -73,22 +137,13 @@ class Driver {
   std::size_t granularity() const { return granularity_; }
   int device() const { return device_; }
 
-  Status reserve(std::size_t size, DevicePtr* va) { charge(DriverCall::reserve); return do_reserve(size, va); }
-  Status free_reservation(DevicePtr va, std::size_t size) {
-    charge(DriverCall::free_reservation);
-    return do_free_reservation(va, size);
-  }
-  Status create(std::size_t size, PhysHandle* h) { charge(DriverCall::create); return do_create(size, h); }
-  Status release(PhysHandle h) { charge(DriverCall::release); return do_release(h); }
-  Status map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t offset) {
-    charge(DriverCall::map);
-    return do_map(va, size, h, offset);
-  }
-  Status unmap(DevicePtr va, std::size_t size) { charge(DriverCall::unmap); return do_unmap(va, size); }
-  Status set_access(DevicePtr va, std::size_t size) {
-    charge(DriverCall::set_access);
-    return do_set_access(va, size);
-  }
+  Status reserve(std::size_t size, DevicePtr* va);
+  Status free_reservation(DevicePtr va, std::size_t size);
+  Status create(std::size_t size, PhysHandle* h);
+  Status release(PhysHandle h);
+  Status map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t offset);
+  Status unmap(DevicePtr va, std::size_t size);
+  Status set_access(DevicePtr va, std::size_t size);
   Status record_event(Stream s, Event* e) { charge(DriverCall::record_event); return do_record_event(s, e); }
   Status query_event(Event e) { charge(DriverCall::query_event); return do_query_event(e); }
   Status synchronize_event(Event e) { charge(DriverCall::synchronize_event); return do_synchronize_event(e); }
@@ -97,17 +152,33 @@ class Driver {
 
   // Free and total physical memory as the device sees it (cudaMemGetInfo).
   virtual void memory_info(std::size_t* free_bytes, std::size_t* total_bytes) = 0;
-  // Text of the last failure, for error messages ("cuMemCreate: CUDA_ERROR_OUT_OF_MEMORY (out of memory)").
-  virtual std::string last_error() const = 0;
+  // Text of the last failure, for error messages ("cuMemCreate: CUDA_ERROR_OUT_OF_MEMORY (out of memory)",
+  // or the contract rule a call broke).
+  std::string last_error() const { return contract_error_ ? std::string(contract_error_) : do_last_error(); }
+  const DriverContract& contract() const { return contract_; }
 
   const DriverCounters& counters() const { return counters_; }
   void reset_counters() { counters_ = DriverCounters{}; }
   void set_cost_model(const CostModel& m) { costs_ = m; }
 
  protected:
-  Driver(int device, std::size_t granularity) : device_(device), granularity_(granularity) {}
+  Driver(int device, std::size_t granularity)
+      : device_(device), granularity_(granularity), contract_(granularity) {}
+  virtual std::string do_last_error() const = 0;
+  // The memory of a released handle goes back once its last mapping is gone (R8). Drivers that account
+  // memory themselves (host, sim) free it here; the cuda driver leaves it to CUDA.
+  virtual void memory_gone(PhysHandle) {}
 
  private:
+  Status refuse(const char* rule) {
+    contract_error_ = rule;
+    return Status::invalid_argument;
+  }
+  // A failure the implementation reported: its own text is the last error now.
+  Status fail_through(Status st) {
+    if (st != Status::ok && st != Status::not_ready) contract_error_ = nullptr;
+    return st;
+  }
   void charge(DriverCall c) {
     ++counters_.calls[static_cast<int>(c)];
     counters_.modelled_us += costs_.us[static_cast<int>(c)];
@@ -130,6 +201,8 @@ class Driver {
   std::size_t granularity_;
   DriverCounters counters_;
   CostModel costs_ = CostModel::a100();
+  DriverContract contract_;
+  const char* contract_error_ = nullptr;  // the rule the last call broke, or null
 };
 
 }  // namespace fragless

@@ -1,0 +1,125 @@
+// The fragless policy's physical handle pool: every handle the policy created and has not released, each
+// a whole number of pages, each in exactly one of three states:
+//   idle   — mapped nowhere the engine sees; any request may take it;
+//   taken  — chosen for the request being mapped (from the idle set, or reclaimed from a hole);
+//   mapped — mapped, whole, at one place in one segment (driver.h, R5: a mapping is one whole handle).
+// Invariant (check()): idle + taken + mapped pages = created pages, and nothing is taken between
+// operations. A handle lent without a sync (Note [Lending pages without a sync]) is also still mapped at
+// its old address until its event completes; the pool sees only the engine's mapping.
+#pragma once
+#include <cstddef>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "fragless/driver.h"
+
+namespace fragless {
+
+class HandlePool {
+ public:
+  enum class State : unsigned char { idle, taken, mapped };
+
+  void add_taken(PhysHandle h, std::size_t pages) {
+    info_[h] = Info{pages, State::taken};
+    total_pages_ += pages;
+    taken_.push_back(h);
+  }
+  std::size_t pages(PhysHandle h) const { return info_.at(h).pages; }
+  std::size_t idle_pages() const { return idle_pages_; }
+  std::size_t total_pages() const { return total_pages_; }
+  const std::vector<PhysHandle>& taken() const { return taken_; }
+
+  // The idle handle to put next under a request that still needs `need` pages with `room` pages free to
+  // map into: the smallest one that covers the need and fits the room, else the largest one below the
+  // need; 0 if no idle handle fits. After a loop of picks ends, no idle handle fits the room left.
+  PhysHandle pick(std::size_t need, std::size_t room) const {
+    auto it = idle_.lower_bound(need);
+    if (it != idle_.end() && it->first <= room) return it->second;
+    if (it == idle_.begin()) return 0;
+    --it;
+    return it->first <= room ? it->second : 0;
+  }
+  // Pages of the idle handles no larger than `room` (what could still be put under a request).
+  std::size_t idle_pages_within(std::size_t room) const {
+    std::size_t n = 0;
+    for (auto it = idle_.begin(); it != idle_.end() && it->first <= room; ++it) n += it->first;
+    return n;
+  }
+
+  void take_idle(PhysHandle h) {
+    Info& i = info_.at(h);
+    erase_idle(h, i.pages);
+    i.state = State::taken;
+    taken_.push_back(h);
+  }
+  // A mapped handle leaves its mapping for the request being mapped (reclaim) or for the idle set.
+  void unmapped_to_taken(PhysHandle h) {
+    info_.at(h).state = State::taken;
+    taken_.push_back(h);
+  }
+  void unmapped_to_idle(PhysHandle h) { to_idle(h); }
+  void mark_mapped(PhysHandle h) { info_.at(h).state = State::mapped; }
+  // The first `count` taken handles were mapped (mark_mapped): they are no longer the request's.
+  void forget_taken(std::size_t count) { taken_.erase(taken_.begin(), taken_.begin() + count); }
+  // Removes idle handle h (to release it).
+  void remove_idle(PhysHandle h) {
+    Info& i = info_.at(h);
+    erase_idle(h, i.pages);
+    total_pages_ -= i.pages;
+    info_.erase(h);
+  }
+  // After a failed request: what it had taken becomes idle.
+  void return_taken() {
+    for (PhysHandle h : taken_) to_idle(h);
+    taken_.clear();
+  }
+
+  // Removes every idle handle, calling f(handle, pages) for each (to release it).
+  template <class F>
+  void release_idle(F&& f) {
+    for (auto& [pages, h] : idle_) {
+      f(h, pages);
+      info_.erase(h);
+      total_pages_ -= pages;
+    }
+    idle_.clear();
+    idle_pages_ = 0;
+  }
+
+  // `mapped_in_segments`: pages the segments map with this pool's handles, counted by the caller.
+  std::string check(std::size_t mapped_in_segments) const {
+    if (!taken_.empty()) return "fragless handle pool: handles taken for a request were left over";
+    std::size_t idle = 0, mapped = 0;
+    for (auto& [h, i] : info_) (i.state == State::idle ? idle : mapped) += i.pages;
+    if (idle != idle_pages_) return "fragless handle pool: idle pages miscounted";
+    if (idle + mapped != total_pages_) return "fragless handle pool: idle + mapped pages != created pages";
+    if (mapped != mapped_in_segments) return "fragless handle pool: mapped pages != pages the segments map";
+    return {};
+  }
+
+ private:
+  struct Info { std::size_t pages; State state; };
+  void to_idle(PhysHandle h) {
+    Info& i = info_.at(h);
+    i.state = State::idle;
+    idle_.emplace(i.pages, h);
+    idle_pages_ += i.pages;
+  }
+  void erase_idle(PhysHandle h, std::size_t pages) {
+    for (auto [it, end] = idle_.equal_range(pages); it != end; ++it)
+      if (it->second == h) {
+        idle_.erase(it);
+        idle_pages_ -= pages;
+        return;
+      }
+  }
+
+  std::unordered_map<PhysHandle, Info> info_;
+  std::multimap<std::size_t, PhysHandle> idle_;  // by size in pages
+  std::vector<PhysHandle> taken_;                // in the order they are to be mapped
+  std::size_t idle_pages_ = 0, total_pages_ = 0;
+};
+
+}  // namespace fragless

@@ -1,0 +1,172 @@
+// The driver contract (driver.h, R1-R9), rule by rule, on the host and sim drivers: every broken rule is
+// refused with invalid_argument and a message naming it, and changes nothing. The libcuda double keeps
+// the same rules at the C ABI (test_cuda_driver.cpp, "libcuda double: the driver contract").
+#include <cstring>
+
+#include "helpers.h"
+
+using namespace fragless;
+using namespace fragless::test;
+
+namespace {
+
+std::unique_ptr<Driver> driver_of(DriverKind k, std::size_t capacity = 64 * MiB) {
+  if (k == DriverKind::host) {
+    HostDriverOptions o;
+    o.capacity = capacity;
+    std::string err;
+    auto d = make_host_driver(o, &err);
+    REQUIRE(d);
+    return d;
+  }
+  SimDriverOptions o;
+  o.capacity = capacity;
+  return make_sim_driver(o);
+}
+
+// Refused, and the message names the rule.
+void refused(Driver& d, Status st, const char* rule) {
+  CHECK(st == Status::invalid_argument);
+  INFO(d.last_error());
+  CHECK(d.last_error().find(rule) != std::string::npos);
+}
+
+std::size_t free_bytes(Driver& d) {
+  std::size_t f = 0, t = 0;
+  d.memory_info(&f, &t);
+  return f;
+}
+
+}  // namespace
+
+TEST_CASE("driver contract: every rule is enforced by the host and sim drivers", "[driver][contract]") {
+  const DriverKind kind = GENERATE(DriverKind::host, DriverKind::sim);
+  INFO(driver_kind_name(kind));
+  auto d = driver_of(kind);
+  DevicePtr va = 0, other = 0;
+  PhysHandle h4 = 0, h2 = 0;
+  REQUIRE(d->reserve(16 * MiB, &va) == Status::ok);
+  REQUIRE(d->reserve(4 * MiB, &other) == Status::ok);
+  REQUIRE(d->create(4 * MiB, &h4) == Status::ok);
+  REQUIRE(d->create(2 * MiB, &h2) == Status::ok);
+
+  SECTION("R1: sizes and addresses are non-zero multiples of the granularity") {
+    DevicePtr x = 0;
+    PhysHandle hx = 0;
+    refused(*d, d->reserve(0, &x), "R1");
+    refused(*d, d->reserve(3 * MiB, &x), "R1");
+    refused(*d, d->create(1 * MiB, &hx), "R1");
+    refused(*d, d->map(va + 4096, 4 * MiB, h4, 0), "R1");
+  }
+  SECTION("R5: a mapping is one whole handle at offset 0") {
+    refused(*d, d->map(va, 2 * MiB, h4, 2 * MiB), "offset");  // an interior slice
+    refused(*d, d->map(va, 2 * MiB, h4, 0), "whole handle");   // half a handle
+    refused(*d, d->map(va, 6 * MiB, h4, 0), "whole handle");   // more than the handle
+    REQUIRE(d->map(va, 4 * MiB, h4, 0) == Status::ok);
+    refused(*d, d->map(va + 2 * MiB, 2 * MiB, h2, 0), "overlaps");
+    refused(*d, d->map(va + 14 * MiB, 4 * MiB, h4, 0), "one reservation");  // runs past the reservation
+    refused(*d, d->map(va, 4 * MiB, 999, 0), "unknown");
+    CHECK(d->contract().mapping_count() == 1);
+  }
+  SECTION("R6: set_access covers whole, adjacent mappings only") {
+    refused(*d, d->set_access(va, 4 * MiB), "R6");  // nothing mapped
+    REQUIRE(d->map(va, 4 * MiB, h4, 0) == Status::ok);
+    REQUIRE(d->map(va + 4 * MiB, 2 * MiB, h2, 0) == Status::ok);
+    refused(*d, d->set_access(va, 2 * MiB), "R6");           // part of a mapping
+    refused(*d, d->set_access(va, 8 * MiB), "R6");           // past the last mapping
+    CHECK(d->set_access(va, 6 * MiB) == Status::ok);         // two adjacent whole mappings
+  }
+  SECTION("R7: unmap covers whole, adjacent mappings, never part of one") {
+    REQUIRE(d->map(va, 4 * MiB, h4, 0) == Status::ok);
+    REQUIRE(d->map(va + 4 * MiB, 2 * MiB, h2, 0) == Status::ok);
+    refused(*d, d->unmap(va, 2 * MiB), "R7");
+    refused(*d, d->unmap(va + 2 * MiB, 4 * MiB), "R7");
+    refused(*d, d->unmap(va, 8 * MiB), "R7");
+    CHECK(d->contract().mapping_count() == 2);
+    CHECK(d->unmap(va, 6 * MiB) == Status::ok);  // several adjacent mappings in one call
+    CHECK(d->contract().mapping_count() == 0);
+  }
+  SECTION("R3: a reservation is freed whole, and only with nothing mapped inside") {
+    REQUIRE(d->map(va, 4 * MiB, h4, 0) == Status::ok);
+    refused(*d, d->free_reservation(va, 16 * MiB), "mappings");
+    refused(*d, d->free_reservation(va, 8 * MiB), "exactly one reservation");
+    REQUIRE(d->unmap(va, 4 * MiB) == Status::ok);
+    CHECK(d->free_reservation(va, 16 * MiB) == Status::ok);
+    refused(*d, d->free_reservation(va, 16 * MiB), "exactly one reservation");
+  }
+  SECTION("R8: a released handle keeps its memory until its last mapping goes, and cannot be mapped") {
+    const std::size_t before = free_bytes(*d);
+    REQUIRE(d->map(va, 4 * MiB, h4, 0) == Status::ok);
+    REQUIRE(d->map(other, 4 * MiB, h4, 0) == Status::ok);  // R9: a second address
+    REQUIRE(d->release(h4) == Status::ok);
+    CHECK(free_bytes(*d) == before);  // still mapped twice
+    refused(*d, d->map(va + 8 * MiB, 4 * MiB, h4, 0), "released");
+    refused(*d, d->release(h4), "R8");
+    REQUIRE(d->unmap(va, 4 * MiB) == Status::ok);
+    CHECK(free_bytes(*d) == before);  // one mapping left
+    REQUIRE(d->unmap(other, 4 * MiB) == Status::ok);
+    CHECK(free_bytes(*d) == before + 4 * MiB);  // the last mapping went: so did the memory
+    refused(*d, d->release(12345), "R8");
+  }
+}
+
+TEST_CASE("driver contract: a handle mapped at two addresses shows the same bytes (host, R9)", "[driver][contract]") {
+  auto d = driver_of(DriverKind::host);
+  DevicePtr a = 0, b = 0;
+  PhysHandle h = 0;
+  REQUIRE(d->reserve(4 * MiB, &a) == Status::ok);
+  REQUIRE(d->reserve(4 * MiB, &b) == Status::ok);
+  REQUIRE(d->create(4 * MiB, &h) == Status::ok);
+  REQUIRE(d->map(a, 4 * MiB, h, 0) == Status::ok);
+  REQUIRE(d->map(b, 4 * MiB, h, 0) == Status::ok);
+  REQUIRE(d->set_access(a, 4 * MiB) == Status::ok);
+  REQUIRE(d->set_access(b, 4 * MiB) == Status::ok);
+  std::memset(reinterpret_cast<void*>(a + 3 * MiB), 0x3c, 4096);
+  CHECK(*reinterpret_cast<unsigned char*>(b + 3 * MiB + 100) == 0x3c);
+  REQUIRE(d->unmap(a, 4 * MiB) == Status::ok);
+  REQUIRE(d->unmap(b, 4 * MiB) == Status::ok);
+  REQUIRE(d->release(h) == Status::ok);
+  CHECK(host_driver_census(*d).physical_bytes == 0);
+}
+
+TEST_CASE("driver contract: every policy keeps it on a randomized workload (sim)", "[driver][contract]") {
+  // A driver that refused a call would fail an allocation or leave a mapping behind; the policies must
+  // never break a rule, so no call may be refused at all.
+  const PolicyKind policy = GENERATE(PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless);
+  INFO(name(policy));
+  EngineSpec spec;
+  spec.policy = policy;
+  spec.capacity = 4096 * MiB;
+  auto e = make_engine(spec);
+  std::vector<void*> live;
+  std::uint64_t x = 88172645463325252ull;
+  auto rnd = [&] { x ^= x << 13; x ^= x >> 7; x ^= x << 17; return x; };
+  for (int i = 0; i < 4000; ++i) {
+    if (live.empty() || (live.size() < 150 && rnd() % 3)) {
+      const std::size_t decade = rnd() % 6;
+      std::size_t size = 512;
+      for (std::size_t k = 0; k < decade; ++k) size *= 8;
+      size += rnd() % size;
+      AllocError err;
+      void* p = e->allocate(size, static_cast<Stream>(rnd() % 2), &err);
+      INFO(err.message);
+      REQUIRE(p != nullptr);
+      live.push_back(p);
+    } else {
+      const std::size_t k = rnd() % live.size();
+      e->free(live[k]);
+      live[k] = live.back();
+      live.pop_back();
+    }
+    if (i % 500 == 0) {
+      INFO(e->driver().last_error());
+      require_consistent(*e);
+    }
+    if (i % 1000 == 999) e->empty_cache();
+  }
+  for (void* p : live) e->free(p);
+  e->empty_cache();
+  CHECK(e->driver().contract().mapping_count() == 0);
+  CHECK(e->driver().contract().handle_count() == 0);
+  CHECK(reserved(*e) == 0);
+}
