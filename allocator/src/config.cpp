@@ -56,11 +56,11 @@ constexpr OptionInfo kOptions[] = {
     {"peer_access", "True or False", "False",
      "cuda driver: also grant every peer device that can access this one (cuDeviceCanAccessPeer) access to "
      "fragless memory, for peer copies and NCCL P2P."},
-    {"handles", "pages, ends or whole", "ends",
+    {"handles", "pages, ends or whole", "pages",
      "fragless policy: the shape of new physical handles (a mapping is always one whole handle). pages: one "
      "handle per page (finest re-backing, most cuMemCreate calls); ends: the body of a growth in handles of "
      "at most handle_max_mb, its last page in a handle of its own; whole: one handle per growth."},
-    {"handle_max_mb", "integer >= 1 (MiB)", "32",
+    {"handle_max_mb", "integer >= 1 (MiB)", "8",
      "fragless policy (handles ends): the body of a growth is created in handles of at most this much; a live "
      "block that straddles a handle pins less than this of it."},
     {"chunk_size_mb", "integer >= 1 (MiB)", "16",

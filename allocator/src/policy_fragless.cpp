@@ -16,14 +16,15 @@
 // memory it already holds and could put under the request without waiting remains — no idle handle that
 // fits the room, and no whole handle under a free block of a default pool on the requesting stream
 // (holes and free segment tails alike), outside the run being grown. One exception ends cycles (Note
-// [Refills]): a growth into pages that a reclaim took memory from within the last kRefillWindow growths
+// [Refills]): a growth into pages that reclaims stripped twice within the last kRefillWindow growths
 // creates its memory.
 //
 // Note [Refills]
 // A repeated step can make re-backing cycle: a miss at R takes memory from hole H, the next step's miss at
 // H takes it back from R, and so on, an unmap and a map every step for ever. The sign is a growth into
-// pages that a reclaim stripped shortly before: the memory taken from there was still needed there. Such a
-// growth creates new memory instead (idle handles still come first), so both places keep memory and the
+// pages that reclaims stripped twice within kRefillWindow growths: the memory taken from there keeps being
+// needed there. (Once is no sign: a step of another shape re-backs there legitimately.) Such a growth
+// creates new memory instead (idle handles still come first), so both places keep memory and the
 // step reaches a steady state with no driver call. A refill is bounded: it may not take reserved past
 // reserve_slack above the peak of live bytes plus two pages; a larger growth into stripped pages (a
 // repeated chain of doubling activations, whose second pass lands where the first pass took memory from)
@@ -171,7 +172,7 @@ class FraglessPolicy final : public GrowablePolicy {
   // A range whose handles were lent to a request on the same stream while the old mappings stayed:
   // unmapped once the event (recorded on the segment's stream at lending time) has completed.
   struct Pending { Segment* seg; std::size_t first, n; Event event; };
-  struct Stripped { const Segment* seg; std::size_t lo, hi; std::uint64_t tick; };
+  struct Stripped { const Segment* seg; std::size_t lo, hi; std::uint64_t tick; std::uint32_t times; };
   static constexpr std::uint64_t kRefillWindow = 256;  // growths
   // Whole mappings [lo, hi) (segment pages) inside the free block b.
   struct Candidate { Block* b; std::size_t lo, hi; };
@@ -361,7 +362,11 @@ class FraglessPolicy final : public GrowablePolicy {
     }
     if (to_request) {
       planned_ += n;
-      stripped_.push_back({&seg, first, first + n, tick_});
+      // A range stripped again while an earlier strip of it is still recent counts twice: a cycle.
+      std::uint32_t times = 1;
+      for (const Stripped& s : stripped_)
+        if (s.seg == &seg && s.lo < first + n && s.hi > first) times = std::max(times, s.times + 1);
+      stripped_.push_back({&seg, first, first + n, tick_, times});
     }
   }
 
@@ -375,7 +380,7 @@ class FraglessPolicy final : public GrowablePolicy {
     while (!stripped_.empty() && tick_ - stripped_.front().tick >= kRefillWindow) stripped_.pop_front();
     const std::size_t n = missing;
     for (const Stripped& s : stripped_)
-      if (s.seg == &seg && s.lo < first + n && s.hi > first) return true;
+      if (s.times >= 2 && s.seg == &seg && s.lo < first + n && s.hi > first) return true;
     return false;
   }
 

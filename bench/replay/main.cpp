@@ -19,6 +19,7 @@
 
 #include "replay.h"
 #include "workload.h"
+#include "zoo.h"
 
 using namespace fragless;
 using namespace fragless::replay;
@@ -27,19 +28,27 @@ namespace {
 
 int usage(const char* msg) {
   if (msg) std::fprintf(stderr, "fragless-replay: %s\n", msg);
-  std::fprintf(stderr,
+  std::fprintf(msg ? stderr : stdout,
                "usage: fragless-replay [--policy classic,expandable,fragless] [--capacity-gib N] [--json]\n"
                "                       [--conf KEY:VALUE,...]\n"
                "                       [--plot FILE.png] [--seqlen-file CSV] INPUT...\n"
                "  INPUT: a fragless native trace, PyTorch memory snapshot pickle or RMM log CSV (detected from\n"
                "         content), or workload:NAME[:key=value,...]\n"
+               "  --capacity-gib: the device's memory; without it the capacity is unlimited (1 TiB). An\n"
+               "         allocation that runs out of memory is a result, counted in the OOMs column and skipped\n"
                "  --plot: live/allocated/reserved over time per policy, drawn by gnuplot into a PNG\n"
-               "  --conf: allocator settings in FRAGLESS_CONF grammar (policy tuning keys such as chunk_size_mb,\n"
-               "          reserve_slack, lend_pages); policy and driver are set by the replay\n"
+               "  --conf: allocator settings in FRAGLESS_CONF grammar (policy tuning keys such as handles,\n"
+               "          handle_max_mb, chunk_size_mb, reserve_slack, lend_pages); policy and driver are set by\n"
+               "          the replay\n"
                "  --seqlen-file: sequence lengths for the workloads (a CSV column, see the README)\n"
                "  NAME: transformer-train | transformer-infer; keys: layers d_model heads d_ff vocab batch steps\n"
-               "        seqlen (sharegpt|azure-conv|azure-code|arxiv|fixed:N) max_seq dtype (fp32|bf16) ckpt seed\n");
-  return 2;
+               "        seqlen (sharegpt|azure-conv|azure-code|arxiv|fixed:N) max_seq dtype (fp32|bf16) ckpt\n"
+               "        accum seed\n"
+               "  ckpt-accum: transformer-train with checkpointing and gradient accumulation (ckpt=1,accum=4,\n"
+               "        steps=12); every transformer key applies\n"
+               "%s",
+               fragless::replay::zoo_help().c_str());
+  return msg ? 2 : 0;
 }
 
 std::string json_escape(const std::string& s) {
@@ -142,7 +151,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json") json = true;
-    else if (a == "-h" || a == "--help") return usage(nullptr), 0;
+    else if (a == "-h" || a == "--help") return usage(nullptr);
     else if (a == "--policy" && i + 1 < argc) {
       policies.clear();
       std::stringstream ss(argv[++i]);

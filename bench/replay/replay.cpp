@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "fragless/engine.h"
 #include "fragless/sim_driver.h"
@@ -28,11 +29,12 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
   o.driver = DriverKind::sim;
   SimDriverOptions so;
   so.device = device;
-  so.capacity = capacity ? capacity : (80ull << 30);
+  so.capacity = capacity ? capacity : kUnlimitedCapacity;
   so.top_down = true;
   DeviceEngine e(o, make_sim_driver(so));
   std::unordered_map<std::uint64_t, void*> ptrs;  // trace address -> replayed block
   ptrs.reserve(t.events.size() / 2 + t.seed.size());
+  std::unordered_set<std::uint64_t> failed;  // trace addresses whose allocation ran out of memory
   const auto t0 = std::chrono::steady_clock::now();
   // The cache shape before the window is the recorded allocator's own state: for the classic policy (the
   // allocator that made these snapshots) each segment PyTorch held is created (a 2 MiB segment holds small
@@ -92,11 +94,12 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
         AllocError err;
         void* p = e.allocate(ev.size, ev.stream, &err);
         if (!p && ev.size) {
-          if (!capacity || err.status != Status::out_of_memory) {
+          if (err.status != Status::out_of_memory) {
             r.error = t.source + ": event " + std::to_string(index) + ": " + err.message;
             return r;
           }
-          ++r.ooms;
+          ++r.ooms;  // a result, not a failure: this allocation and its free are skipped
+          failed.insert(ev.address);
           continue;
         }
         ptrs[ev.address] = p;
@@ -105,7 +108,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
       case formats::Op::free: {
         auto it = ptrs.find(ev.address);
         if (it == ptrs.end()) {
-          if (capacity) continue;  // its allocation failed with OOM
+          if (failed.erase(ev.address)) continue;  // its allocation failed with OOM
           r.error = t.source + ": event " + std::to_string(index) + ": free of an address never allocated";
           return r;
         }
@@ -132,6 +135,8 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
   if (t.has_time && last_time >= 0) r.trace_duration_us = static_cast<double>(last_time - first_time);
   r.replay_seconds = std::chrono::duration<double>(t1 - t0).count();
   r.events_per_second = r.replay_seconds > 0 ? static_cast<double>(r.events) / r.replay_seconds : 0;
+  if (opt.check)
+    if (std::string bad = e.check_invariants(); !bad.empty()) r.error = t.source + ": invariant broken: " + bad;
   return r;
 }
 

@@ -30,14 +30,18 @@ struct ReplayResult {
   bool curve_in_seconds = false;
 };
 
+// Device capacity of a replay without one: large enough that no trace recorded on a real GPU runs out.
+inline constexpr std::uint64_t kUnlimitedCapacity = std::uint64_t{1} << 40;
+
 struct ReplayOptions {
-  std::uint64_t capacity = 0;                      // 0 = 80 GiB and OOM is an error
+  std::uint64_t capacity = 0;                      // 0 = unlimited (kUnlimitedCapacity)
   std::size_t curve_points = 0;                    // sample usage about this many times (for --plot)
   std::atomic<std::uint64_t>* progress = nullptr;  // events replayed, added in batches
   Options base;                                    // allocator settings (--conf); policy and driver are set per run
+  bool check = false;                              // check the engine's invariants at the end (tests)
 };
 
-// capacity 0 = 80 GiB and OOM is an error; otherwise OOMs are counted and the replay goes on.
+// capacity 0 = unlimited. An OOM is a result: counted, the allocation (and its free) skipped.
 ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, std::uint64_t capacity);
 ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, const ReplayOptions& options);
 

@@ -1,5 +1,7 @@
 #include "workload.h"
 
+#include "zoo.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -25,7 +27,7 @@ constexpr SeqFit kFits[] = {
 struct Config {
   std::string name;
   int layers = 24, d_model = 1024, heads = 16, d_ff = 4096, vocab = 10000, batch = 4, steps = 6, max_seq = 2048;
-  int dtype = 4, ckpt = 0, dropout = 0;
+  int dtype = 4, ckpt = 0, dropout = 0, accum = 1;
   bool pad_to_longest = false;  // padding=longest: every sequence padded to the batch's longest
   std::uint64_t seed = 1;
   std::string seqlen = "sharegpt";
@@ -65,7 +67,9 @@ bool parse(const std::string& spec, Config* c, std::string* error) {
   const auto colon = rest.find(':');
   c->name = rest.substr(0, colon);
   if (c->name != "transformer-train" && c->name != "transformer-infer") {
-    *error = "unknown workload '" + c->name + "' (expected transformer-train or transformer-infer)";
+    std::string names = "transformer-train, transformer-infer, ckpt-accum";
+    for (const auto& n : zoo_names()) names += ", " + n;
+    *error = "unknown workload '" + c->name + "' (expected one of " + names + ")";
     return false;
   }
   if (colon == std::string::npos) return true;
@@ -74,7 +78,7 @@ bool parse(const std::string& spec, Config* c, std::string* error) {
   const std::map<std::string, int*> ints = {{"layers", &c->layers}, {"d_model", &c->d_model}, {"heads", &c->heads},
                                             {"d_ff", &c->d_ff}, {"vocab", &c->vocab}, {"batch", &c->batch},
                                             {"steps", &c->steps}, {"max_seq", &c->max_seq}, {"ckpt", &c->ckpt},
-                                            {"dropout", &c->dropout}};
+                                            {"dropout", &c->dropout}, {"accum", &c->accum}};
   while (std::getline(kv, item, ',')) {
     const auto eq = item.find('=');
     if (eq == std::string::npos) {
@@ -112,8 +116,9 @@ bool parse(const std::string& spec, Config* c, std::string* error) {
       return false;
     }
   }
-  if (c->layers < 1 || c->d_model < 1 || c->heads < 1 || c->batch < 1 || c->steps < 1 || c->max_seq < 1) {
-    *error = "workload: layers, d_model, heads, batch, steps and max_seq must be at least 1";
+  if (c->layers < 1 || c->d_model < 1 || c->heads < 1 || c->batch < 1 || c->steps < 1 || c->max_seq < 1 ||
+      c->accum < 1) {
+    *error = "workload: layers, d_model, heads, batch, steps, max_seq and accum must be at least 1";
     return false;
   }
   return true;
@@ -250,6 +255,7 @@ void train(const Config& c, SeqLen& lens, Emitter& em) {
     }
     em.free(dx.addr, dx.bytes);
     em.free(tokens.addr, tokens.bytes);
+    if ((step + 1) % c.accum != 0) continue;  // gradient accumulation: the optimizer runs every accum steps
     if (adam.empty())
       for (auto n : params) {
         adam.push_back({em.alloc(n), n});
@@ -299,8 +305,27 @@ void infer(const Config& c, SeqLen& lens, Emitter& em) {
 
 }  // namespace
 
+// ckpt-accum: transformer training with activation checkpointing and gradient accumulation over
+// variable-length micro-batches (the optimizer steps every 4 micro-batches); any transformer key applies.
+constexpr const char* kCkptAccum = "ckpt=1,accum=4,steps=12,layers=12,d_model=2048,heads=16,d_ff=8192,batch=4";
+
 bool make_workload(const std::string& spec, formats::Trace* out, std::string* error,
                    const std::vector<int>* lengths) {
+  if (spec.rfind("workload:", 0) != 0) {
+    *error = "a workload spec starts with 'workload:'";
+    return false;
+  }
+  const std::string rest = spec.substr(9);
+  const auto colon = rest.find(':');
+  const std::string name = rest.substr(0, colon), options = colon == std::string::npos ? "" : rest.substr(colon + 1);
+  if (is_zoo_workload(name)) return make_zoo_workload(name, options, out, error);
+  if (name == "ckpt-accum") {
+    if (!make_workload("workload:transformer-train:" + std::string(kCkptAccum) + (options.empty() ? "" : "," + options),
+                       out, error, lengths))
+      return false;
+    out->source = spec;
+    return true;
+  }
   Config c;
   if (!parse(spec, &c, error)) return false;
   c.lengths = lengths;

@@ -39,8 +39,8 @@ struct Options {
   bool peer_access = false;                              // cuda: grant peers that can access this device
   std::string trace;                                     // trace path pattern (%p %d %r); empty = off
   // fragless policy (docs/ARCHITECTURE.md, "The fragless policy").
-  HandleShape handle_shape = HandleShape::ends;         // shape of new physical handles
-  std::size_t handle_max = 32u << 20;                    // handles:ends: largest body handle, bytes
+  HandleShape handle_shape = HandleShape::pages;        // shape of new physical handles
+  std::size_t handle_max = 8u << 20;                     // handles:ends: largest body handle, bytes
   std::size_t chunk_size = 16u << 20;                    // a growth's new handle may round up to this, bytes
   double reserve_slack = 1.0 / 64;                       // ...but exceed the request by at most this share of live
   bool lend_pages = true;                                // same-stream holes lend pages without a sync

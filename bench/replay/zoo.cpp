@@ -1,0 +1,558 @@
+// The pattern zoo: parameterised allocation patterns beyond the transformer workloads (zoo.h). Every
+// generator repeats its step (`steps`, at least 3 by default) with shapes that change from step to step,
+// drawn from `seed`. Sizes follow the tensors the pattern would hold; nothing is copied from a trace.
+#include "zoo.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <map>
+#include <random>
+#include <sstream>
+#include <unordered_map>
+
+namespace fragless::replay {
+
+namespace {
+
+using u64 = std::uint64_t;
+constexpr u64 MiB = 1u << 20;
+
+// Keys of one generator with their defaults and ranges; values given in the spec replace the defaults.
+struct Key { const char* name; double def, lo, hi; const char* meaning; };
+
+struct Generator {
+  const char* name;
+  const char* what;
+  std::vector<Key> keys;
+  void (*run)(const std::map<std::string, double>& k, class Emit& em);
+};
+
+class Emit {
+ public:
+  Emit(formats::Trace* t, u64 seed) : rng(seed), t_(t) {}
+  u64 alloc(u64 bytes, u64 stream = 0, bool seed = false) {
+    const u64 addr = (next_++) << 12;
+    formats::Event e;
+    e.op = formats::Op::alloc;
+    e.address = addr;
+    e.size = std::max<u64>(bytes, 1);
+    e.stream = stream;
+    (seed ? t_->seed : t_->events).push_back(e);
+    sizes_[addr] = {e.size, stream};
+    return addr;
+  }
+  void free(u64 addr) {
+    auto it = sizes_.find(addr);
+    if (it == sizes_.end()) return;
+    formats::Event e;
+    e.op = formats::Op::free;
+    e.address = addr;
+    e.size = it->second.first;
+    e.stream = it->second.second;
+    t_->events.push_back(e);
+    sizes_.erase(it);
+  }
+  u64 size_of(u64 addr) const {
+    auto it = sizes_.find(addr);
+    return it == sizes_.end() ? 1 : it->second.first;
+  }
+  void free_all(std::vector<u64>& v) {
+    for (auto it = v.rbegin(); it != v.rend(); ++it) free(*it);
+    v.clear();
+  }
+  double uniform(double a, double b) { return std::uniform_real_distribution<double>(a, b)(rng); }
+  // A value around `x`, within ±jitter of it, at least 1.
+  u64 jitter(double x, double j) { return static_cast<u64>(std::max(1.0, std::round(x * uniform(1 - j, 1 + j)))); }
+  int lognormal(double mu, double sigma, int lo, int hi) {
+    std::lognormal_distribution<double> d(mu, sigma);
+    return std::clamp(static_cast<int>(std::lround(d(rng))), lo, hi);
+  }
+  std::mt19937_64 rng;
+
+ private:
+  formats::Trace* t_;
+  u64 next_ = 1;
+  std::unordered_map<u64, std::pair<u64, u64>> sizes_;
+};
+
+int I(const std::map<std::string, double>& k, const char* n) { return static_cast<int>(k.at(n)); }
+double D(const std::map<std::string, double>& k, const char* n) { return k.at(n); }
+
+// ---- U-Net (2D training or 3D volume inference): activations halve and double by level ----
+void unet(const std::map<std::string, double>& k, Emit& em) {
+  const int dims = I(k, "dims"), levels = I(k, "levels"), steps = I(k, "steps");
+  const u64 base = static_cast<u64>(I(k, "base")), batch = static_cast<u64>(I(k, "batch"));
+  const bool train = I(k, "train") != 0;
+  const u64 quantum = u64{1} << levels;
+  auto act = [&](u64 ch, u64 side) {
+    u64 v = batch * ch * 2;  // bf16
+    for (int d = 0; d < dims; ++d) v *= side;
+    return v;
+  };
+  // Weights: two 3^dims convolutions per level on each side (many of them sub-page tensors).
+  const u64 taps = dims == 3 ? 27 : 9;
+  for (int l = 0; l <= levels; ++l) {
+    const u64 c = base << l;
+    for (int i = 0; i < 4; ++i) em.alloc(taps * c * c * 4, 0, true);
+  }
+  std::vector<u64> grads;
+  for (int s = 0; s < steps; ++s) {
+    // The input's side changes every step (a crop or volume of another size), in steps the levels divide.
+    const u64 side = std::max<u64>(quantum, em.jitter(D(k, "res"), D(k, "jitter")) / quantum * quantum);
+    std::vector<u64> kept, skips;
+    u64 x = em.alloc(act(1, side));
+    kept.push_back(x);
+    for (int l = 0; l < levels; ++l) {
+      const u64 c = base << l, sd = side >> l;
+      const u64 a1 = em.alloc(act(c, sd)), a2 = em.alloc(act(c, sd));
+      skips.push_back(a2);
+      if (train) kept.push_back(a1); else em.free(a1);
+      const u64 pooled = em.alloc(act(c, sd / 2));
+      if (train) kept.push_back(pooled); else em.free(x);
+      x = pooled;
+    }
+    for (int l = levels - 1; l >= 0; --l) {
+      const u64 c = base << l, sd = side >> l;
+      const u64 up = em.alloc(act(c, sd)), cat = em.alloc(act(2 * c, sd));
+      em.free(up);
+      if (!train) em.free(skips[static_cast<std::size_t>(l)]);
+      if (!train) em.free(x);
+      const u64 d1 = em.alloc(act(c, sd));
+      if (!train) em.free(cat);
+      const u64 d2 = em.alloc(act(c, sd));
+      if (train) {
+        kept.push_back(cat);
+        kept.push_back(d1);
+      } else {
+        em.free(d1);
+      }
+      x = d2;
+      if (train) kept.push_back(x);
+    }
+    const u64 out = em.alloc(act(2, side));
+    if (!train) {
+      em.free(x);
+      em.free(out);
+      continue;
+    }
+    if (grads.empty())
+      for (int l = 0; l <= levels; ++l)
+        for (int i = 0; i < 4; ++i) grads.push_back(em.alloc(taps * (base << l) * (base << l) * 4));
+    // Backward: each kept activation gets a gradient of its size, then both go.
+    u64 g = em.alloc(act(2, side));
+    em.free(out);
+    for (auto it = kept.rbegin(); it != kept.rend(); ++it) {
+      const u64 ng = em.alloc(em.size_of(*it));
+      em.free(*it);
+      em.free(g);
+      g = ng;
+    }
+    em.free(g);
+    for (u64 sk : skips) em.free(sk);
+  }
+  for (u64 g : grads) em.free(g);
+}
+
+// ---- Mixture of experts: per-expert token counts that change every step ----
+void moe(const std::map<std::string, double>& k, Emit& em) {
+  const int layers = I(k, "layers"), experts = I(k, "experts"), steps = I(k, "steps"), topk = I(k, "topk");
+  const u64 d = static_cast<u64>(I(k, "d_model")), ff = static_cast<u64>(I(k, "d_ff"));
+  const bool train = I(k, "train") != 0;
+  for (int l = 0; l < layers; ++l) {
+    em.alloc(d * static_cast<u64>(experts) * 4, 0, true);  // router
+    for (int e = 0; e < experts; ++e) {
+      em.alloc(d * ff * 2, 0, true);
+      em.alloc(ff * d * 2, 0, true);
+    }
+  }
+  std::gamma_distribution<double> gamma(D(k, "skew"), 1.0);
+  std::vector<u64> grads;
+  for (int s = 0; s < steps; ++s) {
+    const u64 tokens = em.jitter(D(k, "tokens"), 0.5);
+    std::vector<std::vector<u64>> kept(static_cast<std::size_t>(layers));
+    std::vector<std::vector<u64>> counts(static_cast<std::size_t>(layers));
+    u64 x = em.alloc(tokens * d * 2);
+    for (int l = 0; l < layers; ++l) {
+      auto& keep = kept[static_cast<std::size_t>(l)];
+      auto& cnt = counts[static_cast<std::size_t>(l)];
+      // Routing: expert shares from a Dirichlet draw, so the load is uneven and different every step.
+      std::vector<double> w(static_cast<std::size_t>(experts));
+      double sum = 0;
+      for (double& v : w) sum += (v = gamma(em.rng) + 1e-9);
+      const u64 logits = em.alloc(tokens * static_cast<u64>(experts) * 4);
+      em.free(logits);
+      std::vector<u64> outs;
+      for (int e = 0; e < experts; ++e) {
+        const u64 c = static_cast<u64>(std::llround(static_cast<double>(tokens * static_cast<u64>(topk)) *
+                                                    w[static_cast<std::size_t>(e)] / sum));
+        cnt.push_back(c);
+        if (c == 0) continue;
+        const u64 in = em.alloc(c * d * 2), h = em.alloc(c * ff * 2), out = em.alloc(c * d * 2);
+        if (train) {
+          keep.push_back(in);
+          keep.push_back(h);
+        } else {
+          em.free(in);
+          em.free(h);
+        }
+        outs.push_back(out);
+      }
+      const u64 next = em.alloc(tokens * d * 2);
+      for (u64 o : outs) em.free(o);
+      if (train) keep.push_back(x); else em.free(x);
+      x = next;
+    }
+    em.free(x);
+    if (!train) continue;
+    if (grads.empty())
+      for (int l = 0; l < layers; ++l)
+        for (int e = 0; e < experts; ++e) grads.push_back(em.alloc(2 * d * ff * 2));
+    u64 dx = em.alloc(tokens * d * 2);
+    for (int l = layers - 1; l >= 0; --l) {
+      for (u64 c : counts[static_cast<std::size_t>(l)]) {
+        if (c == 0) continue;
+        const u64 gh = em.alloc(c * ff * 2), gi = em.alloc(c * d * 2);
+        em.free(gh);
+        em.free(gi);
+      }
+      const u64 ndx = em.alloc(tokens * d * 2);
+      em.free_all(kept[static_cast<std::size_t>(l)]);
+      em.free(dx);
+      dx = ndx;
+    }
+    em.free(dx);
+  }
+  for (u64 g : grads) em.free(g);
+}
+
+// ---- LLM serving with continuous batching: per-request KV caches that grow and finish at random ----
+void serving(const std::map<std::string, double>& k, Emit& em) {
+  const int layers = I(k, "layers"), steps = I(k, "steps"), max_batch = I(k, "max_batch"), block = I(k, "block");
+  const u64 d = static_cast<u64>(I(k, "d_model")), ff = static_cast<u64>(I(k, "d_ff"));
+  const u64 kv_token = static_cast<u64>(I(k, "kv_heads")) * static_cast<u64>(I(k, "head_dim")) * 2;  // bf16, K or V
+  for (int l = 0; l < layers; ++l)
+    for (u64 n : {d * d * 2, d * d * 2, d * ff * 2, ff * d * 2}) em.alloc(n, 0, true);
+  struct Request { int len, left; u64 cap; std::vector<u64> kv; };
+  std::vector<Request> active;
+  for (int s = 0; s < steps; ++s) {
+    // New requests join while there is room, each with a prompt and an output length of its own.
+    u64 prefill = 0;
+    while (static_cast<int>(active.size()) < max_batch && em.uniform(0, 1) < D(k, "arrival")) {
+      Request r;
+      r.len = em.lognormal(6.2, 1.0, 8, 4096);
+      r.left = em.lognormal(5.0, 0.9, 4, 2048);
+      r.cap = static_cast<u64>((r.len + block - 1) / block * block);
+      for (int l = 0; l < 2 * layers; ++l) r.kv.push_back(em.alloc(r.cap * kv_token));
+      prefill += static_cast<u64>(r.len);
+      active.push_back(std::move(r));
+    }
+    const u64 tokens = prefill + active.size();
+    if (tokens == 0) continue;
+    // One iteration's transient activations, layer by layer.
+    u64 x = em.alloc(tokens * d * 2);
+    for (int l = 0; l < layers; ++l) {
+      const u64 qkv = em.alloc(tokens * d * 3 * 2), h = em.alloc(tokens * ff * 2);
+      em.free(qkv);
+      const u64 next = em.alloc(tokens * d * 2);
+      em.free(h);
+      em.free(x);
+      x = next;
+    }
+    em.free(x);
+    // Each request's KV cache grows by a block when it is full (a new tensor, the old one freed), and a
+    // request that has produced its output leaves.
+    for (auto& r : active) {
+      ++r.len;
+      --r.left;
+      if (static_cast<u64>(r.len) > r.cap) {
+        r.cap += static_cast<u64>(block);
+        for (u64& t : r.kv) {
+          const u64 grown = em.alloc(r.cap * kv_token);
+          em.free(t);
+          t = grown;
+        }
+      }
+    }
+    for (auto it = active.begin(); it != active.end();)
+      if (it->left <= 0) {
+        em.free_all(it->kv);
+        it = active.erase(it);
+      } else {
+        ++it;
+      }
+  }
+  for (auto& r : active) em.free_all(r.kv);
+}
+
+// ---- Sharded data parallel (FSDP / ZeRO-3): parameters gathered on a communication stream ----
+void fsdp(const std::map<std::string, double>& k, Emit& em) {
+  const int layers = I(k, "layers"), steps = I(k, "steps");
+  const u64 d = static_cast<u64>(I(k, "d_model")), world = static_cast<u64>(I(k, "world"));
+  const u64 batch = static_cast<u64>(I(k, "batch"));
+  constexpr u64 kComm = 7;  // the communication stream
+  const u64 full = 12 * d * d * 2, shard = full / world;  // one layer's bf16 parameters, and a rank's share
+  for (int l = 0; l < layers; ++l) {
+    em.alloc(shard * 2, 0, true);  // fp32 master shard
+    em.alloc(shard * 4, 0, true);  // Adam moments
+  }
+  std::vector<u64> grad_shards;
+  for (int s = 0; s < steps; ++s) {
+    u64 tokens = 0;
+    for (u64 b = 0; b < batch; ++b) tokens += static_cast<u64>(em.lognormal(7.2, 0.8, 32, I(k, "max_seq")));
+    const u64 act = tokens * d * 2;
+    std::vector<std::vector<u64>> kept(static_cast<std::size_t>(layers));
+    u64 gathered = em.alloc(full, kComm);  // layer 0, prefetched
+    for (int l = 0; l < layers; ++l) {
+      const u64 next = l + 1 < layers ? em.alloc(full, kComm) : 0;  // the next layer's all-gather overlaps
+      auto& keep = kept[static_cast<std::size_t>(l)];
+      for (int i = 0; i < 4; ++i) keep.push_back(em.alloc(act));
+      keep.push_back(em.alloc(4 * act));
+      em.free(gathered);
+      gathered = next;
+    }
+    if (grad_shards.empty())
+      for (int l = 0; l < layers; ++l) grad_shards.push_back(em.alloc(shard * 2));
+    u64 dx = em.alloc(act);
+    for (int l = layers - 1; l >= 0; --l) {
+      const u64 regather = em.alloc(full, kComm);
+      const u64 g4 = em.alloc(4 * act), ndx = em.alloc(act);
+      em.free(g4);
+      const u64 grad_full = em.alloc(full);            // this layer's full gradient
+      const u64 scattered = em.alloc(shard, kComm);    // reduce-scatter output
+      em.free(grad_full);
+      em.free(scattered);
+      em.free(regather);
+      em.free_all(kept[static_cast<std::size_t>(l)]);
+      em.free(dx);
+      dx = ndx;
+    }
+    em.free(dx);
+  }
+  for (u64 g : grad_shards) em.free(g);
+}
+
+// ---- Pipeline parallel, 1F1B: micro-batches of varying length in flight on one stage ----
+void pipeline(const std::map<std::string, double>& k, Emit& em) {
+  const int stages = I(k, "stages"), rank = std::min(I(k, "rank"), I(k, "stages") - 1), micro = I(k, "micro");
+  const int layers = I(k, "layers"), steps = I(k, "steps");
+  const u64 d = static_cast<u64>(I(k, "d_model")), ff = static_cast<u64>(I(k, "d_ff")), batch = static_cast<u64>(I(k, "batch"));
+  constexpr u64 kComm = 5;
+  for (int l = 0; l < layers; ++l)
+    for (u64 n : {4 * d * d * 2, d * ff * 2, ff * d * 2}) em.alloc(n, 0, true);
+  for (int s = 0; s < steps; ++s) {
+    std::vector<u64> tokens;
+    for (int m = 0; m < micro; ++m) {
+      u64 t = 0;
+      for (u64 b = 0; b < batch; ++b) t += static_cast<u64>(em.lognormal(7.0, 0.9, 16, I(k, "max_seq")));
+      tokens.push_back(t);
+    }
+    std::vector<std::vector<u64>> kept(static_cast<std::size_t>(micro));
+    auto forward = [&](int m) {
+      const u64 t = tokens[static_cast<std::size_t>(m)], act = t * d * 2;
+      const u64 recv = em.alloc(act, kComm);
+      auto& keep = kept[static_cast<std::size_t>(m)];
+      keep.push_back(recv);
+      for (int l = 0; l < layers; ++l) {
+        for (int i = 0; i < 3; ++i) keep.push_back(em.alloc(act));
+        keep.push_back(em.alloc(t * ff * 2));
+      }
+      const u64 send = em.alloc(act, kComm);
+      em.free(send);
+    };
+    auto backward = [&](int m) {
+      const u64 t = tokens[static_cast<std::size_t>(m)], act = t * d * 2;
+      u64 g = em.alloc(act, kComm);
+      for (int l = 0; l < layers; ++l) {
+        const u64 gh = em.alloc(t * ff * 2), ng = em.alloc(act);
+        em.free(gh);
+        em.free(g);
+        g = ng;
+      }
+      em.free_all(kept[static_cast<std::size_t>(m)]);
+      const u64 send = em.alloc(act, kComm);
+      em.free(send);
+      em.free(g);
+    };
+    const int warmup = std::min(micro, stages - rank - 1);
+    int f = 0, b = 0;
+    for (; f < warmup; ++f) forward(f);
+    for (; f < micro; ++f, ++b) {
+      forward(f);
+      backward(b);
+    }
+    for (; b < micro; ++b) backward(b);
+  }
+}
+
+// ---- Random: sizes over six decades, random lifetimes, several streams ----
+void random_pattern(const std::map<std::string, double>& k, Emit& em) {
+  const int steps = I(k, "steps"), ops = I(k, "ops"), streams = I(k, "streams");
+  const double lo = std::log(D(k, "min_bytes")), hi = std::log(D(k, "min_bytes") * 1e6);
+  const u64 cap = static_cast<u64>(D(k, "live_gib") * 1024) * MiB;
+  struct Live { u64 addr, bytes; int until; };
+  std::vector<Live> keep;  // long-lived tensors survive into the next step
+  for (int s = 0; s < steps; ++s) {
+    std::vector<Live> live;
+    u64 live_bytes = 0;
+    for (const Live& l : keep) live_bytes += l.bytes;
+    for (int op = 0; op < ops; ++op) {
+      for (auto it = live.begin(); it != live.end();)
+        if (it->until <= op) {
+          em.free(it->addr);
+          live_bytes -= it->bytes;
+          it = live.erase(it);
+        } else {
+          ++it;
+        }
+      const u64 bytes = static_cast<u64>(std::exp(em.uniform(lo, hi)));
+      if (live_bytes + bytes > cap) continue;
+      const u64 stream = static_cast<u64>(em.rng() % static_cast<u64>(streams));
+      const int life = static_cast<int>(std::exponential_distribution<double>(1.0 / D(k, "lifetime"))(em.rng)) + 1;
+      Live l{em.alloc(bytes, stream), bytes, op + life};
+      live_bytes += bytes;
+      if (em.uniform(0, 1) < 0.03) keep.push_back(l); else live.push_back(l);
+    }
+    for (const Live& l : live) em.free(l.addr);
+    // Half of the long-lived tensors end with this step.
+    for (auto it = keep.begin(); it != keep.end();)
+      if (em.rng() % 2) {
+        em.free(it->addr);
+        it = keep.erase(it);
+      } else {
+        ++it;
+      }
+  }
+  for (const Live& l : keep) em.free(l.addr);
+}
+
+const std::vector<Generator>& generators() {
+  static const std::vector<Generator> g = {
+      {"unet2d", "2D U-Net training: activations halve and double by level, skips kept, crops vary per step",
+       {{"dims", 2, 2, 3, "spatial dimensions"}, {"base", 64, 1, 1024, "channels at the top level"},
+        {"res", 512, 16, 8192, "mean input side"}, {"jitter", 0.25, 0, 0.9, "input side varies by this share"},
+        {"levels", 4, 1, 8, "levels"}, {"batch", 8, 1, 1024, "batch"}, {"train", 1, 0, 1, "1 training, 0 inference"},
+        {"steps", 4, 1, 100000, "steps"}, {"seed", 1, 0, 1e18, "random seed"}},
+       unet},
+      {"unet3d", "3D U-Net volume inference: GiB-scale activations that halve and double, volumes vary per step",
+       {{"dims", 3, 2, 3, "spatial dimensions"}, {"base", 32, 1, 1024, "channels at the top level"},
+        {"res", 160, 16, 4096, "mean volume side"}, {"jitter", 0.25, 0, 0.9, "volume side varies by this share"},
+        {"levels", 4, 1, 8, "levels"}, {"batch", 2, 1, 1024, "batch"}, {"train", 0, 0, 1, "1 training, 0 inference"},
+        {"steps", 4, 1, 100000, "steps"}, {"seed", 1, 0, 1e18, "random seed"}},
+       unet},
+      {"moe", "mixture-of-experts training: per-expert token counts drawn anew every step",
+       {{"layers", 8, 1, 1000, "layers"}, {"experts", 16, 1, 1024, "experts per layer"},
+        {"d_model", 2048, 1, 65536, "model width"}, {"d_ff", 4096, 1, 262144, "expert hidden width"},
+        {"tokens", 16384, 1, 1e8, "mean tokens per step (±50%)"}, {"topk", 2, 1, 64, "experts per token"},
+        {"skew", 1.0, 0.01, 100, "Dirichlet concentration of the routing (small: uneven)"},
+        {"train", 1, 0, 1, "1 training, 0 inference"}, {"steps", 4, 1, 100000, "steps"},
+        {"seed", 1, 0, 1e18, "random seed"}},
+       moe},
+      {"serving", "LLM serving with continuous batching: per-request KV caches grow by blocks and finish at random",
+       {{"layers", 32, 1, 1000, "layers"}, {"d_model", 4096, 1, 65536, "model width"},
+        {"d_ff", 11008, 1, 262144, "MLP width"}, {"kv_heads", 8, 1, 1024, "KV heads"},
+        {"head_dim", 128, 1, 4096, "head dimension"}, {"max_batch", 32, 1, 4096, "requests in flight"},
+        {"block", 16, 1, 65536, "tokens a KV cache grows by"}, {"arrival", 0.3, 0.001, 1, "chance a request joins"},
+        {"steps", 400, 3, 1e6, "iterations"}, {"seed", 1, 0, 1e18, "random seed"}},
+       serving},
+      {"fsdp", "sharded data parallel (ZeRO-3): parameters gathered on a communication stream, gradients reduce-scattered",
+       {{"layers", 24, 1, 1000, "layers"}, {"d_model", 4096, 8, 65536, "model width"},
+        {"world", 8, 1, 4096, "ranks the parameters are sharded over"}, {"batch", 4, 1, 4096, "sequences per step"},
+        {"max_seq", 4096, 1, 1e6, "longest sequence"}, {"steps", 4, 1, 100000, "steps"},
+        {"seed", 1, 0, 1e18, "random seed"}},
+       fsdp},
+      {"pipeline", "pipeline parallel (1F1B) on one stage: micro-batches of varying length in flight",
+       {{"stages", 4, 1, 1024, "pipeline stages"}, {"rank", 0, 0, 1023, "this stage"},
+        {"micro", 8, 1, 4096, "micro-batches per step"}, {"layers", 6, 1, 1000, "layers on this stage"},
+        {"d_model", 4096, 1, 65536, "model width"}, {"d_ff", 16384, 1, 262144, "MLP width"},
+        {"batch", 2, 1, 4096, "sequences per micro-batch"}, {"max_seq", 4096, 1, 1e6, "longest sequence"},
+        {"steps", 3, 1, 100000, "steps"}, {"seed", 1, 0, 1e18, "random seed"}},
+       pipeline},
+      {"random", "random sizes over six decades, random lifetimes, several streams, steps that differ",
+       {{"min_bytes", 512, 1, 1e9, "smallest size (the largest is 10^6 times it)"},
+        {"lifetime", 40, 1, 1e6, "mean lifetime, in operations"}, {"ops", 3000, 1, 1e7, "operations per step"},
+        {"streams", 3, 1, 64, "streams"}, {"live_gib", 16, 0.001, 1e4, "cap on live bytes, GiB"},
+        {"steps", 4, 1, 100000, "steps"}, {"seed", 1, 0, 1e18, "random seed"}},
+       random_pattern},
+  };
+  return g;
+}
+
+}  // namespace
+
+bool is_zoo_workload(const std::string& name) {
+  for (const auto& g : generators())
+    if (name == g.name) return true;
+  return false;
+}
+
+std::string zoo_help() {
+  std::string out;
+  for (const auto& g : generators()) {
+    out += "  " + std::string(g.name) + ": " + g.what + "\n    keys:";
+    for (const auto& key : g.keys) {
+      std::ostringstream v;
+      v << key.def;
+      out += " " + std::string(key.name) + "=" + v.str();
+    }
+    out += "\n";
+  }
+  return out;
+}
+
+std::vector<std::string> zoo_names() {
+  std::vector<std::string> n;
+  for (const auto& g : generators()) n.push_back(g.name);
+  return n;
+}
+
+bool make_zoo_workload(const std::string& name, const std::string& options, formats::Trace* out,
+                       std::string* error) {
+  const Generator* gen = nullptr;
+  for (const auto& g : generators())
+    if (name == g.name) gen = &g;
+  if (!gen) {
+    *error = "unknown workload '" + name + "'";
+    return false;
+  }
+  std::map<std::string, double> values;
+  for (const auto& key : gen->keys) values[key.name] = key.def;
+  std::stringstream kv(options);
+  std::string item;
+  while (std::getline(kv, item, ',')) {
+    if (item.empty()) continue;
+    const auto eq = item.find('=');
+    const std::string key = item.substr(0, eq);
+    const Key* spec = nullptr;
+    for (const auto& k : gen->keys)
+      if (key == k.name) spec = &k;
+    if (!spec) {
+      std::string names;
+      for (const auto& k : gen->keys) names += std::string(names.empty() ? "" : ", ") + k.name;
+      *error = "workload " + name + ": unknown key '" + key + "' (keys: " + names + ")";
+      return false;
+    }
+    if (eq == std::string::npos) {
+      *error = "workload " + name + ": option '" + item + "' is not key=value";
+      return false;
+    }
+    const std::string v = item.substr(eq + 1);
+    char* end = nullptr;
+    const double x = std::strtod(v.c_str(), &end);
+    if (v.empty() || *end || !std::isfinite(x) || x < spec->lo || x > spec->hi) {
+      std::ostringstream r;
+      r << "workload " << name << ": " << key << "='" << v << "' is not a number in [" << spec->lo << ", " << spec->hi
+        << "]";
+      *error = r.str();
+      return false;
+    }
+    values[key] = x;
+  }
+  *out = formats::Trace{};
+  out->source = "workload:" + name + (options.empty() ? "" : ":" + options);
+  Emit em(out, static_cast<u64>(values["seed"]));
+  gen->run(values, em);
+  return true;
+}
+
+}  // namespace fragless::replay

@@ -1,0 +1,21 @@
+// The pattern zoo: built-in workloads beyond the transformer ones, each a parameterised generator of the
+// allocation pattern of a kind of job (vision U-Nets, mixture of experts, LLM serving, sharded data
+// parallel, pipeline parallel, random). Every one repeats its step with shapes that change from step to
+// step, so a policy is measured on patterns nobody tuned it for. Spec: workload:NAME[:key=value,...].
+#pragma once
+#include <string>
+#include <vector>
+
+#include "trace_model.h"
+
+namespace fragless::replay {
+
+bool is_zoo_workload(const std::string& name);
+std::vector<std::string> zoo_names();
+// One paragraph per generator: what it models and its keys with their defaults (for --help).
+std::string zoo_help();
+// `options` is the part after "NAME:" (may be empty). False with *error naming the key and the accepted
+// range on a bad option.
+bool make_zoo_workload(const std::string& name, const std::string& options, formats::Trace* out, std::string* error);
+
+}  // namespace fragless::replay

@@ -1,0 +1,131 @@
+// The pattern zoo (bench/replay/zoo.h) against the fragless policy's targets: at every generator's
+// defaults, and on random parameter draws (a property test: the seed of a failing draw is printed).
+// Each replay checks the engine's invariants at its end, Note [Complete re-backing] among them (the
+// policy records any creation that broke it).
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "replay.h"
+#include "workload.h"
+#include "zoo.h"
+
+using namespace fragless;
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024 * 1024, kMiB = 1024.0 * 1024;
+
+struct Outcome { replay::ReplayResult classic, expandable, fragless; std::size_t streams = 0; };
+
+Outcome run_all(const formats::Trace& t) {
+  Outcome o;
+  std::set<std::uint64_t> streams;
+  for (const auto& e : t.events) streams.insert(e.stream);
+  o.streams = std::max<std::size_t>(1, streams.size());
+  replay::ReplayOptions opt;
+  opt.check = true;
+  o.classic = replay::replay(t, 0, PolicyKind::classic, opt);
+  o.expandable = replay::replay(t, 0, PolicyKind::expandable, opt);
+  o.fragless = replay::replay(t, 0, PolicyKind::fragless, opt);
+  return o;
+}
+
+// The targets of the fragless policy (docs/RESULTS.md, "Targets"): never more reserved than classic or
+// expandable (asserted), and overhead over live at most 2%, plus 4 MiB per stream below 1 GiB of peak live.
+// The overhead target is not met on every pattern (docs/RESULTS.md, "Pattern zoo", says where and why):
+// a miss is reported loudly, with the draw, but does not fail the test.
+void check_targets(const Outcome& o) {
+  for (const auto* r : {&o.classic, &o.expandable, &o.fragless}) {
+    INFO(policy_name(r->policy) << ": " << r->error);
+    REQUIRE(r->error.empty());
+    REQUIRE(r->ooms == 0);
+  }
+  const auto& f = o.fragless;
+  const double live = static_cast<double>(f.peak_live), reserved = static_cast<double>(f.peak_reserved);
+  const double limit = live >= kGiB ? live * 1.02 : live * 1.02 + 4 * kMiB * static_cast<double>(o.streams);
+  INFO("peak live " << live / kMiB << " MiB, fragless " << reserved / kMiB << " MiB (limit " << limit / kMiB
+                    << "), expandable " << o.expandable.peak_reserved / kMiB << ", classic "
+                    << o.classic.peak_reserved / kMiB << "; streams " << o.streams);
+  if (reserved > limit) WARN("overhead target missed: " << (reserved / live - 1) * 100 << "% over live");
+  CHECK(f.peak_reserved <= o.expandable.peak_reserved);
+  CHECK(f.peak_reserved <= o.classic.peak_reserved);
+}
+
+}  // namespace
+
+TEST_CASE("zoo: every generator at its defaults meets the fragless targets", "[zoo]") {
+  for (const std::string& name : replay::zoo_names()) {
+    formats::Trace t;
+    std::string err;
+    REQUIRE(replay::make_zoo_workload(name, "", &t, &err));
+    INFO(name << " (" << t.events.size() << " events)");
+    check_targets(run_all(t));
+  }
+}
+
+TEST_CASE("zoo: random parameters for every generator (property test)", "[zoo]") {
+  // Each draw scales a generator down or up and reshapes it; what must hold holds on every draw.
+  const std::uint64_t seed0 = 0x5eed2026;
+  std::mt19937_64 rng(seed0);
+  auto pick = [&](std::initializer_list<int> v) { return *(v.begin() + static_cast<long>(rng() % v.size())); };
+  for (int draw = 0; draw < 6; ++draw) {
+    std::map<std::string, std::string> specs = {
+        {"unet2d", "base=" + std::to_string(pick({16, 32, 64})) + ",res=" + std::to_string(pick({128, 256, 384, 512})) +
+                       ",levels=" + std::to_string(pick({3, 4, 5})) + ",batch=" + std::to_string(pick({1, 2, 4, 8}))},
+        {"unet3d", "base=" + std::to_string(pick({8, 16, 32})) + ",res=" + std::to_string(pick({64, 96, 128, 192})) +
+                       ",batch=" + std::to_string(pick({1, 2})) + ",train=" + std::to_string(pick({0, 1}))},
+        {"moe", "layers=" + std::to_string(pick({2, 4, 8})) + ",experts=" + std::to_string(pick({4, 8, 32, 64})) +
+                    ",tokens=" + std::to_string(pick({1024, 4096, 16384})) + ",skew=" + std::to_string(pick({1, 3})) +
+                    ".25"},
+        {"serving", "layers=" + std::to_string(pick({8, 16, 32})) + ",max_batch=" + std::to_string(pick({4, 16, 64})) +
+                        ",block=" + std::to_string(pick({1, 16, 64})) + ",steps=" + std::to_string(pick({100, 300}))},
+        {"fsdp", "layers=" + std::to_string(pick({4, 12, 24})) + ",d_model=" + std::to_string(pick({1024, 2048, 4096})) +
+                     ",world=" + std::to_string(pick({2, 8, 64})) + ",batch=" + std::to_string(pick({1, 4, 8}))},
+        {"pipeline", "stages=" + std::to_string(pick({2, 4, 8})) + ",rank=" + std::to_string(pick({0, 1, 3})) +
+                         ",micro=" + std::to_string(pick({4, 8, 16})) + ",d_model=" + std::to_string(pick({1024, 4096}))},
+        {"random", "min_bytes=" + std::to_string(pick({256, 512, 4096})) + ",lifetime=" +
+                       std::to_string(pick({5, 40, 400})) + ",streams=" + std::to_string(pick({1, 2, 4})) +
+                       ",live_gib=" + std::to_string(pick({1, 4, 16})) + ",ops=2000"},
+    };
+    for (auto& [name, spec] : specs) {
+      const std::string full = spec + ",seed=" + std::to_string(rng() % 1000000);
+      formats::Trace t;
+      std::string err;
+      INFO("draw " << draw << " of seed " << seed0 << ": workload:" << name << ":" << full);
+      REQUIRE(replay::make_zoo_workload(name, full, &t, &err));
+      check_targets(run_all(t));
+    }
+  }
+}
+
+TEST_CASE("zoo: bad options are clear errors", "[zoo][bad-input]") {
+  formats::Trace t;
+  std::string err;
+  CHECK_FALSE(replay::make_zoo_workload("moe", "expertz=4", &t, &err));
+  CHECK(err.find("unknown key 'expertz'") != std::string::npos);
+  CHECK_FALSE(replay::make_zoo_workload("moe", "experts=-1", &t, &err));
+  CHECK(err.find("experts='-1' is not a number in [1, 1024]") != std::string::npos);
+  CHECK_FALSE(replay::make_zoo_workload("unet2d", "res", &t, &err));
+  CHECK(err.find("not key=value") != std::string::npos);
+  CHECK_FALSE(replay::make_workload("workload:nosuch", &t, &err));
+  CHECK(err.find("nosuch") != std::string::npos);
+}
+
+TEST_CASE("zoo: every generator repeats a step whose shapes change", "[zoo]") {
+  for (const std::string& name : replay::zoo_names()) {
+    formats::Trace a, b;
+    std::string err;
+    REQUIRE(replay::make_zoo_workload(name, "seed=1", &a, &err));
+    REQUIRE(replay::make_zoo_workload(name, "seed=2", &b, &err));
+    INFO(name);
+    std::multiset<std::uint64_t> sa, sb;
+    for (const auto& e : a.events) if (e.op == formats::Op::alloc) sa.insert(e.size);
+    for (const auto& e : b.events) if (e.op == formats::Op::alloc) sb.insert(e.size);
+    CHECK(sa != sb);  // another seed, other shapes
+    CHECK(a.events.size() > 100);
+  }
+}
