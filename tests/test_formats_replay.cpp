@@ -1,5 +1,9 @@
 // Trace formats (safe pickle reader, PyTorch snapshots, RMM CSV) and the replay on real traces.
 #include <catch2/catch.hpp>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -51,7 +55,7 @@ TEST_CASE("pickle: reads data and refuses anything that could run code", "[forma
       {str({0x80, 2, ']', 'K'}), "truncated"},
       {str({0x80, 2, 0xfe, '.'}), "unknown opcode 0xfe"},
       {str({0x80, 2, 'h', 7, '.'}), "memo index 7 not defined"},
-      {str({0x80, 2, 0x8a, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, '.'}), "wider than 64 bits"},
+      {str({0x80, 2, 0x8a, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, '.'}), "outside [-2^63, 2^64)"},
       {str({0x80, 2, 'a', '.'}), "stack underflow"},
   };
   for (const auto& [bytes, want] : hostile) {
@@ -236,4 +240,90 @@ TEST_CASE("steady state: repeating the same step makes no driver call and forces
       for (int c = 0; c < kDriverCallCount; ++c) CHECK(b.driver.calls[static_cast<std::size_t>(c)] == a.driver.calls[static_cast<std::size_t>(c)]);
       CHECK(b.forced_syncs == a.forced_syncs);
     }
+}
+
+namespace {
+// The canonical text of a parsed value, as tests/python/pickle_differential.py renders Python's.
+std::string canon(const PyValue& v) {
+  char buf[64];
+  switch (v.type) {
+    case PyValue::Type::none: return "N";
+    case PyValue::Type::boolean: return v.i ? "T" : "F";
+    case PyValue::Type::integer: return "i" + v.int_text();
+    case PyValue::Type::real: std::snprintf(buf, sizeof buf, "f%.17g", v.f); return buf;
+    case PyValue::Type::str: return "s" + std::to_string(v.s.size()) + ":" + v.s;
+    case PyValue::Type::bytes: {
+      std::string h;
+      for (unsigned char c : v.s) { std::snprintf(buf, sizeof buf, "%02x", c); h += buf; }
+      return "b" + std::to_string(v.s.size()) + ":" + h;
+    }
+    case PyValue::Type::list:
+    case PyValue::Type::tuple: {
+      std::string o = v.type == PyValue::Type::list ? "[" : "(";
+      for (std::size_t i = 0; i < v.items.size(); ++i) o += (i ? "," : "") + canon(*v.items[i]);
+      return o + (v.type == PyValue::Type::list ? "]" : ")");
+    }
+    case PyValue::Type::dict: {
+      std::string o = "{";
+      for (std::size_t i = 0; i < v.entries.size(); ++i)
+        o += (i ? "," : "") + canon(*v.entries[i].first) + ":" + canon(*v.entries[i].second);
+      return o + "}";
+    }
+    case PyValue::Type::set: return "set";
+  }
+  return "?";
+}
+}  // namespace
+
+TEST_CASE("pickle: integers past 2^63 as PyTorch writes them, and a clear error beyond 2^64", "[formats][bad-input]") {
+  // LONG1 with 9 bytes ff ff ff ff ff ff ff ff 00: 2^64 - 1, as pickle writes it (protocol 2+).
+  const std::string max_u64 = std::string("\x80\x04\x8a\x09\xff\xff\xff\xff\xff\xff\xff\xff\x00.", 15);
+  auto r = read_pickle(max_u64);
+  INFO(r.error);
+  REQUIRE(r.value);
+  CHECK(r.value->as_uint() == UINT64_MAX);
+  CHECK(r.value->int_text() == "18446744073709551615");
+  // 2^64 needs 9 significant bytes: refused, naming the range and the byte.
+  const std::string too_big = std::string("\x80\x04\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x00\x01.", 15);
+  auto bad = read_pickle(too_big);
+  CHECK_FALSE(bad.value);
+  CHECK(bad.error.find("outside [-2^63, 2^64)") != std::string::npos);
+  CHECK(bad.error.find("at byte 2") != std::string::npos);
+  // -2^63 in 9 bytes with a redundant sign byte is still read.
+  const std::string min_i64 = std::string("\x80\x04\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x80\xff.", 15);
+  auto m = read_pickle(min_i64);
+  REQUIRE(m.value);
+  CHECK(m.value->as_int() == INT64_MIN);
+}
+
+TEST_CASE("pickle: differential test against CPython, protocols 2-5, random data-only objects", "[formats]") {
+  namespace fs = std::filesystem;
+  const fs::path script = fs::path(FRAGLESS_SOURCE_DIR) / "tests/python/pickle_differential.py";
+  const fs::path out = fs::temp_directory_path() / ("fragless_pickle_diff_" + std::to_string(::getpid()) + ".bin");
+  const std::string cmd = "python3 " + script.string() + " " + out.string() + " 20261201 200";
+  INFO(cmd);
+  REQUIRE(std::system(cmd.c_str()) == 0);  // python3 is a build dependency (tools/install_deps.sh)
+  std::ifstream in(out, std::ios::binary);
+  std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  fs::remove(out);
+  std::size_t pos = 0, n = 0;
+  auto u32 = [&](std::size_t at) {
+    std::uint32_t v = 0;
+    for (int i = 3; i >= 0; --i) v = v << 8 | static_cast<unsigned char>(all[at + static_cast<std::size_t>(i)]);
+    return v;
+  };
+  while (pos < all.size()) {
+    const int protocol = static_cast<unsigned char>(all[pos]);
+    const std::uint32_t tl = u32(pos + 1);
+    const std::string text = all.substr(pos + 5, tl);
+    const std::uint32_t dl = u32(pos + 5 + tl);
+    const std::string data = all.substr(pos + 9 + tl, dl);
+    pos += 9 + tl + dl;
+    ++n;
+    auto r = read_pickle(data);
+    INFO("object " << n << ", protocol " << protocol << ": " << r.error);
+    REQUIRE(r.value);
+    CHECK(canon(*r.value) == text);
+  }
+  CHECK(n == 200);
 }

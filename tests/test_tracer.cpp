@@ -283,3 +283,27 @@ TEST_CASE("pickle writer: integers of every width and strings round-trip", "[for
   CHECK(pr.value->items[std::size(ints)]->s.size() == 300);
   CHECK(pr.value->items[std::size(ints) + 1]->f == 2.5);
 }
+
+TEST_CASE("RMM CSV: Time is written as RMM writes it (HH:MM:SS.ffffff) and a round trip keeps it", "[formats]") {
+  Trace t;
+  t.has_time = true;
+  const std::int64_t times[] = {0, 7, 999999, 61000001, 3600000000LL * 27 + 59 * 60000000LL + 1234567};
+  std::uint64_t addr = 0x1000;
+  for (std::int64_t us : times) {
+    formats::Event e;
+    e.op = Op::alloc;
+    e.address = addr += 0x1000;
+    e.size = 512;
+    e.time_us = us;
+    t.events.push_back(e);
+  }
+  const std::string csv = trace_to_rmm_csv(t, 0);
+  CHECK(csv.find(",00:00:00.000007,allocate,") != std::string::npos);
+  CHECK(csv.find(",00:01:01.000001,allocate,") != std::string::npos);
+  CHECK(csv.find(",27:59:01.234567,allocate,") != std::string::npos);
+  auto back = trace_from_rmm_csv(csv, "c");
+  INFO(back.error);
+  REQUIRE(back.ok);
+  REQUIRE(back.trace.events.size() == std::size(times));
+  for (std::size_t i = 0; i < std::size(times); ++i) CHECK(back.trace.events[i].time_us == times[i]);
+}

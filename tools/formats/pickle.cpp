@@ -83,14 +83,22 @@ class Unpickler {
     v->s = std::string(s);
     return v;
   }
-  // Signed little-endian integer of n bytes (LONG1/LONG4).
+  // Signed little-endian two's-complement integer of n bytes (LONG1/LONG4). Every value in [-2^63, 2^64)
+  // is read (PyTorch writes 2^64-1 in frame fields as LONG1 with 9 bytes); one outside is an error.
   PyRef make_long(std::string_view b) {
     if (b.empty()) return make_int(0);
-    if (b.size() > 8) fail("integer wider than 64 bits");
+    const bool negative = static_cast<std::uint8_t>(b.back()) & 0x80;
+    // Bytes past the eighth that only extend the sign carry no value.
+    while (b.size() > 8 && static_cast<std::uint8_t>(b.back()) == (negative ? 0xff : 0x00) &&
+           (!negative || (static_cast<std::uint8_t>(b[b.size() - 2]) & 0x80)))
+      b.remove_suffix(1);
+    if (b.size() > 8) fail("integer outside [-2^63, 2^64) (" + std::to_string(b.size()) + " significant bytes)");
     std::uint64_t v = 0;
     for (std::size_t i = b.size(); i-- > 0;) v = v << 8 | static_cast<std::uint8_t>(b[i]);
-    if (b.size() < 8 && (static_cast<std::uint8_t>(b.back()) & 0x80)) v |= ~std::uint64_t{0} << (8 * b.size());
-    return make_int(static_cast<std::int64_t>(v));
+    if (b.size() < 8 && negative) v |= ~std::uint64_t{0} << (8 * b.size());
+    PyRef r = make_int(static_cast<std::int64_t>(v));
+    r->wide = !negative && (v >> 63);  // eight bytes with the top bit set, from a positive number
+    return r;
   }
 
   void push(PyRef v) { stack_.push_back(std::move(v)); }
@@ -186,7 +194,16 @@ class Unpickler {
           char* end = nullptr;
           errno = 0;
           const long long v = std::strtoll(t.c_str(), &end, 10);
-          if (t.empty() || errno || end != t.c_str() + t.size()) fail("bad integer literal");
+          if (!t.empty() && t[0] != '-' && errno == ERANGE) {  // [2^63, 2^64): an unsigned 64-bit value
+            errno = 0;
+            const unsigned long long u = std::strtoull(t.c_str(), &end, 10);
+            if (errno || end != t.c_str() + t.size()) fail("integer literal outside [-2^63, 2^64)");
+            PyRef r = make_int(static_cast<std::int64_t>(u));
+            r->wide = true;
+            push(r);
+            break;
+          }
+          if (t.empty() || errno || end != t.c_str() + t.size()) fail("bad integer literal (or outside [-2^63, 2^64))");
           push(make_int(v));
           break;
         }

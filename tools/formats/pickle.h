@@ -21,6 +21,7 @@ using PyRef = std::shared_ptr<PyValue>;
 struct PyValue {
   enum class Type { none, boolean, integer, real, str, bytes, list, tuple, dict, set } type = Type::none;
   std::int64_t i = 0;
+  bool wide = false;  // an integer in [2^63, 2^64): its value is static_cast<std::uint64_t>(i)
   double f = 0;
   std::string s;                                // str (UTF-8) and bytes
   std::vector<PyRef> items;                     // list, tuple, set
@@ -31,6 +32,11 @@ struct PyValue {
   const PyValue* get(std::string_view key) const;
   bool is_number() const { return type == Type::integer || type == Type::real || type == Type::boolean; }
   std::int64_t as_int() const { return type == Type::real ? static_cast<std::int64_t>(f) : i; }
+  std::uint64_t as_uint() const { return static_cast<std::uint64_t>(as_int()); }
+  // The integer in decimal, as Python prints it (wide values unsigned).
+  std::string int_text() const {
+    return wide ? std::to_string(static_cast<std::uint64_t>(i)) : std::to_string(i);
+  }
 };
 
 // Owns every container read, and empties them all when destroyed: a hostile file cannot leak memory

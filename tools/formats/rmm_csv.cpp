@@ -137,9 +137,13 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
 std::string trace_to_rmm_csv(const Trace& t, int device) {
   std::string out = "Thread,Time,Action,Pointer,Size,Stream\n";
   char buf[160];
+  // Time as RMM writes it: HH:MM:SS.ffffff (hours may pass 23 for a long run); the reader takes it back.
   auto put = [&](const Event& e, const char* action) {
-    std::snprintf(buf, sizeof buf, "0,%" PRId64 ",%s,0x%" PRIx64 ",%" PRIu64 ",%" PRIx64 "\n",
-                  e.time_us < 0 ? 0 : e.time_us, action, e.address, e.size, e.stream);
+    const std::int64_t us = e.time_us < 0 ? 0 : e.time_us;
+    std::snprintf(buf, sizeof buf, "0,%02" PRId64 ":%02" PRId64 ":%02" PRId64 ".%06" PRId64 ",%s,0x%" PRIx64
+                  ",%" PRIu64 ",%" PRIx64 "\n",
+                  us / 3600000000, us / 60000000 % 60, us / 1000000 % 60, us % 1000000, action, e.address, e.size,
+                  e.stream);
     out += buf;
   };
   for (const auto& e : t.seed)
