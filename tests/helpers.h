@@ -6,6 +6,7 @@
 
 #include "fragless/engine.h"
 #include "fragless/host_driver.h"
+#include "fragless/test_events.h"
 #include "fragless/sim_driver.h"
 
 namespace fragless::test {

@@ -127,15 +127,39 @@ TEST_CASE("fragless: with lend_pages:False, same-stream holes are unmapped after
   require_consistent(*e);
 }
 
-TEST_CASE("fragless: holes on another stream are reclaimed only after that stream's work", "[fragless]") {
+TEST_CASE("fragless: holes on another stream are lent in device order, the host never waits", "[fragless]") {
   EngineSpec spec;
   spec.policy = PolicyKind::fragless;
+  auto e = make_engine(spec);
+  TestEvents* ev = test_events_of(e->driver());
+  make_holes(*e, 1);
+  const auto before = reserved(*e);
+  ev->hold(1);  // stream 1 still runs the work that used its holes
+  const auto waits = e->driver_counters()[DriverCall::stream_wait_event];
+  REQUIRE(e->allocate(8 * MiB, 2, nullptr));
+  CHECK(reserved(*e) == before);  // stream 1's holes backed it
+  CHECK(e->stats().num_forced_syncs == 0);
+  CHECK(e->driver_counters()[DriverCall::stream_wait_event] > waits);
+  // Work queued on stream 2 from now on waits for stream 1 (Note [Lending across streams]).
+  Event after = 0;
+  REQUIRE(e->driver().record_event(2, &after) == Status::ok);
+  CHECK(e->driver().query_event(after) == Status::not_ready);
+  ev->complete(1);
+  CHECK(e->driver().query_event(after) == Status::ok);
+  e->driver().release_event(after);
+  require_consistent(*e);
+}
+
+TEST_CASE("fragless: with lend_across_streams:False, other streams' holes wait for their stream, as a last resort",
+          "[fragless]") {
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  spec.base.lend_across_streams = false;
   auto e = make_engine(spec);
   make_holes(*e, 1);
   const auto before = reserved(*e);
   // While the device has room, another stream's holes stay put: taking them would need a sync.
-  void* roomy = e->allocate(8 * MiB, 2, nullptr);
-  REQUIRE(roomy);
+  REQUIRE(e->allocate(8 * MiB, 2, nullptr));
   CHECK(reserved(*e) > before);
   CHECK(e->stats().num_forced_syncs == 0);
   // On a full device, stream 3 owns no hole: taking stream 1's pages needs stream 1 to be done, which is

@@ -73,6 +73,10 @@ constexpr OptionInfo kOptions[] = {
      "fragless policy: pages of a hole on the requesting stream are mapped where needed without a "
      "synchronisation (the old mapping goes once the stream's queued work is done). False: synchronise and "
      "unmap first, as PyTorch does."},
+    {"lend_across_streams", "True or False", "True",
+     "fragless policy (with lend_pages): pages of a hole on another stream are lent too; the requesting stream "
+     "waits on the device (cuStreamWaitEvent) for the hole's stream, the host never waits. False: such holes "
+     "are taken only after synchronising their stream, when the device is full."},
     {"small_in_remnants", "True or False", "True",
      "fragless policy: a small request (<= 1 MiB) that would grow the small pool may take a free large-pool "
      "block under 1 MiB, which no large request fits."},
@@ -239,9 +243,10 @@ class Parser {
     } else if (key == "reserve_slack") {
       if (!parse_double(v, &d) || !(d >= 0.0 && d <= 1.0)) return err(bad_value(key, v, "a number in [0, 1]"));
       o_.reserve_slack = d;
-    } else if (key == "lend_pages" || key == "small_in_remnants") {
+    } else if (key == "lend_pages" || key == "small_in_remnants" || key == "lend_across_streams") {
       if (v != "True" && v != "False") return err(bad_value(key, v, "True or False (exactly)"));
-      (key == "lend_pages" ? o_.lend_pages : o_.small_in_remnants) = v == "True";
+      (key == "lend_pages" ? o_.lend_pages : key == "small_in_remnants" ? o_.small_in_remnants
+                                                                          : o_.lend_across_streams) = v == "True";
     } else if (key == "trace") {
       for (std::size_t i = 0; i < v.size(); ++i)
         if (v[i] == '%' && (i + 1 >= v.size() || std::string_view("pdr%").find(v[i + 1]) == std::string_view::npos))

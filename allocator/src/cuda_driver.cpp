@@ -44,6 +44,7 @@ struct Api {
   CUresult (*eventSynchronize)(CUevent) = nullptr;
   CUresult (*eventDestroy)(CUevent) = nullptr;
   CUresult (*streamSynchronize)(CUstream) = nullptr;
+  CUresult (*streamWaitEvent)(CUstream, CUevent, unsigned) = nullptr;
 
   std::string describe(const char* call, CUresult r) const {
     const char* name = nullptr;
@@ -99,7 +100,8 @@ const Api& api() {
                     resolve(a, "cuEventCreate", &a.eventCreate) && resolve(a, "cuEventRecord", &a.eventRecord) &&
                     resolve(a, "cuEventQuery", &a.eventQuery) && resolve(a, "cuEventSynchronize", &a.eventSynchronize) &&
                     resolve(a, "cuEventDestroy", &a.eventDestroy) &&
-                    resolve(a, "cuStreamSynchronize", &a.streamSynchronize);
+                    resolve(a, "cuStreamSynchronize", &a.streamSynchronize) &&
+                    resolve(a, "cuStreamWaitEvent", &a.streamWaitEvent);
     if (!ok) return;
     if (CUresult r = a.init(0); r != CUDA_SUCCESS) a.error = "fragless: " + a.describe("cuInit", r);
   });
@@ -194,6 +196,11 @@ class CudaDriver final : public Driver {
     return check("cuEventSynchronize", api().eventSynchronize(reinterpret_cast<CUevent>(e)));
   }
   Status do_release_event(Event e) override { return check("cuEventDestroy", api().eventDestroy(reinterpret_cast<CUevent>(e))); }
+  Status do_stream_wait_event(Stream s, Event e) override {
+    ensure_context();
+    return check("cuStreamWaitEvent",
+                 api().streamWaitEvent(reinterpret_cast<CUstream>(s), reinterpret_cast<CUevent>(e), 0));
+  }
   Status do_synchronize_stream(Stream s) override {
     ensure_context();
     return check("cuStreamSynchronize", api().streamSynchronize(reinterpret_cast<CUstream>(s)));

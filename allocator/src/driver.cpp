@@ -17,7 +17,8 @@ const char* status_name(Status s) {
 const char* driver_call_name(DriverCall c) {
   static constexpr const char* kNames[kDriverCallCount] = {
       "reserve", "free_reservation", "create", "release", "map", "unmap", "set_access",
-      "record_event", "query_event", "synchronize_event", "synchronize_stream", "release_event"};
+      "record_event", "query_event", "synchronize_event", "synchronize_stream", "release_event",
+      "stream_wait_event"};
   const int i = static_cast<int>(c);
   return i >= 0 && i < kDriverCallCount ? kNames[i] : "?";
 }
@@ -39,6 +40,7 @@ CostModel CostModel::a100() {
   set(DriverCall::record_event, 1.0);
   set(DriverCall::query_event, 0.5);
   set(DriverCall::release_event, 0.5);
+  set(DriverCall::stream_wait_event, 1.0);
   return m;
 }
 

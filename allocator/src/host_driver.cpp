@@ -207,6 +207,10 @@ class HostDriver final : public Driver {
     events_.release(e);
     return Status::ok;
   }
+  Status do_stream_wait_event(Stream s, Event e) override {
+    events_.wait(s, e);
+    return Status::ok;
+  }
   Status do_synchronize_stream(Stream s) override {
     if (Status st; injected(DriverCall::synchronize_stream, &st)) return st;
     events_.synchronize_stream(s);

@@ -14,8 +14,9 @@
 // Note [Complete re-backing]
 // Invariant, checked after every operation: fragless creates new physical memory only when no physical
 // memory it already holds and could put under the request without waiting remains — no idle handle that
-// fits the room, and no whole handle under a free block of a default pool on the requesting stream
-// (holes and free segment tails alike), outside the run being grown. One exception ends cycles (Note
+// fits the room, and no whole handle under a free block of a default pool on the requesting stream, or on
+// any stream with lend_across_streams (Note [Lending across streams]) (holes and free segment tails alike),
+// outside the run being grown. One exception ends cycles (Note
 // [Refills]): a growth into pages that reclaims stripped twice within the last kRefillWindow growths
 // creates its memory.
 //
@@ -33,6 +34,16 @@
 // synchronisation before their memory can move (cuMemUnmap is not stream-ordered); taking them is a
 // counted last resort, used only when creating would exceed the device. Private pools (graph capture)
 // are never reclaimed from: their addresses are baked into graphs.
+//
+// Note [Lending across streams]
+// A hole on another stream S can be lent the same way, with one more step: the requesting stream T is
+// made to wait, on the device, for an event recorded on S (cuStreamWaitEvent). Work on T that uses the new
+// block then starts only after everything S had queued, the work that used the hole among it; the host
+// never waits. CUDA's own stream-ordered pools reuse memory across streams the same way
+// (cudaMemPoolReuseAllowInternalDependencies). The price is a dependency of T on S's queued work at that
+// moment, which can delay T when S is busy (a communication stream, say): `lend_across_streams:False`
+// turns it off, and other streams' holes are then taken only after synchronising S, when creating memory
+// would exceed the device.
 //
 // Note [Lending pages without a sync]
 // cuMemUnmap is not stream-ordered, so unmapping a hole while its stream may still run work that used it
@@ -105,8 +116,12 @@ class FraglessPolicy final : public GrowablePolicy {
       // Touch nothing when even everything together cannot succeed: the retry chain takes over.
       if (planned_ + reclaimable_pages() + creatable_pages() < need) return fail_request(Status::out_of_memory, {});
       reclaim(seg.stream, /*other_streams=*/false, need, room);  // Note [Complete re-backing]
+      // Other streams' holes, lent in device order (Note [Lending across streams]).
+      if (planned_ < need && lend_across()) reclaim(seg.stream, /*other_streams=*/true, need, room);
     }
-    if (planned_ < need && !can_create(need - planned_)) reclaim(seg.stream, /*other_streams=*/true, need, room);
+    // Without lending across streams, other streams' holes wait for their streams: the last resort.
+    if (planned_ < need && !lend_across() && !can_create(need - planned_))
+      reclaim(seg.stream, /*other_streams=*/true, need, room);
     std::vector<PhysHandle> created;
     if (planned_ < need) {
       if (!refill) audit_creation(seg, need - planned_, room - planned_);
@@ -144,7 +159,8 @@ class FraglessPolicy final : public GrowablePolicy {
     if (unmap_for_ == UnmapFor::lend) {
       // Note [Lending pages without a sync]: the old mappings stay until the stream's queued work is done.
       Event e = 0;
-      if (s_.driver->record_event(seg.stream, &e) == Status::ok) {
+      if (s_.driver->record_event(seg.stream, &e) == Status::ok &&
+          (seg.stream == lend_to_ || s_.driver->stream_wait_event(lend_to_, e) == Status::ok)) {
         pending_.push_back({&seg, first, n, e});
         give_back(seg, first, n, /*to_request=*/true);
         if (seg.small) move_reserved(false, n * page_);
@@ -260,7 +276,8 @@ class FraglessPolicy final : public GrowablePolicy {
       if (top > at) groups.push_back({c.b, at, top});
       if (got >= need) break;
     }
-    const bool lend = !other_streams && s_.opts.lend_pages;
+    const bool lend = s_.opts.lend_pages && (!other_streams || lend_across());
+    lend_to_ = stream;
     if (!lend) {
       std::set<Stream> streams;
       for (const Candidate& g : groups) streams.insert(g.b->stream);
@@ -280,7 +297,8 @@ class FraglessPolicy final : public GrowablePolicy {
       return;
     }
     for (const auto& seg : s_.segments) {
-      if (!seg->growable || seg->owner != &s_.default_pools || seg->stream != target.stream) continue;
+      if (!seg->growable || seg->owner != &s_.default_pools || (seg->stream != target.stream && !lend_across()))
+        continue;
       for (Block* b = seg->first; b; b = b->next) {
         if (!b->reusable()) continue;
         std::size_t lo, hi;
@@ -468,6 +486,8 @@ class FraglessPolicy final : public GrowablePolicy {
   HandlePool pool_;
   std::size_t planned_ = 0;        // pages taken for the request being mapped
   std::uint64_t tick_ = 0;         // growths so far
+  Stream lend_to_ = 0;             // the stream of the request that lending serves
+  bool lend_across() const { return s_.opts.lend_pages && s_.opts.lend_across_streams; }
   std::deque<Stripped> stripped_;  // ranges reclaims took memory from, within kRefillWindow growths
   std::vector<Pending> pending_;   // lent ranges still mapped at their old address
   std::string audit_;              // a broken Note [Complete re-backing], for check()

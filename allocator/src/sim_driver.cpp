@@ -68,6 +68,10 @@ class SimDriver final : public Driver {
     events_.release(e);
     return Status::ok;
   }
+  Status do_stream_wait_event(Stream s, Event e) override {
+    events_.wait(s, e);
+    return Status::ok;
+  }
   Status do_synchronize_stream(Stream s) override {
     events_.synchronize_stream(s);
     return Status::ok;

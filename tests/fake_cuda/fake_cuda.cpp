@@ -31,7 +31,7 @@ constexpr std::size_t kGranularity = 2u << 20;
 struct Handle { int fd; std::size_t size; int device; int map_count; bool released; };
 struct Mapping { std::size_t size; CUmemGenericAllocationHandle handle; };
 struct Fault { int countdown; CUresult error; };
-struct FakeEvent { CUstream stream; bool done; };
+struct FakeEvent { CUstream stream; bool done; std::vector<CUevent> after; };
 
 struct State {
   std::mutex mu;
@@ -45,6 +45,7 @@ struct State {
   std::unordered_map<std::string, unsigned long> calls;
   std::unordered_map<CUevent, FakeEvent> events;
   std::set<CUstream> held;
+  std::unordered_map<CUstream, std::vector<CUevent>> waits;  // cuStreamWaitEvent: later work waits for these
   std::uintptr_t next_event = 0x1000;
   bool initialised = false;
   State() {
@@ -109,6 +110,23 @@ bool in_reservation(State& s, CUdeviceptr va, std::size_t size) {
   if (it == s.reservations.begin()) return false;
   --it;
   return va + size <= it->first + it->second;
+}
+
+// An event is done when its own stream's work is, and everything that work waited for.
+bool event_done(const FakeEvent& ev) {
+  if (!ev.done) return false;
+  for (CUevent d : ev.after) {
+    auto it = st().events.find(d);
+    if (it != st().events.end() && !event_done(it->second)) return false;
+  }
+  return true;
+}
+
+void finish(CUevent e) {
+  auto it = st().events.find(e);
+  if (it == st().events.end()) return;
+  it->second.done = true;
+  for (CUevent d : it->second.after) finish(d);
 }
 
 #define ENTER(name)                              \
@@ -310,7 +328,7 @@ FAKE_API CUresult cuMemSetAccess(CUdeviceptr va, size_t size, const CUmemAccessD
 FAKE_API CUresult cuEventCreate(CUevent* e, unsigned) {
   ENTER("cuEventCreate");
   *e = reinterpret_cast<CUevent>(st().next_event++);
-  st().events[*e] = {nullptr, true};
+  st().events[*e] = {nullptr, true, {}};
   return CUDA_SUCCESS;
 }
 
@@ -318,7 +336,7 @@ FAKE_API CUresult cuEventRecord(CUevent e, CUstream s) {
   ENTER("cuEventRecord");
   auto it = st().events.find(e);
   if (it == st().events.end()) return CUDA_ERROR_INVALID_VALUE;
-  it->second = {s, st().held.count(s) == 0};
+  it->second = {s, st().held.count(s) == 0, st().waits[s]};
   return CUDA_SUCCESS;
 }
 
@@ -326,14 +344,14 @@ FAKE_API CUresult cuEventQuery(CUevent e) {
   ENTER("cuEventQuery");
   auto it = st().events.find(e);
   if (it == st().events.end()) return CUDA_ERROR_INVALID_VALUE;
-  return it->second.done ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+  return event_done(it->second) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
 FAKE_API CUresult cuEventSynchronize(CUevent e) {
   ENTER("cuEventSynchronize");
   auto it = st().events.find(e);
   if (it == st().events.end()) return CUDA_ERROR_INVALID_VALUE;
-  it->second.done = true;  // waiting for it: the work finishes
+  finish(e);  // waiting for it: the work finishes, and what it waited for
   return CUDA_SUCCESS;
 }
 
@@ -344,8 +362,19 @@ FAKE_API CUresult cuEventDestroy_v2(CUevent e) {
 
 FAKE_API CUresult cuStreamSynchronize(CUstream s) {
   ENTER("cuStreamSynchronize");
+  // The stream's work is done, and what it waited for (events recorded before the waits were captured).
+  for (CUevent w : st().waits[s]) finish(w);
+  st().waits.erase(s);
   for (auto& [e, ev] : st().events)
-    if (ev.stream == s) ev.done = true;
+    if (ev.stream == s) finish(e);
+  return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
+  ENTER("cuStreamWaitEvent");
+  auto it = st().events.find(e);
+  if (it == st().events.end() || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  if (!event_done(it->second)) st().waits[s].push_back(e);
   return CUDA_SUCCESS;
 }
 
@@ -377,6 +406,7 @@ FAKE_API CUresult cuGetProcAddress(const char* symbol, void** pfn, int, cuuint64
       {"cuEventSynchronize", reinterpret_cast<void*>(&cuEventSynchronize)},
       {"cuEventDestroy", reinterpret_cast<void*>(&cuEventDestroy_v2)},
       {"cuStreamSynchronize", reinterpret_cast<void*>(&cuStreamSynchronize)},
+      {"cuStreamWaitEvent", reinterpret_cast<void*>(&cuStreamWaitEvent)},
   };
   auto it = table.find(symbol ? symbol : "");
   if (it == table.end()) {

@@ -44,6 +44,7 @@ struct Options {
   std::size_t chunk_size = 16u << 20;                    // a growth's new handle may round up to this, bytes
   double reserve_slack = 1.0 / 64;                       // ...but exceed the request by at most this share of live
   bool lend_pages = true;                                // same-stream holes lend pages without a sync
+  bool lend_across_streams = true;                       // ...and other streams' holes, by a stream wait
   bool small_in_remnants = true;                         // small requests may use sub-MiB large-pool remnants
   std::string settings;                                  // the string this was parsed from
 };

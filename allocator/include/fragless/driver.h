@@ -38,7 +38,9 @@
 //     freed when all outstanding mappings to the memory are unmapped"), and it can no longer be mapped.
 //  R9 one handle may be mapped at several addresses at once; all of them see the same bytes.
 //  Events: record_event marks the current end of a stream's queue; query_event says ok once the work
-//  before it is done, else not_ready; synchronize_* wait (each one is a forced sync the engine counts).
+//  before it is done, else not_ready; synchronize_* wait (each one is a forced sync the engine counts);
+//  stream_wait_event(s, e) makes work queued on s later start after e (cuStreamWaitEvent; the host goes on),
+//  so an event recorded on s afterwards completes only after e has.
 #pragma once
 #include <array>
 #include <cstddef>
@@ -68,7 +70,7 @@ const char* status_name(Status s);
 
 enum class DriverCall : int {
   reserve, free_reservation, create, release, map, unmap, set_access,
-  record_event, query_event, synchronize_event, synchronize_stream, release_event, count_
+  record_event, query_event, synchronize_event, synchronize_stream, release_event, stream_wait_event, count_
 };
 inline constexpr int kDriverCallCount = static_cast<int>(DriverCall::count_);
 const char* driver_call_name(DriverCall c);
@@ -149,6 +151,12 @@ class Driver {
   Status synchronize_event(Event e) { charge(DriverCall::synchronize_event); return do_synchronize_event(e); }
   Status release_event(Event e) { charge(DriverCall::release_event); return do_release_event(e); }
   Status synchronize_stream(Stream s) { charge(DriverCall::synchronize_stream); return do_synchronize_stream(s); }
+  // Work queued on s from now on starts only after event e has completed (cuStreamWaitEvent): a device-side
+  // dependency, the host does not wait.
+  Status stream_wait_event(Stream s, Event e) {
+    charge(DriverCall::stream_wait_event);
+    return do_stream_wait_event(s, e);
+  }
 
   // Free and total physical memory as the device sees it (cudaMemGetInfo).
   virtual void memory_info(std::size_t* free_bytes, std::size_t* total_bytes) = 0;
@@ -196,6 +204,7 @@ class Driver {
   virtual Status do_synchronize_event(Event e) = 0;
   virtual Status do_release_event(Event e) = 0;
   virtual Status do_synchronize_stream(Stream s) = 0;
+  virtual Status do_stream_wait_event(Stream s, Event e) = 0;
 
   int device_;
   std::size_t granularity_;

@@ -6,6 +6,7 @@
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
+#include <vector>
 
 #include "fragless/driver.h"
 
@@ -18,6 +19,7 @@ class TestEvents {
   void synchronize(Event e);
   void release(Event e);
   void synchronize_stream(Stream s);
+  void wait(Stream s, Event e);  // events recorded on s from now on complete only after e
 
   // Test controls.
   void hold(Stream s);          // events recorded on s from now on stay pending
@@ -29,6 +31,9 @@ class TestEvents {
   Event next_ = 1;
   std::unordered_set<Stream> held_;
   std::unordered_map<Event, Stream> pending_;  // event -> stream, only for events not yet complete
+  std::unordered_map<Stream, std::vector<Event>> waits_;  // events a stream's later work waits for
+  std::unordered_map<Event, std::vector<Event>> after_;   // event -> events it completes after
+  bool ready(Event e) const;
 };
 
 }  // namespace fragless
