@@ -36,12 +36,16 @@ TEST_CASE("config: defaults and simple keys", "[config]") {
   CHECK(ok("per_process_memory_fraction:0.5").per_process_memory_fraction == Approx(0.5));
   CHECK(ok("max_non_split_rounding_mb:1024").max_non_split_rounding_size == 1024u << 20);
   CHECK(o.chunk_size == 16u << 20);
-  CHECK(o.reserve_slack == Approx(1.0 / 64));
+  CHECK(o.reserve_slack == 0.0);
   CHECK(o.lend_pages);
   CHECK(o.small_in_remnants);
-  o = ok("chunk_size_mb:64,reserve_slack:0,lend_pages:False,small_in_remnants:False");
+  o = ok("chunk_size_mb:64,reserve_slack:0.5,lend_pages:False,small_in_remnants:False,handles:ends,"
+         "handle_max_mb:4,lend_across_streams:False");
+  CHECK(o.handle_shape == HandleShape::ends);
+  CHECK(o.handle_max == 4u << 20);
+  CHECK_FALSE(o.lend_across_streams);
   CHECK(o.chunk_size == 64u << 20);
-  CHECK(o.reserve_slack == 0.0);
+  CHECK(o.reserve_slack == 0.5);
   CHECK_FALSE(o.lend_pages);
   CHECK_FALSE(o.small_in_remnants);
 }
@@ -97,6 +101,8 @@ TEST_CASE("config: every bad input names the key, the value and the accepted for
   CHECK(bad("policy:[classic]").find("single value") != std::string::npos);
   CHECK(bad("chunk_size_mb:0").find("chunk_size_mb") != std::string::npos);
   CHECK(bad("reserve_slack:-0.1").find("[0, 1]") != std::string::npos);
+  CHECK(bad("handles:half").find("pages, ends or whole") != std::string::npos);
+  CHECK(bad("handle_max_mb:0").find("handle_max_mb") != std::string::npos);
   CHECK(bad("lend_pages:yes").find("True or False") != std::string::npos);
 }
 

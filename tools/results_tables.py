@@ -8,6 +8,8 @@
   tools/results_tables.py targets  FILES...   the fragless policy against the targets, per input
   tools/results_tables.py params   FILES...   the fragless policy's settings, one row each (ablation)
   tools/results_tables.py variants            workload variants beyond the defaults (dtype, checkpointing, ...)
+  tools/results_tables.py handles  FILES...   the fragless handle shapes side by side, per input, and in total
+  tools/results_tables.py zoo                 the pattern zoo at its defaults: every policy, the targets
 FILES are traces; the eight default workloads (four sequence-length distributions, training and inference)
 are added to `targets` and `params`.
 Run from the repository root after building (uses build/bin/fragless-replay)."""
@@ -121,8 +123,70 @@ def targets_table(files):
               f"{'-' if share is None else f'{100 * share:.2f}%'} | {'yes' if not misses else 'no: ' + ', '.join(misses)} |")
 
 
-PARAMS = ["", "lend_pages:False", "small_in_remnants:False", "reserve_slack:0", "reserve_slack:0.0078125",
-          "reserve_slack:0.03125", "chunk_size_mb:8", "chunk_size_mb:32", "chunk_size_mb:64"]
+PARAMS = ["", "lend_pages:False", "lend_across_streams:False", "small_in_remnants:False", "reserve_slack:0",
+          "reserve_slack:0.0625", "handles:ends,handle_max_mb:8", "handles:ends,handle_max_mb:32",
+          "handles:ends,handle_max_mb:8,chunk_size_mb:64", "handles:whole"]
+
+HANDLES = [("pages", "handles:pages"), ("ends 8 MiB", "handles:ends,handle_max_mb:8"),
+           ("ends 32 MiB", "handles:ends,handle_max_mb:32"), ("whole", "handles:whole")]
+ZOO = ["workload:unet2d", "workload:unet3d", "workload:moe", "workload:serving", "workload:fsdp", "workload:pipeline",
+       "workload:random", "workload:random:streams=1", "workload:ckpt-accum"]
+
+
+def handles_table(files):
+    """Per input: peak reserved, creates, maps, unmaps, set-access calls and modelled driver time for every
+    handle shape, with expandable (one 20 MiB handle per page) as the reference; same cost model for all."""
+    inputs = [*files, *WORKLOADS, *ZOO]
+    ref = by_input(run(["--policy", "expandable", *inputs]))
+    cols = [(name, by_input(run(["--policy", "fragless", "--conf", conf, *inputs]))) for name, conf in HANDLES]
+    print("| input | expandable MiB / creates / driver ms | " +
+          " | ".join(f"{n} MiB / creates / maps / unmaps / set-access / driver ms" for n, _ in cols) + " |")
+    print("|---|---|" + "---|" * len(cols))
+    totals = {n: [0, 0, 0.0, 0] for n, _ in cols}
+    etot = [0, 0.0]
+    for key, p in ref.items():
+        e = p["expandable"]
+        etot[0] += e["driver_calls"]["create"]
+        etot[1] += e["modelled_driver_us"]
+        cells = []
+        for n, rows in cols:
+            f = rows[key]["fragless"]
+            d = f["driver_calls"]
+            cells.append(f"{mib(f['peak_reserved_bytes'])} / {d['create']} / {d['map']} / {d['unmap']} / "
+                         f"{d['set_access']} / {f['modelled_driver_us'] / 1000:.1f}")
+            t = totals[n]
+            t[0] += f["peak_reserved_bytes"] > e["peak_reserved_bytes"]
+            t[1] += d["create"]
+            t[2] += f["modelled_driver_us"]
+            t[3] = max(t[3], f["overhead_over_live"])
+        print(f"| {os.path.basename(key[0])} | {mib(e['peak_reserved_bytes'])} / {e['driver_calls']['create']} / "
+              f"{e['modelled_driver_us'] / 1000:.1f} | " + " | ".join(cells) + " |")
+    print()
+    print(f"| handle shape | inputs above expandable | largest overhead over live | cuMemCreate calls | modelled driver ms |")
+    print("|---|---|---|---|---|")
+    print(f"| (expandable) | - | - | {etot[0]} | {etot[1] / 1000:.0f} |")
+    for n, _ in cols:
+        t = totals[n]
+        print(f"| {n} | {t[0]} of {len(ref)} | {100 * t[3]:.2f}% | {t[1]} | {t[2] / 1000:.0f} |")
+
+
+def zoo_table(_):
+    rows = by_input(run(ZOO))
+    print("| workload | peak live MiB | classic | expandable | fragless | fragless vs best other | fragless creates "
+          "(expandable) | forced syncs | target met |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (name, _), p in rows.items():
+        f = p["fragless"]
+        live = f["peak_live_bytes"]
+        ov = {k: 100 * p[k]["overhead_over_live"] for k in ("classic", "expandable", "fragless")}
+        best = min(p["classic"]["peak_reserved_bytes"], p["expandable"]["peak_reserved_bytes"])
+        diff = f["peak_reserved_bytes"] - best
+        misses = [m for m, bad in (("overhead", f["overhead_over_live"] > overhead_limit(live)),
+                                   ("worse than another policy", diff > 0)) if bad]
+        print(f"| {name.split(':', 1)[1]} | {mib(live)} | {ov['classic']:.2f}% | {ov['expandable']:.2f}% | "
+              f"{ov['fragless']:.2f}% | {'+' if diff > 0 else ''}{diff / 2**20:.0f} MiB | {f['driver_calls']['create']} "
+              f"({p['expandable']['driver_calls']['create']}) | {f['forced_syncs']} | "
+              f"{'yes' if not misses else 'no: ' + ', '.join(misses)} |")
 
 
 def params_table(files):
@@ -171,7 +235,8 @@ def variants_table(_):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 and not (len(sys.argv) == 2 and sys.argv[1] == "variants"):
+    if len(sys.argv) < 3 and not (len(sys.argv) == 2 and sys.argv[1] in ("variants", "zoo")):
         sys.exit(__doc__)
     {"replay": replay_table, "fidelity": fidelity_table, "targets": targets_table, "params": params_table, "variants": variants_table,
+     "handles": handles_table, "zoo": zoo_table,
      "validate": lambda a: validate_table(a[0]), "published": lambda a: published_table(a[0])}[sys.argv[1]](sys.argv[2:])

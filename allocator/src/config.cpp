@@ -66,9 +66,10 @@ constexpr OptionInfo kOptions[] = {
     {"chunk_size_mb", "integer >= 1 (MiB)", "16",
      "fragless policy (handles ends or whole): a growth's new handle may be rounded up to this much, mapped as "
      "free space after the request, to save cuMemCreate calls; never past reserve_slack of live bytes."},
-    {"reserve_slack", "number in [0, 1]", "0.015625",
-     "fragless policy: the most a growth's new memory may exceed its request, as a share of live bytes "
-     "(memory is only created when the memory held cannot be put under the request)."},
+    {"reserve_slack", "number in [0, 1]", "0",
+     "fragless policy: memory is only created when the memory held cannot be put under the request; this "
+     "share of live bytes bounds what a growth may create past its request (handles ends or whole) and what "
+     "a refill that ends a re-backing cycle may add past the peak of live bytes (plus two pages)."},
     {"lend_pages", "True or False", "True",
      "fragless policy: pages of a hole on the requesting stream are mapped where needed without a "
      "synchronisation (the old mapping goes once the stream's queued work is done). False: synchronise and "

@@ -42,7 +42,7 @@ struct Options {
   HandleShape handle_shape = HandleShape::pages;        // shape of new physical handles
   std::size_t handle_max = 8u << 20;                     // handles:ends: largest body handle, bytes
   std::size_t chunk_size = 16u << 20;                    // a growth's new handle may round up to this, bytes
-  double reserve_slack = 1.0 / 64;                       // ...but exceed the request by at most this share of live
+  double reserve_slack = 0;                              // new memory past the request or peak live: this share
   bool lend_pages = true;                                // same-stream holes lend pages without a sync
   bool lend_across_streams = true;                       // ...and other streams' holes, by a stream wait
   bool small_in_remnants = true;                         // small requests may use sub-MiB large-pool remnants
