@@ -27,10 +27,7 @@ Status TestEvents::query(Event e) {
   return ready(e) ? Status::ok : Status::not_ready;
 }
 
-void TestEvents::synchronize(Event e) {
-  std::lock_guard lk(mu_);
-  // Waiting makes the work done, and the work it waited for.
-  std::vector<Event> todo{e};
+void TestEvents::finish(std::vector<Event> todo) {
   while (!todo.empty()) {
     const Event x = todo.back();
     todo.pop_back();
@@ -40,6 +37,11 @@ void TestEvents::synchronize(Event e) {
       after_.erase(it);
     }
   }
+}
+
+void TestEvents::synchronize(Event e) {
+  std::lock_guard lk(mu_);
+  finish({e});  // waiting makes the work done, and the work it waited for
 }
 
 void TestEvents::release(Event e) {
@@ -69,15 +71,7 @@ void TestEvents::synchronize_stream(Stream s) {
     todo.insert(todo.end(), w->second.begin(), w->second.end());
     waits_.erase(w);
   }
-  while (!todo.empty()) {
-    const Event x = todo.back();
-    todo.pop_back();
-    pending_.erase(x);
-    if (auto it = after_.find(x); it != after_.end()) {
-      todo.insert(todo.end(), it->second.begin(), it->second.end());
-      after_.erase(it);
-    }
-  }
+  finish(std::move(todo));
   for (auto it = after_.begin(); it != after_.end();) it = ready(it->first) ? after_.erase(it) : std::next(it);
 }
 

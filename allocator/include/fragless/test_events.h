@@ -34,6 +34,7 @@ class TestEvents {
   std::unordered_map<Stream, std::vector<Event>> waits_;  // events a stream's later work waits for
   std::unordered_map<Event, std::vector<Event>> after_;   // event -> events it completes after
   bool ready(Event e) const;
+  void finish(std::vector<Event> todo);  // these events and what they waited for are done (mu_ held)
 };
 
 }  // namespace fragless
