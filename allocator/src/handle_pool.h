@@ -28,7 +28,6 @@ class HandlePool {
   }
   std::size_t pages(PhysHandle h) const { return info_.at(h).pages; }
   std::size_t idle_pages() const { return idle_pages_; }
-  std::size_t total_pages() const { return total_pages_; }
   const std::vector<PhysHandle>& taken() const { return taken_; }
 
   // The idle handle to put next under a request that still needs `need` pages with `room` pages free to

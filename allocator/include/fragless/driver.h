@@ -110,10 +110,6 @@ class DriverContract {
   // Appends to `gone` the released handles whose last mapping this unmap removed.
   void unmapped(DevicePtr va, std::size_t size, std::vector<PhysHandle>* gone);
 
-  std::size_t handle_size(PhysHandle h) const {
-    auto it = handles_.find(h);
-    return it == handles_.end() ? 0 : it->second.size;
-  }
   std::size_t mapping_count() const { return mappings_.size(); }
   std::size_t handle_count() const { return handles_.size(); }
 
