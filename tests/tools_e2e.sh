@@ -12,10 +12,14 @@ check() {  # check DESCRIPTION COMMAND...: the command must succeed
 }
 check_error() {  # check_error DESCRIPTION EXPECTED_TEXT COMMAND...: exit code 2 and the text on stderr
   local what="$1" text="$2"; shift 2
+  check_exit 2 "$what" "$text" "$@"
+}
+check_exit() {  # check_exit CODE DESCRIPTION EXPECTED_TEXT COMMAND...: that exit code and the text on stderr
+  local code="$1" what="$2" text="$3"; shift 3
   "$@" >"$work/out" 2>"$work/err"
   local rc=$?
-  if [ "$rc" -eq 2 ] && grep -qF -- "$text" "$work/err"; then echo "ok: $what"
-  else echo "FAIL: $what (exit $rc, wanted 2 and '$text')"; cat "$work/err"; failures=$((failures + 1)); fi
+  if [ "$rc" -eq "$code" ] && grep -qF -- "$text" "$work/err"; then echo "ok: $what"
+  else echo "FAIL: $what (exit $rc, wanted $code and '$text')"; cat "$work/err"; failures=$((failures + 1)); fi
 }
 
 # 128 MiB and 64 MiB live, the 128 MiB freed, 96 MiB allocated: classic splits the cached 128 MiB
@@ -71,4 +75,32 @@ check_error "bad output extension" "use --to" "$bin/fragless-trace" convert "$wo
 check_error "unknown policy" "unknown policy 'best'" "$bin/fragless-replay" --policy best "$work/o.fgt"
 check_error "bad workload" "unknown workload 'gpt'" "$bin/fragless-replay" workload:gpt
 check_error "bad --conf value" "bad value '7' for key 'reserve_slack'" "$bin/fragless-replay" --conf reserve_slack:7 "$work/o.fgt"
+
+# What fits: --fit and --max-batch / --max-of, their JSON, and their errors.
+small="workload:transformer-infer:layers=4,steps=3"
+check "--fit --json gives min_capacity_bytes per policy" test "$("$bin/fragless-replay" --fit --fit-step 0.0625 --json \
+  "$small" | grep -o '"min_capacity_bytes":[0-9]*' | wc -l)" -eq 3
+check "--fit table names the step" grep -q "step 0.25 GiB" <("$bin/fragless-replay" --fit "$small")
+check "--max-batch --json gives max_value and the key" test "$("$bin/fragless-replay" --max-batch --capacity-gib 4 --json \
+  "$small" | grep -o '"key":"batch","max_value":[0-9]*' | wc -l)" -eq 3
+check "--max-of max_seq" grep -q "max_seq" <("$bin/fragless-replay" --max-of max_seq --capacity-gib 2 "$small,batch=8")
+if command -v gnuplot >/dev/null 2>&1; then
+  check "--fit --plot draws at the fitted capacity" "$bin/fragless-replay" --fit --plot "$work/fit.png" "$small"
+  check "the fit plot is a PNG" test -s "$work/fit.png"
+else
+  echo "SKIPPED (loudly): --fit --plot needs gnuplot, which is not on the PATH"
+fi
+check_error "--max-of a key that is not numeric" "key 'dtype' is not numeric" \
+  "$bin/fragless-replay" --max-of dtype --capacity-gib 8 "$small"
+check_error "--max-of on a trace" "this input is a trace" "$bin/fragless-replay" --max-batch --capacity-gib 8 "$work/o.fgt"
+check_error "--max-batch needs a capacity" "need the device's size" "$bin/fragless-replay" --max-batch "$small"
+check_error "--fit with a capacity" "drop --capacity-gib" "$bin/fragless-replay" --fit --capacity-gib 8 "$small"
+check_error "--fit-step without --fit" "--fit-step applies to --fit" "$bin/fragless-replay" --fit-step 1 "$small"
+check_error "--fit-step too fine" "--fit-step needs" "$bin/fragless-replay" --fit --fit-step 0 "$small"
+check_exit 1 "a capacity too small for the smallest batch" "does not fit at its smallest batch=1" \
+  "$bin/fragless-replay" --max-batch --capacity-gib 0.01 "$small"
+check_exit 1 "a search that cannot converge" "cannot converge" \
+  "$bin/fragless-replay" --policy classic --max-of seed --capacity-gib 8 "workload:transformer-infer:layers=2,steps=2"
+check "--help exits 0 and documents --fit" grep -q -- "--fit" <("$bin/fragless-replay" --help)
+
 [ "$failures" -eq 0 ] || { echo "$failures check(s) failed"; exit 1; }

@@ -10,6 +10,8 @@
   tools/results_tables.py variants            workload variants beyond the defaults (dtype, checkpointing, ...)
   tools/results_tables.py handles  FILES...   the fragless handle shapes side by side, per input, and in total
   tools/results_tables.py zoo                 the pattern zoo at its defaults: every policy, the targets
+  tools/results_tables.py fit      FILES...   the smallest device per policy (--fit, steps 1/4 and 1/16 GiB)
+  tools/results_tables.py maxbatch            the largest batch per policy on 24, 40, 80 and 141 GiB devices
 FILES are traces; the eight default workloads (four sequence-length distributions, training and inference)
 are added to `targets` and `params`.
 Run from the repository root after building (uses build/bin/fragless-replay)."""
@@ -24,6 +26,14 @@ REPLAY = os.path.join("build", "bin", "fragless-replay")
 def run(args):
     out = subprocess.run([REPLAY, "--json", *args], check=True, capture_output=True, text=True).stdout
     return json.loads(out)["results"]
+
+
+def run_search(args):
+    """A --fit or --max-of run: exit 1 (a search without an answer) still has its JSON, the answer null."""
+    p = subprocess.run([REPLAY, "--json", *args], capture_output=True, text=True)
+    if p.returncode not in (0, 1):
+        sys.exit(f"fragless-replay {' '.join(args)}: exit {p.returncode}: {p.stderr}")
+    return json.loads(p.stdout)
 
 
 def mib(b):
@@ -234,9 +244,74 @@ def variants_table(_):
               f"{ov['fragless']:.2f}% | {'+' if diff > 0 else ''}{diff / 2**20:.0f} MiB |")
 
 
+def gib(b):
+    return "-" if b is None else f"{b / 2**30:.4g}"
+
+
+def fit_table(files):
+    """Per trace and device: the smallest capacity each policy replays on with no OOM, at two resolutions."""
+    coarse = run_search(["--fit", *files])
+    fine = run_search(["--fit", "--fit-step", "0.0625", *files])
+    rows = {}
+    for step, doc in (("coarse", coarse), ("fine", fine)):
+        for r in doc["results"]:
+            key = (os.path.basename(r["input"]), r["device"])
+            row = rows.setdefault(key, {"live": r.get("peak_live_bytes"),
+                                        "pytorch": r.get("pytorch_recorded_peak_reserved_bytes")})
+            row[(step, r["policy"])] = r["min_capacity_bytes"]
+    pols = ("classic", "expandable", "fragless")
+    print("| trace | dev | peak live GiB | classic (1/4 GiB) | expandable | fragless | classic (1/16 GiB) | expandable "
+          "| fragless | fragless ÷ classic (1/16) | PyTorch recorded peak reserved GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    total = {p: 0 for p in pols}
+    for (name, dev), row in sorted(rows.items()):
+        c = [gib(row.get(("coarse", p))) for p in pols]
+        f = [gib(row.get(("fine", p))) for p in pols]
+        for p in pols:
+            total[p] += row.get(("fine", p)) or 0
+        ratio = row.get(("fine", "fragless")) / row.get(("fine", "classic"))
+        print(f"| {name} | {dev} | {gib(row['live'])} | {' | '.join(c)} | {' | '.join(f)} | {ratio:.3f} | "
+              f"{gib(row['pytorch'])} |")
+    print(f"| **total** | | | | | | {' | '.join(gib(total[p]) for p in pols)} | "
+          f"{total['fragless'] / total['classic']:.3f} | |")
+    print()
+    print(f"Searches: {len(coarse['results'])} at 1/4 GiB in {coarse['seconds']:.2f} s ({coarse['replays']} replays), "
+          f"{len(fine['results'])} at 1/16 GiB in {fine['seconds']:.2f} s ({fine['replays']} replays).")
+
+
+MAX_WORKLOADS = [(f"workload:{w}:seqlen={d}", w, d, "batch")
+                 for w in ("transformer-train", "transformer-infer", "ckpt-accum")
+                 for d in ("sharegpt", "azure-conv", "azure-code", "arxiv")] + \
+                [(f"workload:{w}", w, "(its own)", k) for w, k in
+                 (("unet2d", "batch"), ("unet3d", "batch"), ("fsdp", "batch"), ("pipeline", "batch"), ("moe", "tokens"))]
+
+
+def maxbatch_table(_):
+    """The largest batch (moe: tokens per step) per policy, per workload and distribution, per device size."""
+    print("| workload | lengths | key | GiB | classic | expandable | fragless | fragless ÷ classic | fragless ÷ expandable |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    seconds = replays = 0
+    for key in ("batch", "tokens"):
+        specs = [w for w in MAX_WORKLOADS if w[3] == key]
+        for cap in (24, 40, 80, 141):
+            doc = run_search(["--max-of", key, "--capacity-gib", str(cap), *[w[0] for w in specs]])
+            seconds += doc["seconds"]
+            replays += doc["replays"]
+            found = {(r["input"], r["policy"]): r["max_value"] for r in doc["results"]}
+            for spec, name, dist, _ in specs:
+                v = {p: found.get((spec, p)) for p in ("classic", "expandable", "fragless")}
+                def ratio(b):
+                    return "-" if not v["fragless"] or not v[b] else f"{v['fragless'] / v[b]:.2f}"
+                shown = {p: "does not fit" if v[p] is None else str(v[p]) for p in v}
+                print(f"| {name} | {dist} | {key} | {cap} | {shown['classic']} | {shown['expandable']} | "
+                      f"{shown['fragless']} | {ratio('classic')} | {ratio('expandable')} |")
+    print()
+    print(f"{replays} replays in {seconds:.1f} s of searching.")
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 3 and not (len(sys.argv) == 2 and sys.argv[1] in ("variants", "zoo")):
+    if len(sys.argv) < 3 and not (len(sys.argv) == 2 and sys.argv[1] in ("variants", "zoo", "maxbatch")):
         sys.exit(__doc__)
     {"replay": replay_table, "fidelity": fidelity_table, "targets": targets_table, "params": params_table, "variants": variants_table,
-     "handles": handles_table, "zoo": zoo_table,
+     "handles": handles_table, "zoo": zoo_table, "fit": fit_table, "maxbatch": maxbatch_table,
      "validate": lambda a: validate_table(a[0]), "published": lambda a: published_table(a[0])}[sys.argv[1]](sys.argv[2:])

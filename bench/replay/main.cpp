@@ -3,6 +3,8 @@
 //
 //   fragless-replay [--policy classic,expandable,fragless] [--capacity-gib N] [--json] [--plot FILE.png]
 //                   [--seqlen-file CSV] INPUT...
+//   fragless-replay --fit [--fit-step GIB] INPUT...             smallest device per policy (fit.h)
+//   fragless-replay --max-batch | --max-of KEY --capacity-gib N workload:...   largest value per policy
 //   INPUT = a trace file (format detected from content) or workload:NAME[:key=value,...]
 #include <algorithm>
 #include <atomic>
@@ -12,11 +14,13 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <sstream>
 #include <thread>
 #include <vector>
 
+#include "fit.h"
 #include "replay.h"
 #include "workload.h"
 #include "zoo.h"
@@ -30,13 +34,25 @@ int usage(const char* msg) {
   if (msg) std::fprintf(stderr, "fragless-replay: %s\n", msg);
   std::fprintf(msg ? stderr : stdout,
                "usage: fragless-replay [--policy classic,expandable,fragless] [--capacity-gib N] [--json]\n"
-               "                       [--conf KEY:VALUE,...]\n"
+               "                       [--conf KEY:VALUE,...] [--jobs N]\n"
                "                       [--plot FILE.png] [--seqlen-file CSV] INPUT...\n"
+               "       fragless-replay --fit [--fit-step GIB] [options] INPUT...\n"
+               "       fragless-replay --max-batch | --max-of KEY --capacity-gib N [options] workload:...\n"
                "  INPUT: a fragless native trace, PyTorch memory snapshot pickle or RMM log CSV (detected from\n"
                "         content), or workload:NAME[:key=value,...]\n"
                "  --capacity-gib: the device's memory; without it the capacity is unlimited (1 TiB). An\n"
                "         allocation that runs out of memory is a result, counted in the OOMs column and skipped\n"
-               "  --plot: live/allocated/reserved over time per policy, drawn by gnuplot into a PNG\n"
+               "  --plot: live/allocated/reserved over time per policy, drawn by gnuplot into a PNG (with --fit,\n"
+               "         at each policy's fitted capacity; with --max-of, at its largest value)\n"
+               "  --fit: per input, device and policy, the smallest device capacity (a multiple of --fit-step,\n"
+               "         default 0.25 GiB) on which the replay has no OOM, found by bisection; the answer is\n"
+               "         replayed with zero OOMs and one step below it with at least one\n"
+               "  --max-batch: with --capacity-gib, the largest batch per workload and policy that replays with\n"
+               "         no OOM on that device, and its ratios to classic and expandable; --max-of KEY searches\n"
+               "         another numeric workload key (max_seq, micro, tokens, max_batch, ...) the same way\n"
+               "  --jobs: replays run at once (default: the number of cores)\n"
+               "  exit status: 0 answered, 1 a search found no answer (the reason on stderr), 2 bad usage or\n"
+               "         input\n"
                "  --conf: allocator settings in FRAGLESS_CONF grammar (policy tuning keys such as handles,\n"
                "          handle_max_mb, chunk_size_mb, reserve_slack, lend_pages); policy and driver are set by\n"
                "          the replay\n"
@@ -72,7 +88,10 @@ double mib(std::int64_t b) { return static_cast<double>(b) / (1 << 20); }
 
 // Live, allocated and reserved over time, one panel per input and device, one colour per policy; drawn by
 // gnuplot (pngcairo, else png) from inline data blocks.
-bool draw_plot(const std::string& path, const std::vector<ReplayResult>& results, std::string* error) {
+// notes: per result, text added to its policy's legend entries (the fitted capacity, the largest value);
+// a result replayed on a capacity also gets that capacity as a dotted line in its colour.
+bool draw_plot(const std::string& path, const std::vector<ReplayResult>& results,
+               const std::vector<std::string>& notes, std::string* error) {
   std::vector<std::pair<std::string, int>> panels;
   for (auto& r : results)
     if (std::find(panels.begin(), panels.end(), std::make_pair(r.input, r.device)) == panels.end())
@@ -113,12 +132,18 @@ bool draw_plot(const std::string& path, const std::vector<ReplayResult>& results
       seconds = r.curve_in_seconds;
       const std::string d = "$d" + std::to_string(b);
       const char* c = colours[static_cast<int>(r.policy) % 3];
+      const std::string note = b < notes.size() && !notes[b].empty() ? " " + notes[b] : "";
       if (!live_drawn) {
         plots += d + " using 1:2 with lines lw 2 lc rgb \"black\" title \"live\", ";
         live_drawn = true;
       }
-      plots += d + " using 1:4 with lines lw 2 lc rgb \"" + c + "\" title \"" + policy_name(r.policy) + " reserved\", ";
+      plots += d + " using 1:4 with lines lw 2 lc rgb \"" + c + "\" title " + quote(policy_name(r.policy) + std::string(" reserved") + note) + ", ";
       plots += d + " using 1:3 with lines dt 2 lc rgb \"" + c + "\" title \"" + policy_name(r.policy) + " allocated\", ";
+      if (r.capacity && !note.empty()) {
+        char line[96];
+        std::snprintf(line, sizeof line, "%.3f with lines dt 3 lw 1 lc rgb \"%s\" notitle, ", mib(static_cast<std::int64_t>(r.capacity)), c);
+        plots += line;
+      }
     }
     script += "set title " + quote(short_name(input) + " (device " + std::to_string(dev) + ")") + "\n";
     script += std::string("set xlabel \"") + (seconds ? "trace time (s)" : "event") + "\"\n";
@@ -139,20 +164,253 @@ bool draw_plot(const std::string& path, const std::vector<ReplayResult>& results
   return true;
 }
 
+
+// The fields of one result in the --json schema (without the braces).
+std::string json_fields(const ReplayResult& r) {
+  auto c = [&](DriverCall dc) { return r.driver[dc]; };
+  char b[2048];
+  std::snprintf(b, sizeof b,
+                "\"input\":\"%s\",\"device\":%d,\"policy\":\"%s\",\"capacity_bytes\":%" PRIu64 ",\"events\":%" PRIu64
+                ",\"peak_live_bytes\":%" PRId64 ",\"peak_allocated_bytes\":%" PRId64 ",\"peak_reserved_bytes\":%" PRId64
+                ",\"fragmentation_at_peak\":%.6f,\"overhead_over_live\":%.6f,\"time_weighted_fragmentation\":%.6f"
+                ",\"ooms\":%" PRIu64 ",\"driver_calls\":{\"reserve\":%" PRIu64 ",\"create\":%" PRIu64 ",\"map\":%" PRIu64
+                ",\"set_access\":%" PRIu64 ",\"unmap\":%" PRIu64 ",\"release\":%" PRIu64 "},\"forced_syncs\":%" PRId64
+                ",\"modelled_driver_us\":%.2f,",
+                json_escape(r.input).c_str(), r.device, policy_name(r.policy),
+                r.capacity ? r.capacity : kUnlimitedCapacity, r.events, r.peak_live, r.peak_allocated, r.peak_reserved,
+                r.fragmentation_at_peak, r.overhead_over_live, r.time_weighted_fragmentation, r.ooms,
+                c(DriverCall::reserve), c(DriverCall::create), c(DriverCall::map), c(DriverCall::set_access),
+                c(DriverCall::unmap), c(DriverCall::release), r.forced_syncs, r.driver.modelled_us);
+  std::string o = b;
+  if (r.trace_duration_us) std::snprintf(b, sizeof b, "\"trace_duration_us\":%.0f,", *r.trace_duration_us);
+  else std::snprintf(b, sizeof b, "\"trace_duration_us\":null,");
+  o += b;
+  std::snprintf(b, sizeof b, "\"replay_seconds\":%.6f,\"events_per_second\":%.0f,", r.replay_seconds, r.events_per_second);
+  o += b;
+  if (r.pytorch_recorded_peak_reserved)
+    std::snprintf(b, sizeof b, "\"pytorch_recorded_peak_reserved_bytes\":%" PRIu64, *r.pytorch_recorded_peak_reserved);
+  else std::snprintf(b, sizeof b, "\"pytorch_recorded_peak_reserved_bytes\":null");
+  return o + b;
+}
+
+double gib(std::uint64_t b) { return static_cast<double>(b) / (1ull << 30); }
+
+// Runs n tasks on up to `threads` threads.
+void run_tasks(std::size_t n, unsigned threads, const std::function<void(std::size_t)>& f) {
+  std::atomic<std::size_t> next{0};
+  auto worker = [&] {
+    for (std::size_t k; (k = next++) < n;) f(k);
+  };
+  std::vector<std::thread> pool;
+  for (unsigned t = 1; t < std::max(1u, std::min<unsigned>(threads, static_cast<unsigned>(n))); ++t) pool.emplace_back(worker);
+  worker();
+  for (auto& t : pool) t.join();
+}
+
+struct Task { std::size_t input; int device; PolicyKind policy; };
+
+// --fit: one search per input, device and policy.
+int run_fit(const std::vector<formats::Trace>& traces, const std::vector<Task>& tasks, std::uint64_t step,
+            unsigned jobs, const ReplayOptions& ro, bool json, const std::string& plot) {
+  std::vector<FitResult> fits(tasks.size());
+  SearchOptions so;
+  so.replay = ro;
+  so.parallel = std::max(1u, jobs / static_cast<unsigned>(std::max<std::size_t>(1, tasks.size())));
+  const auto t0 = std::chrono::steady_clock::now();
+  run_tasks(tasks.size(), jobs, [&](std::size_t k) {
+    fits[k] = fit_capacity(traces[tasks[k].input], tasks[k].device, tasks[k].policy, step, so);
+  });
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  int replays = 0, failed = 0;
+  for (auto& f : fits) {
+    replays += f.replays;
+    if (!f.error.empty()) ++failed, std::fprintf(stderr, "fragless-replay: %s\n", f.error.c_str());
+  }
+  // The classic answer for the same input and device, for the ratio column.
+  auto classic_of = [&](std::size_t k) -> const FitResult* {
+    for (std::size_t j = 0; j < tasks.size(); ++j)
+      if (tasks[j].input == tasks[k].input && tasks[j].device == tasks[k].device &&
+          tasks[j].policy == PolicyKind::classic && fits[j].error.empty())
+        return &fits[j];
+    return nullptr;
+  };
+  if (!plot.empty()) {
+    std::vector<ReplayResult> rs;
+    std::vector<std::string> notes;
+    for (auto& f : fits)
+      if (f.error.empty()) {
+        rs.push_back(f.at);
+        char n[64];
+        std::snprintf(n, sizeof n, "(fits %.4g GiB)", gib(f.min_capacity));
+        notes.push_back(n);
+      }
+    std::string err;
+    if (!draw_plot(plot, rs, notes, &err)) return std::fprintf(stderr, "fragless-replay: %s\n", err.c_str()), 2;
+  }
+  if (json) {
+    std::printf("{\"mode\":\"fit\",\"fit_step_bytes\":%" PRIu64 ",\"seconds\":%.3f,\"replays\":%d,\"results\":[", step,
+                secs, replays);
+    for (std::size_t k = 0; k < fits.size(); ++k) {
+      const auto& f = fits[k];
+      std::printf("%s\n{", k ? "," : "");
+      if (f.error.empty()) {
+        std::printf("%s,\"min_capacity_bytes\":%" PRIu64, json_fields(f.at).c_str(), f.min_capacity);
+      } else {
+        std::printf("\"input\":\"%s\",\"device\":%d,\"policy\":\"%s\",\"min_capacity_bytes\":null,\"error\":\"%s\"",
+                    json_escape(traces[tasks[k].input].source).c_str(), tasks[k].device, policy_name(tasks[k].policy),
+                    json_escape(f.error).c_str());
+      }
+      std::printf(",\"fit_replays\":%d,\"fit_seconds\":%.3f,\"recorded_ooms\":%" PRIu64 "}", f.replays, f.seconds,
+                  f.recorded_ooms);
+    }
+    std::printf("\n]}\n");
+  } else {
+    std::printf("%-44s %3s %-10s %10s %12s %8s %8s %11s %8s %8s %11s\n", "input", "dev", "policy", "live MiB",
+                "fits on GiB", "÷live", "÷classic", "reserv MiB", "OOMs", "replays", "pytorch MiB");
+    for (std::size_t k = 0; k < fits.size(); ++k) {
+      const auto& f = fits[k];
+      const auto& t = tasks[k];
+      if (!f.error.empty()) {
+        std::printf("%-44s %3d %-10s %10s %12s\n", short_name(traces[t.input].source).c_str(), t.device,
+                    policy_name(t.policy), "-", "no answer");
+        continue;
+      }
+      char pyt[32] = "-", vs[32] = "-";
+      if (f.at.pytorch_recorded_peak_reserved)
+        std::snprintf(pyt, sizeof pyt, "%.1f", mib(static_cast<std::int64_t>(*f.at.pytorch_recorded_peak_reserved)));
+      if (const FitResult* c = classic_of(k)) std::snprintf(vs, sizeof vs, "%.3f", gib(f.min_capacity) / gib(c->min_capacity));
+      std::printf("%-44s %3d %-10s %10.1f %12.4g %8.3f %8s %11.1f %8" PRIu64 " %8d %11s\n",
+                  short_name(traces[t.input].source).c_str(), t.device, policy_name(t.policy), mib(f.peak_live),
+                  gib(f.min_capacity), static_cast<double>(f.min_capacity) / static_cast<double>(std::max<std::int64_t>(1, f.peak_live)),
+                  vs, mib(f.at.peak_reserved), f.recorded_ooms, f.replays, pyt);
+    }
+    std::printf("fit: %zu searches, %d replays, step %.4g GiB, %.2f s\n", fits.size(), replays, gib(step), secs);
+    std::printf("OOMs: the ones the trace itself recorded; every answer was replayed with 0 OOMs, one step below with at least 1\n");
+  }
+  return failed ? 1 : 0;
+}
+
+// --max-of KEY: one search per workload and policy.
+int run_max(const std::vector<std::string>& inputs, const std::vector<PolicyKind>& policies, const std::string& key,
+            std::uint64_t capacity, unsigned jobs, const ReplayOptions& ro, const std::vector<int>* lengths, bool json,
+            const std::string& plot) {
+  struct MTask { std::size_t input; PolicyKind policy; };
+  std::vector<MTask> tasks;
+  for (std::size_t i = 0; i < inputs.size(); ++i)
+    for (PolicyKind p : policies) tasks.push_back({i, p});
+  std::vector<MaxResult> found(tasks.size());
+  SearchOptions so;
+  so.replay = ro;
+  so.parallel = std::max(1u, jobs / static_cast<unsigned>(std::max<std::size_t>(1, tasks.size())));
+  const auto t0 = std::chrono::steady_clock::now();
+  run_tasks(tasks.size(), jobs, [&](std::size_t k) {
+    found[k] = max_value(inputs[tasks[k].input], key, tasks[k].policy, capacity, so, lengths);
+  });
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  int replays = 0, failed = 0;
+  for (auto& f : found) {
+    replays += f.replays;
+    if (!f.error.empty()) ++failed, std::fprintf(stderr, "fragless-replay: %s\n", f.error.c_str());
+  }
+  auto other = [&](std::size_t k, PolicyKind p) -> const MaxResult* {
+    for (std::size_t j = 0; j < tasks.size(); ++j)
+      if (tasks[j].input == tasks[k].input && tasks[j].policy == p && found[j].error.empty()) return &found[j];
+    return nullptr;
+  };
+  auto ratio = [&](std::size_t k, PolicyKind p) -> double {
+    const MaxResult* f = other(k, PolicyKind::fragless);
+    const MaxResult* b = other(k, p);
+    return f && b && b->max_value > 0 ? static_cast<double>(f->max_value) / static_cast<double>(b->max_value) : -1;
+  };
+  if (!plot.empty()) {
+    std::vector<ReplayResult> rs;
+    std::vector<std::string> notes;
+    for (auto& f : found)
+      if (f.error.empty()) {
+        rs.push_back(f.at);
+        notes.push_back("(" + key + "=" + std::to_string(f.max_value) + ")");
+      }
+    std::string err;
+    if (!draw_plot(plot, rs, notes, &err)) return std::fprintf(stderr, "fragless-replay: %s\n", err.c_str()), 2;
+  }
+  if (json) {
+    std::printf("{\"mode\":\"max\",\"key\":\"%s\",\"capacity_bytes\":%" PRIu64 ",\"seconds\":%.3f,\"replays\":%d,\"results\":[",
+                json_escape(key).c_str(), capacity, secs, replays);
+    for (std::size_t k = 0; k < found.size(); ++k) {
+      const auto& f = found[k];
+      std::printf("%s\n{", k ? "," : "");
+      if (f.error.empty()) {
+        std::printf("%s,\"key\":\"%s\",\"max_value\":%lld", json_fields(f.at).c_str(), json_escape(key).c_str(), f.max_value);
+      } else {
+        std::printf("\"input\":\"%s\",\"policy\":\"%s\",\"capacity_bytes\":%" PRIu64 ",\"key\":\"%s\",\"max_value\":null,"
+                    "\"error\":\"%s\"",
+                    json_escape(inputs[tasks[k].input]).c_str(), policy_name(tasks[k].policy), capacity,
+                    json_escape(key).c_str(), json_escape(f.error).c_str());
+      }
+      std::printf(",\"search_replays\":%d,\"search_seconds\":%.3f}", f.replays, f.seconds);
+    }
+    std::printf("\n]}\n");
+  } else {
+    std::printf("%-44s %7s %-10s %-8s %8s %9s %9s %10s %11s %8s\n", "workload", "GiB", "policy", "key", "largest",
+                "÷classic", "÷expand", "live MiB", "reserv MiB", "replays");
+    for (std::size_t k = 0; k < found.size(); ++k) {
+      const auto& f = found[k];
+      if (!f.error.empty()) {
+        std::printf("%-44s %7.4g %-10s %-8s %8s\n", short_name(inputs[tasks[k].input]).c_str(), gib(capacity),
+                    policy_name(tasks[k].policy), key.c_str(), "none");
+        continue;
+      }
+      char vc[32] = "-", ve[32] = "-";
+      if (tasks[k].policy == PolicyKind::fragless) {
+        if (double r = ratio(k, PolicyKind::classic); r > 0) std::snprintf(vc, sizeof vc, "%.2f", r);
+        if (double r = ratio(k, PolicyKind::expandable); r > 0) std::snprintf(ve, sizeof ve, "%.2f", r);
+      }
+      std::printf("%-44s %7.4g %-10s %-8s %8lld %9s %9s %10.1f %11.1f %8d\n", short_name(inputs[tasks[k].input]).c_str(),
+                  gib(capacity), policy_name(tasks[k].policy), key.c_str(), f.max_value, vc, ve, mib(f.at.peak_live),
+                  mib(f.at.peak_reserved), f.replays);
+    }
+    std::printf("max: %zu searches, %d replays, %.2f s; every answer was replayed with 0 OOMs, one above it with at least 1\n",
+                found.size(), replays, secs);
+  }
+  return failed ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::vector<PolicyKind> policies = {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless};
-  std::uint64_t capacity = 0;
-  bool json = false;
-  std::string plot, seqlen_file;
+  std::uint64_t capacity = 0, fit_step = 1ull << 28;
+  bool json = false, fit = false, fit_step_given = false;
+  unsigned jobs = std::max(1u, std::thread::hardware_concurrency());
+  std::string plot, seqlen_file, max_key;
   Options base;
   std::vector<std::string> inputs;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    const bool has_value = i + 1 < argc;
     if (a == "--json") json = true;
     else if (a == "-h" || a == "--help") return usage(nullptr);
-    else if (a == "--policy" && i + 1 < argc) {
+    else if (a == "--fit") fit = true;
+    else if (a == "--max-batch") {
+      if (!max_key.empty() && max_key != "batch") return usage("--max-batch and --max-of name different keys");
+      max_key = "batch";
+    } else if (a == "--max-of" && has_value) {
+      const std::string k = argv[++i];
+      if (k.empty()) return usage("--max-of needs a workload key (batch, max_seq, ...)");
+      if (!max_key.empty() && max_key != k) return usage("--max-batch and --max-of name different keys");
+      max_key = k;
+    } else if (a == "--fit-step" && has_value) {
+      char* end = nullptr;
+      const double g = std::strtod(argv[++i], &end);
+      if (*end || !(g >= 1.0 / 1024) || g > 1024) return usage("--fit-step needs a number of GiB in [1/1024, 1024]");
+      fit_step = static_cast<std::uint64_t>(g * (1ull << 30));
+      fit_step_given = true;
+    } else if (a == "--jobs" && has_value) {
+      char* end = nullptr;
+      const long n = std::strtol(argv[++i], &end, 10);
+      if (*end || n < 1 || n > 1024) return usage("--jobs needs a number in [1, 1024]");
+      jobs = static_cast<unsigned>(n);
+    } else if (a == "--policy" && has_value) {
       policies.clear();
       std::stringstream ss(argv[++i]);
       std::string p;
@@ -162,19 +420,23 @@ int main(int argc, char** argv) {
         else if (p == "fragless") policies.push_back(PolicyKind::fragless);
         else return usage(("unknown policy '" + p + "' (classic, expandable, fragless)").c_str());
       }
-    } else if (a == "--capacity-gib" && i + 1 < argc) {
+      if (policies.empty()) return usage("--policy needs at least one policy");
+    } else if (a == "--capacity-gib" && has_value) {
       char* end = nullptr;
       const double g = std::strtod(argv[++i], &end);
       if (*end || !(g > 0) || g > 1e6) return usage("--capacity-gib needs a positive number");
       capacity = static_cast<std::uint64_t>(g * (1ull << 30));
-    } else if (a == "--plot" && i + 1 < argc) {
+    } else if (a == "--plot" && has_value) {
       plot = argv[++i];
-    } else if (a == "--seqlen-file" && i + 1 < argc) {
+    } else if (a == "--seqlen-file" && has_value) {
       seqlen_file = argv[++i];
-    } else if (a == "--conf" && i + 1 < argc) {
+    } else if (a == "--conf" && has_value) {
       const auto cr = parse_config(argv[++i], base);
       if (!cr.ok) return usage(cr.error.c_str());
       base = cr.options;
+    } else if (a == "--policy" || a == "--capacity-gib" || a == "--plot" || a == "--seqlen-file" || a == "--conf" ||
+               a == "--max-of" || a == "--fit-step" || a == "--jobs") {
+      return usage(("missing value after " + a).c_str());
     } else if (!a.empty() && a[0] == '-') {
       return usage(("unknown option " + a).c_str());
     } else {
@@ -182,6 +444,16 @@ int main(int argc, char** argv) {
     }
   }
   if (inputs.empty()) return usage("no input");
+  if (fit && !max_key.empty()) return usage("--fit finds a capacity and --max-of a value: ask one at a time");
+  if (fit && capacity) return usage("--fit searches the capacity: drop --capacity-gib");
+  if (fit_step_given && !fit) return usage("--fit-step applies to --fit");
+  if (!max_key.empty() && !capacity) return usage("--max-batch / --max-of need the device's size (--capacity-gib N)");
+  if (!max_key.empty())
+    for (const auto& in : inputs) {
+      long long lo, hi;
+      std::string err;
+      if (!workload_key_range(in, max_key, &lo, &hi, &err)) return std::fprintf(stderr, "fragless-replay: %s\n", err.c_str()), 2;
+    }
 
   if (!plot.empty() && std::system("command -v gnuplot >/dev/null 2>&1") != 0)
     return usage("--plot needs gnuplot on the PATH (Debian: apt-get install gnuplot-nox)");
@@ -189,6 +461,20 @@ int main(int argc, char** argv) {
   if (!seqlen_file.empty()) {
     std::string err;
     if (!read_seqlen_file(seqlen_file, &lengths, &err)) return std::fprintf(stderr, "fragless-replay: %s\n", err.c_str()), 2;
+  }
+  ReplayOptions ro;
+  ro.capacity = capacity;
+  ro.curve_points = plot.empty() ? 0 : 2000;
+  ro.base = base;
+  if (!max_key.empty()) {
+    // Each spec must build at its own values before any search starts.
+    for (const auto& in : inputs) {
+      formats::Trace t;
+      std::string err;
+      if (!make_workload(in, &t, &err, seqlen_file.empty() ? nullptr : &lengths))
+        return std::fprintf(stderr, "fragless-replay: %s\n", err.c_str()), 2;
+    }
+    return run_max(inputs, policies, max_key, capacity, jobs, ro, seqlen_file.empty() ? nullptr : &lengths, json, plot);
   }
   std::vector<formats::Trace> traces(inputs.size());
   for (std::size_t i = 0; i < inputs.size(); ++i) {
@@ -203,32 +489,34 @@ int main(int argc, char** argv) {
       traces[i] = std::move(lr.trace);
     }
   }
-  struct Task { std::size_t input; int device; PolicyKind policy; };
   std::vector<Task> tasks;
-  for (std::size_t i = 0; i < traces.size(); ++i)
+  for (std::size_t i = 0; i < traces.size(); ++i) {
+    bool input_has_allocs = false;
     for (int d = 0; d < traces[i].devices(); ++d) {
       bool any = false;
       for (auto& e : traces[i].events) any |= e.device == d && e.op == formats::Op::alloc;
       if (!any) continue;
+      input_has_allocs = true;
       for (PolicyKind p : policies) tasks.push_back({i, d, p});
     }
+    if (!input_has_allocs)
+      std::fprintf(stderr, "fragless-replay: warning: %s has no allocation events to replay (skipped)\n",
+                   traces[i].source.c_str());
+  }
+  if (fit) return run_fit(traces, tasks, fit_step, jobs, ro, json, plot);
+
   std::vector<ReplayResult> results(tasks.size());
-  std::atomic<std::size_t> next{0}, done{0};
+  std::atomic<std::size_t> done{0};
   std::atomic<std::uint64_t> progress{0};
   std::uint64_t total_events = 0;
   for (auto& t : tasks) total_events += traces[t.input].events.size();
-  ReplayOptions ro;
-  ro.capacity = capacity;
-  ro.curve_points = plot.empty() ? 0 : 2000;
   ro.progress = &progress;
-  ro.base = base;
-  auto worker = [&] {
-    for (std::size_t k; (k = next++) < tasks.size(); ++done)
+  std::thread runner([&] {
+    run_tasks(tasks.size(), jobs, [&](std::size_t k) {
       results[k] = fragless::replay::replay(traces[tasks[k].input], tasks[k].device, tasks[k].policy, ro);
-  };
-  std::vector<std::thread> pool;
-  const unsigned n = std::max(1u, std::min<unsigned>(std::thread::hardware_concurrency(), static_cast<unsigned>(tasks.size())));
-  for (unsigned t = 0; t < n; ++t) pool.emplace_back(worker);
+      ++done;
+    });
+  });
   // A progress line for long replays, only when a person is watching stderr.
   if (isatty(STDERR_FILENO)) {
     bool shown = false;
@@ -243,36 +531,17 @@ int main(int argc, char** argv) {
     }
     if (shown) std::fprintf(stderr, "\r\033[K");
   }
-  for (auto& t : pool) t.join();
+  runner.join();
   for (auto& r : results)
     if (!r.error.empty()) return std::fprintf(stderr, "fragless-replay: %s\n", r.error.c_str()), 2;
   if (!plot.empty()) {
     std::string err;
-    if (!draw_plot(plot, results, &err)) return std::fprintf(stderr, "fragless-replay: %s\n", err.c_str()), 2;
+    if (!draw_plot(plot, results, {}, &err)) return std::fprintf(stderr, "fragless-replay: %s\n", err.c_str()), 2;
   }
 
   if (json) {
     std::printf("{\"results\":[");
-    for (std::size_t k = 0; k < results.size(); ++k) {
-      const auto& r = results[k];
-      auto c = [&](DriverCall dc) { return r.driver[dc]; };
-      std::printf("%s\n{\"input\":\"%s\",\"device\":%d,\"policy\":\"%s\",\"events\":%" PRIu64
-                  ",\"peak_live_bytes\":%" PRId64 ",\"peak_allocated_bytes\":%" PRId64 ",\"peak_reserved_bytes\":%" PRId64
-                  ",\"fragmentation_at_peak\":%.6f,\"overhead_over_live\":%.6f,\"time_weighted_fragmentation\":%.6f"
-                  ",\"ooms\":%" PRIu64 ",\"driver_calls\":{\"reserve\":%" PRIu64 ",\"create\":%" PRIu64 ",\"map\":%" PRIu64
-                  ",\"set_access\":%" PRIu64 ",\"unmap\":%" PRIu64 ",\"release\":%" PRIu64 "},\"forced_syncs\":%" PRId64
-                  ",\"modelled_driver_us\":%.2f,",
-                  k ? "," : "", json_escape(r.input).c_str(), r.device, policy_name(r.policy), r.events, r.peak_live,
-                  r.peak_allocated, r.peak_reserved, r.fragmentation_at_peak, r.overhead_over_live,
-                  r.time_weighted_fragmentation, r.ooms, c(DriverCall::reserve), c(DriverCall::create),
-                  c(DriverCall::map), c(DriverCall::set_access), c(DriverCall::unmap), c(DriverCall::release),
-                  r.forced_syncs, r.driver.modelled_us);
-      if (r.trace_duration_us) std::printf("\"trace_duration_us\":%.0f,", *r.trace_duration_us);
-      else std::printf("\"trace_duration_us\":null,");
-      std::printf("\"replay_seconds\":%.6f,\"events_per_second\":%.0f,", r.replay_seconds, r.events_per_second);
-      if (r.pytorch_recorded_peak_reserved) std::printf("\"pytorch_recorded_peak_reserved_bytes\":%" PRIu64 "}", *r.pytorch_recorded_peak_reserved);
-      else std::printf("\"pytorch_recorded_peak_reserved_bytes\":null}");
-    }
+    for (std::size_t k = 0; k < results.size(); ++k) std::printf("%s\n{%s}", k ? "," : "", json_fields(results[k]).c_str());
     std::printf("\n]}\n");
     return 0;
   }

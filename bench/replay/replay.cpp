@@ -22,6 +22,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
   r.input = t.source;
   r.device = device;
   r.policy = policy;
+  r.capacity = capacity;
   if (static_cast<std::size_t>(device) < t.recorded_peak_reserved.size())
     r.pytorch_recorded_peak_reserved = t.recorded_peak_reserved[static_cast<std::size_t>(device)];
   Options o = opt.base;
@@ -51,9 +52,14 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
   for (const auto& s : t.seed) {
     if (s.device != device) continue;
     void* p = e.allocate(s.size, s.stream, nullptr);
-    if (!p) {
-      r.error = t.source + ": the memory live before the window does not fit the capacity";
-      return r;
+    if (!p) {  // an OOM like any other: counted, and the block's free skipped
+      ++r.ooms;
+      if (opt.stop_at_first_oom) {
+        r.stopped_at_oom = true;
+        return r;
+      }
+      failed.insert(s.address);
+      continue;
     }
     ptrs[s.address] = p;
   }
@@ -96,6 +102,11 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
         if (!p && ev.size) {
           if (err.status != Status::out_of_memory) {
             r.error = t.source + ": event " + std::to_string(index) + ": " + err.message;
+            return r;
+          }
+          if (opt.stop_at_first_oom) {
+            r.ooms = 1;
+            r.stopped_at_oom = true;
             return r;
           }
           ++r.ooms;  // a result, not a failure: this allocation and its free are skipped

@@ -24,6 +24,8 @@ struct ReplayResult {
   std::optional<double> trace_duration_us;
   double replay_seconds = 0, events_per_second = 0;
   std::optional<std::uint64_t> pytorch_recorded_peak_reserved;
+  std::uint64_t capacity = 0;  // the device capacity replayed on (0: unlimited)
+  bool stopped_at_oom = false;   // ReplayOptions::stop_at_first_oom ended the replay
   std::string error;  // non-empty: the trace could not be replayed (names the position)
   struct Point { double x; std::int64_t live, allocated, reserved; };  // x: trace seconds, or event index
   std::vector<Point> curve;  // filled when ReplayOptions::curve_points > 0
@@ -39,6 +41,9 @@ struct ReplayOptions {
   std::atomic<std::uint64_t>* progress = nullptr;  // events replayed, added in batches
   Options base;                                    // allocator settings (--conf); policy and driver are set per run
   bool check = false;                              // check the engine's invariants at the end (tests)
+  // Stop at the first allocation that runs out of memory (the memory live before the window included),
+  // with ooms = 1 and no error: a search only needs to know whether a replay fits.
+  bool stop_at_first_oom = false;
 };
 
 // capacity 0 = unlimited. An OOM is a result: counted, the allocation (and its free) skipped.

@@ -338,6 +338,59 @@ bool make_workload(const std::string& spec, formats::Trace* out, std::string* er
   return true;
 }
 
+bool workload_key_range(const std::string& spec, const std::string& key, long long* lo, long long* hi,
+                        std::string* error) {
+  if (spec.rfind("workload:", 0) != 0) {
+    *error = spec + ": --max-of searches a key of a built-in workload; this input is a trace";
+    return false;
+  }
+  const std::string rest = spec.substr(9);
+  const std::string name = rest.substr(0, rest.find(':'));
+  if (is_zoo_workload(name)) {
+    double l = 0, h = 0;
+    if (!zoo_key_range(name, key, &l, &h, error)) return false;
+    *lo = static_cast<long long>(std::ceil(l));
+    *hi = static_cast<long long>(std::min(std::floor(h), 1e15));
+    if (*hi <= *lo) {
+      *error = "workload " + name + ": key '" + key + "' takes values in [" + std::to_string(l) + ", " +
+               std::to_string(h) + "]: no integer range to search";
+      return false;
+    }
+    return true;
+  }
+  if (name != "transformer-train" && name != "transformer-infer" && name != "ckpt-accum") {
+    Config c;
+    return parse(spec, &c, error);  // names the workloads
+  }
+  // The integer keys of parse(), with the least value it accepts.
+  static const std::map<std::string, int> least = {{"layers", 1}, {"d_model", 1}, {"heads", 1}, {"d_ff", 0},
+                                                   {"vocab", 0},  {"batch", 1},   {"steps", 1}, {"max_seq", 1},
+                                                   {"ckpt", 0},   {"dropout", 0}, {"accum", 1}};
+  if (auto it = least.find(key); it != least.end()) {
+    *lo = it->second;
+    *hi = 1000000;
+    return true;
+  }
+  if (key == "seed") {
+    *lo = 0;
+    *hi = 1000000000000000LL;
+    return true;
+  }
+  std::string names;
+  for (const auto& [k, v] : least) names += k + ", ";
+  if (key == "seqlen" || key == "dtype" || key == "padding")
+    *error = "workload " + name + ": key '" + key + "' is not numeric (numeric keys: " + names + "seed)";
+  else
+    *error = "workload " + name + ": unknown key '" + key + "' (numeric keys: " + names + "seed)";
+  return false;
+}
+
+std::string workload_with(const std::string& spec, const std::string& key, long long value) {
+  const bool has_options = spec.find(':', 9) != std::string::npos;
+  const char* sep = !has_options ? ":" : spec.back() == ':' || spec.back() == ',' ? "" : ",";
+  return spec + sep + key + "=" + std::to_string(value);
+}
+
 bool read_seqlen_file(const std::string& path, std::vector<int>* out, std::string* error) {
   std::ifstream in(path);
   if (!in) {

@@ -16,6 +16,14 @@ namespace fragless::replay {
 bool make_workload(const std::string& spec, formats::Trace* out, std::string* error,
                    const std::vector<int>* lengths = nullptr);
 
+// For a search over one key of a workload (fragless-replay --max-of): the integer range the key accepts.
+// False with *error when the spec is not a workload, or the key is unknown or not numeric (seqlen, dtype,
+// padding), naming the numeric keys.
+bool workload_key_range(const std::string& spec, const std::string& key, long long* lo, long long* hi,
+                        std::string* error);
+// The spec with key set to value (a later key=value overrides an earlier one).
+std::string workload_with(const std::string& spec, const std::string& key, long long value);
+
 // Sequence lengths from a CSV with a header: the column seqlen, length, tokens, total_tokens or
 // num_total_tokens; else the sum of a prompt/output pair (ContextTokens + GeneratedTokens,
 // num_prefill_tokens + num_decode_tokens, input_length + output_length); else the first integer column.

@@ -493,7 +493,10 @@ std::string zoo_help() {
     for (const auto& key : g.keys) {
       std::ostringstream v;
       v << key.def;
-      out += " " + std::string(key.name) + "=" + v.str();
+      out += ' ';  // appended piecewise: GCC 12 misreads " " + std::string(...) as an overlapping copy
+      out += key.name;
+      out += '=';
+      out += v.str();
     }
     out += "\n";
   }
@@ -504,6 +507,25 @@ std::vector<std::string> zoo_names() {
   std::vector<std::string> n;
   for (const auto& g : generators()) n.push_back(g.name);
   return n;
+}
+
+bool zoo_key_range(const std::string& name, const std::string& key, double* lo, double* hi, std::string* error) {
+  for (const auto& g : generators()) {
+    if (name != g.name) continue;
+    std::string names;
+    for (const auto& k : g.keys) {
+      if (key == k.name) {
+        *lo = k.lo;
+        *hi = k.hi;
+        return true;
+      }
+      names += std::string(names.empty() ? "" : ", ") + k.name;
+    }
+    *error = "workload " + name + ": unknown key '" + key + "' (keys: " + names + ")";
+    return false;
+  }
+  *error = "unknown workload '" + name + "'";
+  return false;
 }
 
 bool make_zoo_workload(const std::string& name, const std::string& options, formats::Trace* out,

@@ -16,6 +16,8 @@ std::vector<std::string> zoo_names();
 std::string zoo_help();
 // `options` is the part after "NAME:" (may be empty). False with *error naming the key and the accepted
 // range on a bad option.
+// The accepted range of one key of a generator; false with *error (naming the keys) on an unknown key.
+bool zoo_key_range(const std::string& name, const std::string& key, double* lo, double* hi, std::string* error);
 bool make_zoo_workload(const std::string& name, const std::string& options, formats::Trace* out, std::string* error);
 
 }  // namespace fragless::replay

@@ -1,0 +1,255 @@
+#include "fit.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <thread>
+
+#include "workload.h"
+
+namespace fragless::replay {
+
+namespace {
+
+struct Probe {
+  long long point = 0;
+  bool fits = false;
+  ReplayResult result;  // whole when it fits; stopped at the first OOM otherwise
+};
+
+using ProbeFn = std::function<Probe(long long)>;
+
+// Probes every point at once, one thread each (the caller's thread takes the first).
+std::vector<Probe> probe_all(const std::vector<long long>& points, const ProbeFn& f) {
+  std::vector<Probe> out(points.size());
+  std::vector<std::thread> threads;
+  for (std::size_t i = 1; i < points.size(); ++i) threads.emplace_back([&, i] { out[i] = f(points[i]); });
+  if (!points.empty()) out[0] = f(points[0]);
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+// Up to n points strictly between a and b (|b - a| >= 2), evenly spaced and distinct, ordered from a to b.
+std::vector<long long> between(long long a, long long b, unsigned n) {
+  const long long gap = b > a ? b - a : a - b, dir = b > a ? 1 : -1;
+  const long long k = std::min<long long>(std::max(1u, n), gap - 1);
+  std::vector<long long> p;
+  for (long long i = 1; i <= k; ++i) p.push_back(a + dir * (gap * i / (k + 1)));
+  return p;
+}
+
+// Narrows a known pair, `fail` (replayed or proved not to fit) and `pass` (replayed, fits, its probe kept in
+// *best), until they are adjacent. Probes run in parallel; the points are walked from the failing side and
+// the first that fits becomes the new `pass`, the last failing one before it the new `fail`: both facts stay
+// true whatever the OOMs do between them (Note [Search invariant]).
+bool narrow(long long* fail, long long* pass, Probe* best, unsigned parallel, const ProbeFn& f, std::string* error) {
+  while ((*pass > *fail ? *pass - *fail : *fail - *pass) > 1) {
+    const auto probes = probe_all(between(*fail, *pass, parallel), f);
+    for (const auto& p : probes)
+      if (!p.result.error.empty()) {
+        *error = p.result.error;
+        return false;
+      }
+    long long new_fail = *fail;
+    for (const auto& p : probes) {
+      if (p.fits) {
+        *pass = p.point;
+        *best = p;
+        break;
+      }
+      new_fail = p.point;
+    }
+    *fail = new_fail;
+  }
+  return true;
+}
+
+std::string gib_text(std::uint64_t bytes) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.4g GiB", static_cast<double>(bytes) / (1ull << 30));
+  return b;
+}
+
+}  // namespace
+
+FitResult fit_capacity(const formats::Trace& t, int device, PolicyKind policy, std::uint64_t step,
+                       const SearchOptions& o) {
+  const auto t0 = std::chrono::steady_clock::now();
+  FitResult out;
+  out.step = step;
+  for (const auto& e : t.events) out.recorded_ooms += e.device == device && e.op == formats::Op::oom;
+  std::atomic<int> replays{0};
+  auto done = [&](FitResult& r) -> FitResult& {
+    r.replays = replays.load();
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return r;
+  };
+  const std::string where = t.source + " (device " + std::to_string(device) + ", " + policy_name(policy) + ")";
+  if (step < (1u << 20)) {
+    out.error = "--fit-step must be at least 1 MiB";
+    return done(out);
+  }
+  // The replay without a limit: peak live (the floor) and a capacity that holds what this policy reserves.
+  ReplayOptions unlimited = o.replay;
+  unlimited.capacity = 0;
+  unlimited.stop_at_first_oom = false;
+  unlimited.curve_points = 0;
+  const ReplayResult base = replay(t, device, policy, unlimited);
+  ++replays;
+  if (!base.error.empty()) {
+    out.error = base.error;
+    return done(out);
+  }
+  if (base.events == 0) {
+    out.error = where + ": no allocations to replay";
+    return done(out);
+  }
+  if (base.ooms) {
+    out.error = where + ": runs out of memory even on " + gib_text(kUnlimitedCapacity) +
+                " (an allocation larger than any device): no capacity fits";
+    return done(out);
+  }
+  out.peak_live = base.peak_live;
+  const long long max_k = static_cast<long long>(kUnlimitedCapacity / step);
+  auto probe = [&](long long k) {
+    ReplayOptions ro = o.replay;
+    ro.capacity = static_cast<std::uint64_t>(k) * step;
+    ro.stop_at_first_oom = true;
+    Probe p;
+    p.point = k;
+    p.result = replay(t, device, policy, ro);
+    ++replays;
+    p.fits = p.result.error.empty() && p.result.ooms == 0;
+    return p;
+  };
+  const auto live = static_cast<std::uint64_t>(std::max<std::int64_t>(base.peak_live, 1));
+  // fail: the largest k with k * step < peak live, which no allocator fits (not yet replayed);
+  // pass: the capacity the unlimited replay reserved at its peak, rounded up to a step.
+  long long fail = static_cast<long long>((live + step - 1) / step) - 1;
+  bool fail_replayed = fail == 0;  // capacity 0 holds nothing: no replay needed (nor possible: 0 = unlimited)
+  long long pass = static_cast<long long>((static_cast<std::uint64_t>(base.peak_reserved) + step - 1) / step);
+  pass = std::max(pass, fail + 1);
+  Probe best = probe(pass);
+  while (!best.fits) {
+    if (!best.result.error.empty()) {
+      out.error = best.result.error;
+      return done(out);
+    }
+    fail = pass;
+    fail_replayed = true;
+    if (pass >= max_k) {
+      out.error = where + ": the search cannot converge: it still runs out of memory on " +
+                  gib_text(static_cast<std::uint64_t>(pass) * step);
+      return done(out);
+    }
+    pass = std::min(max_k, pass * 2);
+    best = probe(pass);
+  }
+  for (;;) {
+    if (!narrow(&fail, &pass, &best, o.parallel, probe, &out.error)) return done(out);
+    if (fail_replayed) break;
+    // The neighbour below is replayed too, so its OOM is measured, not inferred.
+    Probe below = probe(fail);
+    if (!below.result.error.empty()) {
+      out.error = below.result.error;
+      return done(out);
+    }
+    fail_replayed = true;
+    if (!below.fits) break;
+    pass = fail;  // cannot happen below peak live; kept so a broken bound never yields a wrong answer
+    best = below;
+    fail = 0;
+  }
+  out.min_capacity = static_cast<std::uint64_t>(pass) * step;
+  out.at = best.result;
+  return done(out);
+}
+
+MaxResult max_value(const std::string& spec, const std::string& key, PolicyKind policy, std::uint64_t capacity,
+                    const SearchOptions& o, const std::vector<int>* lengths) {
+  const auto t0 = std::chrono::steady_clock::now();
+  MaxResult out;
+  out.spec = spec;
+  out.key = key;
+  std::atomic<int> replays{0};
+  auto done = [&](MaxResult& r) -> MaxResult& {
+    r.replays = replays.load();
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return r;
+  };
+  if (capacity == 0) {
+    out.error = "--max-of needs a device capacity (--capacity-gib N)";
+    return done(out);
+  }
+  if (!workload_key_range(spec, key, &out.least, &out.greatest, &out.error)) return done(out);
+  const std::string where = spec + " (" + policy_name(policy) + ", " + gib_text(capacity) + ")";
+  auto probe = [&](long long v) {
+    Probe p;
+    p.point = v;
+    formats::Trace t;
+    std::string err;
+    if (!make_workload(workload_with(spec, key, v), &t, &err, lengths)) {
+      p.result.error = err;
+      return p;
+    }
+    if (t.events.size() > kMaxSearchEvents) {
+      p.result.error = where + ": at " + key + "=" + std::to_string(v) + " the workload has " +
+                       std::to_string(t.events.size()) + " events, more than a search generates (" +
+                       std::to_string(kMaxSearchEvents) + "): the search cannot converge";
+      return p;
+    }
+    ReplayOptions ro = o.replay;
+    ro.capacity = capacity;
+    ro.stop_at_first_oom = true;
+    p.result = replay(t, 0, policy, ro);
+    ++replays;
+    p.fits = p.result.error.empty() && p.result.ooms == 0;
+    return p;
+  };
+  Probe best = probe(out.least);
+  if (!best.result.error.empty()) {
+    out.error = best.result.error;
+    return done(out);
+  }
+  if (!best.fits) {
+    out.error = where + ": does not fit at its smallest " + key + "=" + std::to_string(out.least) +
+                " (a larger device, or a smaller model, is needed)";
+    return done(out);
+  }
+  // Grow by doubling (several doublings at once when probes run in parallel) until one does not fit.
+  long long pass = out.least, fail = -1;
+  while (fail < 0) {
+    if (pass >= out.greatest) {
+      out.error = where + ": the search cannot converge: it still fits at " + key + "=" + std::to_string(pass) +
+                  ", the largest value the workload accepts (" + key + " does not bound memory here)";
+      return done(out);
+    }
+    std::vector<long long> points;
+    for (long long v = pass; points.size() < std::max(1u, o.parallel) && v < out.greatest;) {
+      v = std::min(out.greatest, std::max(v + 1, v * 2));
+      points.push_back(v);
+    }
+    const auto probes = probe_all(points, probe);
+    for (const auto& p : probes) {
+      if (!p.result.error.empty()) {
+        out.error = p.result.error;
+        return done(out);
+      }
+      if (!p.fits) {
+        fail = p.point;
+        break;
+      }
+      pass = p.point;
+      best = p;
+    }
+  }
+  if (!narrow(&fail, &pass, &best, o.parallel, probe, &out.error)) return done(out);
+  out.max_value = pass;
+  out.at = best.result;
+  out.at.input = spec;
+  return done(out);
+}
+
+}  // namespace fragless::replay

@@ -1,0 +1,203 @@
+// The searches of bench/replay/fit.h, checked rather than trusted: every answer found is replayed again here,
+// from scratch and to the end, with zero OOMs, and its neighbour (one capacity step below, one value above)
+// with at least one; bad questions get an error naming what was wrong.
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <random>
+#include <sstream>
+
+#include "fit.h"
+#include "workload.h"
+
+using namespace fragless;
+using namespace fragless::replay;
+
+namespace {
+
+constexpr std::uint64_t kGiB = 1ull << 30, kMiB = 1ull << 20;
+const PolicyKind kPolicies[] = {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless};
+
+ReplayResult replay_on(const formats::Trace& t, int device, PolicyKind p, std::uint64_t capacity) {
+  ReplayOptions o;
+  o.capacity = capacity;
+  o.check = true;
+  return replay::replay(t, device, p, o);
+}
+
+// The answer fits, a step below does not, and nothing fits below peak live.
+void verify_fit(const formats::Trace& t, int device, PolicyKind p, std::uint64_t step, unsigned parallel) {
+  SearchOptions so;
+  so.parallel = parallel;
+  const FitResult f = fit_capacity(t, device, p, step, so);
+  INFO(t.source << " device " << device << " " << policy_name(p) << " step " << step / kMiB << " MiB: " << f.error);
+  REQUIRE(f.error.empty());
+  REQUIRE(f.min_capacity % step == 0);
+  CHECK(f.min_capacity >= static_cast<std::uint64_t>(f.peak_live));
+  CHECK(f.at.ooms == 0);
+  CHECK(f.replays >= 2);
+  const ReplayResult at = replay_on(t, device, p, f.min_capacity);
+  INFO("at " << f.min_capacity / kMiB << " MiB: " << at.error);
+  REQUIRE(at.error.empty());
+  CHECK(at.ooms == 0);
+  CHECK(at.peak_reserved <= static_cast<std::int64_t>(f.min_capacity));
+  CHECK(at.peak_reserved == f.at.peak_reserved);  // the search's replay and this one are the same replay
+  if (f.min_capacity > step) {
+    const ReplayResult below = replay_on(t, device, p, f.min_capacity - step);
+    INFO("below: " << below.error);
+    CHECK(below.ooms >= 1);
+  }
+}
+
+void verify_max(const std::string& spec, const std::string& key, PolicyKind p, std::uint64_t capacity,
+                unsigned parallel) {
+  SearchOptions so;
+  so.parallel = parallel;
+  const MaxResult m = max_value(spec, key, p, capacity, so);
+  INFO(spec << " " << key << " " << policy_name(p) << " on " << capacity / kMiB << " MiB: " << m.error);
+  REQUIRE(m.error.empty());
+  REQUIRE(m.max_value >= m.least);
+  REQUIRE(m.max_value < m.greatest);
+  auto run = [&](long long v) {
+    formats::Trace t;
+    std::string err;
+    REQUIRE(make_workload(workload_with(spec, key, v), &t, &err));
+    return replay_on(t, 0, p, capacity);
+  };
+  const ReplayResult at = run(m.max_value);
+  REQUIRE(at.error.empty());
+  CHECK(at.ooms == 0);
+  const ReplayResult above = run(m.max_value + 1);
+  REQUIRE(above.error.empty());
+  CHECK(above.ooms >= 1);
+}
+
+}  // namespace
+
+TEST_CASE("fit: the smallest capacity fits, one step below does not", "[fit]") {
+  const char* specs[] = {
+      "workload:transformer-infer:layers=4,steps=3",
+      "workload:transformer-train:layers=2,d_model=512,heads=8,d_ff=2048,steps=3,batch=2",
+      "workload:unet2d:res=256,batch=2,steps=3",
+      "workload:random:ops=400,steps=3,live_gib=0.5,streams=3",
+      "workload:moe:layers=2,experts=8,tokens=4096,steps=3",
+  };
+  for (const char* spec : specs) {
+    formats::Trace t;
+    std::string err;
+    REQUIRE(make_workload(spec, &t, &err));
+    for (PolicyKind p : kPolicies) {
+      verify_fit(t, 0, p, kGiB / 4, 1);
+      verify_fit(t, 0, p, 32 * kMiB, 3);  // a finer step, probes in parallel
+    }
+  }
+}
+
+TEST_CASE("fit: random draws of the pattern zoo (a property test; a failing draw is printed)", "[fit][property]") {
+  std::mt19937_64 rng(20261201);
+  const char* names[] = {"random", "unet2d", "serving", "pipeline"};
+  for (int draw = 0; draw < 8; ++draw) {
+    std::ostringstream spec;
+    const std::string name = names[draw % 4];
+    spec << "workload:" << name << ":seed=" << rng() % 100000 << ",steps=3";
+    if (name == "random") spec << ",ops=" << 200 + rng() % 600 << ",live_gib=0.25,streams=" << 1 + rng() % 4;
+    if (name == "unet2d") spec << ",res=" << 128 + rng() % 256 << ",batch=" << 1 + rng() % 4;
+    if (name == "serving") spec << ",layers=4,max_batch=" << 4 + rng() % 16;
+    if (name == "pipeline") spec << ",layers=2,d_model=1024,d_ff=4096,micro=" << 2 + rng() % 6;
+    formats::Trace t;
+    std::string err;
+    INFO("draw " << draw << ": " << spec.str());
+    REQUIRE(make_workload(spec.str(), &t, &err));
+    const std::uint64_t step = (8u << 20) << (rng() % 4);  // 8 .. 64 MiB
+    for (PolicyKind p : kPolicies) verify_fit(t, 0, p, step, 1 + static_cast<unsigned>(rng() % 4));
+  }
+}
+
+TEST_CASE("fit: a search is deterministic", "[fit]") {
+  formats::Trace t;
+  std::string err;
+  REQUIRE(make_workload("workload:transformer-infer:layers=6,steps=4", &t, &err));
+  for (PolicyKind p : kPolicies) {
+    SearchOptions one, many;
+    many.parallel = 5;
+    const FitResult a = fit_capacity(t, 0, p, 16 * kMiB, one), b = fit_capacity(t, 0, p, 16 * kMiB, one);
+    const FitResult c = fit_capacity(t, 0, p, 16 * kMiB, many), d = fit_capacity(t, 0, p, 16 * kMiB, many);
+    REQUIRE(a.error.empty());
+    CHECK(a.min_capacity == b.min_capacity);
+    CHECK(c.min_capacity == d.min_capacity);
+    // Parallel probes visit other points; where OOMs are not monotone in capacity they may stop at another
+    // boundary, which verify_fit checks as strictly as this one.
+    verify_fit(t, 0, p, 16 * kMiB, 5);
+  }
+}
+
+TEST_CASE("max: the largest batch fits, one more does not", "[fit]") {
+  for (PolicyKind p : kPolicies) {
+    verify_max("workload:transformer-infer:layers=4,steps=3", "batch", p, 4 * kGiB, 1);
+    verify_max("workload:transformer-train:layers=2,d_model=512,heads=8,d_ff=2048,steps=3", "batch", p, 6 * kGiB, 3);
+    verify_max("workload:unet2d:res=256,steps=3", "batch", p, 3 * kGiB, 2);
+    verify_max("workload:fsdp:layers=4,d_model=1024,steps=3", "batch", p, 4 * kGiB, 1);
+    verify_max("workload:transformer-infer:layers=4,steps=3,batch=8", "max_seq", p, 2 * kGiB, 4);
+    verify_max("workload:pipeline:layers=2,d_model=1024,d_ff=4096", "batch", p, 3 * kGiB, 2);
+  }
+}
+
+TEST_CASE("fit and max: bad questions are clear errors", "[fit][bad-input]") {
+  SearchOptions so;
+  // A capacity that cannot hold the workload at its smallest value.
+  MaxResult m = max_value("workload:transformer-train", "batch", PolicyKind::fragless, kGiB, so);
+  CHECK_THAT(m.error, Catch::Contains("does not fit at its smallest batch=1"));
+  // A key that is not numeric, or not a key at all, or an input that is a trace.
+  m = max_value("workload:transformer-train", "dtype", PolicyKind::fragless, 80 * kGiB, so);
+  CHECK_THAT(m.error, Catch::Contains("key 'dtype' is not numeric"));
+  CHECK_THAT(m.error, Catch::Contains("batch"));
+  m = max_value("workload:unet2d", "width", PolicyKind::fragless, 80 * kGiB, so);
+  CHECK_THAT(m.error, Catch::Contains("unknown key 'width'"));
+  m = max_value("trace.pickle", "batch", PolicyKind::fragless, 80 * kGiB, so);
+  CHECK_THAT(m.error, Catch::Contains("this input is a trace"));
+  m = max_value("workload:unet2d", "batch", PolicyKind::fragless, 0, so);
+  CHECK_THAT(m.error, Catch::Contains("--capacity-gib"));
+  // A search that cannot converge: the key does not bound memory.
+  m = max_value("workload:transformer-infer:layers=2,steps=2", "seed", PolicyKind::classic, 80 * kGiB, so);
+  CHECK_THAT(m.error, Catch::Contains("cannot converge"));
+  CHECK(m.replays > 1);
+
+  // An allocation larger than any device, a trace with nothing to replay, a step too fine.
+  formats::Trace huge;
+  huge.source = "huge";
+  formats::Event e;
+  e.op = formats::Op::alloc;
+  e.address = 4096;
+  e.size = 2 * kUnlimitedCapacity;
+  huge.events.push_back(e);
+  FitResult f = fit_capacity(huge, 0, PolicyKind::fragless, kGiB / 4, so);
+  CHECK_THAT(f.error, Catch::Contains("even on"));
+  formats::Trace empty;
+  empty.source = "empty";
+  f = fit_capacity(empty, 0, PolicyKind::fragless, kGiB / 4, so);
+  CHECK_THAT(f.error, Catch::Contains("no allocations"));
+  formats::Trace small;
+  std::string err;
+  REQUIRE(make_workload("workload:transformer-infer:layers=2,steps=2", &small, &err));
+  f = fit_capacity(small, 0, PolicyKind::fragless, 4096, so);
+  CHECK_THAT(f.error, Catch::Contains("at least 1 MiB"));
+}
+
+TEST_CASE("fit: every real trace, every policy (checked at the answer and one step below)", "[data][fit]") {
+  const std::string dir = FRAGLESS_SOURCE_DIR "/../shared/data/traces/torch";
+  REQUIRE(std::filesystem::exists(dir));
+  int fitted = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    auto lr = formats::load_trace(entry.path().string());
+    INFO(entry.path().string() << ": " << lr.error);
+    REQUIRE(lr.ok);
+    for (int d = 0; d < lr.trace.devices(); ++d) {
+      bool any = false;
+      for (const auto& ev : lr.trace.events) any |= ev.device == d && ev.op == formats::Op::alloc;
+      if (!any) continue;
+      for (PolicyKind p : kPolicies) verify_fit(lr.trace, d, p, kGiB / 4, 2);
+      ++fitted;
+    }
+  }
+  CHECK(fitted >= 10);
+}
