@@ -12,6 +12,7 @@
   tools/results_tables.py zoo                 the pattern zoo at its defaults: every policy, the targets
   tools/results_tables.py fit      FILES...   the smallest device per policy (--fit, steps 1/4 and 1/16 GiB)
   tools/results_tables.py maxbatch            the largest batch per policy on 24, 40, 80 and 141 GiB devices
+  tools/results_tables.py fits     FILES...   both of the above, in that order (docs/RESULTS.md, "What fits")
 FILES are traces; the eight default workloads (four sequence-length distributions, training and inference)
 are added to `targets` and `params`.
 Run from the repository root after building (uses build/bin/fragless-replay)."""
@@ -314,4 +315,5 @@ if __name__ == "__main__":
         sys.exit(__doc__)
     {"replay": replay_table, "fidelity": fidelity_table, "targets": targets_table, "params": params_table, "variants": variants_table,
      "handles": handles_table, "zoo": zoo_table, "fit": fit_table, "maxbatch": maxbatch_table,
+     "fits": lambda a: (fit_table(a), print(), maxbatch_table(a)),
      "validate": lambda a: validate_table(a[0]), "published": lambda a: published_table(a[0])}[sys.argv[1]](sys.argv[2:])
