@@ -284,6 +284,68 @@ TEST_CASE("pickle writer: integers of every width and strings round-trip", "[for
   CHECK(pr.value->items[std::size(ints) + 1]->f == 2.5);
 }
 
+TEST_CASE("pickle writer: lists and dicts in batches of at most 1000, as CPython writes them", "[formats]") {
+  // [[0 .. 2499], {k0: 0 .. k1499: 1499}, [], {}, [[1]]] at the top level.
+  PickleWriter w;
+  w.begin_list();
+  w.begin_list();
+  for (int i = 0; i < 2500; ++i) w.integer(i);
+  w.end_list();
+  w.begin_dict();
+  for (int i = 0; i < 1500; ++i) w.kv_int("k" + std::to_string(i), i);
+  w.end_dict();
+  w.begin_list();
+  w.end_list();
+  w.begin_dict();
+  w.end_dict();
+  w.begin_list();
+  w.begin_list();
+  w.integer(1);
+  w.end_list();
+  w.end_list();
+  w.end_list();
+  const std::string bytes = w.finish();
+  // Walk the opcodes: every batch (MARK to APPENDS / SETITEMS) holds at most 1000 items at its own level.
+  std::vector<std::size_t> batch;  // items so far in each open batch
+  std::size_t appends = 0, setitems = 0, largest = 0;
+  for (std::size_t i = 2; i < bytes.size();) {
+    const auto op = static_cast<unsigned char>(bytes[i++]);
+    auto item = [&] {
+      if (!batch.empty()) ++batch.back();
+    };
+    switch (op) {
+      case '(': batch.push_back(0); break;
+      case 'e': case 'u': {
+        REQUIRE(!batch.empty());
+        largest = std::max(largest, op == 'u' ? batch.back() / 2 : batch.back());
+        (op == 'e' ? appends : setitems) += 1;
+        batch.pop_back();
+        break;
+      }
+      case ']': case '}': item(); break;
+      case 'K': i += 1; item(); break;
+      case 'M': i += 2; item(); break;
+      case 'J': i += 4; item(); break;
+      case 0x8c: i += 1 + static_cast<unsigned char>(bytes[i]); item(); break;
+      case '.': break;
+      default: FAIL("unexpected opcode " << int(op));
+    }
+  }
+  CHECK(largest == PickleWriter::kBatch);
+  CHECK(appends == 1 + 3 + 2);   // the top list, 2500 items in 3 batches, [[1]]'s two lists
+  CHECK(setitems == 2);          // 1500 pairs in 2 batches; the empty dict has none
+  // ... and the content reads back whole.
+  auto pr = read_pickle(bytes);
+  REQUIRE(pr.value);
+  REQUIRE(pr.value->items.size() == 5);
+  REQUIRE(pr.value->items[0]->items.size() == 2500);
+  for (int i = 0; i < 2500; ++i) CHECK(pr.value->items[0]->items[static_cast<std::size_t>(i)]->i == i);
+  CHECK(pr.value->items[1]->get("k1499")->i == 1499);
+  CHECK(pr.value->items[1]->get("k0")->i == 0);
+  CHECK(pr.value->items[2]->items.empty());
+  CHECK(pr.value->items[4]->items[0]->items[0]->i == 1);
+}
+
 TEST_CASE("RMM CSV: Time is written as RMM writes it (HH:MM:SS.ffffff) and a round trip keeps it", "[formats]") {
   Trace t;
   t.has_time = true;

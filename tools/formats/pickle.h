@@ -87,8 +87,18 @@ class PickleWriter {
   void kv_uint(std::string_view k, std::uint64_t v) { str(k); uinteger(v); }
   std::string finish();  // STOP; the writer is spent
 
+  // Items per APPENDS / pairs per SETITEMS, as CPython's pickler batches them. A reader that spreads one
+  // batch into one call (PyTorch's MemoryViz.js does) overflows its stack on a list of ~10^5 items.
+  static constexpr std::size_t kBatch = 1000;
+
  private:
+  // An open list or dict: items written into its current batch, and whether the batch's MARK is out.
+  struct Frame { char kind; std::size_t items = 0; bool marked = false; };
+  void write_integer(std::int64_t v);
+  void before_item();  // opens the enclosing container's batch if needed
+  void after_item();   // closes it after kBatch items (dict: 2 * kBatch, keys and values)
   std::string out_;
+  std::vector<Frame> open_;
 };
 
 }  // namespace fragless::formats

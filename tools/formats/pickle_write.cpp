@@ -16,20 +16,60 @@ PickleWriter::PickleWriter() {
   out_.push_back('\x04');
 }
 
+// Lists and dicts are written as CPython writes them: EMPTY_LIST (EMPTY_DICT), then batches of at most
+// kBatch items (pairs), each MARK ... APPENDS (SETITEMS); an empty container has no batch at all.
+void PickleWriter::before_item() {
+  if (open_.empty()) return;
+  Frame& f = open_.back();
+  if (f.kind == 't' || f.marked) return;
+  out_.push_back(kMark);
+  f.marked = true;
+}
+
+void PickleWriter::after_item() {
+  if (open_.empty()) return;
+  Frame& f = open_.back();
+  if (f.kind == 't') return;
+  if (++f.items == (f.kind == 'd' ? 2 * kBatch : kBatch)) {
+    out_.push_back(f.kind == 'd' ? kSetItems : kAppends);
+    f.items = 0;
+    f.marked = false;
+  }
+}
+
 void PickleWriter::begin_dict() {
+  before_item();
   out_.push_back(kEmptyDict);
-  out_.push_back(kMark);
+  open_.push_back({'d'});
 }
-void PickleWriter::end_dict() { out_.push_back(kSetItems); }
+void PickleWriter::end_dict() {
+  if (open_.back().marked) out_.push_back(kSetItems);
+  open_.pop_back();
+  after_item();
+}
 void PickleWriter::begin_list() {
+  before_item();
   out_.push_back(kEmptyList);
-  out_.push_back(kMark);
+  open_.push_back({'l'});
 }
-void PickleWriter::end_list() { out_.push_back(kAppends); }
-void PickleWriter::begin_tuple() { out_.push_back(kMark); }
-void PickleWriter::end_tuple() { out_.push_back(kTuple); }
+void PickleWriter::end_list() {
+  if (open_.back().marked) out_.push_back(kAppends);
+  open_.pop_back();
+  after_item();
+}
+void PickleWriter::begin_tuple() {
+  before_item();
+  out_.push_back(kMark);
+  open_.push_back({'t'});
+}
+void PickleWriter::end_tuple() {
+  out_.push_back(kTuple);
+  open_.pop_back();
+  after_item();
+}
 
 void PickleWriter::str(std::string_view s) {
+  before_item();
   if (s.size() < 256) {
     out_.push_back(kShortUnicode);
     out_.push_back(static_cast<char>(s.size()));
@@ -39,9 +79,16 @@ void PickleWriter::str(std::string_view s) {
     for (int i = 0; i < 4; ++i) out_.push_back(static_cast<char>(n >> (8 * i)));
   }
   out_.append(s);
+  after_item();
 }
 
 void PickleWriter::integer(std::int64_t v) {
+  before_item();
+  write_integer(v);
+  after_item();
+}
+
+void PickleWriter::write_integer(std::int64_t v) {
   if (v >= 0 && v < 256) {
     out_.push_back(kBinInt1);
     out_.push_back(static_cast<char>(v));
@@ -72,20 +119,32 @@ void PickleWriter::integer(std::int64_t v) {
 
 void PickleWriter::uinteger(std::uint64_t v) {
   if (v <= static_cast<std::uint64_t>(INT64_MAX)) return integer(static_cast<std::int64_t>(v));
+  before_item();
   out_.push_back(kLong1);
   out_.push_back('\x09');
   for (int i = 0; i < 8; ++i) out_.push_back(static_cast<char>(v >> (8 * i)));
   out_.push_back('\0');  // positive
+  after_item();
 }
 
 void PickleWriter::real(double v) {
+  before_item();
   out_.push_back(kBinFloat);
   const auto u = std::bit_cast<std::uint64_t>(v);
   for (int i = 7; i >= 0; --i) out_.push_back(static_cast<char>(u >> (8 * i)));  // big-endian
+  after_item();
 }
 
-void PickleWriter::boolean(bool v) { out_.push_back(v ? kTrue : kFalse); }
-void PickleWriter::none() { out_.push_back(kNone); }
+void PickleWriter::boolean(bool v) {
+  before_item();
+  out_.push_back(v ? kTrue : kFalse);
+  after_item();
+}
+void PickleWriter::none() {
+  before_item();
+  out_.push_back(kNone);
+  after_item();
+}
 
 std::string PickleWriter::finish() {
   out_.push_back(kStop);
