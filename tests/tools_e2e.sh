@@ -102,5 +102,13 @@ check_exit 1 "a capacity too small for the smallest batch" "does not fit at its 
 check_exit 1 "a search that cannot converge" "cannot converge" \
   "$bin/fragless-replay" --policy classic --max-of seed --capacity-gib 8 "workload:transformer-infer:layers=2,steps=2"
 check "--help exits 0 and documents --fit" grep -q -- "--fit" <("$bin/fragless-replay" --help)
+# Every tool answers --help with its usage on stdout and exit 0.
+for tool in fragless-replay fragless-trace fragless-config fragless-oracles fragless-capture; do
+  if [ -x "$bin/$tool" ]; then
+    check "$tool --help exits 0 with its usage" bash -c 'out=$("$1" --help) && grep -qi usage <<<"$out"' _ "$bin/$tool"
+  else
+    echo "SKIPPED (loudly): $tool was not built"
+  fi
+done
 
 [ "$failures" -eq 0 ] || { echo "$failures check(s) failed"; exit 1; }

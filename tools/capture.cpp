@@ -65,12 +65,22 @@ struct ModelImpl : torch::nn::Module {
 TORCH_MODULE(Model);
 
 int usage(const char* msg) {
-  std::fprintf(stderr, "fragless-capture: %s\n", msg);
-  std::fprintf(stderr,
+  if (msg) std::fprintf(stderr, "fragless-capture: %s\n", msg);
+  std::fprintf(msg ? stderr : stdout,
                "usage: fragless-capture [--allocator fragless|default] [--policy classic|expandable|fragless]\n"
                "         [--trace PATH] [--steps N] [--epochs E] [--seed S] [--layers L] [--d-model D] [--heads H]\n"
-               "         [--batch B] [--min-len N] [--max-len N] [--vocab V]\n");
-  return 2;
+               "         [--batch B] [--min-len N] [--max-len N] [--vocab V]\n"
+               "  trains a small decoder-only transformer on the CPU over batches of variable-length sequences\n"
+               "  --allocator: fragless (LibTorch's CPU allocator replaced, host driver) or default (LibTorch's own)\n"
+               "  --policy: the fragless policy (default fragless)\n"
+               "  --trace: record every allocation event to PATH (fragless native format)\n"
+               "  --steps: optimizer steps per epoch (default 20); --epochs: epochs (default 3), the cache\n"
+               "           emptied between them; the run makes steps x epochs steps in all\n"
+               "  --batch: sequences per step (4); --min-len/--max-len: lengths drawn uniformly in [8, 96], each\n"
+               "           batch padded to its longest (the padding ignored by the loss)\n"
+               "  --seed (1), --layers (2), --d-model (64), --heads (4), --vocab (256): the model and data\n"
+               "  prints one line per step (step, padded length, loss in hex float), to compare runs bit for bit\n");
+  return msg ? 2 : 0;
 }
 
 }  // namespace
@@ -81,6 +91,7 @@ int main(int argc, char** argv) {
        vocab = 256;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    if (a == "-h" || a == "--help") return usage(nullptr);
     if (i + 1 >= argc) return usage(("missing value after " + a).c_str());
     const std::string v = argv[++i];
     auto num = [&](long* out) {

@@ -1,6 +1,7 @@
 // fragless-oracles: runs the PyTorch devlog fragmentation cases through the three policies on the sim
 // driver and prints what each reserves. The numbers for classic and expandable are PyTorch's own.
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "fragless/engine.h"
@@ -36,7 +37,19 @@ double run(const Case& c, PolicyKind p, std::uint64_t* driver_calls) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  if (argc > 1) {
+    const std::string a = argv[1];
+    const bool help = a == "-h" || a == "--help";
+    std::fprintf(help ? stdout : stderr,
+                 "%susage: fragless-oracles\n"
+                 "  runs PyTorch's published fragmentation cases (its caching allocator devlog) through the classic,\n"
+                 "  expandable and fragless policies on the sim driver and prints the memory each reserves beside\n"
+                 "  PyTorch's own figures; exits 1 if classic or expandable departs from PyTorch's numbers or fragless\n"
+                 "  reserves more than expandable\n",
+                 help ? "" : ("fragless-oracles: unknown argument " + a + "\n").c_str());
+    return help ? 0 : 2;
+  }
   const Case cases[] = {
       {"8 x 16 MiB, free all, 4 x 32 MiB", std::vector<std::size_t>(8, 16 * MiB), std::vector<std::size_t>(4, 32 * MiB),
        256, 140},
