@@ -66,4 +66,26 @@ if not have_torch:
         raise AssertionError("enable() without PyTorch did not complain")
     except ImportError as e:
         assert "needs PyTorch" in str(e), e
+# memory_summary counts the segments a snapshot shows, under every policy (each in its own process: the
+# policy is read from FRAGLESS_CONF when the library loads).
+import subprocess  # noqa: E402
+probe = """
+import ctypes, re, sys
+sys.path.insert(0, %r)
+import fragless
+lib = fragless.library()
+s = ctypes.c_void_p(0x100)
+ptrs = [lib.fragless_malloc(n, 0, s) for n in (512, 3 << 20, 24 << 20, 100 << 20)]
+assert all(ptrs), fragless.last_error()
+want = sum(1 for seg in fragless.snapshot()["segments"] if seg["device"] == 0)
+text = fragless.memory_summary(0)
+got = int(re.search(r"segments (\\d+)", text).group(1))
+assert want > 0 and got == want, (got, want, text)
+print(got)
+""" % os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "torch_plugin", "python")
+for policy in ("classic", "expandable", "fragless"):
+    env = dict(os.environ, FRAGLESS_CONF="policy:" + policy)
+    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, (policy, r.stdout, r.stderr)
+    print("memory_summary under %s: segments %s" % (policy, r.stdout.strip()))
 print("python helper: all checks passed")

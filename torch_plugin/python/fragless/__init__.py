@@ -103,8 +103,11 @@ def memory_stats(device=0):
 
 
 def memory_summary(device=0):
-    """A short human-readable table of the main statistics."""
+    """A short human-readable table of the main statistics. Segments are the mapped address ranges a
+    snapshot reports (PyTorch's `segment` stat does not count expandable segments, so it is 0 under the
+    expandable and fragless policies although memory is reserved)."""
     s = memory_stats(device)
+    segments = sum(1 for seg in snapshot().get("segments", []) if seg.get("device", 0) == device)
     mib = lambda k: s.get(k, 0) / 2**20
     rows = [("allocated", "allocated_bytes.all"), ("reserved", "reserved_bytes.all"),
             ("active", "active_bytes.all"), ("requested", "requested_bytes.all"),
@@ -113,7 +116,7 @@ def memory_summary(device=0):
     for name, key in rows:
         lines.append("%-18s %14.1f %14.1f" % (name, mib(key + ".current"), mib(key + ".peak")))
     lines.append("allocations %d, segments %d, OOMs %d, retries %d, forced syncs %d" % (
-        s.get("allocation.all.current", 0), s.get("segment.all.current", 0), s.get("num_ooms", 0),
+        s.get("allocation.all.current", 0), segments, s.get("num_ooms", 0),
         s.get("num_alloc_retries", 0), s.get("fragless.num_forced_syncs", 0)))
     return "\n".join(lines)
 
