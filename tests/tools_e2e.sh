@@ -87,6 +87,7 @@ check "--max-of max_seq" grep -q "max_seq" <("$bin/fragless-replay" --max-of max
 if command -v gnuplot >/dev/null 2>&1; then
   check "--fit --plot draws at the fitted capacity" "$bin/fragless-replay" --fit --plot "$work/fit.png" "$small"
   check "the fit plot is a PNG" test -s "$work/fit.png"
+  check "--plot-x event" "$bin/fragless-replay" --plot "$work/ev.png" --plot-x event "$work/oracle.csv"
 else
   echo "SKIPPED (loudly): --fit --plot needs gnuplot, which is not on the PATH"
 fi
@@ -96,6 +97,7 @@ check_error "--max-of on a trace" "this input is a trace" "$bin/fragless-replay"
 check_error "--max-batch needs a capacity" "need the device's size" "$bin/fragless-replay" --max-batch "$small"
 check_error "--fit with a capacity" "drop --capacity-gib" "$bin/fragless-replay" --fit --capacity-gib 8 "$small"
 check_error "--fit-step without --fit" "--fit-step applies to --fit" "$bin/fragless-replay" --fit-step 1 "$small"
+check_error "--plot-x with a bad axis" "expected time, event or auto" "$bin/fragless-replay" --plot-x days "$small"
 check_error "--fit-step too fine" "--fit-step needs" "$bin/fragless-replay" --fit --fit-step 0 "$small"
 check_exit 1 "a capacity too small for the smallest batch" "does not fit at its smallest batch=1" \
   "$bin/fragless-replay" --max-batch --capacity-gib 0.01 "$small"

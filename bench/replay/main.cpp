@@ -35,7 +35,7 @@ int usage(const char* msg) {
   std::fprintf(msg ? stderr : stdout,
                "usage: fragless-replay [--policy classic,expandable,fragless] [--capacity-gib N] [--json]\n"
                "                       [--conf KEY:VALUE,...] [--jobs N]\n"
-               "                       [--plot FILE.png] [--seqlen-file CSV] INPUT...\n"
+               "                       [--plot FILE.png [--plot-x time|event|auto]] [--seqlen-file CSV] INPUT...\n"
                "       fragless-replay --fit [--fit-step GIB] [options] INPUT...\n"
                "       fragless-replay --max-batch | --max-of KEY --capacity-gib N [options] workload:...\n"
                "  INPUT: a fragless native trace, PyTorch memory snapshot pickle or RMM log CSV (detected from\n"
@@ -43,7 +43,10 @@ int usage(const char* msg) {
                "  --capacity-gib: the device's memory; without it the capacity is unlimited (1 TiB). An\n"
                "         allocation that runs out of memory is a result, counted in the OOMs column and skipped\n"
                "  --plot: live/allocated/reserved over time per policy, drawn by gnuplot into a PNG (with --fit,\n"
-               "         at each policy's fitted capacity; with --max-of, at its largest value)\n"
+               "         at each policy's fitted capacity; with --max-of, at its largest value); each point is the\n"
+               "         largest value of its stretch of events, so no peak is lost\n"
+               "  --plot-x: the x axis: trace time, event index, or auto (default: time, unless the trace has\n"
+               "         none or its busy part would be squeezed into a corner)\n"
                "  --fit: per input, device and policy, the smallest device capacity (a multiple of --fit-step,\n"
                "         default 0.25 GiB) on which the replay has no OOM, found by bisection; the answer is\n"
                "         replayed with zero OOMs and one step below it with at least one\n"
@@ -86,16 +89,41 @@ std::string short_name(const std::string& s) {
 
 double mib(std::int64_t b) { return static_cast<double>(b) / (1 << 20); }
 
+enum class PlotX { auto_, time, event };
+
+// The x axis of one panel: trace time, unless the trace has none or (auto) its busy part would be squeezed
+// into a corner (the middle 90% of its events within a fifth of its time span), then the event index.
+bool panel_in_seconds(const ReplayResult& r, PlotX mode) {
+  if (mode == PlotX::event || !r.curve_in_seconds || r.curve.size() < 2) return false;
+  if (mode == PlotX::time) return true;
+  const auto& c = r.curve;
+  auto at = [&](double q) { return c[static_cast<std::size_t>(q * static_cast<double>(c.size() - 1))].seconds; };
+  const double span = c.back().seconds - std::max(0.0, c.front().seconds);
+  return span <= 0 || at(0.95) - at(0.05) >= 0.2 * span;
+}
+
 // Live, allocated and reserved over time, one panel per input and device, one colour per policy; drawn by
-// gnuplot (pngcairo, else png) from inline data blocks.
+// gnuplot (pngcairo) from inline data blocks. Reserved is a thick solid line per policy, allocated a thin
+// dashed one in the same colour, live a thin black line drawn last so it stays visible; the legend sits
+// below the panel, out of the data's way.
 // notes: per result, text added to its policy's legend entries (the fitted capacity, the largest value);
 // a result replayed on a capacity also gets that capacity as a dotted line in its colour.
 bool draw_plot(const std::string& path, const std::vector<ReplayResult>& results,
-               const std::vector<std::string>& notes, std::string* error) {
+               const std::vector<std::string>& notes, PlotX mode, std::string* error) {
   std::vector<std::pair<std::string, int>> panels;
   for (auto& r : results)
     if (std::find(panels.begin(), panels.end(), std::make_pair(r.input, r.device)) == panels.end())
       panels.emplace_back(r.input, r.device);
+  std::vector<bool> seconds(panels.size());
+  for (std::size_t k = 0; k < panels.size(); ++k)
+    for (auto& r : results)
+      if (std::make_pair(r.input, r.device) == panels[k]) {
+        seconds[k] = panel_in_seconds(r, mode);
+        break;
+      }
+  auto panel_of = [&](const ReplayResult& r) {
+    return static_cast<std::size_t>(std::find(panels.begin(), panels.end(), std::make_pair(r.input, r.device)) - panels.begin());
+  };
   std::string script;
   auto quote = [](std::string s) {
     std::string o;
@@ -107,46 +135,45 @@ bool draw_plot(const std::string& path, const std::vector<ReplayResult>& results
   };
   std::size_t block = 0;
   for (auto& r : results) {
+    const bool secs = seconds[panel_of(r)];
     script += "$d" + std::to_string(block++) + " << EOD\n";
     for (auto& p : r.curve) {
+      if (secs && p.seconds < 0) continue;
       char line[128];
-      std::snprintf(line, sizeof line, "%.6f %.3f %.3f %.3f\n", p.x, mib(p.live), mib(p.allocated), mib(p.reserved));
+      std::snprintf(line, sizeof line, "%.6f %.3f %.3f %.3f\n", secs ? p.seconds : p.index, mib(p.live),
+                    mib(p.allocated), mib(p.reserved));
       script += line;
     }
     script += "EOD\n";
   }
   const int rows = static_cast<int>(panels.size());
-  script += "set terminal pngcairo size 1200," + std::to_string(320 * rows) + " noenhanced\n";
+  script += "set terminal pngcairo size 1200," + std::to_string(420 * rows) + " noenhanced\n";
   script += "set output " + quote(path) + "\n";
   script += "set multiplot layout " + std::to_string(rows) + ",1\n";
-  script += "set key outside right\nset ylabel \"MiB\"\nset grid\n";
+  script += "set key below horizontal maxrows 3\nset ylabel \"MiB\"\nset grid\nset yrange [0:*]\n";
   const char* colours[] = {"#1f77b4", "#d62728", "#2ca02c"};
-  for (auto& [input, dev] : panels) {
-    bool seconds = false;
-    std::string plots;
-    bool live_drawn = false;
+  for (std::size_t k = 0; k < panels.size(); ++k) {
+    const auto& [input, dev] = panels[k];
+    std::string plots, live;
     block = 0;
     for (auto& r : results) {
       const std::size_t b = block++;
       if (r.input != input || r.device != dev) continue;
-      seconds = r.curve_in_seconds;
       const std::string d = "$d" + std::to_string(b);
       const char* c = colours[static_cast<int>(r.policy) % 3];
       const std::string note = b < notes.size() && !notes[b].empty() ? " " + notes[b] : "";
-      if (!live_drawn) {
-        plots += d + " using 1:2 with lines lw 2 lc rgb \"black\" title \"live\", ";
-        live_drawn = true;
-      }
-      plots += d + " using 1:4 with lines lw 2 lc rgb \"" + c + "\" title " + quote(policy_name(r.policy) + std::string(" reserved") + note) + ", ";
-      plots += d + " using 1:3 with lines dt 2 lc rgb \"" + c + "\" title \"" + policy_name(r.policy) + " allocated\", ";
+      if (live.empty()) live = d + " using 1:2 with lines lw 1.5 lc rgb \"black\" title \"live\", ";
+      plots += d + " using 1:4 with lines lw 2.5 lc rgb \"" + c + "\" title " + quote(policy_name(r.policy) + std::string(" reserved") + note) + ", ";
+      plots += d + " using 1:3 with lines lw 1 dt 2 lc rgb \"" + c + "\" title \"" + policy_name(r.policy) + " allocated\", ";
       if (r.capacity && !note.empty()) {
         char line[96];
         std::snprintf(line, sizeof line, "%.3f with lines dt 3 lw 1 lc rgb \"%s\" notitle, ", mib(static_cast<std::int64_t>(r.capacity)), c);
         plots += line;
       }
     }
+    plots += live;
     script += "set title " + quote(short_name(input) + " (device " + std::to_string(dev) + ")") + "\n";
-    script += std::string("set xlabel \"") + (seconds ? "trace time (s)" : "event") + "\"\n";
+    script += std::string("set xlabel \"") + (seconds[k] ? "trace time (s)" : "event index") + "\"\n";
     script += "plot " + plots.substr(0, plots.size() - 2) + "\n";
   }
   script += "unset multiplot\n";
@@ -211,7 +238,7 @@ struct Task { std::size_t input; int device; PolicyKind policy; };
 
 // --fit: one search per input, device and policy.
 int run_fit(const std::vector<formats::Trace>& traces, const std::vector<Task>& tasks, std::uint64_t step,
-            unsigned jobs, const ReplayOptions& ro, bool json, const std::string& plot) {
+            unsigned jobs, const ReplayOptions& ro, bool json, const std::string& plot, PlotX plot_x) {
   std::vector<FitResult> fits(tasks.size());
   SearchOptions so;
   so.replay = ro;
@@ -245,7 +272,7 @@ int run_fit(const std::vector<formats::Trace>& traces, const std::vector<Task>& 
         notes.push_back(n);
       }
     std::string err;
-    if (!draw_plot(plot, rs, notes, &err)) return std::fprintf(stderr, "fragless-replay: %s\n", err.c_str()), 2;
+    if (!draw_plot(plot, rs, notes, plot_x, &err)) return std::fprintf(stderr, "fragless-replay: %s\n", err.c_str()), 2;
   }
   if (json) {
     std::printf("{\"mode\":\"fit\",\"fit_step_bytes\":%" PRIu64 ",\"seconds\":%.3f,\"replays\":%d,\"results\":[", step,
@@ -293,7 +320,7 @@ int run_fit(const std::vector<formats::Trace>& traces, const std::vector<Task>& 
 // --max-of KEY: one search per workload and policy.
 int run_max(const std::vector<std::string>& inputs, const std::vector<PolicyKind>& policies, const std::string& key,
             std::uint64_t capacity, unsigned jobs, const ReplayOptions& ro, const std::vector<int>* lengths, bool json,
-            const std::string& plot) {
+            const std::string& plot, PlotX plot_x) {
   struct MTask { std::size_t input; PolicyKind policy; };
   std::vector<MTask> tasks;
   for (std::size_t i = 0; i < inputs.size(); ++i)
@@ -331,7 +358,7 @@ int run_max(const std::vector<std::string>& inputs, const std::vector<PolicyKind
         notes.push_back("(" + key + "=" + std::to_string(f.max_value) + ")");
       }
     std::string err;
-    if (!draw_plot(plot, rs, notes, &err)) return std::fprintf(stderr, "fragless-replay: %s\n", err.c_str()), 2;
+    if (!draw_plot(plot, rs, notes, plot_x, &err)) return std::fprintf(stderr, "fragless-replay: %s\n", err.c_str()), 2;
   }
   if (json) {
     std::printf("{\"mode\":\"max\",\"key\":\"%s\",\"capacity_bytes\":%" PRIu64 ",\"seconds\":%.3f,\"replays\":%d,\"results\":[",
@@ -382,6 +409,7 @@ int main(int argc, char** argv) {
   std::uint64_t capacity = 0, fit_step = 1ull << 28;
   bool json = false, fit = false, fit_step_given = false;
   unsigned jobs = std::max(1u, std::thread::hardware_concurrency());
+  PlotX plot_x = PlotX::auto_;
   std::string plot, seqlen_file, max_key;
   Options base;
   std::vector<std::string> inputs;
@@ -428,6 +456,12 @@ int main(int argc, char** argv) {
       capacity = static_cast<std::uint64_t>(g * (1ull << 30));
     } else if (a == "--plot" && has_value) {
       plot = argv[++i];
+    } else if (a == "--plot-x" && has_value) {
+      const std::string v = argv[++i];
+      if (v == "time") plot_x = PlotX::time;
+      else if (v == "event") plot_x = PlotX::event;
+      else if (v == "auto") plot_x = PlotX::auto_;
+      else return usage(("--plot-x: expected time, event or auto, got '" + v + "'").c_str());
     } else if (a == "--seqlen-file" && has_value) {
       seqlen_file = argv[++i];
     } else if (a == "--conf" && has_value) {
@@ -435,7 +469,7 @@ int main(int argc, char** argv) {
       if (!cr.ok) return usage(cr.error.c_str());
       base = cr.options;
     } else if (a == "--policy" || a == "--capacity-gib" || a == "--plot" || a == "--seqlen-file" || a == "--conf" ||
-               a == "--max-of" || a == "--fit-step" || a == "--jobs") {
+               a == "--max-of" || a == "--fit-step" || a == "--jobs" || a == "--plot-x") {
       return usage(("missing value after " + a).c_str());
     } else if (!a.empty() && a[0] == '-') {
       return usage(("unknown option " + a).c_str());
@@ -474,7 +508,7 @@ int main(int argc, char** argv) {
       if (!make_workload(in, &t, &err, seqlen_file.empty() ? nullptr : &lengths))
         return std::fprintf(stderr, "fragless-replay: %s\n", err.c_str()), 2;
     }
-    return run_max(inputs, policies, max_key, capacity, jobs, ro, seqlen_file.empty() ? nullptr : &lengths, json, plot);
+    return run_max(inputs, policies, max_key, capacity, jobs, ro, seqlen_file.empty() ? nullptr : &lengths, json, plot, plot_x);
   }
   std::vector<formats::Trace> traces(inputs.size());
   for (std::size_t i = 0; i < inputs.size(); ++i) {
@@ -503,7 +537,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "fragless-replay: warning: %s has no allocation events to replay (skipped)\n",
                    traces[i].source.c_str());
   }
-  if (fit) return run_fit(traces, tasks, fit_step, jobs, ro, json, plot);
+  if (fit) return run_fit(traces, tasks, fit_step, jobs, ro, json, plot, plot_x);
 
   std::vector<ReplayResult> results(tasks.size());
   std::atomic<std::size_t> done{0};
@@ -536,7 +570,7 @@ int main(int argc, char** argv) {
     if (!r.error.empty()) return std::fprintf(stderr, "fragless-replay: %s\n", r.error.c_str()), 2;
   if (!plot.empty()) {
     std::string err;
-    if (!draw_plot(plot, results, {}, &err)) return std::fprintf(stderr, "fragless-replay: %s\n", err.c_str()), 2;
+    if (!draw_plot(plot, results, {}, plot_x, &err)) return std::fprintf(stderr, "fragless-replay: %s\n", err.c_str()), 2;
   }
 
   if (json) {

@@ -72,12 +72,19 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
   const std::size_t stride = opt.curve_points ? std::max<std::size_t>(1, t.events.size() / opt.curve_points) : 0;
   r.curve_in_seconds = t.has_time;
   std::uint64_t unreported = 0;
+  ReplayResult::Point bucket{-1, 0, 0, 0, 0};
   for (const auto& ev : t.events) {
     ++index;
-    if (stride && index % stride == 0 && (ev.time_us >= 0 || !t.has_time)) {
-      const double x = t.has_time ? static_cast<double>(ev.time_us - (first_time < 0 ? ev.time_us : first_time)) / 1e6
-                                  : static_cast<double>(index);
-      r.curve.push_back({x, u.live, u.allocated, u.reserved});
+    if (stride) {
+      bucket.live = std::max(bucket.live, u.live);
+      bucket.allocated = std::max(bucket.allocated, u.allocated);
+      bucket.reserved = std::max(bucket.reserved, u.reserved);
+      if (ev.time_us >= 0 && first_time >= 0) bucket.seconds = static_cast<double>(ev.time_us - first_time) / 1e6;
+      if (index % stride == 0) {
+        bucket.index = static_cast<double>(index);
+        r.curve.push_back(bucket);
+        bucket = {bucket.seconds, 0, u.live, u.allocated, u.reserved};
+      }
     }
     if (opt.progress && ++unreported == 65536) {
       opt.progress->fetch_add(unreported, std::memory_order_relaxed);

@@ -27,9 +27,11 @@ struct ReplayResult {
   std::uint64_t capacity = 0;  // the device capacity replayed on (0: unlimited)
   bool stopped_at_oom = false;   // ReplayOptions::stop_at_first_oom ended the replay
   std::string error;  // non-empty: the trace could not be replayed (names the position)
-  struct Point { double x; std::int64_t live, allocated, reserved; };  // x: trace seconds, or event index
+  // One point per bucket of events: the bucket's last trace time (seconds from the first event; -1 without
+  // time) and event index, and the largest live, allocated and reserved seen in it, so no peak is lost.
+  struct Point { double seconds, index; std::int64_t live, allocated, reserved; };
   std::vector<Point> curve;  // filled when ReplayOptions::curve_points > 0
-  bool curve_in_seconds = false;
+  bool curve_in_seconds = false;  // the trace has time
 };
 
 // Device capacity of a replay without one: large enough that no trace recorded on a real GPU runs out.
