@@ -24,13 +24,15 @@ int fail(const std::string& msg) {
   return 2;
 }
 
-bool load(const std::string& path, Trace* t, std::string* error, Format* format = nullptr) {
+bool load(const std::string& path, Trace* t, std::string* error, Format* format = nullptr,
+          std::string* dropped_note = nullptr) {
   auto r = load_trace(path);
   if (!r.ok) {
     *error = r.error;
     return false;
   }
   if (!r.warning.empty()) std::fprintf(stderr, "fragless-trace: warning: %s\n", r.warning.c_str());
+  if (!r.dropped.empty() && dropped_note) *dropped_note = r.dropped;
   *t = std::move(r.trace);
   if (format) {
     std::FILE* f = std::fopen(path.c_str(), "rb");
@@ -240,7 +242,13 @@ int main(int argc, char** argv) {
     else if (!format_from_extension(out, &f))
       return fail("cannot tell the output format from '" + out + "'; use --to native|rmm|snapshot");
     Trace t;
-    if (!load(in, &t, &err)) return fail(err);
+    std::string dropped;
+    if (!load(in, &t, &err, nullptr, &dropped)) return fail(err);
+    if (!dropped.empty())
+      std::fprintf(stderr,
+                   "fragless-trace: note: not kept in %s: %s (the fragless trace model holds allocation events, "
+                   "segments and blocks, not their context)\n",
+                   out.c_str(), dropped.c_str());
     if (f == Format::rmm_csv && t.devices() > 1)
       std::fprintf(stderr, "fragless-trace: %s has %d devices; an RMM log holds one: writing device %d (--device)\n",
                    in.c_str(), t.devices(), device);

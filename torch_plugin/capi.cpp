@@ -233,6 +233,13 @@ int fragless_reset_peak_stats(int device) {
   return 0;
 }
 
+int fragless_mem_get_info(int device, size_t* free_bytes, size_t* total_bytes) {
+  DeviceEngine* e = engine(device);
+  if (!e || !free_bytes || !total_bytes) return -1;
+  e->memory_info(free_bytes, total_bytes);
+  return 0;
+}
+
 int fragless_reset_accumulated_stats(int device) {
   DeviceEngine* e = engine(device);
   if (!e) return -1;

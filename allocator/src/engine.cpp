@@ -696,6 +696,10 @@ void DeviceEngine::set_event_sink(EventSink* sink) {
 
 const Options& DeviceEngine::options() const { return s_->opts; }
 Driver& DeviceEngine::driver() { return *s_->driver; }
+void DeviceEngine::memory_info(std::size_t* free_bytes, std::size_t* total_bytes) {
+  std::lock_guard lk(s_->mu);
+  s_->driver->memory_info(free_bytes, total_bytes);
+}
 int DeviceEngine::device() const { return s_->driver->device(); }
 
 }  // namespace fragless

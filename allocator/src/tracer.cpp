@@ -36,6 +36,8 @@ const char* trace_action_name(TraceAction a) {
     case TraceAction::snapshot: return "snapshot";
     case TraceAction::empty_cache: return "empty_cache";
     case TraceAction::free: return "free";
+    case TraceAction::block_present: return "block_present";
+    case TraceAction::segment_present: return "segment_present";
   }
   return "unknown";
 }

@@ -44,7 +44,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
   if (policy == PolicyKind::classic) {
     std::vector<void*> pre;
     for (const auto& s : t.pre_segments)
-      if (s.device == device)
+      if (s.device == device && s.op == formats::Op::segment_alloc)  // classic segments, not mapped ranges
         if (void* p = e.allocate(s.size == (2u << 20) ? 512 : s.size, s.stream, nullptr)) pre.push_back(p);
     for (void* p : pre) e.free(p);
     e.reset_peak_stats();  // peaks count from the window's start

@@ -60,7 +60,9 @@ std::string engine_snapshot_pickle(const std::vector<DeviceState>& devices, cons
             break;
           case TraceAction::phys_create:
           case TraceAction::phys_release:
-          case TraceAction::empty_cache: break;
+          case TraceAction::empty_cache:
+          case TraceAction::block_present:
+          case TraceAction::segment_present: break;
           default: entry(trace_action_name(h.action)); break;
         }
       }

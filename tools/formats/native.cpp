@@ -30,6 +30,8 @@ bool op_of(std::uint8_t action, Op* op) {
     case TraceAction::oom: *op = Op::oom; return true;
     case TraceAction::snapshot: *op = Op::snapshot; return true;
     case TraceAction::empty_cache: *op = Op::empty_cache; return true;
+    case TraceAction::block_present:
+    case TraceAction::segment_present: *op = Op::alloc; return true;  // placed in seed / pre_segments by the reader
   }
   return false;
 }
@@ -100,6 +102,18 @@ LoadResult trace_from_native_bytes(const std::string& bytes, const std::string& 
     }
     if (live_by_device.size() <= rec.device) live_by_device.resize(rec.device + 1u);
     auto& lv = live_by_device[rec.device];
+    if (rec.action == static_cast<std::uint8_t>(TraceAction::segment_present)) {
+      e.op = rec.block ? Op::segment_map : Op::segment_alloc;
+      e.block_size = 0;
+      t.pre_segments.push_back(e);
+      continue;
+    }
+    if (rec.action == static_cast<std::uint8_t>(TraceAction::block_present)) {
+      if (!lv.insert(e.address).second)
+        return fail("record " + std::to_string(i) + " at byte " + std::to_string(off) + ": block present twice");
+      t.seed.push_back(e);
+      continue;
+    }
     if (e.op == Op::alloc) {
       if (!lv.insert(e.address).second)
         return fail("record " + std::to_string(i) + " at byte " + std::to_string(off) + ": address 0x" +
@@ -131,9 +145,8 @@ std::string trace_to_native(const Trace& t) {
   h.rank = -1;
   h.device = -1;
   std::int64_t t0 = -1;
-  for (const auto* list : {&t.seed, &t.events})
-    for (const auto& e : *list)
-      if (e.time_us >= 0 && (t0 < 0 || e.time_us < t0)) t0 = e.time_us;
+  for (const auto& e : t.events)
+    if (e.time_us >= 0 && (t0 < 0 || e.time_us < t0)) t0 = e.time_us;
   if (t0 < 0) t0 = 0;
   h.origin_unix_ns = static_cast<std::uint64_t>(t0) * 1000;
   std::strncpy(h.policy, "converted", sizeof h.policy - 1);
@@ -155,7 +168,18 @@ std::string trace_to_native(const Trace& t) {
     rec.sequence = seq++;
     out.append(reinterpret_cast<const char*>(&rec), sizeof rec);
   };
-  for (const auto& e : t.seed) put(e, TraceAction::alloc);
+  // What was there before the window, stamped at the trace's start: present, not allocated by it.
+  for (const auto& e : t.pre_segments) {
+    Event s = e;
+    s.time_us = t0;
+    s.block_size = e.op == Op::segment_map ? 1 : 0;
+    put(s, TraceAction::segment_present);
+  }
+  for (const auto& e : t.seed) {
+    Event s = e;
+    s.time_us = t0;
+    put(s, TraceAction::block_present);
+  }
   for (const auto& e : t.events) {
     if (pending.size() <= static_cast<std::size_t>(e.device)) pending.resize(static_cast<std::size_t>(e.device) + 1);
     auto& p = pending[static_cast<std::size_t>(e.device)];

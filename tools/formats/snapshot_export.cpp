@@ -31,6 +31,12 @@ std::vector<std::pair<SegOut, std::vector<std::pair<std::uint64_t, LiveBlock>>>>
   std::map<std::uint64_t, SegOut> segs;  // classic segments and mapped ranges (merged when adjacent)
   bool any_segment_events = false;
   for (const auto& e : t.events) any_segment_events |= e.device == dev && is_segment_op(e.op);
+  // What the allocator held before the window, then the window's own segment events.
+  for (const auto& e : t.pre_segments)
+    if (e.device == dev) {
+      segs[e.address] = {e.address, e.size, e.stream, e.op == Op::segment_map};
+      any_segment_events = true;
+    }
   for (const auto& e : t.seed)
     if (e.device == dev) live[e.address] = {e.size, e.block_size ? e.block_size : round512(e.size), e.stream};
   for (const auto& e : t.events) {
@@ -75,17 +81,31 @@ std::vector<std::pair<SegOut, std::vector<std::pair<std::uint64_t, LiveBlock>>>>
       default: break;
     }
   }
-  // Without segment events the trace does not say which segments held the blocks: only the blocks live
-  // throughout (seeds never freed) need one, so that the viewer and importers know they exist.
+  // Without segment events the trace does not say which segments held the blocks. PyTorch's viewer needs
+  // every block it draws, at every event, inside a segment: one segment per run of address space that blocks
+  // of the trace ever used (overlapping or touching extents merged), held throughout.
   if (!any_segment_events) {
-    std::map<std::uint64_t, LiveBlock> throughout;
+    std::map<std::uint64_t, std::uint64_t> extent;  // start -> end
+    auto use = [&](const Event& e) {
+      const std::uint64_t end = e.address + (e.block_size ? e.block_size : round512(e.size));
+      auto [it, fresh] = extent.emplace(e.address, end);
+      if (!fresh) it->second = std::max(it->second, end);
+    };
     for (const auto& e : t.seed)
-      if (e.device == dev && live.count(e.address)) throughout[e.address] = live[e.address];
-    std::set<std::uint64_t> reallocated;
+      if (e.device == dev) use(e);
     for (const auto& e : t.events)
-      if (e.device == dev && e.op == Op::alloc) reallocated.insert(e.address);
-    for (auto a : reallocated) throughout.erase(a);
-    live = std::move(throughout);
+      if (e.device == dev && (e.op == Op::alloc || e.op == Op::free)) use(e);
+    std::uint64_t lo = 0, hi = 0;
+    bool open = false;
+    for (auto [a, b] : extent) {
+      if (open && a <= hi) {
+        hi = std::max(hi, b);
+        continue;
+      }
+      if (open) segs[lo] = {lo, hi - lo, 0, false};
+      lo = a, hi = b, open = true;
+    }
+    if (open) segs[lo] = {lo, hi - lo, 0, false};
   }
   std::vector<std::pair<SegOut, std::vector<std::pair<std::uint64_t, LiveBlock>>>> out;
   for (auto& [addr, s] : segs) out.push_back({s, {}});

@@ -1,5 +1,6 @@
 // PyTorch memory snapshot (torch.cuda.memory._dump_snapshot) → Trace.
 #include <algorithm>
+#include <cstdint>
 #include <map>
 #include <set>
 #include <tuple>
@@ -51,9 +52,16 @@ LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string
   t.source = name;
   const std::size_t ndev = traces && traces->type == PyValue::Type::list ? traces->items.size() : 1;
   std::vector<std::uint64_t> reserved_end(std::max<std::size_t>(ndev, 1), 0);
-  // Blocks live at dump time, per device: address -> (requested, stream).
-  std::vector<std::map<std::uint64_t, std::pair<std::uint64_t, std::uint64_t>>> live_at_dump(reserved_end.size());
-  std::vector<std::vector<std::tuple<std::uint64_t, std::uint64_t, bool>>> segments_at_dump(reserved_end.size());
+  // Blocks live at dump time, per device: address -> (requested, stream, block size).
+  std::vector<std::map<std::uint64_t, std::tuple<std::uint64_t, std::uint64_t, std::uint64_t>>> live_at_dump(reserved_end.size());
+  std::size_t framed_blocks = 0, framed_segments = 0, framed_events = 0, context_events = 0, metadata_events = 0;
+  auto has_frames = [](const PyValue* v) {
+    const PyValue* f = v ? v->get("frames") : nullptr;
+    return f && f->type == PyValue::Type::list && !f->items.empty();
+  };
+  // Segments (classic) and mapped ranges (expandable) at dump time, per device: address -> (size, expandable, stream).
+  struct DumpSeg { std::uint64_t size; bool expandable; std::uint64_t stream; std::size_t freed_at = SIZE_MAX; };
+  std::vector<std::map<std::uint64_t, DumpSeg>> segments_at_dump(reserved_end.size());
   for (const auto& sp : segments->items) {
     const PyValue* seg = sp.get();
     if (seg->type != PyValue::Type::dict) return fail(name, "segment entry is not a dict");
@@ -66,10 +74,11 @@ LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string
     reserved_end[dev] += static_cast<std::uint64_t>(num(seg->get("total_size")));
     {
       const PyValue* ex = seg->get("is_expandable");
-      segments_at_dump[dev].emplace_back(static_cast<std::uint64_t>(num(seg->get("address"))),
-                                         static_cast<std::uint64_t>(num(seg->get("total_size"))),
-                                         ex && ex->type == PyValue::Type::boolean && ex->i != 0);
+      segments_at_dump[dev][static_cast<std::uint64_t>(num(seg->get("address")))] = {
+          static_cast<std::uint64_t>(num(seg->get("total_size"))), ex && ex->type == PyValue::Type::boolean && ex->i != 0,
+          static_cast<std::uint64_t>(num(seg->get("stream")))};
     }
+    framed_segments += has_frames(seg);
     const PyValue* blocks = seg->get("blocks");
     if (!blocks || blocks->type != PyValue::Type::list) continue;
     std::uint64_t addr = static_cast<std::uint64_t>(num(seg->get("address")));
@@ -77,9 +86,10 @@ LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string
       const PyValue* b = bp.get();
       const auto size = static_cast<std::uint64_t>(num(b->get("size")));
       const std::uint64_t baddr = b->get("address") ? static_cast<std::uint64_t>(num(b->get("address"))) : addr;
+      framed_blocks += has_frames(b);
       if (str(b->get("state")) == "active_allocated")
         live_at_dump[dev][baddr] = {static_cast<std::uint64_t>(num(b->get("requested_size"), static_cast<std::int64_t>(size))),
-                                    static_cast<std::uint64_t>(num(seg->get("stream")))};
+                                    static_cast<std::uint64_t>(num(seg->get("stream"))), size};
       addr = baddr + size;
     }
   }
@@ -103,6 +113,10 @@ LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string
       ++index;
       if (e->type != PyValue::Type::dict) return fail(name, "trace entry " + std::to_string(index) + " is not a dict");
       const std::string action = str(e->get("action"));
+      framed_events += has_frames(e);
+      if (const PyValue* c = e->get("compile_context"); c && c->type == PyValue::Type::str && !c->s.empty() && c->s != "N/A")
+        ++context_events;
+      if (const PyValue* m = e->get("user_metadata"); m && m->type == PyValue::Type::str && !m->s.empty()) ++metadata_events;
       Event ev;
       ev.device = static_cast<std::int32_t>(dev);
       ev.stream = static_cast<std::uint64_t>(num(e->get("stream")));
@@ -164,27 +178,65 @@ LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string
       t.events.resize(first_event);
       t.events.insert(t.events.end(), with_calls.begin(), with_calls.end());
     }
-    // Classic segments alive before the window: freed in it without being created in it, or alive at the
-    // dump and never seen in it.
-    {
-      std::set<std::uint64_t> created, seen;
-      for (std::size_t i = first_event; i < t.events.size(); ++i) {
+    // What the allocator held before the window: the dump's segments and mapped ranges rolled back through
+    // the window's segment events (undo a map: cut the range out; an unmap: add it back, merged with the
+    // ranges it touches; an alloc: drop the segment; a free: add it). Classic segments are segment_alloc
+    // entries, mapped ranges segment_map ones.
+    if (!converted) {
+      std::map<std::uint64_t, DumpSeg> held = segments_at_dump[dev];
+      for (std::size_t i = t.events.size(); i-- > first_event;) {
         const Event& ev = t.events[i];
-        if (ev.op == Op::segment_alloc) created.insert(ev.address), seen.insert(ev.address);
-        if (ev.op == Op::segment_free) {
-          if (!converted && !created.erase(ev.address) && !seen.count(ev.address)) t.pre_segments.push_back(ev);
-          seen.insert(ev.address);
+        const std::uint64_t a = ev.address, b = ev.address + ev.size;
+        if (ev.op == Op::segment_alloc) {
+          held.erase(a);
+        } else if (ev.op == Op::segment_free) {
+          held[a] = {ev.size, false, ev.stream, i};
+        } else if (ev.op == Op::segment_map) {
+          auto it = held.upper_bound(a);
+          if (it == held.begin()) continue;
+          --it;
+          const std::uint64_t s0 = it->first;
+          const DumpSeg d = it->second;
+          if (!d.expandable || s0 + d.size < b) continue;  // not a range this dump holds: nothing to undo
+          held.erase(it);
+          if (a > s0) held[s0] = {a - s0, true, d.stream};
+          if (b < s0 + d.size) held[b] = {s0 + d.size - b, true, d.stream};
+        } else if (ev.op == Op::segment_unmap) {
+          std::uint64_t lo = a, hi = b;
+          auto next = held.find(b);
+          if (next != held.end() && next->second.expandable) hi += next->second.size, held.erase(next);
+          auto it = held.lower_bound(a);
+          if (it != held.begin()) {
+            auto prev = std::prev(it);
+            if (prev->second.expandable && prev->first + prev->second.size == a) lo = prev->first, held.erase(prev);
+          }
+          held[lo] = {hi - lo, true, ev.stream};
         }
       }
-      for (const auto& [addr, size, expandable] : segments_at_dump[dev])
-        if (!converted && !expandable && !seen.count(addr)) {
-          Event s;
-          s.op = Op::segment_alloc;
-          s.device = static_cast<std::int32_t>(dev);
-          s.address = addr;
-          s.size = size;
-          t.pre_segments.push_back(s);
-        }
+      // Classic segments the window frees first, in the order it frees them (the replay recreates them in
+      // this order), then the rest by address.
+      std::vector<std::pair<std::uint64_t, DumpSeg>> order(held.begin(), held.end());
+      std::stable_sort(order.begin(), order.end(), [](const auto& x, const auto& y) { return x.second.freed_at < y.second.freed_at; });
+      for (const auto& [addr, d] : order) {
+        Event s;
+        s.op = d.expandable ? Op::segment_map : Op::segment_alloc;
+        s.device = static_cast<std::int32_t>(dev);
+        s.address = addr;
+        s.size = d.size;
+        s.stream = d.stream;
+        t.pre_segments.push_back(s);
+      }
+    }
+    // A block the window allocated and the dump still holds: the dump tells its size after rounding (the
+    // trace entry holds the size asked for).
+    {
+      std::set<std::uint64_t> settled;
+      for (std::size_t i = t.events.size(); i-- > first_event;) {
+        Event& ev = t.events[i];
+        if ((ev.op != Op::alloc && ev.op != Op::free) || !settled.insert(ev.address).second) continue;
+        if (ev.op == Op::alloc)
+          if (auto it = live_at_dump[dev].find(ev.address); it != live_at_dump[dev].end()) ev.block_size = std::get<2>(it->second);
+      }
     }
     // Blocks live at dump time that the window never allocated were live throughout: seed them too.
     std::set<std::uint64_t> allocated_ever;
@@ -195,8 +247,9 @@ LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string
         Event s;
         s.device = static_cast<std::int32_t>(dev);
         s.address = addr;
-        s.size = rs.first;
-        s.stream = rs.second;
+        s.size = std::get<0>(rs);
+        s.stream = std::get<1>(rs);
+        s.block_size = std::get<2>(rs);
         t.seed.push_back(s);
       }
     // PyTorch's reserved over the window: the dump's reserved rolled back through the segment events.
@@ -204,6 +257,18 @@ LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string
     peak = running;
     for (auto d : deltas) peak = std::max(peak, running += d);
     if (!converted) t.recorded_peak_reserved[dev] = static_cast<std::uint64_t>(std::max<std::int64_t>(peak, 0));
+  }
+  {
+    std::vector<std::string> lost;
+    if (framed_events || framed_blocks || framed_segments)
+      lost.push_back("stack frames (" + std::to_string(framed_events) + " events, " + std::to_string(framed_blocks) +
+                     " blocks, " + std::to_string(framed_segments) + " segments)");
+    if (context_events) lost.push_back("compile_context of " + std::to_string(context_events) + " events");
+    if (metadata_events) lost.push_back("user_metadata of " + std::to_string(metadata_events) + " events");
+    if (root->type == PyValue::Type::dict)
+      if (const PyValue* a = root->get("external_annotations"); a && a->type == PyValue::Type::list && !a->items.empty())
+        lost.push_back(std::to_string(a->items.size()) + " external_annotations");
+    for (std::size_t i = 0; i < lost.size(); ++i) r.dropped += (i ? ", " : "") + lost[i];
   }
   return r;
 }

@@ -49,6 +49,9 @@ struct LoadResult {
   Trace trace;
   std::string error;    // names the file and the position
   std::string warning;  // loaded, but something was off (a native trace cut short by a crash)
+  // What the input holds that the trace model has no field for (a snapshot's stack frames, compile
+  // contexts, user metadata, annotations): lost by a conversion, irrelevant to a replay. Empty if nothing.
+  std::string dropped;
 };
 
 enum class Format { native, rmm_csv, snapshot };

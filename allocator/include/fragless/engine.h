@@ -103,6 +103,8 @@ class DeviceEngine {
   void flush_trace();                    // hands buffered trace records to the sink's writer
   const Options& options() const;
   Driver& driver();
+  // The device's free and total memory as the driver reports them (cuMemGetInfo), under the engine's lock.
+  void memory_info(std::size_t* free_bytes, std::size_t* total_bytes);
   int device() const;
 
   struct State;

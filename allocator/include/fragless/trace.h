@@ -21,8 +21,12 @@ enum class TraceAction : std::uint8_t {
   snapshot = 11,
   empty_cache = 12,    // empty_cache() called
   free = 13,           // free_requested and free_completed at once (no stream uses to wait for)
+  // State when the trace began (written first, at its start time): what was there before the window, not
+  // something the window did. Converters use them so a trace of a window keeps what came before it.
+  block_present = 14,    // a block live when the trace began
+  segment_present = 15,  // a classic segment (block = 0) or a mapped growable range (block = 1) held then
 };
-inline constexpr int kTraceActionMax = 13;
+inline constexpr int kTraceActionMax = 15;
 const char* trace_action_name(TraceAction a);
 
 // The sink stamps the time: the engine does not read a clock when tracing is off.

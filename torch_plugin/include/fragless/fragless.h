@@ -47,6 +47,9 @@ FRAGLESS_API void fragless_release_pool(int device, fragless_pool_id pool);     
 FRAGLESS_API long fragless_memory_stats(int device, char* buf, size_t len);
 FRAGLESS_API int fragless_reset_peak_stats(int device);
 FRAGLESS_API int fragless_reset_accumulated_stats(int device);
+/* The device's free and total memory as the driver reports them (torch.cuda.mem_get_info); -1 for an invalid
+ * device. */
+FRAGLESS_API int fragless_mem_get_info(int device, size_t* free_bytes, size_t* total_bytes);
 /* A snapshot in PyTorch's layout (the pickle torch.cuda.memory._dump_snapshot writes): segments of every
  * device and, when history is on, recent events as device_traces. Same buffer protocol; -1 on error. */
 FRAGLESS_API long fragless_snapshot(char* buf, size_t len);

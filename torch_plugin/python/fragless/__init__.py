@@ -71,6 +71,7 @@ def library():
     _lib.fragless_device_count.restype = c.c_int
     _lib.fragless_reset_peak_stats.argtypes = [c.c_int]
     _lib.fragless_reset_accumulated_stats.argtypes = [c.c_int]
+    _lib.fragless_mem_get_info.argtypes = [c.c_int, c.POINTER(c.c_size_t), c.POINTER(c.c_size_t)]
     return _lib
 
 
@@ -153,3 +154,17 @@ def empty_cache():
 def reset_peak_stats(device=0):
     if library().fragless_reset_peak_stats(int(device)) < 0:
         raise RuntimeError(last_error())
+
+
+def reset_accumulated_stats(device=0):
+    """Zeroes the counters that only grow (allocations and frees made, retries, OOMs)."""
+    if library().fragless_reset_accumulated_stats(int(device)) < 0:
+        raise RuntimeError(last_error())
+
+
+def mem_get_info(device=0):
+    """(free, total) bytes of the device as the driver reports them (what cudaMemGetInfo says)."""
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    if library().fragless_mem_get_info(int(device), ctypes.byref(free), ctypes.byref(total)) < 0:
+        raise RuntimeError(last_error())
+    return free.value, total.value

@@ -1,10 +1,30 @@
-"""Installing fragless into PyTorch (torch >= 2.1) through CUDAPluggableAllocator, with every hook.
+"""fragless inside PyTorch: the allocator through CUDAPluggableAllocator (torch >= 2.1) with every hook, and
+PyTorch's own memory API answering from fragless.
 
     import fragless.torch
     fragless.torch.enable("policy:fragless")   # before the first CUDA allocation
+
+Under CUDAPluggableAllocator PyTorch's memory functions raise (its getDeviceStats is not implemented for a
+pluggable allocator) and its history sees nothing. enable() puts fragless's answers behind the public names,
+with PyTorch's signatures, key names and return shapes, per device, so code that calls them (training
+loops, Hugging Face Trainer, Lightning, accelerate) works unchanged:
+
+    torch.cuda.memory_stats, memory_stats_as_nested_dict, memory_allocated, max_memory_allocated,
+    memory_reserved, max_memory_reserved, memory_cached, max_memory_cached, reset_peak_memory_stats,
+    reset_max_memory_allocated, reset_max_memory_cached, reset_accumulated_memory_stats, memory_summary,
+    memory_snapshot, empty_cache, mem_get_info, and torch.cuda.memory._record_memory_history, _snapshot,
+    _dump_snapshot.
+
+Both torch.cuda.NAME and torch.cuda.memory.NAME are replaced; a name imported before enable() ran
+(`from torch.cuda import memory_allocated`) keeps PyTorch's function. On a PyTorch without CUDA (a CPU build)
+enable() installs no allocator, says so with a warning, and still replaces the API: it then reports
+fragless's own devices (the host driver, say), which is how the API is tested without a GPU.
 """
+import collections
 import ctypes
 import os
+import sys
+import warnings
 
 import fragless as _f
 
@@ -27,12 +47,15 @@ _HOOKS = [  # (setter on torch._C._CUDAPluggableAllocator, exported function)
 ]
 
 _enabled = None
+_api_installed = False
+_originals = {}
 
 
 def enable(conf=None):
-    """Make fragless PyTorch's CUDA allocator. `conf` is a FRAGLESS_CONF string (else the environment's).
-    Must run before the first CUDA allocation; raises RuntimeError saying so otherwise. Returns the
-    torch.cuda.memory.CUDAPluggableAllocator."""
+    """Make fragless PyTorch's CUDA allocator and let torch.cuda's memory API answer from it. `conf` is a
+    FRAGLESS_CONF string (else the environment's). Must run before the first CUDA allocation; raises
+    RuntimeError saying so otherwise. Returns the torch.cuda.memory.CUDAPluggableAllocator, or None on a
+    PyTorch without CUDA."""
     global _enabled
     if _enabled is not None:
         return _enabled
@@ -44,7 +67,16 @@ def enable(conf=None):
         os.environ["FRAGLESS_CONF"] = conf
     path = _f.library_path()
     lib = _f.library()
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "fragless_malloc", "fragless_free")
+    pluggable = getattr(torch.cuda.memory, "CUDAPluggableAllocator", None)
+    if not torch.cuda.is_available() or pluggable is None:
+        warnings.warn("fragless.torch.enable(): this PyTorch (%s) %s, so fragless is not its allocator; "
+                      "torch.cuda's memory functions now report fragless's own devices"
+                      % (torch.__version__, "has no CUDA device" if pluggable else "has no CUDAPluggableAllocator"),
+                      RuntimeWarning, stacklevel=2)
+        _install_api(torch)
+        _enabled = False
+        return None
+    alloc = pluggable(path, "fragless_malloc", "fragless_free")
     backend = alloc.allocator()
     for setter, fn in _HOOKS:
         if hasattr(backend, setter):
@@ -55,5 +87,147 @@ def enable(conf=None):
         raise RuntimeError("fragless.torch.enable() must run before the first CUDA allocation of this process "
                            "(PyTorch said: %s). Call it at the top of your script, before any tensor is put "
                            "on a GPU." % e) from None
+    _install_api(torch)
     _enabled = alloc
     return alloc
+
+
+def _device_index(torch, device):
+    """PyTorch's reading of a device argument: None / 'cuda' = the current device, 'cuda:N', N, a
+    torch.device. Anything that is not a CUDA device is a ValueError naming it."""
+    if device is None:
+        return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
+    if isinstance(device, bool):
+        raise ValueError("Expected a cuda device, but got: %r" % (device,))
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        device = torch.device(device)
+    if isinstance(device, torch.device):
+        if device.type != "cuda":
+            raise ValueError("Expected a cuda device, but got: %s" % device)
+        if device.index is None:
+            return _device_index(torch, None)
+        return device.index
+    raise ValueError("Expected a cuda device, but got: %r" % (device,))
+
+
+class _ZeroMissing(dict):
+    """The stats for PyTorch's own memory_summary, which reads some keys fragless has no counterpart for."""
+
+    def __missing__(self, key):
+        return 0
+
+
+def _install_api(torch):
+    global _api_installed
+    if _api_installed:
+        return
+    mem = torch.cuda.memory
+    index = lambda device: _device_index(torch, device)  # noqa: E731
+
+    def memory_stats(device=None):
+        return collections.OrderedDict(_f.memory_stats(index(device)))
+
+    def memory_stats_as_nested_dict(device=None):
+        nested = {}
+        for key, value in _f.memory_stats(index(device)).items():
+            node = nested
+            parts = key.split(".")
+            for p in parts[:-1]:
+                node = node.setdefault(p, {})
+            node[parts[-1]] = value
+        return nested
+
+    def stat(key):
+        def read(device=None):
+            return _f.memory_stats(index(device)).get(key, 0)
+        read.__name__ = key
+        return read
+
+    def reset_peak_memory_stats(device=None):
+        _f.reset_peak_stats(index(device))
+
+    def reset_accumulated_memory_stats(device=None):
+        _f.reset_accumulated_stats(index(device))
+
+    def summary(device=None, abbreviated=False):
+        d = index(device)
+        stats = _ZeroMissing(_f.memory_stats(d))
+        # "GPU reserved segments": the mapped ranges a snapshot shows (PyTorch's segment stat skips expandable
+        # segments, which would read 0 with memory reserved under the expandable and fragless policies).
+        segs = [seg for seg in _f.snapshot()["segments"] if seg.get("device", 0) == d]
+        for pool, kind in (("all", None), ("large_pool", "large"), ("small_pool", "small")):
+            n = sum(1 for seg in segs if kind is None or seg.get("segment_type") == kind)
+            key = "segment.%s.current" % pool
+            stats[key] = max(stats[key], n)
+            peak = "segment.%s.peak" % pool
+            stats[peak] = max(stats[peak], stats[key])
+        original = _originals.get("memory_summary")
+        if original is not None:
+            saved = mem.memory_stats
+            mem.memory_stats = lambda device=None: stats
+            try:
+                return original(device=d, abbreviated=abbreviated)
+            except Exception:  # a PyTorch whose table reads what fragless cannot give: fragless's own table
+                pass
+            finally:
+                mem.memory_stats = saved
+        return _f.memory_summary(d)
+
+    def memory_snapshot():
+        return _f.snapshot()["segments"]
+
+    def record_memory_history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, device=None,
+                              **legacy):
+        # PyTorch 1.13-2.0: (enabled: bool, record_context, trace_alloc_max_entries, trace_alloc_record_context)
+        if "trace_alloc_max_entries" in legacy:
+            max_entries = legacy["trace_alloc_max_entries"]
+        if enabled is None or enabled is False:
+            _f.record_history(0)
+            return
+        if enabled not in (True, "state", "all"):
+            raise ValueError("_record_memory_history: enabled must be None, 'state' or 'all', got %r" % (enabled,))
+        _f.record_history(max(1, min(int(max_entries), 1 << 40)))
+
+    def snapshot_(device=None, *args, **kwargs):
+        return _f.snapshot()
+
+    def dump_snapshot_(filename="dump_snapshot.pickle"):
+        _f.dump_snapshot(filename)
+
+    def empty_cache_():
+        _f.empty_cache()
+
+    def mem_get_info(device=None):
+        return _f.mem_get_info(index(device))
+
+    api = {
+        "memory_stats": memory_stats,
+        "memory_stats_as_nested_dict": memory_stats_as_nested_dict,
+        "memory_allocated": stat("allocated_bytes.all.current"),
+        "max_memory_allocated": stat("allocated_bytes.all.peak"),
+        "memory_reserved": stat("reserved_bytes.all.current"),
+        "max_memory_reserved": stat("reserved_bytes.all.peak"),
+        "memory_cached": stat("reserved_bytes.all.current"),
+        "max_memory_cached": stat("reserved_bytes.all.peak"),
+        "reset_peak_memory_stats": reset_peak_memory_stats,
+        "reset_max_memory_allocated": reset_peak_memory_stats,
+        "reset_max_memory_cached": reset_peak_memory_stats,
+        "reset_accumulated_memory_stats": reset_accumulated_memory_stats,
+        "memory_summary": summary,
+        "memory_snapshot": memory_snapshot,
+        "empty_cache": empty_cache_,
+        "mem_get_info": mem_get_info,
+    }
+    private = {"_record_memory_history": record_memory_history, "_snapshot": snapshot_,
+               "_dump_snapshot": dump_snapshot_}
+    for name, fn in api.items():
+        _originals.setdefault(name, getattr(mem, name, None))
+        fn.__doc__ = "fragless: PyTorch's torch.cuda.%s, answered by fragless." % name
+        setattr(mem, name, fn)
+        setattr(torch.cuda, name, fn)
+    for name, fn in private.items():
+        _originals.setdefault(name, getattr(mem, name, None))
+        setattr(mem, name, fn)
+    _api_installed = True
