@@ -8,7 +8,10 @@
 #include <stdexcept>
 #include <string>
 
+#include <unordered_map>
+
 #include "engine_snapshot.h"
+#include "stacks.h"
 #include "fragless/allocator.h"
 #include "fragless/fragless.h"
 
@@ -24,43 +27,80 @@ namespace {
 
 thread_local std::string t_last_error;
 
-// Per device: forwards to the tracer (if on) and keeps the last N events for snapshots (if on).
+// Per device: forwards to the tracer (if on) and keeps the last N events for snapshots (if on), with the
+// stack of each allocation (and free, with context "all") when stacks are on (stacks.h).
 class DeviceSink final : public EventSink {
  public:
   explicit DeviceSink(EventSink* tracer) : tracer_(tracer) {}
   void on_event(const TraceEvent& e) override {
     if (tracer_) tracer_->on_event(e);
     if (max_entries_ == 0) return;
+    const bool alloc = e.action == TraceAction::alloc;
+    const bool freed = e.action == TraceAction::free || e.action == TraceAction::free_completed;
+    const bool free_call = freed || e.action == TraceAction::free_requested;
+    std::shared_ptr<const stacks::Stack> st;
+    if (stacks_ && (alloc || (context_ >= 2 && free_call))) st = stacks::capture(stacks_, 1);
+    Rec r;
+    r.h.action = e.action;
+    r.h.address = e.address;  // 0 for events without one (physical create/release, empty_cache)
+    r.h.size = e.requested_size;
+    r.h.stream = e.stream;
+    r.h.time_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                      std::chrono::system_clock::now().time_since_epoch()).count();
+    r.stack = st;
     std::lock_guard lk(mu_);
-    formats::HistoryEntry h;
-    h.action = e.action;
-    h.address = e.address;  // 0 for events without one (physical create/release, empty_cache)
-    h.size = e.requested_size;
-    h.stream = e.stream;
-    h.time_us = std::chrono::duration_cast<std::chrono::microseconds>(
-                    std::chrono::system_clock::now().time_since_epoch()).count();
-    ring_.push_back(h);
+    ring_.push_back(std::move(r));
     while (ring_.size() > max_entries_) ring_.pop_front();
+    if (alloc && st) block_stacks_[e.address] = std::move(st);
+    else if (alloc || freed) block_stacks_.erase(e.address);
   }
   void flush() override {
     if (tracer_) tracer_->flush();
   }
-  void set_history(std::size_t n) {
+  // context: 0 no frames, 1 frames of allocations, 2 of frees too; stacks: stacks::python | stacks::cpp.
+  void set_history(std::size_t n, int context, int stacks) {
     std::lock_guard lk(mu_);
     max_entries_ = n;
+    context_ = n ? context : 0;
+    stacks_ = n && context ? stacks : 0;
     while (ring_.size() > n) ring_.pop_front();
+    if (!stacks_) block_stacks_.clear();
   }
-  std::vector<formats::HistoryEntry> history() {
+  // The history, and the frames of live blocks' allocations, symbolised now (each stack once).
+  void collect(formats::DeviceState* out) {
     std::lock_guard lk(mu_);
-    return {ring_.begin(), ring_.end()};
+    std::unordered_map<const stacks::Stack*, std::shared_ptr<const std::vector<formats::Frame>>> done;
+    auto frames = [&](const std::shared_ptr<const stacks::Stack>& st) -> std::shared_ptr<const std::vector<formats::Frame>> {
+      if (!st) return nullptr;
+      auto& f = done[st.get()];
+      if (!f) {
+        auto v = std::make_shared<std::vector<formats::Frame>>();
+        for (auto& x : stacks::symbolize(*st)) v->push_back({std::move(x.filename), std::move(x.name), x.line});
+        f = std::move(v);
+      }
+      return f;
+    };
+    out->history.clear();
+    out->history.reserve(ring_.size());
+    for (const Rec& r : ring_) {
+      out->history.push_back(r.h);
+      out->history.back().frames = frames(r.stack);
+    }
+    for (const auto& [addr, st] : block_stacks_) out->block_frames[addr] = frames(st);
   }
   bool needed() const { return tracer_ != nullptr || max_entries_ != 0; }
 
  private:
+  struct Rec {
+    formats::HistoryEntry h;
+    std::shared_ptr<const stacks::Stack> stack;
+  };
   EventSink* tracer_;
   std::size_t max_entries_ = 0;
+  int context_ = 0, stacks_ = 0;
   std::mutex mu_;
-  std::deque<formats::HistoryEntry> ring_;
+  std::deque<Rec> ring_;
+  std::unordered_map<std::uint64_t, std::shared_ptr<const stacks::Stack>> block_stacks_;
 };
 
 struct Process {
@@ -255,18 +295,20 @@ long fragless_snapshot(char* buf, size_t len) {
     formats::DeviceState s;
     s.device = d;
     s.segments = a->device(d)->snapshot();
-    s.history = proc().sinks[static_cast<std::size_t>(d)]->history();
+    proc().sinks[static_cast<std::size_t>(d)]->collect(&s);
     devices.push_back(std::move(s));
   }
   return copy_out(formats::engine_snapshot_pickle(devices, a->options().settings), buf, len);
 }
 
-void fragless_record_history(size_t max_entries) {
+void fragless_record_history(size_t max_entries) { fragless_record_history_ex(max_entries, 0, 0); }
+
+void fragless_record_history_ex(size_t max_entries, int context, int stacks) {
   Allocator* a = get();
   if (!a) return;
   for (int d = 0; d < a->device_count(); ++d) {
     DeviceSink* s = proc().sinks[static_cast<std::size_t>(d)].get();
-    s->set_history(max_entries);
+    s->set_history(max_entries, context, stacks);
     a->device(d)->set_event_sink(s->needed() ? s : nullptr);
   }
 }

@@ -38,8 +38,12 @@ std::string engine_snapshot_pickle(const std::vector<DeviceState>& devices, cons
       h.pool_second = seg.pool.second;
       layout::begin_segment(w, h);
       for (const auto& b : seg.blocks)
-        if (b.state != BlockInfo::unmapped)  // outside the mapped range: not part of a segment
-          layout::block(w, b.address, b.size, b.requested_size, block_state(b.state));
+        if (b.state != BlockInfo::unmapped) {  // outside the mapped range: not part of a segment
+          const std::vector<Frame>* frames = nullptr;
+          if (b.state != BlockInfo::inactive)
+            if (auto it = d.block_frames.find(b.address); it != d.block_frames.end() && it->second) frames = it->second.get();
+          layout::block(w, b.address, b.size, b.requested_size, block_state(b.state), frames);
+        }
       layout::end_segment(w);
     }
   w.end_list();
@@ -52,7 +56,9 @@ std::string engine_snapshot_pickle(const std::vector<DeviceState>& devices, cons
     for (const auto& d : devices) {
       if (d.device != dev) continue;
       for (const auto& h : d.history) {
-        auto entry = [&](const char* action) { layout::trace_entry(w, action, h.address, h.size, h.stream, h.time_us); };
+        auto entry = [&](const char* action) {
+          layout::trace_entry(w, action, h.address, h.size, h.stream, h.time_us, h.frames.get());
+        };
         switch (h.action) {
           case TraceAction::free:
             entry("free_requested");

@@ -1,8 +1,12 @@
 // An engine's state (segments, blocks, recent events) as a PyTorch memory snapshot pickle: what
 // torch.cuda.memory._snapshot() returns and _dump_snapshot() writes, so PyTorch's viewer draws it.
 #pragma once
+#include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
+
+#include "snapshot_layout.h"
 
 #include "fragless/engine.h"
 #include "fragless/trace.h"
@@ -14,12 +18,15 @@ struct HistoryEntry {
   std::uint64_t address = 0, size = 0;
   Stream stream = 0;
   std::int64_t time_us = 0;
+  std::shared_ptr<const std::vector<Frame>> frames;  // null: none recorded
 };
 
 struct DeviceState {
   int device = 0;
   std::vector<SegmentInfo> segments;
   std::vector<HistoryEntry> history;  // oldest first
+  // Frames of the allocation of each live block, by address (what the viewer shows for a block).
+  std::unordered_map<std::uint64_t, std::shared_ptr<const std::vector<Frame>>> block_frames;
 };
 
 std::string engine_snapshot_pickle(const std::vector<DeviceState>& devices, const std::string& settings);

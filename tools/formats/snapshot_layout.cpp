@@ -5,11 +5,20 @@
 namespace fragless::formats::layout {
 
 namespace {
-void empty_frames(PickleWriter& w) {
+void write_frames(PickleWriter& w, const std::vector<Frame>* frames) {
   w.str("frames");
   w.begin_list();
+  if (frames)
+    for (const Frame& f : *frames) {
+      w.begin_dict();
+      w.kv("filename", f.filename);
+      w.kv_int("line", f.line);
+      w.kv("name", f.name);
+      w.end_dict();
+    }
   w.end_list();
 }
+void empty_frames(PickleWriter& w) { write_frames(w, nullptr); }
 }  // namespace
 
 void begin_segment(PickleWriter& w, const SegmentHeader& s) {
@@ -39,25 +48,26 @@ void end_segment(PickleWriter& w) {
   w.end_dict();
 }
 
-void block(PickleWriter& w, std::uint64_t address, std::uint64_t size, std::uint64_t requested, const char* state) {
+void block(PickleWriter& w, std::uint64_t address, std::uint64_t size, std::uint64_t requested, const char* state,
+           const std::vector<Frame>* frames) {
   w.begin_dict();
   w.kv_uint("address", address);
   w.kv_uint("size", size);
   w.kv_uint("requested_size", requested);
   w.kv("state", state);
-  empty_frames(w);
+  write_frames(w, frames);
   w.end_dict();
 }
 
 void trace_entry(PickleWriter& w, const char* action, std::uint64_t address, std::uint64_t size, std::uint64_t stream,
-                 std::int64_t time_us) {
+                 std::int64_t time_us, const std::vector<Frame>* frames) {
   w.begin_dict();
   w.kv("action", action);
   w.kv_uint(std::strcmp(action, "oom") == 0 ? "device_free" : "addr", address);
   w.kv_uint("size", size);
   w.kv_uint("stream", stream);
   if (time_us >= 0) w.kv_int("time_us", time_us);
-  empty_frames(w);
+  write_frames(w, frames);
   w.end_dict();
 }
 

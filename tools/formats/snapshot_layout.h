@@ -3,8 +3,17 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "pickle.h"
+
+namespace fragless::formats {
+// One stack frame in PyTorch's layout: {"filename", "line", "name"}.
+struct Frame {
+  std::string filename, name;
+  std::int64_t line = 0;
+};
+}  // namespace fragless::formats
 
 namespace fragless::formats::layout {
 
@@ -18,10 +27,11 @@ struct SegmentHeader {
 // Opens a segment dict and its "blocks" list; write its blocks, then end_segment.
 void begin_segment(PickleWriter& w, const SegmentHeader& s);
 void end_segment(PickleWriter& w);
-void block(PickleWriter& w, std::uint64_t address, std::uint64_t size, std::uint64_t requested, const char* state);
+void block(PickleWriter& w, std::uint64_t address, std::uint64_t size, std::uint64_t requested, const char* state,
+           const std::vector<Frame>* frames = nullptr);
 // One device_traces entry; an OOM entry carries the device's free bytes as "device_free". time_us < 0: none.
 void trace_entry(PickleWriter& w, const char* action, std::uint64_t address, std::uint64_t size,
-                 std::uint64_t stream, std::int64_t time_us);
+                 std::uint64_t stream, std::int64_t time_us, const std::vector<Frame>* frames = nullptr);
 // allocator_settings and external_annotations, then closes the top-level dict.
 void end_snapshot(PickleWriter& w, const std::string& settings, bool converted);
 

@@ -55,6 +55,10 @@ FRAGLESS_API int fragless_mem_get_info(int device, size_t* free_bytes, size_t* t
 FRAGLESS_API long fragless_snapshot(char* buf, size_t len);
 /* Keep the last max_entries events per device for snapshots (max_entries 0 turns it off). */
 FRAGLESS_API void fragless_record_history(size_t max_entries);
+/* The same, with stack frames (torch.cuda.memory._record_memory_history's context and stacks): context 0 no
+ * frames, 1 frames of each allocation, 2 of each free too; stacks 1 Python (of a thread holding the GIL), 2
+ * C++, 3 both. Frames are captured as addresses and code objects and symbolised when a snapshot is taken. */
+FRAGLESS_API void fragless_record_history_ex(size_t max_entries, int context, int stacks);
 /* The last error of this thread ("" if none). */
 FRAGLESS_API const char* fragless_last_error(void);
 /* Writes buffered trace records (the tracer also flushes at exit). */

@@ -188,7 +188,9 @@ def _install_api(torch):
             return
         if enabled not in (True, "state", "all"):
             raise ValueError("_record_memory_history: enabled must be None, 'state' or 'all', got %r" % (enabled,))
-        _f.record_history(max(1, min(int(max_entries), 1 << 40)))
+        if enabled is True:  # the legacy form: record_context says whether frames are wanted
+            context = "all" if legacy.get("record_context", True) else None
+        _f.record_history(max(1, min(int(max_entries), 1 << 40)), context=context, stacks=stacks or "all")
 
     def snapshot_(device=None, *args, **kwargs):
         return _f.snapshot()
