@@ -16,10 +16,11 @@ case "$kind" in
     cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFRAGLESS_SANITIZE=ON -DFRAGLESS_NESTED=ON -DFRAGLESS_BUILD_BENCH=ON >/dev/null
     cmake --build "$build" -j"$jobs" >/dev/null
     # LD_PRELOAD puts the interposer before the ASan runtime: allowed for that test. Python is not built
-    # with ASan, so the Python helper tests cannot load an instrumented library: they run in the plain build.
+    # with ASan, so the tests that load libfragless into an interpreter (the Python helper, the viewer rules
+    # on the engine's snapshots, the PyTorch API) cannot check it here: they run in the plain build.
     export ASAN_OPTIONS="detect_leaks=1:verify_asan_link_order=0:abort_on_error=1"
-    echo "sanitize.sh: the Python helper tests are left out here (an uninstrumented interpreter cannot load an ASan library); they run in the plain build"
-    ctest --test-dir "$build" -j"$jobs" --output-on-failure -E "python helper"
+    echo "sanitize.sh: the tests run by a Python interpreter are left out here (an uninstrumented interpreter cannot load an ASan library); they run in the plain build"
+    ctest --test-dir "$build" -j"$jobs" --output-on-failure -E "python|viewer rules"
     ;;
   tsan)
     cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFRAGLESS_TSAN=ON -DFRAGLESS_NESTED=ON -DFRAGLESS_BUILD_BENCH=ON >/dev/null

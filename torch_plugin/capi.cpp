@@ -66,27 +66,36 @@ class DeviceSink final : public EventSink {
     while (ring_.size() > n) ring_.pop_front();
     if (!stacks_) block_stacks_.clear();
   }
-  // The history, and the frames of live blocks' allocations, symbolised now (each stack once).
+  // The history, and the frames of live blocks' allocations, named now (each stack once). The ring is copied
+  // under the lock and named after it: naming may take the GIL, which an allocating thread may hold while
+  // it waits for this lock.
   void collect(formats::DeviceState* out) {
-    std::lock_guard lk(mu_);
+    std::vector<Rec> ring;
+    std::vector<std::pair<std::uint64_t, std::shared_ptr<const stacks::Stack>>> blocks;
+    {
+      std::lock_guard lk(mu_);
+      ring.assign(ring_.begin(), ring_.end());
+      blocks.assign(block_stacks_.begin(), block_stacks_.end());
+    }
+    stacks::Namer name;
     std::unordered_map<const stacks::Stack*, std::shared_ptr<const std::vector<formats::Frame>>> done;
     auto frames = [&](const std::shared_ptr<const stacks::Stack>& st) -> std::shared_ptr<const std::vector<formats::Frame>> {
       if (!st) return nullptr;
       auto& f = done[st.get()];
       if (!f) {
         auto v = std::make_shared<std::vector<formats::Frame>>();
-        for (auto& x : stacks::symbolize(*st)) v->push_back({std::move(x.filename), std::move(x.name), x.line});
+        for (auto& x : name(*st)) v->push_back({std::move(x.filename), std::move(x.name), x.line});
         f = std::move(v);
       }
       return f;
     };
     out->history.clear();
-    out->history.reserve(ring_.size());
-    for (const Rec& r : ring_) {
+    out->history.reserve(ring.size());
+    for (const Rec& r : ring) {
       out->history.push_back(r.h);
       out->history.back().frames = frames(r.stack);
     }
-    for (const auto& [addr, st] : block_stacks_) out->block_frames[addr] = frames(st);
+    for (const auto& [addr, st] : blocks) out->block_frames[addr] = frames(st);
   }
   bool needed() const { return tracer_ != nullptr || max_entries_ != 0; }
 

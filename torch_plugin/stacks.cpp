@@ -29,6 +29,11 @@ struct Python {
   void* (*getattr)(void*, const char*) = nullptr;  // PyObject_GetAttrString: new reference
   const char* (*utf8)(void*) = nullptr;     // PyUnicode_AsUTF8
   void (*err_clear)() = nullptr;            // PyErr_Clear
+  int (*frame_lasti)(void*) = nullptr;      // PyFrame_GetLasti (3.11+): the line is then named later
+  int (*addr2line)(void*, int) = nullptr;   // PyCode_Addr2Line
+  int (*gil_ensure)() = nullptr;            // PyGILState_Ensure
+  void (*gil_release)(int) = nullptr;       // PyGILState_Release
+  int (*finalizing)() = nullptr;            // Py_IsFinalizing (3.13) or _Py_IsFinalizing
   bool ok = false;
 
   Python() {
@@ -44,6 +49,13 @@ struct Python {
     get(getattr, "PyObject_GetAttrString");
     get(utf8, "PyUnicode_AsUTF8");
     get(err_clear, "PyErr_Clear");
+    get(frame_lasti, "PyFrame_GetLasti");
+    get(addr2line, "PyCode_Addr2Line");
+    get(gil_ensure, "PyGILState_Ensure");
+    get(gil_release, "PyGILState_Release");
+    get(finalizing, "Py_IsFinalizing");
+    if (!finalizing) get(finalizing, "_Py_IsFinalizing");
+    if (!(addr2line && gil_ensure && gil_release && finalizing)) frame_lasti = nullptr;  // lines at capture
     ok = is_initialized && gil_check && get_frame && frame_code && frame_back && frame_line && incref && decref &&
          getattr && utf8 && err_clear;
   }
@@ -57,6 +69,7 @@ Python& py() {
 // A code object's file and name, read once (under the GIL); the code object is kept alive by one reference
 // so its address names it for good.
 struct CodeInfo {
+  void* code;
   std::string filename, name;
 };
 
@@ -79,14 +92,31 @@ std::string attr_text(Python& p, void* obj, const char* name) {
   return out;
 }
 
-const CodeInfo* code_info(Python& p, void* code) {
+// A thread's recent code objects, direct-mapped: a hit costs a load and a compare, no lock.
+struct CodeCache {
+  static constexpr std::size_t kSlots = 1024;
+  const void* key[kSlots] = {};
+  const CodeInfo* value[kSlots] = {};
+};
+
+CodeCache& code_cache() {
+  thread_local CodeCache c;  // one TLS lookup per capture, not per frame
+  return c;
+}
+
+const CodeInfo* code_info(Python& p, void* code, CodeCache& cache) {
+  const std::size_t slot = (reinterpret_cast<std::uintptr_t>(code) >> 4) % CodeCache::kSlots;
+  if (cache.key[slot] == code) return cache.value[slot];
   std::lock_guard lk(g_mu);
   auto& m = codes();
-  if (auto it = m.find(code); it != m.end()) return it->second;
-  p.incref(code);  // kept: its address stays this code object's
-  auto* ci = new CodeInfo{attr_text(p, code, "co_filename"), attr_text(p, code, "co_name")};
-  m.emplace(code, ci);
-  return ci;
+  auto it = m.find(code);
+  if (it == m.end()) {
+    p.incref(code);  // kept: its address stays this code object's
+    it = m.emplace(code, new CodeInfo{code, attr_text(p, code, "co_filename"), attr_text(p, code, "co_name")}).first;
+  }
+  cache.key[slot] = code;
+  cache.value[slot] = it->second;
+  return it->second;
 }
 
 }  // namespace
@@ -106,13 +136,16 @@ std::shared_ptr<const Stack> capture(int which, int skip) {
   if (which & python) {
     Python& p = py();
     if (p.ok && p.is_initialized() && p.gil_check() == 1) {
+      CodeCache& cache = code_cache();
+      s->python.reserve(32);
       void* f = p.get_frame();  // borrowed
       bool owned = false;
       for (int depth = 0; f && depth < kMaxFrames; ++depth) {
         void* code = p.frame_code(f);
-        const int line = p.frame_line(f);
         if (code) {
-          s->python.emplace_back(code_info(p, code), line);
+          // The bytecode offset where the API gives it; the line (a walk of the line table) at snapshot time.
+          if (p.frame_lasti) s->python.push_back({code_info(p, code, cache), p.frame_lasti(f), true});
+          else s->python.push_back({code_info(p, code, cache), p.frame_line(f), false});
           p.decref(code);
         }
         void* back = p.frame_back(f);  // new reference (or null)
@@ -127,7 +160,24 @@ std::shared_ptr<const Stack> capture(int which, int skip) {
   return s;
 }
 
-std::vector<Frame> symbolize(const Stack& s) {
+Namer::~Namer() {
+  if (held_) py().gil_release(state_);
+}
+
+int Namer::line(const void* code, int offset) {
+  Python& p = py();
+  if (!tried_) {
+    tried_ = true;
+    if (p.frame_lasti && p.is_initialized() && !p.finalizing()) {
+      state_ = p.gil_ensure();
+      held_ = true;
+    }
+  }
+  if (!held_ || offset < 0) return 0;
+  return p.addr2line(static_cast<const CodeInfo*>(code)->code, offset);
+}
+
+std::vector<Frame> Namer::operator()(const Stack& s) {
   std::vector<Frame> out;
   out.reserve(s.cpp.size() + s.python.size());
   for (void* a : s.cpp) {
@@ -152,9 +202,9 @@ std::vector<Frame> symbolize(const Stack& s) {
     }
     out.push_back(std::move(f));
   }
-  for (auto& [code, line] : s.python) {
-    const auto* ci = static_cast<const CodeInfo*>(code);
-    out.push_back({ci->filename, ci->name, line});
+  for (const PyFrameRef& r : s.python) {
+    const auto* ci = static_cast<const CodeInfo*>(r.code);
+    out.push_back({ci->filename, ci->name, r.offset ? line(r.code, r.where) : r.where});
   }
   return out;
 }

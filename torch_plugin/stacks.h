@@ -22,16 +22,37 @@ struct Frame {
   std::int64_t line = 0;
 };
 
+struct PyFrameRef {
+  const void* code;  // the code object's cached file and name (stacks.cpp)
+  int where;         // the line, or with `offset` the bytecode offset, named at snapshot time
+  bool offset;
+};
+
 struct Stack {
-  std::vector<void*> cpp;                           // innermost first
-  std::vector<std::pair<const void*, int>> python;  // (code info, line), innermost first
+  std::vector<void*> cpp;            // innermost first
+  std::vector<PyFrameRef> python;    // innermost first
 };
 
 // `which`: python | cpp. `skip`: C++ frames of the caller's own to leave out. nullptr when nothing was found.
 std::shared_ptr<const Stack> capture(int which, int skip);
 
-// C++ frames first (innermost first), then Python frames (innermost first): PyTorch's order.
-std::vector<Frame> symbolize(const Stack& s);
+// Names stacks: C++ frames first (innermost first), then Python frames (innermost first), PyTorch's order.
+// Python lines kept as bytecode offsets are computed here, under the GIL, which a Namer takes (if Python is
+// running) on first need and gives back when destroyed: make one per snapshot, holding no lock the
+// allocation path takes (an allocating thread may hold the GIL and wait for that lock).
+class Namer {
+ public:
+  Namer() = default;
+  ~Namer();
+  Namer(const Namer&) = delete;
+  Namer& operator=(const Namer&) = delete;
+  std::vector<Frame> operator()(const Stack& s);
+
+ private:
+  int line(const void* code, int offset);
+  bool tried_ = false, held_ = false;
+  int state_ = 0;
+};
 
 // Whether this process has a Python interpreter the capture can read.
 bool python_available();
