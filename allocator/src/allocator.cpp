@@ -27,6 +27,7 @@ std::unique_ptr<Driver> make_driver(const Options& opts, int device, std::string
       CudaDriverOptions c;
       c.device = device;
       c.peer_access = opts.peer_access;
+      c.shareable_handles = opts.shareable_handles;
       return make_cuda_driver(c, error);
 #else
       break;

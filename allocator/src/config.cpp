@@ -56,6 +56,9 @@ constexpr OptionInfo kOptions[] = {
     {"peer_access", "True or False", "False",
      "cuda driver: also grant every peer device that can access this one (cuDeviceCanAccessPeer) access to "
      "fragless memory, for peer copies and NCCL P2P."},
+    {"shareable_handles", "True or False", "False",
+     "cuda driver: create physical memory with a POSIX file descriptor handle type (exportable with "
+     "cuMemExportToShareableHandle), where the device supports it; off, handles are not shareable."},
     {"handles", "pages, ends or whole", "pages",
      "fragless policy: the shape of new physical handles (a mapping is always one whole handle). pages: one "
      "handle per page (finest re-backing, most cuMemCreate calls); ends: the body of a growth in handles of "
@@ -228,6 +231,9 @@ class Parser {
     } else if (key == "peer_access") {
       if (v != "True" && v != "False") return err(bad_value(key, v, "True or False (exactly)"));
       o_.peer_access = v == "True";
+    } else if (key == "shareable_handles") {
+      if (v != "True" && v != "False") return err(bad_value(key, v, "True or False (exactly)"));
+      o_.shareable_handles = v == "True";
     } else if (key == "handles") {
       if (v == "pages") o_.handle_shape = HandleShape::pages;
       else if (v == "ends") o_.handle_shape = HandleShape::ends;

@@ -13,10 +13,14 @@ namespace fragless {
 
 namespace {
 
+// The oldest driver fragless runs on (cuGetProcAddress arrived in CUDA 11.3) and the semantics it asks for.
+constexpr int kMinDriverVersion = 11030, kWantedDriverVersion = 12000;
+
 // Function pointers, looked up by base name with cuGetProcAddress for CUDA 12.0 semantics (so that, for
-// example, "cuMemGetInfo" is the _v2 entry point).
+// example, "cuMemGetInfo" is the _v2 entry point), or the driver's own version where it is older.
 struct Api {
   void* lib = nullptr;
+  int version = kWantedDriverVersion;  // what cuGetProcAddress is asked for
   std::string error;  // why loading failed
   CUresult (*getProcAddress)(const char*, void**, int, cuuint64_t) = nullptr;
   CUresult (*init)(unsigned) = nullptr;
@@ -59,7 +63,7 @@ struct Api {
 template <typename F>
 bool resolve(Api& a, const char* name, F* fn) {
   void* p = nullptr;
-  if (a.getProcAddress(name, &p, 12000, 0) != CUDA_SUCCESS || !p) {
+  if (a.getProcAddress(name, &p, a.version, 0) != CUDA_SUCCESS || !p) {
     a.error = std::string("fragless: libcuda has no ") + name;
     return false;
   }
@@ -80,6 +84,23 @@ const Api& api() {
                 "): no NVIDIA driver on this machine; use driver:host or driver:sim to run without a GPU";
       return;
     }
+    // cuGetProcAddress is asked for the driver's own version at most (a driver refuses a newer one), and for
+    // CUDA 12.0 semantics where the driver has them.
+    using GetVersion = CUresult (*)(int*);
+    auto get_version = reinterpret_cast<GetVersion>(dlsym(a.lib, "cuDriverGetVersion"));
+    int driver_version = 0;
+    if (!get_version || get_version(&driver_version) != CUDA_SUCCESS || driver_version <= 0) {
+      a.error = std::string("fragless: ") + lib_name + " does not tell its version (cuDriverGetVersion)";
+      return;
+    }
+    if (driver_version < kMinDriverVersion) {
+      a.error = "fragless: this NVIDIA driver supports CUDA " + std::to_string(driver_version / 1000) + "." +
+                std::to_string(driver_version % 1000 / 10) + "; fragless needs CUDA " +
+                std::to_string(kMinDriverVersion / 1000) + "." + std::to_string(kMinDriverVersion % 1000 / 10) +
+                " or newer (cuGetProcAddress and the virtual memory API)";
+      return;
+    }
+    a.version = std::min(driver_version, kWantedDriverVersion);
     a.getProcAddress = reinterpret_cast<decltype(a.getProcAddress)>(dlsym(a.lib, "cuGetProcAddress"));
     if (!a.getProcAddress) {
       a.error = std::string("fragless: ") + lib_name + " has no cuGetProcAddress (a CUDA 11.3 or newer driver is needed)";
@@ -261,7 +282,9 @@ std::unique_ptr<Driver> make_cuda_driver(const CudaDriverOptions& o, std::string
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = dev;
-  prop.requestedHandleTypes = posix_fd ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
+  // A shareable handle type only when asked for (shareable_handles) and the device has it.
+  prop.requestedHandleTypes =
+      o.shareable_handles && posix_fd ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
   prop.allocFlags.gpuDirectRDMACapable = rdma ? 1 : 0;
   std::size_t gran = 0;
   if (CUresult r = a.memGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM); r != CUDA_SUCCESS || !gran)

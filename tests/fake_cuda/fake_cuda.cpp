@@ -48,7 +48,10 @@ struct State {
   std::unordered_map<CUstream, std::vector<CUevent>> waits;  // cuStreamWaitEvent: later work waits for these
   std::uintptr_t next_event = 0x1000;
   bool initialised = false;
+  int driver_version = 13000;  // cuDriverGetVersion; FAKECUDA_DRIVER_VERSION or fakecuda_set_driver_version
+  unsigned last_handle_types = 0;  // requestedHandleTypes of the last cuMemCreate
   State() {
+    if (const char* v = std::getenv("FAKECUDA_DRIVER_VERSION")) driver_version = std::max(1, std::atoi(v));
     if (const char* d = std::getenv("FAKECUDA_DEVICES")) devices = std::max(1, std::atoi(d));
     std::size_t cap = 1024;
     if (const char* c = std::getenv("FAKECUDA_CAPACITY_MB")) cap = static_cast<std::size_t>(std::max(1, std::atoi(c)));
@@ -271,6 +274,7 @@ FAKE_API CUresult cuMemCreate(CUmemGenericAllocationHandle* h, size_t size, cons
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
   s.used[dev] += size;
+  s.last_handle_types = static_cast<unsigned>(prop->requestedHandleTypes);
   *h = s.next_handle++;
   s.handles[*h] = {fd, size, dev, 0, false};
   return CUDA_SUCCESS;
@@ -378,8 +382,33 @@ FAKE_API CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
   return CUDA_SUCCESS;
 }
 
+FAKE_API CUresult cuDriverGetVersion(int* v) {
+  if (!v) return CUDA_ERROR_INVALID_VALUE;
+  std::lock_guard lk(st().mu);
+  *v = st().driver_version;
+  return CUDA_SUCCESS;
+}
+
+FAKE_API void fakecuda_set_driver_version(int v) {
+  std::lock_guard lk(st().mu);
+  st().driver_version = v;
+}
+
+FAKE_API unsigned fakecuda_last_handle_types() {
+  std::lock_guard lk(st().mu);
+  return st().last_handle_types;
+}
+
 #undef cuGetProcAddress  // cuda.h maps the name to the _v2 entry point; the double exports the original ABI
-FAKE_API CUresult cuGetProcAddress(const char* symbol, void** pfn, int, cuuint64_t) {
+// R10: a version newer than the driver's own is refused.
+FAKE_API CUresult cuGetProcAddress(const char* symbol, void** pfn, int cuda_version, cuuint64_t) {
+  {
+    std::lock_guard lk(st().mu);
+    if (cuda_version > st().driver_version) {
+      if (pfn) *pfn = nullptr;
+      return CUDA_ERROR_NOT_FOUND;
+    }
+  }
   static const std::unordered_map<std::string, void*> table = {
       {"cuInit", reinterpret_cast<void*>(&cuInit)},
       {"cuGetErrorName", reinterpret_cast<void*>(&cuGetErrorName)},

@@ -18,4 +18,8 @@ void fakecuda_get_census(fakecuda_census* out);
 // Events recorded on a held stream stay not ready until the stream is released or synchronised.
 void fakecuda_hold_stream(void* stream, int hold);
 void fakecuda_set_capacity(int device, std::size_t bytes);
+// cuDriverGetVersion's answer (default 13000, or FAKECUDA_DRIVER_VERSION); cuGetProcAddress refuses newer.
+void fakecuda_set_driver_version(int version);
+// requestedHandleTypes of the last cuMemCreate.
+unsigned fakecuda_last_handle_types();
 }

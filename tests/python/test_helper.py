@@ -88,4 +88,36 @@ for policy in ("classic", "expandable", "fragless"):
     r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
     assert r.returncode == 0, (policy, r.stdout, r.stderr)
     print("memory_summary under %s: segments %s" % (policy, r.stdout.strip()))
+# The driver's version bounds what cuGetProcAddress is asked for (R10), and an old driver is named; physical
+# memory is shareable (a POSIX fd handle type) only when shareable_handles asks (R11). Each in its own
+# process: libcuda is loaded once per process.
+probe2 = """
+import ctypes, sys
+sys.path.insert(0, %r)
+import fragless
+try:
+    n = fragless.device_count()
+except RuntimeError as e:
+    print("error:", e)
+    sys.exit(0)
+lib = fragless.library()
+p = lib.fragless_malloc(4 << 20, 0, ctypes.c_void_p(0))
+assert p, fragless.last_error()
+fake = ctypes.CDLL(%r)
+print("types", fake.fakecuda_last_handle_types())
+""" % (os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "torch_plugin", "python"),
+       os.environ["FRAGLESS_LIBCUDA"])
+
+
+def run_probe(**env):
+    r = subprocess.run([sys.executable, "-c", probe2], env=dict(os.environ, **env), capture_output=True, text=True)
+    assert r.returncode == 0, (env, r.stdout, r.stderr)
+    return r.stdout.strip()
+
+
+out = run_probe(FAKECUDA_DRIVER_VERSION="11020")
+assert "supports CUDA 11.2; fragless needs CUDA 11.3 or newer" in out, out
+assert run_probe(FAKECUDA_DRIVER_VERSION="11080") == "types 0"  # asked for 11.8 at most, else nothing resolves
+assert run_probe() == "types 0", "a shareable handle type was requested without shareable_handles"
+assert run_probe(FRAGLESS_CONF="shareable_handles:True") == "types 1"  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 print("python helper: all checks passed")

@@ -37,6 +37,7 @@ struct Options {
   std::size_t capacity = 0;                              // host/sim physical budget, bytes; 0 = driver default
   bool oom_returns_null = false;                         // libfragless.so: on_oom:null instead of throwing
   bool peer_access = false;                              // cuda: grant peers that can access this device
+  bool shareable_handles = false;                        // cuda: physical memory exportable as POSIX fds
   std::string trace;                                     // trace path pattern (%p %d %r); empty = off
   // fragless policy (docs/ARCHITECTURE.md, "The fragless policy").
   HandleShape handle_shape = HandleShape::pages;        // shape of new physical handles

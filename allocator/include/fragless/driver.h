@@ -37,6 +37,12 @@
 //     allowed: its memory stays until its last mapping is unmapped (cuMemRelease: "the memory will be
 //     freed when all outstanding mappings to the memory are unmapped"), and it can no longer be mapped.
 //  R9 one handle may be mapped at several addresses at once; all of them see the same bytes.
+//  R10 (cuda driver) cuGetProcAddress is asked for at most the driver's own version (cuDriverGetVersion);
+//     the stricter reading of cuda.h ("cudaVersion: the CUDA version to look for the requested driver
+//     symbol") is that a driver refuses a version newer than itself. It first appeared in CUDA 11.3.
+//  R11 (cuda driver) a handle is created with a shareable handle type (requestedHandleTypes) only when one
+//     is asked for: CU_MEM_HANDLE_TYPE_NONE otherwise (cuMemCreate takes any type the device supports; a
+//     type the process does not need is not requested).
 //  Events: record_event marks the current end of a stream's queue; query_event says ok once the work
 //  before it is done, else not_ready; synchronize_* wait (each one is a forced sync the engine counts);
 //  stream_wait_event(s, e) makes work queued on s later start after e (cuStreamWaitEvent; the host goes on),
