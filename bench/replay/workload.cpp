@@ -62,6 +62,23 @@ class Emitter {
 
 struct Tensor { std::uint64_t addr, bytes; };
 
+// The integer keys of the transformer workloads, with the least value each accepts: what parse() reads and
+// checks, and what a search over one key (workload_key_range) may vary.
+struct IntKey { const char* name; int Config::*field; int least; };
+constexpr IntKey kIntKeys[] = {{"layers", &Config::layers, 1}, {"d_model", &Config::d_model, 1},
+                               {"heads", &Config::heads, 1},   {"d_ff", &Config::d_ff, 0},
+                               {"vocab", &Config::vocab, 0},   {"batch", &Config::batch, 1},
+                               {"steps", &Config::steps, 1},   {"max_seq", &Config::max_seq, 1},
+                               {"ckpt", &Config::ckpt, 0},     {"dropout", &Config::dropout, 0},
+                               {"accum", &Config::accum, 1}};
+constexpr long kMaxIntValue = 1000000;
+
+const IntKey* int_key(const std::string& name) {
+  for (const auto& k : kIntKeys)
+    if (name == k.name) return &k;
+  return nullptr;
+}
+
 bool parse(const std::string& spec, Config* c, std::string* error) {
   std::string rest = spec.substr(std::string("workload:").size());
   const auto colon = rest.find(':');
@@ -75,10 +92,6 @@ bool parse(const std::string& spec, Config* c, std::string* error) {
   if (colon == std::string::npos) return true;
   std::stringstream kv(rest.substr(colon + 1));
   std::string item;
-  const std::map<std::string, int*> ints = {{"layers", &c->layers}, {"d_model", &c->d_model}, {"heads", &c->heads},
-                                            {"d_ff", &c->d_ff}, {"vocab", &c->vocab}, {"batch", &c->batch},
-                                            {"steps", &c->steps}, {"max_seq", &c->max_seq}, {"ckpt", &c->ckpt},
-                                            {"dropout", &c->dropout}, {"accum", &c->accum}};
   while (std::getline(kv, item, ',')) {
     const auto eq = item.find('=');
     if (eq == std::string::npos) {
@@ -86,14 +99,14 @@ bool parse(const std::string& spec, Config* c, std::string* error) {
       return false;
     }
     const std::string k = item.substr(0, eq), v = item.substr(eq + 1);
-    if (auto it = ints.find(k); it != ints.end()) {
+    if (const IntKey* ik = int_key(k)) {
       char* end = nullptr;
       const long n = std::strtol(v.c_str(), &end, 10);
-      if (v.empty() || *end || n < 0 || n > 1000000) {
+      if (v.empty() || *end || n < 0 || n > kMaxIntValue) {
         *error = "workload option " + k + ": bad value '" + v + "'";
         return false;
       }
-      *it->second = static_cast<int>(n);
+      c->*ik->field = static_cast<int>(n);
     } else if (k == "seqlen") {
       c->seqlen = v;
       c->seqlen_given = true;
@@ -116,11 +129,11 @@ bool parse(const std::string& spec, Config* c, std::string* error) {
       return false;
     }
   }
-  if (c->layers < 1 || c->d_model < 1 || c->heads < 1 || c->batch < 1 || c->steps < 1 || c->max_seq < 1 ||
-      c->accum < 1) {
-    *error = "workload: layers, d_model, heads, batch, steps, max_seq and accum must be at least 1";
-    return false;
-  }
+  for (const auto& k : kIntKeys)
+    if (c->*k.field < k.least) {
+      *error = "workload option " + std::string(k.name) + " must be at least " + std::to_string(k.least);
+      return false;
+    }
   return true;
 }
 
@@ -362,13 +375,9 @@ bool workload_key_range(const std::string& spec, const std::string& key, long lo
     Config c;
     return parse(spec, &c, error);  // names the workloads
   }
-  // The integer keys of parse(), with the least value it accepts.
-  static const std::map<std::string, int> least = {{"layers", 1}, {"d_model", 1}, {"heads", 1}, {"d_ff", 0},
-                                                   {"vocab", 0},  {"batch", 1},   {"steps", 1}, {"max_seq", 1},
-                                                   {"ckpt", 0},   {"dropout", 0}, {"accum", 1}};
-  if (auto it = least.find(key); it != least.end()) {
-    *lo = it->second;
-    *hi = 1000000;
+  if (const IntKey* ik = int_key(key)) {
+    *lo = ik->least;
+    *hi = kMaxIntValue;
     return true;
   }
   if (key == "seed") {
@@ -377,7 +386,7 @@ bool workload_key_range(const std::string& spec, const std::string& key, long lo
     return true;
   }
   std::string names;
-  for (const auto& [k, v] : least) names += k + ", ";
+  for (const auto& k : kIntKeys) names += std::string(k.name) + ", ";
   if (key == "seqlen" || key == "dtype" || key == "padding")
     *error = "workload " + name + ": key '" + key + "' is not numeric (numeric keys: " + names + "seed)";
   else
