@@ -121,11 +121,6 @@ const CodeInfo* code_info(Python& p, void* code, CodeCache& cache) {
 
 }  // namespace
 
-bool python_available() {
-  Python& p = py();
-  return p.ok && p.is_initialized();
-}
-
 std::shared_ptr<const Stack> capture(int which, int skip) {
   auto s = std::make_shared<Stack>();
   if (which & cpp) {

@@ -54,7 +54,4 @@ class Namer {
   int state_ = 0;
 };
 
-// Whether this process has a Python interpreter the capture can read.
-bool python_available();
-
 }  // namespace fragless::stacks

@@ -54,10 +54,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
     void* p = e.allocate(s.size, s.stream, nullptr);
     if (!p) {  // an OOM like any other: counted, and the block's free skipped
       ++r.ooms;
-      if (opt.stop_at_first_oom) {
-        r.stopped_at_oom = true;
-        return r;
-      }
+      if (opt.stop_at_first_oom) return r;
       failed.insert(s.address);
       continue;
     }
@@ -111,12 +108,8 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
             r.error = t.source + ": event " + std::to_string(index) + ": " + err.message;
             return r;
           }
-          if (opt.stop_at_first_oom) {
-            r.ooms = 1;
-            r.stopped_at_oom = true;
-            return r;
-          }
           ++r.ooms;  // a result, not a failure: this allocation and its free are skipped
+          if (opt.stop_at_first_oom) return r;
           failed.insert(ev.address);
           continue;
         }

@@ -25,7 +25,6 @@ struct ReplayResult {
   double replay_seconds = 0, events_per_second = 0;
   std::optional<std::uint64_t> pytorch_recorded_peak_reserved;
   std::uint64_t capacity = 0;  // the device capacity replayed on (0: unlimited)
-  bool stopped_at_oom = false;   // ReplayOptions::stop_at_first_oom ended the replay
   std::string error;  // non-empty: the trace could not be replayed (names the position)
   // One point per bucket of events: the bucket's last trace time (seconds from the first event; -1 without
   // time) and event index, and the largest live, allocated and reserved seen in it, so no peak is lost.
