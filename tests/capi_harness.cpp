@@ -55,6 +55,7 @@ int main(int argc, char** argv) {
   // The names and types PyTorch's hooks use.
   auto malloc_fn = sym<void* (*)(size_t, int, cudaStream_t)>(lib, "fragless_malloc");
   auto free_fn = sym<void (*)(void*, size_t, int, cudaStream_t)>(lib, "fragless_free");
+  auto pool_malloc_fn = sym<void* (*)(size_t, int, cudaStream_t)>(lib, "fragless_pool_malloc");
   auto init_fn = sym<void (*)(int)>(lib, "fragless_init");
   auto reset_fn = sym<void (*)()>(lib, "fragless_empty_cache");
   auto fraction_fn = sym<void (*)(double, int)>(lib, "fragless_set_memory_fraction");
@@ -72,10 +73,21 @@ int main(int argc, char** argv) {
   init_fn(2);
   EXPECT(count_fn() == 2);
   history_fn(10000);
+  // No device's context is retained before that device is used (PyTorch's lazy per-device state).
+  fakecuda_census c0{};
+  census(&c0);
+  EXPECT(c0.context_retains == 0);
 
   // A multi-stream workload on both devices, with cross-stream use and empty_cache.
-  const cudaStream_t s1 = stream(0x100), s2 = stream(0x200), s3 = stream(0x300);
+  // A stream belongs to one device (the double refuses an event of one device's context recorded on another's
+  // stream, as CUDA does): device d's streams are 0x100, 0x200, 0x300 plus d * 0x1000.
+  auto adopt = sym<decltype(&fakecuda_adopt_stream)>(fake, "fakecuda_adopt_stream");
+  auto on = [](int dev, std::uintptr_t v) { return stream(v + static_cast<std::uintptr_t>(dev) * 0x1000); };
+  for (int dev = 0; dev < 2; ++dev)
+    for (std::uintptr_t v : {0x100, 0x200, 0x300}) EXPECT(adopt(on(dev, v), dev) == 1);
+  const cudaStream_t s1 = on(0, 0x100), s2 = on(0, 0x200), s3 = on(0, 0x300);
   for (int dev = 0; dev < 2; ++dev) {
+    const cudaStream_t s1 = on(dev, 0x100), s2 = on(dev, 0x200), s3 = on(dev, 0x300);
     std::vector<std::pair<void*, size_t>> live;
     for (int i = 0; i < 200; ++i) {
       const size_t size = (i % 5 == 0) ? (size_t{1} + i % 7) << 20 : 512 * (1 + (i * 37) % 900);
@@ -104,11 +116,11 @@ int main(int argc, char** argv) {
   free_fn(b, 4 << 20, 0, s1);
 
   // Base allocation of a block fragless owns.
-  void* c = malloc_fn(3 << 20, 1, s2);
+  void* c = malloc_fn(3 << 20, 1, on(1, 0x200));
   size_t base_size = 0;
   EXPECT(base_fn(c, &base_size) != nullptr);
   EXPECT(base_size >= (3u << 20));
-  free_fn(c, 3 << 20, 1, s2);
+  free_fn(c, 3 << 20, 1, on(1, 0x200));
 
   // Private pools (CUDA graph capture / MemPool).
   begin_pool(0, {1, 1}, [&](cudaStream_t s) { return s == s2; });
@@ -179,8 +191,19 @@ int main(int argc, char** argv) {
     oom = ex.what();
   }
   std::fprintf(stderr, "OOM as raised: %s\n", oom.c_str());
-  EXPECT(oom.find("CUDA out of memory") != std::string::npos);
+  // PyTorch's first sentence, word for word (tools match it), then fragless's diagnosis.
+  EXPECT(oom.rfind("CUDA out of memory. Tried to allocate 600.00 MiB. GPU 0 has a total capacity of ", 0) == 0);
   EXPECT(oom.find("fragless") != std::string::npos);
+  // The MemPool entry point returns NULL instead (PyTorch's pool path retries and raises OutOfMemoryError),
+  // with the same diagnosis in fragless_last_error.
+  threw = false;
+  try {
+    EXPECT(pool_malloc_fn(600u << 20, 0, s1) == nullptr);
+  } catch (...) {
+    threw = true;
+  }
+  EXPECT(!threw);
+  EXPECT(std::string(last_error()).rfind("CUDA out of memory. Tried to allocate", 0) == 0);
   fraction_fn(1.0, 0);
   void* after = malloc_fn(600u << 20, 0, s1);  // usable again
   EXPECT(after != nullptr);
@@ -197,6 +220,8 @@ int main(int argc, char** argv) {
   census(&cs);
   std::fprintf(stderr, "after empty_cache: %ld handles, %ld mappings, %zu bytes\n", cs.handles, cs.mappings, cs.used_bytes);
   EXPECT(cs.handles == 0 && cs.mappings == 0 && cs.used_bytes == 0);
+  EXPECT(cs.faults == 0 && cs.invalidated_captures == 0);
+  EXPECT(cs.context_retains == 2);  // one per device used, held for the process's life
 
   if (failures) return std::fprintf(stderr, "%d check(s) failed\n", failures), 1;
   std::printf("libfragless.so driven as PyTorch does: all checks passed\n");

@@ -15,8 +15,10 @@ namespace fragless::test {
 inline constexpr Stream kFaultStreamA = 0x51, kFaultStreamB = 0x52, kFaultStreamUse = 0x53;
 
 // `hold(true)` makes work on kFaultStreamUse stay pending, `hold(false)` lets it complete. Returns false at
-// the first failed allocation, with its message in *error.
-inline bool fault_workload(DeviceEngine& e, std::string* error, const std::function<void(bool)>& hold) {
+// the first failed allocation, with its message in *error. The streams are the k* values plus `base` (a
+// stream belongs to one device: each device's run gets its own).
+inline bool fault_workload(DeviceEngine& e, std::string* error, const std::function<void(bool)>& hold,
+                           Stream base = 0) {
   constexpr std::size_t MiB = 1u << 20;
   std::vector<void*> live;
   const std::size_t sizes[] = {512, 3 * MiB, 24 * MiB, MiB + 4096, 40 * MiB, 700 * 1024, 6 * MiB};
@@ -24,7 +26,7 @@ inline bool fault_workload(DeviceEngine& e, std::string* error, const std::funct
     if (round == 1) hold(true);
     for (std::size_t i = 0; i < std::size(sizes); ++i) {
       AllocError err;
-      void* p = e.allocate(sizes[i], (i % 2) ? kFaultStreamA : kFaultStreamB, &err);
+      void* p = e.allocate(sizes[i], base + ((i % 2) ? kFaultStreamA : kFaultStreamB), &err);
       if (!p) {
         *error = err.message;
         for (void* q : live) e.free(q);
@@ -32,7 +34,7 @@ inline bool fault_workload(DeviceEngine& e, std::string* error, const std::funct
         return false;
       }
       std::memset(p, 0x5a, std::min<std::size_t>(sizes[i], 4096));
-      if (i % 3 == 0) e.record_stream(p, kFaultStreamUse);
+      if (i % 3 == 0) e.record_stream(p, base + kFaultStreamUse);
       live.push_back(p);
     }
     for (std::size_t i = 0; i < live.size(); i += 2) e.free(live[i]);

@@ -104,6 +104,9 @@ TEST_CASE("config: every bad input names the key, the value and the accepted for
   CHECK(bad("handles:half").find("pages, ends or whole") != std::string::npos);
   CHECK(bad("handle_max_mb:0").find("handle_max_mb") != std::string::npos);
   CHECK(bad("lend_pages:yes").find("True or False") != std::string::npos);
+  // A removed value says what replaced it.
+  CHECK(bad("on_oom:null").find("fragless_pool_malloc") != std::string::npos);
+  CHECK(bad("on_oom:maybe").find("'maybe' for key 'on_oom'") != std::string::npos);
 }
 
 TEST_CASE("config: the README documents every key of the options table", "[config][docs]") {

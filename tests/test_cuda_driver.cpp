@@ -5,8 +5,12 @@
 #if defined(FRAGLESS_HAVE_CUDA)
 #include <dlfcn.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
+#include <thread>
+#include <type_traits>
 #include <functional>
 #include <vector>
 
@@ -27,6 +31,13 @@ constexpr int kOom = 2, kIllegalAddress = 700;  // CUDA_ERROR_OUT_OF_MEMORY, CUD
 // Every test in this process uses the double: set before any test runs (the cuda driver reads it once).
 const bool g_use_double = (setenv("FRAGLESS_LIBCUDA", FRAGLESS_FAKECUDA_PATH, 1), true);
 
+template <typename F>
+void load_symbol(void* lib, F* fn, const char* name) {
+  *fn = reinterpret_cast<F>(dlsym(lib, name));
+  INFO(name);
+  REQUIRE(*fn);
+}
+
 // The double, loaded once per process (the cuda driver dlopens the same file: one instance).
 struct Fake {
   void* lib = nullptr;
@@ -36,18 +47,38 @@ struct Fake {
   decltype(&fakecuda_get_census) census = nullptr;
   decltype(&fakecuda_hold_stream) hold = nullptr;
   decltype(&fakecuda_set_capacity) capacity = nullptr;
+  decltype(&fakecuda_adopt_stream) adopt = nullptr;
+  decltype(&fakecuda_launch) launch = nullptr;
+  decltype(&fakecuda_advance) advance = nullptr;
+  decltype(&fakecuda_set_delay) delay = nullptr;
+  decltype(&fakecuda_first_fault) first_fault = nullptr;
+  decltype(&fakecuda_clear_faults) clear_faults = nullptr;
+  decltype(&fakecuda_stream_create) stream_create = nullptr;
   Fake() {
     setenv("FRAGLESS_LIBCUDA", FRAGLESS_FAKECUDA_PATH, 1);
     lib = dlopen(FRAGLESS_FAKECUDA_PATH, RTLD_NOW | RTLD_LOCAL);
     REQUIRE(lib);
-    fail = reinterpret_cast<decltype(fail)>(dlsym(lib, "fakecuda_fail"));
-    reset = reinterpret_cast<decltype(reset)>(dlsym(lib, "fakecuda_reset_failures"));
-    calls = reinterpret_cast<decltype(calls)>(dlsym(lib, "fakecuda_calls"));
-    census = reinterpret_cast<decltype(census)>(dlsym(lib, "fakecuda_get_census"));
-    hold = reinterpret_cast<decltype(hold)>(dlsym(lib, "fakecuda_hold_stream"));
-    capacity = reinterpret_cast<decltype(capacity)>(dlsym(lib, "fakecuda_set_capacity"));
-    REQUIRE((fail && reset && calls && census && hold && capacity));
+    // Each control by name; a missing one fails here.
+    auto load = [&](auto* fn, const char* name) { load_symbol(lib, fn, name); };
+    load(&fail, "fakecuda_fail");
+    load(&reset, "fakecuda_reset_failures");
+    load(&calls, "fakecuda_calls");
+    load(&census, "fakecuda_get_census");
+    load(&hold, "fakecuda_hold_stream");
+    load(&capacity, "fakecuda_set_capacity");
+    load(&adopt, "fakecuda_adopt_stream");
+    load(&launch, "fakecuda_launch");
+    load(&advance, "fakecuda_advance");
+    load(&delay, "fakecuda_set_delay");
+    load(&first_fault, "fakecuda_first_fault");
+    load(&clear_faults, "fakecuda_clear_faults");
+    load(&stream_create, "fakecuda_stream_create");
+    // The fixed stream numbers of these tests, as streams of their device (the double refuses others).
+    for (int d = 0; d < 2; ++d)
+      for (Stream s : {fragless::test::kFaultStreamA, fragless::test::kFaultStreamB, fragless::test::kFaultStreamUse})
+        REQUIRE(adopt(reinterpret_cast<void*>(s + stream_base(d)), d));
   }
+  static Stream stream_base(int device) { return static_cast<Stream>(device) * 0x100; }
   fakecuda_census now() const {
     fakecuda_census c{};
     census(&c);
@@ -61,7 +92,7 @@ Fake& fake() {
 }
 
 std::unique_ptr<Allocator> make(PolicyKind p, std::string* err) {
-  fake();
+  fake().clear_faults();  // a test that failed before leaves none behind
   Options o;
   o.policy = p;
   o.driver = DriverKind::cuda;
@@ -71,7 +102,11 @@ std::unique_ptr<Allocator> make(PolicyKind p, std::string* err) {
 void require_nothing_held() {
   const auto c = fake().now();
   INFO("handles " << c.handles << " mappings " << c.mappings << " reservations " << c.reservations << " events "
-                  << c.events << " bytes " << c.used_bytes);
+                  << c.events << " bytes " << c.used_bytes << " faults " << c.faults << " (" << fake().first_fault()
+                  << ") invalidated captures " << c.invalidated_captures << " context retains " << c.context_retains);
+  REQUIRE(c.faults == 0);
+  REQUIRE(c.invalidated_captures == 0);
+  REQUIRE(c.context_retains == 0);
   REQUIRE(c.handles == 0);
   REQUIRE(c.mappings == 0);
   REQUIRE(c.reservations == 0);
@@ -80,9 +115,10 @@ void require_nothing_held() {
 }
 
 bool workload(DeviceEngine& e, std::string* error) {
-  return fragless::test::fault_workload(e, error, [](bool on) {
-    fake().hold(reinterpret_cast<void*>(fragless::test::kFaultStreamUse), on ? 1 : 0);
-  });
+  const Stream base = Fake::stream_base(e.device());
+  return fragless::test::fault_workload(e, error, [base](bool on) {
+    fake().hold(reinterpret_cast<void*>(base + fragless::test::kFaultStreamUse), on ? 1 : 0);
+  }, base);
 }
 
 }  // namespace
@@ -182,6 +218,7 @@ TEST_CASE("cuda driver: a failure at every call site of map, set access, unmap a
             const bool ok = workload(e, &werr);
             fake().reset();
             if (!ok) CHECK_FALSE(werr.empty());  // the error reached the caller with a message
+            INFO(e.check_invariants());
             REQUIRE(e.check_invariants().empty());
             e.empty_cache();
             // Once the fault clears, allocations succeed again.
@@ -211,8 +248,22 @@ TEST_CASE("libcuda double: the driver contract (whole handles, whole unmaps, rel
                                            unsigned long long)>(sym("cuMemMap"));
   auto unmap = reinterpret_cast<CUresult (*)(CUdeviceptr, size_t)>(sym("cuMemUnmap"));
   auto access = reinterpret_cast<CUresult (*)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t)>(sym("cuMemSetAccess"));
+  auto retain = reinterpret_cast<CUresult (*)(CUcontext*, CUdevice)>(sym("cuDevicePrimaryCtxRetain"));
+  auto ctx_release = reinterpret_cast<CUresult (*)(CUdevice)>(sym("cuDevicePrimaryCtxRelease_v2"));
+  auto push = reinterpret_cast<CUresult (*)(CUcontext)>(sym("cuCtxPushCurrent_v2"));
+  auto pop = reinterpret_cast<CUresult (*)(CUcontext*)>(sym("cuCtxPopCurrent_v2"));
   REQUIRE(init(0) == CUDA_SUCCESS);
   f.reset();
+  CUmemGenericAllocationHandle none = 0;
+  {
+    CUmemAllocationProp p0{};
+    p0.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    p0.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    CHECK(create(&none, 2 * MiB, &p0, 0) == CUDA_ERROR_INVALID_CONTEXT);  // no current context on this thread
+  }
+  CUcontext ctx = nullptr;
+  REQUIRE(retain(&ctx, 0) == CUDA_SUCCESS);
+  REQUIRE(push(ctx) == CUDA_SUCCESS);
   const long bytes_before = static_cast<long>(f.now().used_bytes);
   CUmemAllocationProp prop{};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
@@ -257,6 +308,308 @@ TEST_CASE("libcuda double: the driver contract (whole handles, whole unmaps, rel
   REQUIRE(addr_free(va, 16 * MiB) == CUDA_SUCCESS);
   REQUIRE(addr_free(other, 4 * MiB) == CUDA_SUCCESS);
   CHECK(static_cast<long>(f.now().used_bytes) == bytes_before);
+  CUcontext popped = nullptr;
+  REQUIRE(pop(&popped) == CUDA_SUCCESS);
+  CHECK(popped == ctx);
+  CHECK(pop(&popped) == CUDA_ERROR_INVALID_CONTEXT);  // the stack is empty again
+  REQUIRE(ctx_release(0) == CUDA_SUCCESS);
+}
+
+
+namespace {
+// The double's context calls, for tests that act as a CUDA program would.
+struct Ctx {
+  CUresult (*retain)(CUcontext*, CUdevice);
+  CUresult (*release)(CUdevice);
+  CUresult (*push)(CUcontext);
+  CUresult (*pop)(CUcontext*);
+  CUresult (*get)(CUcontext*);
+  CUresult (*begin_capture)(CUstream, CUstreamCaptureMode);
+  CUresult (*end_capture)(CUstream, CUgraph*);
+  Ctx() {
+    auto load = [](auto* fn, const char* name) { load_symbol(fake().lib, fn, name); };
+    load(&retain, "cuDevicePrimaryCtxRetain");
+    load(&release, "cuDevicePrimaryCtxRelease_v2");
+    load(&push, "cuCtxPushCurrent_v2");
+    load(&pop, "cuCtxPopCurrent_v2");
+    load(&get, "cuCtxGetCurrent");
+    load(&begin_capture, "cuStreamBeginCapture_v2");
+    load(&end_capture, "cuStreamEndCapture");
+  }
+  CUcontext current() const {
+    CUcontext c = nullptr;
+    get(&c);
+    return c;
+  }
+};
+
+std::unique_ptr<Allocator> make_lazy(PolicyKind p) {
+  fake().clear_faults();
+  Options o;
+  o.policy = p;
+  o.driver = DriverKind::cuda;
+  std::string err;
+  auto a = Allocator::create(o, -1, &err, /*eager=*/false);
+  INFO(err);
+  REQUIRE(a);
+  return a;
+}
+
+double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
+}  // namespace
+
+TEST_CASE("cuda driver: every call runs on the owning device's context and leaves the thread as it was", "[cuda][contexts]") {
+  Ctx c;
+  for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless}) {
+    {
+      fake().capacity(1, 512 * MiB);  // devices differ in size
+      auto a = make_lazy(p);
+      // A thread whose current context is device 0's (a PyTorch thread on cuda:0) uses device 1's engine.
+      CUcontext c0 = nullptr;
+      REQUIRE(c.retain(&c0, 0) == CUDA_SUCCESS);
+      REQUIRE(c.push(c0) == CUDA_SUCCESS);
+      DeviceEngine* e1 = a->device(1);
+      REQUIRE(e1);
+      const Stream s1 = Fake::stream_base(1) + fragless::test::kFaultStreamA;
+      const Stream u1 = Fake::stream_base(1) + fragless::test::kFaultStreamUse;
+      AllocError err;
+      void* x = e1->allocate(8 * MiB, s1, &err);
+      INFO(err.message);
+      REQUIRE(x);
+      REQUIRE(e1->record_stream(x, u1) == Status::ok);
+      REQUIRE(e1->free(x) == Status::ok);  // an event recorded on device 1's stream, under device 1's context
+      std::size_t free_b = 0, total_b = 0;
+      e1->memory_info(&free_b, &total_b);
+      CHECK(total_b == 512 * MiB);  // device 1's own total, not the current device's
+      CHECK(c.current() == c0);     // the caller's context is untouched
+      // A fresh thread (no context at all) frees and empties the cache, as PyTorch's threads do.
+      void* y = e1->allocate(3 * MiB, s1, &err);
+      REQUIRE(y);
+      std::thread([&] {
+        CHECK(e1->free(y) == Status::ok);
+        e1->empty_cache();
+        CUcontext none = reinterpret_cast<CUcontext>(1);
+        c.get(&none);
+        CHECK(none == nullptr);  // still none afterwards
+      }).join();
+      CUcontext popped = nullptr;
+      REQUIRE(c.pop(&popped) == CUDA_SUCCESS);
+      REQUIRE(c.release(0) == CUDA_SUCCESS);
+    }
+    fake().capacity(1, 1024 * MiB);
+    require_nothing_held();
+  }
+}
+
+TEST_CASE("cuda driver: a device's context is retained on its first use only", "[cuda][contexts]") {
+  {
+    auto a = make_lazy(PolicyKind::fragless);
+    CHECK(fake().now().context_retains == 0);  // nothing at start-up
+    REQUIRE(a->device(1));
+    CHECK(fake().now().context_retains == 1);  // device 1 only
+    CHECK(a->existing(0) == nullptr);
+    REQUIRE(a->device(1) == a->existing(1));
+    CHECK(fake().now().context_retains == 1);
+  }
+  require_nothing_held();  // released with the engine
+}
+
+TEST_CASE("cuda driver: memory is never unmapped, freed or handed out under running work", "[cuda][async]") {
+  const Stream A = fragless::test::kFaultStreamA, B = fragless::test::kFaultStreamB;
+  for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless}) {
+    INFO(policy_name(p));
+    {
+      auto a = make_lazy(p);
+      DeviceEngine& e = *a->device(0);
+      // A kernel still runs over a freed block when the cache is emptied: the release must wait for it.
+      for (std::size_t size : {std::size_t{512}, 3 * MiB, 40 * MiB}) {
+        void* x = e.allocate(size, A, nullptr);
+        REQUIRE(x);
+        REQUIRE(fake().launch(reinterpret_cast<void*>(A), x, size, 1000) == CUDA_SUCCESS);
+        e.free(x);
+        e.empty_cache();
+      }
+      // record_stream: a block used by a long kernel on B is not handed to A until that kernel is done.
+      for (int round = 0; round < 4; ++round) {
+        void* x = e.allocate(6 * MiB, A, nullptr);
+        REQUIRE(x);
+        REQUIRE(fake().launch(reinterpret_cast<void*>(B), x, 6 * MiB, 500) == CUDA_SUCCESS);
+        e.record_stream(x, B);
+        e.free(x);
+        void* y = e.allocate(6 * MiB, A, nullptr);
+        REQUIRE(y);
+        REQUIRE(fake().launch(reinterpret_cast<void*>(A), y, 6 * MiB, 10) == CUDA_SUCCESS);
+        e.free(y);
+        if (round == 2) fake().advance(1000);
+      }
+      // Growth under pressure (the OOM retry releases cached memory while work runs).
+      fake().capacity(0, 96 * MiB);
+      std::vector<void*> held;
+      for (int i = 0; i < 6; ++i) {
+        void* x = e.allocate(20 * MiB, i % 2 ? A : B, nullptr);
+        if (!x) break;
+        REQUIRE(fake().launch(reinterpret_cast<void*>(i % 2 ? A : B), x, 20 * MiB, 300) == CUDA_SUCCESS);
+        if (i % 2) e.free(x); else held.push_back(x);
+      }
+      for (void* x : held) e.free(x);
+      void* big = e.allocate(60 * MiB, A, nullptr);
+      if (big) e.free(big);
+      fake().capacity(0, 1024 * MiB);
+      e.empty_cache();
+      CHECK(fake().now().faults == 0);
+    }
+    INFO(fake().first_fault());
+    require_nothing_held();
+  }
+}
+
+TEST_CASE("libcuda double: asynchrony and faults are modelled (unmap under a running kernel faults)", "[cuda][async]") {
+  // The double itself: without the engine's waits, an unmap under running work is a fault, and sticky.
+  Ctx c;
+  fake().clear_faults();
+  CUcontext c0 = nullptr;
+  REQUIRE(c.retain(&c0, 0) == CUDA_SUCCESS);
+  REQUIRE(c.push(c0) == CUDA_SUCCESS);
+  {
+    Options o;
+    o.driver = DriverKind::cuda;
+    CudaDriverOptions co;
+    std::string err;
+    auto d = make_cuda_driver(co, &err);
+    REQUIRE(d);
+    DevicePtr va = 0;
+    PhysHandle h = 0;
+    REQUIRE(d->reserve(4 * MiB, &va) == Status::ok);
+    REQUIRE(d->create(4 * MiB, &h) == Status::ok);
+    REQUIRE(d->map(va, 4 * MiB, h, 0) == Status::ok);
+    REQUIRE(d->set_access(va, 4 * MiB) == Status::ok);
+    const auto A = reinterpret_cast<void*>(fragless::test::kFaultStreamA);
+    REQUIRE(fake().launch(A, reinterpret_cast<void*>(va), 4 * MiB, 100) == CUDA_SUCCESS);
+    Event ev = 0;
+    REQUIRE(d->record_event(fragless::test::kFaultStreamA, &ev) == Status::ok);
+    CHECK(d->query_event(ev) == Status::not_ready);
+    fake().advance(99);
+    CHECK(d->query_event(ev) == Status::not_ready);
+    fake().advance(1);
+    CHECK(d->query_event(ev) == Status::ok);
+    REQUIRE(fake().launch(A, reinterpret_cast<void*>(va), 4 * MiB, 100) == CUDA_SUCCESS);
+    CHECK(fake().now().faults == 0);
+    CHECK(d->unmap(va, 4 * MiB) == Status::ok);  // no wait first
+    CHECK(fake().now().faults == 1);
+    CHECK(std::string(fake().first_fault()).find("cuMemUnmap") != std::string::npos);
+    CHECK(d->release(h) == Status::driver_error);  // sticky: the context is broken now
+    fake().clear_faults();
+    fake().advance(1000);
+    REQUIRE(d->release(h) == Status::ok);
+    REQUIRE(d->release_event(ev) == Status::ok);
+    REQUIRE(d->free_reservation(va, 4 * MiB) == Status::ok);
+  }
+  CUcontext popped = nullptr;
+  REQUIRE(c.pop(&popped) == CUDA_SUCCESS);
+  REQUIRE(c.release(0) == CUDA_SUCCESS);
+  require_nothing_held();
+}
+
+TEST_CASE("cuda driver: a thread queued behind a slow driver call sleeps instead of spinning", "[cuda][lock]") {
+  auto a = make_lazy(PolicyKind::classic);
+  DeviceEngine& e = *a->device(0);
+  e.free(e.allocate(4096, fragless::test::kFaultStreamB, nullptr));  // the waiter's request is a cache hit
+  fake().delay("cuMemCreate", 400000);  // 0.4 s, as a large cuMemCreate can take
+  const auto creates = fake().calls("cuMemCreate:started");
+  std::thread slow([&] { e.free(e.allocate(64 * MiB, fragless::test::kFaultStreamA, nullptr)); });
+  // Wait (at most 10 s) until it is inside cuMemCreate, holding the device lock.
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (fake().calls("cuMemCreate:started") == creates && std::chrono::steady_clock::now() < give_up)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  if (fake().calls("cuMemCreate:started") == creates) {
+    slow.join();
+    fake().delay("cuMemCreate", 0);
+    FAIL("the slow allocation never reached cuMemCreate");
+  }
+  double cpu = 0, wall = 0;
+  std::thread waiter([&] {
+    const auto t0 = std::chrono::steady_clock::now();
+    const double c0 = thread_cpu_seconds();
+    e.free(e.allocate(4096, fragless::test::kFaultStreamB, nullptr));  // needs the lock
+    cpu = thread_cpu_seconds() - c0;
+    wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  });
+  slow.join();
+  waiter.join();
+  fake().delay("cuMemCreate", 0);
+  INFO("waited " << wall << " s on the lock, using " << cpu << " s of CPU");
+  CHECK(cpu < 0.25 * wall);  // a spinning (or yielding) waiter uses nearly all of it
+  e.empty_cache();
+}
+
+
+TEST_CASE("cuda driver: a graph capture with record_stream traffic, growth and OOM pressure is never invalidated",
+          "[cuda][capture]") {
+  Ctx c;
+  const Stream C = fragless::test::kFaultStreamA, S = fragless::test::kFaultStreamB;
+  for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless}) {
+    INFO(policy_name(p));
+    {
+      auto a = make_lazy(p);
+      DeviceEngine& e = *a->device(0);
+      // The capturing thread has device 0's context current, as PyTorch's does.
+      CUcontext c0 = nullptr;
+      REQUIRE(c.retain(&c0, 0) == CUDA_SUCCESS);
+      REQUIRE(c.push(c0) == CUDA_SUCCESS);
+      // Before the capture: cached memory and pending record_stream events on both streams.
+      std::vector<void*> before;
+      for (int i = 0; i < 8; ++i) before.push_back(e.allocate((1 + i) * MiB, i % 2 ? C : S, nullptr));
+      fake().hold(reinterpret_cast<void*>(S), 1);
+      for (int i = 0; i < 8; i += 2) e.record_stream(before[i + 1], S);
+      for (void* x : before) e.free(x);
+      fake().capacity(0, 512 * MiB);
+
+      REQUIRE(c.begin_capture(reinterpret_cast<CUstream>(C), CU_STREAM_CAPTURE_MODE_GLOBAL) == CUDA_SUCCESS);
+      const PoolId pool{7, 1};
+      e.begin_allocate_to_pool(pool, [C](Stream s) { return s == C; });
+      std::vector<void*> graph_blocks;
+      for (int i = 0; i < 12; ++i) {
+        AllocError err;
+        void* x = e.allocate((i % 3 == 0 ? 24 : 1 + i) * MiB + 512, C, &err);  // growth in the private pool
+        INFO(err.message);
+        REQUIRE(x);
+        if (i % 2) {
+          e.record_stream(x, S);  // a use on another stream: its free is deferred to the end of the capture
+          e.free(x);
+        } else {
+          graph_blocks.push_back(x);
+        }
+        void* y = e.allocate(2 * MiB, S, nullptr);  // another stream, default pool, meanwhile
+        if (y) e.free(y);
+      }
+      AllocError oom;
+      CHECK(e.allocate(600 * MiB, C, &oom) == nullptr);  // OOM pressure: no release, no sync, a clean OOM
+      CHECK(oom.status == Status::out_of_memory);
+      e.empty_cache();  // nothing is released while a capture may be under way
+      CUgraph graph = nullptr;
+      CHECK(c.end_capture(reinterpret_cast<CUstream>(C), &graph) == CUDA_SUCCESS);  // never invalidated
+      CHECK(graph != nullptr);
+      e.end_allocate_to_pool(pool);
+      CHECK(fake().now().invalidated_captures == 0);
+
+      fake().hold(reinterpret_cast<void*>(S), 0);
+      for (void* x : graph_blocks) e.free(x);
+      e.release_pool(pool);
+      fake().capacity(0, 1024 * MiB);
+      e.empty_cache();
+      INFO(e.check_invariants());
+      CHECK(e.check_invariants().empty());
+      CHECK(e.stats().reserved_bytes.all().current == 0);  // the pool's memory went back after release_pool
+      CUcontext popped = nullptr;
+      REQUIRE(c.pop(&popped) == CUDA_SUCCESS);
+      REQUIRE(c.release(0) == CUDA_SUCCESS);
+    }
+    require_nothing_held();
+  }
 }
 
 #else

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <atomic>
 #include <deque>
 #include <mutex>
 #include <stdexcept>
@@ -17,7 +18,7 @@
 
 namespace fragless {
 
-// What fragless_malloc throws when memory runs out (unless on_oom:null).
+// What fragless_malloc throws when memory runs out.
 class OutOfMemoryError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
@@ -113,9 +114,10 @@ class DeviceSink final : public EventSink {
 };
 
 struct Process {
-  std::mutex mu;  // guards creation only
+  std::atomic<Allocator*> ready{nullptr};  // set once the allocator exists: the fast path is one load
+  std::mutex mu;                           // guards creation only
   std::unique_ptr<Allocator> alloc;
-  std::vector<std::unique_ptr<DeviceSink>> sinks;
+  std::vector<std::unique_ptr<DeviceSink>> sinks;  // one per device, chained into its engine when it is created
   std::string init_error;
   bool tried = false;
 };
@@ -127,13 +129,23 @@ Process& proc() {
 }
 
 void flush_at_exit() {
-  Process& p = proc();
-  if (p.alloc) p.alloc->flush_traces();
+  if (Allocator* a = proc().ready.load(std::memory_order_acquire)) a->flush_traces();
 }
 
-// The allocator, created on first use with `devices` devices (-1: as many as the driver has).
+// Chains each device's sink into its engine: now for the engines that exist, and as the others are created
+// (under the allocator's creation lock, so no engine is missed).
+void attach_sinks(Process& p) {
+  p.alloc->on_engine_created([&p](int d, DeviceEngine& e) {
+    DeviceSink* s = p.sinks[static_cast<std::size_t>(d)].get();
+    e.set_event_sink(s->needed() ? s : nullptr);
+  });
+}
+
+// The allocator, created on first use for `devices` devices (-1: as many as the driver has). No device's
+// engine (nor its CUDA context) exists until that device is first used.
 Allocator* get(int devices = -1) {
   Process& p = proc();
+  if (Allocator* a = p.ready.load(std::memory_order_acquire)) return a;
   std::lock_guard lk(p.mu);
   if (p.alloc) return p.alloc.get();
   if (p.tried) {
@@ -149,28 +161,28 @@ Allocator* get(int devices = -1) {
     return nullptr;
   }
   std::string err;
-  p.alloc = Allocator::create(conf.options, devices, &err);
+  p.alloc = Allocator::create(conf.options, devices, &err, /*eager=*/false);
   if (!p.alloc) {
     p.init_error = err;
     t_last_error = err;
     std::fprintf(stderr, "%s\n", err.c_str());
     return nullptr;
   }
-  for (int d = 0; d < p.alloc->device_count(); ++d) {
+  for (int d = 0; d < p.alloc->device_count(); ++d)
     p.sinks.push_back(std::make_unique<DeviceSink>(p.alloc->trace_sink(d)));
-    p.alloc->device(d)->set_event_sink(p.alloc->trace_sink(d) ? p.sinks.back().get() : nullptr);
-  }
+  attach_sinks(p);
   std::atexit(flush_at_exit);
+  p.ready.store(p.alloc.get(), std::memory_order_release);
   return p.alloc.get();
 }
 
+// The engine of a device, created on its first use.
 DeviceEngine* engine(int device) {
   Allocator* a = get();
   if (!a) return nullptr;
-  DeviceEngine* e = a->device(device);
-  if (!e)
-    t_last_error = "fragless: invalid device " + std::to_string(device) + " (fragless manages " +
-                   std::to_string(a->device_count()) + " devices)";
+  std::string err;
+  DeviceEngine* e = a->device(device, &err);
+  if (!e) t_last_error = err;
   return e;
 }
 
@@ -179,7 +191,7 @@ DeviceEngine* owner(void* ptr) {
   Allocator* a = get();
   if (!a) return nullptr;
   for (int d = 0; d < a->device_count(); ++d)
-    if (a->device(d)->owns(ptr)) return a->device(d);
+    if (DeviceEngine* e = a->existing(d); e && e->owns(ptr)) return e;
   return nullptr;
 }
 
@@ -199,21 +211,38 @@ using namespace fragless;
 
 extern "C" {
 
-void* fragless_malloc(size_t size, int device, cudaStream_t stream) {
+namespace {
+// One allocation; nullptr with t_last_error set on failure, *oom telling whether memory ran out.
+void* allocate(size_t size, int device, cudaStream_t stream, bool* oom) {
   t_last_error.clear();
-  if (size == 0) return nullptr;  // legal: nothing to allocate
+  *oom = false;
   DeviceEngine* e = engine(device);
-  if (!e) {
-    if (proc().alloc && proc().alloc->options().oom_returns_null) return nullptr;
-    throw std::runtime_error(t_last_error);
-  }
+  if (!e) return nullptr;
   AllocError err;
   void* p = e->allocate(size, reinterpret_cast<Stream>(stream), &err);
-  if (p) return p;
-  t_last_error = err.message;
-  if (e->options().oom_returns_null) return nullptr;
-  if (err.status == Status::out_of_memory) throw OutOfMemoryError(err.message);
-  throw std::runtime_error(err.message);
+  if (!p) {
+    t_last_error = err.message;
+    *oom = err.status == Status::out_of_memory;
+  }
+  return p;
+}
+}  // namespace
+
+void* fragless_malloc(size_t size, int device, cudaStream_t stream) {
+  if (size == 0) {  // legal: nothing to allocate
+    t_last_error.clear();
+    return nullptr;
+  }
+  bool oom = false;
+  if (void* p = allocate(size, device, stream, &oom)) return p;
+  // Never NULL: PyTorch's normal path would wrap it in a tensor whose first kernel faults.
+  if (oom) throw OutOfMemoryError(t_last_error);
+  throw std::runtime_error(t_last_error);
+}
+
+void* fragless_pool_malloc(size_t size, int device, cudaStream_t stream) {
+  bool oom = false;
+  return size == 0 ? nullptr : allocate(size, device, stream, &oom);
 }
 
 void fragless_free(void* ptr, size_t, int device, cudaStream_t) {
@@ -231,7 +260,8 @@ void fragless_init(int device_count) { get(device_count > 0 ? device_count : -1)
 
 void fragless_empty_cache(void) {
   if (Allocator* a = get())
-    for (int d = 0; d < a->device_count(); ++d) a->device(d)->empty_cache();
+    for (int d = 0; d < a->device_count(); ++d)
+      if (DeviceEngine* e = a->existing(d)) e->empty_cache();  // a device never used holds nothing
 }
 
 void fragless_set_memory_fraction(double fraction, int device) {
@@ -303,7 +333,7 @@ long fragless_snapshot(char* buf, size_t len) {
   for (int d = 0; d < a->device_count(); ++d) {
     formats::DeviceState s;
     s.device = d;
-    s.segments = a->device(d)->snapshot();
+    if (DeviceEngine* e = a->existing(d)) s.segments = e->snapshot();
     proc().sinks[static_cast<std::size_t>(d)]->collect(&s);
     devices.push_back(std::move(s));
   }
@@ -315,11 +345,8 @@ void fragless_record_history(size_t max_entries) { fragless_record_history_ex(ma
 void fragless_record_history_ex(size_t max_entries, int context, int stacks) {
   Allocator* a = get();
   if (!a) return;
-  for (int d = 0; d < a->device_count(); ++d) {
-    DeviceSink* s = proc().sinks[static_cast<std::size_t>(d)].get();
-    s->set_history(max_entries, context, stacks);
-    a->device(d)->set_event_sink(s->needed() ? s : nullptr);
-  }
+  for (auto& s : proc().sinks) s->set_history(max_entries, context, stacks);
+  attach_sinks(proc());
 }
 
 const char* fragless_last_error(void) { return t_last_error.c_str(); }

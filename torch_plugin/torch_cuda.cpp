@@ -1,7 +1,8 @@
 // fragless::torch::install(): registers libfragless's C ABI as LibTorch's CUDA allocator from C++
 // (torch::cuda::CUDAPluggableAllocator::createCustomAllocator + changeCurrentAllocator), with every hook.
-// Built only against a LibTorch with CUDA (>= 2.1); Debian's libtorch-dev is CPU-only, so this file has
-// not been compiled in this project's CI.
+// Built only against a LibTorch with CUDA (>= 2.1); Debian's libtorch-dev is CPU-only, so CI compiles this
+// file against tests/torch_stub (the setters' signatures as PyTorch 2.x declares them) and checks that it
+// sets every hook the Python helper sets (tests/python/test_hook_parity.py); it has not met a real LibTorch.
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
 #include "fragless/fragless.h"
@@ -20,6 +21,16 @@ void install() {
     p->set_memory_fraction_fn([](double f, int d) { fragless_set_memory_fraction(f, d); });
     p->set_base_alloc_fn([](void* ptr, size_t* size) { return fragless_get_base_allocation(ptr, size); });
     p->set_record_stream_fn([](void* ptr, cudaStream_t s) { fragless_record_stream(ptr, s); });
+    // The graph-pool hooks (torch.cuda.graph, MemPool): without them a capture's blocks mix with the default
+    // pool and are reused while the graph may still replay.
+    p->set_begin_allocate_to_pool(
+        [](int device, c10::cuda::MempoolId_t pool, std::function<bool(cudaStream_t)> filter) {
+          fragless_begin_allocate_to_pool(device, {pool.first, pool.second}, std::move(filter));
+        });
+    p->set_end_allocate_to_pool_fn(
+        [](int device, c10::cuda::MempoolId_t pool) { fragless_end_allocate_to_pool(device, {pool.first, pool.second}); });
+    p->set_release_pool(
+        [](int device, c10::cuda::MempoolId_t pool) { fragless_release_pool(device, {pool.first, pool.second}); });
   }
   pa::changeCurrentAllocator(a);
 }

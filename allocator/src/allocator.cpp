@@ -38,7 +38,7 @@ std::unique_ptr<Driver> make_driver(const Options& opts, int device, std::string
   return nullptr;
 }
 
-std::unique_ptr<Allocator> Allocator::create(const Options& opts, int devices, std::string* error) {
+std::unique_ptr<Allocator> Allocator::create(const Options& opts, int devices, std::string* error, bool eager) {
   auto a = std::unique_ptr<Allocator>(new Allocator());
   a->opts_ = opts;
   if (devices < 0) {  // as many as the driver has
@@ -53,19 +53,59 @@ std::unique_ptr<Allocator> Allocator::create(const Options& opts, int devices, s
     a->tracing_ = Tracing::open(opts.trace, devices, policy_name(opts.policy), error);
     if (!a->tracing_) return nullptr;
   }
-  for (int d = 0; d < devices; ++d) {
-    auto drv = make_driver(opts, d, error);
-    if (!drv) return nullptr;
-    a->engines_.push_back(std::make_unique<DeviceEngine>(opts, std::move(drv)));
-    if (a->tracing_) a->engines_.back()->set_event_sink(a->tracing_->sink(d));
-  }
+  a->slots_ = std::vector<std::atomic<DeviceEngine*>>(static_cast<std::size_t>(devices));
+  a->failed_.resize(static_cast<std::size_t>(devices));
+  if (eager && devices > 0 && !a->device(0, error)) return nullptr;
   return a;
 }
 
-void Allocator::flush_traces() {
-  for (auto& e : engines_) e->flush_trace();
+Allocator::~Allocator() {
+  // Newest first; the tracer (a member declared before) outlives them all.
+  while (!owned_.empty()) owned_.pop_back();
 }
 
+DeviceEngine* Allocator::device(int d, std::string* error) {
+  if (DeviceEngine* e = existing(d)) return e;
+  if (d < 0 || d >= device_count()) {
+    if (error)
+      *error = "fragless: invalid device " + std::to_string(d) + " (fragless manages " +
+               std::to_string(device_count()) + " devices)";
+    return nullptr;
+  }
+  std::lock_guard lk(create_mu_);
+  auto& slot = slots_[static_cast<std::size_t>(d)];
+  if (DeviceEngine* e = slot.load(std::memory_order_acquire)) return e;
+  std::string& why = failed_[static_cast<std::size_t>(d)];
+  if (!why.empty()) {
+    if (error) *error = why;
+    return nullptr;
+  }
+  std::string err;
+  auto drv = make_driver(opts_, d, &err);
+  if (!drv) {
+    why = err.empty() ? "fragless: cannot create the driver of device " + std::to_string(d) : err;
+    if (error) *error = why;
+    return nullptr;
+  }
+  owned_.push_back(std::make_unique<DeviceEngine>(opts_, std::move(drv)));
+  DeviceEngine* e = owned_.back().get();
+  if (tracing_) e->set_event_sink(tracing_->sink(d));
+  if (created_) created_(d, *e);
+  slot.store(e, std::memory_order_release);
+  return e;
+}
+
+void Allocator::on_engine_created(std::function<void(int, DeviceEngine&)> f) {
+  std::lock_guard lk(create_mu_);
+  created_ = std::move(f);
+  for (int d = 0; d < device_count(); ++d)
+    if (DeviceEngine* e = existing(d)) created_(d, *e);
+}
+
+void Allocator::flush_traces() {
+  std::lock_guard lk(create_mu_);
+  for (auto& e : owned_) e->flush_trace();
+}
 std::vector<std::string> Allocator::trace_paths() const {
   return tracing_ ? tracing_->paths() : std::vector<std::string>{};
 }

@@ -50,9 +50,10 @@ constexpr OptionInfo kOptions[] = {
     {"page_size_mb", "power of two >= 1 (MiB)", "2", "Page (granularity) of the host and sim drivers."},
     {"capacity_mb", "integer >= 1 (MiB)", "host 4096, sim 81920",
      "Physical memory of one host or sim device; creating beyond it fails as out of memory."},
-    {"on_oom", "throw or null", "throw",
-     "libfragless.so: on out of memory, throw a C++ exception carrying the diagnosis (PyTorch raises it as a "
-     "RuntimeError) or return NULL (for PyTorch MemPool mode, which retries and raises OutOfMemoryError)."},
+    {"on_oom", "throw", "throw",
+     "libfragless.so: fragless_malloc throws a C++ exception carrying the diagnosis on out of memory (PyTorch's "
+     "normal path crashes on NULL). The value null was removed: torch.cuda.MemPool takes fragless_pool_malloc, "
+     "which returns NULL."},
     {"peer_access", "True or False", "False",
      "cuda driver: also grant every peer device that can access this one (cuDeviceCanAccessPeer) access to "
      "fragless memory, for peer copies and NCCL P2P."},
@@ -226,8 +227,11 @@ class Parser {
         return err(bad_value(key, v, "an integer number of MiB between 1 and 2^30"));
       o_.capacity = n << 20;
     } else if (key == "on_oom") {
-      if (v != "throw" && v != "null") return err(bad_value(key, v, "throw or null"));
-      o_.oom_returns_null = v == "null";
+      if (v == "null")
+        return err("fragless: on_oom:null was removed: fragless_malloc always throws on out of memory (a NULL "
+                   "crashes PyTorch's first kernel); give torch.cuda.MemPool the entry point fragless_pool_malloc, "
+                   "which returns NULL");
+      if (v != "throw") return err(bad_value(key, v, "throw"));
     } else if (key == "peer_access") {
       if (v != "True" && v != "False") return err(bad_value(key, v, "True or False (exactly)"));
       o_.peer_access = v == "True";

@@ -3,6 +3,8 @@
 
 #include <dlfcn.h>
 
+#include "spin_mutex.h"
+
 #include <cstdlib>
 #include <mutex>
 #include <vector>
@@ -31,8 +33,11 @@ struct Api {
   CUresult (*deviceGetAttribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
   CUresult (*deviceCanAccessPeer)(int*, CUdevice, CUdevice) = nullptr;
   CUresult (*primaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
+  CUresult (*primaryCtxRelease)(CUdevice) = nullptr;
   CUresult (*ctxGetCurrent)(CUcontext*) = nullptr;
-  CUresult (*ctxSetCurrent)(CUcontext) = nullptr;
+  CUresult (*ctxPushCurrent)(CUcontext) = nullptr;
+  CUresult (*ctxPopCurrent)(CUcontext*) = nullptr;
+  CUresult (*threadExchangeStreamCaptureMode)(CUstreamCaptureMode*) = nullptr;
   CUresult (*memGetInfo)(size_t*, size_t*) = nullptr;
   CUresult (*memGetAllocationGranularity)(size_t*, const CUmemAllocationProp*, CUmemAllocationGranularity_flags) = nullptr;
   CUresult (*memAddressReserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long) = nullptr;
@@ -111,7 +116,10 @@ const Api& api() {
                     resolve(a, "cuDeviceGet", &a.deviceGet) && resolve(a, "cuDeviceGetAttribute", &a.deviceGetAttribute) &&
                     resolve(a, "cuDeviceCanAccessPeer", &a.deviceCanAccessPeer) &&
                     resolve(a, "cuDevicePrimaryCtxRetain", &a.primaryCtxRetain) &&
-                    resolve(a, "cuCtxGetCurrent", &a.ctxGetCurrent) && resolve(a, "cuCtxSetCurrent", &a.ctxSetCurrent) &&
+                    resolve(a, "cuDevicePrimaryCtxRelease", &a.primaryCtxRelease) &&
+                    resolve(a, "cuCtxGetCurrent", &a.ctxGetCurrent) && resolve(a, "cuCtxPushCurrent", &a.ctxPushCurrent) &&
+                    resolve(a, "cuCtxPopCurrent", &a.ctxPopCurrent) &&
+                    resolve(a, "cuThreadExchangeStreamCaptureMode", &a.threadExchangeStreamCaptureMode) &&
                     resolve(a, "cuMemGetInfo", &a.memGetInfo) &&
                     resolve(a, "cuMemGetAllocationGranularity", &a.memGetAllocationGranularity) &&
                     resolve(a, "cuMemAddressReserve", &a.memAddressReserve) &&
@@ -140,15 +148,52 @@ Status status_of(CUresult r) {
   }
 }
 
+// Runs the rest of a scope under the device's primary context, leaving the calling thread as it was: pushes
+// the context when it is not already the current one and pops it at the end (PyTorch frees from threads with
+// no device guard; empty_cache walks every device from one thread). With `relaxed`, the calls run in relaxed
+// stream-capture mode as well (cuThreadExchangeStreamCaptureMode), as PyTorch runs cudaMalloc: the VMM calls
+// are "potentially unsafe" during a global-mode capture on any thread, and would invalidate it.
+class OnDevice {
+ public:
+  OnDevice(CUcontext primary, bool relaxed) {
+    CUcontext c = nullptr;
+    if (api().ctxGetCurrent(&c) != CUDA_SUCCESS || c != primary) pushed_ = api().ctxPushCurrent(primary) == CUDA_SUCCESS;
+    if (relaxed) {
+      mode_ = CU_STREAM_CAPTURE_MODE_RELAXED;
+      exchanged_ = api().threadExchangeStreamCaptureMode(&mode_) == CUDA_SUCCESS;
+    }
+  }
+  ~OnDevice() {
+    if (exchanged_) api().threadExchangeStreamCaptureMode(&mode_);
+    if (pushed_) {
+      CUcontext popped = nullptr;
+      api().ctxPopCurrent(&popped);
+    }
+  }
+  OnDevice(const OnDevice&) = delete;
+  OnDevice& operator=(const OnDevice&) = delete;
+
+ private:
+  bool pushed_ = false, exchanged_ = false;
+  CUstreamCaptureMode mode_ = CU_STREAM_CAPTURE_MODE_RELAXED;
+};
+
 class CudaDriver final : public Driver {
  public:
-  CudaDriver(const CudaDriverOptions& o, CUcontext primary, std::size_t granularity,
+  CudaDriver(const CudaDriverOptions& o, CUdevice dev, CUcontext primary, std::size_t granularity,
              CUmemAllocationProp prop, std::vector<CUmemAccessDesc> access)
-      : Driver(o.device, granularity), primary_(primary), prop_(prop), access_(std::move(access)) {}
+      : Driver(o.device, granularity), dev_(dev), primary_(primary), prop_(prop), access_(std::move(access)) {}
+  ~CudaDriver() override {
+    {
+      OnDevice on(primary_, false);
+      for (CUevent e : spare_events_) api().eventDestroy(e);
+    }
+    api().primaryCtxRelease(dev_);  // the retain taken at creation
+  }
   const char* name() const override { return "cuda"; }
 
   void memory_info(std::size_t* free_bytes, std::size_t* total_bytes) override {
-    ensure_context();
+    OnDevice on(primary_, true);
     std::size_t f = 0, t = 0;
     if (api().memGetInfo(&f, &t) != CUDA_SUCCESS) f = t = 0;
     *free_bytes = f;
@@ -160,12 +205,6 @@ class CudaDriver final : public Driver {
   }
 
  private:
-  // Calls from a thread with no current context (a fresh thread in the host program) run on the
-  // device's primary context.
-  void ensure_context() {
-    CUcontext c = nullptr;
-    if (api().ctxGetCurrent(&c) == CUDA_SUCCESS && c == nullptr) api().ctxSetCurrent(primary_);
-  }
   Status check(const char* call, CUresult r) {
     if (r == CUDA_SUCCESS) return Status::ok;
     if (r != CUDA_ERROR_NOT_READY) {
@@ -176,35 +215,52 @@ class CudaDriver final : public Driver {
   }
 
   Status do_reserve(std::size_t size, DevicePtr* va) override {
+    OnDevice on(primary_, true);
     CUdeviceptr p = 0;
     const Status st = check("cuMemAddressReserve", api().memAddressReserve(&p, size, granularity(), 0, 0));
     if (st == Status::ok) *va = static_cast<DevicePtr>(p);
     return st;
   }
   Status do_free_reservation(DevicePtr va, std::size_t size) override {
+    OnDevice on(primary_, true);
     return check("cuMemAddressFree", api().memAddressFree(static_cast<CUdeviceptr>(va), size));
   }
   Status do_create(std::size_t size, PhysHandle* h) override {
-    ensure_context();
+    OnDevice on(primary_, true);
     CUmemGenericAllocationHandle handle = 0;
     const Status st = check("cuMemCreate", api().memCreate(&handle, size, &prop_, 0));
     if (st == Status::ok) *h = static_cast<PhysHandle>(handle);
     return st;
   }
-  Status do_release(PhysHandle h) override { return check("cuMemRelease", api().memRelease(h)); }
+  Status do_release(PhysHandle h) override {
+    OnDevice on(primary_, true);
+    return check("cuMemRelease", api().memRelease(h));
+  }
   Status do_map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t offset) override {
+    OnDevice on(primary_, true);
     return check("cuMemMap", api().memMap(static_cast<CUdeviceptr>(va), size, offset, h, 0));
   }
   Status do_unmap(DevicePtr va, std::size_t size) override {
+    OnDevice on(primary_, true);
     return check("cuMemUnmap", api().memUnmap(static_cast<CUdeviceptr>(va), size));
   }
   Status do_set_access(DevicePtr va, std::size_t size) override {
+    OnDevice on(primary_, true);
     return check("cuMemSetAccess", api().memSetAccess(static_cast<CUdeviceptr>(va), size, access_.data(), access_.size()));
   }
+  // Events come from a pool: created once, recorded many times (cuEventRecord re-arms a recorded event).
   Status do_record_event(Stream s, Event* e) override {
-    ensure_context();
+    OnDevice on(primary_, false);
     CUevent ev = nullptr;
-    if (Status st = check("cuEventCreate", api().eventCreate(&ev, CU_EVENT_DISABLE_TIMING)); st != Status::ok) return st;
+    {
+      std::lock_guard lk(events_mu_);
+      if (!spare_events_.empty()) {
+        ev = spare_events_.back();
+        spare_events_.pop_back();
+      }
+    }
+    if (!ev)
+      if (Status st = check("cuEventCreate", api().eventCreate(&ev, CU_EVENT_DISABLE_TIMING)); st != Status::ok) return st;
     if (Status st = check("cuEventRecord", api().eventRecord(ev, reinterpret_cast<CUstream>(s))); st != Status::ok) {
       api().eventDestroy(ev);
       return st;
@@ -212,27 +268,37 @@ class CudaDriver final : public Driver {
     *e = reinterpret_cast<Event>(ev);
     return Status::ok;
   }
-  Status do_query_event(Event e) override { return check("cuEventQuery", api().eventQuery(reinterpret_cast<CUevent>(e))); }
+  Status do_query_event(Event e) override {
+    OnDevice on(primary_, false);
+    return check("cuEventQuery", api().eventQuery(reinterpret_cast<CUevent>(e)));
+  }
   Status do_synchronize_event(Event e) override {
+    OnDevice on(primary_, false);
     return check("cuEventSynchronize", api().eventSynchronize(reinterpret_cast<CUevent>(e)));
   }
-  Status do_release_event(Event e) override { return check("cuEventDestroy", api().eventDestroy(reinterpret_cast<CUevent>(e))); }
+  Status do_release_event(Event e) override {
+    std::lock_guard lk(events_mu_);
+    spare_events_.push_back(reinterpret_cast<CUevent>(e));
+    return Status::ok;
+  }
   Status do_stream_wait_event(Stream s, Event e) override {
-    ensure_context();
+    OnDevice on(primary_, false);
     return check("cuStreamWaitEvent",
                  api().streamWaitEvent(reinterpret_cast<CUstream>(s), reinterpret_cast<CUevent>(e), 0));
   }
   Status do_synchronize_stream(Stream s) override {
-    ensure_context();
+    OnDevice on(primary_, false);
     return check("cuStreamSynchronize", api().streamSynchronize(reinterpret_cast<CUstream>(s)));
   }
 
-
+  CUdevice dev_;
   CUcontext primary_;
   CUmemAllocationProp prop_;
   std::vector<CUmemAccessDesc> access_;
   mutable std::mutex err_mu_;
   std::string last_error_;
+  SpinMutex events_mu_;
+  std::vector<CUevent> spare_events_;
 };
 
 }  // namespace
@@ -272,11 +338,11 @@ std::unique_ptr<Driver> make_cuda_driver(const CudaDriverOptions& o, std::string
                 " does not support CUDA virtual memory management (cuMemCreate/cuMemMap), which fragless needs");
   a.deviceGetAttribute(&posix_fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev);
   a.deviceGetAttribute(&rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, dev);
+  // The device's primary context (the one the CUDA runtime and PyTorch use), retained for the driver's life.
   CUcontext primary = nullptr;
   if (CUresult r = a.primaryCtxRetain(&primary, dev); r != CUDA_SUCCESS)
     return fail("fragless: " + a.describe("cuDevicePrimaryCtxRetain", r));
-  CUcontext current = nullptr;
-  if (a.ctxGetCurrent(&current) == CUDA_SUCCESS && current == nullptr) a.ctxSetCurrent(primary);
+  OnDevice on(primary, false);
   // The allocation properties used for every cuMemCreate; the granularity is queried with exactly these.
   CUmemAllocationProp prop{};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
@@ -287,8 +353,10 @@ std::unique_ptr<Driver> make_cuda_driver(const CudaDriverOptions& o, std::string
       o.shareable_handles && posix_fd ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
   prop.allocFlags.gpuDirectRDMACapable = rdma ? 1 : 0;
   std::size_t gran = 0;
-  if (CUresult r = a.memGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM); r != CUDA_SUCCESS || !gran)
+  if (CUresult r = a.memGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM); r != CUDA_SUCCESS || !gran) {
+    a.primaryCtxRelease(dev);
     return fail("fragless: " + a.describe("cuMemGetAllocationGranularity", r));
+  }
   std::vector<CUmemAccessDesc> access;
   CUmemAccessDesc self{};
   self.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
@@ -306,7 +374,7 @@ std::unique_ptr<Driver> make_cuda_driver(const CudaDriverOptions& o, std::string
         access.push_back(p);
       }
     }
-  return std::make_unique<CudaDriver>(o, primary, gran, prop, std::move(access));
+  return std::make_unique<CudaDriver>(o, dev, primary, gran, prop, std::move(access));
 }
 
 }  // namespace fragless

@@ -421,7 +421,25 @@ void DeviceEngine::State::maybe_free_private_pools() {
   }
 }
 
+void DeviceEngine::State::after_capture() {
+  std::vector<Block*> blocks;
+  blocks.swap(deferred_until_no_capture);
+  for (Block* b : blocks) {
+    b->event_count = 0;
+    insert_events(b);
+    if (b->event_count == 0) free_block(b);
+  }
+  maybe_free_private_pools();
+}
+
 Block* DeviceEngine::State::allocate_slow(AllocParams& p, AllocError* err) {
+  if (capturing()) {
+    // Note [Capture rules]: grow or fail; nothing is released, synchronised or lent.
+    if (p.pool->small && policy->small_from_large_remnants())
+      if (Block* b = take_large_remnant(p)) return b;
+    if (Block* b = policy->grow(p)) return b;
+    return fail_allocation(p, err);
+  }
   if (has_deferred()) retry_deferred();
   garbage_collect(p);
   if (p.pool->small && policy->small_from_large_remnants())
@@ -436,6 +454,10 @@ Block* DeviceEngine::State::allocate_slow(AllocParams& p, AllocError* err) {
     if (!b) b = policy->grow(p);
   }
   if (b) return b;
+  return fail_allocation(p, err);
+}
+
+Block* DeviceEngine::State::fail_allocation(AllocParams& p, AllocError* err) {
   const std::string driver_msg = p.status == Status::out_of_memory ? std::string() : driver->last_error();
   std::size_t free_b = 0, total_b = 0;
   driver->memory_info(&free_b, &total_b);
@@ -466,10 +488,11 @@ std::string DeviceEngine::State::oom_message(const AllocParams& p, const std::st
         std::to_string(driver->device()) + ": " + driver_error;
     return m;
   }
-  m = "CUDA out of memory (fragless, policy " + std::string(policy_name(opts.policy)) + "). Tried to allocate " +
-      format_bytes(p.requested) + " (" + format_bytes(p.rounded) + " after rounding). GPU " +
+  // The first sentences are PyTorch's, word for word: tools match them (accelerate's batch-size finder).
+  m = "CUDA out of memory. Tried to allocate " + format_bytes(p.requested) + ". GPU " +
       std::to_string(driver->device()) + " has a total capacity of " + format_bytes(total_b) + " of which " +
-      format_bytes(free_b) + " is free.";
+      format_bytes(free_b) + " is free. fragless (policy " + std::string(policy_name(opts.policy)) + "): " +
+      format_bytes(p.rounded) + " after rounding.";
   if (allowed_memory_maximum)
     m += " This process is limited to " + format_bytes(allowed_memory_maximum) +
          " (per_process_memory_fraction).";
@@ -504,14 +527,17 @@ void* DeviceEngine::allocate(std::size_t size, Stream stream, AllocError* err) {
   State& s = *s_;
   if (size >= kMaxRequest) {
     set_error(err, Status::out_of_memory,
-              "CUDA out of memory (fragless). Tried to allocate more than 1EB memory (" + std::to_string(size) +
-                  " bytes requested on device " + std::to_string(s.driver->device()) + ").");
+              "CUDA out of memory. Tried to allocate more than 1EB memory. (fragless: " + std::to_string(size) +
+                  " bytes requested on device " + std::to_string(s.driver->device()) + ")");
     std::lock_guard lk(s.mu);
     ++s.stats.num_ooms;
     return nullptr;
   }
   std::lock_guard lk(s.mu);
-  if (s.pending_event_count) s.process_events();
+  if (s.routes.empty()) {  // Note [Capture rules]: no event query while a capture may be under way
+    if (!s.deferred_until_no_capture.empty()) s.after_capture();
+    if (s.pending_event_count) s.process_events();
+  }
   AllocParams p;
   p.requested = size;
   p.rounded = round_size(size, s.opts);
@@ -546,6 +572,13 @@ Status DeviceEngine::free(void* ptr, AllocError* err) {
   if (!b->stream_uses.empty()) {
     emit(s, TraceAction::free_requested, b->stream, b->ptr, b->requested, b->size);
     b->state = BlockState::free;  // not allocated any more, but waits for its events (active_pending_free)
+    if (s.capturing()) {
+      // Note [Capture rules]: its events are recorded when the routing ends; until then it stays pending.
+      b->event_count = 1;
+      s.deferred_until_no_capture.push_back(b);
+      return Status::ok;
+    }
+    if (!s.deferred_until_no_capture.empty()) s.after_capture();
     s.insert_events(b);
     if (b->event_count == 0) {
       b->state = BlockState::allocated;
@@ -588,7 +621,9 @@ void* DeviceEngine::base_allocation(void* ptr, std::size_t* size) {
 
 void DeviceEngine::empty_cache() {
   std::lock_guard lk(s_->mu);
+  if (s_->capturing()) return;  // Note [Capture rules]: nothing is released while a capture may be under way
   emit(*s_, TraceAction::empty_cache, 0, 0, 0, 0);
+  if (!s_->deferred_until_no_capture.empty()) s_->after_capture();
   s_->release_cached_blocks(nullptr);
 }
 
@@ -625,6 +660,8 @@ void DeviceEngine::end_allocate_to_pool(PoolId id) {
   std::lock_guard lk(s.mu);
   auto it = std::find_if(s.routes.rbegin(), s.routes.rend(), [&](auto& r) { return r.first->id == id; });
   if (it != s.routes.rend()) s.routes.erase(std::next(it).base());
+  // PyTorch ends the capture (cudaStreamEndCapture) before it ends the routing: events may be recorded now.
+  if (s.routes.empty()) s.after_capture();
 }
 
 void DeviceEngine::release_pool(PoolId id) {
@@ -634,7 +671,8 @@ void DeviceEngine::release_pool(PoolId id) {
   if (it == s.private_pools.end()) return;
   std::erase_if(s.routes, [&](auto& r) { return r.first == it->second.get(); });
   it->second->released = true;
-  s.maybe_free_private_pools();
+  // Freed now, or once no other capture may be under way (Note [Capture rules]).
+  if (!s.capturing()) s.after_capture();
 }
 
 DeviceStats DeviceEngine::stats() {

@@ -150,6 +150,15 @@ struct DeviceEngine::State {
   PoolSet default_pools;
   std::map<PoolId, std::unique_ptr<PoolSet>> private_pools;
   std::vector<std::pair<PoolSet*, StreamFilter>> routes;  // begin_allocate_to_pool, newest last
+  // Note [Capture rules]: while any pool routing is active a CUDA graph capture may be under way. The engine
+  // then queries no event, synchronises nothing, unmaps and releases nothing, lends no page, and defers the
+  // events of frees with uses on other streams until the routing ends (PyTorch's
+  // needs_events_deferred_until_no_capture): an event query or a synchronisation during a capture fails and
+  // invalidates it, and an unmap is not stream-ordered. It only grows (create and map, in relaxed capture
+  // mode), or reports out of memory.
+  bool capturing() const { return !routes.empty(); }
+  std::vector<Block*> deferred_until_no_capture;  // freed during a capture, with uses on other streams
+  void after_capture();                          // their events, and the pools released meanwhile
 
   std::vector<std::unique_ptr<Segment>> segments;
   BlockMap active_blocks;
@@ -188,6 +197,7 @@ struct DeviceEngine::State {
   void insert_events(Block* b);
 
   Block* allocate_slow(AllocParams& p, AllocError* err);
+  Block* fail_allocation(AllocParams& p, AllocError* err);  // counts the OOM, fills err, returns nullptr
   void release_cached_blocks(PoolSet* only);
   bool garbage_collect(AllocParams& p);
   bool release_available_cached_blocks(AllocParams& p);

@@ -1,6 +1,7 @@
 // classic: PyTorch's native (non-expandable) behaviour. Each segment is one cudaMalloc-sized physical
 // allocation (reserve + create + map + set access), carved into blocks; blocks never cross segments;
 // only whole free segments go back to the driver.
+#include <set>
 #include <vector>
 
 #include "policy.h"
@@ -77,6 +78,10 @@ class ClassicPolicy final : public Policy {
     s_.pool_erase(b);
     Segment* seg = b->segment;
     Driver& d = *s_.driver;
+    // cuMemUnmap and cuMemRelease are not stream-ordered (cudaFree, which PyTorch calls here, synchronises
+    // the device): kernels queued on the segment's stream before the free may still use it. Other streams'
+    // uses are behind the block's events, which have completed (the block is reusable).
+    if (!synced_.count(seg->stream)) s_.forced_sync(seg->stream);
     // A failure here leaves the memory where it was: keep the segment cached rather than lose track of it.
     if (d.unmap(seg->base, seg->va_size) != Status::ok) {
       s_.pool_insert(b);
@@ -95,14 +100,20 @@ class ClassicPolicy final : public Policy {
   }
 
   void release_free(PoolSet* only) override {
+    // One synchronisation per stream for the whole release, not one per segment.
+    std::vector<Block*> whole;
     for (PoolSet* ps : pool_sets(only))
-      for (BlockPool* bp : {&ps->small, &ps->large}) {
-        std::vector<Block*> whole;
+      for (BlockPool* bp : {&ps->small, &ps->large})
         for (Block* b : bp->blocks)
-          if (!b->is_split()) whole.push_back(b);
-        for (Block* b : whole) release_whole_segment(b);
-      }
+          if (!b->is_split() && !b->segment->growable && b->reusable()) whole.push_back(b);
+    for (Block* b : whole)
+      if (synced_.insert(b->segment->stream).second) s_.forced_sync(b->segment->stream);
+    for (Block* b : whole) release_whole_segment(b);
+    synced_.clear();
   }
+
+ private:
+  std::set<Stream> synced_;  // streams synchronised for the release under way
 };
 
 }  // namespace

@@ -106,13 +106,18 @@ class FraglessPolicy final : public GrowablePolicy {
   Status map_pages(Segment& seg, std::size_t first, std::size_t* n_io, std::size_t room) override {
     const std::size_t need = *n_io;
     ++tick_;
-    poll_pending();
-    finish_pending(&seg, first, need);  // the range may still be mapped to handles lent out without a sync
+    if (s_.capturing()) {
+      // Note [Capture rules] (engine_state.h): no event query, no wait, no reclaim; idle and new handles only.
+      if (overlaps_pending(seg, first, need)) return fail_request(Status::out_of_memory, {});
+    } else {
+      poll_pending();
+      finish_pending(&seg, first, need);  // the range may still be mapped to handles lent out without a sync
+    }
     room = room_before_pending(seg, first, need, room);
     planned_ = 0;
     take_idle(need, room);
     const bool refill = planned_ < need && refills(seg, first, need - planned_);
-    if (planned_ < need && !refill) {
+    if (planned_ < need && !refill && !s_.capturing()) {
       // Touch nothing when even everything together cannot succeed: the retry chain takes over.
       if (planned_ + reclaimable_pages() + creatable_pages() < need) return fail_request(Status::out_of_memory, {});
       reclaim(seg.stream, /*other_streams=*/false, need, room);  // Note [Complete re-backing]
@@ -120,11 +125,12 @@ class FraglessPolicy final : public GrowablePolicy {
       if (planned_ < need && lend_across()) reclaim(seg.stream, /*other_streams=*/true, need, room);
     }
     // Without lending across streams, other streams' holes wait for their streams: the last resort.
-    if (planned_ < need && !lend_across() && !can_create(need - planned_))
+    if (planned_ < need && !lend_across() && !can_create(need - planned_) && !s_.capturing())
       reclaim(seg.stream, /*other_streams=*/true, need, room);
     std::vector<PhysHandle> created;
     if (planned_ < need) {
-      if (!refill) audit_creation(seg, need - planned_, room - planned_);
+      // (During a capture creating is the only way: holes are not taken, Note [Capture rules].)
+      if (!refill && !s_.capturing()) audit_creation(seg, need - planned_, room - planned_);
       // A refill creates exactly what it misses: the memory it puts back is what the cycle moved.
       if (Status st = create(need - planned_, refill ? need - planned_ : room - planned_, &created); st != Status::ok)
         return fail_request(st, created);
@@ -328,6 +334,12 @@ class FraglessPolicy final : public GrowablePolicy {
     return room;
   }
 
+  bool overlaps_pending(const Segment& seg, std::size_t first, std::size_t n) const {
+    for (const Pending& p : pending_)
+      if (p.seg == &seg && p.first < first + n && first < p.first + p.n) return true;
+    return false;
+  }
+
   // Unmaps the lent ranges whose work is done, without waiting.
   void poll_pending() {
     std::erase_if(pending_, [&](const Pending& p) {
@@ -361,7 +373,8 @@ class FraglessPolicy final : public GrowablePolicy {
   // A failed request: the handles it was lent (used or not) become idle, which any stream may take, so the
   // lenders' queued work must be done first; what it created goes back to the driver.
   Status fail_request(Status st, const std::vector<PhysHandle>& created) {
-    if (!pending_.empty() && !pool_.taken().empty()) finish_pending(nullptr, 0, 0);
+    // (During a capture nothing was lent: the taken handles were idle or new, and nothing need wait.)
+    if (!pending_.empty() && !pool_.taken().empty() && !s_.capturing()) finish_pending(nullptr, 0, 0);
     pool_.return_taken();
     for (PhysHandle h : created) {
       const std::size_t pages = pool_.pages(h);

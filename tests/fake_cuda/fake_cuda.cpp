@@ -1,22 +1,53 @@
 // A test double of libcuda: the driver-API functions fragless uses, with their C ABI, over host memory.
 // Physical allocations are memfds; reservations are PROT_NONE mappings; cuMemMap maps the memfd over the
 // reservation (still inaccessible, as CUDA leaves it) and cuMemSetAccess makes it readable and writable,
-// so programs really read and write what they allocate. Checks the pre-conditions CUDA documents, in
-// their strictest reading (the rules R1-R9 of allocator/include/fragless/driver.h), and returns
-// CUDA_ERROR_INVALID_VALUE when one is broken: a mapping is a whole handle at offset 0; unmap and set
-// access cover whole, adjacent mappings; a released handle keeps its memory until its last mapping goes
-// and can no longer be mapped. The double is never more permissive than CUDA. Failure injection: fakecuda_fail("cuMemMap", n, e).
-// Environment: FAKECUDA_DEVICES (default 2), FAKECUDA_CAPACITY_MB (per device, default 1024).
+// so programs really read and write what they allocate.
+//
+// It models what CUDA does, in the strictest reading of its documentation, and is never more permissive:
+//  - the VMM rules R1-R9 of allocator/include/fragless/driver.h (CUDA_ERROR_INVALID_VALUE when broken);
+//  - contexts: a primary context per device (retained, released, its state), a per-thread stack of current
+//    contexts (a new thread has none), push, pop, set, get. Every call except initialisation, device queries,
+//    primary-context management, context-stack calls, error strings and cuGetProcAddress needs a current,
+//    live context (CUDA_ERROR_INVALID_CONTEXT). Streams and events belong to the context current at their
+//    creation; stream 0 (and CU_STREAM_LEGACY, CU_STREAM_PER_THREAD) is the current context's. Recording an
+//    event on a stream of another context is CUDA_ERROR_INVALID_HANDLE, as cuda.h says of cuEventRecord.
+//    A stream the program never created is CUDA_ERROR_INVALID_HANDLE.
+//  - asynchrony, on a virtual clock: a test enqueues work (fakecuda_launch) that touches an address range for
+//    some ticks. Work on a stream runs in order, after whatever the stream waited for (cuStreamWaitEvent);
+//    an event completes when the work before it has. The clock moves when the test advances it, or when the
+//    host waits (a stream, event or context synchronisation waits exactly until that work is done). A held
+//    stream (fakecuda_hold_stream) makes no progress until it is released or synchronised.
+//    Unmapping, releasing or freeing the address range of memory that unfinished work touches, and work
+//    touching memory that unfinished work of another stream touches without being ordered after it (the
+//    allocator handed a block out too early), or touching memory that is not mapped and accessible, are
+//    illegal-address faults: counted, described, and sticky (every later call then fails with
+//    CUDA_ERROR_ILLEGAL_ADDRESS, as a context does after a fault). The census reports them.
+//  - stream capture: cuStreamBeginCapture/EndCapture/IsCapturing/GetCaptureInfo and
+//    cuThreadExchangeStreamCaptureMode. During a capture, querying or synchronising a captured event or a
+//    capturing stream, synchronising the context, and (from a thread whose mode is not relaxed, in global
+//    mode from any thread) calls CUDA deems unsafe - the VMM calls, cuMemGetInfo, event queries and every
+//    synchronisation - fail with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (or CUDA_ERROR_CAPTURED_EVENT) and
+//    invalidate the capture; cuStreamEndCapture then fails with CUDA_ERROR_STREAM_CAPTURE_INVALIDATED. Work
+//    launched on a capturing stream is recorded, not run.
+//  - versions: cuDriverGetVersion is settable; cuGetProcAddress refuses a version above it.
+// Failure injection: fakecuda_fail("cuMemMap", n, e). Environment: FAKECUDA_DEVICES (default 2),
+// FAKECUDA_CAPACITY_MB (per device, default 1024; a comma list gives each device its own), FAKECUDA_DRIVER_VERSION.
 #include <cuda.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -27,35 +58,76 @@
 namespace {
 
 constexpr std::size_t kGranularity = 2u << 20;
+constexpr std::uint64_t kNever = std::numeric_limits<std::uint64_t>::max();
+
+// One operation queued on a stream: a kernel, an event record or a wait. It completes at `done` on the
+// virtual clock; while its stream is held or something it depends on is unresolved, `done` is kNever and the
+// node is `blocked`, remembering what it waits for.
+struct Node {
+  CUstream stream = nullptr;
+  std::uint64_t duration = 0;
+  std::uint64_t done = kNever;
+  bool blocked = false;
+  std::shared_ptr<Node> after_stream;             // the stream's previous node (while blocked)
+  std::vector<std::shared_ptr<Node>> after_events; // waited-for events (while blocked)
+};
+using NodeP = std::shared_ptr<Node>;
 
 struct Handle { int fd; std::size_t size; int device; int map_count; bool released; };
-struct Mapping { std::size_t size; CUmemGenericAllocationHandle handle; };
+struct Mapping { std::size_t size; CUmemGenericAllocationHandle handle; bool accessible; };
 struct Fault { int countdown; CUresult error; };
-struct FakeEvent { CUstream stream; bool done; std::vector<CUevent> after; };
+struct FakeEvent { CUcontext ctx; NodeP node; unsigned long long capture = 0; };
+// `runtime`: made by fakecuda_stream_create/adopt, standing for the CUDA runtime's streams; the runtime keeps
+// its primary context retained, so they outlive the retains the program under test takes and drops.
+struct FakeStream { CUcontext ctx; NodeP tail; bool held = false; unsigned long long capture = 0; bool runtime = false; };
+struct Touch { CUdeviceptr va; std::size_t size; CUstream stream; NodeP node; };
+struct Capture { CUstream origin; CUstreamCaptureMode mode; std::thread::id thread; bool invalidated = false; };
+struct Primary { int retains = 0; };
 
 struct State {
   std::mutex mu;
   int devices = 2;
   std::map<int, std::size_t> capacity, used;
+  std::vector<Primary> primaries;
   std::unordered_map<CUmemGenericAllocationHandle, Handle> handles;
   CUmemGenericAllocationHandle next_handle = 1;
   std::map<CUdeviceptr, std::size_t> reservations;
   std::map<CUdeviceptr, Mapping> mappings;
   std::unordered_map<std::string, Fault> faults;
   std::unordered_map<std::string, unsigned long> calls;
+  std::unordered_map<std::string, unsigned> delays_us;
   std::unordered_map<CUevent, FakeEvent> events;
-  std::set<CUstream> held;
-  std::unordered_map<CUstream, std::vector<CUevent>> waits;  // cuStreamWaitEvent: later work waits for these
-  std::uintptr_t next_event = 0x1000;
+  std::map<CUstream, FakeStream> streams;          // created (or adopted) streams
+  std::map<CUcontext, FakeStream> null_streams;    // each context's legacy stream
+  std::vector<NodeP> blocked;                      // in enqueue order
+  std::vector<Touch> touches;                      // work that touches memory, until it is done
+  std::map<unsigned long long, Capture> captures;  // capture id -> capture under way
+  unsigned long long next_capture = 1;
+  std::uintptr_t next_event = 0x1000, next_stream = 0x5000, next_graph = 0x9000;
+  std::uint64_t now = 0;
+  long fault_count = 0, invalidated_captures = 0;
+  std::string first_fault;
   bool initialised = false;
-  int driver_version = 13000;  // cuDriverGetVersion; FAKECUDA_DRIVER_VERSION or fakecuda_set_driver_version
-  unsigned last_handle_types = 0;  // requestedHandleTypes of the last cuMemCreate
+  int driver_version = 13000;
+  unsigned last_handle_types = 0;
+  std::map<CUdeviceptr, std::set<int>> access_of;  // per mapping (by its address): devices granted access
   State() {
     if (const char* v = std::getenv("FAKECUDA_DRIVER_VERSION")) driver_version = std::max(1, std::atoi(v));
     if (const char* d = std::getenv("FAKECUDA_DEVICES")) devices = std::max(1, std::atoi(d));
-    std::size_t cap = 1024;
-    if (const char* c = std::getenv("FAKECUDA_CAPACITY_MB")) cap = static_cast<std::size_t>(std::max(1, std::atoi(c)));
-    for (int i = 0; i < devices; ++i) capacity[i] = cap << 20, used[i] = 0;
+    std::vector<std::size_t> caps;
+    if (const char* c = std::getenv("FAKECUDA_CAPACITY_MB"))
+      for (const char* q = c; *q;) {
+        caps.push_back(static_cast<std::size_t>(std::max(1, std::atoi(q))));
+        const char* comma = std::strchr(q, ',');
+        if (!comma) break;
+        q = comma + 1;
+      }
+    for (int i = 0; i < devices; ++i) {
+      const std::size_t mb = caps.empty() ? 1024 : caps[std::min<std::size_t>(static_cast<std::size_t>(i), caps.size() - 1)];
+      capacity[i] = mb << 20;
+      used[i] = 0;
+    }
+    primaries.resize(static_cast<std::size_t>(devices));
   }
 };
 
@@ -64,9 +136,21 @@ State& st() {
   return *s;
 }
 
-thread_local CUcontext current_ctx = nullptr;
+thread_local std::vector<CUcontext> t_ctx_stack;
+thread_local CUstreamCaptureMode t_capture_mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
+
 CUcontext primary_ctx(int dev) { return reinterpret_cast<CUcontext>(static_cast<std::uintptr_t>(0xC0 + dev)); }
-int ctx_device(CUcontext c) { return c ? static_cast<int>(reinterpret_cast<std::uintptr_t>(c) - 0xC0) : 0; }
+int ctx_device(CUcontext c) { return static_cast<int>(reinterpret_cast<std::uintptr_t>(c) - 0xC0); }
+bool ctx_live(CUcontext c) {
+  const int d = ctx_device(c);
+  return c && d >= 0 && d < st().devices && st().primaries[static_cast<std::size_t>(d)].retains > 0;
+}
+CUcontext current() { return t_ctx_stack.empty() ? nullptr : t_ctx_stack.back(); }
+
+void fault(const std::string& what) {
+  State& s = st();
+  if (s.fault_count++ == 0) s.first_fault = what;
+}
 
 // Counts the call and returns the injected error, or CUDA_SUCCESS. Caller holds st().mu.
 CUresult enter(const char* fn) {
@@ -80,6 +164,166 @@ CUresult enter(const char* fn) {
   }
   return CUDA_SUCCESS;
 }
+
+// A call that needs a current, live context; a fault earlier makes every such call fail (sticky).
+CUresult need_context() {
+  if (!ctx_live(current())) return CUDA_ERROR_INVALID_CONTEXT;
+  if (st().fault_count) return CUDA_ERROR_ILLEGAL_ADDRESS;
+  return CUDA_SUCCESS;
+}
+
+// ---- Stream capture --------------------------------------------------------------------------------------
+
+// Invalidates capture `id` (CUDA does so when a capture sees an unsupported call).
+void invalidate(unsigned long long id) {
+  auto it = st().captures.find(id);
+  if (it != st().captures.end() && !it->second.invalidated) {
+    it->second.invalidated = true;
+    ++st().invalidated_captures;
+  }
+}
+
+// A potentially unsafe call (cuda.h, cuThreadExchangeStreamCaptureMode): prohibited from a thread whose own
+// capture is not relaxed, and from any thread while a global-mode capture is under way, unless the calling
+// thread's mode is relaxed. A prohibited call fails and invalidates the captures it conflicts with.
+CUresult unsafe_call() {
+  State& s = st();
+  if (s.captures.empty() || t_capture_mode == CU_STREAM_CAPTURE_MODE_RELAXED) return CUDA_SUCCESS;
+  bool prohibited = false;
+  for (auto& [id, c] : s.captures) {
+    const bool mine = c.thread == std::this_thread::get_id();
+    if ((mine && c.mode != CU_STREAM_CAPTURE_MODE_RELAXED) || c.mode == CU_STREAM_CAPTURE_MODE_GLOBAL) {
+      prohibited = true;
+      invalidate(id);
+    }
+  }
+  return prohibited ? CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED : CUDA_SUCCESS;
+}
+
+// The stream a handle names for the calling thread: created streams by handle, 0 / legacy / per-thread as
+// the current context's own. nullptr when it names none.
+FakeStream* stream_of(CUstream h) {
+  State& s = st();
+  if (h == nullptr || h == CU_STREAM_LEGACY || h == CU_STREAM_PER_THREAD) {
+    CUcontext c = current();
+    if (!c) return nullptr;
+    auto& n = s.null_streams[c];
+    n.ctx = c;
+    return &n;
+  }
+  auto it = s.streams.find(h);
+  return it == s.streams.end() ? nullptr : &it->second;
+}
+
+// Using a stream while a capture is under way: the legacy stream synchronises with every blocking stream of
+// its context, so using it while one of them captures invalidates that capture (cudaStreamLegacy semantics).
+CUresult legacy_use(CUstream h, FakeStream* fs) {
+  if (h != nullptr && h != CU_STREAM_LEGACY) return CUDA_SUCCESS;
+  bool conflict = false;
+  for (auto& [sh, other] : st().streams)
+    if (other.ctx == fs->ctx && other.capture) {
+      invalidate(other.capture);
+      conflict = true;
+    }
+  return conflict ? CUDA_ERROR_STREAM_CAPTURE_IMPLICIT : CUDA_SUCCESS;
+}
+
+// ---- The virtual clock -----------------------------------------------------------------------------------
+
+// Works out every blocked node that can now be placed on the clock (streams not held, dependencies placed).
+void resolve() {
+  State& s = st();
+  bool progress = true;
+  while (progress && !s.blocked.empty()) {
+    progress = false;
+    for (auto it = s.blocked.begin(); it != s.blocked.end();) {
+      Node& n = **it;
+      const FakeStream* fs = nullptr;
+      if (auto f = s.streams.find(n.stream); f != s.streams.end()) fs = &f->second;
+      bool ready = !(fs && fs->held) && (!n.after_stream || !n.after_stream->blocked);
+      for (auto& d : n.after_events) ready = ready && !d->blocked;
+      if (!ready) {
+        ++it;
+        continue;
+      }
+      std::uint64_t start = s.now;
+      if (n.after_stream) start = std::max(start, n.after_stream->done);
+      for (auto& d : n.after_events) start = std::max(start, d->done);
+      n.done = start + n.duration;
+      n.blocked = false;
+      n.after_stream.reset();
+      n.after_events.clear();
+      it = s.blocked.erase(it);
+      progress = true;
+    }
+  }
+}
+
+// Queues a node on stream fs: after the stream's previous node and `waits`, for `duration` ticks.
+NodeP enqueue(FakeStream& fs, CUstream h, std::uint64_t duration, std::vector<NodeP> waits = {}) {
+  State& s = st();
+  auto n = std::make_shared<Node>();
+  n->stream = h;
+  n->duration = duration;
+  bool blocked = fs.held || (fs.tail && fs.tail->blocked);
+  for (auto& w : waits) blocked = blocked || w->blocked;
+  if (!blocked) {
+    std::uint64_t start = s.now;
+    if (fs.tail) start = std::max(start, fs.tail->done);
+    for (auto& w : waits) start = std::max(start, w->done);
+    n->done = start + duration;
+  } else {
+    n->blocked = true;
+    n->after_stream = fs.tail;
+    n->after_events = std::move(waits);
+    s.blocked.push_back(n);
+  }
+  fs.tail = n;
+  return n;
+}
+
+// Moves the clock to `t` (never back) and forgets the work that is done by then.
+void advance_to(std::uint64_t t) {
+  State& s = st();
+  s.now = std::max(s.now, t);
+  std::erase_if(s.touches, [&](const Touch& w) { return !w.node->blocked && w.node->done <= s.now; });
+}
+
+bool node_done(const NodeP& n) { return !n || (!n->blocked && n->done <= st().now); }
+
+// The host waits for node n: holds on the streams it waits behind end (the work is running, and finishes),
+// then the clock moves to its completion.
+void wait_for(const NodeP& n) {
+  if (!n) return;
+  State& s = st();
+  if (n->blocked) {
+    std::vector<Node*> todo{n.get()};
+    std::set<Node*> seen;
+    while (!todo.empty()) {
+      Node* x = todo.back();
+      todo.pop_back();
+      if (!x->blocked || !seen.insert(x).second) continue;
+      if (auto f = s.streams.find(x->stream); f != s.streams.end()) f->second.held = false;
+      if (x->after_stream) todo.push_back(x->after_stream.get());
+      for (auto& d : x->after_events) todo.push_back(d.get());
+    }
+    resolve();
+  }
+  if (!n->blocked) advance_to(n->done);
+}
+
+// Unfinished work touching [va, va+size): an unmap, release or free of it is an illegal-address fault.
+bool still_touched(CUdeviceptr va, std::size_t size, const char* what) {
+  for (const Touch& w : st().touches)
+    if (!node_done(w.node) && w.va < va + size && va < w.va + w.size) {
+      fault(std::string(what) + " of memory that unfinished work on stream " +
+            std::to_string(reinterpret_cast<std::uintptr_t>(w.stream)) + " still touches");
+      return true;
+    }
+  return false;
+}
+
+// ---- VMM bookkeeping -------------------------------------------------------------------------------------
 
 bool overlaps_mapping(State& s, CUdeviceptr va, std::size_t size) {
   auto it = s.mappings.lower_bound(va);
@@ -99,6 +343,21 @@ bool whole_mappings(State& s, CUdeviceptr va, std::size_t size) {
   return covered == size;
 }
 
+// Whether device `dev` may access all of [va, va+size): mapped, with access granted to it.
+bool accessible(State& s, CUdeviceptr va, std::size_t size, int dev) {
+  CUdeviceptr at = va;
+  while (at < va + size) {
+    auto it = s.mappings.upper_bound(at);
+    if (it == s.mappings.begin()) return false;
+    --it;
+    if (it->first + it->second.size <= at) return false;
+    auto a = s.access_of.find(it->first);
+    if (a == s.access_of.end() || !a->second.count(dev)) return false;
+    at = it->first + it->second.size;
+  }
+  return true;
+}
+
 // The memory of a released handle goes once nothing maps it (R8).
 void drop_if_unused(State& s, CUmemGenericAllocationHandle h) {
   auto it = s.handles.find(h);
@@ -115,26 +374,28 @@ bool in_reservation(State& s, CUdeviceptr va, std::size_t size) {
   return va + size <= it->first + it->second;
 }
 
-// An event is done when its own stream's work is, and everything that work waited for.
-bool event_done(const FakeEvent& ev) {
-  if (!ev.done) return false;
-  for (CUevent d : ev.after) {
-    auto it = st().events.find(d);
-    if (it != st().events.end() && !event_done(it->second)) return false;
+// A test-set delay (fakecuda_set_delay): the call takes this long, outside the double's lock. The call
+// counts as "<fn>:started" at once (the call itself is counted after the delay).
+void delay(const char* fn) {
+  unsigned us = 0;
+  {
+    std::lock_guard lk(st().mu);
+    ++st().calls[std::string(fn) + ":started"];
+    auto it = st().delays_us.find(fn);
+    if (it != st().delays_us.end()) us = it->second;
   }
-  return true;
-}
-
-void finish(CUevent e) {
-  auto it = st().events.find(e);
-  if (it == st().events.end()) return;
-  it->second.done = true;
-  for (CUevent d : it->second.after) finish(d);
+  if (us) std::this_thread::sleep_for(std::chrono::microseconds(us));
 }
 
 #define ENTER(name)                              \
   std::lock_guard lk(st().mu);                   \
   if (CUresult e_ = enter(name); e_) return e_;
+
+#define NEED_CONTEXT()                                    \
+  if (CUresult c_ = need_context(); c_) return c_;
+
+#define UNSAFE_DURING_CAPTURE()                           \
+  if (CUresult u_ = unsafe_call(); u_) return u_;
 
 }  // namespace
 
@@ -154,8 +415,19 @@ constexpr ErrorText kErrors[] = {
     {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
     {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
     {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+    {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
     {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"},
     {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
+    {CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+     "operation not permitted when stream is capturing"},
+    {CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+     "operation failed due to a previous error during capture"},
+    {CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+     "operation would make the legacy stream depend on a capturing blocking stream"},
+    {CUDA_ERROR_CAPTURED_EVENT, "CUDA_ERROR_CAPTURED_EVENT", "operation not permitted on an event last recorded in a capturing stream"},
+    {CUDA_ERROR_STREAM_CAPTURE_ISOLATION, "CUDA_ERROR_STREAM_CAPTURE_ISOLATION",
+     "dependency created on uncaptured work in another stream"},
 };
 const ErrorText* error_text(CUresult e) {
   for (const auto& t : kErrors)
@@ -197,32 +469,117 @@ FAKE_API CUresult cuDeviceGetAttribute(int* v, CUdevice_attribute a, CUdevice d)
   return CUDA_SUCCESS;
 }
 
+FAKE_API CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice d) {
+  ENTER("cuDeviceTotalMem");
+  if (!bytes) return CUDA_ERROR_INVALID_VALUE;
+  if (d < 0 || d >= st().devices) return CUDA_ERROR_INVALID_DEVICE;
+  *bytes = st().capacity[d];
+  return CUDA_SUCCESS;
+}
+
 FAKE_API CUresult cuDeviceCanAccessPeer(int* can, CUdevice a, CUdevice b) {
   ENTER("cuDeviceCanAccessPeer");
+  if (a < 0 || a >= st().devices || b < 0 || b >= st().devices) return CUDA_ERROR_INVALID_DEVICE;
   *can = a != b;
   return CUDA_SUCCESS;
 }
 
 FAKE_API CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) {
   ENTER("cuDevicePrimaryCtxRetain");
+  if (!c) return CUDA_ERROR_INVALID_VALUE;
   if (d < 0 || d >= st().devices) return CUDA_ERROR_INVALID_DEVICE;
+  ++st().primaries[static_cast<std::size_t>(d)].retains;
   *c = primary_ctx(d);
   return CUDA_SUCCESS;
 }
 
-FAKE_API CUresult cuCtxGetCurrent(CUcontext* c) {
-  *c = current_ctx;
+FAKE_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) {
+  ENTER("cuDevicePrimaryCtxRelease");
+  if (d < 0 || d >= st().devices) return CUDA_ERROR_INVALID_DEVICE;
+  int& r = st().primaries[static_cast<std::size_t>(d)].retains;
+  if (r == 0) return CUDA_ERROR_INVALID_CONTEXT;
+  if (--r == 0) {  // the context is destroyed: its streams and events go with it
+    const CUcontext c = primary_ctx(d);
+    std::erase_if(st().streams, [&](const auto& kv) { return kv.second.ctx == c && !kv.second.runtime; });
+    std::erase_if(st().events, [&](const auto& kv) { return kv.second.ctx == c; });
+    st().null_streams.erase(c);
+  }
   return CUDA_SUCCESS;
 }
 
+FAKE_API CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned* flags, int* active) {
+  ENTER("cuDevicePrimaryCtxGetState");
+  if (!flags || !active) return CUDA_ERROR_INVALID_VALUE;
+  if (d < 0 || d >= st().devices) return CUDA_ERROR_INVALID_DEVICE;
+  *flags = 0;
+  *active = st().primaries[static_cast<std::size_t>(d)].retains > 0;
+  return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuCtxGetCurrent(CUcontext* c) {
+  std::lock_guard lk(st().mu);
+  ++st().calls["cuCtxGetCurrent"];
+  if (!c) return CUDA_ERROR_INVALID_VALUE;
+  *c = current();
+  return CUDA_SUCCESS;
+}
+
+// cuda.h: replaces the top of the stack with c; a null c pops it (a no-op on an empty stack).
 FAKE_API CUresult cuCtxSetCurrent(CUcontext c) {
-  current_ctx = c;
+  std::lock_guard lk(st().mu);
+  ++st().calls["cuCtxSetCurrent"];
+  if (c && !ctx_live(c)) return CUDA_ERROR_INVALID_CONTEXT;
+  if (!c) {
+    if (!t_ctx_stack.empty()) t_ctx_stack.pop_back();
+  } else if (t_ctx_stack.empty()) {
+    t_ctx_stack.push_back(c);
+  } else {
+    t_ctx_stack.back() = c;
+  }
+  return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuCtxPushCurrent_v2(CUcontext c) {
+  std::lock_guard lk(st().mu);
+  ++st().calls["cuCtxPushCurrent"];
+  if (!ctx_live(c)) return CUDA_ERROR_INVALID_CONTEXT;
+  t_ctx_stack.push_back(c);
+  return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuCtxPopCurrent_v2(CUcontext* c) {
+  std::lock_guard lk(st().mu);
+  ++st().calls["cuCtxPopCurrent"];
+  if (t_ctx_stack.empty()) return CUDA_ERROR_INVALID_CONTEXT;
+  if (c) *c = t_ctx_stack.back();
+  t_ctx_stack.pop_back();
+  return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuCtxSynchronize() {
+  ENTER("cuCtxSynchronize");
+  NEED_CONTEXT();
+  const CUcontext c = current();
+  // A context with a capturing stream cannot be synchronised, in any mode.
+  bool capturing = false;
+  for (auto& [h, fs] : st().streams)
+    if (fs.ctx == c && fs.capture) {
+      invalidate(fs.capture);
+      capturing = true;
+    }
+  if (capturing) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+  UNSAFE_DURING_CAPTURE();
+  for (auto& [h, fs] : st().streams)
+    if (fs.ctx == c) wait_for(fs.tail);
+  if (auto n = st().null_streams.find(c); n != st().null_streams.end()) wait_for(n->second.tail);
   return CUDA_SUCCESS;
 }
 
 FAKE_API CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
   ENTER("cuMemGetInfo");
-  const int dev = ctx_device(current_ctx);
+  NEED_CONTEXT();
+  UNSAFE_DURING_CAPTURE();
+  const int dev = ctx_device(current());
   *total = st().capacity[dev];
   *free_bytes = st().capacity[dev] - st().used[dev];
   return CUDA_SUCCESS;
@@ -230,6 +587,7 @@ FAKE_API CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
 
 FAKE_API CUresult cuMemGetAllocationGranularity(size_t* g, const CUmemAllocationProp* prop, CUmemAllocationGranularity_flags) {
   ENTER("cuMemGetAllocationGranularity");
+  NEED_CONTEXT();
   if (!prop || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
     return CUDA_ERROR_INVALID_VALUE;
   *g = kGranularity;
@@ -238,6 +596,8 @@ FAKE_API CUresult cuMemGetAllocationGranularity(size_t* g, const CUmemAllocation
 
 FAKE_API CUresult cuMemAddressReserve(CUdeviceptr* p, size_t size, size_t alignment, CUdeviceptr, unsigned long long) {
   ENTER("cuMemAddressReserve");
+  NEED_CONTEXT();
+  UNSAFE_DURING_CAPTURE();
   if (size == 0 || size % kGranularity) return CUDA_ERROR_INVALID_VALUE;
   const std::size_t align = std::max(alignment, kGranularity);
   void* m = mmap(nullptr, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -254,15 +614,21 @@ FAKE_API CUresult cuMemAddressReserve(CUdeviceptr* p, size_t size, size_t alignm
 
 FAKE_API CUresult cuMemAddressFree(CUdeviceptr p, size_t size) {
   ENTER("cuMemAddressFree");
+  NEED_CONTEXT();
+  UNSAFE_DURING_CAPTURE();
   auto it = st().reservations.find(p);
   if (it == st().reservations.end() || it->second != size || overlaps_mapping(st(), p, size)) return CUDA_ERROR_INVALID_VALUE;
+  still_touched(p, size, "cuMemAddressFree");
   munmap(reinterpret_cast<void*>(p), size);
   st().reservations.erase(it);
   return CUDA_SUCCESS;
 }
 
 FAKE_API CUresult cuMemCreate(CUmemGenericAllocationHandle* h, size_t size, const CUmemAllocationProp* prop, unsigned long long) {
+  delay("cuMemCreate");
   ENTER("cuMemCreate");
+  NEED_CONTEXT();
+  UNSAFE_DURING_CAPTURE();
   State& s = st();
   if (!prop || size == 0 || size % kGranularity || prop->location.id < 0 || prop->location.id >= s.devices)
     return CUDA_ERROR_INVALID_VALUE;
@@ -282,6 +648,8 @@ FAKE_API CUresult cuMemCreate(CUmemGenericAllocationHandle* h, size_t size, cons
 
 FAKE_API CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
   ENTER("cuMemRelease");
+  NEED_CONTEXT();
+  UNSAFE_DURING_CAPTURE();
   State& s = st();
   auto it = s.handles.find(h);
   if (it == s.handles.end() || it->second.released) return CUDA_ERROR_INVALID_VALUE;
@@ -292,6 +660,8 @@ FAKE_API CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
 
 FAKE_API CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, CUmemGenericAllocationHandle h, unsigned long long) {
   ENTER("cuMemMap");
+  NEED_CONTEXT();
+  UNSAFE_DURING_CAPTURE();
   State& s = st();
   auto it = s.handles.find(h);
   // R5: one whole, unreleased handle at offset 0 ("currently must be zero"), inside one reservation,
@@ -301,20 +671,25 @@ FAKE_API CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, CUmemGene
     return CUDA_ERROR_INVALID_VALUE;
   void* m = mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_SHARED | MAP_FIXED, it->second.fd, 0);
   if (m == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
-  s.mappings[va] = {size, h};
+  s.mappings[va] = {size, h, false};
   ++it->second.map_count;
   return CUDA_SUCCESS;
 }
 
 FAKE_API CUresult cuMemUnmap(CUdeviceptr va, size_t size) {
   ENTER("cuMemUnmap");
+  NEED_CONTEXT();
+  UNSAFE_DURING_CAPTURE();
   State& s = st();
   if (!whole_mappings(s, va, size)) return CUDA_ERROR_INVALID_VALUE;  // R7
+  // cuMemUnmap is not stream-ordered: work still running over the range faults.
+  still_touched(va, size, "cuMemUnmap");
   mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
   std::vector<CUmemGenericAllocationHandle> touched;
   for (auto it = s.mappings.find(va); it != s.mappings.end() && it->first < va + size; ++it) {
     --s.handles[it->second.handle].map_count;
     touched.push_back(it->second.handle);
+    s.access_of.erase(it->first);
   }
   s.mappings.erase(s.mappings.find(va), s.mappings.lower_bound(va + size));
   for (auto h : touched) drop_if_unused(s, h);
@@ -323,62 +698,202 @@ FAKE_API CUresult cuMemUnmap(CUdeviceptr va, size_t size) {
 
 FAKE_API CUresult cuMemSetAccess(CUdeviceptr va, size_t size, const CUmemAccessDesc* desc, size_t count) {
   ENTER("cuMemSetAccess");
+  NEED_CONTEXT();
+  UNSAFE_DURING_CAPTURE();
   State& s = st();
   if (!desc || count == 0 || !whole_mappings(s, va, size)) return CUDA_ERROR_INVALID_VALUE;  // R6
+  for (std::size_t i = 0; i < count; ++i)
+    if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || desc[i].location.id < 0 ||
+        desc[i].location.id >= s.devices)
+      return CUDA_ERROR_INVALID_DEVICE;
+  for (auto it = s.mappings.find(va); it != s.mappings.end() && it->first < va + size; ++it) {
+    it->second.accessible = true;
+    for (std::size_t i = 0; i < count; ++i)
+      if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE) s.access_of[it->first].insert(desc[i].location.id);
+  }
   mprotect(reinterpret_cast<void*>(va), size, PROT_READ | PROT_WRITE);
+  return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuStreamCreate(CUstream* out, unsigned) {
+  ENTER("cuStreamCreate");
+  NEED_CONTEXT();
+  if (!out) return CUDA_ERROR_INVALID_VALUE;
+  auto h = reinterpret_cast<CUstream>(st().next_stream++);
+  st().streams[h] = FakeStream{current(), nullptr};
+  *out = h;
+  return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuStreamDestroy_v2(CUstream h) {
+  ENTER("cuStreamDestroy");
+  NEED_CONTEXT();
+  auto it = st().streams.find(h);
+  if (it == st().streams.end()) return CUDA_ERROR_INVALID_HANDLE;
+  st().streams.erase(it);  // queued work still completes (cuStreamDestroy returns at once)
   return CUDA_SUCCESS;
 }
 
 FAKE_API CUresult cuEventCreate(CUevent* e, unsigned) {
   ENTER("cuEventCreate");
+  NEED_CONTEXT();
   *e = reinterpret_cast<CUevent>(st().next_event++);
-  st().events[*e] = {nullptr, true, {}};
+  st().events[*e] = {current(), nullptr, 0};
   return CUDA_SUCCESS;
 }
 
-FAKE_API CUresult cuEventRecord(CUevent e, CUstream s) {
+FAKE_API CUresult cuEventRecord(CUevent e, CUstream h) {
   ENTER("cuEventRecord");
+  NEED_CONTEXT();
   auto it = st().events.find(e);
-  if (it == st().events.end()) return CUDA_ERROR_INVALID_VALUE;
-  it->second = {s, st().held.count(s) == 0, st().waits[s]};
+  FakeStream* fs = stream_of(h);
+  if (it == st().events.end() || !fs) return CUDA_ERROR_INVALID_HANDLE;
+  if (it->second.ctx != fs->ctx) return CUDA_ERROR_INVALID_HANDLE;  // cuda.h: same context
+  if (CUresult r = legacy_use(h, fs); r) return r;
+  if (fs->capture) {  // a node of the graph being captured, not work that runs
+    it->second.capture = fs->capture;
+    it->second.node = nullptr;
+    return CUDA_SUCCESS;
+  }
+  it->second.capture = 0;
+  it->second.node = enqueue(*fs, h, 0);
   return CUDA_SUCCESS;
 }
+
+namespace {
+// Event queries and waits on an event last recorded in a capture fail and invalidate it.
+CUresult captured_event(const FakeEvent& ev) {
+  if (!ev.capture) return CUDA_SUCCESS;
+  invalidate(ev.capture);
+  return CUDA_ERROR_CAPTURED_EVENT;
+}
+}  // namespace
 
 FAKE_API CUresult cuEventQuery(CUevent e) {
   ENTER("cuEventQuery");
+  NEED_CONTEXT();
   auto it = st().events.find(e);
-  if (it == st().events.end()) return CUDA_ERROR_INVALID_VALUE;
-  return event_done(it->second) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+  if (it == st().events.end()) return CUDA_ERROR_INVALID_HANDLE;
+  if (CUresult r = captured_event(it->second); r) return r;
+  UNSAFE_DURING_CAPTURE();
+  return node_done(it->second.node) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
 FAKE_API CUresult cuEventSynchronize(CUevent e) {
   ENTER("cuEventSynchronize");
+  NEED_CONTEXT();
   auto it = st().events.find(e);
-  if (it == st().events.end()) return CUDA_ERROR_INVALID_VALUE;
-  finish(e);  // waiting for it: the work finishes, and what it waited for
+  if (it == st().events.end()) return CUDA_ERROR_INVALID_HANDLE;
+  if (CUresult r = captured_event(it->second); r) return r;
+  UNSAFE_DURING_CAPTURE();
+  wait_for(it->second.node);  // the host waits until the work before the event is done
   return CUDA_SUCCESS;
 }
 
 FAKE_API CUresult cuEventDestroy_v2(CUevent e) {
   ENTER("cuEventDestroy");
-  return st().events.erase(e) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+  NEED_CONTEXT();
+  return st().events.erase(e) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
 
-FAKE_API CUresult cuStreamSynchronize(CUstream s) {
+FAKE_API CUresult cuStreamSynchronize(CUstream h) {
   ENTER("cuStreamSynchronize");
-  // The stream's work is done, and what it waited for (events recorded before the waits were captured).
-  for (CUevent w : st().waits[s]) finish(w);
-  st().waits.erase(s);
-  for (auto& [e, ev] : st().events)
-    if (ev.stream == s) finish(e);
+  NEED_CONTEXT();
+  FakeStream* fs = stream_of(h);
+  if (!fs) return CUDA_ERROR_INVALID_HANDLE;
+  if (fs->capture) {
+    invalidate(fs->capture);
+    return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+  }
+  if (CUresult r = legacy_use(h, fs); r) return r;
+  UNSAFE_DURING_CAPTURE();
+  fs->held = false;
+  resolve();
+  wait_for(fs->tail);
   return CUDA_SUCCESS;
 }
 
-FAKE_API CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
+FAKE_API CUresult cuStreamWaitEvent(CUstream h, CUevent e, unsigned flags) {
   ENTER("cuStreamWaitEvent");
+  NEED_CONTEXT();
   auto it = st().events.find(e);
-  if (it == st().events.end() || flags != 0) return CUDA_ERROR_INVALID_VALUE;
-  if (!event_done(it->second)) st().waits[s].push_back(e);
+  FakeStream* fs = stream_of(h);
+  if (it == st().events.end() || !fs) return CUDA_ERROR_INVALID_HANDLE;
+  if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  // The event may be of another context or device (cuda.h). Joining a capture's event from outside it is
+  // not allowed; a capturing stream waiting on uncaptured work takes it as an external dependency.
+  if (it->second.capture && it->second.capture != fs->capture) {
+    invalidate(it->second.capture);
+    return CUDA_ERROR_STREAM_CAPTURE_ISOLATION;
+  }
+  if (fs->capture) return CUDA_SUCCESS;
+  if (CUresult r = legacy_use(h, fs); r) return r;
+  if (it->second.node && !node_done(it->second.node)) enqueue(*fs, h, 0, {it->second.node});
+  return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuStreamBeginCapture_v2(CUstream h, CUstreamCaptureMode mode) {
+  ENTER("cuStreamBeginCapture");
+  NEED_CONTEXT();
+  if (h == nullptr || h == CU_STREAM_LEGACY) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;  // never the legacy stream
+  FakeStream* fs = stream_of(h);
+  if (!fs) return CUDA_ERROR_INVALID_HANDLE;
+  if (fs->capture) return CUDA_ERROR_ILLEGAL_STATE;
+  const unsigned long long id = st().next_capture++;
+  st().captures[id] = Capture{h, mode, std::this_thread::get_id()};
+  fs->capture = id;
+  return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuStreamEndCapture(CUstream h, CUgraph* graph) {
+  ENTER("cuStreamEndCapture");
+  NEED_CONTEXT();
+  FakeStream* fs = stream_of(h);
+  if (!fs || !graph) return CUDA_ERROR_INVALID_VALUE;
+  auto it = st().captures.find(fs->capture);
+  if (it == st().captures.end() || it->second.origin != h) return CUDA_ERROR_ILLEGAL_STATE;
+  if (it->second.mode != CU_STREAM_CAPTURE_MODE_RELAXED && it->second.thread != std::this_thread::get_id())
+    return CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD;
+  const bool bad = it->second.invalidated;
+  const unsigned long long id = it->first;
+  st().captures.erase(it);
+  for (auto& [sh, other] : st().streams)
+    if (other.capture == id) other.capture = 0;
+  for (auto& [eh, ev] : st().events)
+    if (ev.capture == id) ev.capture = 0;
+  *graph = bad ? nullptr : reinterpret_cast<CUgraph>(st().next_graph++);
+  return bad ? CUDA_ERROR_STREAM_CAPTURE_INVALIDATED : CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuStreamIsCapturing(CUstream h, CUstreamCaptureStatus* status) {
+  ENTER("cuStreamIsCapturing");
+  NEED_CONTEXT();
+  FakeStream* fs = stream_of(h);
+  if (!fs || !status) return CUDA_ERROR_INVALID_VALUE;
+  *status = CU_STREAM_CAPTURE_STATUS_NONE;
+  if (auto it = st().captures.find(fs->capture); it != st().captures.end())
+    *status = it->second.invalidated ? CU_STREAM_CAPTURE_STATUS_INVALIDATED : CU_STREAM_CAPTURE_STATUS_ACTIVE;
+  return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuStreamGetCaptureInfo_v3(CUstream h, CUstreamCaptureStatus* status, cuuint64_t* id, CUgraph* graph,
+                                            const CUgraphNode** deps, const CUgraphEdgeData** edges, size_t* ndeps) {
+  if (CUresult r = cuStreamIsCapturing(h, status); r) return r;
+  std::lock_guard lk(st().mu);
+  FakeStream* fs = stream_of(h);
+  if (id) *id = fs && fs->capture ? fs->capture : 0;
+  if (graph) *graph = nullptr;
+  if (deps) *deps = nullptr;
+  if (edges) *edges = nullptr;
+  if (ndeps) *ndeps = 0;
+  return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode* mode) {
+  if (!mode) return CUDA_ERROR_INVALID_VALUE;
+  std::lock_guard lk(st().mu);
+  ++st().calls["cuThreadExchangeStreamCaptureMode"];
+  std::swap(*mode, t_capture_mode);
   return CUDA_SUCCESS;
 }
 
@@ -416,10 +931,16 @@ FAKE_API CUresult cuGetProcAddress(const char* symbol, void** pfn, int cuda_vers
       {"cuDeviceGetCount", reinterpret_cast<void*>(&cuDeviceGetCount)},
       {"cuDeviceGet", reinterpret_cast<void*>(&cuDeviceGet)},
       {"cuDeviceGetAttribute", reinterpret_cast<void*>(&cuDeviceGetAttribute)},
+      {"cuDeviceTotalMem", reinterpret_cast<void*>(&cuDeviceTotalMem_v2)},
       {"cuDeviceCanAccessPeer", reinterpret_cast<void*>(&cuDeviceCanAccessPeer)},
       {"cuDevicePrimaryCtxRetain", reinterpret_cast<void*>(&cuDevicePrimaryCtxRetain)},
+      {"cuDevicePrimaryCtxRelease", reinterpret_cast<void*>(&cuDevicePrimaryCtxRelease_v2)},
+      {"cuDevicePrimaryCtxGetState", reinterpret_cast<void*>(&cuDevicePrimaryCtxGetState)},
       {"cuCtxGetCurrent", reinterpret_cast<void*>(&cuCtxGetCurrent)},
       {"cuCtxSetCurrent", reinterpret_cast<void*>(&cuCtxSetCurrent)},
+      {"cuCtxPushCurrent", reinterpret_cast<void*>(&cuCtxPushCurrent_v2)},
+      {"cuCtxPopCurrent", reinterpret_cast<void*>(&cuCtxPopCurrent_v2)},
+      {"cuCtxSynchronize", reinterpret_cast<void*>(&cuCtxSynchronize)},
       {"cuMemGetInfo", reinterpret_cast<void*>(&cuMemGetInfo_v2)},
       {"cuMemGetAllocationGranularity", reinterpret_cast<void*>(&cuMemGetAllocationGranularity)},
       {"cuMemAddressReserve", reinterpret_cast<void*>(&cuMemAddressReserve)},
@@ -429,6 +950,8 @@ FAKE_API CUresult cuGetProcAddress(const char* symbol, void** pfn, int cuda_vers
       {"cuMemMap", reinterpret_cast<void*>(&cuMemMap)},
       {"cuMemUnmap", reinterpret_cast<void*>(&cuMemUnmap)},
       {"cuMemSetAccess", reinterpret_cast<void*>(&cuMemSetAccess)},
+      {"cuStreamCreate", reinterpret_cast<void*>(&cuStreamCreate)},
+      {"cuStreamDestroy", reinterpret_cast<void*>(&cuStreamDestroy_v2)},
       {"cuEventCreate", reinterpret_cast<void*>(&cuEventCreate)},
       {"cuEventRecord", reinterpret_cast<void*>(&cuEventRecord)},
       {"cuEventQuery", reinterpret_cast<void*>(&cuEventQuery)},
@@ -436,15 +959,22 @@ FAKE_API CUresult cuGetProcAddress(const char* symbol, void** pfn, int cuda_vers
       {"cuEventDestroy", reinterpret_cast<void*>(&cuEventDestroy_v2)},
       {"cuStreamSynchronize", reinterpret_cast<void*>(&cuStreamSynchronize)},
       {"cuStreamWaitEvent", reinterpret_cast<void*>(&cuStreamWaitEvent)},
+      {"cuStreamBeginCapture", reinterpret_cast<void*>(&cuStreamBeginCapture_v2)},
+      {"cuStreamEndCapture", reinterpret_cast<void*>(&cuStreamEndCapture)},
+      {"cuStreamIsCapturing", reinterpret_cast<void*>(&cuStreamIsCapturing)},
+      {"cuStreamGetCaptureInfo", reinterpret_cast<void*>(&cuStreamGetCaptureInfo_v3)},
+      {"cuThreadExchangeStreamCaptureMode", reinterpret_cast<void*>(&cuThreadExchangeStreamCaptureMode)},
   };
   auto it = table.find(symbol ? symbol : "");
   if (it == table.end()) {
-    *pfn = nullptr;
+    if (pfn) *pfn = nullptr;
     return CUDA_ERROR_NOT_FOUND;
   }
   *pfn = it->second;
   return CUDA_SUCCESS;
 }
+
+// ---- Controls for tests ----------------------------------------------------------------------------------
 
 FAKE_API void fakecuda_fail(const char* fn, int nth, int error) {
   std::lock_guard lk(st().mu);
@@ -455,6 +985,11 @@ FAKE_API void fakecuda_fail(const char* fn, int nth, int error) {
 FAKE_API void fakecuda_reset_failures() {
   std::lock_guard lk(st().mu);
   st().faults.clear();
+}
+
+FAKE_API void fakecuda_set_delay(const char* fn, unsigned microseconds) {
+  std::lock_guard lk(st().mu);
+  st().delays_us[fn] = microseconds;
 }
 
 FAKE_API unsigned long fakecuda_calls(const char* fn) {
@@ -471,21 +1006,90 @@ FAKE_API void fakecuda_get_census(fakecuda_census* out) {
   out->events = static_cast<long>(st().events.size());
   out->used_bytes = 0;
   for (auto& [d, u] : st().used) out->used_bytes += u;
+  out->faults = st().fault_count;
+  out->invalidated_captures = st().invalidated_captures;
+  out->context_retains = 0;
+  for (auto& p : st().primaries) out->context_retains += p.retains;
+}
+
+FAKE_API const char* fakecuda_first_fault() {
+  std::lock_guard lk(st().mu);
+  return st().first_fault.c_str();
+}
+
+FAKE_API void fakecuda_clear_faults() {
+  std::lock_guard lk(st().mu);
+  st().fault_count = 0;
+  st().invalidated_captures = 0;
+  st().first_fault.clear();
 }
 
 FAKE_API void fakecuda_hold_stream(void* stream, int hold) {
   std::lock_guard lk(st().mu);
-  auto s = reinterpret_cast<CUstream>(stream);
-  if (hold) {
-    st().held.insert(s);
-  } else {
-    st().held.erase(s);
-    for (auto& [e, ev] : st().events)
-      if (ev.stream == s) ev.done = true;
-  }
+  auto it = st().streams.find(reinterpret_cast<CUstream>(stream));
+  if (it == st().streams.end()) return;
+  it->second.held = hold != 0;
+  if (!hold) resolve();  // its work runs now
 }
 
 FAKE_API void fakecuda_set_capacity(int device, std::size_t bytes) {
   std::lock_guard lk(st().mu);
   st().capacity[device] = bytes;
+}
+
+FAKE_API void* fakecuda_stream_create(int device) {
+  std::lock_guard lk(st().mu);
+  if (device < 0 || device >= st().devices) return nullptr;
+  auto h = reinterpret_cast<CUstream>(st().next_stream++);
+  st().streams[h] = FakeStream{primary_ctx(device), nullptr, false, 0, true};
+  return h;
+}
+
+FAKE_API int fakecuda_adopt_stream(void* handle, int device) {
+  std::lock_guard lk(st().mu);
+  auto h = reinterpret_cast<CUstream>(handle);
+  if (device < 0 || device >= st().devices || h == nullptr || h == CU_STREAM_LEGACY || h == CU_STREAM_PER_THREAD) return 0;
+  st().streams[h] = FakeStream{primary_ctx(device), nullptr, false, 0, true};
+  return 1;
+}
+
+FAKE_API int fakecuda_launch(void* stream, const void* ptr, std::size_t bytes, unsigned long long ticks) {
+  std::lock_guard lk(st().mu);
+  State& s = st();
+  auto h = reinterpret_cast<CUstream>(stream);
+  // Launches go to the stream's own context's work: the caller need not have a context current.
+  FakeStream* fs = nullptr;
+  if (auto it = s.streams.find(h); it != s.streams.end()) fs = &it->second;
+  if (!fs) return CUDA_ERROR_INVALID_HANDLE;
+  if (fs->capture) return CUDA_SUCCESS;  // recorded in the graph, runs at replay
+  const auto va = reinterpret_cast<CUdeviceptr>(ptr);
+  const int dev = ctx_device(fs->ctx);
+  if (bytes && !accessible(s, va, bytes, dev)) {
+    fault("work on device " + std::to_string(dev) + " touches memory it may not access (unmapped, or no access granted)");
+    return CUDA_ERROR_ILLEGAL_ADDRESS;
+  }
+  NodeP n = enqueue(*fs, h, ticks);
+  // Another stream's unfinished work over the same memory must be ordered before this one.
+  const std::uint64_t start = n->blocked ? kNever : n->done - ticks;
+  for (const Touch& w : s.touches)
+    if (w.stream != h && !node_done(w.node) && w.va < va + bytes && va < w.va + w.size &&
+        (w.node->blocked || n->blocked || w.node->done > start)) {
+      fault("work on stream " + std::to_string(reinterpret_cast<std::uintptr_t>(h)) +
+            " touches memory that unfinished work on stream " + std::to_string(reinterpret_cast<std::uintptr_t>(w.stream)) +
+            " still uses (handed out again too early)");
+      break;
+    }
+  if (bytes) s.touches.push_back({va, bytes, h, n});
+  return CUDA_SUCCESS;
+}
+
+FAKE_API void fakecuda_advance(unsigned long long ticks) {
+  std::lock_guard lk(st().mu);
+  resolve();
+  advance_to(st().now + ticks);
+}
+
+FAKE_API unsigned long long fakecuda_now() {
+  std::lock_guard lk(st().mu);
+  return st().now;
 }

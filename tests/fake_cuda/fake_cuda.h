@@ -9,17 +9,34 @@ struct fakecuda_census {
   long reservations;  // cuMemAddressReserve'd and not freed
   long events;        // cuEventCreate'd and not destroyed
   std::size_t used_bytes;
+  long faults;                // illegal-address faults (memory unmapped, freed or handed out under running work)
+  long invalidated_captures;  // stream captures an unsupported call invalidated
+  long context_retains;       // primary-context retains outstanding, over all devices
 };
 // The nth (1-based) future call of `fn` (e.g. "cuMemMap") returns `error` (a CUresult); nth 0 clears.
 void fakecuda_fail(const char* fn, int nth, int error);
 void fakecuda_reset_failures();
+// Every later call of `fn` takes this long (outside the double's lock); 0 clears.
+void fakecuda_set_delay(const char* fn, unsigned microseconds);
 unsigned long fakecuda_calls(const char* fn);
 void fakecuda_get_census(fakecuda_census* out);
-// Events recorded on a held stream stay not ready until the stream is released or synchronised.
+// The first fault's description ("" if none); clearing forgets faults and invalidated captures.
+const char* fakecuda_first_fault();
+void fakecuda_clear_faults();
+// A held stream makes no progress until it is released or synchronised.
 void fakecuda_hold_stream(void* stream, int hold);
 void fakecuda_set_capacity(int device, std::size_t bytes);
 // cuDriverGetVersion's answer (default 13000, or FAKECUDA_DRIVER_VERSION); cuGetProcAddress refuses newer.
 void fakecuda_set_driver_version(int version);
 // requestedHandleTypes of the last cuMemCreate.
 unsigned fakecuda_last_handle_types();
+// A stream of device's primary context, as the CUDA runtime would create it; or an existing handle value
+// adopted as one (for tests whose streams are fixed numbers). Streams the double does not know are refused.
+void* fakecuda_stream_create(int device);
+int fakecuda_adopt_stream(void* handle, int device);
+// Work on `stream` that reads and writes [ptr, ptr+bytes) for `ticks` of the virtual clock, after the work
+// queued before it. Returns a CUresult (an illegal address when the memory is not accessible to the device).
+int fakecuda_launch(void* stream, const void* ptr, std::size_t bytes, unsigned long long ticks);
+void fakecuda_advance(unsigned long long ticks);
+unsigned long long fakecuda_now();
 }

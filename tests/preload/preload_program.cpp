@@ -4,6 +4,7 @@
 #include <dlfcn.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -33,6 +34,11 @@ int main() {
   std::printf("interposed: %s\n", preloaded ? "yes" : "no");
 
   const auto s1 = reinterpret_cast<cudaStream_t>(0x10), s2 = reinterpret_cast<cudaStream_t>(0x20);
+  // On the libcuda double these stand for streams the runtime created on device 0 (the double refuses others).
+  if (const char* f = std::getenv("FRAGLESS_LIBCUDA"))
+    if (void* l = dlopen(f, RTLD_NOW | RTLD_LOCAL))
+      if (auto adopt = reinterpret_cast<int (*)(void*, int)>(dlsym(l, "fakecuda_adopt_stream")))
+        expect(adopt(s1, 0) == 1 && adopt(s2, 0) == 1, "streams adopted by the libcuda double");
   std::vector<void*> ptrs;
   for (int i = 0; i < 300; ++i) {
     void* p = nullptr;

@@ -15,6 +15,9 @@ assert fragless.library_path() == os.environ["FRAGLESS_LIBRARY"]
 assert fragless.device_count() == 2, fragless.device_count()
 fragless.record_history(1000)
 
+# 0x100 stands for a stream the CUDA runtime created on device 0: the libcuda double refuses unknown streams.
+_fake = ctypes.CDLL(os.environ["FRAGLESS_LIBCUDA"])
+assert _fake.fakecuda_adopt_stream(ctypes.c_void_p(0x100), 0) == 1
 stream = ctypes.c_void_p(0x100)
 ptrs = [lib.fragless_malloc(size, 0, stream) for size in (512, 3 << 20, 24 << 20)]
 assert all(ptrs), fragless.last_error()

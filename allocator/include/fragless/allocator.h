@@ -1,6 +1,13 @@
 // The process-wide allocator: one DeviceEngine per device, built from Options (FRAGLESS_CONF).
+//
+// A device's engine (and with the cuda driver, its retained primary context) is created on that device's
+// first use, as PyTorch creates its per-device allocator state: a process that only ever touches GPU 3 holds
+// no context on GPUs 0-2 (a context costs hundreds of MiB of device memory).
 #pragma once
+#include <atomic>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -15,14 +22,23 @@ std::unique_ptr<Driver> make_driver(const Options& opts, int device, std::string
 
 class Allocator {
  public:
-  // `devices` engines (-1: as many as the cuda driver reports; 1 for host and sim).
-  static std::unique_ptr<Allocator> create(const Options& opts, int devices, std::string* error);
+  // An allocator for `devices` devices (-1: as many as the cuda driver reports; 1 for host and sim). No
+  // engine exists yet; device 0's is created at once only when `eager` (tools and tests that want the
+  // driver's errors up front).
+  static std::unique_ptr<Allocator> create(const Options& opts, int devices, std::string* error, bool eager = true);
 
-  int device_count() const { return static_cast<int>(engines_.size()); }
-  // nullptr for an invalid device.
-  DeviceEngine* device(int d) {
-    return d >= 0 && d < device_count() ? engines_[static_cast<std::size_t>(d)].get() : nullptr;
+  int device_count() const { return static_cast<int>(slots_.size()); }
+  // The engine of device d, created on first use (one atomic load once it exists). nullptr for an invalid
+  // device or when the engine cannot be created; *error then says why (the reason is kept: a device whose
+  // driver failed is not retried).
+  DeviceEngine* device(int d, std::string* error = nullptr);
+  // The engine of device d if it exists; never creates one (walks over every device: owner lookups,
+  // empty_cache, snapshots).
+  DeviceEngine* existing(int d) const {
+    return d >= 0 && d < device_count() ? slots_[static_cast<std::size_t>(d)].load(std::memory_order_acquire) : nullptr;
   }
+  // Called, under the creation lock, for each engine as it is created (chaining event sinks).
+  void on_engine_created(std::function<void(int, DeviceEngine&)> f);
   const Options& options() const { return opts_; }
   // Hands every buffered trace record to the writers and waits until they are written.
   void flush_traces();
@@ -30,10 +46,17 @@ class Allocator {
   // The tracer's sink for a device (nullptr when tracing is off), for callers that chain sinks.
   EventSink* trace_sink(int device) { return tracing_ ? tracing_->sink(device) : nullptr; }
 
+  ~Allocator();
+
  private:
+  Allocator() = default;
   Options opts_;
-  std::unique_ptr<Tracing> tracing_;  // before engines_: outlives them (their teardown is traced too)
-  std::vector<std::unique_ptr<DeviceEngine>> engines_;
+  std::unique_ptr<Tracing> tracing_;  // before the engines: outlives them (their teardown is traced too)
+  std::vector<std::atomic<DeviceEngine*>> slots_;
+  std::vector<std::unique_ptr<DeviceEngine>> owned_;  // in creation order
+  std::vector<std::string> failed_;                   // per device: why its engine could not be created
+  std::function<void(int, DeviceEngine&)> created_;
+  mutable std::mutex create_mu_;
 };
 
 }  // namespace fragless

@@ -43,6 +43,27 @@
 //  R11 (cuda driver) a handle is created with a shareable handle type (requestedHandleTypes) only when one
 //     is asked for: CU_MEM_HANDLE_TYPE_NONE otherwise (cuMemCreate takes any type the device supports; a
 //     type the process does not need is not requested).
+//  R12 (cuda driver) contexts: every call but initialisation, device queries, primary-context management and
+//     the context stack needs a current context (cuda.h: CUDA_ERROR_INVALID_CONTEXT otherwise); streams and
+//     events belong to the context current at their creation, stream 0 to the current one; cuEventRecord of
+//     an event and a stream of different contexts is CUDA_ERROR_INVALID_HANDLE (cuda.h, cuCtxRecordEvent /
+//     cuEventRecord). The driver runs every call under its device's primary context, pushed when it is not
+//     current and popped after, so the calling thread is left as it was (PyTorch frees from threads with no
+//     device guard). It retains that context on the device's first use, never at start-up (a context costs
+//     device memory), and releases it with the driver.
+//  R13 asynchrony: cuMemUnmap, cuMemRelease and cuMemAddressFree are not stream-ordered (NVIDIA's VMM blog;
+//     PyTorch's expandable segments synchronise before unmapping; cudaFree synchronises the device): memory
+//     is unmapped only after the work queued on its streams is done. Work still running over it is an
+//     illegal-address fault, sticky for the context.
+//  R14 stream capture (cuda.h, cuStreamBeginCapture / cuThreadExchangeStreamCaptureMode; PyTorch's
+//     CUDACachingAllocator, which skips process_events during capture): querying or synchronising a
+//     captured event or a capturing stream, or synchronising its context, fails and invalidates the
+//     capture; under a global-mode capture, "potentially unsafe" calls (the stricter reading: every VMM
+//     call, cuMemGetInfo, event queries and synchronisations) from a thread not in relaxed mode fail and
+//     invalidate it too. The driver runs its VMM calls and cuMemGetInfo in relaxed mode; the engine issues no
+//     event query or synchronisation while a capture may be under way (engine_state.h, Note [Capture rules]).
+//  The libcuda double (tests/fake_cuda) models R12-R14 as well: contexts, a virtual clock with work that
+//  touches memory, faults, and captures.
 //  Events: record_event marks the current end of a stream's queue; query_event says ok once the work
 //  before it is done, else not_ready; synchronize_* wait (each one is a forced sync the engine counts);
 //  stream_wait_event(s, e) makes work queued on s later start after e (cuStreamWaitEvent; the host goes on),

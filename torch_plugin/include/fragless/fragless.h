@@ -3,10 +3,11 @@
  * count the driver reports). Configuration comes from FRAGLESS_CONF (PYTORCH_CUDA_ALLOC_CONF grammar).
  *
  * Out of memory: fragless_malloc throws a C++ exception (fragless::OutOfMemoryError, derived from
- * std::runtime_error) whose message starts with "CUDA out of memory." and carries fragless's diagnosis;
- * PyTorch turns it into a Python RuntimeError with that text instead of wrapping a null pointer. With
- * FRAGLESS_CONF on_oom:null it returns NULL instead (for MemPool mode, where PyTorch retries and raises
- * torch.cuda.OutOfMemoryError itself); fragless_last_error() then holds the diagnosis. */
+ * std::runtime_error) whose message starts as PyTorch's does ("CUDA out of memory. Tried to allocate ...")
+ * and carries fragless's diagnosis; PyTorch turns it into a Python RuntimeError with that text. It never
+ * returns NULL for a non-zero size: PyTorch's normal path would wrap NULL in a tensor that faults later.
+ * fragless_pool_malloc, for torch.cuda.MemPool (whose path retries and raises torch.cuda.OutOfMemoryError
+ * on NULL), returns NULL instead; fragless_last_error() then holds the diagnosis. */
 #ifndef FRAGLESS_FRAGLESS_H_
 #define FRAGLESS_FRAGLESS_H_
 
@@ -26,6 +27,8 @@ typedef struct CUstream_st* cudaStream_t; /* the CUDA runtime's own definition *
 /* CUDAPluggableAllocator(path, "fragless_malloc", "fragless_free") */
 FRAGLESS_API void* fragless_malloc(size_t size, int device, cudaStream_t stream);
 FRAGLESS_API void fragless_free(void* ptr, size_t size, int device, cudaStream_t stream);
+/* The same allocation, NULL on failure (torch.cuda.MemPool's allocator: PyTorch retries and raises). */
+FRAGLESS_API void* fragless_pool_malloc(size_t size, int device, cudaStream_t stream);
 
 /* Optional hooks, with the signatures PyTorch's setters expect. */
 FRAGLESS_API void fragless_init(int device_count);                         /* set_init_fn */
