@@ -17,8 +17,13 @@ cudaError_t cudaFree(void*);
 cudaError_t cudaMallocAsync(void**, size_t, cudaStream_t);
 cudaError_t cudaFreeAsync(void*, cudaStream_t);
 cudaError_t cudaMemGetInfo(size_t*, size_t*);
+cudaError_t cudaMallocAsync_ptsz(void**, size_t, cudaStream_t);
+cudaError_t cudaFreeAsync_ptsz(void*, cudaStream_t);
+cudaError_t cudaSetDevice(int);
+cudaError_t cudaIpcGetMemHandle(void*, void*);
 void* fakecudart_foreign_alloc(size_t);
 unsigned long fakecudart_calls(const char*);
+void fakecudart_set_stream(cudaStream_t, int, int);
 }
 
 int main() {
@@ -74,6 +79,51 @@ int main() {
     expect(free_b >= (size_t{1} << 29), "cudaMemGetInfo counts cached memory as free");
   } else {
     expect(rt_malloc == 300 && rt_free == 301, "without the interposer every call reaches the runtime");
+  }
+  if (preloaded) {
+    auto device_of = reinterpret_cast<int (*)(void*)>(dlsym(RTLD_DEFAULT, "fragless_preload_device_of"));
+    expect(device_of != nullptr, "fragless_preload_device_of exported");
+    // The fence of deferred frees synchronises the device that owns them, not the caller's current one.
+    const unsigned long sync0 = fakecudart_calls("cudaDeviceSynchronize@0");
+    expect(cudaSetDevice(1) == 0, "cudaSetDevice(1)");
+    void* big[2] = {nullptr, nullptr};
+    for (void*& b : big) expect(cudaMalloc(&b, 200u << 20) == 0 && b, "allocation on device 1");
+    expect(device_of && device_of(big[0]) == 1, "cudaMalloc allocates on the current device");
+    expect(cudaSetDevice(0) == 0, "cudaSetDevice(0)");
+    for (void* b : big) expect(cudaFree(b) == 0, "free of device 1 memory from device 0");  // 400 MiB: a fence
+    expect(fakecudart_calls("cudaDeviceSynchronize@1") >= 1, "the fence synchronised device 1");
+    expect(fakecudart_calls("cudaDeviceSynchronize@0") == sync0, "and not the caller's device 0");
+    // cudaMallocAsync allocates on the stream's device.
+    const auto s4 = reinterpret_cast<cudaStream_t>(0x40);
+    fakecudart_set_stream(s4, 1, 0);
+    if (const char* f = std::getenv("FRAGLESS_LIBCUDA"))
+      if (void* l = dlopen(f, RTLD_NOW | RTLD_LOCAL))
+        if (auto adopt = reinterpret_cast<int (*)(void*, int)>(dlsym(l, "fakecuda_adopt_stream"))) adopt(s4, 1);
+    void* on1 = nullptr;
+    expect(cudaMallocAsync(&on1, 1 << 20, s4) == 0 && on1, "cudaMallocAsync on a device 1 stream");
+    expect(device_of && device_of(on1) == 1, "cudaMallocAsync allocates on the stream's device");
+    expect(cudaFreeAsync(on1, s4) == 0, "cudaFreeAsync on device 1");
+    // The per-thread default stream variants are interposed.
+    void* pt = nullptr;
+    expect(cudaMallocAsync_ptsz(&pt, 1 << 20, s1) == 0 && pt && device_of && device_of(pt) == 0, "cudaMallocAsync_ptsz");
+    expect(cudaFreeAsync_ptsz(pt, s1) == 0, "cudaFreeAsync_ptsz");
+    expect(fakecudart_calls("cudaMallocAsync_ptsz") == 0, "the _ptsz calls never reached the runtime");
+    // On a capturing stream the memory is the graph's: the runtime serves it.
+    const auto cap = reinterpret_cast<cudaStream_t>(0x50);
+    fakecudart_set_stream(cap, 0, 1);
+    const unsigned long rt_async = fakecudart_calls("cudaMallocAsync");
+    void* g = nullptr;
+    expect(cudaMallocAsync(&g, 1 << 20, cap) == 0 && g, "cudaMallocAsync on a capturing stream");
+    expect(fakecudart_calls("cudaMallocAsync") == rt_async + 1, "went to the runtime");
+    expect(device_of && device_of(g) == -1, "is not fragless's");
+    expect(cudaFreeAsync(g, cap) == 0 && fakecudart_calls("cudaFreeAsync") >= 1, "and its free too");
+    // IPC of fragless memory is refused by the runtime, and said so.
+    void* ours = nullptr;
+    expect(cudaMalloc(&ours, 1 << 20) == 0, "allocation");
+    unsigned char handle[64];
+    expect(cudaIpcGetMemHandle(handle, ours) != 0, "cudaIpcGetMemHandle of fragless memory fails");
+    expect(fakecudart_calls("cudaIpcGetMemHandle") == 1, "after reaching the runtime");
+    expect(cudaFree(ours) == 0, "free");
   }
   return failures ? 1 : 0;
 }
