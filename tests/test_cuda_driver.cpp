@@ -612,6 +612,38 @@ TEST_CASE("cuda driver: a graph capture with record_stream traffic, growth and O
   }
 }
 
+
+TEST_CASE("cuda driver: peers reach fragless memory by default, one set-access per mapping", "[cuda][peers]") {
+  const Stream on1 = Fake::stream_base(1) + fragless::test::kFaultStreamA;
+  std::uint64_t set_access_calls[2] = {0, 0};
+  for (bool peers : {true, false}) {
+    INFO("peer_access " << peers);
+    fake().clear_faults();
+    {
+      Options o;
+      o.policy = PolicyKind::fragless;
+      o.driver = DriverKind::cuda;
+      o.peer_access = peers;
+      std::string err;
+      auto a = Allocator::create(o, -1, &err, false);
+      REQUIRE(a);
+      DeviceEngine& e = *a->device(0);
+      void* x = e.allocate(12 * MiB, fragless::test::kFaultStreamA, nullptr);
+      REQUIRE(x);
+      // A kernel on device 1 reads device 0's memory (a peer copy, NCCL P2P).
+      const int r = fake().launch(reinterpret_cast<void*>(on1), x, 12 * MiB, 10);
+      CHECK((r == CUDA_SUCCESS) == peers);
+      CHECK((fake().now().faults == 0) == peers);
+      set_access_calls[peers ? 0 : 1] = e.driver_counters()[DriverCall::set_access];
+      fake().clear_faults();
+      fake().advance(100);
+      e.free(x);
+    }
+    require_nothing_held();
+  }
+  CHECK(set_access_calls[0] == set_access_calls[1]);  // the peers ride in the same call
+}
+
 #else
 TEST_CASE("cuda driver: not built (no CUDA headers)", "[cuda]") {
   WARN("SKIPPED: the cuda driver was not built because the CUDA headers were not found");

@@ -54,9 +54,10 @@ constexpr OptionInfo kOptions[] = {
      "libfragless.so: fragless_malloc throws a C++ exception carrying the diagnosis on out of memory (PyTorch's "
      "normal path crashes on NULL). The value null was removed: torch.cuda.MemPool takes fragless_pool_malloc, "
      "which returns NULL."},
-    {"peer_access", "True or False", "False",
-     "cuda driver: also grant every peer device that can access this one (cuDeviceCanAccessPeer) access to "
-     "fragless memory, for peer copies and NCCL P2P."},
+    {"peer_access", "True or False", "True",
+     "cuda driver: grant every peer device that can access this one (cuDeviceCanAccessPeer) access to fragless "
+     "memory, as cudaMalloc memory is reachable by peers: one cuMemSetAccess per mapping, with one descriptor per "
+     "device. False grants the owning device only (peer copies and NCCL P2P through it then fault)."},
     {"shareable_handles", "True or False", "False",
      "cuda driver: create physical memory with a POSIX file descriptor handle type (exportable with "
      "cuMemExportToShareableHandle), where the device supports it; off, handles are not shareable."},

@@ -35,7 +35,7 @@ struct Options {
   double per_process_memory_fraction = 1.0;
   std::size_t page_size = 2u << 20;                      // host and sim granularity, bytes
   std::size_t capacity = 0;                              // host/sim physical budget, bytes; 0 = driver default
-  bool peer_access = false;                              // cuda: grant peers that can access this device
+  bool peer_access = true;                               // cuda: grant peers that can access this device
   bool shareable_handles = false;                        // cuda: physical memory exportable as POSIX fds
   std::string trace;                                     // trace path pattern (%p %d %r); empty = off
   // fragless policy (docs/ARCHITECTURE.md, "The fragless policy").

@@ -11,7 +11,7 @@ namespace fragless {
 
 struct CudaDriverOptions {
   int device = 0;
-  bool peer_access = false;  // also grant access to every peer device that can access this one
+  bool peer_access = true;  // also grant access to every peer device that can access this one
   // Request CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR for physical memory (exportable to other processes). Off
   // by default: a shareable handle type can make cuMemCreate fail or cost more where the process does not
   // need it, and fragless memory is not handed to other processes by itself.
