@@ -27,6 +27,8 @@ class OutOfMemoryError : public std::runtime_error {
 namespace {
 
 thread_local std::string t_last_error;
+// fragless_set_oom_thrower: throws the host framework's own out-of-memory exception (torch.cuda.OutOfMemoryError).
+std::atomic<void (*)(const char*)> g_oom_thrower{nullptr};
 
 // Per device: forwards to the tracer (if on) and keeps the last N events for snapshots (if on), with the
 // stack of each allocation (and free, with context "all") when stacks are on (stacks.h).
@@ -236,8 +238,15 @@ void* fragless_malloc(size_t size, int device, cudaStream_t stream) {
   bool oom = false;
   if (void* p = allocate(size, device, stream, &oom)) return p;
   // Never NULL: PyTorch's normal path would wrap it in a tensor whose first kernel faults.
-  if (oom) throw OutOfMemoryError(t_last_error);
+  if (oom) {
+    if (auto thrower = g_oom_thrower.load(std::memory_order_acquire)) thrower(t_last_error.c_str());
+    throw OutOfMemoryError(t_last_error);
+  }
   throw std::runtime_error(t_last_error);
+}
+
+void fragless_set_oom_thrower(void (*thrower)(const char* message)) {
+  g_oom_thrower.store(thrower, std::memory_order_release);
 }
 
 void* fragless_pool_malloc(size_t size, int device, cudaStream_t stream) {

@@ -27,6 +27,10 @@ typedef struct CUstream_st* cudaStream_t; /* the CUDA runtime's own definition *
 /* CUDAPluggableAllocator(path, "fragless_malloc", "fragless_free") */
 FRAGLESS_API void* fragless_malloc(size_t size, int device, cudaStream_t stream);
 FRAGLESS_API void fragless_free(void* ptr, size_t size, int device, cudaStream_t stream);
+/* Out of memory in fragless_malloc calls thrower(message) first, which is expected to throw the host
+ * framework's own exception: fragless.torch.enable() builds one against the running PyTorch that throws
+ * c10::OutOfMemoryError, which PyTorch raises as torch.cuda.OutOfMemoryError. NULL restores the default. */
+FRAGLESS_API void fragless_set_oom_thrower(void (*thrower)(const char* message));
 /* The same allocation, NULL on failure (torch.cuda.MemPool's allocator: PyTorch retries and raises). */
 FRAGLESS_API void* fragless_pool_malloc(size_t size, int device, cudaStream_t stream);
 

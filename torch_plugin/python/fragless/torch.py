@@ -74,6 +74,7 @@ def enable(conf=None):
                       % (torch.__version__, "has no CUDA device" if pluggable else "has no CUDAPluggableAllocator"),
                       RuntimeWarning, stacklevel=2)
         _install_api(torch)
+        _install_oom_error(torch)
         _enabled = False
         return None
     alloc = pluggable(path, "fragless_malloc", "fragless_free")
@@ -88,8 +89,69 @@ def enable(conf=None):
                            "(PyTorch said: %s). Call it at the top of your script, before any tensor is put "
                            "on a GPU." % e) from None
     _install_api(torch)
+    _install_oom_error(torch)
     _enabled = alloc
     return alloc
+
+
+def _oom_shim_path(torch):
+    """Builds (once per PyTorch install, cached) the library whose fragless_throw_torch_oom throws
+    c10::OutOfMemoryError, against the running PyTorch's headers and libc10 with its C++ ABI. Returns its path;
+    raises OSError when it cannot be built (no compiler, no headers)."""
+    import hashlib
+    import shutil
+    import subprocess
+    import tempfile
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_oom.cpp")
+    root = os.path.dirname(os.path.abspath(torch.__file__))
+    include, libdir = os.path.join(root, "include"), os.path.join(root, "lib")
+    if not os.path.exists(os.path.join(include, "c10", "util", "Exception.h")):
+        raise OSError("this PyTorch ships no C++ headers (%s)" % include)
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    with open(src, "rb") as f:
+        key = hashlib.sha256(f.read() + ("%s|%s|%d" % (torch.__version__, root, abi)).encode()).hexdigest()[:16]
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                         "fragless")
+    out = os.path.join(cache, "libfragless_torch_oom-%s.so" % key)
+    if os.path.exists(out):
+        return out
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if not cxx:
+        raise OSError("no C++ compiler found (set CXX)")
+    os.makedirs(cache, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".oom-", suffix=".so", dir=cache)
+    os.close(fd)
+    cmd = [cxx, "-O1", "-std=c++17", "-shared", "-fPIC", "-D_GLIBCXX_USE_CXX11_ABI=%d" % abi, "-I", include, src,
+           "-o", tmp, "-L", libdir, "-lc10", "-Wl,-rpath," + libdir]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        os.unlink(tmp)
+        raise OSError("building the OOM shim failed: %s\n%s" % (" ".join(cmd), r.stderr[-2000:]))
+    os.replace(tmp, out)  # atomic: several ranks may build at once
+    return out
+
+
+_oom_shim = None
+
+
+def _install_oom_error(torch):
+    """Makes fragless's out-of-memory a torch.cuda.OutOfMemoryError (so `except torch.cuda.OutOfMemoryError`
+    catches it) by handing libfragless.so a thrower built against this PyTorch. Without a compiler or
+    PyTorch's headers it stays a RuntimeError with the same text, and says so. Returns whether it worked."""
+    global _oom_shim
+    if _oom_shim is not None:
+        return True
+    try:
+        shim = ctypes.CDLL(_oom_shim_path(torch))
+    except OSError as e:
+        warnings.warn("fragless.torch: out of memory will raise RuntimeError, not torch.cuda.OutOfMemoryError (%s)"
+                      % e, RuntimeWarning, stacklevel=3)
+        return False
+    lib = _f.library()
+    lib.fragless_set_oom_thrower.argtypes = [ctypes.c_void_p]
+    lib.fragless_set_oom_thrower(ctypes.cast(shim.fragless_throw_torch_oom, ctypes.c_void_p))
+    _oom_shim = shim
+    return True
 
 
 def _device_index(torch, device):
