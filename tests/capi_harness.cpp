@@ -130,6 +130,53 @@ int main(int argc, char** argv) {
   free_fn(d, 1 << 20, 0, s2);
   release_pool(0, {1, 1});
 
+  // torch.cuda.graph, as PyTorch drives it: the capture begins on s2, allocations on s2 are routed to the
+  // graph's pool, the capture ends, the routing ends, and the pool is released later. The capture must not be
+  // invalidated (no event query, synchronisation or release inside it), and nothing may leak.
+  {
+    using Retain = int (*)(void**, int);
+    using Push = int (*)(void*);
+    using Pop = int (*)(void**);
+    using Begin = int (*)(void*, int);
+    using End = int (*)(void*, void**);
+    auto retain = sym<Retain>(fake, "cuDevicePrimaryCtxRetain");
+    auto ctx_release = sym<int (*)(int)>(fake, "cuDevicePrimaryCtxRelease_v2");
+    auto push = sym<Push>(fake, "cuCtxPushCurrent_v2");
+    auto pop = sym<Pop>(fake, "cuCtxPopCurrent_v2");
+    auto begin_capture = sym<Begin>(fake, "cuStreamBeginCapture_v2");
+    auto end_capture = sym<End>(fake, "cuStreamEndCapture");
+    void* ctx = nullptr;
+    EXPECT(retain(&ctx, 0) == 0 && push(ctx) == 0);  // the capturing thread has device 0 current
+    hold(s3, 1);
+    EXPECT(begin_capture(s2, 0 /* CU_STREAM_CAPTURE_MODE_GLOBAL */) == 0);
+    begin_pool(0, {2, 2}, [&](cudaStream_t s) { return s == s2; });
+    std::vector<void*> graph_blocks;
+    for (int i = 0; i < 10; ++i) {
+      void* g = malloc_fn((size_t{1} + i) << 20, 0, s2);
+      EXPECT(g != nullptr);
+      if (i % 2) {
+        record_fn(g, s3);  // used on another stream: the free waits for the end of the capture
+        free_fn(g, (size_t{1} + i) << 20, 0, s2);
+      } else {
+        graph_blocks.push_back(g);
+      }
+      void* other = malloc_fn(256 << 10, 0, s1);  // meanwhile, another stream allocates as usual
+      free_fn(other, 256 << 10, 0, s1);
+    }
+    reset_fn();  // torch.cuda.empty_cache() during a capture releases nothing
+    void* graph = nullptr;
+    EXPECT(end_capture(s2, &graph) == 0 && graph != nullptr);  // not invalidated
+    end_pool(0, {2, 2});
+    hold(s3, 0);
+    for (void* g : graph_blocks) free_fn(g, 0, 0, s2);
+    release_pool(0, {2, 2});
+    void* popped = nullptr;
+    EXPECT(pop(&popped) == 0 && popped == ctx && ctx_release(0) == 0);
+    fakecuda_census cc{};
+    census(&cc);
+    EXPECT(cc.invalidated_captures == 0 && cc.faults == 0);
+  }
+
   // Stats with PyTorch's names.
   char buf[16384];
   const long n = stats_fn(0, buf, sizeof buf);

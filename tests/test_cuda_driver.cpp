@@ -644,6 +644,25 @@ TEST_CASE("cuda driver: peers reach fragless memory by default, one set-access p
   CHECK(set_access_calls[0] == set_access_calls[1]);  // the peers ride in the same call
 }
 
+
+TEST_CASE("cuda driver: CUDA events come from a pool, not one cuEventCreate per record", "[cuda][events]") {
+  {
+    auto a = make_lazy(PolicyKind::fragless);
+    DeviceEngine& e = *a->device(0);
+    const auto creates = fake().calls("cuEventCreate"), records = fake().calls("cuEventRecord");
+    for (int i = 0; i < 2000; ++i) {
+      void* x = e.allocate(4096 * (1 + i % 9), fragless::test::kFaultStreamA, nullptr);
+      REQUIRE(x);
+      e.record_stream(x, fragless::test::kFaultStreamB);
+      e.free(x);  // an event recorded on stream B
+    }
+    CHECK(fake().calls("cuEventRecord") - records >= 2000);
+    CHECK(fake().calls("cuEventCreate") - creates <= 4);  // the outstanding few, re-recorded ever after
+    CHECK(fake().calls("cuEventDestroy") == 0);
+  }
+  require_nothing_held();  // the pool is destroyed with the driver
+}
+
 #else
 TEST_CASE("cuda driver: not built (no CUDA headers)", "[cuda]") {
   WARN("SKIPPED: the cuda driver was not built because the CUDA headers were not found");

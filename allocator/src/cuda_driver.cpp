@@ -269,11 +269,11 @@ class CudaDriver final : public Driver {
     return Status::ok;
   }
   Status do_query_event(Event e) override {
-    OnDevice on(primary_, false);
+    OnDevice on(primary_, true);  // see R14: a capture elsewhere must not forbid it
     return check("cuEventQuery", api().eventQuery(reinterpret_cast<CUevent>(e)));
   }
   Status do_synchronize_event(Event e) override {
-    OnDevice on(primary_, false);
+    OnDevice on(primary_, true);  // see R14: a capture elsewhere must not forbid it
     return check("cuEventSynchronize", api().eventSynchronize(reinterpret_cast<CUevent>(e)));
   }
   Status do_release_event(Event e) override {
@@ -287,7 +287,7 @@ class CudaDriver final : public Driver {
                  api().streamWaitEvent(reinterpret_cast<CUstream>(s), reinterpret_cast<CUevent>(e), 0));
   }
   Status do_synchronize_stream(Stream s) override {
-    OnDevice on(primary_, false);
+    OnDevice on(primary_, true);  // see R14: a capture elsewhere must not forbid it
     return check("cuStreamSynchronize", api().streamSynchronize(reinterpret_cast<CUstream>(s)));
   }
 

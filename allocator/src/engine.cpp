@@ -65,10 +65,15 @@ DeviceEngine::State::~State() {
     b->stream_uses.clear();
   });
   active_blocks.clear();
-  // Reinsert every free block so the policy sees the whole cache, then release it all.
+  // Reinsert every free block, merged with its free neighbours (a block that was pending sat beside free
+  // ones unmerged, and a page two free blocks share is unmapped by neither), so the policy sees the whole
+  // cache; then release it all.
   for (auto& seg : segments)
     for (Block* b = seg->first; b; b = b->next)
-      if (b->state == BlockState::free && !b->in_size_set) pool_insert(b);
+      if (b->state == BlockState::free && !b->in_size_set) {
+        b = merge_free(b);
+        pool_insert(b);
+      }
   routes.clear();
   // Twice: a give-back that failed once (a transient driver error) gets another chance.
   for (int attempt = 0; attempt < 2; ++attempt) {

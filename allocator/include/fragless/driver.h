@@ -60,8 +60,10 @@
 //     captured event or a capturing stream, or synchronising its context, fails and invalidates the
 //     capture; under a global-mode capture, "potentially unsafe" calls (the stricter reading: every VMM
 //     call, cuMemGetInfo, event queries and synchronisations) from a thread not in relaxed mode fail and
-//     invalidate it too. The driver runs its VMM calls and cuMemGetInfo in relaxed mode; the engine issues no
-//     event query or synchronisation while a capture may be under way (engine_state.h, Note [Capture rules]).
+//     invalidate it too. The driver runs its VMM calls, cuMemGetInfo, event queries and synchronisations in
+//     relaxed mode, so a capture on another device (or another pool) does not forbid them; the engine issues
+//     no event query or synchronisation while a capture of its own may be under way (engine_state.h,
+//     Note [Capture rules]), since querying a captured event or syncing a capturing stream fails in any mode.
 //  The libcuda double (tests/fake_cuda) models R12-R14 as well: contexts, a virtual clock with work that
 //  touches memory, faults, and captures.
 //  Events: record_event marks the current end of a stream's queue; query_event says ok once the work
