@@ -83,13 +83,16 @@ def usage():
 model = GPT().to(dev)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 gen = torch.Generator().manual_seed(args.seed)
-losses, times = [], []
+losses, times, shapes = [], [], set()
 peak_alloc = peak_res = 0
 frag_at_peak = 0.0
 for step in range(args.steps):
-    # Variable-length batches: log-normal lengths (the ShareGPT fit), padded to the longest.
-    lens = torch.distributions.LogNormal(7.5458, 0.9995).sample((B,)).clamp(16, MAXLEN).long()
+    # Variable-length batches padded to their longest sequence: log-normal lengths with a median of about 270
+    # tokens, so the longest of 8 ranges over most of [16, MAXLEN] and the shapes really vary (a median near
+    # MAXLEN would clamp nearly every batch to one shape, and show nothing about fragmentation).
+    lens = torch.distributions.LogNormal(5.6, 0.9).sample((B,)).clamp(16, MAXLEN).long()
     s = int(lens.max())
+    shapes.add(s)
     tokens = torch.randint(V, (B, s + 1), generator=gen).to(dev)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -111,7 +114,9 @@ for step in range(args.steps):
             peak_alloc = max(peak_alloc, aa)
     del logits, loss
 
-# Host-side cost of one allocation: a torch.empty/free loop of a mid-size tensor.
+# Host-side cost of one allocation: a torch.empty/free loop of a mid-size tensor. Deterministic mode fills
+# every new tensor (a kernel per empty); it is off here, so the loop times the allocator and nothing else.
+torch.use_deterministic_algorithms(False)
 torch.cuda.synchronize()
 t0 = time.perf_counter()
 for _ in range(args.alloc_loop):
@@ -120,9 +125,44 @@ for _ in range(args.alloc_loop):
 torch.cuda.synchronize()
 alloc_us = (time.perf_counter() - t0) / args.alloc_loop * 1e6
 
+# PyTorch's memory API and a CUDA graph under the allocator.
+checks = {}
+try:
+    st = torch.cuda.memory_stats()
+    checks["memory_stats"] = "allocated_bytes.all.current" in st and "reserved_bytes.all.peak" in st
+except Exception as e:  # noqa: BLE001 - reported, not fatal
+    checks["memory_stats"] = "error: %s" % e
+try:
+    torch.cuda.memory._record_memory_history(max_entries=10000)
+    y = torch.empty(3 << 20, device=dev)
+    snap = "/tmp/fragless_gpu_snapshot_%s.pickle" % args.mode
+    torch.cuda.memory._dump_snapshot(snap)
+    checks["dump_snapshot"] = os.path.getsize(snap) > 0
+    del y
+except Exception as e:  # noqa: BLE001
+    checks["dump_snapshot"] = "error: %s" % e
+try:
+    static_x = torch.randn(1024, 1024, device=dev)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            static_x @ static_x
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_y = static_x @ static_x
+    static_x.copy_(torch.randn(1024, 1024, device=dev))
+    g.replay()
+    torch.cuda.synchronize()
+    checks["cuda_graph"] = bool(torch.allclose(static_y, static_x @ static_x, rtol=1e-3, atol=1e-3))
+    del g, static_y
+except Exception as e:  # noqa: BLE001
+    checks["cuda_graph"] = "error: %s" % e
+
 if args.mode == "native" or args.mode == "expandable":
     peak_res = max(peak_res, torch.cuda.max_memory_reserved())
     peak_alloc = max(peak_alloc, torch.cuda.max_memory_allocated())
 print(json.dumps({"mode": args.mode, "steps": args.steps, "peak_reserved": peak_res, "peak_allocated": peak_alloc,
                   "fragmentation_at_peak": frag_at_peak, "median_step_s": statistics.median(times[5:] or times),
-                  "alloc_free_us": alloc_us, "losses": losses}))
+                  "alloc_free_us": alloc_us, "distinct_shapes": len(shapes), "checks": checks, "losses": losses}))

@@ -144,7 +144,7 @@ void DriverContract::unmapped(DevicePtr va, std::size_t size, std::vector<PhysHa
 // ---- The checked entry points ----
 
 Status Driver::reserve(std::size_t size, DevicePtr* va) {
-  charge(DriverCall::reserve);
+  charge(DriverCall::reserve, size);
   if (const char* r = contract_.check_reserve(size)) return refuse(r);
   const Status st = fail_through(do_reserve(size, va));
   if (st == Status::ok) contract_.reserved(*va, size);
@@ -152,7 +152,7 @@ Status Driver::reserve(std::size_t size, DevicePtr* va) {
 }
 
 Status Driver::free_reservation(DevicePtr va, std::size_t size) {
-  charge(DriverCall::free_reservation);
+  charge(DriverCall::free_reservation, size);
   if (const char* r = contract_.check_free_reservation(va, size)) return refuse(r);
   const Status st = fail_through(do_free_reservation(va, size));
   if (st == Status::ok) contract_.freed_reservation(va);
@@ -160,7 +160,7 @@ Status Driver::free_reservation(DevicePtr va, std::size_t size) {
 }
 
 Status Driver::create(std::size_t size, PhysHandle* h) {
-  charge(DriverCall::create);
+  charge(DriverCall::create, size);
   if (const char* r = contract_.check_create(size)) return refuse(r);
   const Status st = fail_through(do_create(size, h));
   if (st == Status::ok) contract_.created(*h, size);
@@ -168,7 +168,7 @@ Status Driver::create(std::size_t size, PhysHandle* h) {
 }
 
 Status Driver::release(PhysHandle h) {
-  charge(DriverCall::release);
+  charge(DriverCall::release, contract_.handle_size(h));
   if (const char* r = contract_.check_release(h)) return refuse(r);
   const Status st = fail_through(do_release(h));
   if (st == Status::ok && contract_.released(h)) memory_gone(h);
@@ -176,7 +176,7 @@ Status Driver::release(PhysHandle h) {
 }
 
 Status Driver::map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t offset) {
-  charge(DriverCall::map);
+  charge(DriverCall::map, size);
   if (const char* r = contract_.check_map(va, size, h, offset)) return refuse(r);
   const Status st = fail_through(do_map(va, size, h, offset));
   if (st == Status::ok) contract_.mapped(va, size, h);
@@ -184,7 +184,7 @@ Status Driver::map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t off
 }
 
 Status Driver::unmap(DevicePtr va, std::size_t size) {
-  charge(DriverCall::unmap);
+  charge(DriverCall::unmap, size);
   if (const char* r = contract_.check_unmap(va, size)) return refuse(r);
   const Status st = fail_through(do_unmap(va, size));
   if (st == Status::ok) {
@@ -196,7 +196,7 @@ Status Driver::unmap(DevicePtr va, std::size_t size) {
 }
 
 Status Driver::set_access(DevicePtr va, std::size_t size) {
-  charge(DriverCall::set_access);
+  charge(DriverCall::set_access, size);
   if (const char* r = contract_.check_set_access(va, size)) return refuse(r);
   return fail_through(do_set_access(va, size));
 }

@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "costs.h"
 #include "fit.h"
 #include "replay.h"
 #include "workload.h"
@@ -34,7 +35,7 @@ int usage(const char* msg) {
   if (msg) std::fprintf(stderr, "fragless-replay: %s\n", msg);
   std::fprintf(msg ? stderr : stdout,
                "usage: fragless-replay [--policy classic,expandable,fragless] [--capacity-gib N] [--json]\n"
-               "                       [--conf KEY:VALUE,...] [--jobs N]\n"
+               "                       [--conf KEY:VALUE,...] [--jobs N] [--costs PROBE.json]\n"
                "                       [--plot FILE.png [--plot-x time|event|auto]] [--seqlen-file CSV] INPUT...\n"
                "       fragless-replay --fit [--fit-step GIB] [options] INPUT...\n"
                "       fragless-replay --max-batch | --max-of KEY --capacity-gib N [options] workload:...\n"
@@ -54,6 +55,8 @@ int usage(const char* msg) {
                "         no OOM on that device, and its ratios to classic and expandable; --max-of KEY searches\n"
                "         another numeric workload key (max_seq, micro, tokens, max_batch, ...) the same way\n"
                "  --jobs: replays run at once (default: the number of cores)\n"
+               "  --costs: the driver's call costs measured by fragless-gpu-probe (its JSON) instead of the\n"
+               "         A100 model: a line through the medians per handle size for each VMM call\n"
                "  exit status: 0 answered, 1 a search found no answer (the reason on stderr), 2 bad usage or\n"
                "         input\n"
                "  --conf: allocator settings in FRAGLESS_CONF grammar (policy tuning keys such as handles,\n"
@@ -410,7 +413,7 @@ int main(int argc, char** argv) {
   bool json = false, fit = false, fit_step_given = false;
   unsigned jobs = std::max(1u, std::thread::hardware_concurrency());
   PlotX plot_x = PlotX::auto_;
-  std::string plot, seqlen_file, max_key;
+  std::string plot, seqlen_file, max_key, costs_file;
   Options base;
   std::vector<std::string> inputs;
   for (int i = 1; i < argc; ++i) {
@@ -464,12 +467,14 @@ int main(int argc, char** argv) {
       else return usage(("--plot-x: expected time, event or auto, got '" + v + "'").c_str());
     } else if (a == "--seqlen-file" && has_value) {
       seqlen_file = argv[++i];
+    } else if (a == "--costs" && has_value) {
+      costs_file = argv[++i];
     } else if (a == "--conf" && has_value) {
       const auto cr = parse_config(argv[++i], base);
       if (!cr.ok) return usage(cr.error.c_str());
       base = cr.options;
     } else if (a == "--policy" || a == "--capacity-gib" || a == "--plot" || a == "--seqlen-file" || a == "--conf" ||
-               a == "--max-of" || a == "--fit-step" || a == "--jobs" || a == "--plot-x") {
+               a == "--max-of" || a == "--fit-step" || a == "--jobs" || a == "--plot-x" || a == "--costs") {
       return usage(("missing value after " + a).c_str());
     } else if (!a.empty() && a[0] == '-') {
       return usage(("unknown option " + a).c_str());
@@ -496,7 +501,13 @@ int main(int argc, char** argv) {
     std::string err;
     if (!read_seqlen_file(seqlen_file, &lengths, &err)) return std::fprintf(stderr, "fragless-replay: %s\n", err.c_str()), 2;
   }
+  CostModel costs;
+  if (!costs_file.empty()) {
+    std::string err;
+    if (!load_costs(costs_file, &costs, &err)) return std::fprintf(stderr, "fragless-replay: %s\n", err.c_str()), 2;
+  }
   ReplayOptions ro;
+  if (!costs_file.empty()) ro.costs = &costs;
   ro.capacity = capacity;
   ro.curve_points = plot.empty() ? 0 : 2000;
   ro.base = base;

@@ -32,7 +32,9 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
   so.device = device;
   so.capacity = capacity ? capacity : kUnlimitedCapacity;
   so.top_down = true;
-  DeviceEngine e(o, make_sim_driver(so));
+  auto drv = make_sim_driver(so);
+  if (opt.costs) drv->set_cost_model(*opt.costs);
+  DeviceEngine e(o, std::move(drv));
   std::unordered_map<std::uint64_t, void*> ptrs;  // trace address -> replayed block
   ptrs.reserve(t.events.size() / 2 + t.seed.size());
   std::unordered_set<std::uint64_t> failed;  // trace addresses whose allocation ran out of memory

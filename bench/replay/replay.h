@@ -45,6 +45,8 @@ struct ReplayOptions {
   // Stop at the first allocation that runs out of memory (the memory live before the window included),
   // with ooms = 1 and no error: a search only needs to know whether a replay fits.
   bool stop_at_first_oom = false;
+  // The driver cost model (fragless-replay --costs FILE: measured on a real driver); null = the A100 model.
+  const CostModel* costs = nullptr;
 };
 
 // capacity 0 = unlimited. An OOM is a result: counted, the allocation (and its free) skipped.

@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -469,6 +470,14 @@ FAKE_API CUresult cuDeviceGetAttribute(int* v, CUdevice_attribute a, CUdevice d)
   return CUDA_SUCCESS;
 }
 
+FAKE_API CUresult cuDeviceGetName(char* name, int len, CUdevice d) {
+  ENTER("cuDeviceGetName");
+  if (!name || len <= 0) return CUDA_ERROR_INVALID_VALUE;
+  if (d < 0 || d >= st().devices) return CUDA_ERROR_INVALID_DEVICE;
+  std::snprintf(name, static_cast<std::size_t>(len), "fragless libcuda double %d", d);
+  return CUDA_SUCCESS;
+}
+
 FAKE_API CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice d) {
   ENTER("cuDeviceTotalMem");
   if (!bytes) return CUDA_ERROR_INVALID_VALUE;
@@ -713,6 +722,32 @@ FAKE_API CUresult cuMemSetAccess(CUdeviceptr va, size_t size, const CUmemAccessD
   }
   mprotect(reinterpret_cast<void*>(va), size, PROT_READ | PROT_WRITE);
   return CUDA_SUCCESS;
+}
+
+namespace {
+// A synchronous copy (the legacy stream): the device side must be mapped and accessible to the current device.
+CUresult copy(void* dst, const void* src, size_t n, CUdeviceptr device_side, const char* what) {
+  if (!accessible(st(), device_side, n, ctx_device(current()))) {
+    fault(std::string(what) + " on memory the device may not access");
+    return CUDA_ERROR_ILLEGAL_ADDRESS;
+  }
+  std::memcpy(dst, src, n);
+  return CUDA_SUCCESS;
+}
+}  // namespace
+
+FAKE_API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
+  ENTER("cuMemcpyHtoD");
+  NEED_CONTEXT();
+  UNSAFE_DURING_CAPTURE();
+  return copy(reinterpret_cast<void*>(dst), src, n, dst, "cuMemcpyHtoD");
+}
+
+FAKE_API CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
+  ENTER("cuMemcpyDtoH");
+  NEED_CONTEXT();
+  UNSAFE_DURING_CAPTURE();
+  return copy(dst, reinterpret_cast<const void*>(src), n, src, "cuMemcpyDtoH");
 }
 
 FAKE_API CUresult cuStreamCreate(CUstream* out, unsigned) {

@@ -104,9 +104,13 @@ enum class DriverCall : int {
 inline constexpr int kDriverCallCount = static_cast<int>(DriverCall::count_);
 const char* driver_call_name(DriverCall c);
 
-// Modelled cost of one call, in microseconds (defaults: published A100 figures, kvcached bench_vmm).
+// Modelled cost of one call, in microseconds: us + per_mib × the call's size in MiB (calls with a size:
+// reserve, free_reservation, create, map, unmap, set_access). Defaults: published A100 figures at 2 MiB
+// (kvcached bench_vmm), no size term. `fragless-replay --costs FILE` fits both terms from a probe of a real
+// driver (tools/gpu_probe.cpp).
 struct CostModel {
   std::array<double, kDriverCallCount> us{};
+  std::array<double, kDriverCallCount> per_mib{};
   static CostModel a100();
 };
 
@@ -140,6 +144,10 @@ class DriverContract {
   void unmapped(DevicePtr va, std::size_t size, std::vector<PhysHandle>* gone);
 
   std::size_t mapping_count() const { return mappings_.size(); }
+  std::size_t handle_size(PhysHandle h) const {
+    auto it = handles_.find(h);
+    return it == handles_.end() ? 0 : it->second.size;
+  }
   std::size_t handle_count() const { return handles_.size(); }
 
  private:
@@ -212,9 +220,10 @@ class Driver {
     if (st != Status::ok && st != Status::not_ready) contract_error_ = nullptr;
     return st;
   }
-  void charge(DriverCall c) {
-    ++counters_.calls[static_cast<int>(c)];
-    counters_.modelled_us += costs_.us[static_cast<int>(c)];
+  void charge(DriverCall c, std::size_t bytes = 0) {
+    const int i = static_cast<int>(c);
+    ++counters_.calls[i];
+    counters_.modelled_us += costs_.us[i] + costs_.per_mib[i] * (static_cast<double>(bytes) / (1 << 20));
   }
 
   virtual Status do_reserve(std::size_t size, DevicePtr* va) = 0;

@@ -1,0 +1,95 @@
+#include "costs.h"
+
+#include <fstream>
+#include <sstream>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace fragless::replay {
+
+namespace {
+// The probe's name of each call with a size, and the model's.
+constexpr std::pair<const char*, DriverCall> kSized[] = {
+    {"cuMemAddressReserve", DriverCall::reserve}, {"cuMemAddressFree", DriverCall::free_reservation},
+    {"cuMemCreate", DriverCall::create},          {"cuMemRelease", DriverCall::release},
+    {"cuMemMap", DriverCall::map},                {"cuMemUnmap", DriverCall::unmap},
+    {"cuMemSetAccess", DriverCall::set_access},
+};
+}  // namespace
+
+bool load_costs(const std::string& path, CostModel* out, std::string* error) {
+  auto fail = [&](const std::string& why) {
+    *error = "--costs " + path + ": " + why;
+    return false;
+  };
+  std::ifstream f(path);
+  if (!f) return fail("cannot open the file");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const auto j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return fail("not JSON (expected the output of fragless-gpu-probe)");
+  if (j.value("schema", "") != "fragless-gpu-probe/1")
+    return fail("not a driver probe (schema is not \"fragless-gpu-probe/1\")");
+  const auto costs = j.find("costs_us");
+  if (costs == j.end() || !costs->is_object()) return fail("no costs_us object");
+  CostModel m = CostModel::a100();
+  int measured = 0;
+  for (const auto& [name, call] : kSized) {
+    const auto c = costs->find(name);
+    if (c == costs->end() || !c->is_object()) continue;
+    std::vector<std::pair<double, double>> pts;  // (MiB, median µs)
+    for (const auto& [size, stat] : c->items()) {
+      double mib = 0;
+      try {
+        mib = std::stod(size) / (1 << 20);
+      } catch (...) {
+        return fail(std::string(name) + ": handle size '" + size + "' is not a number of bytes");
+      }
+      if (!stat.is_object() || !stat.contains("median") || !stat["median"].is_number())
+        return fail(std::string(name) + " at " + size + " bytes: no numeric median");
+      const double med = stat["median"].get<double>();
+      if (!(mib > 0) || !(med >= 0)) return fail(std::string(name) + " at " + size + " bytes: a negative or zero value");
+      pts.emplace_back(mib, med);
+    }
+    if (pts.empty()) continue;
+    double a = pts[0].second, b = 0;
+    if (pts.size() > 1) {  // least squares: median = a + b × MiB
+      double sx = 0, sy = 0, sxx = 0, sxy = 0;
+      for (auto [x, y] : pts) sx += x, sy += y, sxx += x * x, sxy += x * y;
+      const double n = static_cast<double>(pts.size()), den = n * sxx - sx * sx;
+      if (den > 0) {
+        b = (n * sxy - sx * sy) / den;
+        a = (sy - b * sx) / n;
+      }
+      if (a < 0) a = 0;  // a line through large handles can cross below zero at 0 MiB
+      if (b < 0) b = 0;
+    }
+    m.us[static_cast<int>(call)] = a;
+    m.per_mib[static_cast<int>(call)] = b;
+    ++measured;
+  }
+  auto median_of = [&](const char* key, double* v) {
+    const auto it = j.find(key);
+    if (it == j.end() || !it->is_object() || !it->contains("median") || !(*it)["median"].is_number()) return false;
+    *v = (*it)["median"].get<double>();
+    return *v >= 0;
+  };
+  double rq = 0, sync = 0;
+  if (median_of("event_record_query_us", &rq)) {  // one record and one query
+    m.us[static_cast<int>(DriverCall::record_event)] = rq / 2;
+    m.us[static_cast<int>(DriverCall::query_event)] = rq / 2;
+    ++measured;
+  }
+  if (median_of("stream_synchronize_idle_us", &sync)) {
+    m.us[static_cast<int>(DriverCall::synchronize_stream)] = sync;
+    m.us[static_cast<int>(DriverCall::synchronize_event)] = sync;
+    ++measured;
+  }
+  if (measured == 0) return fail("the probe measured no call (costs_us is empty)");
+  *out = m;
+  return true;
+}
+
+}  // namespace fragless::replay

@@ -1,0 +1,15 @@
+// The driver cost model from a probe of a real driver (tools/gpu_probe.cpp's JSON), for
+// `fragless-replay --costs FILE`.
+#pragma once
+#include <string>
+
+#include "fragless/driver.h"
+
+namespace fragless::replay {
+
+// Starts from the A100 model and replaces every call the probe measured: for calls with a size, a least-
+// squares line through the medians at each handle size (us + per_mib × MiB); for event calls, the median.
+// false with *error naming the file and what is wrong (unreadable, not JSON, not a probe, no measurement).
+bool load_costs(const std::string& path, CostModel* out, std::string* error);
+
+}  // namespace fragless::replay

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Builds, on a CPU machine, everything the GPU check needs into one folder (default gpu-bundle/, ignored by
+# git; at most 64 MiB, so the device run can carry it): Release, the cuda driver, no sanitizers, no tests.
+#   tools/gpu_bundle.sh [OUT]
+# Contents: bin/fragless-gpu-probe, bin/fragless-replay, lib/libfragless.so, lib/libfragless_preload.so,
+# lib/fragless_kernels.fatbin (the spin kernel, nvcc: sm_90 code + compute_80 PTX), python/fragless (the
+# helper), gpu_check.sh, gpu_train.py, MANIFEST. Then, on the device: bash OUT/gpu_check.sh OUT
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+out="$(mkdir -p "${1:-$root/gpu-bundle}" && cd "${1:-$root/gpu-bundle}" && pwd)"
+build="${FRAGLESS_BUNDLE_BUILD:-$out.build}"
+jobs="$(nproc 2>/dev/null || echo 2)"
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DFRAGLESS_BUILD_TESTS=OFF -DFRAGLESS_BUILD_BENCH=ON \
+  -DCMAKE_EXE_LINKER_FLAGS="-static-libstdc++ -static-libgcc" >/dev/null
+cmake --build "$build" -j"$jobs" --target fragless fragless_preload fragless-gpu-probe fragless-replay >/dev/null
+rm -rf "$out/bin" "$out/lib" "$out/python"
+mkdir -p "$out/bin" "$out/lib" "$out/python"
+cp "$build/bin/fragless-gpu-probe" "$build/bin/fragless-replay" "$out/bin/"
+cp "$build/lib/libfragless.so" "$build/lib/libfragless_preload.so" "$out/lib/"
+cp -r "$root/torch_plugin/python/fragless" "$out/python/"
+rm -rf "$out/python/fragless/__pycache__"
+cp "$root/tools/gpu_check.sh" "$root/tools/gpu_train.py" "$out/"
+nvcc="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
+if [ -x "$nvcc" ]; then
+  "$nvcc" -fatbin -gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=compute_80 \
+    -o "$out/lib/fragless_kernels.fatbin" "$root/tools/gpu_kernels.cu"
+  kernel="fragless_kernels.fatbin ($("$nvcc" --version | tail -1))"
+else
+  kernel="none: no nvcc here, so the probe's kernel questions will be unanswered"
+fi
+{
+  echo "fragless GPU bundle"
+  echo "built: $(date -u +%Y-%m-%dT%H:%MZ) on $(uname -m), from $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo "kernel: $kernel"
+} > "$out/MANIFEST"
+size=$(du -sb "$out" | cut -f1)
+if [ "$size" -gt $((64 << 20)) ]; then
+  echo "gpu_bundle: $out is $((size >> 20)) MiB, over the 64 MiB a device run can carry" >&2
+  exit 1
+fi
+echo "gpu_bundle: $out ($((size >> 10)) KiB); on the device: bash $(basename "$out")/gpu_check.sh $(basename "$out")"
