@@ -2,7 +2,7 @@
 # Builds, on a CPU machine, everything the GPU check needs into one folder (default gpu-bundle/, ignored by
 # git; at most 64 MiB, so the device run can carry it): Release, the cuda driver, no sanitizers, no tests.
 #   tools/gpu_bundle.sh [OUT]
-# Contents: bin/fragless-gpu-probe, bin/fragless-replay, lib/libfragless.so, lib/libfragless_preload.so,
+# Contents: bin/fragless-gpu-probe, bin/fragless-gpu-tests, bin/fragless-replay, lib/libfragless.so, lib/libfragless_preload.so,
 # lib/fragless_kernels.fatbin (the spin kernel, nvcc: sm_90 code + compute_80 PTX), python/fragless (the
 # helper), gpu_check.sh, gpu_train.py, MANIFEST. Then, on the device: bash OUT/gpu_check.sh OUT
 set -euo pipefail
@@ -12,10 +12,10 @@ build="${FRAGLESS_BUNDLE_BUILD:-$out.build}"
 jobs="$(nproc 2>/dev/null || echo 2)"
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DFRAGLESS_BUILD_TESTS=OFF -DFRAGLESS_BUILD_BENCH=ON \
   -DCMAKE_EXE_LINKER_FLAGS="-static-libstdc++ -static-libgcc" >/dev/null
-cmake --build "$build" -j"$jobs" --target fragless fragless_preload fragless-gpu-probe fragless-replay >/dev/null
+cmake --build "$build" -j"$jobs" --target fragless fragless_preload fragless-gpu-probe fragless-gpu-tests fragless-replay >/dev/null
 rm -rf "$out/bin" "$out/lib" "$out/python"
 mkdir -p "$out/bin" "$out/lib" "$out/python"
-cp "$build/bin/fragless-gpu-probe" "$build/bin/fragless-replay" "$out/bin/"
+cp "$build/bin/fragless-gpu-probe" "$build/bin/fragless-gpu-tests" "$build/bin/fragless-replay" "$out/bin/"
 cp "$build/lib/libfragless.so" "$build/lib/libfragless_preload.so" "$out/lib/"
 cp -r "$root/torch_plugin/python/fragless" "$out/python/"
 rm -rf "$out/python/fragless/__pycache__"

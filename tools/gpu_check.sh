@@ -2,8 +2,10 @@
 # The GPU check, run on a GPU machine from a bundle built on a CPU one (tools/gpu_bundle.sh), without building:
 #   bash gpu-bundle/gpu_check.sh [BUNDLE]       (BUNDLE: default, the folder this script is in, or gpu-bundle/)
 # 1. the driver probe (tools/gpu_probe.cpp): granularity, VMM attributes, call costs, the contract's questions;
-# 2. the built-in workloads replayed with the measured costs instead of the A100 model;
-# 3. when PyTorch with CUDA is importable: training over batches whose shapes really vary under native,
+# 2. the real-driver tests (tools/gpu_tests.cpp: conformance, OOM, integrity with patterns through cuMemcpy,
+#    record_stream with a real kernel on two streams, a graph capture on a real stream), every policy;
+# 3. the built-in workloads replayed with the measured costs instead of the A100 model;
+# 4. when PyTorch with CUDA is importable: training over batches whose shapes really vary under native,
 #    native + expandable_segments, fragless (CUDAPluggableAllocator) and fragless (LD_PRELOAD), plus the
 #    memory API, a snapshot and a CUDA graph under each (tools/gpu_train.py).
 # Writes gpu_check.json (and gpu_probe.json) into $OUT when set (the device tool's output folder), else the
@@ -46,7 +48,11 @@ if [ $rc -eq 77 ]; then
 fi
 [ $rc -eq 0 ] || echo "gpu_check: the probe failed (exit $rc); going on with what it wrote"
 
-# 2. The built-in workloads with the measured costs, against the A100 model.
+# 2. The real-driver tests.
+timeout 180 "$bundle/bin/fragless-gpu-tests" ${kernel:+--kernel "$kernel"} --json "$out/gpu_tests.json" ||
+  echo "gpu_check: real-driver tests failed (see above)"
+
+# 3. The built-in workloads with the measured costs, against the A100 model.
 replay_json="$out/gpu_replay.json"
 if [ -s "$out/gpu_probe.json" ]; then
   timeout 120 "$bundle/bin/fragless-replay" --json --costs "$out/gpu_probe.json" \
@@ -54,7 +60,7 @@ if [ -s "$out/gpu_probe.json" ]; then
     echo "gpu_check: the replay with measured costs failed (see gpu_replay.err)"
 fi
 
-# 3. PyTorch, when it is importable with CUDA.
+# 4. PyTorch, when it is importable with CUDA.
 torch_json="$out/gpu_torch.jsonl"
 : > "$torch_json"
 if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
@@ -86,6 +92,7 @@ def load(name):
     except Exception:
         return None
 probe = load("gpu_probe.json")
+tests = load("gpu_tests.json")
 replay = load("gpu_replay.json")
 torch_rows = []
 p = os.path.join(out, "gpu_torch.jsonl")
@@ -93,13 +100,16 @@ if os.path.exists(p):
     for line in open(p):
         if line.startswith("{"):
             torch_rows.append(json.loads(line))
-json.dump({"schema": "fragless-gpu-check/1", "probe": probe, "replay_with_measured_costs": replay,
+json.dump({"schema": "fragless-gpu-check/1", "probe": probe, "real_driver_tests": tests,
+           "replay_with_measured_costs": replay,
            "torch": torch_rows}, open(os.path.join(out, "gpu_check.json"), "w"), indent=1)
 if probe:
     d = probe["device"]
     print("device: %s, %.1f GiB, granularity %d / %d, driver %d" % (d["name"], d["total_bytes"] / 2**30,
           d["granularity_min"], d["granularity_recommended"], probe["driver"]["version"]))
     print("semantics:", ", ".join("%s=%s" % kv for kv in probe["semantics"].items()))
+if tests:
+    print("real-driver tests: %d passed, %d failed, %d skipped" % (tests["passed"], tests["failed"], tests["skipped"]))
 if replay:
     rows = replay if isinstance(replay, list) else replay.get("results", [])
     for r in rows:

@@ -36,6 +36,9 @@ for k in ("map_nonzero_offset", "map_partial_handle", "unmap_several_mappings", 
     assert k in sem and (sem[k] is None or isinstance(sem[k], bool)), (k, sem.get(k))
 assert sem["coherent_two_addresses"] is True and sem["unmap_several_mappings"] is True, sem
 assert isinstance(probe["notes"], list) and probe["failure"] is None, probe["failure"]
+tests = check["real_driver_tests"]
+assert tests["failed"] == 0 and tests["passed"] >= 12, tests
+assert all(t["result"] in ("PASSED", "SKIPPED") for t in tests["tests"]), tests
 rows = check["replay_with_measured_costs"]["results"]
 assert {r["policy"] for r in rows} == {"classic", "expandable", "fragless"}, rows
 assert all(r["modelled_driver_us"] > 0 for r in rows)
