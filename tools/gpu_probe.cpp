@@ -309,30 +309,37 @@ class Probe {
     cu_.memCreate(&hb, g, &prop_, 0);
     cu_.memMap(buf, g, 0, hb, 0);
     cu_.memSetAccess(buf, g, &desc_, 1);
-    auto run = [&](auto call) {  // time `call` while the kernel spins for ~200 ms
+    // Times `call` (one driver call on the unrelated range) while the kernel spins for ~200 ms, then cleans
+    // up the range with `after`.
+    auto run = [&](auto call, auto after) {
       unsigned long long cycles = 200ull * 1000 * 1000 * 2;  // ~200 ms at 2 GHz
       void* args[] = {&buf, &cycles};
       cu_.memCreate(&ho, g, &prop_, 0);
       cu_.memMap(other, g, 0, ho, 0);
       cu_.memSetAccess(other, g, &desc_, 1);
-      if (cu_.launchKernel(spin, 1, 1, 1, 1, 1, 1, 0, s, args, nullptr) != CUDA_SUCCESS) return -1.0;
+      if (cu_.launchKernel(spin, 1, 1, 1, 1, 1, 1, 0, s, args, nullptr) != CUDA_SUCCESS) {
+        cu_.memUnmap(other, g);
+        cu_.memRelease(ho);
+        return -1.0;
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));  // it is running now
       const double t0 = now_us();
       call();
       const double dt = now_us() - t0;
+      after();
       cu_.streamSynchronize(s);
       return dt;
     };
-    const double tu = run([&] { cu_.memUnmap(other, g); cu_.memRelease(ho); });
-    const double tr = run([&] { cu_.memRelease(ho); cu_.memUnmap(other, g); });
-    const double ta = run([&] { cu_.memSetAccess(other, g, &desc_, 1); cu_.memUnmap(other, g); cu_.memRelease(ho); });
+    const double tu = run([&] { cu_.memUnmap(other, g); }, [&] { cu_.memRelease(ho); });
+    const double tr = run([&] { cu_.memRelease(ho); }, [&] { cu_.memUnmap(other, g); });
+    const double ta = run([&] { cu_.memSetAccess(other, g, &desc_, 1); }, [&] { cu_.memUnmap(other, g); cu_.memRelease(ho); });
     const double half = 90e3;  // µs: half of the spin after the 20 ms head start
     *unmap = tu < 0 ? -1 : tu > half;
     *release = tr < 0 ? -1 : tr > half;
     *access = ta < 0 ? -1 : ta > half;
     char b[160];
-    std::snprintf(b, sizeof b, "under a spinning kernel: unmap+release %.0f us, release+unmap %.0f us, set access+unmap+release %.0f us",
-                  tu, tr, ta);
+    std::snprintf(b, sizeof b, "under a kernel spinning ~200 ms on another stream: cuMemUnmap %.0f us, cuMemRelease %.0f us, "
+                  "cuMemSetAccess %.0f us", tu, tr, ta);
     notes.push_back(b);
     cu_.memUnmap(buf, g);
     cu_.memRelease(hb);
