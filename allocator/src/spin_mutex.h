@@ -1,13 +1,22 @@
 // The device lock. Critical sections on the fast path are ~100 ns, so a waiter first spins (bursts of pause
 // instructions, yielding the CPU between bursts, for at most kSpinFor): a handover within that time costs no
-// system call, and a holder that was descheduled gets to run. Only then does it block in the kernel (futex,
-// through C++20 atomic wait): a thread queued behind a slow path that holds the lock across a driver call
-// (a stream synchronisation, a cuMemCreate of GiBs) sleeps instead of burning a core. Sleepers are counted
-// apart from the lock word, so an unlock makes a system call only while somebody sleeps (a three-state
-// word would stay "contended" under steady contention and make every unlock a wake-up call).
+// system call, and a holder that was descheduled gets to run. Only then does it block in the kernel (a
+// futex): a thread queued behind a slow path that holds the lock across a driver call (a stream
+// synchronisation, a cuMemCreate of GiBs) sleeps instead of burning a core.
+//
+// Note [Unlock without a fence]: unlock is a plain release store followed by a relaxed read of the sleeper
+// count, as cheap as a spin lock's. Without a full fence that read may miss a thread that is just going to
+// sleep (store-load reordering), so no sleep is unbounded: a sleeper wakes at the latest after a timeout
+// (100 µs, doubling to 10 ms) and tries again. A missed wake-up costs at most that much latency, never a
+// hang; a sleeper behind a long call wakes a few hundred times a second at most, which is no CPU to speak of.
 #pragma once
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
+#include <ctime>
 #include <thread>
 
 namespace fragless {
@@ -16,7 +25,33 @@ class SpinMutex {
  public:
   void lock() {
     if (try_lock()) return;
-    const auto give_up = std::chrono::steady_clock::now() + kSpinFor;
+    if (spin(kSpinFor)) return;
+    long timeout_ns = 100'000;
+    sleepers_.fetch_add(1, std::memory_order_relaxed);
+    for (;;) {
+      timespec ts{0, timeout_ns};
+      // Sleeps only while the word still says "held" (the kernel checks it atomically).
+      syscall(SYS_futex, reinterpret_cast<int*>(&state_), FUTEX_WAIT_PRIVATE, 1, &ts, nullptr, 0);
+      if (spin(std::chrono::microseconds(2))) break;  // a short spin after each wake: the holder may be done
+      timeout_ns = std::min(timeout_ns * 2, 10'000'000L);
+    }
+    sleepers_.fetch_sub(1, std::memory_order_relaxed);
+  }
+  bool try_lock() {
+    int c = 0;
+    return state_.load(std::memory_order_relaxed) == 0 &&
+           state_.compare_exchange_strong(c, 1, std::memory_order_acquire, std::memory_order_relaxed);
+  }
+  void unlock() {
+    state_.store(0, std::memory_order_release);
+    if (sleepers_.load(std::memory_order_relaxed) > 0)  // Note [Unlock without a fence]
+      syscall(SYS_futex, reinterpret_cast<int*>(&state_), FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
+  }
+
+ private:
+  // Spins (pausing, and yielding between bursts) until the lock is taken or `budget` has passed.
+  bool spin(std::chrono::microseconds budget) {
+    const auto give_up = std::chrono::steady_clock::now() + budget;
     for (unsigned round = 1;; ++round) {
       for (int k = 0; k < 32; ++k) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -24,29 +59,14 @@ class SpinMutex {
 #elif defined(__aarch64__)
         asm volatile("yield");
 #endif
-        if (state_.load(std::memory_order_relaxed) == 0 && try_lock()) return;
+        if (try_lock()) return true;
       }
       if (round % 8 == 0) {
-        if (std::chrono::steady_clock::now() > give_up) break;
+        if (std::chrono::steady_clock::now() > give_up) return false;
         std::this_thread::yield();
       }
     }
-    // Sleep until the lock is free. The sleeper count and the lock word are both sequentially consistent: an
-    // unlocker either sees this sleeper and wakes it, or this thread's next try sees the lock free.
-    sleepers_.fetch_add(1, std::memory_order_seq_cst);
-    while (!try_lock()) state_.wait(1, std::memory_order_relaxed);  // returns at once unless still held
-    sleepers_.fetch_sub(1, std::memory_order_relaxed);
   }
-  bool try_lock() {
-    int c = 0;
-    return state_.compare_exchange_strong(c, 1, std::memory_order_seq_cst);
-  }
-  void unlock() {
-    state_.store(0, std::memory_order_seq_cst);
-    if (sleepers_.load(std::memory_order_seq_cst) > 0) state_.notify_one();
-  }
-
- private:
   static constexpr std::chrono::microseconds kSpinFor{50};
   std::atomic<int> state_{0};     // 0 free, 1 held
   std::atomic<int> sleepers_{0};  // threads in (or entering) the futex wait
