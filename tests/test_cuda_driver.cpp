@@ -16,103 +16,15 @@
 
 #include <cuda.h>
 
-#include "fake_cuda.h"
-#include "fault_workload.h"
-#include "fragless/allocator.h"
+#include "client.h"
 #include "fragless/cuda_driver.h"
 
 using namespace fragless;
+using namespace fragless::test;
 
 namespace {
 
 constexpr std::size_t MiB = 1u << 20;
-constexpr int kOom = 2, kIllegalAddress = 700;  // CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_ILLEGAL_ADDRESS
-
-// Every test in this process uses the double: set before any test runs (the cuda driver reads it once).
-const bool g_use_double = (setenv("FRAGLESS_LIBCUDA", FRAGLESS_FAKECUDA_PATH, 1), true);
-
-template <typename F>
-void load_symbol(void* lib, F* fn, const char* name) {
-  *fn = reinterpret_cast<F>(dlsym(lib, name));
-  INFO(name);
-  REQUIRE(*fn);
-}
-
-// The double, loaded once per process (the cuda driver dlopens the same file: one instance).
-struct Fake {
-  void* lib = nullptr;
-  decltype(&fakecuda_fail) fail = nullptr;
-  decltype(&fakecuda_reset_failures) reset = nullptr;
-  decltype(&fakecuda_calls) calls = nullptr;
-  decltype(&fakecuda_get_census) census = nullptr;
-  decltype(&fakecuda_hold_stream) hold = nullptr;
-  decltype(&fakecuda_set_capacity) capacity = nullptr;
-  decltype(&fakecuda_adopt_stream) adopt = nullptr;
-  decltype(&fakecuda_launch) launch = nullptr;
-  decltype(&fakecuda_advance) advance = nullptr;
-  decltype(&fakecuda_set_delay) delay = nullptr;
-  decltype(&fakecuda_first_fault) first_fault = nullptr;
-  decltype(&fakecuda_clear_faults) clear_faults = nullptr;
-  decltype(&fakecuda_stream_create) stream_create = nullptr;
-  Fake() {
-    setenv("FRAGLESS_LIBCUDA", FRAGLESS_FAKECUDA_PATH, 1);
-    lib = dlopen(FRAGLESS_FAKECUDA_PATH, RTLD_NOW | RTLD_LOCAL);
-    REQUIRE(lib);
-    // Each control by name; a missing one fails here.
-    auto load = [&](auto* fn, const char* name) { load_symbol(lib, fn, name); };
-    load(&fail, "fakecuda_fail");
-    load(&reset, "fakecuda_reset_failures");
-    load(&calls, "fakecuda_calls");
-    load(&census, "fakecuda_get_census");
-    load(&hold, "fakecuda_hold_stream");
-    load(&capacity, "fakecuda_set_capacity");
-    load(&adopt, "fakecuda_adopt_stream");
-    load(&launch, "fakecuda_launch");
-    load(&advance, "fakecuda_advance");
-    load(&delay, "fakecuda_set_delay");
-    load(&first_fault, "fakecuda_first_fault");
-    load(&clear_faults, "fakecuda_clear_faults");
-    load(&stream_create, "fakecuda_stream_create");
-    // The fixed stream numbers of these tests, as streams of their device (the double refuses others).
-    for (int d = 0; d < 2; ++d)
-      for (Stream s : {fragless::test::kFaultStreamA, fragless::test::kFaultStreamB, fragless::test::kFaultStreamUse})
-        REQUIRE(adopt(reinterpret_cast<void*>(s + stream_base(d)), d));
-  }
-  static Stream stream_base(int device) { return static_cast<Stream>(device) * 0x100; }
-  fakecuda_census now() const {
-    fakecuda_census c{};
-    census(&c);
-    return c;
-  }
-};
-
-Fake& fake() {
-  static Fake f;
-  return f;
-}
-
-std::unique_ptr<Allocator> make(PolicyKind p, std::string* err) {
-  fake().clear_faults();  // a test that failed before leaves none behind
-  Options o;
-  o.policy = p;
-  o.driver = DriverKind::cuda;
-  return Allocator::create(o, -1, err);
-}
-
-void require_nothing_held() {
-  const auto c = fake().now();
-  INFO("handles " << c.handles << " mappings " << c.mappings << " reservations " << c.reservations << " events "
-                  << c.events << " bytes " << c.used_bytes << " faults " << c.faults << " (" << fake().first_fault()
-                  << ") invalidated captures " << c.invalidated_captures << " context retains " << c.context_retains);
-  REQUIRE(c.faults == 0);
-  REQUIRE(c.invalidated_captures == 0);
-  REQUIRE(c.context_retains == 0);
-  REQUIRE(c.handles == 0);
-  REQUIRE(c.mappings == 0);
-  REQUIRE(c.reservations == 0);
-  REQUIRE(c.events == 0);
-  REQUIRE(c.used_bytes == 0);
-}
 
 bool workload(DeviceEngine& e, std::string* error) {
   const Stream base = Fake::stream_base(e.device());
@@ -317,44 +229,6 @@ TEST_CASE("libcuda double: the driver contract (whole handles, whole unmaps, rel
 
 
 namespace {
-// The double's context calls, for tests that act as a CUDA program would.
-struct Ctx {
-  CUresult (*retain)(CUcontext*, CUdevice);
-  CUresult (*release)(CUdevice);
-  CUresult (*push)(CUcontext);
-  CUresult (*pop)(CUcontext*);
-  CUresult (*get)(CUcontext*);
-  CUresult (*begin_capture)(CUstream, CUstreamCaptureMode);
-  CUresult (*end_capture)(CUstream, CUgraph*);
-  Ctx() {
-    auto load = [](auto* fn, const char* name) { load_symbol(fake().lib, fn, name); };
-    load(&retain, "cuDevicePrimaryCtxRetain");
-    load(&release, "cuDevicePrimaryCtxRelease_v2");
-    load(&push, "cuCtxPushCurrent_v2");
-    load(&pop, "cuCtxPopCurrent_v2");
-    load(&get, "cuCtxGetCurrent");
-    load(&begin_capture, "cuStreamBeginCapture_v2");
-    load(&end_capture, "cuStreamEndCapture");
-  }
-  CUcontext current() const {
-    CUcontext c = nullptr;
-    get(&c);
-    return c;
-  }
-};
-
-std::unique_ptr<Allocator> make_lazy(PolicyKind p) {
-  fake().clear_faults();
-  Options o;
-  o.policy = p;
-  o.driver = DriverKind::cuda;
-  std::string err;
-  auto a = Allocator::create(o, -1, &err, /*eager=*/false);
-  INFO(err);
-  REQUIRE(a);
-  return a;
-}
-
 double thread_cpu_seconds() {
   timespec t{};
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
@@ -437,6 +311,8 @@ TEST_CASE("cuda driver: memory is never unmapped, freed or handed out under runn
       for (int round = 0; round < 4; ++round) {
         void* x = e.allocate(6 * MiB, A, nullptr);
         REQUIRE(x);
+        // B uses A's block: the program orders B after A first (torch: side.wait_stream(current)).
+        REQUIRE(fake().stream_wait(reinterpret_cast<void*>(B), reinterpret_cast<void*>(A)) == CUDA_SUCCESS);
         REQUIRE(fake().launch(reinterpret_cast<void*>(B), x, 6 * MiB, 500) == CUDA_SUCCESS);
         e.record_stream(x, B);
         e.free(x);
@@ -649,7 +525,8 @@ TEST_CASE("cuda driver: CUDA events come from a pool, not one cuEventCreate per 
   {
     auto a = make_lazy(PolicyKind::fragless);
     DeviceEngine& e = *a->device(0);
-    const auto creates = fake().calls("cuEventCreate"), records = fake().calls("cuEventRecord");
+    const auto creates = fake().calls("cuEventCreate"), records = fake().calls("cuEventRecord"),
+               destroys = fake().calls("cuEventDestroy");
     for (int i = 0; i < 2000; ++i) {
       void* x = e.allocate(4096 * (1 + i % 9), fragless::test::kFaultStreamA, nullptr);
       REQUIRE(x);
@@ -658,7 +535,7 @@ TEST_CASE("cuda driver: CUDA events come from a pool, not one cuEventCreate per 
     }
     CHECK(fake().calls("cuEventRecord") - records >= 2000);
     CHECK(fake().calls("cuEventCreate") - creates <= 4);  // the outstanding few, re-recorded ever after
-    CHECK(fake().calls("cuEventDestroy") == 0);
+    CHECK(fake().calls("cuEventDestroy") == destroys);
   }
   require_nothing_held();  // the pool is destroyed with the driver
 }

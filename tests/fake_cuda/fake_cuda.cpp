@@ -17,11 +17,16 @@
 //    an event completes when the work before it has. The clock moves when the test advances it, or when the
 //    host waits (a stream, event or context synchronisation waits exactly until that work is done). A held
 //    stream (fakecuda_hold_stream) makes no progress until it is released or synchronised.
-//    Unmapping, releasing or freeing the address range of memory that unfinished work touches, and work
-//    touching memory that unfinished work of another stream touches without being ordered after it (the
-//    allocator handed a block out too early), or touching memory that is not mapped and accessible, are
-//    illegal-address faults: counted, described, and sticky (every later call then fails with
-//    CUDA_ERROR_ILLEGAL_ADDRESS, as a context does after a fault). The census reports them.
+//    Work touches physical memory: its address range is resolved through the mappings at launch to
+//    (handle, offset) ranges. Judged on physical memory, whatever the addresses: work touching memory that
+//    unfinished work of another stream touches without being ordered after it (happens-before through
+//    stream order and cuStreamWaitEvent, never mere timing: the allocator handed a block out too early),
+//    and a handle's memory going (released, last mapping unmapped) under unfinished work. Judged on
+//    addresses: unmapping or freeing an address range that unfinished work was launched on, and work
+//    launched on an address that is not mapped and accessible to its device. Unmapping one address of a
+//    handle while work uses it through another is legal (R9). Each is an illegal-address fault: counted,
+//    described, and sticky (every later call then fails with CUDA_ERROR_ILLEGAL_ADDRESS, as a context does
+//    after a fault). The census reports them.
 //  - stream capture: cuStreamBeginCapture/EndCapture/IsCapturing/GetCaptureInfo and
 //    cuThreadExchangeStreamCaptureMode. During a capture, querying or synchronising a captured event or a
 //    capturing stream, synchronising the context, and (from a thread whose mode is not relaxed, in global
@@ -64,13 +69,26 @@ constexpr std::uint64_t kNever = std::numeric_limits<std::uint64_t>::max();
 // One operation queued on a stream: a kernel, an event record or a wait. It completes at `done` on the
 // virtual clock; while its stream is held or something it depends on is unresolved, `done` is kNever and the
 // node is `blocked`, remembering what it waits for.
+//
+// Ordering is judged by happens-before, never by timing: each node carries a vector clock (for every stream
+// it is ordered after, the position of the last node of that stream it follows), inherited from its
+// stream's previous node and from the events it waits for. Work on stream T is ordered after work W on
+// stream S only when T's node follows W through stream order and cuStreamWaitEvent, or when W is done
+// (the host waited for it, or the clock passed it). Work that merely happens to start later is not ordered.
+using Clock = std::map<std::uint64_t, std::uint64_t>;  // stream id -> position
 struct Node {
   CUstream stream = nullptr;
+  std::uint64_t stream_id = 0, position = 0;      // the stream (an identity never reused) and its n-th node
+  Clock clock;                                    // happens-before: what this node is ordered after
   std::uint64_t duration = 0;
   std::uint64_t done = kNever;
   bool blocked = false;
   std::shared_ptr<Node> after_stream;             // the stream's previous node (while blocked)
   std::vector<std::shared_ptr<Node>> after_events; // waited-for events (while blocked)
+  bool follows(const Node& w) const {
+    auto it = clock.find(w.stream_id);
+    return it != clock.end() && it->second >= w.position;
+  }
 };
 using NodeP = std::shared_ptr<Node>;
 
@@ -80,8 +98,21 @@ struct Fault { int countdown; CUresult error; };
 struct FakeEvent { CUcontext ctx; NodeP node; unsigned long long capture = 0; };
 // `runtime`: made by fakecuda_stream_create/adopt, standing for the CUDA runtime's streams; the runtime keeps
 // its primary context retained, so they outlive the retains the program under test takes and drops.
-struct FakeStream { CUcontext ctx; NodeP tail; bool held = false; unsigned long long capture = 0; bool runtime = false; };
-struct Touch { CUdeviceptr va; std::size_t size; CUstream stream; NodeP node; };
+struct FakeStream {
+  CUcontext ctx;
+  NodeP tail;
+  bool held = false;
+  unsigned long long capture = 0;
+  bool runtime = false;
+  std::uint64_t id = 0;         // identity for happens-before (a reused handle value is a new stream)
+  std::uint64_t positions = 0;  // nodes queued so far
+};
+// Physical memory: bytes [lo, hi) of a handle.
+struct PhysRange { CUmemGenericAllocationHandle handle; std::size_t lo, hi; };
+// Work that touches memory: the addresses it was launched on (an unmap is judged on them) and the physical
+// memory they resolved to at launch (ordering between streams and releases are judged on it: one handle
+// may be mapped at several addresses, R9).
+struct Touch { CUdeviceptr va; std::size_t size; CUstream stream; NodeP node; std::vector<PhysRange> phys; };
 struct Capture { CUstream origin; CUstreamCaptureMode mode; std::thread::id thread; bool invalidated = false; };
 struct Primary { int retains = 0; };
 
@@ -106,6 +137,7 @@ struct State {
   unsigned long long next_capture = 1;
   std::uintptr_t next_event = 0x1000, next_stream = 0x5000, next_graph = 0x9000;
   std::uint64_t now = 0;
+  std::uint64_t next_stream_id = 1;
   long fault_count = 0, invalidated_captures = 0;
   std::string first_fault;
   bool initialised = false;
@@ -210,6 +242,7 @@ FakeStream* stream_of(CUstream h) {
     if (!c) return nullptr;
     auto& n = s.null_streams[c];
     n.ctx = c;
+    if (!n.id) n.id = s.next_stream_id++;
     return &n;
   }
   auto it = s.streams.find(h);
@@ -266,6 +299,13 @@ NodeP enqueue(FakeStream& fs, CUstream h, std::uint64_t duration, std::vector<No
   auto n = std::make_shared<Node>();
   n->stream = h;
   n->duration = duration;
+  if (!fs.id) fs.id = s.next_stream_id++;
+  n->stream_id = fs.id;
+  n->position = ++fs.positions;
+  if (fs.tail) n->clock = fs.tail->clock;
+  for (auto& w : waits)
+    for (auto [id, pos] : w->clock) n->clock[id] = std::max(n->clock[id], pos);
+  n->clock[fs.id] = n->position;
   bool blocked = fs.held || (fs.tail && fs.tail->blocked);
   for (auto& w : waits) blocked = blocked || w->blocked;
   if (!blocked) {
@@ -359,10 +399,37 @@ bool accessible(State& s, CUdeviceptr va, std::size_t size, int dev) {
   return true;
 }
 
-// The memory of a released handle goes once nothing maps it (R8).
+// The physical memory [va, va+size) resolves to through the mappings now (the range is mapped: checked).
+std::vector<PhysRange> physical(State& s, CUdeviceptr va, std::size_t size) {
+  std::vector<PhysRange> out;
+  for (CUdeviceptr at = va; at < va + size;) {
+    auto it = std::prev(s.mappings.upper_bound(at));
+    const CUdeviceptr end = std::min<CUdeviceptr>(va + size, it->first + it->second.size);
+    out.push_back({it->second.handle, at - it->first, end - it->first});  // mappings start at offset 0 (R5)
+    at = end;
+  }
+  return out;
+}
+
+bool overlap(const std::vector<PhysRange>& a, const std::vector<PhysRange>& b) {
+  for (const PhysRange& x : a)
+    for (const PhysRange& y : b)
+      if (x.handle == y.handle && x.lo < y.hi && y.lo < x.hi) return true;
+  return false;
+}
+
+std::string stream_name(CUstream h) { return std::to_string(reinterpret_cast<std::uintptr_t>(h)); }
+
+// The memory of a released handle goes once nothing maps it (R8); work still using it faults.
 void drop_if_unused(State& s, CUmemGenericAllocationHandle h) {
   auto it = s.handles.find(h);
   if (it == s.handles.end() || !it->second.released || it->second.map_count > 0) return;
+  for (const Touch& w : s.touches)
+    if (!node_done(w.node) && std::any_of(w.phys.begin(), w.phys.end(), [&](const PhysRange& r) { return r.handle == h; })) {
+      fault("the memory of handle " + std::to_string(h) + " went (released, last mapping gone) while unfinished work on stream " +
+            stream_name(w.stream) + " still uses it");
+      break;
+    }
   close(it->second.fd);
   s.used[it->second.device] -= it->second.size;
   s.handles.erase(it);
@@ -1104,18 +1171,35 @@ FAKE_API int fakecuda_launch(void* stream, const void* ptr, std::size_t bytes, u
     return CUDA_ERROR_ILLEGAL_ADDRESS;
   }
   NodeP n = enqueue(*fs, h, ticks);
-  // Another stream's unfinished work over the same memory must be ordered before this one.
-  const std::uint64_t start = n->blocked ? kNever : n->done - ticks;
+  if (!bytes) return CUDA_SUCCESS;
+  // Unfinished work over the same physical memory, through any address, must happen before this one.
+  std::vector<PhysRange> phys = physical(s, va, bytes);
   for (const Touch& w : s.touches)
-    if (w.stream != h && !node_done(w.node) && w.va < va + bytes && va < w.va + w.size &&
-        (w.node->blocked || n->blocked || w.node->done > start)) {
-      fault("work on stream " + std::to_string(reinterpret_cast<std::uintptr_t>(h)) +
-            " touches memory that unfinished work on stream " + std::to_string(reinterpret_cast<std::uintptr_t>(w.stream)) +
-            " still uses (handed out again too early)");
+    if (!node_done(w.node) && !n->follows(*w.node) && overlap(w.phys, phys)) {
+      fault("work on stream " + stream_name(h) + " touches memory that unfinished work on stream " +
+            stream_name(w.stream) + " still uses, without being ordered after it (handed out again too early)");
       break;
     }
-  if (bytes) s.touches.push_back({va, bytes, h, n});
+  s.touches.push_back({va, bytes, h, n, std::move(phys)});
   return CUDA_SUCCESS;
+}
+
+FAKE_API int fakecuda_stream_wait(void* waiter, void* waited) {
+  std::lock_guard lk(st().mu);
+  State& s = st();
+  auto w = s.streams.find(reinterpret_cast<CUstream>(waiter));
+  auto d = s.streams.find(reinterpret_cast<CUstream>(waited));
+  if (w == s.streams.end() || d == s.streams.end()) return CUDA_ERROR_INVALID_HANDLE;
+  if (w->second.capture || d->second.capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+  if (d->second.tail && !node_done(d->second.tail)) enqueue(w->second, w->first, 0, {d->second.tail});
+  return CUDA_SUCCESS;
+}
+
+FAKE_API unsigned long long fakecuda_stream_done_at(void* stream) {
+  std::lock_guard lk(st().mu);
+  auto it = st().streams.find(reinterpret_cast<CUstream>(stream));
+  if (it == st().streams.end() || !it->second.tail) return 0;
+  return it->second.tail->blocked ? std::numeric_limits<unsigned long long>::max() : it->second.tail->done;
 }
 
 FAKE_API void fakecuda_advance(unsigned long long ticks) {

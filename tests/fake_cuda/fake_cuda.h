@@ -37,6 +37,12 @@ int fakecuda_adopt_stream(void* handle, int device);
 // Work on `stream` that reads and writes [ptr, ptr+bytes) for `ticks` of the virtual clock, after the work
 // queued before it. Returns a CUresult (an illegal address when the memory is not accessible to the device).
 int fakecuda_launch(void* stream, const void* ptr, std::size_t bytes, unsigned long long ticks);
+// Work queued on `waiter` from now on is ordered after everything queued on `waited` so far (what a program
+// does with cudaEventRecord on `waited` and cudaStreamWaitEvent on `waiter`; torch's Stream.wait_stream).
+int fakecuda_stream_wait(void* waiter, void* waited);
+// When everything queued on `stream` so far is done, on the virtual clock (ULLONG_MAX while it waits behind a
+// held stream); 0 for a stream with no work or one the double does not know.
+unsigned long long fakecuda_stream_done_at(void* stream);
 void fakecuda_advance(unsigned long long ticks);
 unsigned long long fakecuda_now();
 }

@@ -65,7 +65,8 @@
 //     no event query or synchronisation while a capture of its own may be under way (engine_state.h,
 //     Note [Capture rules]), since querying a captured event or syncing a capturing stream fails in any mode.
 //  The libcuda double (tests/fake_cuda) models R12-R14 as well: contexts, a virtual clock with work that
-//  touches memory, faults, and captures.
+//  touches memory, faults, and captures. It judges work by the physical memory it touches (R9: one handle
+//  mapped at two addresses is one memory), ordering by happens-before, and unmaps by their addresses.
 //  Events: record_event marks the current end of a stream's queue; query_event says ok once the work
 //  before it is done, else not_ready; synchronize_* wait (each one is a forced sync the engine counts);
 //  stream_wait_event(s, e) makes work queued on s later start after e (cuStreamWaitEvent; the host goes on),
