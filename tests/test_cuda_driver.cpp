@@ -101,7 +101,12 @@ TEST_CASE("cuda driver: OOM on create frees the cache, retries, then reports OOM
 TEST_CASE("cuda driver: a failure at every call site of map, set access, unmap and release leaks nothing", "[cuda]") {
   const char* calls[] = {"cuMemMap",       "cuMemSetAccess", "cuMemUnmap",    "cuMemRelease",       "cuMemCreate",
                          "cuMemAddressReserve", "cuMemAddressFree", "cuEventCreate", "cuEventRecord", "cuEventQuery",
-                         "cuEventSynchronize", "cuStreamSynchronize"};
+                         "cuEventSynchronize", "cuStreamSynchronize", "cuStreamWaitEvent"};
+  // The calls an allocation makes to get memory: a failure there reaches the caller (a driver error, named)
+  // or runs the retry chain (out of memory); a failure of any other call is absorbed.
+  auto on_allocation_path = [](const std::string& c) {
+    return c == "cuMemMap" || c == "cuMemSetAccess" || c == "cuMemCreate" || c == "cuMemAddressReserve";
+  };
   std::size_t runs = 0;
   for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless}) {
     // How many times the workload calls each function.
@@ -125,11 +130,22 @@ TEST_CASE("cuda driver: a failure at every call site of map, set access, unmap a
             auto a = make(p, &err);
             REQUIRE(a);
             DeviceEngine& e = *a->device(0);
+            const unsigned long fired = fake().injected();
             fake().fail(calls[c], static_cast<int>(nth), error);
             std::string werr;
             const bool ok = workload(e, &werr);
             fake().reset();
-            if (!ok) CHECK_FALSE(werr.empty());  // the error reached the caller with a message
+            INFO("workload " << (ok ? "succeeded" : "failed: " + werr));
+            REQUIRE(fake().injected() == fired + 1);  // the failure fired, once
+            if (!on_allocation_path(calls[c])) {
+              CHECK(ok);  // absorbed
+            } else if (error == kIllegalAddress) {
+              CHECK_FALSE(ok);  // reached the caller, named
+              CHECK_THAT(werr, Catch::Contains(std::string(calls[c]) + ": CUDA_ERROR_ILLEGAL_ADDRESS"));
+            } else {
+              CHECK(e.stats().num_alloc_retries >= 1);  // the retry chain ran
+              if (!ok) CHECK_THAT(werr, Catch::Contains("out of memory"));
+            }
             INFO(e.check_invariants());
             REQUIRE(e.check_invariants().empty());
             e.empty_cache();

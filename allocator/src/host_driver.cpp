@@ -42,6 +42,8 @@ class HostDriver final : public Driver {
     r.status = st;
   }
 
+  std::uint64_t injected_failures() const { return injected_failures_; }
+
   HostDriverCensus census() const {
     HostDriverCensus c;
     c.handles = handles_.size();
@@ -64,6 +66,7 @@ class HostDriver final : public Driver {
     if (f.countdown == 0 || --f.countdown != 0) return false;
     *st = f.status;
     last_error_ = std::string(driver_call_name(c)) + ": injected failure (" + status_name(f.status) + ")";
+    ++injected_failures_;
     return true;
   }
   Status fail(const std::string& what, Status st = Status::invalid_argument) {
@@ -198,16 +201,22 @@ class HostDriver final : public Driver {
     *e = events_.record(s);
     return Status::ok;
   }
-  Status do_query_event(Event e) override { return events_.query(e); }
+  Status do_query_event(Event e) override {
+    if (Status st; injected(DriverCall::query_event, &st)) return st;
+    return events_.query(e);
+  }
   Status do_synchronize_event(Event e) override {
+    if (Status st; injected(DriverCall::synchronize_event, &st)) return st;
     events_.synchronize(e);
     return Status::ok;
   }
   Status do_release_event(Event e) override {
+    if (Status st; injected(DriverCall::release_event, &st)) return st;
     events_.release(e);
     return Status::ok;
   }
   Status do_stream_wait_event(Stream s, Event e) override {
+    if (Status st; injected(DriverCall::stream_wait_event, &st)) return st;
     events_.wait(s, e);
     return Status::ok;
   }
@@ -226,6 +235,7 @@ class HostDriver final : public Driver {
   std::map<DevicePtr, std::size_t> reservations_;   // base -> size
   std::map<DevicePtr, Mapping> mappings_;
   Fault faults_[kDriverCallCount];
+  std::uint64_t injected_failures_ = 0;  // injected failures returned so far
   TestEvents events_;
   std::string last_error_;
 };
@@ -258,6 +268,11 @@ TestEvents* test_events_of(Driver& d) {
 
 void host_driver_inject_failure(Driver& d, DriverCall call, std::uint64_t nth, Status status) {
   if (auto* h = dynamic_cast<HostDriver*>(&d)) h->inject(call, nth, status);
+}
+
+std::uint64_t host_driver_injected_failures(Driver& d) {
+  if (auto* h = dynamic_cast<HostDriver*>(&d)) return h->injected_failures();
+  return 0;
 }
 
 HostDriverCensus host_driver_census(Driver& d) {

@@ -112,6 +112,8 @@ class FraglessPolicy final : public GrowablePolicy {
     } else {
       poll_pending();
       finish_pending(&seg, first, need);  // the range may still be mapped to handles lent out without a sync
+      // An unmap of a lent range that failed just now is retried before anything maps over the range.
+      if (s_.has_deferred()) s_.retry_deferred();
     }
     room = room_before_pending(seg, first, need, room);
     planned_ = 0;

@@ -44,6 +44,7 @@ struct Fake {
   decltype(&fakecuda_stream_wait) stream_wait = nullptr;
   decltype(&fakecuda_now) clock = nullptr;
   decltype(&fakecuda_stream_done_at) done_at = nullptr;
+  decltype(&fakecuda_injected_failures) injected = nullptr;
   Fake() {
     // Every test in this process uses the double (the cuda driver reads this once).
     setenv("FRAGLESS_LIBCUDA", FRAGLESS_FAKECUDA_PATH, 1);
@@ -67,6 +68,7 @@ struct Fake {
     load(&stream_wait, "fakecuda_stream_wait");
     load(&clock, "fakecuda_now");
     load(&done_at, "fakecuda_stream_done_at");
+    load(&injected, "fakecuda_injected_failures");
     // The fixed stream numbers of these tests, as streams of their device (the double refuses others).
     for (int d = 0; d < 2; ++d)
       for (Stream s : {kFaultStreamA, kFaultStreamB, kFaultStreamUse})

@@ -139,6 +139,7 @@ struct State {
   std::uint64_t now = 0;
   std::uint64_t next_stream_id = 1;
   long fault_count = 0, invalidated_captures = 0;
+  unsigned long injected_failures = 0;  // injected errors returned so far (fakecuda_fail)
   std::string first_fault;
   bool initialised = false;
   int driver_version = 13000;
@@ -193,6 +194,7 @@ CUresult enter(const char* fn) {
   if (it != s.faults.end() && it->second.countdown > 0 && --it->second.countdown == 0) {
     const CUresult e = it->second.error;
     s.faults.erase(it);
+    ++s.injected_failures;
     return e;
   }
   return CUDA_SUCCESS;
@@ -1087,6 +1089,11 @@ FAKE_API void fakecuda_fail(const char* fn, int nth, int error) {
 FAKE_API void fakecuda_reset_failures() {
   std::lock_guard lk(st().mu);
   st().faults.clear();
+}
+
+FAKE_API unsigned long fakecuda_injected_failures() {
+  std::lock_guard lk(st().mu);
+  return st().injected_failures;
 }
 
 FAKE_API void fakecuda_set_delay(const char* fn, unsigned microseconds) {

@@ -16,6 +16,8 @@ struct fakecuda_census {
 // The nth (1-based) future call of `fn` (e.g. "cuMemMap") returns `error` (a CUresult); nth 0 clears.
 void fakecuda_fail(const char* fn, int nth, int error);
 void fakecuda_reset_failures();
+// How many injected errors have been returned so far (a sweep checks that each one fired).
+unsigned long fakecuda_injected_failures();
 // Every later call of `fn` takes this long (outside the double's lock); 0 clears.
 void fakecuda_set_delay(const char* fn, unsigned microseconds);
 unsigned long fakecuda_calls(const char* fn);

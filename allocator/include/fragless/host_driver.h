@@ -30,6 +30,8 @@ TestEvents* test_events_of(Driver& d);
 // Failure injection for the host driver: fail the nth (1-based) future call of `call` with `status`.
 // nth == 0 clears the rule for that call.
 void host_driver_inject_failure(Driver& d, DriverCall call, std::uint64_t nth, Status status);
+// How many injected failures the driver has returned so far (a sweep checks that each one fired).
+std::uint64_t host_driver_injected_failures(Driver& d);
 // Number of live handles, mappings and reservations (leak checks in tests).
 struct HostDriverCensus { std::size_t handles = 0, mappings = 0, reservations = 0, physical_bytes = 0; };
 HostDriverCensus host_driver_census(Driver& d);
