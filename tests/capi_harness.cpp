@@ -86,24 +86,40 @@ int main(int argc, char** argv) {
   for (int dev = 0; dev < 2; ++dev)
     for (std::uintptr_t v : {0x100, 0x200, 0x300}) EXPECT(adopt(on(dev, v), dev) == 1);
   const cudaStream_t s1 = on(0, 0x100), s2 = on(0, 0x200), s3 = on(0, 0x300);
+  // Each block is filled with its own byte (the memory is real on the double) and read back whole before
+  // it is freed: two live blocks that share memory fail.
+  struct Live { unsigned char* p; size_t size; unsigned char pattern; };
+  std::size_t corrupt = 0;
+  auto intact = [&](const Live& b) {
+    for (size_t k = 0; k < b.size; ++k)
+      if (b.p[k] != b.pattern) return false;
+    return true;
+  };
   for (int dev = 0; dev < 2; ++dev) {
     const cudaStream_t s1 = on(dev, 0x100), s2 = on(dev, 0x200), s3 = on(dev, 0x300);
-    std::vector<std::pair<void*, size_t>> live;
+    std::vector<Live> live;
     for (int i = 0; i < 200; ++i) {
       const size_t size = (i % 5 == 0) ? (size_t{1} + i % 7) << 20 : 512 * (1 + (i * 37) % 900);
-      void* p = malloc_fn(size, dev, i % 2 ? s1 : s2);
+      auto* p = static_cast<unsigned char*>(malloc_fn(size, dev, i % 2 ? s1 : s2));
       EXPECT(p != nullptr);
-      std::memset(p, i & 0xff, size);  // the memory is real on the double
+      if (!p) continue;
+      const auto pattern = static_cast<unsigned char>(1 + i % 255);  // unique among the live blocks
+      std::memset(p, pattern, size);
       if (i % 7 == 0) record_fn(p, s3);
-      live.emplace_back(p, size);
+      live.push_back({p, size, pattern});
       if (i % 3 == 2) {
-        free_fn(live.front().first, live.front().second, dev, i % 2 ? s1 : s2);
+        corrupt += !intact(live.front());
+        free_fn(live.front().p, live.front().size, dev, i % 2 ? s1 : s2);
         live.erase(live.begin());
       }
       if (i == 100) reset_fn();
     }
-    for (auto& [p, size] : live) free_fn(p, size, dev, s1);
+    for (auto& b : live) {
+      corrupt += !intact(b);
+      free_fn(b.p, b.size, dev, s1);
+    }
   }
+  EXPECT(corrupt == 0);
 
   // record_stream: a block used on a held stream is not reused until that stream's work is done.
   hold(s3, 1);

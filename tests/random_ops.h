@@ -1,17 +1,12 @@
 // A random walk over the engine's operations, shared by the randomized and integrity tests.
 #pragma once
-#include <cstdlib>
 #include <random>
 #include <vector>
 
 #include "helpers.h"
+#include "seed.h"
 
 namespace fragless::test {
-
-inline std::uint64_t test_seed(std::uint64_t fallback) {
-  const char* s = std::getenv("FRAGLESS_SEED");
-  return s ? std::strtoull(s, nullptr, 10) : fallback;
-}
 
 struct LiveBlock {
   char* ptr;

@@ -57,9 +57,8 @@ TEST_CASE("cuda driver: the libcuda double's memory is real, and everything goes
   }
 }
 
-TEST_CASE("cuda driver: a machine without libcuda gets a clear error", "[cuda][bad-input]") {
-  // The double is already loaded in this process; the message for a missing library is checked by
-  // asking for a device that does not exist instead, and by the loader's own wording in the docs.
+TEST_CASE("cuda driver: a device that does not exist gets a clear error", "[cuda][bad-input]") {
+  // (A machine without libcuda: test_bad_input.cpp, in a process of its own.)
   fake();
   CudaDriverOptions o;
   o.device = 9;

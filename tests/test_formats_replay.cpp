@@ -6,9 +6,11 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 
 #include "pickle.h"
+#include "seed.h"
 #include "replay.h"
 #include "trace_model.h"
 #include "workload.h"
@@ -130,7 +132,7 @@ TEST_CASE("replay: the oracle cases as RMM logs reserve PyTorch's figures", "[re
   CHECK(peak(csv({2 * M, 2 * M}, {}), PolicyKind::classic) == 20);
 }
 
-TEST_CASE("snapshots: every shared PyTorch trace loads; peak live matches the reference", "[formats][replay][data]") {
+TEST_CASE("snapshots: every shared PyTorch trace loads, peak live matches the reference", "[formats][replay][data]") {
   REQUIRE(have_data());
   std::size_t files = 0;
   for (const auto& f : std::filesystem::directory_iterator(kData)) {
@@ -178,16 +180,46 @@ TEST_CASE("fidelity: classic replays of traces with segment events track PyTorch
 }
 
 TEST_CASE("workloads: built-in transformer steps replay through every policy", "[replay]") {
+  // Every event replayed, nothing out of memory, the trace's own peak of live bytes (counted here from its
+  // events), and reserved >= allocated >= live, with allocated within PyTorch's rounding of live.
   for (const char* spec : {"workload:transformer-train:steps=3,layers=4", "workload:transformer-infer:seqlen=azure-conv",
                            "workload:transformer-train:seqlen=fixed:512,ckpt=1,dtype=bf16,layers=4"}) {
     formats::Trace t;
     std::string err;
     REQUIRE(replay::make_workload(spec, &t, &err));
+    std::int64_t live = 0, peak_live = 0;
+    std::uint64_t allocs = 0, frees = 0;
+    std::map<std::uint64_t, std::uint64_t> size_of;
+    for (const auto& e : t.seed) {  // live before the first step (the weights)
+      REQUIRE(size_of.emplace(e.address, e.size).second);
+      live += static_cast<std::int64_t>(e.size);
+    }
+    peak_live = live;
+    for (const auto& e : t.events) {
+      if (e.op == Op::alloc) {
+        REQUIRE(size_of.emplace(e.address, e.size).second);  // no address live twice
+        live += static_cast<std::int64_t>(e.size);
+        peak_live = std::max(peak_live, live);
+        ++allocs;
+      } else if (e.op == Op::free) {
+        REQUIRE(size_of.count(e.address) == 1);
+        live -= static_cast<std::int64_t>(size_of[e.address]);
+        size_of.erase(e.address);
+        ++frees;
+      }
+    }
+    CHECK(allocs > 100);
+    CHECK(frees > 100);
     for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless}) {
       auto res = replay::replay(t, 0, p, 0);
       INFO(spec << " " << policy_name(p) << " " << res.error);
       REQUIRE(res.error.empty());
-      CHECK(res.peak_reserved >= res.peak_live);
+      CHECK(res.events == t.events.size());
+      CHECK(res.ooms == 0);
+      CHECK(res.peak_live == peak_live);
+      CHECK(res.peak_allocated >= res.peak_live);
+      CHECK(res.peak_allocated <= res.peak_live + res.peak_live / 8);  // rounding to 512 B (and small blocks)
+      CHECK(res.peak_reserved >= res.peak_allocated);
     }
   }
   formats::Trace t;
@@ -296,11 +328,13 @@ TEST_CASE("pickle: integers past 2^63 as PyTorch writes them, and a clear error 
   CHECK(m.value->as_int() == INT64_MIN);
 }
 
-TEST_CASE("pickle: differential test against CPython, protocols 2-5, random data-only objects", "[formats]") {
+TEST_CASE("pickle: differential test against CPython, protocols 2-5, random data-only objects", "[formats][seeded]") {
   namespace fs = std::filesystem;
   const fs::path script = fs::path(FRAGLESS_SOURCE_DIR) / "tests/python/pickle_differential.py";
   const fs::path out = fs::temp_directory_path() / ("fragless_pickle_diff_" + std::to_string(::getpid()) + ".bin");
-  const std::string cmd = "python3 " + script.string() + " " + out.string() + " 20261201 200";
+  const std::uint64_t seed = fragless::test::test_seed(20261201);
+  CAPTURE(seed);
+  const std::string cmd = "python3 " + script.string() + " " + out.string() + " " + std::to_string(seed) + " 200";
   INFO(cmd);
   REQUIRE(std::system(cmd.c_str()) == 0);  // python3 is a build dependency (tools/install_deps.sh)
   std::ifstream in(out, std::ios::binary);

@@ -4,7 +4,7 @@
 using namespace fragless;
 using namespace fragless::test;
 
-TEST_CASE("randomized: 100,000 operations per policy keep every invariant", "[random]") {
+TEST_CASE("randomized: 100,000 operations per policy keep every invariant", "[random][seeded]") {
   const PolicyKind policy = GENERATE(PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless);
   const std::uint64_t seed = test_seed(0xf7a61e55);
   CAPTURE(name(policy), seed);

@@ -4,7 +4,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
+#include <set>
 #include <sstream>
 #include <unistd.h>
 
@@ -12,6 +14,7 @@
 #include "fragless/trace_format.h"
 #include "fragless/tracer.h"
 #include "pickle.h"
+#include "seed.h"
 #include "replay.h"
 #include "trace_model.h"
 #include "workload.h"
@@ -57,7 +60,7 @@ TEST_CASE("tracer: path patterns expand pid, device and rank", "[tracer]") {
   CHECK(good.options.trace == "/tmp/x-%p-%d.fgt");
 }
 
-TEST_CASE("tracer: records every event, per device, and replays to the same reserved peak", "[tracer]") {
+TEST_CASE("tracer: records every event, per device, and replays to the same reserved peak", "[tracer][seeded]") {
   const std::string dir = temp_dir();
   auto parsed = parse_config("driver:host,capacity_mb:1024,trace:" + dir + "/rec-%d.fgt");
   REQUIRE(parsed.ok);
@@ -70,7 +73,9 @@ TEST_CASE("tracer: records every event, per device, and replays to the same rese
     REQUIRE(a);
     paths = a->trace_paths();
     REQUIRE(paths.size() == 2);
-    std::mt19937_64 rng(7);
+    const std::uint64_t seed = fragless::test::test_seed(7);
+    CAPTURE(seed);
+    std::mt19937_64 rng(seed);
     for (int d = 0; d < 2; ++d) {
       DeviceEngine* e = a->device(d);
       std::vector<void*> live;
@@ -247,16 +252,30 @@ TEST_CASE("snapshot writer: segments tile their blocks as PyTorch's viewer asser
     REQUIRE(pr.value);
     const PyValue* segs = pr.value->get("segments");
     REQUIRE(segs);
-    std::size_t live_blocks = 0;
+    // Each segment's blocks start at its address and follow each other without gap or overlap to its end;
+    // segments do not overlap; the live blocks are exactly the ones kept, at their addresses.
+    std::set<std::uint64_t> live_at;
+    std::map<std::uint64_t, std::uint64_t> segment_ranges;
     for (auto& s : segs->items) {
-      std::int64_t sum = 0;
+      const std::uint64_t base = s->get("address")->as_uint(), total = s->get("total_size")->as_uint();
+      INFO("segment at " << base << " of " << total << " bytes");
+      CHECK(segment_ranges.emplace(base, base + total).second);
+      std::uint64_t at = base;
       for (auto& b : s->get("blocks")->items) {
-        sum += b->get("size")->as_int();
-        live_blocks += b->get("state")->s == "active_allocated";
+        CHECK(b->get("address")->as_uint() == at);
+        at += b->get("size")->as_uint();
+        if (b->get("state")->s == "active_allocated") live_at.insert(b->get("address")->as_uint());
       }
-      CHECK(sum == s->get("total_size")->as_int());
+      CHECK(at == base + total);
     }
-    CHECK(live_blocks == keep.size());
+    std::uint64_t end = 0;
+    for (auto [lo, hi] : segment_ranges) {
+      CHECK(lo >= end);
+      end = hi;
+    }
+    std::set<std::uint64_t> kept;
+    for (void* p : keep) kept.insert(reinterpret_cast<std::uint64_t>(p));
+    CHECK(live_at == kept);
     const PyValue* traces = pr.value->get("device_traces");
     REQUIRE(traces);
     REQUIRE(traces->items.size() == 1);

@@ -91,8 +91,11 @@ inline Fake& fake() {
   return f;
 }
 
-// Set before any test runs: the cuda driver may be created before the double is first asked for.
-inline const bool g_use_double = (setenv("FRAGLESS_LIBCUDA", FRAGLESS_FAKECUDA_PATH, 1), true);
+// Set before any test runs: the cuda driver may be created before the double is first asked for. A child
+// process that needs another libcuda names it in FRAGLESS_TEST_LIBCUDA (test_bad_input.cpp).
+inline const bool g_use_double = (setenv("FRAGLESS_LIBCUDA",
+                                         std::getenv("FRAGLESS_TEST_LIBCUDA") ? std::getenv("FRAGLESS_TEST_LIBCUDA")
+                                                                              : FRAGLESS_FAKECUDA_PATH, 1), true);
 
 inline std::unique_ptr<Allocator> make(PolicyKind p, std::string* err) {
   fake().clear_faults();  // a test that failed before leaves none behind

@@ -1,6 +1,8 @@
 // A CUDA program in miniature, linked against the runtime double. Run plainly, every call reaches the
 // runtime; run with LD_PRELOAD=libfragless_preload.so, every allocation call is fragless's, foreign
 // pointers are forwarded, and memory is real. Prints what it saw; exits non-zero on a broken promise.
+// Usage: fragless-preload-program plain|interposed (the mode the test expects: a broken LD_PRELOAD, which
+// would leave the program in plain mode, fails the interposed test).
 #include <dlfcn.h>
 
 #include <cstdio>
@@ -26,7 +28,12 @@ unsigned long fakecudart_calls(const char*);
 void fakecudart_set_stream(cudaStream_t, int, int);
 }
 
-int main() {
+int main(int argc, char** argv) {
+  const bool want_interposed = argc == 2 && std::strcmp(argv[1], "interposed") == 0;
+  if (argc != 2 || (!want_interposed && std::strcmp(argv[1], "plain") != 0)) {
+    std::fprintf(stderr, "usage: fragless-preload-program plain|interposed\n");
+    return 2;
+  }
   int failures = 0;
   auto expect = [&](bool ok, const char* what) {
     if (!ok) {
@@ -37,6 +44,11 @@ int main() {
   auto counters = reinterpret_cast<void (*)(unsigned long*)>(dlsym(RTLD_DEFAULT, "fragless_preload_counters"));
   const bool preloaded = counters != nullptr;
   std::printf("interposed: %s\n", preloaded ? "yes" : "no");
+  if (preloaded != want_interposed) {
+    std::fprintf(stderr, "FAIL: expected to run %s, but the interposer is %s\n", argv[1],
+                 preloaded ? "loaded" : "not loaded (is LD_PRELOAD right?)");
+    return 1;
+  }
 
   const auto s1 = reinterpret_cast<cudaStream_t>(0x10), s2 = reinterpret_cast<cudaStream_t>(0x20);
   // On the libcuda double these stand for streams the runtime created on device 0 (the double refuses others).

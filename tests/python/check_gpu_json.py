@@ -4,47 +4,48 @@ Usage: check_gpu_json.py OUT_DIR"""
 import json
 import os
 import sys
+from checks import check  # noqa: E402
 
 out = sys.argv[1]
 check = json.load(open(os.path.join(out, "gpu_check.json")))
-assert check["schema"] == "fragless-gpu-check/1", check.get("schema")
+check(check["schema"] == "fragless-gpu-check/1", check.get("schema"))
 probe = check["probe"]
-assert probe == json.load(open(os.path.join(out, "gpu_probe.json")))
-assert probe["schema"] == "fragless-gpu-probe/1"
-assert isinstance(probe["date"], str) and isinstance(probe["driver"]["version"], int)
+check(probe == json.load(open(os.path.join(out, "gpu_probe.json"))))
+check(probe["schema"] == "fragless-gpu-probe/1")
+check(isinstance(probe["date"], str) and isinstance(probe["driver"]["version"], int))
 dev = probe["device"]
 for k in ("index", "total_bytes", "free_bytes", "granularity_min", "granularity_recommended"):
-    assert isinstance(dev[k], int) and dev[k] >= 0, (k, dev[k])
+    check(isinstance(dev[k], int) and dev[k] >= 0, (k, dev[k]))
 for k in ("vmm", "posix_fd_handles", "gpudirect_rdma_with_vmm"):
-    assert isinstance(dev[k], bool), (k, dev[k])
+    check(isinstance(dev[k], bool), (k, dev[k]))
 calls = ("cuMemAddressReserve", "cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease",
          "cuMemAddressFree")
 for c in calls:
     by_size = probe["costs_us"][c]
-    assert str(2 << 20) in by_size, (c, list(by_size))
+    check(str(2 << 20) in by_size, (c, list(by_size)))
     for size, st in by_size.items():
-        assert int(size) % dev["granularity_min"] == 0
-        assert st["n"] > 0 and 0 <= st["median"] <= st["p99"], (c, size, st)
+        check(int(size) % dev["granularity_min"] == 0)
+        check(st["n"] > 0 and 0 <= st["median"] <= st["p99"], (c, size, st))
 for n in ("1", "8", "64"):
     st = probe["set_access_adjacent_us"][n]
-    assert st["n"] > 0 and st["median"] >= 0, (n, st)
+    check(st["n"] > 0 and st["median"] >= 0, (n, st))
 for k in ("event_record_query_us", "stream_synchronize_idle_us"):
-    assert probe[k]["n"] > 0, k
+    check(probe[k]["n"] > 0, k)
 sem = probe["semantics"]
 for k in ("map_nonzero_offset", "map_partial_handle", "unmap_several_mappings", "coherent_two_addresses",
           "unmap_waits_for_kernel", "release_waits_for_kernel", "set_access_waits_for_kernel"):
-    assert k in sem and (sem[k] is None or isinstance(sem[k], bool)), (k, sem.get(k))
-assert sem["coherent_two_addresses"] is True and sem["unmap_several_mappings"] is True, sem
-assert isinstance(probe["notes"], list) and probe["failure"] is None, probe["failure"]
+    check(k in sem and (sem[k] is None or isinstance(sem[k], bool)), (k, sem.get(k)))
+check(sem["coherent_two_addresses"] is True and sem["unmap_several_mappings"] is True, sem)
+check(isinstance(probe["notes"], list) and probe["failure"] is None, probe["failure"])
 tests = check["real_driver_tests"]
-assert tests["failed"] == 0 and tests["passed"] >= 12, tests
-assert all(t["result"] in ("PASSED", "SKIPPED") for t in tests["tests"]), tests
+check(tests["failed"] == 0 and tests["passed"] >= 12, tests)
+check(all(t["result"] in ("PASSED", "SKIPPED") for t in tests["tests"]), tests)
 rows = check["replay_with_measured_costs"]["results"]
-assert {r["policy"] for r in rows} == {"classic", "expandable", "fragless"}, rows
-assert all(r["modelled_driver_us"] > 0 for r in rows)
-assert isinstance(check["torch"], list)
+check({r["policy"] for r in rows} == {"classic", "expandable", "fragless"}, rows)
+check(all(r["modelled_driver_us"] > 0 for r in rows))
+check(isinstance(check["torch"], list))
 for r in check["torch"]:
     for k in ("mode", "peak_reserved", "median_step_s", "alloc_free_us", "distinct_shapes", "checks", "losses"):
-        assert k in r, k
+        check(k in r, k)
 print("gpu_check.json and gpu_probe.json follow their schema (%d cost rows, %d replay rows, %d torch rows)"
       % (sum(len(v) for v in probe["costs_us"].values()), len(rows), len(check["torch"])))

@@ -4,6 +4,7 @@ segment's blocks tile it (the assertion `_memory_viz segsum` makes), and every t
 viewer knows."""
 import pickle
 import sys
+from checks import check  # noqa: E402
 
 
 class DataOnly(pickle.Unpickler):
@@ -18,27 +19,27 @@ ACTIONS = {"alloc", "free_requested", "free_completed", "segment_alloc", "segmen
 def main(path):
     with open(path, "rb") as f:
         snap = DataOnly(f).load()
-    assert isinstance(snap, dict), "top level is not a dict"
+    check(isinstance(snap, dict), "top level is not a dict")
     for key in ("segments", "device_traces"):
-        assert key in snap, f"missing {key}"
+        check(key in snap, f"missing {key}")
     for seg in snap["segments"]:
         for key in ("device", "address", "total_size", "allocated_size", "active_size", "requested_size", "stream",
                     "segment_type", "blocks"):
-            assert key in seg, f"segment missing {key}"
+            check(key in seg, f"segment missing {key}")
         total = sum(b["size"] for b in seg["blocks"])
-        assert total == seg["total_size"], f"blocks sum to {total}, segment is {seg['total_size']}"
+        check(total == seg["total_size"], f"blocks sum to {total}, segment is {seg['total_size']}")
         addr = seg["address"]
         for b in seg["blocks"]:
-            assert b["address"] == addr, "blocks are not contiguous"
-            assert b["state"] in ("active_allocated", "active_pending_free", "inactive")
+            check(b["address"] == addr, "blocks are not contiguous")
+            check(b["state"] in ("active_allocated", "active_pending_free", "inactive"))
             addr += b["size"]
     events = 0
     for trace in snap["device_traces"]:
         for e in trace:
-            assert e["action"] in ACTIONS, f"unknown action {e['action']}"
-            assert "addr" in e or "device_free" in e
+            check(e["action"] in ACTIONS, f"unknown action {e['action']}")
+            check("addr" in e or "device_free" in e)
             events += 1
-    assert events > 0, "no trace entries"
+    check(events > 0, "no trace entries")
     print(f"{path}: {len(snap['segments'])} segments, {events} trace entries: OK")
 
 

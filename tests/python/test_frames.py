@@ -13,6 +13,7 @@ sys.path.insert(0, HERE)
 os.environ["FRAGLESS_CONF"] = "driver:host,capacity_mb:512"
 import fragless  # noqa: E402
 import viewer_rules  # noqa: E402
+from checks import check  # noqa: E402
 
 with_gil = ctypes.PyDLL(fragless.library_path())
 with_gil.fragless_malloc.restype = ctypes.c_void_p
@@ -34,9 +35,27 @@ def free_here(lib, p, n):
     lib.fragless_free(p, n, 0, None)
 
 
-def last(action):
+def history():
     trace = fragless.snapshot()["device_traces"][0]
-    return [e for e in trace if e["action"] == action][-1]
+    check(len(trace) < 1000, "the history is full: older entries were dropped, positions moved")
+    return trace
+
+
+def since(before, actions, addr):
+    """The entries the last operations added (after the first `before` entries) for the block at addr."""
+    return [e for e in history()[before:] if e["action"] in actions and e["addr"] == addr]
+
+
+def the_alloc(before, addr):
+    got = since(before, ("alloc",), addr)
+    check(len(got) == 1, "%d alloc entries for %#x, wanted the one just made" % (len(got), addr))
+    return got[0]
+
+
+def the_frees(before, addr):
+    got = since(before, ("free_requested", "free_completed"), addr)
+    check(got, "no free entry for %#x" % addr)
+    return got
 
 
 def names(frames):
@@ -45,41 +64,49 @@ def names(frames):
 
 # context "all", stacks "all": C++ and Python frames at allocation and at free.
 fragless.record_history(1000, context="all", stacks="all")
+before = len(history())
 p = allocate_from_a_caller(with_gil, 3 * MiB)
-frames = last("alloc")["frames"]
+frames = the_alloc(before, p)["frames"]
 n = names(frames)
-assert "allocate_here" in n and "allocate_from_a_caller" in n, n
-assert n.index("allocate_here") < n.index("allocate_from_a_caller"), "innermost first: %s" % n
-assert any("fragless_malloc" in x for x in n), "no C++ frame names fragless_malloc: %s" % n
+check("allocate_here" in n and "allocate_from_a_caller" in n, n)
+check(n.index("allocate_here") < n.index("allocate_from_a_caller"), "innermost first: %s" % n)
+check(any("fragless_malloc" in x for x in n), "no C++ frame names fragless_malloc: %s" % n)
 here = [f for f in frames if f["name"] == "allocate_here"][0]
-assert here["filename"].endswith("test_frames.py") and here["line"] == allocate_here.__code__.co_firstlineno + 1, here
-assert all(set(f) == {"filename", "line", "name"} for f in frames), frames[0]
+check(here["filename"].endswith("test_frames.py") and here["line"] == allocate_here.__code__.co_firstlineno + 1, here)
+check(all(set(f) == {"filename", "line", "name"} for f in frames), frames[0])
 block = [b for s in fragless.snapshot()["segments"] for b in s["blocks"] if b["state"] == "active_allocated"][0]
-assert "allocate_here" in names(block["frames"]), block
+check("allocate_here" in names(block["frames"]), block)
+before = len(history())
 free_here(with_gil, p, 3 * MiB)
-freed = [e for e in fragless.snapshot()["device_traces"][0] if e["action"] in ("free_requested", "free_completed")]
-assert any("free_here" in names(e["frames"]) for e in freed), freed
+freed = the_frees(before, p)
+check(any("free_here" in names(e["frames"]) for e in freed), freed)
 
 # Without the GIL (ctypes.CDLL) there are no Python frames, the C++ ones remain.
+before = len(history())
 p = allocate_from_a_caller(no_gil, MiB)
-n = names(last("alloc")["frames"])
-assert "allocate_here" not in n and any("fragless_malloc" in x for x in n), n
+n = names(the_alloc(before, p)["frames"])
+check("allocate_here" not in n and any("fragless_malloc" in x for x in n), n)
 no_gil.fragless_free(p, MiB, 0, None)
 
 # stacks "python": Python frames only; context "alloc": no frames on frees.
 fragless.record_history(1000, context="alloc", stacks="python")
+before = len(history())
 p = allocate_from_a_caller(with_gil, MiB)
-n = names(last("alloc")["frames"])
-assert n[0] == "allocate_here" and not any("fragless_malloc" in x for x in n), n
+n = names(the_alloc(before, p)["frames"])
+check(n[0] == "allocate_here" and not any("fragless_malloc" in x for x in n), n)
+before = len(history())
 free_here(with_gil, p, MiB)
-assert last("free_completed")["frames"] == [] or "free_here" not in names(last("free_completed")["frames"])
-assert last("free_requested")["frames"] == []
+freed = the_frees(before, p)
+check(all(e["frames"] == [] for e in freed), freed)
 
 # Off (context None): events, no frames.
 fragless.record_history(1000)
+before = len(history())
 p = allocate_from_a_caller(with_gil, MiB)
-assert last("alloc")["frames"] == []
+check(the_alloc(before, p)["frames"] == [])
+before = len(history())
 free_here(with_gil, p, MiB)
+check(all(e["frames"] == [] for e in the_frees(before, p)))
 
 # Bad arguments are clear errors.
 for kw, want in (({"context": "some"}, "context must be"), ({"stacks": "java"}, "stacks must be")):
@@ -87,7 +114,7 @@ for kw, want in (({"context": "some"}, "context must be"), ({"stacks": "java"}, 
         fragless.record_history(10, **kw)
         raise AssertionError("%r was accepted" % (kw,))
     except ValueError as e:
-        assert want in str(e), e
+        check(want in str(e), e)
 
 # A snapshot with frames still satisfies the viewer.
 fragless.record_history(5000, context="all", stacks="all")
@@ -98,5 +125,5 @@ with tempfile.TemporaryDirectory() as d:
     path = os.path.join(d, "frames.pickle")
     fragless.dump_snapshot(path)
     problems = viewer_rules.check(path)
-    assert not problems, problems[:5]
+    check(not problems, problems[:5])
 print("stack frames in snapshots: all checks passed")

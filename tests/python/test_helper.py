@@ -9,53 +9,54 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "torch_plugin", "python"))
 import fragless  # noqa: E402
+from checks import check  # noqa: E402
 
 lib = fragless.library()
-assert fragless.library_path() == os.environ["FRAGLESS_LIBRARY"]
-assert fragless.device_count() == 2, fragless.device_count()
+check(fragless.library_path() == os.environ["FRAGLESS_LIBRARY"])
+check(fragless.device_count() == 2, fragless.device_count())
 fragless.record_history(1000)
 
 # 0x100 stands for a stream the CUDA runtime created on device 0: the libcuda double refuses unknown streams.
 _fake = ctypes.CDLL(os.environ["FRAGLESS_LIBCUDA"])
-assert _fake.fakecuda_adopt_stream(ctypes.c_void_p(0x100), 0) == 1
+check(_fake.fakecuda_adopt_stream(ctypes.c_void_p(0x100), 0) == 1)
 stream = ctypes.c_void_p(0x100)
 ptrs = [lib.fragless_malloc(size, 0, stream) for size in (512, 3 << 20, 24 << 20)]
-assert all(ptrs), fragless.last_error()
+check(all(ptrs), fragless.last_error())
 stats = fragless.memory_stats(0)
 for key in ("allocated_bytes.all.current", "reserved_bytes.all.peak", "active_bytes.large_pool.current",
             "num_alloc_retries", "num_ooms", "segment.all.current", "requested_bytes.all.current",
             "fragless.live_bytes.current"):
-    assert key in stats, key
-assert stats["allocation.all.current"] == 3
-assert stats["allocated_bytes.all.current"] >= (27 << 20)
-assert list(stats) == sorted(stats)
+    check(key in stats, key)
+check(stats["allocation.all.current"] == 3)
+check(stats["allocated_bytes.all.current"] >= (27 << 20))
+check(list(stats) == sorted(stats))
 
 snap = fragless.snapshot()
-assert set(snap) >= {"segments", "device_traces"}
-assert len(snap["device_traces"]) == 2
+check(set(snap) >= {"segments", "device_traces"})
+check(len(snap["device_traces"]) == 2)
 actions = [e["action"] for e in snap["device_traces"][0]]
-assert actions.count("alloc") == 3, actions
+check(actions.count("alloc") == 3, actions)
 live = sum(b["state"] == "active_allocated" for s in snap["segments"] for b in s["blocks"])
-assert live == 3, live
+check(live == 3, live)
 with tempfile.TemporaryDirectory() as d:
     path = os.path.join(d, "snap.pickle")
     fragless.dump_snapshot(path)
     with open(path, "rb") as f:
-        assert pickle.load(f)["segments"]
+        check(pickle.load(f)["segments"])
 
 for p, size in zip(ptrs, (512, 3 << 20, 24 << 20)):
     lib.fragless_free(p, size, 0, stream)
 fragless.empty_cache()
 stats = fragless.memory_stats(0)
-assert stats["allocated_bytes.all.current"] == 0
-assert stats["reserved_bytes.all.current"] == 0, stats["reserved_bytes.all.current"]
+check(stats["allocated_bytes.all.current"] == 0)
+check(stats["reserved_bytes.all.current"] == 0, stats["reserved_bytes.all.current"])
 print(fragless.memory_summary(0))
 
 try:
     fragless.memory_stats(5)
     raise AssertionError("an invalid device was accepted")
 except RuntimeError as e:
-    assert "invalid device 5" in str(e), e
+    check("invalid device 5" in str(e), e)
 
 try:
     import torch  # noqa: F401
@@ -68,7 +69,7 @@ if not have_torch:
         ft.enable()
         raise AssertionError("enable() without PyTorch did not complain")
     except ImportError as e:
-        assert "needs PyTorch" in str(e), e
+        check("needs PyTorch" in str(e), e)
 # memory_summary counts the segments a snapshot shows, under every policy (each in its own process: the
 # policy is read from FRAGLESS_CONF when the library loads).
 import subprocess  # noqa: E402
@@ -79,17 +80,19 @@ import fragless
 lib = fragless.library()
 s = ctypes.c_void_p(0x100)
 ptrs = [lib.fragless_malloc(n, 0, s) for n in (512, 3 << 20, 24 << 20, 100 << 20)]
-assert all(ptrs), fragless.last_error()
+if not all(ptrs):
+    raise AssertionError(fragless.last_error())
 want = sum(1 for seg in fragless.snapshot()["segments"] if seg["device"] == 0)
 text = fragless.memory_summary(0)
 got = int(re.search(r"segments (\\d+)", text).group(1))
-assert want > 0 and got == want, (got, want, text)
+if not (want > 0 and got == want):
+    raise AssertionError((got, want, text))
 print(got)
 """ % os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "torch_plugin", "python")
 for policy in ("classic", "expandable", "fragless"):
     env = dict(os.environ, FRAGLESS_CONF="policy:" + policy)
     r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, (policy, r.stdout, r.stderr)
+    check(r.returncode == 0, (policy, r.stdout, r.stderr))
     print("memory_summary under %s: segments %s" % (policy, r.stdout.strip()))
 # The driver's version bounds what cuGetProcAddress is asked for (R10), and an old driver is named; physical
 # memory is shareable (a POSIX fd handle type) only when shareable_handles asks (R11). Each in its own
@@ -105,7 +108,8 @@ except RuntimeError as e:
     sys.exit(0)
 lib = fragless.library()
 p = lib.fragless_malloc(4 << 20, 0, ctypes.c_void_p(0))
-assert p, fragless.last_error()
+if not p:
+    raise AssertionError(fragless.last_error())
 fake = ctypes.CDLL(%r)
 print("types", fake.fakecuda_last_handle_types())
 """ % (os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "torch_plugin", "python"),
@@ -114,13 +118,13 @@ print("types", fake.fakecuda_last_handle_types())
 
 def run_probe(**env):
     r = subprocess.run([sys.executable, "-c", probe2], env=dict(os.environ, **env), capture_output=True, text=True)
-    assert r.returncode == 0, (env, r.stdout, r.stderr)
+    check(r.returncode == 0, (env, r.stdout, r.stderr))
     return r.stdout.strip()
 
 
 out = run_probe(FAKECUDA_DRIVER_VERSION="11020")
-assert "supports CUDA 11.2; fragless needs CUDA 11.3 or newer" in out, out
-assert run_probe(FAKECUDA_DRIVER_VERSION="11080") == "types 0"  # asked for 11.8 at most, else nothing resolves
-assert run_probe() == "types 0", "a shareable handle type was requested without shareable_handles"
-assert run_probe(FRAGLESS_CONF="shareable_handles:True") == "types 1"  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+check("supports CUDA 11.2; fragless needs CUDA 11.3 or newer" in out, out)
+check(run_probe(FAKECUDA_DRIVER_VERSION="11080") == "types 0")  # asked for 11.8 at most, else nothing resolves
+check(run_probe() == "types 0", "a shareable handle type was requested without shareable_handles")
+check(run_probe(FRAGLESS_CONF="shareable_handles:True") == "types 1")  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 print("python helper: all checks passed")

@@ -20,93 +20,123 @@ except ImportError as e:
 
 import fragless  # noqa: E402
 import fragless.torch  # noqa: E402
+from checks import check  # noqa: E402
 
 MiB = 1 << 20
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     fragless.torch.enable("driver:host,capacity_mb:1024,policy:fragless")
 if not torch.cuda.is_available():
-    assert any("fragless is not its allocator" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    check(any("fragless is not its allocator" in str(w.message) for w in caught), [str(w.message) for w in caught])
 
 lib = fragless.library()
 lib.fragless_init(2)  # what PyTorch's init hook passes: its device count (two host-driver devices here)
-assert fragless.device_count() == 2
+check(fragless.device_count() == 2)
 stream = ctypes.c_void_p(0)
 
 
 def alloc(n, device=0):
     p = lib.fragless_malloc(n, device, stream)
-    assert p, fragless.last_error()
+    check(p, fragless.last_error())
     return p
 
 
 # Nothing allocated yet.
-assert torch.cuda.memory_allocated() == 0
-assert torch.cuda.memory_reserved() == 0
+check(torch.cuda.memory_allocated() == 0)
+check(torch.cuda.memory_reserved() == 0)
 ptrs = [(alloc(n), n) for n in (512, 3 * MiB, 100 * MiB)]
 big = alloc(200 * MiB, device=1)
 
 # memory_stats: PyTorch's flat key names, an OrderedDict, per device.
 s = torch.cuda.memory_stats()
-assert isinstance(s, collections.OrderedDict)
+check(isinstance(s, collections.OrderedDict))
 for key in ("allocated_bytes.all.current", "allocated_bytes.all.peak", "allocated_bytes.small_pool.current",
             "reserved_bytes.all.current", "active_bytes.all.current", "requested_bytes.all.current",
             "allocation.all.current", "segment.all.current", "num_alloc_retries", "num_ooms"):
-    assert key in s, key
-assert s["allocation.all.current"] == 3
-assert torch.cuda.memory_stats(device=0) == s
-assert torch.cuda.memory_stats("cuda:1")["allocation.all.current"] == 1
-assert torch.cuda.memory_stats(torch.device("cuda", 1))["allocated_bytes.all.current"] >= 200 * MiB
+    check(key in s, key)
+check(s["allocation.all.current"] == 3)
+check(torch.cuda.memory_stats(device=0) == s)
+check(torch.cuda.memory_stats("cuda:1")["allocation.all.current"] == 1)
+check(torch.cuda.memory_stats(torch.device("cuda", 1))["allocated_bytes.all.current"] >= 200 * MiB)
 
 # The single-number functions, with each way of naming a device.
 allocated = torch.cuda.memory_allocated()
-assert allocated == s["allocated_bytes.all.current"] >= 103 * MiB, allocated
-assert torch.cuda.memory_allocated(0) == torch.cuda.memory_allocated("cuda:0") == allocated
-assert torch.cuda.memory.memory_allocated(torch.device("cuda:0")) == allocated
-assert torch.cuda.max_memory_allocated() >= allocated
-assert torch.cuda.memory_reserved() >= allocated
-assert torch.cuda.max_memory_reserved() >= torch.cuda.memory_reserved()
-assert torch.cuda.memory_allocated(1) >= 200 * MiB
-assert torch.cuda.memory_cached() == torch.cuda.memory_reserved()
+check(allocated == s["allocated_bytes.all.current"] >= 103 * MiB, allocated)
+check(torch.cuda.memory_allocated(0) == torch.cuda.memory_allocated("cuda:0") == allocated)
+check(torch.cuda.memory.memory_allocated(torch.device("cuda:0")) == allocated)
+check(torch.cuda.max_memory_allocated() >= allocated)
+check(torch.cuda.memory_reserved() >= allocated)
+check(torch.cuda.max_memory_reserved() >= torch.cuda.memory_reserved())
+check(torch.cuda.memory_allocated(1) >= 200 * MiB)
+check(torch.cuda.memory_cached() == torch.cuda.memory_reserved())
 
 nested = torch.cuda.memory_stats_as_nested_dict()
-assert nested["allocated_bytes"]["all"]["current"] == allocated
-assert nested["num_ooms"] == s["num_ooms"]
+check(nested["allocated_bytes"]["all"]["current"] == allocated)
+check(nested["num_ooms"] == s["num_ooms"])
 
 # Peaks: free the 100 MiB block, the peak stays until reset_peak_memory_stats.
 lib.fragless_free(ptrs[2][0], ptrs[2][1], 0, stream)
 peak = torch.cuda.max_memory_allocated()
-assert peak >= allocated and torch.cuda.memory_allocated() < allocated
+check(peak >= allocated and torch.cuda.memory_allocated() < allocated)
 torch.cuda.reset_peak_memory_stats()
-assert torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated()
-assert torch.cuda.max_memory_allocated(1) >= 200 * MiB  # device 1 untouched by the reset of device 0
+check(torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated())
+check(torch.cuda.max_memory_allocated(1) >= 200 * MiB)  # device 1 untouched by the reset of device 0
 torch.cuda.reset_accumulated_memory_stats()
-assert torch.cuda.memory_stats()["allocation.all.allocated"] == 0
-assert torch.cuda.memory_stats()["allocation.all.current"] == 2
+check(torch.cuda.memory_stats()["allocation.all.allocated"] == 0)
+check(torch.cuda.memory_stats()["allocation.all.current"] == 2)
 
 # memory_summary: PyTorch's table, from fragless's numbers.
 text = torch.cuda.memory_summary()
-assert "Allocated memory" in text or "allocated" in text, text
-assert "%d" % (torch.cuda.memory_allocated() // 1024) in text.replace(",", "") or "KiB" in text or "MiB" in text, text
+stats = torch.cuda.memory_stats()
+
+
+def summary_cells(name):
+    """The four cells (current, peak, allocated, freed) of the table row named `name`."""
+    rows = [[c.strip() for c in line.strip(" |").split("|")] for line in text.splitlines()]  # "| a | b |" or " a | b "
+    rows = [r for r in rows if r[0] == name]
+    check(len(rows) == 1, "%d rows named %r in the summary:\n%s" % (len(rows), name, text))
+    check(len(rows[0]) == 5, rows[0])
+    return rows[0][1:]
+
+
+def shows(cell, value):
+    """Whether a cell ("103 MiB", "512 B", "3 ", whatever units this PyTorch prints) shows value: the number
+    scaled down by its unit's power of 1024 (or 1000 for counts), rounded down."""
+    number, unit = (cell.split() + [""])[:2]
+    power = {"": 0, "B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[:1]]
+    base = 1024 if unit.endswith("B") else 1000
+    return int(number) == value // base ** power
+
+
+# PyTorch's table, from fragless's numbers: each "all" row shows the stats of its key (the segments row counts
+# the segments a snapshot shows, checked below: PyTorch's segment stat leaves expandable segments out).
+for key, row in (("allocated_bytes", "Allocated memory"), ("active_bytes", "Active memory"),
+                 ("reserved_bytes", "GPU reserved memory"), ("allocation", "Allocations")):
+    cells = summary_cells(row)
+    for cell, what in zip(cells, ("current", "peak", "allocated", "freed")):
+        check(shows(cell, stats["%s.all.%s" % (key, what)]),
+              "%s %s: the summary shows %r, fragless's stats say %d" % (row, what, cell, stats["%s.all.%s" % (key, what)]))
+check(shows(summary_cells("Allocated memory")[0], torch.cuda.memory_allocated()))
+check(stats["allocated_bytes.all.current"] >= 3 * MiB)  # non-trivial figures: the row is not all zeros
 segs_line = [line for line in text.splitlines() if "GPU reserved segments" in line]
-assert segs_line and int(segs_line[0].split("|")[2].split()[0]) == \
-    sum(1 for seg in fragless.snapshot()["segments"] if seg["device"] == 0), segs_line
+check(segs_line and int(segs_line[0].split("|")[2].split()[0]) == \
+    sum(1 for seg in fragless.snapshot()["segments"] if seg["device"] == 0), segs_line)
 print(text)
 
 # memory_snapshot: the segments; _record_memory_history / _snapshot / _dump_snapshot: the history.
 segments = torch.cuda.memory_snapshot()
-assert isinstance(segments, list) and segments and all("blocks" in seg for seg in segments)
+check(isinstance(segments, list) and segments and all("blocks" in seg for seg in segments))
 torch.cuda.memory._record_memory_history(max_entries=1000)
 extra = alloc(5 * MiB)
 snap = torch.cuda.memory._snapshot()
 actions = [e["action"] for e in snap["device_traces"][0]]
-assert "alloc" in actions, actions
+check("alloc" in actions, actions)
 with tempfile.TemporaryDirectory() as d:
     path = os.path.join(d, "snap.pickle")
     torch.cuda.memory._dump_snapshot(path)
     with open(path, "rb") as f:
         dumped = pickle.load(f)
-    assert any(e["action"] == "alloc" and e["size"] == 5 * MiB for e in dumped["device_traces"][0])
+    check(any(e["action"] == "alloc" and e["size"] == 5 * MiB for e in dumped["device_traces"][0]))
     # torch.cuda._memory_viz, as this PyTorch ships it, reads what _dump_snapshot wrote (its flamegraph
     # commands fetch a script from the network to draw: the lines they would draw are checked instead).
     import torch.cuda._memory_viz as viz
@@ -120,18 +150,18 @@ with tempfile.TemporaryDirectory() as d:
         # PyTorch before 2.1 reads the list of segments (memory_snapshot()'s layout), later ones the whole dict.
         data = dumped if hasattr(viz, "trace") else dumped["segments"]
         out = fn(data) if name in ("stats", "trace", "segment_plot", "trace_plot") else fn(data, lines)
-        assert out, name
+        check(out, name)
         ran.append(name)
-    assert {"stats", "segments", "memory"} <= set(ran), ran
+    check({"stats", "segments", "memory"} <= set(ran), ran)
     print("torch.cuda._memory_viz read the snapshot:", ", ".join(ran))
 torch.cuda.memory._record_memory_history(enabled=None)
 alloc_after = alloc(512)
-assert len(torch.cuda.memory._snapshot()["device_traces"][0]) == len(fragless.snapshot()["device_traces"][0])
+check(len(torch.cuda.memory._snapshot()["device_traces"][0]) == len(fragless.snapshot()["device_traces"][0]))
 
 # mem_get_info: the driver's free and total, as PyTorch documents it.
 free, total = torch.cuda.mem_get_info()
-assert total == 1024 * MiB, total
-assert free == total - torch.cuda.memory_reserved(), (free, total, torch.cuda.memory_reserved())
+check(total == 1024 * MiB, total)
+check(free == total - torch.cuda.memory_reserved(), (free, total, torch.cuda.memory_reserved()))
 
 # empty_cache: cached memory goes back; what is live stays.
 for p, n in ptrs[:2]:
@@ -139,10 +169,10 @@ for p, n in ptrs[:2]:
 lib.fragless_free(extra, 5 * MiB, 0, stream)
 lib.fragless_free(alloc_after, 512, 0, stream)
 torch.cuda.empty_cache()
-assert torch.cuda.memory_allocated() == 0
-assert torch.cuda.memory_reserved() == 0
-assert torch.cuda.mem_get_info()[0] == total
-assert torch.cuda.memory_reserved(1) >= 200 * MiB
+check(torch.cuda.memory_allocated() == 0)
+check(torch.cuda.memory_reserved() == 0)
+check(torch.cuda.mem_get_info()[0] == total)
+check(torch.cuda.memory_reserved(1) >= 200 * MiB)
 
 # Bad devices: clear errors naming them.
 for bad, want in ((5, "invalid device 5"), ("cpu", "Expected a cuda device"), (torch.device("cpu"), "cuda device")):
@@ -150,5 +180,5 @@ for bad, want in ((5, "invalid device 5"), ("cpu", "Expected a cuda device"), (t
         torch.cuda.memory_allocated(bad)
         raise AssertionError("device %r was accepted" % (bad,))
     except (RuntimeError, ValueError) as e:
-        assert want in str(e), (bad, e)
+        check(want in str(e), (bad, e))
 print("PyTorch %s memory API under fragless.torch.enable(): all checks passed" % torch.__version__)

@@ -12,17 +12,18 @@ if not torch.cuda.is_available():
     print("SKIPPED: PyTorch has no usable CUDA device here")
     sys.exit(77)
 import fragless.torch as ft  # noqa: E402
+from checks import check  # noqa: E402
 
 ft.enable()
 x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
 y = x + 1
 s = ft.memory_stats(torch.cuda.current_device())
-assert s["allocated_bytes.all.current"] >= 128 << 20, s
+check(s["allocated_bytes.all.current"] >= 128 << 20, s)
 del x, y
 ft.empty_cache()
 try:
     torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
     raise AssertionError("1 PiB was allocated")
 except torch.cuda.OutOfMemoryError as e:  # not just RuntimeError: the thrower enable() built
-    assert str(e).startswith("CUDA out of memory. Tried to allocate"), e
+    check(str(e).startswith("CUDA out of memory. Tried to allocate"), e)
 print("fragless.torch.enable(): OK")

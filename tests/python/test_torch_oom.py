@@ -27,11 +27,12 @@ if not cxx or not os.path.exists(os.path.join(root, "include", "c10", "core", "A
 
 import fragless  # noqa: E402
 import fragless.torch as ft  # noqa: E402
+from checks import check  # noqa: E402
 
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     ft.enable()
-assert ft._oom_shim is not None, "the thrower was not built: %s" % [str(w.message) for w in caught]
+check(ft._oom_shim is not None, "the thrower was not built: %s" % [str(w.message) for w in caught])
 
 # The probe: libfragless.so as PyTorch's CPU allocator.
 work = tempfile.mkdtemp(prefix="fragless-oom-")
@@ -42,7 +43,7 @@ cmd = [cxx, "-O1", "-std=c++17", "-shared", "-fPIC",
        "-I", os.path.join(root, "include"), os.path.join(os.path.dirname(__file__), "oom_probe.cpp"),
        "-o", probe, "-L", libdir, "-lc10", "-Wl,-rpath," + libdir]
 r = subprocess.run(cmd, capture_output=True, text=True)
-assert r.returncode == 0, r.stderr[-3000:]
+check(r.returncode == 0, r.stderr[-3000:])
 lib = fragless.library()
 p = ctypes.CDLL(probe)
 p.probe_install.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
@@ -50,17 +51,17 @@ p.probe_install(ctypes.cast(lib.fragless_malloc, ctypes.c_void_p), ctypes.cast(l
 
 before = fragless.memory_stats(0)["num_alloc_retries"]
 x = torch.ones(1 << 20)
-assert float(x.sum()) == float(1 << 20)
-assert fragless.memory_stats(0)["allocated_bytes.all.current"] >= 4 << 20  # the tensor is fragless memory
+check(float(x.sum()) == float(1 << 20))
+check(fragless.memory_stats(0)["allocated_bytes.all.current"] >= 4 << 20)  # the tensor is fragless memory
 
 try:
     torch.empty(1 << 40, dtype=torch.uint8)
     raise AssertionError("1 TiB was allocated")
 except torch.cuda.OutOfMemoryError as e:
     msg = str(e)
-assert msg.startswith("CUDA out of memory. Tried to allocate 1024.00 GiB. GPU 0 has a total capacity of "), msg
-assert "fragless" in msg, msg
-assert fragless.memory_stats(0)["num_alloc_retries"] == before + 1  # the retry chain ran first
+check(msg.startswith("CUDA out of memory. Tried to allocate 1024.00 GiB. GPU 0 has a total capacity of "), msg)
+check("fragless" in msg, msg)
+check(fragless.memory_stats(0)["num_alloc_retries"] == before + 1)  # the retry chain ran first
 
 # Without the thrower the same failure is a plain RuntimeError: the thrower is what makes the type.
 lib.fragless_set_oom_thrower(None)
@@ -70,7 +71,7 @@ try:
 except torch.cuda.OutOfMemoryError:
     raise AssertionError("OutOfMemoryError without the thrower")
 except RuntimeError as e:
-    assert "CUDA out of memory. Tried to allocate" in str(e), e
+    check("CUDA out of memory. Tried to allocate" in str(e), e)
 del x
 shutil.rmtree(work)
 print("OOM under fragless.torch.enable(): torch.cuda.OutOfMemoryError, message as PyTorch's")

@@ -40,7 +40,8 @@ for step in range(%(ops)d):
         n = int(10 ** rng.uniform(2, 8.5)) if %(ops)d < 100000 else 512
         s = rng.choice(streams)
         p = lib.fragless_malloc(n, 0, s)
-        assert p, fragless.last_error()
+        if not p:
+            raise AssertionError(fragless.last_error())
         live.append((p, n, s))
     if step == %(ops)d // 2:
         fragless.empty_cache()
@@ -48,7 +49,7 @@ fragless.dump_snapshot(%(out)r)
 """
 
 
-def engine_snapshots(bin_dir, work, problems):
+def engine_snapshots(bin_dir, work, problems, checked):
     pkg = os.path.join(HERE, "..", "..", "torch_plugin", "python")
     runs = [(p, 4000, 2000, 7) for p in ("classic", "expandable", "fragless")]
     runs.append(("fragless", 1_000_000, 680_000, 3))  # a full million-entry history (an alloc and a free: 3)
@@ -65,6 +66,7 @@ def engine_snapshots(bin_dir, work, problems):
             problems.append(f"engine snapshot under {policy}: the workload failed: {r.stderr.strip()[-400:]}")
             continue
         found = viewer_rules.check(out)
+        checked.append(out)
         with open(out, "rb") as f:
             snap = pickle.load(f)
         n = sum(len(t) for t in snap["device_traces"])
@@ -81,6 +83,7 @@ def engine_snapshots(bin_dir, work, problems):
                 problems.append(f"the {policy} trace did not convert: {r.stderr.strip()}")
                 continue
             found = viewer_rules.check(converted)
+            checked.append(converted)
             print(f"the tracer's trace under {policy}, converted: "
                   f"{'the viewer rules hold' if not found else str(len(found)) + ' problem(s)'}")
             problems += [f"converted {policy} trace: {p}" for p in found]
@@ -102,7 +105,7 @@ def dump_state(snap):
     return segs, live, allocs
 
 
-def conversions(bin_dir, data, work, problems):
+def conversions(bin_dir, data, work, problems, checked):
     tool = os.path.join(bin_dir, "fragless-trace")
     for name in sorted(os.listdir(data)):
         if not name.endswith(".pickle"):
@@ -127,6 +130,7 @@ def conversions(bin_dir, data, work, problems):
             want = dump_state(original)
             for out in (direct, back):
                 found = viewer_rules.check(out)
+                checked.append(out)
                 problems += [f"{os.path.basename(out)}: {p}" for p in found]
                 with open(out, "rb") as f:
                     got = dump_state(pickle.load(f))
@@ -142,15 +146,22 @@ def main(argv):
         print(__doc__)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     bin_dir = argv[0]
-    problems = []
+    problems, checked = [], []
     with tempfile.TemporaryDirectory() as work:
         if len(argv) == 3:
-            conversions(bin_dir, argv[2], work, problems)
+            conversions(bin_dir, argv[2], work, problems, checked)
+            # Two conversions of each real snapshot in DATA.
+            want = 2 * sum(1 for n in os.listdir(argv[2]) if n.endswith(".pickle"))
         else:
-            engine_snapshots(bin_dir, work, problems)
+            engine_snapshots(bin_dir, work, problems, checked)
+            want = 4 + 3  # the engine's snapshots, and the tracer's traces of the three policies converted
+    if not checked:
+        problems.append("no snapshot was checked")
+    elif len(checked) != want:
+        problems.append(f"{len(checked)} snapshots checked, {want} expected")
     for p in problems[:60]:
         print("FAIL: " + p)
-    print(f"{len(problems)} problem(s)")
+    print(f"{len(checked)} snapshot(s) checked, {len(problems)} problem(s)")
     return 1 if problems else 0
 
 
