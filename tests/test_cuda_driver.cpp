@@ -358,6 +358,49 @@ TEST_CASE("cuda driver: memory is never unmapped, freed or handed out under runn
   }
 }
 
+TEST_CASE("cuda driver: classic's oversize release and garbage collection wait for the segment's stream", "[cuda][async]") {
+  // Both give whole cached segments back in the middle of an allocation, not in empty_cache (which
+  // synchronises every stream first): a kernel queued on the segment's stream before its free may still run
+  // over it, so the release waits for that stream.
+  const Stream A = fragless::test::kFaultStreamA;
+  for (bool gc : {false, true}) {
+    INFO((gc ? "garbage collection" : "oversize release"));
+    {
+      Options o;
+      if (gc) o.garbage_collection_threshold = 0.5;
+      else o.max_split_size = 40 * MiB;
+      auto a = make_lazy(PolicyKind::classic, o);
+      DeviceEngine& e = *a->device(0);
+      std::vector<void*> cached;
+      if (gc) {
+        REQUIRE(e.set_memory_fraction(0.25) == Status::ok);  // 256 MiB, collected above 128 MiB reserved
+        for (int i = 0; i < 6; ++i) cached.push_back(e.allocate(30 * MiB, A, nullptr));
+      } else {
+        fake().capacity(0, 200 * MiB);
+        cached.push_back(e.allocate(160 * MiB, A, nullptr));  // oversize: never split, released before a retry
+      }
+      for (void* x : cached) {
+        REQUIRE(x);
+        REQUIRE(fake().launch(reinterpret_cast<void*>(A), x, MiB, 1000) == CUDA_SUCCESS);
+        e.free(x);
+      }
+      const auto segments_before = e.stats().segment.all().current;
+      AllocError err;
+      void* y = e.allocate(gc ? 64 * MiB : 100 * MiB, A, &err);  // too small to take the 160 MiB whole
+      INFO(err.message);
+      REQUIRE(y);
+      CHECK(e.stats().segment.all().current <= segments_before);  // cached segments went back for it
+      CHECK(e.stats().num_alloc_retries == 0);                     // before the retry chain
+      CHECK(fake().now().faults == 0);
+      e.free(y);
+      fake().capacity(0, 1024 * MiB);
+      e.empty_cache();
+    }
+    INFO(fake().first_fault());
+    require_nothing_held();
+  }
+}
+
 TEST_CASE("libcuda double: asynchrony and faults are modelled (unmap under a running kernel faults)", "[cuda][async]") {
   // The double itself: without the engine's waits, an unmap under running work is a fault, and sticky.
   Ctx c;
