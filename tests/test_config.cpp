@@ -101,7 +101,7 @@ TEST_CASE("config: every bad input names the key, the value and the accepted for
   CHECK(bad("policy:[classic]").find("single value") != std::string::npos);
   CHECK(bad("chunk_size_mb:0").find("chunk_size_mb") != std::string::npos);
   CHECK(bad("reserve_slack:-0.1").find("[0, 1]") != std::string::npos);
-  CHECK(bad("handles:half").find("pages, ends or whole") != std::string::npos);
+  CHECK(bad("handles:half").find("pages, ends, whole or cells") != std::string::npos);
   CHECK(bad("handle_max_mb:0").find("handle_max_mb") != std::string::npos);
   CHECK(bad("lend_pages:yes").find("True or False") != std::string::npos);
   // A removed value says what replaced it.

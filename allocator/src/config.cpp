@@ -61,20 +61,26 @@ constexpr OptionInfo kOptions[] = {
     {"shareable_handles", "True or False", "False",
      "cuda driver: create physical memory with a POSIX file descriptor handle type (exportable with "
      "cuMemExportToShareableHandle), where the device supports it; off, handles are not shareable."},
-    {"handles", "pages, ends or whole", "pages",
+    {"handles", "pages, ends, whole or cells", "pages",
      "fragless policy: the shape of new physical handles (a mapping is always one whole handle). pages: one "
      "handle per page (finest re-backing, most cuMemCreate calls); ends: the body of a growth in handles of "
-     "at most handle_max_mb, its last page in a handle of its own; whole: one handle per growth."},
+     "at most handle_max_mb, its last page in a handle of its own; whole: one handle per growth; cells: new "
+     "memory in the cells expandable segments would create (chunk_size_mb in the large pool, shrunk to "
+     "reserve_slack of live bytes, and 2 MiB in the small pool), the cells a request covers whole in one "
+     "handle of at most handle_max_mb. With background:True, free multi-page handles become pages."},
     {"handle_max_mb", "integer >= 1 (MiB)", "8",
-     "fragless policy (handles ends): the body of a growth is created in handles of at most this much; a live "
-     "block that straddles a handle pins less than this of it."},
+     "fragless policy (handles ends or cells): the body of a growth is created in handles of at most this much; "
+     "a live block that straddles a handle pins less than this of it, and one background split replaces at "
+     "most this much."},
     {"chunk_size_mb", "integer >= 1 (MiB)", "16",
-     "fragless policy (handles ends or whole): a growth's new handle may be rounded up to this much, mapped as "
-     "free space after the request, to save cuMemCreate calls; never past reserve_slack of live bytes."},
+     "fragless policy: with handles ends or whole, a growth's new handle may be rounded up to this much, mapped "
+     "as free space after the request, to save cuMemCreate calls, never past reserve_slack of live bytes; with "
+     "handles cells, the largest cell."},
     {"reserve_slack", "number in [0, 1]", "0",
      "fragless policy: memory is only created when the memory held cannot be put under the request; this "
-     "share of live bytes bounds what a growth may create past its request (handles ends or whole) and what "
-     "a refill that ends a re-backing cycle may add past the peak of live bytes (plus two pages)."},
+     "share of live bytes bounds what a growth may create past its request (a cell of handles cells, the "
+     "rounding of ends or whole) and what a refill that ends a re-backing cycle may add past the peak of live "
+     "bytes (plus two pages)."},
     {"lend_pages", "True or False", "True",
      "fragless policy: pages of a hole on the requesting stream are mapped where needed without a "
      "synchronisation (the old mapping goes once the stream's queued work is done). False: synchronise and "
@@ -86,6 +92,10 @@ constexpr OptionInfo kOptions[] = {
     {"small_in_remnants", "True or False", "True",
      "fragless policy: a small request (<= 1 MiB) that would grow the small pool may take a free large-pool "
      "block under 1 MiB, which no large request fits."},
+    {"background", "True or False", "True",
+     "A worker thread per device does the driver work no request waits for: with the fragless policy it "
+     "splits multi-page handles into 2 MiB pages once they are free (so their memory can be re-backed page by "
+     "page). False: none is done."},
     {"trace", "file path; %p pid, %d device, %r rank, %% percent", "off",
      "Record every allocator event to this file in fragless's native format (one file per device with %d; "
      "use %r under torchrun). The path may not contain ',' or ':'."},
@@ -243,7 +253,8 @@ class Parser {
       if (v == "pages") o_.handle_shape = HandleShape::pages;
       else if (v == "ends") o_.handle_shape = HandleShape::ends;
       else if (v == "whole") o_.handle_shape = HandleShape::whole;
-      else return err(bad_value(key, v, "pages, ends or whole"));
+      else if (v == "cells") o_.handle_shape = HandleShape::cells;
+      else return err(bad_value(key, v, "pages, ends, whole or cells"));
     } else if (key == "handle_max_mb") {
       if (!parse_uint(v, &n) || n == 0 || n > (std::size_t{1} << 20))
         return err(bad_value(key, v, "an integer number of MiB between 1 and 2^20"));
@@ -259,6 +270,9 @@ class Parser {
       if (v != "True" && v != "False") return err(bad_value(key, v, "True or False (exactly)"));
       (key == "lend_pages" ? o_.lend_pages : key == "small_in_remnants" ? o_.small_in_remnants
                                                                           : o_.lend_across_streams) = v == "True";
+    } else if (key == "background") {
+      if (v != "True" && v != "False") return err(bad_value(key, v, "True or False (exactly)"));
+      o_.background = v == "True" ? BackgroundMode::thread : BackgroundMode::off;
     } else if (key == "trace") {
       for (std::size_t i = 0; i < v.size(); ++i)
         if (v[i] == '%' && (i + 1 >= v.size() || std::string_view("pdr%").find(v[i + 1]) == std::string_view::npos))

@@ -191,6 +191,7 @@ class CudaDriver final : public Driver {
     api().primaryCtxRelease(dev_);  // the retain taken at creation
   }
   const char* name() const override { return "cuda"; }
+  bool concurrent_calls() const override { return true; }  // libcuda is thread-safe; so are the pools here
 
   void memory_info(std::size_t* free_bytes, std::size_t* total_bytes) override {
     OnDevice on(primary_, true);

@@ -141,20 +141,92 @@ void DriverContract::unmapped(DevicePtr va, std::size_t size, std::vector<PhysHa
   mappings_.erase(first, last);
 }
 
+// ---- Counting, and errors per thread ----
+
+namespace {
+thread_local int t_background_depth = 0;
+// The rule the calling thread's last call on `driver` broke, or null (Note [Driver calls from two threads]).
+struct LastRule { const Driver* driver = nullptr; const char* rule = nullptr; };
+thread_local LastRule t_last_rule;
+}  // namespace
+
+BackgroundCalls::BackgroundCalls() { ++t_background_depth; }
+BackgroundCalls::~BackgroundCalls() { --t_background_depth; }
+bool BackgroundCalls::active() { return t_background_depth > 0; }
+
+std::string Driver::last_error() const {
+  if (t_last_rule.driver == this && t_last_rule.rule) return t_last_rule.rule;
+  auto lk = impl_lock();
+  return do_last_error();
+}
+
+Status Driver::refuse(const char* rule) {
+  t_last_rule = {this, rule};
+  return Status::invalid_argument;
+}
+
+Status Driver::fail_through(Status st) {
+  if (st != Status::ok && st != Status::not_ready) t_last_rule = {this, nullptr};
+  return st;
+}
+
+void Driver::charge(DriverCall c, std::size_t bytes) {
+  const int i = static_cast<int>(c);
+  std::lock_guard lk(mu_);
+  const double us = costs_.us[i] + costs_.per_mib[i] * (static_cast<double>(bytes) / (1 << 20));
+  ++counters_.calls[i];
+  counters_.modelled_us += us;
+  if (BackgroundCalls::active()) {
+    ++counters_.background_calls[i];
+    counters_.background_us += us;
+  }
+}
+
+DriverCounters Driver::counters() const {
+  std::lock_guard lk(mu_);
+  return counters_;
+}
+
+void Driver::reset_counters() {
+  std::lock_guard lk(mu_);
+  counters_ = DriverCounters{};
+}
+
+void Driver::set_cost_model(const CostModel& m) {
+  std::lock_guard lk(mu_);
+  costs_ = m;
+}
+
 // ---- The checked entry points ----
+//
+// Each one counts the call, checks it against the contract and runs it; the contract's tables are read and
+// written under mu_, the call itself runs outside it (Note [Driver calls from two threads]).
 
 Status Driver::reserve(std::size_t size, DevicePtr* va) {
   charge(DriverCall::reserve, size);
   if (const char* r = contract_.check_reserve(size)) return refuse(r);
-  const Status st = fail_through(do_reserve(size, va));
+  Status st;
+  {
+    auto lk = impl_lock();
+    st = fail_through(do_reserve(size, va));
+  }
+  std::lock_guard lk(mu_);
   if (st == Status::ok) contract_.reserved(*va, size);
   return st;
 }
 
 Status Driver::free_reservation(DevicePtr va, std::size_t size) {
   charge(DriverCall::free_reservation, size);
-  if (const char* r = contract_.check_free_reservation(va, size)) return refuse(r);
-  const Status st = fail_through(do_free_reservation(va, size));
+  {
+    std::lock_guard lk(mu_);
+    if (const char* r = contract_.check_free_reservation(va, size)) return refuse(r);
+  }
+  Status st;
+  {
+    auto lk = impl_lock();
+    st = fail_through(do_free_reservation(va, size));
+  }
+  std::lock_guard lk(mu_);
   if (st == Status::ok) contract_.freed_reservation(va);
   return st;
 }
@@ -162,34 +234,68 @@ Status Driver::free_reservation(DevicePtr va, std::size_t size) {
 Status Driver::create(std::size_t size, PhysHandle* h) {
   charge(DriverCall::create, size);
   if (const char* r = contract_.check_create(size)) return refuse(r);
-  const Status st = fail_through(do_create(size, h));
+  Status st;
+  {
+    auto lk = impl_lock();
+    st = fail_through(do_create(size, h));
+  }
+  std::lock_guard lk(mu_);
   if (st == Status::ok) contract_.created(*h, size);
   return st;
 }
 
 Status Driver::release(PhysHandle h) {
-  charge(DriverCall::release, contract_.handle_size(h));
-  if (const char* r = contract_.check_release(h)) return refuse(r);
+  std::size_t size;
+  {
+    std::lock_guard lk(mu_);
+    size = contract_.handle_size(h);
+  }
+  charge(DriverCall::release, size);
+  {
+    std::lock_guard lk(mu_);
+    if (const char* r = contract_.check_release(h)) return refuse(r);
+  }
+  auto lk = impl_lock();
   const Status st = fail_through(do_release(h));
-  if (st == Status::ok && contract_.released(h)) memory_gone(h);
+  bool gone = false;
+  {
+    std::lock_guard tl(mu_);
+    gone = st == Status::ok && contract_.released(h);
+  }
+  if (gone) memory_gone(h);
   return st;
 }
 
 Status Driver::map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t offset) {
   charge(DriverCall::map, size);
-  if (const char* r = contract_.check_map(va, size, h, offset)) return refuse(r);
-  const Status st = fail_through(do_map(va, size, h, offset));
+  {
+    std::lock_guard lk(mu_);
+    if (const char* r = contract_.check_map(va, size, h, offset)) return refuse(r);
+  }
+  Status st;
+  {
+    auto lk = impl_lock();
+    st = fail_through(do_map(va, size, h, offset));
+  }
+  std::lock_guard lk(mu_);
   if (st == Status::ok) contract_.mapped(va, size, h);
   return st;
 }
 
 Status Driver::unmap(DevicePtr va, std::size_t size) {
   charge(DriverCall::unmap, size);
-  if (const char* r = contract_.check_unmap(va, size)) return refuse(r);
+  {
+    std::lock_guard lk(mu_);
+    if (const char* r = contract_.check_unmap(va, size)) return refuse(r);
+  }
+  auto lk = impl_lock();
   const Status st = fail_through(do_unmap(va, size));
   if (st == Status::ok) {
     std::vector<PhysHandle> gone;
-    contract_.unmapped(va, size, &gone);
+    {
+      std::lock_guard tl(mu_);
+      contract_.unmapped(va, size, &gone);
+    }
     for (PhysHandle h : gone) memory_gone(h);
   }
   return st;
@@ -197,7 +303,11 @@ Status Driver::unmap(DevicePtr va, std::size_t size) {
 
 Status Driver::set_access(DevicePtr va, std::size_t size) {
   charge(DriverCall::set_access, size);
-  if (const char* r = contract_.check_set_access(va, size)) return refuse(r);
+  {
+    std::lock_guard lk(mu_);
+    if (const char* r = contract_.check_set_access(va, size)) return refuse(r);
+  }
+  auto lk = impl_lock();
   return fail_through(do_set_access(va, size));
 }
 

@@ -52,9 +52,11 @@ DeviceEngine::State::State(const Options& o, std::unique_ptr<Driver> d) : opts(o
     allowed_memory_maximum = static_cast<std::size_t>(opts.per_process_memory_fraction * device_total);
   stats.max_split_size = opts.max_split_size == SIZE_MAX ? -1 : static_cast<std::int64_t>(opts.max_split_size);
   policy = make_policy(opts.policy, *this);
+  background.set_policy(policy.get());
 }
 
 DeviceEngine::State::~State() {
+  background.stop();  // Note [Background work]: the worker never outlives the engine
   // Give everything back, live blocks too: the process is done with this device.
   for (auto& [id, ev] : pending_events)
     for (auto& [e, b] : ev) driver->release_event(e);
@@ -143,9 +145,27 @@ void DeviceEngine::State::pool_erase(Block* b) {
 void DeviceEngine::State::unmapped_insert(Block* b) { b->pool->unmapped.insert(b); }
 void DeviceEngine::State::unmapped_erase(Block* b) { b->pool->unmapped.erase(b); }
 
+Block* DeviceEngine::State::split_after(Block* b, DevicePtr at) {
+  Block* r = new_block();
+  r->ptr = at;
+  r->size = b->ptr + b->size - at;
+  r->segment = b->segment;
+  r->pool = b->pool;
+  r->stream = b->stream;
+  r->state = b->state;
+  r->multi = b->multi;
+  r->prev = b;
+  r->next = b->next;
+  if (r->next) r->next->prev = r;
+  b->next = r;
+  b->size = at - b->ptr;
+  return r;
+}
+
 void DeviceEngine::State::absorb_next(Block* b) {
   Block* n = b->next;
   b->size += n->size;
+  b->multi = b->multi || n->multi;
   b->next = n->next;
   if (b->next) b->next->prev = b;
   delete_block(n);
@@ -249,20 +269,7 @@ Block* DeviceEngine::State::take_large_remnant(AllocParams& p) {
 
 Block* DeviceEngine::State::take_block(Block* b, AllocParams& p) {
   const bool small = p.pool->small;
-  if (policy->should_split(b, p.rounded)) {
-    Block* rest = new_block();
-    rest->ptr = b->ptr + p.rounded;
-    rest->size = b->size - p.rounded;
-    rest->segment = b->segment;
-    rest->pool = b->pool;
-    rest->stream = b->stream;
-    rest->prev = b;
-    rest->next = b->next;
-    if (rest->next) rest->next->prev = rest;
-    b->next = rest;
-    b->size = p.rounded;
-    pool_insert(rest);
-  }
+  if (policy->should_split(b, p.rounded)) pool_insert(split_after(b, b->ptr + p.rounded));
   b->state = BlockState::allocated;
   b->requested = p.requested;
   b->gc_count_base = static_cast<std::uint32_t>(p.pool->get_free_blocks_call_count);
@@ -292,6 +299,7 @@ void DeviceEngine::State::free_block(Block* b, bool traced) {
   b->stream_uses.clear();
   b = merge_free(b);
   pool_insert(b);
+  if (b->multi) policy->freed(b);
 }
 
 void DeviceEngine::State::insert_events(Block* b) {
@@ -409,6 +417,7 @@ bool DeviceEngine::State::release_available_cached_blocks(AllocParams& p) {
 }
 
 void DeviceEngine::State::release_cached_blocks(PoolSet* only) {
+  background.quiesce();  // what a job holds is given back too (Note [Background work])
   synchronize_and_free_events();
   policy->release_free(only ? only : &default_pools);
   if (!only) maybe_free_private_pools();
@@ -657,6 +666,7 @@ void DeviceEngine::begin_allocate_to_pool(PoolId id, StreamFilter filter) {
     ps->large.owner = ps.get();
   }
   ps->released = false;
+  s.background.routing_changed(true);  // Note [Background work]: no job while a capture may be under way
   s.routes.emplace_back(ps.get(), std::move(filter));
 }
 
@@ -666,7 +676,10 @@ void DeviceEngine::end_allocate_to_pool(PoolId id) {
   auto it = std::find_if(s.routes.rbegin(), s.routes.rend(), [&](auto& r) { return r.first->id == id; });
   if (it != s.routes.rend()) s.routes.erase(std::next(it).base());
   // PyTorch ends the capture (cudaStreamEndCapture) before it ends the routing: events may be recorded now.
-  if (s.routes.empty()) s.after_capture();
+  if (s.routes.empty()) {
+    s.after_capture();
+    s.background.routing_changed(false);
+  }
 }
 
 void DeviceEngine::release_pool(PoolId id) {
@@ -677,7 +690,10 @@ void DeviceEngine::release_pool(PoolId id) {
   std::erase_if(s.routes, [&](auto& r) { return r.first == it->second.get(); });
   it->second->released = true;
   // Freed now, or once no other capture may be under way (Note [Capture rules]).
-  if (!s.capturing()) s.after_capture();
+  if (!s.capturing()) {
+    s.after_capture();
+    s.background.routing_changed(false);
+  }
 }
 
 DeviceStats DeviceEngine::stats() {
@@ -705,6 +721,10 @@ std::vector<SegmentInfo> DeviceEngine::snapshot() {
   std::lock_guard lk(s_->mu);
   return s_->snapshot();
 }
+
+double DeviceEngine::run_background(double budget_us) { return s_->background.step(budget_us); }
+
+void DeviceEngine::drain_background() { s_->background.drain(); }
 
 DriverCounters DeviceEngine::driver_counters() {
   std::lock_guard lk(s_->mu);

@@ -60,6 +60,8 @@ std::string DeviceEngine::State::check_invariants() {
         if (b->mapped() && !page_mapped) fail("I2: a mapped block touches an unmapped page", b);
         if (!b->mapped() && page_mapped) fail("I2: an unmapped block covers a mapped page", b);
       }
+      if (b->state == BlockState::busy && !background.in_flight())
+        fail("a busy block while no background job is in flight", b);
       if (b->state == BlockState::unmapped) {
         if ((b->ptr - seg.base) % seg.page_size || b->size % seg.page_size) fail("I2: unaligned unmapped block", b);
         if (!b->pool->unmapped.count(const_cast<Block*>(b))) fail("I3: unmapped block missing from its set", b);

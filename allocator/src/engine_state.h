@@ -6,8 +6,9 @@
 //  I2  An allocated or free block lies entirely in mapped, accessible pages; an unmapped block lies
 //      entirely in unmapped pages and starts and ends on page boundaries.
 //  I3  A block is in its BlockPool's size set iff it is free, mapped, and has no pending events;
-//      in the unmapped set iff it is unmapped. No two adjacent free mapped blocks without events exist
-//      (they are merged), nor two adjacent unmapped blocks.
+//      in the unmapped set iff it is unmapped (a busy block, held by background work, is in neither).
+//      No two adjacent free mapped blocks without events exist (they are merged), nor two adjacent
+//      unmapped blocks.
 //  I4  A physical page (handle, offset) backs at most one mapped page of one segment.
 //  I5  Stats equal a recount from the block lists; reserved equals physical bytes held from the driver.
 //  I6  Every allocated or pending block is in `active_blocks` under its address, and nothing else is.
@@ -22,6 +23,7 @@
 
 #include "fragless/engine.h"
 #include "fragless/rounding.h"
+#include "background.h"
 #include "block_map.h"
 #include "spin_mutex.h"
 
@@ -32,7 +34,9 @@ struct Segment;
 struct BlockPool;
 struct PoolSet;
 
-enum class BlockState : std::uint8_t { free, allocated, unmapped };
+// busy: held by a background job (policy.h, BackgroundJob): mapped, in no pool, not allocated; only the job's
+// finish changes it.
+enum class BlockState : std::uint8_t { free, allocated, unmapped, busy };
 
 // Streams recorded on a block with record_stream (not its allocation stream). Almost always empty, so it
 // costs one pointer in the block until the first use.
@@ -66,7 +70,10 @@ struct Block {
   std::uint32_t gc_count_base = 0;  // the pool's GC clock at allocation (ages compare modulo 2^32)
   std::uint16_t event_count = 0;    // outstanding events recorded at free, one per stream use
   BlockState state = BlockState::free;
-  bool in_size_set = false;
+  bool in_size_set : 1 = false;
+  // May overlap a physical mapping of several pages (fragless): its free is reported to the policy, which
+  // may split such a mapping into pages in the background. Conservative: kept by splits, or-ed by merges.
+  bool multi : 1 = false;
 
   bool mapped() const { return state != BlockState::unmapped; }
   bool is_split() const { return prev != nullptr || next != nullptr; }
@@ -145,6 +152,7 @@ struct DeviceEngine::State {
   Options opts;
   std::unique_ptr<Driver> driver;
   std::unique_ptr<Policy> policy;
+  Background background{mu, opts.background};  // stopped first in ~State
   EventSink* sink = nullptr;
 
   PoolSet default_pools;
@@ -181,6 +189,9 @@ struct DeviceEngine::State {
   void pool_erase(Block* b);
   // Splices b->next into b (sizes add up); the caller has taken both out of their sets.
   void absorb_next(Block* b);
+  // Cuts b at address `at` (inside it): b keeps [b->ptr, at), the returned new block, in no set and in b's
+  // state, holds the rest.
+  Block* split_after(Block* b, DevicePtr at);
   // Merges b with reusable neighbours; b must be free, mapped, no events, not in the pool. Returns the result.
   Block* merge_free(Block* b);
   void unmapped_insert(Block* b);

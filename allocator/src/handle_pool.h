@@ -62,6 +62,19 @@ class HandlePool {
   void mark_mapped(PhysHandle h) { info_.at(h).state = State::mapped; }
   // The first `count` taken handles were mapped (mark_mapped): they are no longer the request's.
   void forget_taken(std::size_t count) { taken_.erase(taken_.begin(), taken_.begin() + count); }
+  // Mapped handle h was split in place (handle_splitter.h): one-page handles `by` are mapped instead.
+  void replace_mapped(PhysHandle h, const std::vector<PhysHandle>& by) {
+    remove_mapped(h);
+    for (PhysHandle n : by) {
+      info_[n] = Info{1, State::mapped};
+      ++total_pages_;
+    }
+  }
+  // Mapped handle h was unmapped and released (a split that gave its range back).
+  void remove_mapped(PhysHandle h) {
+    total_pages_ -= info_.at(h).pages;
+    info_.erase(h);
+  }
   // Removes idle handle h (to release it).
   void remove_idle(PhysHandle h) {
     Info& i = info_.at(h);

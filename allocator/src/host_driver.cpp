@@ -31,12 +31,14 @@ class HostDriver final : public Driver {
   TestEvents& events() { return events_; }
 
   void memory_info(std::size_t* free_bytes, std::size_t* total_bytes) override {
+    auto lk = impl_lock();
     *free_bytes = capacity_ - used_;
     *total_bytes = capacity_;
   }
   std::string do_last_error() const override { return last_error_; }
 
   void inject(DriverCall c, std::uint64_t nth, Status st) {
+    auto lk = impl_lock();
     auto& r = faults_[static_cast<int>(c)];
     r.countdown = nth;
     r.status = st;
@@ -45,6 +47,7 @@ class HostDriver final : public Driver {
   std::uint64_t injected_failures() const { return injected_failures_; }
 
   HostDriverCensus census() const {
+    auto lk = impl_lock();
     HostDriverCensus c;
     c.handles = handles_.size();
     c.mappings = mappings_.size();

@@ -1,12 +1,30 @@
 // Policies decide how address space and physical pages back blocks. The engine owns pools, blocks,
 // stats and the retry chain; a policy implements four small hooks.
 #pragma once
+#include <atomic>
 #include <memory>
 #include <vector>
 
 #include "engine_state.h"
 
 namespace fragless {
+
+// One unit of background work (Note [Background work] in background.h), passed by value from its take to
+// its run and its finish.
+struct BackgroundJob {
+  enum class Kind : std::uint8_t { none, split } kind = Kind::none;
+  Segment* segment = nullptr;
+  Block* busy = nullptr;             // the range, held out of every pool while the job runs
+  std::size_t first = 0, pages = 0;  // the range, in segment pages
+  DevicePtr va = 0;                  // its address
+  PhysHandle handle = 0;             // split: the multi-page handle mapped there
+  Stream stream = 0;                 // whose queued work used the range
+  std::vector<PhysHandle> created;   // split: the new one-page handles, in page order
+  // How it ended: done; cancelled (nothing changed, the range as it was); gave back (the range is unmapped
+  // and its old handle released, or handed to the deferred releases when release_failed).
+  enum class Outcome : std::uint8_t { cancelled, done, gave_back } outcome = Outcome::cancelled;
+  bool release_failed = false;
+};
 
 class Policy {
  public:
@@ -31,6 +49,19 @@ class Policy {
   virtual std::size_t idle_bytes() const { return 0; }
   // Checks the policy's own invariants (empty when they hold).
   virtual std::string check() const { return {}; }
+
+  // Background work (background.h). Under the device lock: the next job, false when there is none.
+  virtual bool take_background_job(BackgroundJob*) { return false; }
+  // Without the lock: the job's driver calls; it stops early when `abort` is set. `manual`: the caller
+  // steps the background by hand and must not be kept waiting for the GPU.
+  virtual void run_background_job(BackgroundJob&, const std::atomic<bool>& abort, bool manual) {}
+  // Under the device lock: the job's results into the engine's books.
+  virtual void finish_background_job(BackgroundJob&) {}
+  // Under the device lock: free block b, which may overlap a multi-page mapping (Block::multi), went back
+  // to its pool (merged with its free neighbours).
+  virtual void freed(Block* b) {}
+
+  Driver& driver() { return *s_.driver; }
 
  protected:
   // `only`, or the default pool and every private pool when null.

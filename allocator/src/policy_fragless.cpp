@@ -5,9 +5,10 @@
 // CUDA maps a physical handle only whole, at offset 0 (driver.h, R5), and unmaps whole mappings only (R7).
 // So the unit that can move from one address to another is a handle, and its size is a policy choice:
 // one page per handle moves the finest but costs a cuMemCreate per page; one handle per growth costs one
-// call but pins the whole growth while any byte of it is live. The default (`handles:ends`) puts the body
-// of a growth in one handle and its last page, the one a neighbour may share, in a handle of its own
-// (docs/RESULTS.md, "Handle shapes", measures all three). A handle larger than what a request still needs
+// call but pins the whole growth while any byte of it is live. `handles:ends` puts the body of a growth in
+// one handle and its last page, the one a neighbour may share, in a handle of its own, and `handles:cells`
+// creates what expandable segments would (Note [Cells]); a free multi-page handle is split into pages in
+// the background (Note [Split in the background]). docs/RESULTS.md, "Handle shapes", measures them. A handle larger than what a request still needs
 // is mapped whole anyway when the unmapped room after the request holds it: the extra pages become free
 // space at the segment's end, so no held memory is ever unusable for lack of a split.
 //
@@ -63,6 +64,7 @@
 #include <set>
 
 #include "handle_pool.h"
+#include "handle_splitter.h"
 #include "policy_growable.h"
 #include "trace_emit.h"
 
@@ -82,6 +84,7 @@ class FraglessPolicy final : public GrowablePolicy {
     for (const auto& seg : s_.segments)
       if (seg->growable) mapped += seg->mapped_bytes / page_;
     if (std::string e = pool_.check(mapped); !e.empty()) return e;
+    if (std::string e = check_multi(); !e.empty()) return e;
     for (const Pending& p : pending_) {
       const DevicePtr lo = p.seg->base + p.first * page_, hi = lo + p.n * page_;
       if (p.first + p.n > p.seg->pages.size()) return "fragless: a lent range lies outside its segment";
@@ -134,7 +137,9 @@ class FraglessPolicy final : public GrowablePolicy {
       // (During a capture creating is the only way: holes are not taken, Note [Capture rules].)
       if (!refill && !s_.capturing()) audit_creation(seg, need - planned_, room - planned_);
       // A refill creates exactly what it misses: the memory it puts back is what the cycle moved.
-      if (Status st = create(need - planned_, refill ? need - planned_ : room - planned_, &created); st != Status::ok)
+      if (Status st = create(need - planned_, refill ? need - planned_ : room - planned_, first + planned_, seg.small,
+                               &created);
+          st != Status::ok)
         return fail_request(st, created);
     }
 
@@ -149,6 +154,7 @@ class FraglessPolicy final : public GrowablePolicy {
       if ((st = d.map(seg.base + at * page_, k * page_, h, 0)) != Status::ok) break;
       for (std::size_t i = 0; i < k; ++i) seg.pages[at + i] = PageRef{h, i * page_};
       pool_.mark_mapped(h);
+      splitter_.mapped(seg, at, h);
       at += k;
     }
     if (st == Status::ok) st = d.set_access(seg.base + first * page_, (at - first) * page_);
@@ -186,6 +192,44 @@ class FraglessPolicy final : public GrowablePolicy {
     finish_pending(nullptr, 0, 0);
     GrowablePolicy::release_free(only);
   }
+
+  // ---- Background work: splitting free multi-page handles (Note [Split in the background]) ----
+
+  // Every multi-page mapping is known to the splitter, and every block that overlaps one says so
+  // (Block::multi), so its free is reported.
+  std::string check_multi() const {
+    if (std::string e = splitter_.check(); !e.empty()) return e;
+    std::size_t multi = 0;
+    for (const auto& seg : s_.segments) {
+      if (!seg->growable) continue;
+      for (std::size_t i = 0; i < seg->pages.size(); ++i)
+        if (seg->pages[i].valid() && seg->pages[i].offset == 0 && pool_.pages(seg->pages[i].handle) > 1) {
+          ++multi;
+          if (!splitter_.any_multi(*seg, i, 1)) return "fragless: a multi-page mapping the splitter does not know";
+        }
+      for (const Block* b = seg->first; b; b = b->next) {
+        if (b->multi || b->state == BlockState::unmapped) continue;
+        const std::size_t lo = (b->ptr - seg->base) / page_, hi = (b->ptr + b->size - seg->base + page_ - 1) / page_;
+        for (std::size_t i = lo; i < hi; ++i)
+          if (seg->pages[i].valid() && pool_.pages(seg->pages[i].handle) > 1)
+            return "fragless: a block overlaps a multi-page mapping but is not marked (Block::multi)";
+      }
+    }
+    if (multi != splitter_.multi_count()) return "fragless: the splitter knows a multi-page mapping that is gone";
+    return {};
+  }
+
+  bool multi_page(const Segment& seg, std::size_t first, std::size_t n) const override {
+    return splitter_.any_multi(seg, first, n);
+  }
+  void freed(Block* b) override {
+    if (splitter_.freed(b)) s_.background.wake();
+  }
+  bool take_background_job(BackgroundJob* job) override { return !s_.capturing() && splitter_.take(job); }
+  void run_background_job(BackgroundJob& job, const std::atomic<bool>& abort, bool manual) override {
+    HandleSplitter::run(*s_.driver, page_, job, abort, manual);
+  }
+  void finish_background_job(BackgroundJob& job) override { splitter_.finish(job); }
 
   // After a release (empty_cache, OOM retry): every idle handle goes back to the driver.
   void after_release() override {
@@ -390,7 +434,10 @@ class FraglessPolicy final : public GrowablePolicy {
   void give_back(Segment& seg, std::size_t first, std::size_t n, bool to_request) {
     for (std::size_t i = first; i < first + n; ++i) {
       PageRef& r = seg.pages[i];
-      if (r.offset == 0) to_request ? pool_.unmapped_to_taken(r.handle) : pool_.unmapped_to_idle(r.handle);
+      if (r.offset == 0) {
+        splitter_.unmapped(seg, i, r.handle);
+        to_request ? pool_.unmapped_to_taken(r.handle) : pool_.unmapped_to_idle(r.handle);
+      }
       r = PageRef{};
     }
     if (to_request) {
@@ -445,14 +492,17 @@ class FraglessPolicy final : public GrowablePolicy {
   }
   bool can_create(std::size_t pages) { return s_.capacity_allows(pages * page_) && creatable_pages() >= pages; }
 
-  // The handles a growth of `missing` pages creates (Note [Whole handles]). With `ends` and `whole`, the
-  // last one may be rounded up to chunk_size, but by no more than reserve_slack of live bytes and never
-  // past the room: fewer cuMemCreate calls at a bounded cost in idle memory.
-  std::vector<std::size_t> shape(std::size_t missing, std::size_t room) {
+  // The handles a growth of `missing` pages, the first at segment page `at`, creates (Note [Whole
+  // handles]). With `ends` and `whole`, the last one may be rounded up to chunk_size, but by no more than
+  // reserve_slack of live bytes and never past the room: fewer cuMemCreate calls at a bounded cost in idle
+  // memory.
+  std::vector<std::size_t> shape(std::size_t missing, std::size_t room, std::size_t at, bool small) {
     if (s_.opts.handle_shape == HandleShape::pages) return std::vector<std::size_t>(missing, 1);
     const std::size_t chunk = std::max<std::size_t>(1, s_.opts.chunk_size / page_);
     const auto live = static_cast<double>(std::max<std::int64_t>(0, s_.stats.live_bytes.current));
     const auto slack = static_cast<std::size_t>(live * s_.opts.reserve_slack) / page_;
+    if (s_.opts.handle_shape == HandleShape::cells)  // Note [Cells]
+      return cells(missing, room, at, small ? std::max<std::size_t>(1, kSmallBuffer / page_) : std::clamp<std::size_t>(slack, 1, chunk));
     std::size_t extra = std::min(room, std::max(missing, std::min(chunk, missing + slack))) - missing;
     if (extra && !can_create(missing + extra)) extra = 0;
     if (s_.opts.handle_shape == HandleShape::whole || missing < 2) return {missing + extra};
@@ -469,10 +519,45 @@ class FraglessPolicy final : public GrowablePolicy {
     return sizes;
   }
 
+  // Note [Cells]
+  // handles:cells creates new memory the way expandable segments do, in cells of the segment (in the large
+  // pool chunk_size_mb, expandable's 20 MiB page, but no more than reserve_slack of live bytes, so a small
+  // job's free tail stays small; in the small pool one 2 MiB page), so a growth makes no more cuMemCreate
+  // calls than the cells it touches and leaves a free tail no longer than a cell: a handle never crosses a
+  // cell boundary, the new memory ends on one (the rest of the last cell is free space after the request, as
+  // in expandable's last page), and the cells that lie wholly inside the request are one handle (of at most
+  // handle_max_mb): only the request uses them, so nothing else pins them, and a large request costs one
+  // call, not one per cell. Once free, every multi-page handle is split into pages in the background (Note
+  // [Split in the background]), so re-backing then moves that memory page by page.
+  std::vector<std::size_t> cells(std::size_t missing, std::size_t room, std::size_t at, std::size_t chunk) {
+    std::size_t end = std::min(at + room, (at + missing + chunk - 1) / chunk * chunk);
+    if (end > at + missing && !can_create(end - at)) end = at + missing;
+    const std::size_t body_max = std::max<std::size_t>(1, s_.opts.handle_max / page_);
+    std::vector<std::size_t> sizes;
+    // The cells covered whole by the request's pages but its last (a neighbour may share the last page).
+    const std::size_t body_lo = (at + chunk - 1) / chunk * chunk, body_hi = (at + missing - 1) / chunk * chunk;
+    if (body_hi <= body_lo) {  // no whole cell: one handle per cell touched
+      for (std::size_t p = at; p < end;) {
+        const std::size_t next = std::min(end, (p / chunk + 1) * chunk);
+        sizes.push_back(next - p);
+        p = next;
+      }
+      return sizes;
+    }
+    if (body_lo > at) sizes.push_back(body_lo - at);  // the rest of a cell begun earlier
+    for (std::size_t p = body_lo; p < body_hi;) {
+      const std::size_t k = std::min(body_hi - p, body_max);
+      sizes.push_back(k);
+      p += k;
+    }
+    sizes.push_back(end - body_hi);  // the last cell: the request's last page and the free space after it
+    return sizes;
+  }
+
   // Creates the handles for `missing` pages; they join the request. A handle that cannot be had in one
   // piece is created page by page (the last resort when physical memory is too fragmented for a large one).
-  Status create(std::size_t missing, std::size_t room, std::vector<PhysHandle>* created) {
-    for (std::size_t pages : shape(missing, room)) {
+  Status create(std::size_t missing, std::size_t room, std::size_t at, bool small, std::vector<PhysHandle>* created) {
+    for (std::size_t pages : shape(missing, room, at, small)) {
       if (!s_.capacity_allows(pages * page_)) return Status::out_of_memory;
       PhysHandle h = 0;
       Status st = s_.driver->create(pages * page_, &h);
@@ -499,6 +584,7 @@ class FraglessPolicy final : public GrowablePolicy {
 
   std::size_t page_ = s_.driver->granularity();
   HandlePool pool_;
+  HandleSplitter splitter_{s_, pool_, page_};  // Note [Split in the background]
   std::size_t planned_ = 0;        // pages taken for the request being mapped
   std::uint64_t tick_ = 0;         // growths so far
   Stream lend_to_ = 0;             // the stream of the request that lending serves

@@ -89,6 +89,7 @@ Status GrowablePolicy::map_block(Block* u, std::size_t bytes) {
     s_.unmapped_insert(rest);
   }
   u->state = BlockState::free;
+  u->multi = multi_page(seg, first, n);
   seg.mapped_bytes += bytes;
   ++s_.stats.num_device_alloc;
   emit(s_, TraceAction::segment_map, seg.stream, u->ptr, bytes, bytes);
@@ -138,29 +139,12 @@ bool GrowablePolicy::unmap_block_pages(Block* b, std::size_t lo, std::size_t hi)
   hi = lo + done;
   const DevicePtr ulo = seg.base + lo * seg.page_size, uhi = seg.base + hi * seg.page_size;
   const DevicePtr end = b->ptr + b->size;
-  auto split_after = [&](Block* x, DevicePtr at) {
-    Block* r = s_.new_block();
-    r->ptr = at;
-    r->size = x->ptr + x->size - at;
-    r->segment = x->segment;
-    r->pool = x->pool;
-    r->stream = x->stream;
-    r->prev = x;
-    r->next = x->next;
-    if (r->next) r->next->prev = r;
-    x->next = r;
-    x->size = at - x->ptr;
-    return r;
-  };
   Block* mid = b;
   if (ulo > b->ptr) {
-    mid = split_after(b, ulo);
+    mid = s_.split_after(b, ulo);
     s_.pool_insert(b);  // the head stays free and mapped
   }
-  if (uhi < end) {
-    Block* tail = split_after(mid, uhi);
-    s_.pool_insert(tail);
-  }
+  if (uhi < end) s_.pool_insert(s_.split_after(mid, uhi));
   mid->state = BlockState::unmapped;
   s_.unmapped_insert(s_.merge_unmapped(mid));
   seg.mapped_bytes -= uhi - ulo;

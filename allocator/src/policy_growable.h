@@ -33,6 +33,8 @@ class GrowablePolicy : public Policy {
   // were unmapped (n on success).
   virtual std::size_t unmap_pages(Segment& seg, std::size_t first, std::size_t n) = 0;
   virtual void after_release() {}
+  // Whether pages [first, first + n) of seg, just mapped, include a mapping of several pages (Block::multi).
+  virtual bool multi_page(const Segment&, std::size_t /*first*/, std::size_t /*n*/) const { return false; }
 
   // Unmaps whole pages [lo, hi) (segment page indices) inside reusable block b, which is in its pool.
   // Splits b into free head, unmapped middle and free tail. False if nothing could be unmapped.

@@ -14,6 +14,7 @@ class SimDriver final : public Driver {
   TestEvents& events() { return events_; }
 
   void memory_info(std::size_t* free_bytes, std::size_t* total_bytes) override {
+    auto lk = impl_lock();
     *free_bytes = capacity_ - used_;
     *total_bytes = capacity_;
   }

@@ -205,16 +205,25 @@ std::string json_fields(const ReplayResult& r) {
                 ",\"fragmentation_at_peak\":%.6f,\"overhead_over_live\":%.6f,\"time_weighted_fragmentation\":%.6f"
                 ",\"ooms\":%" PRIu64 ",\"driver_calls\":{\"reserve\":%" PRIu64 ",\"create\":%" PRIu64 ",\"map\":%" PRIu64
                 ",\"set_access\":%" PRIu64 ",\"unmap\":%" PRIu64 ",\"release\":%" PRIu64 "},\"forced_syncs\":%" PRId64
-                ",\"modelled_driver_us\":%.2f,",
+                ",\"modelled_driver_us\":%.2f,\"alloc_path_driver_us\":%.2f,\"background_driver_us\":%.2f,"
+                "\"background_calls\":{\"create\":%" PRIu64 ",\"map\":%" PRIu64 ",\"set_access\":%" PRIu64
+                ",\"unmap\":%" PRIu64 ",\"release\":%" PRIu64 "},",
                 json_escape(r.input).c_str(), r.device, policy_name(r.policy),
                 r.capacity ? r.capacity : kUnlimitedCapacity, r.events, r.peak_live, r.peak_allocated, r.peak_reserved,
                 r.fragmentation_at_peak, r.overhead_over_live, r.time_weighted_fragmentation, r.ooms,
                 c(DriverCall::reserve), c(DriverCall::create), c(DriverCall::map), c(DriverCall::set_access),
-                c(DriverCall::unmap), c(DriverCall::release), r.forced_syncs, r.driver.modelled_us);
+                c(DriverCall::unmap), c(DriverCall::release), r.forced_syncs, r.driver.modelled_us,
+                r.alloc_path_driver_us(), r.background_driver_us(), r.driver.background(DriverCall::create),
+                r.driver.background(DriverCall::map), r.driver.background(DriverCall::set_access),
+                r.driver.background(DriverCall::unmap), r.driver.background(DriverCall::release));
   std::string o = b;
   if (r.trace_duration_us) std::snprintf(b, sizeof b, "\"trace_duration_us\":%.0f,", *r.trace_duration_us);
   else std::snprintf(b, sizeof b, "\"trace_duration_us\":null,");
   o += b;
+  if (r.model_duration_us) std::snprintf(b, sizeof b, "\"model_duration_us\":%.0f,", *r.model_duration_us);
+  else std::snprintf(b, sizeof b, "\"model_duration_us\":null,");
+  o += b;
+  o += r.background_clock ? "\"background_clock\":true," : "\"background_clock\":false,";
   std::snprintf(b, sizeof b, "\"replay_seconds\":%.6f,\"events_per_second\":%.0f,", r.replay_seconds, r.events_per_second);
   o += b;
   if (r.pytorch_recorded_peak_reserved)
@@ -590,18 +599,19 @@ int main(int argc, char** argv) {
     std::printf("\n]}\n");
     return 0;
   }
-  std::printf("%-44s %3s %-10s %9s %11s %11s %9s %8s %8s %5s %7s %7s %7s %6s %10s %8s %11s\n", "input", "dev", "policy",
-              "events", "live MiB", "reserv MiB", "overhead", "frag@pk", "tw-frag", "OOMs", "create", "map", "unmap",
-              "syncs", "driver ms", "Mev/s", "pytorch MiB");
+  std::printf("%-44s %3s %-10s %9s %11s %11s %9s %8s %8s %5s %7s %7s %7s %6s %9s %9s %8s %11s\n", "input", "dev",
+              "policy", "events", "live MiB", "reserv MiB", "overhead", "frag@pk", "tw-frag", "OOMs", "create", "map",
+              "unmap", "syncs", "path ms", "bg ms", "Mev/s", "pytorch MiB");
   for (const auto& r : results) {
     char pyt[32] = "-";
     if (r.pytorch_recorded_peak_reserved) std::snprintf(pyt, sizeof pyt, "%.1f", mib(static_cast<std::int64_t>(*r.pytorch_recorded_peak_reserved)));
     std::printf("%-44s %3d %-10s %9" PRIu64 " %11.1f %11.1f %8.2f%% %7.2f%% %7.2f%% %5" PRIu64 " %7" PRIu64 " %7" PRIu64
-                " %7" PRIu64 " %6" PRId64 " %10.2f %8.2f %11s\n",
+                " %7" PRIu64 " %6" PRId64 " %9.2f %9.2f %8.2f %11s\n",
                 short_name(r.input).c_str(), r.device, policy_name(r.policy), r.events, mib(r.peak_live),
                 mib(r.peak_reserved), 100 * r.overhead_over_live, 100 * r.fragmentation_at_peak,
                 100 * r.time_weighted_fragmentation, r.ooms, r.driver[DriverCall::create], r.driver[DriverCall::map],
-                r.driver[DriverCall::unmap], r.forced_syncs, r.driver.modelled_us / 1000, r.events_per_second / 1e6, pyt);
+                r.driver[DriverCall::unmap], r.forced_syncs, r.alloc_path_driver_us() / 1000,
+                r.background_driver_us() / 1000, r.events_per_second / 1e6, pyt);
   }
   return 0;
 }

@@ -10,6 +10,39 @@
 
 namespace fragless::replay {
 
+namespace {
+
+// The time of event i on the trace's clock: recorded, else modelled (generated workloads), else none (-1).
+std::int64_t event_time(const formats::Trace& t, std::size_t i) {
+  if (t.has_time) return t.events[i].time_us;
+  return i < t.model_time_us.size() ? t.model_time_us[i] : -1;
+}
+
+// Note [Background work in the replay]
+// One background worker per device, as in the allocator, on the trace's clock. Work becomes possible when
+// the event that queued it happened, and the worker does one thing at a time: before each event at time t
+// it runs jobs from max(its own clock, the previous event's time) until t, each job taking its modelled
+// driver time (a job started before t may end after it, and the worker is then busy into the next gap).
+// Time the worker spends idle is not saved up. A trace without a clock gives it no time at all: its work
+// is then never done, and nothing is charged to it.
+class BackgroundClock {
+ public:
+  void advance(DeviceEngine& e, std::int64_t now) {
+    if (now < 0) return;
+    const double t = static_cast<double>(now);
+    if (last_ >= 0) {
+      worker_ = std::max(worker_, last_);
+      if (worker_ < t) worker_ += e.run_background(t - worker_);
+    }
+    last_ = t;
+  }
+
+ private:
+  double last_ = -1, worker_ = 0;  // the previous event's time; the worker's clock (µs)
+};
+
+}  // namespace
+
 ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, std::uint64_t capacity) {
   ReplayOptions o;
   o.capacity = capacity;
@@ -28,6 +61,8 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
   Options o = opt.base;
   o.policy = policy;
   o.driver = DriverKind::sim;
+  // Background work runs on the trace's clock (BackgroundClock below), unless the settings turned it off.
+  if (o.background != BackgroundMode::off) o.background = BackgroundMode::manual;
   SimDriverOptions so;
   so.device = device;
   so.capacity = capacity ? capacity : kUnlimitedCapacity;
@@ -72,8 +107,11 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
   r.curve_in_seconds = t.has_time;
   std::uint64_t unreported = 0;
   ReplayResult::Point bucket{-1, 0, 0, 0, 0};
+  BackgroundClock clock;
+  r.background_clock = t.has_time || !t.model_time_us.empty();
   for (const auto& ev : t.events) {
     ++index;
+    if (ev.device == device) clock.advance(e, event_time(t, index - 1));
     if (stride) {
       bucket.live = std::max(bucket.live, u.live);
       bucket.allocated = std::max(bucket.allocated, u.allocated);
@@ -146,6 +184,8 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
   r.driver = e.driver_counters();
   r.forced_syncs = st.num_forced_syncs - seed_syncs;
   if (t.has_time && last_time >= 0) r.trace_duration_us = static_cast<double>(last_time - first_time);
+  if (!t.has_time && !t.model_time_us.empty())
+    r.model_duration_us = static_cast<double>(t.model_time_us.back() - t.model_time_us.front());
   r.replay_seconds = std::chrono::duration<double>(t1 - t0).count();
   r.events_per_second = r.replay_seconds > 0 ? static_cast<double>(r.events) / r.replay_seconds : 0;
   if (opt.check)

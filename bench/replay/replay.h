@@ -19,9 +19,15 @@ struct ReplayResult {
   std::int64_t peak_live = 0, peak_allocated = 0, peak_reserved = 0;
   double fragmentation_at_peak = 0, overhead_over_live = 0, time_weighted_fragmentation = 0;
   std::uint64_t ooms = 0;
-  DriverCounters driver;  // calls made during the window (seeding excluded)
+  DriverCounters driver;  // calls made during the window (seeding excluded); background ones counted apart
+  // Modelled driver time the program waited for (inside its allocation, free and empty_cache calls), and
+  // the time background work took on the trace's clock; their sum is driver.modelled_us.
+  double alloc_path_driver_us() const { return driver.on_path_us(); }
+  double background_driver_us() const { return driver.background_us; }
+  bool background_clock = false;  // the trace has a clock for background work (recorded or modelled time)
   std::int64_t forced_syncs = 0;
   std::optional<double> trace_duration_us;
+  std::optional<double> model_duration_us;  // generated workloads: the compute model's length of the run
   double replay_seconds = 0, events_per_second = 0;
   std::optional<std::uint64_t> pytorch_recorded_peak_reserved;
   std::uint64_t capacity = 0;  // the device capacity replayed on (0: unlimited)

@@ -1,5 +1,6 @@
 #include "workload.h"
 
+#include "compute_model.h"
 #include "zoo.h"
 
 #include <algorithm>
@@ -35,9 +36,10 @@ struct Config {
   const std::vector<int>* lengths = nullptr;
 };
 
+// Emits the allocation events, stamped with the compute model's clock (compute_model.h).
 class Emitter {
  public:
-  explicit Emitter(formats::Trace* t) : t_(t) {}
+  Emitter(formats::Trace* t, int bytes_per_element) : t_(t), width_(bytes_per_element) {}
   std::uint64_t alloc(std::uint64_t bytes, bool seed = false) {
     const std::uint64_t addr = (next_++) << 12;
     formats::Event e;
@@ -45,18 +47,28 @@ class Emitter {
     e.address = addr;
     e.size = std::max<std::uint64_t>(bytes, 1);
     (seed ? t_->seed : t_->events).push_back(e);
+    if (!seed) clock_.stamp(t_->model_time_us);
     return addr;
   }
+  // The kernel that produces a tensor of `bytes` with `flops` of arithmetic, then the tensor.
+  std::uint64_t produce(std::uint64_t bytes, double flops) {
+    kernel(flops, 2.0 * static_cast<double>(bytes));
+    return alloc(bytes);
+  }
+  void kernel(double flops, double bytes) { clock_.kernel(flops, bytes, width_); }
   void free(std::uint64_t addr, std::uint64_t bytes) {
     formats::Event e;
     e.op = formats::Op::free;
     e.address = addr;
     e.size = std::max<std::uint64_t>(bytes, 1);
     t_->events.push_back(e);
+    clock_.stamp(t_->model_time_us);
   }
 
  private:
   formats::Trace* t_;
+  int width_;
+  ModelClock clock_;
   std::uint64_t next_ = 1;
 };
 
@@ -206,28 +218,33 @@ void train(const Config& c, SeqLen& lens, Emitter& em) {
     const Batch bt = draw_batch(c, lens);
     const std::uint64_t BS = bt.tokens, BSS = bt.attention;
     const std::uint64_t H = static_cast<std::uint64_t>(c.heads), act = BS * d * w;
+    // FLOPs (compute_model.h): a projection of the activations, the attention products, the MLP's two.
+    const double T = static_cast<double>(BS), D = static_cast<double>(d), F = static_cast<double>(ff);
+    const double proj_flops = 2 * T * D * D, attn_flops = 2 * static_cast<double>(BSS) * D, mlp_flops = 2 * T * D * F;
+    const double layer_flops = 4 * proj_flops + 2 * attn_flops + 2 * mlp_flops;
+    const double head_flops = 2 * T * D * static_cast<double>(c.vocab);
     const Tensor tokens{em.alloc(BS * 8), BS * 8};
-    Tensor x{em.alloc(act), act};
+    Tensor x{em.produce(act, 0), act};
     std::vector<std::vector<Tensor>> saved(static_cast<std::size_t>(c.layers));
     for (int l = 0; l < c.layers; ++l) {
       auto& keep = saved[static_cast<std::size_t>(l)];
-      auto a = [&](std::uint64_t n) { return Tensor{em.alloc(n), n}; };
+      auto a = [&](std::uint64_t n, double flops = 0) { return Tensor{em.produce(n, flops), n}; };
       keep.push_back(x);                                      // layer input
-      Tensor norm1 = a(act), q = a(act), k = a(act), v = a(act);
-      Tensor scores = a(H * BSS * w), probs = a(H * BSS * w);
+      Tensor norm1 = a(act), q = a(act, proj_flops), k = a(act, proj_flops), v = a(act, proj_flops);
+      Tensor scores = a(H * BSS * w, attn_flops), probs = a(H * BSS * w);
       em.free(scores.addr, scores.bytes);                    // softmax output is what backward needs
       std::vector<Tensor> extra;  // dropout: masks (1 byte per element) and dropped outputs, saved for backward
       if (c.dropout) {
         extra.push_back(a(H * BSS));
         extra.push_back(a(H * BSS * w));
       }
-      Tensor ctx = a(act), proj = a(act);
+      Tensor ctx = a(act, attn_flops), proj = a(act, proj_flops);
       if (c.dropout) {
         extra.push_back(a(BS * d));
         extra.push_back(a(act));
       }
       Tensor resid = a(act), norm2 = a(act);
-      Tensor h1 = a(BS * ff * w), h2 = a(BS * ff * w), out = a(act);
+      Tensor h1 = a(BS * ff * w, mlp_flops), h2 = a(BS * ff * w), out = a(act, mlp_flops);
       if (c.dropout) {
         extra.push_back(a(BS * d));
         extra.push_back(a(act));
@@ -242,10 +259,10 @@ void train(const Config& c, SeqLen& lens, Emitter& em) {
       x = next;
     }
     const std::uint64_t logits_bytes = BS * static_cast<std::uint64_t>(c.vocab) * 4;
-    Tensor logits{em.alloc(logits_bytes), logits_bytes};
-    Tensor dlogits{em.alloc(logits_bytes), logits_bytes};
+    Tensor logits{em.produce(logits_bytes, head_flops), logits_bytes};
+    Tensor dlogits{em.produce(logits_bytes, 0), logits_bytes};
     em.free(logits.addr, logits.bytes);
-    Tensor dx{em.alloc(act), act};
+    Tensor dx{em.produce(act, 2 * head_flops), act};
     em.free(dlogits.addr, dlogits.bytes);
     em.free(x.addr, x.bytes);
     if (grads.empty())
@@ -253,10 +270,13 @@ void train(const Config& c, SeqLen& lens, Emitter& em) {
     for (int l = c.layers - 1; l >= 0; --l) {
       auto& keep = saved[static_cast<std::size_t>(l)];
       std::vector<Tensor> recomputed;
-      if (c.ckpt)
+      if (c.ckpt) {
+        em.kernel(layer_flops, 0);  // the layer's forward again
         for (std::uint64_t n : {act, act, act, act, H * BSS * w, act, act, act, act, BS * ff * w,
                                 BS * ff * w, act})
           recomputed.push_back({em.alloc(n), n});
+      }
+      em.kernel(2 * layer_flops, 0);  // the layer's backward: gradients of the inputs and of the weights
       Tensor g1{em.alloc(BS * ff * w), BS * ff * w}, g2{em.alloc(H * BSS * w), H * BSS * w};
       Tensor ndx{em.alloc(act), act};
       em.free(g2.addr, g2.bytes);
@@ -275,6 +295,7 @@ void train(const Config& c, SeqLen& lens, Emitter& em) {
         adam.push_back({em.alloc(n), n});
       }
     for (auto n : params) {  // AdamW temporaries, one parameter at a time
+      em.kernel(0, 7.0 * static_cast<double>(n));  // parameter, gradient and two moments read, three written
       Tensor t{em.alloc(n), n};
       em.free(t.addr, t.bytes);
     }
@@ -293,23 +314,26 @@ void infer(const Config& c, SeqLen& lens, Emitter& em) {
     const Batch bt = draw_batch(c, lens);
     const std::uint64_t BS = bt.tokens, BSS = bt.attention, B = static_cast<std::uint64_t>(c.batch);
     const std::uint64_t H = static_cast<std::uint64_t>(c.heads), act = BS * d * w;
+    const double T = static_cast<double>(BS), D = static_cast<double>(d), F = static_cast<double>(ff);
+    const double proj_flops = 2 * T * D * D, attn_flops = 2 * static_cast<double>(BSS) * D, mlp_flops = 2 * T * D * F;
     std::vector<Tensor> kv;
-    Tensor x{em.alloc(act), act};
+    Tensor x{em.produce(act, 0), act};
     for (int l = 0; l < c.layers; ++l) {
-      kv.push_back({em.alloc(act), act});  // K cache
-      kv.push_back({em.alloc(act), act});  // V cache
-      Tensor q{em.alloc(act), act}, sc{em.alloc(H * BSS * w), H * BSS * w};
-      Tensor ctx{em.alloc(act), act};
+      kv.push_back({em.produce(act, proj_flops), act});  // K cache
+      kv.push_back({em.produce(act, proj_flops), act});  // V cache
+      Tensor q{em.produce(act, proj_flops), act}, sc{em.produce(H * BSS * w, attn_flops), H * BSS * w};
+      Tensor ctx{em.produce(act, attn_flops), act};
       em.free(sc.addr, sc.bytes);
       em.free(q.addr, q.bytes);
-      Tensor h{em.alloc(BS * ff * w), BS * ff * w};
-      Tensor next{em.alloc(act), act};
+      Tensor h{em.produce(BS * ff * w, mlp_flops), BS * ff * w};
+      Tensor next{em.produce(act, mlp_flops + proj_flops), act};
       em.free(h.addr, h.bytes);
       em.free(ctx.addr, ctx.bytes);
       em.free(x.addr, x.bytes);
       x = next;
     }
-    Tensor logits{em.alloc(B * static_cast<std::uint64_t>(c.vocab) * 4), B * static_cast<std::uint64_t>(c.vocab) * 4};
+    const std::uint64_t logits_bytes = B * static_cast<std::uint64_t>(c.vocab) * 4;
+    Tensor logits{em.produce(logits_bytes, 2 * static_cast<double>(B) * D * static_cast<double>(c.vocab)), logits_bytes};
     em.free(logits.addr, logits.bytes);
     em.free(x.addr, x.bytes);
     for (auto& t : kv) em.free(t.addr, t.bytes);
@@ -346,7 +370,7 @@ bool make_workload(const std::string& spec, formats::Trace* out, std::string* er
   if (!error->empty()) return false;
   *out = formats::Trace{};
   out->source = spec;
-  Emitter em(out);
+  Emitter em(out, c.dtype);
   if (c.name == "transformer-train") train(c, lens, em); else infer(c, lens, em);
   return true;
 }

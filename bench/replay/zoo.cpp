@@ -3,6 +3,8 @@
 // drawn from `seed`. Sizes follow the tensors the pattern would hold; nothing is copied from a trace.
 #include "zoo.h"
 
+#include "compute_model.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -28,6 +30,8 @@ struct Generator {
   void (*run)(const std::map<std::string, double>& k, class Emit& em);
 };
 
+// Emits the allocation events, stamped with the compute model's clock (compute_model.h); every pattern here
+// computes in bf16.
 class Emit {
  public:
   Emit(formats::Trace* t, u64 seed) : rng(seed), t_(t) {}
@@ -39,23 +43,38 @@ class Emit {
     e.size = std::max<u64>(bytes, 1);
     e.stream = stream;
     (seed ? t_->seed : t_->events).push_back(e);
-    sizes_[addr] = {e.size, stream};
+    if (!seed) clock_.stamp(t_->model_time_us);
+    live_[addr] = {e.size, stream, 0};
     return addr;
   }
+  // The kernel that produces a tensor of `bytes` with `flops` of arithmetic, then the tensor (its FLOPs kept,
+  // for the backward kernel that produces its gradient).
+  u64 produce(u64 bytes, double flops, u64 stream = 0) {
+    kernel(flops, 2.0 * static_cast<double>(bytes));
+    const u64 addr = alloc(bytes, stream);
+    live_[addr].flops = flops;
+    return addr;
+  }
+  void kernel(double flops, double bytes) { clock_.kernel(flops, bytes, 2); }
   void free(u64 addr) {
-    auto it = sizes_.find(addr);
-    if (it == sizes_.end()) return;
+    auto it = live_.find(addr);
+    if (it == live_.end()) return;
     formats::Event e;
     e.op = formats::Op::free;
     e.address = addr;
-    e.size = it->second.first;
-    e.stream = it->second.second;
+    e.size = it->second.bytes;
+    e.stream = it->second.stream;
     t_->events.push_back(e);
-    sizes_.erase(it);
+    clock_.stamp(t_->model_time_us);
+    live_.erase(it);
   }
   u64 size_of(u64 addr) const {
-    auto it = sizes_.find(addr);
-    return it == sizes_.end() ? 1 : it->second.first;
+    auto it = live_.find(addr);
+    return it == live_.end() ? 1 : it->second.bytes;
+  }
+  double flops_of(u64 addr) const {
+    auto it = live_.find(addr);
+    return it == live_.end() ? 0 : it->second.flops;
   }
   void free_all(std::vector<u64>& v) {
     for (auto it = v.rbegin(); it != v.rend(); ++it) free(*it);
@@ -71,9 +90,11 @@ class Emit {
   std::mt19937_64 rng;
 
  private:
+  struct Live { u64 bytes, stream; double flops; };
   formats::Trace* t_;
+  ModelClock clock_;
   u64 next_ = 1;
-  std::unordered_map<u64, std::pair<u64, u64>> sizes_;
+  std::unordered_map<u64, Live> live_;
 };
 
 int I(const std::map<std::string, double>& k, const char* n) { return static_cast<int>(k.at(n)); }
@@ -101,26 +122,28 @@ void unet(const std::map<std::string, double>& k, Emit& em) {
     // The input's side changes every step (a crop or volume of another size), in steps the levels divide.
     const u64 side = std::max<u64>(quantum, em.jitter(D(k, "res"), D(k, "jitter")) / quantum * quantum);
     std::vector<u64> kept, skips;
-    u64 x = em.alloc(act(1, side));
+    // A convolution's FLOPs: two per output element, input channel and tap (act() is bf16: 2 bytes).
+    auto conv = [&](u64 out_bytes, u64 c_in) { return 2.0 * static_cast<double>(out_bytes / 2 * c_in * taps); };
+    u64 x = em.produce(act(1, side), 0);
     kept.push_back(x);
     for (int l = 0; l < levels; ++l) {
-      const u64 c = base << l, sd = side >> l;
-      const u64 a1 = em.alloc(act(c, sd)), a2 = em.alloc(act(c, sd));
+      const u64 c = base << l, sd = side >> l, c_in = l ? c / 2 : 1;
+      const u64 a1 = em.produce(act(c, sd), conv(act(c, sd), c_in)), a2 = em.produce(act(c, sd), conv(act(c, sd), c));
       skips.push_back(a2);
       if (train) kept.push_back(a1); else em.free(a1);
-      const u64 pooled = em.alloc(act(c, sd / 2));
+      const u64 pooled = em.produce(act(c, sd / 2), 0);
       if (train) kept.push_back(pooled); else em.free(x);
       x = pooled;
     }
     for (int l = levels - 1; l >= 0; --l) {
       const u64 c = base << l, sd = side >> l;
-      const u64 up = em.alloc(act(c, sd)), cat = em.alloc(act(2 * c, sd));
+      const u64 up = em.produce(act(c, sd), conv(act(c, sd), 2 * c)), cat = em.produce(act(2 * c, sd), 0);
       em.free(up);
       if (!train) em.free(skips[static_cast<std::size_t>(l)]);
       if (!train) em.free(x);
-      const u64 d1 = em.alloc(act(c, sd));
+      const u64 d1 = em.produce(act(c, sd), conv(act(c, sd), 2 * c));
       if (!train) em.free(cat);
-      const u64 d2 = em.alloc(act(c, sd));
+      const u64 d2 = em.produce(act(c, sd), conv(act(c, sd), c));
       if (train) {
         kept.push_back(cat);
         kept.push_back(d1);
@@ -130,7 +153,7 @@ void unet(const std::map<std::string, double>& k, Emit& em) {
       x = d2;
       if (train) kept.push_back(x);
     }
-    const u64 out = em.alloc(act(2, side));
+    const u64 out = em.produce(act(2, side), conv(act(2, side), base));
     if (!train) {
       em.free(x);
       em.free(out);
@@ -140,10 +163,10 @@ void unet(const std::map<std::string, double>& k, Emit& em) {
       for (int l = 0; l <= levels; ++l)
         for (int i = 0; i < 4; ++i) grads.push_back(em.alloc(taps * (base << l) * (base << l) * 4));
     // Backward: each kept activation gets a gradient of its size, then both go.
-    u64 g = em.alloc(act(2, side));
+    u64 g = em.produce(act(2, side), 0);
     em.free(out);
     for (auto it = kept.rbegin(); it != kept.rend(); ++it) {
-      const u64 ng = em.alloc(em.size_of(*it));
+      const u64 ng = em.produce(em.size_of(*it), 2 * em.flops_of(*it));  // gradients of input and weights
       em.free(*it);
       em.free(g);
       g = ng;
@@ -172,7 +195,7 @@ void moe(const std::map<std::string, double>& k, Emit& em) {
     const u64 tokens = em.jitter(D(k, "tokens"), 0.5);
     std::vector<std::vector<u64>> kept(static_cast<std::size_t>(layers));
     std::vector<std::vector<u64>> counts(static_cast<std::size_t>(layers));
-    u64 x = em.alloc(tokens * d * 2);
+    u64 x = em.produce(tokens * d * 2, 0);
     for (int l = 0; l < layers; ++l) {
       auto& keep = kept[static_cast<std::size_t>(l)];
       auto& cnt = counts[static_cast<std::size_t>(l)];
@@ -180,7 +203,8 @@ void moe(const std::map<std::string, double>& k, Emit& em) {
       std::vector<double> w(static_cast<std::size_t>(experts));
       double sum = 0;
       for (double& v : w) sum += (v = gamma(em.rng) + 1e-9);
-      const u64 logits = em.alloc(tokens * static_cast<u64>(experts) * 4);
+      const u64 logits = em.produce(tokens * static_cast<u64>(experts) * 4,
+                                    2.0 * static_cast<double>(tokens * d * static_cast<u64>(experts)));
       em.free(logits);
       std::vector<u64> outs;
       for (int e = 0; e < experts; ++e) {
@@ -188,7 +212,8 @@ void moe(const std::map<std::string, double>& k, Emit& em) {
                                                     w[static_cast<std::size_t>(e)] / sum));
         cnt.push_back(c);
         if (c == 0) continue;
-        const u64 in = em.alloc(c * d * 2), h = em.alloc(c * ff * 2), out = em.alloc(c * d * 2);
+        const double gemm = 2.0 * static_cast<double>(c * d * ff);
+        const u64 in = em.produce(c * d * 2, 0), h = em.produce(c * ff * 2, gemm), out = em.produce(c * d * 2, gemm);
         if (train) {
           keep.push_back(in);
           keep.push_back(h);
@@ -198,7 +223,7 @@ void moe(const std::map<std::string, double>& k, Emit& em) {
         }
         outs.push_back(out);
       }
-      const u64 next = em.alloc(tokens * d * 2);
+      const u64 next = em.produce(tokens * d * 2, 0);
       for (u64 o : outs) em.free(o);
       if (train) keep.push_back(x); else em.free(x);
       x = next;
@@ -208,15 +233,16 @@ void moe(const std::map<std::string, double>& k, Emit& em) {
     if (grads.empty())
       for (int l = 0; l < layers; ++l)
         for (int e = 0; e < experts; ++e) grads.push_back(em.alloc(2 * d * ff * 2));
-    u64 dx = em.alloc(tokens * d * 2);
+    u64 dx = em.produce(tokens * d * 2, 0);
     for (int l = layers - 1; l >= 0; --l) {
       for (u64 c : counts[static_cast<std::size_t>(l)]) {
         if (c == 0) continue;
-        const u64 gh = em.alloc(c * ff * 2), gi = em.alloc(c * d * 2);
+        const double gemm = 2.0 * static_cast<double>(c * d * ff);
+        const u64 gh = em.produce(c * ff * 2, 2 * gemm), gi = em.produce(c * d * 2, 2 * gemm);
         em.free(gh);
         em.free(gi);
       }
-      const u64 ndx = em.alloc(tokens * d * 2);
+      const u64 ndx = em.produce(tokens * d * 2, 0);
       em.free_all(kept[static_cast<std::size_t>(l)]);
       em.free(dx);
       dx = ndx;
@@ -250,11 +276,12 @@ void serving(const std::map<std::string, double>& k, Emit& em) {
     const u64 tokens = prefill + active.size();
     if (tokens == 0) continue;
     // One iteration's transient activations, layer by layer.
-    u64 x = em.alloc(tokens * d * 2);
+    u64 x = em.produce(tokens * d * 2, 0);
+    const double T = static_cast<double>(tokens), D = static_cast<double>(d), F = static_cast<double>(ff);
     for (int l = 0; l < layers; ++l) {
-      const u64 qkv = em.alloc(tokens * d * 3 * 2), h = em.alloc(tokens * ff * 2);
+      const u64 qkv = em.produce(tokens * d * 3 * 2, 2 * T * D * 3 * D), h = em.produce(tokens * ff * 2, 2 * T * D * F);
       em.free(qkv);
-      const u64 next = em.alloc(tokens * d * 2);
+      const u64 next = em.produce(tokens * d * 2, 2 * T * F * D + 2 * T * D * D);
       em.free(h);
       em.free(x);
       x = next;
@@ -268,7 +295,7 @@ void serving(const std::map<std::string, double>& k, Emit& em) {
       if (static_cast<u64>(r.len) > r.cap) {
         r.cap += static_cast<u64>(block);
         for (u64& t : r.kv) {
-          const u64 grown = em.alloc(r.cap * kv_token);
+          const u64 grown = em.produce(r.cap * kv_token, 0);  // a copy of the old one, and a block more
           em.free(t);
           t = grown;
         }
@@ -306,6 +333,7 @@ void fsdp(const std::map<std::string, double>& k, Emit& em) {
     for (int l = 0; l < layers; ++l) {
       const u64 next = l + 1 < layers ? em.alloc(full, kComm) : 0;  // the next layer's all-gather overlaps
       auto& keep = kept[static_cast<std::size_t>(l)];
+      em.kernel(2.0 * 12 * static_cast<double>(d * d * tokens), 0);  // the layer's forward
       for (int i = 0; i < 4; ++i) keep.push_back(em.alloc(act));
       keep.push_back(em.alloc(4 * act));
       em.free(gathered);
@@ -316,6 +344,7 @@ void fsdp(const std::map<std::string, double>& k, Emit& em) {
     u64 dx = em.alloc(act);
     for (int l = layers - 1; l >= 0; --l) {
       const u64 regather = em.alloc(full, kComm);
+      em.kernel(2 * 2.0 * 12 * static_cast<double>(d * d * tokens), 0);  // the layer's backward
       const u64 g4 = em.alloc(4 * act), ndx = em.alloc(act);
       em.free(g4);
       const u64 grad_full = em.alloc(full);            // this layer's full gradient
@@ -353,7 +382,9 @@ void pipeline(const std::map<std::string, double>& k, Emit& em) {
       const u64 recv = em.alloc(act, kComm);
       auto& keep = kept[static_cast<std::size_t>(m)];
       keep.push_back(recv);
+      const double layer_flops = 2.0 * static_cast<double>(t * (4 * d * d + 2 * d * ff));
       for (int l = 0; l < layers; ++l) {
+        em.kernel(layer_flops, 0);
         for (int i = 0; i < 3; ++i) keep.push_back(em.alloc(act));
         keep.push_back(em.alloc(t * ff * 2));
       }
@@ -363,7 +394,9 @@ void pipeline(const std::map<std::string, double>& k, Emit& em) {
     auto backward = [&](int m) {
       const u64 t = tokens[static_cast<std::size_t>(m)], act = t * d * 2;
       u64 g = em.alloc(act, kComm);
+      const double layer_flops = 2.0 * static_cast<double>(t * (4 * d * d + 2 * d * ff));
       for (int l = 0; l < layers; ++l) {
+        em.kernel(2 * layer_flops, 0);
         const u64 gh = em.alloc(t * ff * 2), ng = em.alloc(act);
         em.free(gh);
         em.free(g);
@@ -409,7 +442,7 @@ void random_pattern(const std::map<std::string, double>& k, Emit& em) {
       if (live_bytes + bytes > cap) continue;
       const u64 stream = static_cast<u64>(em.rng() % static_cast<u64>(streams));
       const int life = static_cast<int>(std::exponential_distribution<double>(1.0 / D(k, "lifetime"))(em.rng)) + 1;
-      Live l{em.alloc(bytes, stream), bytes, op + life};
+      Live l{em.produce(bytes, 0, stream), bytes, op + life};
       live_bytes += bytes;
       if (em.uniform(0, 1) < 0.03) keep.push_back(l); else live.push_back(l);
     }

@@ -38,6 +38,10 @@ struct Trace {
   // cache shape: created and freed before the seed is allocated.
   std::vector<Event> pre_segments;
   bool has_time = false;
+  // For generated workloads, which record no time: the modelled time (µs) at which each event happens,
+  // parallel to `events` (bench/replay/compute_model.h); empty otherwise. Not a recording: it drives only the
+  // replay's background clock (docs/ARCHITECTURE.md, "Background work in the replay").
+  std::vector<std::int64_t> model_time_us;
   // PyTorch's own peak reserved over the window per device, when the snapshot tells it (segments at dump
   // time rolled back through the window's segment events); empty otherwise.
   std::vector<std::optional<std::uint64_t>> recorded_peak_reserved;

@@ -18,7 +18,10 @@ namespace fragless {
 enum class PolicyKind { classic, expandable, fragless };
 enum class DriverKind { cuda, host, sim };
 // How the fragless policy shapes new physical handles (docs/ARCHITECTURE.md, "Whole handles").
-enum class HandleShape { pages, ends, whole };
+enum class HandleShape { pages, ends, whole, cells };
+// Who does the driver work no caller waits for (allocator/src/background.h): a worker thread per device,
+// nobody, or whoever calls DeviceEngine::run_background (the replay, on the trace's clock; tests).
+enum class BackgroundMode { thread, off, manual };
 
 const char* policy_name(PolicyKind p);
 const char* driver_kind_name(DriverKind d);
@@ -46,6 +49,7 @@ struct Options {
   bool lend_pages = true;                                // same-stream holes lend pages without a sync
   bool lend_across_streams = true;                       // ...and other streams' holes, by a stream wait
   bool small_in_remnants = true;                         // small requests may use sub-MiB large-pool remnants
+  BackgroundMode background = BackgroundMode::thread;   // background: True (thread) or False (off)
   std::string settings;                                  // the string this was parsed from
 };
 

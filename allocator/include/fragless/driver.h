@@ -76,6 +76,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -115,10 +116,30 @@ struct CostModel {
   static CostModel a100();
 };
 
+// Calls and modelled time: all of them, and the part made by background work (a thread inside a
+// BackgroundCalls scope), so that what a caller waited for is the difference.
 struct DriverCounters {
   std::array<std::uint64_t, kDriverCallCount> calls{};
   double modelled_us = 0;
+  std::array<std::uint64_t, kDriverCallCount> background_calls{};
+  double background_us = 0;
   std::uint64_t operator[](DriverCall c) const { return calls[static_cast<int>(c)]; }
+  std::uint64_t background(DriverCall c) const { return background_calls[static_cast<int>(c)]; }
+  // Calls made, and time spent, on the caller's path (everything but background work).
+  std::uint64_t on_path(DriverCall c) const { return (*this)[c] - background(c); }
+  double on_path_us() const { return modelled_us - background_us; }
+};
+
+// While one is alive on a thread, the driver calls that thread makes are counted as background work
+// (DriverCounters::background_*). The background worker holds one for its life; a replay stepping the
+// background by hand holds one per step.
+class BackgroundCalls {
+ public:
+  BackgroundCalls();
+  ~BackgroundCalls();
+  BackgroundCalls(const BackgroundCalls&) = delete;
+  BackgroundCalls& operator=(const BackgroundCalls&) = delete;
+  static bool active();
 };
 
 // What the driver holds, as the contract sees it: reservations, handles and mappings. The base class keeps
@@ -180,51 +201,61 @@ class Driver {
   Status map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t offset);
   Status unmap(DevicePtr va, std::size_t size);
   Status set_access(DevicePtr va, std::size_t size);
-  Status record_event(Stream s, Event* e) { charge(DriverCall::record_event); return do_record_event(s, e); }
-  Status query_event(Event e) { charge(DriverCall::query_event); return do_query_event(e); }
-  Status synchronize_event(Event e) { charge(DriverCall::synchronize_event); return do_synchronize_event(e); }
-  Status release_event(Event e) { charge(DriverCall::release_event); return do_release_event(e); }
-  Status synchronize_stream(Stream s) { charge(DriverCall::synchronize_stream); return do_synchronize_stream(s); }
+  Status record_event(Stream s, Event* e) {
+    return event_call(DriverCall::record_event, [&] { return do_record_event(s, e); });
+  }
+  Status query_event(Event e) { return event_call(DriverCall::query_event, [&] { return do_query_event(e); }); }
+  Status synchronize_event(Event e) {
+    return event_call(DriverCall::synchronize_event, [&] { return do_synchronize_event(e); });
+  }
+  Status release_event(Event e) { return event_call(DriverCall::release_event, [&] { return do_release_event(e); }); }
+  Status synchronize_stream(Stream s) {
+    return event_call(DriverCall::synchronize_stream, [&] { return do_synchronize_stream(s); });
+  }
   // Work queued on s from now on starts only after event e has completed (cuStreamWaitEvent): a device-side
   // dependency, the host does not wait.
   Status stream_wait_event(Stream s, Event e) {
-    charge(DriverCall::stream_wait_event);
-    return do_stream_wait_event(s, e);
+    return event_call(DriverCall::stream_wait_event, [&] { return do_stream_wait_event(s, e); });
   }
 
   // Free and total physical memory as the device sees it (cudaMemGetInfo).
   virtual void memory_info(std::size_t* free_bytes, std::size_t* total_bytes) = 0;
   // Text of the last failure, for error messages ("cuMemCreate: CUDA_ERROR_OUT_OF_MEMORY (out of memory)",
   // or the contract rule a call broke).
-  std::string last_error() const { return contract_error_ ? std::string(contract_error_) : do_last_error(); }
+  // The last failure of a call made by the calling thread (threads do not see each other's errors).
+  std::string last_error() const;
+  // Not synchronised: read it only while no other thread calls this driver (tests).
   const DriverContract& contract() const { return contract_; }
 
-  const DriverCounters& counters() const { return counters_; }
-  void reset_counters() { counters_ = DriverCounters{}; }
-  void set_cost_model(const CostModel& m) { costs_ = m; }
+  DriverCounters counters() const;
+  void reset_counters();
+  void set_cost_model(const CostModel& m);
 
  protected:
   Driver(int device, std::size_t granularity)
       : device_(device), granularity_(granularity), contract_(granularity) {}
   virtual std::string do_last_error() const = 0;
+  // Whether do_* may run on two threads at once (libcuda is thread-safe). When false, the base class runs
+  // them one at a time, and the driver takes impl_lock() in memory_info and anything else it shares.
+  virtual bool concurrent_calls() const { return false; }
+  std::unique_lock<std::mutex> impl_lock() const {
+    return concurrent_calls() ? std::unique_lock<std::mutex>() : std::unique_lock<std::mutex>(impl_mu_);
+  }
   // The memory of a released handle goes back once its last mapping is gone (R8). Drivers that account
   // memory themselves (host, sim) free it here; the cuda driver leaves it to CUDA.
   virtual void memory_gone(PhysHandle) {}
 
  private:
-  Status refuse(const char* rule) {
-    contract_error_ = rule;
-    return Status::invalid_argument;
-  }
-  // A failure the implementation reported: its own text is the last error now.
-  Status fail_through(Status st) {
-    if (st != Status::ok && st != Status::not_ready) contract_error_ = nullptr;
-    return st;
-  }
-  void charge(DriverCall c, std::size_t bytes = 0) {
-    const int i = static_cast<int>(c);
-    ++counters_.calls[i];
-    counters_.modelled_us += costs_.us[i] + costs_.per_mib[i] * (static_cast<double>(bytes) / (1 << 20));
+  Status refuse(const char* rule);
+  // A failure the implementation reported: its own text is the last error now (for this thread).
+  Status fail_through(Status st);
+  void charge(DriverCall c, std::size_t bytes = 0);
+  // Event calls: counted, then run (one at a time unless concurrent_calls()).
+  template <class F>
+  Status event_call(DriverCall c, F&& f) {
+    charge(c);
+    auto lk = impl_lock();
+    return fail_through(f());
   }
 
   virtual Status do_reserve(std::size_t size, DevicePtr* va) = 0;
@@ -241,12 +272,17 @@ class Driver {
   virtual Status do_synchronize_stream(Stream s) = 0;
   virtual Status do_stream_wait_event(Stream s, Event e) = 0;
 
+  // Note [Driver calls from two threads]: the engine's thread and the background worker call one driver
+  // at once, on distinct objects (the worker creates new handles, and maps, unmaps and releases only what
+  // the engine handed it). `mu_` keeps the contract's tables, the counters and the cost model whole; it is
+  // never held across a do_* call, so a slow cuMemCreate on one thread does not stall the other.
   int device_;
   std::size_t granularity_;
+  mutable std::mutex mu_;
+  mutable std::mutex impl_mu_;  // do_* one at a time, for drivers without concurrent_calls()
   DriverCounters counters_;
   CostModel costs_ = CostModel::a100();
   DriverContract contract_;
-  const char* contract_error_ = nullptr;  // the rule the last call broke, or null
 };
 
 }  // namespace fragless

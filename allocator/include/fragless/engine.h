@@ -93,6 +93,11 @@ class DeviceEngine {
   std::vector<SegmentInfo> snapshot();
   DriverCounters driver_counters();
   void reset_driver_counters();
+  // Background work (Options::background). Manual mode: runs it on this thread until `budget_us` of
+  // modelled driver time has gone into it or none is left, and returns the time spent; other modes: 0.
+  double run_background(double budget_us);
+  // Thread mode: returns once the worker has nothing left to do (tests); other modes: at once.
+  void drain_background();
   // Largest free range in the cache and total free bytes in the cache (external fragmentation).
   std::pair<std::size_t, std::size_t> free_ranges();
 

@@ -1,0 +1,181 @@
+#include "background.h"
+
+#include <pthread.h>
+
+#include <chrono>
+#include <mutex>
+
+#include "fragless/driver.h"
+#include "policy.h"
+#include "spin_mutex.h"
+
+namespace fragless {
+
+namespace {
+
+// The live workers, for the fork() handlers. A worker registers itself when it starts and unregisters when
+// it ends, holding only this mutex, never the device lock; before_fork takes this mutex, then each device
+// lock, so the order is always registry, then device.
+std::mutex g_registry_mu;
+Background* g_registry = nullptr;
+std::atomic<std::uint64_t> g_fork_generation{0};  // bumped in every forked child
+std::once_flag g_atfork_once;
+
+void install_fork_handlers() {
+  std::call_once(g_atfork_once, [] {
+    pthread_atfork(&Background::before_fork, &Background::after_fork_parent, &Background::after_fork_child);
+  });
+}
+
+}  // namespace
+
+Background::Background(SpinMutex& mu, BackgroundMode mode)
+    : mu_(mu),
+      mode_(mode),
+      work_cv_(std::make_unique<std::condition_variable_any>()),
+      idle_cv_(std::make_unique<std::condition_variable_any>()) {}
+
+Background::~Background() { stop(); }
+
+void Background::wake() {
+  work_ = true;
+  if (mode_ != BackgroundMode::thread) return;
+  if (!thread_ && !stop_) {
+    install_fork_handlers();
+    fork_generation_ = g_fork_generation.load();
+    thread_ = new std::thread([this] { loop(); });
+    return;
+  }
+  work_cv_->notify_one();
+}
+
+void Background::quiesce() {
+  if (!in_flight_) return;
+  abort_.store(true, std::memory_order_relaxed);
+  while (in_flight_) idle_cv_->wait(mu_);
+  abort_.store(false, std::memory_order_relaxed);
+}
+
+void Background::routing_changed(bool routed) {
+  if (routed) quiesce();
+  routed_ = routed;
+  if (!routed && work_) work_cv_->notify_one();
+}
+
+void Background::stop() {
+  std::thread* t = nullptr;
+  {
+    std::lock_guard lk(mu_);
+    if (stop_ && !thread_) return;
+    stop_ = true;
+    abort_.store(true, std::memory_order_relaxed);
+    work_cv_->notify_all();
+    t = thread_;
+    thread_ = nullptr;
+  }
+  if (!t) return;
+  if (fork_generation_ != g_fork_generation.load()) return;  // a forked child: that thread is not here
+  t->join();
+  delete t;
+}
+
+bool Background::run_one(bool manual) {
+  BackgroundJob job;
+  if (!may_take() || !policy_) return false;  // the work waits for the routing (or the fork) to end
+  if (!policy_->take_background_job(&job)) {
+    work_ = false;
+    return false;
+  }
+  in_flight_ = true;
+  mu_.unlock();
+  policy_->run_background_job(job, abort_, manual);
+  mu_.lock();
+  policy_->finish_background_job(job);
+  in_flight_ = false;
+  idle_cv_->notify_all();
+  return true;
+}
+
+double Background::step(double budget_us) {
+  if (mode_ != BackgroundMode::manual || budget_us <= 0 || !policy_) return 0;
+  BackgroundCalls counted;
+  double spent = 0;
+  std::lock_guard lk(mu_);
+  while (work_ && spent < budget_us) {
+    const double before = policy_->driver().counters().background_us;
+    if (!run_one(/*manual=*/true)) break;
+    spent += policy_->driver().counters().background_us - before;
+  }
+  return spent;
+}
+
+void Background::drain() {
+  std::lock_guard lk(mu_);
+  while (mode_ == BackgroundMode::thread && thread_ && (work_ || in_flight_) && may_take()) idle_cv_->wait(mu_);
+}
+
+void Background::loop() {
+  {
+    std::lock_guard lk(g_registry_mu);
+    next_ = g_registry;
+    g_registry = this;
+    registered_ = true;
+  }
+  {
+    BackgroundCalls counted;
+    std::lock_guard lk(mu_);
+    for (;;) {
+      while (!stop_ && !(work_ && may_take())) {
+        idle_cv_->notify_all();  // drain() waits for this
+        work_cv_->wait(mu_);
+      }
+      if (stop_) break;
+      run_one(/*manual=*/false);
+    }
+    idle_cv_->notify_all();
+  }
+  std::lock_guard lk(g_registry_mu);
+  for (Background** p = &g_registry; *p; p = &(*p)->next_)
+    if (*p == this) {
+      *p = next_;
+      break;
+    }
+  registered_ = false;
+}
+
+void Background::before_fork() {
+  g_registry_mu.lock();  // held until the parent or child handler: no worker starts or ends meanwhile
+  for (Background* b = g_registry; b; b = b->next_) {
+    std::lock_guard lk(b->mu_);
+    b->quiesce();
+    b->fork_paused_ = true;
+  }
+}
+
+void Background::after_fork_parent() {
+  for (Background* b = g_registry; b; b = b->next_) {
+    std::lock_guard lk(b->mu_);
+    b->fork_paused_ = false;
+    if (b->work_) b->work_cv_->notify_one();
+  }
+  g_registry_mu.unlock();
+}
+
+void Background::after_fork_child() {
+  g_fork_generation.fetch_add(1);
+  // Only the forking thread exists here: the workers are gone, and so is their work.
+  for (Background* b = g_registry; b; b = b->next_) {
+    b->mode_ = BackgroundMode::off;
+    b->fork_paused_ = false;
+    b->work_ = false;
+    b->thread_ = nullptr;  // leaked: there is no thread to join
+    (void)b->work_cv_.release();  // leaked too (see the member)
+    (void)b->idle_cv_.release();
+    b->work_cv_ = std::make_unique<std::condition_variable_any>();
+    b->idle_cv_ = std::make_unique<std::condition_variable_any>();
+  }
+  g_registry = nullptr;
+  g_registry_mu.unlock();
+}
+
+}  // namespace fragless

@@ -1,0 +1,101 @@
+// The background worker: driver work that no caller waits for, done by one thread per device (or, in the
+// replay and in tests, by whoever calls step()). The policy says what the work is (policy.h,
+// BackgroundJob); this file says how it runs and what it may not do.
+//
+// Note [Background work]
+// A job goes through three steps, and passes its values from one to the next:
+//   take   (device lock held)  the policy picks the work and takes what it needs out of the engine's
+//                              hands (a busy block: no pool holds it, no request can use it);
+//   run    (no lock)           the driver calls, and nothing else: the job touches no engine state;
+//   finish (device lock held)  the policy puts the results into the engine's books.
+// The rules:
+//  - no driver call is made while the device lock is held by background work, so a request never waits
+//    behind a background cuMemCreate (it waits at most for a take or a finish, which are bookkeeping);
+//  - no job is taken while a pool routing is active (Note [Capture rules]): a capture may be under way, and
+//    a job records and queries events. begin_allocate_to_pool first waits for the job in flight, asking it
+//    to stop at its next driver call;
+//  - empty_cache, the OOM retry and teardown do the same (quiesce), so what they give back includes what a
+//    job held, and nothing runs behind the engine's back while it releases or dies; the worker never
+//    outlives the engine (stop() joins it);
+//  - across fork(): the prepare handler waits for the job in flight and pauses every worker, so the child
+//    inherits no half-done job; the worker does not exist in the child, which does no background work;
+//  - a job that fails (a create refused, an event that cannot be recorded) leaves the engine consistent:
+//    the range is given back or left as it was. The memory is then simply not there, and the request that
+//    needs it grows or runs out of memory on its own path, with its own retry chain.
+// Driver calls made by background work are counted apart (driver.h, BackgroundCalls), so a replay can tell
+// what a caller waited for from what it did not.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#include "fragless/config.h"
+
+namespace fragless {
+
+class SpinMutex;
+class Policy;
+
+class Background {
+ public:
+  // `mu` is the device lock; `policy` does the jobs. Nothing runs until wake().
+  Background(SpinMutex& mu, BackgroundMode mode);
+  ~Background();  // stops the worker
+  Background(const Background&) = delete;
+  Background& operator=(const Background&) = delete;
+
+  void set_policy(Policy* p) { policy_ = p; }
+  BackgroundMode mode() const { return mode_; }
+  bool in_flight() const { return in_flight_; }  // device lock held
+
+  // Device lock held: there is work. Starts the worker on first use (thread mode) and wakes it.
+  void wake();
+  // Device lock held: returns once no job is in flight, asking the one in flight to stop early; the lock
+  // is released while waiting. `routed` (a pool routing is active) keeps the worker from taking new jobs.
+  void quiesce();
+  // Device lock held: routing (begin/end_allocate_to_pool) changed; the worker resumes when it is over.
+  void routing_changed(bool routed);
+  // Stops and joins the worker (device lock not held). Idempotent.
+  void stop();
+
+  // Manual mode: runs jobs on the calling thread (device lock not held) until `budget_us` of modelled driver
+  // time has gone into them or there is no work; returns the time spent (it may exceed the budget by the
+  // last job's cost). In the other modes it does nothing and returns 0.
+  double step(double budget_us);
+  // Thread mode, for tests: waits (device lock not held) until there is no work left and no job in flight.
+  void drain();
+
+  // Whether a job should stop at its next driver call.
+  const std::atomic<bool>& abort_flag() const { return abort_; }
+
+  // fork() handlers (pthread_atfork), over every live worker.
+  static void before_fork();
+  static void after_fork_parent();
+  static void after_fork_child();
+
+ private:
+  void loop();
+  bool run_one(bool manual);  // takes, runs and finishes one job; false when there was none
+  bool may_take() const { return !stop_ && !routed_ && !fork_paused_; }
+
+  SpinMutex& mu_;
+  Policy* policy_ = nullptr;
+  BackgroundMode mode_;
+  // Waited on with mu_. On the heap: a forked child leaks them (the worker may have been waiting on one, and
+  // glibc's destroy would wait for it for ever) and makes new ones.
+  std::unique_ptr<std::condition_variable_any> work_cv_, idle_cv_;
+  bool work_ = false;         // a wake() since the policy last ran out of jobs
+  bool in_flight_ = false;    // a job is between take and finish
+  bool routed_ = false;       // a pool routing is active: no new job
+  bool fork_paused_ = false;  // a fork() is under way: no new job
+  bool stop_ = false;
+  std::atomic<bool> abort_{false};
+  std::thread* thread_ = nullptr;  // leaked, never joined, in a forked child (the thread is not there)
+  std::uint64_t fork_generation_ = 0;  // of the process the thread was started in
+  bool registered_ = false;
+  Background* next_ = nullptr;  // the registry of live workers, for fork()
+};
+
+}  // namespace fragless

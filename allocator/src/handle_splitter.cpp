@@ -1,0 +1,210 @@
+#include "handle_splitter.h"
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+#include "trace_emit.h"
+
+namespace fragless {
+
+// ---- Where multi-page handles are mapped ----
+
+void HandleSplitter::mapped(const Segment& seg, std::size_t first, PhysHandle h) {
+  if (pool_.pages(h) > 1) multi_.emplace(&seg, first);
+}
+
+void HandleSplitter::unmapped(const Segment& seg, std::size_t first, PhysHandle h) {
+  if (pool_.pages(h) > 1) multi_.erase({&seg, first});
+}
+
+bool HandleSplitter::any_multi(const Segment& seg, std::size_t first, std::size_t n) const {
+  auto it = multi_.lower_bound({&seg, first});
+  return it != multi_.end() && it->first == &seg && it->second < first + n;
+}
+
+// ---- Finding work ----
+
+bool HandleSplitter::freed(Block* b) {
+  const Segment& seg = *b->segment;
+  const std::size_t lo = (b->ptr - seg.base) / page_, hi = (b->ptr + b->size - seg.base + page_ - 1) / page_;
+  // A multi-page mapping that starts before b may still reach into it: start from the one before lo.
+  auto it = multi_.lower_bound({&seg, lo});
+  if (it != multi_.begin() && std::prev(it)->first == &seg) --it;
+  bool overlaps = false, queued = false;
+  for (; it != multi_.end() && it->first == &seg && it->second < hi; ++it) {
+    const std::size_t start = it->second;
+    const PhysHandle h = seg.pages[start].handle;
+    const std::size_t end = start + pool_.pages(h);
+    if (end <= lo) continue;
+    overlaps = true;
+    const DevicePtr va = seg.base + start * page_, va_end = seg.base + end * page_;
+    if (va < b->ptr || va_end > b->ptr + b->size) continue;  // a live neighbour still uses part of it
+    if (seg.owner != &s_.default_pools || !queued_.insert(h).second) continue;
+    queue_.push_back({b->segment, start, h, b});
+    queued = true;
+  }
+  if (!overlaps) b->multi = false;
+  if (!retry_.empty()) {  // new activity: what was cancelled gets another chance
+    queue_.insert(queue_.end(), retry_.begin(), retry_.end());
+    retry_.clear();
+    queued = true;
+  }
+  return queued;
+}
+
+bool HandleSplitter::segment_alive(const Segment* seg) const {
+  return std::any_of(s_.segments.begin(), s_.segments.end(), [&](const auto& p) { return p.get() == seg; });
+}
+
+// The free block of seg holding [va, va + len): `hint` if it still does (a recycled block object that holds
+// the range is the right block all the same), else found by walking the segment.
+Block* HandleSplitter::covering(Segment& seg, Block* hint, DevicePtr va, std::size_t len) const {
+  auto holds = [&](const Block* b) {
+    return b->segment == &seg && b->state == BlockState::free && b->in_size_set && b->ptr <= va &&
+           va + len <= b->ptr + b->size;
+  };
+  if (hint && holds(hint)) return hint;
+  for (Block* b = seg.first; b; b = b->next)
+    if (b->ptr + b->size > va) return holds(b) ? b : nullptr;
+  return nullptr;
+}
+
+Block* HandleSplitter::carve(Block* b, DevicePtr va, std::size_t len) {
+  s_.pool_erase(b);
+  Block* mid = b;
+  if (va > b->ptr) {
+    mid = s_.split_after(b, va);
+    s_.pool_insert(b);
+  }
+  if (va + len < mid->ptr + mid->size) s_.pool_insert(s_.split_after(mid, va + len));
+  mid->state = BlockState::busy;
+  return mid;
+}
+
+bool HandleSplitter::take(BackgroundJob* job) {
+  while (!queue_.empty()) {
+    const Candidate c = queue_.front();
+    queue_.pop_front();
+    queued_.erase(c.handle);
+    if (!segment_alive(c.seg)) continue;
+    Segment& seg = *c.seg;
+    if (c.first >= seg.pages.size() || seg.pages[c.first].handle != c.handle || seg.pages[c.first].offset != 0)
+      continue;
+    const std::size_t k = pool_.pages(c.handle);
+    if (k < 2) continue;
+    const DevicePtr va = seg.base + c.first * page_;
+    Block* b = covering(seg, c.block, va, k * page_);
+    if (!b) continue;  // reused, or merged into a range with a live block
+    job->kind = BackgroundJob::Kind::split;
+    job->segment = &seg;
+    job->first = c.first;
+    job->pages = k;
+    job->va = va;
+    job->handle = c.handle;
+    job->stream = b->stream;
+    job->busy = carve(b, va, k * page_);
+    job->created.clear();
+    job->outcome = BackgroundJob::Outcome::cancelled;
+    job->release_failed = false;
+    return true;
+  }
+  return false;
+}
+
+// ---- The driver calls (no lock) ----
+
+void HandleSplitter::run(Driver& d, std::size_t page, BackgroundJob& job, const std::atomic<bool>& abort,
+                         bool manual) {
+  using Outcome = BackgroundJob::Outcome;
+  auto aborted = [&] { return abort.load(std::memory_order_relaxed); };
+  // The range's last users queued their work on its stream before it went back to the pool; an event
+  // recorded now completes after all of it (R13: what is unmapped must not be in use).
+  Event e = 0;
+  if (d.record_event(job.stream, &e) != Status::ok) return;
+  Status q;
+  for (auto wait = std::chrono::microseconds(20); (q = d.query_event(e)) == Status::not_ready;) {
+    if (manual || aborted() || wait > std::chrono::milliseconds(50)) break;  // try again later
+    std::this_thread::sleep_for(wait);
+    wait *= 2;
+  }
+  d.release_event(e);
+  if (q != Status::ok || aborted()) return;
+  if (d.unmap(job.va, job.pages * page) != Status::ok) return;  // nothing changed
+  job.outcome = Outcome::gave_back;  // from here on, a failure leaves the range unmapped and released
+  if (d.release(job.handle) != Status::ok) {
+    job.release_failed = true;
+    return;
+  }
+  for (std::size_t i = 0; i < job.pages; ++i) {
+    PhysHandle h = 0;
+    if (aborted() || d.create(page, &h) != Status::ok) break;
+    job.created.push_back(h);
+  }
+  std::size_t mapped = 0;
+  if (job.created.size() == job.pages)
+    while (mapped < job.pages && d.map(job.va + mapped * page, page, job.created[mapped], 0) == Status::ok) ++mapped;
+  if (mapped == job.pages && d.set_access(job.va, job.pages * page) == Status::ok) {
+    job.outcome = Outcome::done;
+    return;
+  }
+  // Undo: nothing of the new pages stays. (An unmap that fails here leaves the mapping to the contract's
+  // books: the handles are released, and their memory goes when the process does.)
+  if (mapped) d.unmap(job.va, mapped * page);
+  for (PhysHandle h : job.created) d.release(h);
+  job.created.clear();
+}
+
+// ---- The results (lock held) ----
+
+void HandleSplitter::release_busy(Block* busy, bool mapped) {
+  if (mapped) {
+    busy->state = BlockState::free;
+    busy->multi = false;
+    s_.pool_insert(s_.merge_free(busy));
+    return;
+  }
+  busy->state = BlockState::unmapped;
+  s_.unmapped_insert(s_.merge_unmapped(busy));
+}
+
+void HandleSplitter::finish(BackgroundJob& job) {
+  using Outcome = BackgroundJob::Outcome;
+  Segment& seg = *job.segment;
+  const std::size_t bytes = job.pages * page_;
+  if (job.outcome == Outcome::cancelled) {
+    if (queued_.insert(job.handle).second) retry_.push_back({&seg, job.first, job.handle, nullptr});
+    job.busy->state = BlockState::free;
+    s_.pool_insert(s_.merge_free(job.busy));
+    return;
+  }
+  multi_.erase({&seg, job.first});
+  if (job.release_failed) s_.deferred_handles.push_back(job.handle);
+  emit(s_, TraceAction::phys_release, 0, 0, bytes, bytes);
+  if (job.outcome == Outcome::done) {
+    pool_.replace_mapped(job.handle, job.created);
+    for (std::size_t i = 0; i < job.pages; ++i) seg.pages[job.first + i] = PageRef{job.created[i], 0};
+    for (std::size_t i = 0; i < job.pages; ++i) emit(s_, TraceAction::phys_create, 0, 0, page_, page_);
+    release_busy(job.busy, /*mapped=*/true);
+    return;
+  }
+  // Gave back: the range is unmapped and its memory released (or deferred), as by a release.
+  pool_.remove_mapped(job.handle);
+  for (std::size_t i = 0; i < job.pages; ++i) seg.pages[job.first + i] = PageRef{};
+  seg.mapped_bytes -= bytes;
+  s_.add_reserved(seg.small, -static_cast<std::int64_t>(bytes));
+  ++s_.stats.num_device_free;
+  emit(s_, TraceAction::segment_unmap, seg.stream, job.va, bytes, bytes);
+  release_busy(job.busy, /*mapped=*/false);
+}
+
+std::string HandleSplitter::check() const {
+  for (const auto& [seg, first] : multi_) {
+    if (first >= seg->pages.size() || !seg->pages[first].valid() || seg->pages[first].offset != 0)
+      return "fragless splitter: a recorded multi-page mapping is not mapped";
+    if (pool_.pages(seg->pages[first].handle) < 2) return "fragless splitter: a recorded multi-page mapping is one page";
+  }
+  return {};
+}
+
+}  // namespace fragless

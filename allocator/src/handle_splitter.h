@@ -1,0 +1,69 @@
+// The fragless policy's background job: a free mapping of several pages becomes pages.
+//
+// Note [Split in the background]
+// Re-backing moves whole handles (Note [Whole handles]), so it moves memory as finely as the handles are
+// small: one 2 MiB handle per page moves the finest, but costs a cuMemCreate per page while memory first
+// grows, when the caller waits for every one (docs/RESULTS.md, "Handle shapes"). So a growth creates its
+// memory in large handles (nothing held could be re-backed at that moment anyway), and once such a handle
+// is free (no live block overlaps it), the background worker replaces it in place by one handle per page:
+// it takes the range out of the pool (a busy block), waits for the work queued on its stream (R13: the
+// unmap is not stream-ordered), unmaps it, releases the old handle, creates the pages, maps them at the
+// same addresses and grants access; then the range goes back to its pool, free, with the same address and
+// size. The old handle is released before the pages are created, so a split never holds more memory than
+// it started with. A split that cannot finish (a create refused, an abort) gives the range back: unmapped,
+// its memory released, as an empty_cache would.
+//
+// A handle that a live block still overlaps stays as it is until that block is freed: partly live, it
+// can be re-backed only whole, and only once free. Private pools are never split (graphs hold their
+// addresses, and may be replaying over them).
+#pragma once
+#include <atomic>
+#include <deque>
+#include <set>
+#include <unordered_set>
+#include <utility>
+
+#include "handle_pool.h"
+#include "policy.h"
+
+namespace fragless {
+
+class HandleSplitter {
+ public:
+  HandleSplitter(DeviceEngine::State& s, HandlePool& pool, std::size_t page) : s_(s), pool_(pool), page_(page) {}
+
+  // Bookkeeping of where multi-page handles are mapped (device lock held).
+  void mapped(const Segment& seg, std::size_t first, PhysHandle h);
+  void unmapped(const Segment& seg, std::size_t first, PhysHandle h);
+  // Whether pages [first, first + n) of seg include a multi-page mapping.
+  bool any_multi(const Segment& seg, std::size_t first, std::size_t n) const;
+  std::size_t multi_count() const { return multi_.size(); }
+
+  // Free block b (Block::multi) is back in its pool: queues the multi-page handles it now covers whole, and
+  // clears b->multi when it overlaps none. True when something was queued.
+  bool freed(Block* b);
+
+  // The three steps of a split (Note [Background work]).
+  bool take(BackgroundJob* job);
+  static void run(Driver& d, std::size_t page, BackgroundJob& job, const std::atomic<bool>& abort, bool manual);
+  void finish(BackgroundJob& job);
+
+  std::string check() const;
+
+ private:
+  struct Candidate { Segment* seg; std::size_t first; PhysHandle handle; Block* block; };
+  bool segment_alive(const Segment* seg) const;
+  Block* covering(Segment& seg, Block* hint, DevicePtr va, std::size_t len) const;
+  Block* carve(Block* b, DevicePtr va, std::size_t len);  // b's [va, va + len) becomes a busy block
+  void release_busy(Block* busy, bool mapped);            // busy back to free (mapped) or unmapped
+
+  DeviceEngine::State& s_;
+  HandlePool& pool_;
+  std::size_t page_;
+  std::set<std::pair<const Segment*, std::size_t>> multi_;  // (segment, first page) of multi-page mappings
+  std::deque<Candidate> queue_;                             // free multi-page handles to split, oldest first
+  std::unordered_set<PhysHandle> queued_;                   // the handles in queue_ or retry_
+  std::vector<Candidate> retry_;                            // cancelled: queued again at the next freed()
+};
+
+}  // namespace fragless

@@ -1,0 +1,283 @@
+// Background work (allocator/src/background.h): the fragless policy's split of free multi-page handles
+// into pages (Note [Split in the background], allocator/src/handle_splitter.h), stepped by hand and on the
+// worker thread; what it may not do (run while a pool routing is active, outlive a release or the engine,
+// survive a fork); and every one of its driver calls failing. The thread tests are tagged [concurrency]
+// so that the ThreadSanitizer run covers the worker.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "helpers.h"
+#include "random_ops.h"
+#include "watchdog.h"
+
+using namespace fragless;
+using namespace fragless::test;
+
+namespace {
+
+constexpr Stream kStream = 7;
+
+// Growths create the body of a request in one handle (handles:ends, handle_max_mb large) and its last page
+// in another; the background does the rest.
+EngineSpec split_spec(BackgroundMode mode, DriverKind driver = DriverKind::sim) {
+  EngineSpec spec;
+  spec.driver = driver;
+  spec.capacity = 512 * MiB;
+  auto parsed = parse_config("handles:ends,handle_max_mb:1024");
+  REQUIRE(parsed.ok);
+  spec.base = parsed.options;
+  spec.base.background = mode;
+  return spec;
+}
+
+std::uint64_t calls(DeviceEngine& e, DriverCall c) { return e.driver_counters()[c]; }
+
+}  // namespace
+
+TEST_CASE("background: a free multi-page handle is split into pages in place", "[background]") {
+  auto e = make_engine(split_spec(BackgroundMode::manual));
+  void* p = e->allocate(21 * MiB, kStream, nullptr);  // 11 pages: a body of 10, the last page alone
+  REQUIRE(p);
+  CHECK(calls(*e, DriverCall::create) == 2);
+  const auto reserved_before = reserved(*e);
+  CHECK(e->run_background(1e18) == 0);  // live: nothing to split
+  e->free(p);
+  const DriverCounters before = e->driver_counters();
+  const double spent = e->run_background(1e18);
+  const DriverCounters after = e->driver_counters();
+  require_consistent(*e);
+  // The body became ten pages: one release, ten creates and maps, one set-access over them, all counted as
+  // background work and none on the path.
+  CHECK(after[DriverCall::release] - before[DriverCall::release] == 1);
+  CHECK(after[DriverCall::create] - before[DriverCall::create] == 10);
+  CHECK(after[DriverCall::map] - before[DriverCall::map] == 10);
+  CHECK(after[DriverCall::set_access] - before[DriverCall::set_access] == 1);
+  CHECK(after.background(DriverCall::create) - before.background(DriverCall::create) == 10);
+  CHECK(after.on_path_us() == Approx(before.on_path_us()));
+  CHECK(spent == Approx(after.background_us - before.background_us));
+  CHECK(spent > 0);
+  CHECK(reserved(*e) == reserved_before);  // the same memory, in other handles
+  // The range is where it was, free: the same request is a cache hit.
+  void* q = e->allocate(21 * MiB, kStream, nullptr);
+  CHECK(q == p);
+  CHECK(e->driver_counters()[DriverCall::create] == after[DriverCall::create]);
+  CHECK(e->run_background(1e18) == 0);  // nothing left to do
+  e->free(q);
+  require_consistent(*e);
+}
+
+TEST_CASE("background: split pages are re-backed one by one, where a whole handle would stay pinned", "[background]") {
+  // A 40 MiB block between two live ones is freed; a 6 MiB block takes the start of its range back; then a
+  // 36 MiB request fits nowhere and grows the segment. With the range split, the hole's free pages are lent
+  // to it; without the background they lie in the old body handle, which the 6 MiB block pins, and new
+  // memory is created instead.
+  auto run = [](BackgroundMode mode) {
+    auto e = make_engine(split_spec(mode));
+    void* keep1 = e->allocate(2 * MiB, kStream, nullptr);
+    void* a = e->allocate(40 * MiB, kStream, nullptr);
+    void* keep2 = e->allocate(2 * MiB, kStream, nullptr);
+    REQUIRE((keep1 && a && keep2));
+    e->free(a);
+    e->run_background(1e18);
+    void* b = e->allocate(6 * MiB, kStream, nullptr);
+    void* c = e->allocate(36 * MiB, kStream, nullptr);
+    REQUIRE((b && c));
+    require_consistent(*e);
+    const auto r = reserved(*e);
+    for (void* x : {keep1, keep2, b, c}) e->free(x);
+    return r;
+  };
+  const auto split = run(BackgroundMode::manual), pinned = run(BackgroundMode::off);
+  CHECK(split == static_cast<std::int64_t>(46 * MiB));  // exactly what is live
+  CHECK(pinned >= static_cast<std::int64_t>(46 * MiB + 32 * MiB));
+}
+
+TEST_CASE("background: the worker thread splits, and stops with the engine", "[background][concurrency]") {
+  Watchdog dog("background worker", 120);
+  auto e = make_engine(split_spec(BackgroundMode::thread, DriverKind::host));
+  std::vector<void*> live;
+  for (std::size_t mib : {21, 9, 33, 5})
+    live.push_back(e->allocate(mib * MiB + 4096, kStream, nullptr));
+  for (void* p : live) REQUIRE(p);
+  for (void* p : live) e->free(p);
+  e->drain_background();
+  require_consistent(*e);
+  const DriverCounters c = e->driver_counters();
+  CHECK(c.background(DriverCall::create) > 0);
+  CHECK(c.background(DriverCall::release) > 0);
+  // Every body is pages now: a free does not queue anything, and a second drain finds nothing.
+  void* p = e->allocate(21 * MiB, kStream, nullptr);
+  e->free(p);
+  e->drain_background();
+  CHECK(e->driver_counters().background(DriverCall::create) == c.background(DriverCall::create));
+  e.reset();  // joins the worker
+}
+
+TEST_CASE("background: no job runs while a pool routing is active", "[background]") {
+  auto e = make_engine(split_spec(BackgroundMode::manual));
+  void* p = e->allocate(21 * MiB, kStream, nullptr);
+  e->free(p);
+  e->begin_allocate_to_pool({1, 1}, nullptr);
+  const auto events = calls(*e, DriverCall::record_event);
+  CHECK(e->run_background(1e18) == 0);  // a capture may be under way: no event, no unmap
+  CHECK(calls(*e, DriverCall::record_event) == events);
+  e->end_allocate_to_pool({1, 1});
+  CHECK(e->run_background(1e18) > 0);
+  require_consistent(*e);
+  e->release_pool({1, 1});
+}
+
+TEST_CASE("background: a routing, empty_cache and teardown stop the job in flight", "[background][concurrency]") {
+  Watchdog dog("background quiesce", 120);
+  const int what = GENERATE(0, 1, 2);  // begin_allocate_to_pool, empty_cache, the engine's destructor
+  CAPTURE(what);
+  auto e = make_engine(split_spec(BackgroundMode::thread, DriverKind::host));
+  TestEvents* ev = test_events_of(e->driver());
+  void* p = e->allocate(21 * MiB, kStream, nullptr);
+  ev->hold(kStream);  // the range's last work never completes: the job waits for its event
+  e->free(p);
+  while (calls(*e, DriverCall::record_event) == 0) std::this_thread::yield();  // the job is in flight
+  if (what == 2) {
+    e.reset();  // stop() asks the job to stop: it does not wait for the stream
+    return;
+  }
+  if (what == 0) {
+    e->begin_allocate_to_pool({2, 2}, nullptr);
+    require_consistent(*e);
+    e->end_allocate_to_pool({2, 2});
+    e->release_pool({2, 2});
+  } else if (what == 1) {
+    e->empty_cache();  // waits for the held stream itself (a forced sync), after stopping the job
+    require_consistent(*e);
+    CHECK(reserved(*e) == 0);
+  }
+  ev->complete(kStream);
+  e.reset();
+}
+
+TEST_CASE("fault sweep: every driver call of the background splits fails at every occurrence, nothing leaks", "[background][faults]") {
+  // A workload whose frees queue splits, stepped by hand on the host driver; each call kind the splits use
+  // fails once at its nth occurrence (the path's calls count too), with out of memory and with a driver
+  // error. The engine stays consistent, empty_cache gives everything back, and the workload then runs.
+  auto workload = [](DeviceEngine& e) {
+    std::vector<void*> live;
+    for (int round = 0; round < 3; ++round) {
+      for (std::size_t mib : {9, 3, 7, 5})
+        if (void* p = e.allocate(mib * MiB + 512, kStream, nullptr)) live.push_back(p);
+      for (std::size_t i = 0; i < live.size(); i += 2) e.free(live[i]);
+      std::vector<void*> rest;
+      for (std::size_t i = 1; i < live.size(); i += 2) rest.push_back(live[i]);
+      live = rest;
+      e.run_background(1e18);
+    }
+    for (void* p : live) e.free(p);
+    e.run_background(1e18);
+  };
+  const EngineSpec spec = split_spec(BackgroundMode::manual, DriverKind::host);
+  DriverCounters total;
+  {
+    auto e = make_engine(spec);
+    workload(*e);
+    total = e->driver_counters();
+    REQUIRE(total.background(DriverCall::create) > 0);
+  }
+  std::size_t runs = 0;
+  for (DriverCall call : {DriverCall::record_event, DriverCall::query_event, DriverCall::unmap, DriverCall::release,
+                          DriverCall::create, DriverCall::map, DriverCall::set_access})
+    for (std::uint64_t nth = 1; nth <= total[call]; ++nth)
+      for (Status failure : {Status::out_of_memory, Status::driver_error}) {
+        INFO(driver_call_name(call) << " call " << nth << " fails with " << status_name(failure));
+        auto e = make_engine(spec);
+        host_driver_inject_failure(e->driver(), call, nth, failure);
+        workload(*e);
+        host_driver_inject_failure(e->driver(), call, 0, Status::ok);
+        require_consistent(*e);
+        e->empty_cache();
+        const auto census = host_driver_census(e->driver());
+        CHECK(census.handles == 0);
+        CHECK(census.mappings == 0);
+        CHECK(census.physical_bytes == 0);
+        workload(*e);
+        require_consistent(*e);
+        ++runs;
+      }
+  CHECK(runs > 50);
+}
+
+TEST_CASE("background: threads allocate and free while the worker splits", "[background][concurrency]") {
+  Watchdog dog("background and threads", 300);
+  auto e = make_engine(split_spec(BackgroundMode::thread, DriverKind::host));
+  constexpr unsigned kThreads = 3, kOps = 3000;
+  std::atomic<std::uint64_t> corrupt{0};
+  auto worker = [&](unsigned t) {
+    std::mt19937_64 rng(test_seed(11) + t);
+    std::vector<std::pair<char*, std::size_t>> live;
+    for (unsigned i = 0; i < kOps; ++i) {
+      if (rng() % 100 < 55 || live.empty()) {
+        const std::size_t size = random_size(rng);
+        if (auto* p = static_cast<char*>(e->allocate(size, t + 1, nullptr))) {
+          std::memset(p, static_cast<int>(t + 1), std::min<std::size_t>(size, 512));
+          live.emplace_back(p, size);
+        }
+      } else {
+        const std::size_t k = rng() % live.size();
+        auto [p, size] = live[k];
+        for (std::size_t j = 0; j < std::min<std::size_t>(size, 512); ++j)
+          if (p[j] != static_cast<char>(t + 1)) ++corrupt;
+        e->free(p);
+        live[k] = live.back();
+        live.pop_back();
+      }
+      if (i % 1000 == 999 && t == 0) e->empty_cache();
+    }
+    for (auto [p, size] : live) e->free(p);
+  };
+  std::vector<std::thread> threads;
+  for (unsigned t = 0; t < kThreads; ++t) threads.emplace_back(worker, t);
+  for (auto& th : threads) th.join();
+  e->drain_background();
+  CHECK(corrupt == 0);
+  require_consistent(*e);
+  CHECK(e->driver_counters().background(DriverCall::create) > 0);
+  e->empty_cache();
+  CHECK(host_driver_census(e->driver()).handles == 0);
+}
+
+TEST_CASE("background: after a fork the child does no background work and ends cleanly", "[background][concurrency]") {
+  Watchdog dog("background and fork", 120);
+  auto e = make_engine(split_spec(BackgroundMode::thread, DriverKind::host));
+  TestEvents* ev = test_events_of(e->driver());
+  void* p = e->allocate(21 * MiB, kStream, nullptr);
+  ev->hold(kStream);
+  e->free(p);  // a job starts and waits for the held stream
+  while (calls(*e, DriverCall::record_event) == 0) std::this_thread::yield();
+  const pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    // The child: its engine works, queues no background work that anyone runs, and tears down (joining no
+    // thread: the worker is not here).
+    ev->complete(kStream);
+    void* q = e->allocate(9 * MiB, kStream, nullptr);
+    e->free(q);
+    const bool ok = q != nullptr && e->check_invariants().empty() &&
+                    e->driver_counters().background(DriverCall::create) == 0;
+    e.reset();
+    _exit(ok ? 0 : 1);
+  }
+  int status = 0;
+  REQUIRE(waitpid(pid, &status, 0) == pid);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  // The parent's worker carries on.
+  ev->complete(kStream);
+  void* q = e->allocate(33 * MiB, kStream, nullptr);
+  e->free(q);
+  e->drain_background();
+  require_consistent(*e);
+}
