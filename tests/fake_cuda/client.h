@@ -45,6 +45,8 @@ struct Fake {
   decltype(&fakecuda_now) clock = nullptr;
   decltype(&fakecuda_stream_done_at) done_at = nullptr;
   decltype(&fakecuda_injected_failures) injected = nullptr;
+  decltype(&fakecuda_stream_destroy) stream_destroy = nullptr;
+  decltype(&fakecuda_refuse_multi_mapping_unmap) refuse_multi_unmap = nullptr;
   Fake() {
     // Every test in this process uses the double (the cuda driver reads this once).
     setenv("FRAGLESS_LIBCUDA", FRAGLESS_FAKECUDA_PATH, 1);
@@ -69,6 +71,8 @@ struct Fake {
     load(&clock, "fakecuda_now");
     load(&done_at, "fakecuda_stream_done_at");
     load(&injected, "fakecuda_injected_failures");
+    load(&stream_destroy, "fakecuda_stream_destroy");
+    load(&refuse_multi_unmap, "fakecuda_refuse_multi_mapping_unmap");
     // The fixed stream numbers of these tests, as streams of their device (the double refuses others).
     for (int d = 0; d < 2; ++d)
       for (Stream s : {kFaultStreamA, kFaultStreamB, kFaultStreamUse})

@@ -34,6 +34,14 @@
 //    synchronisation - fail with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (or CUDA_ERROR_CAPTURED_EVENT) and
 //    invalidate the capture; cuStreamEndCapture then fails with CUDA_ERROR_STREAM_CAPTURE_INVALIDATED. Work
 //    launched on a capturing stream is recorded, not run.
+//  - per-thread default streams: CU_STREAM_PER_THREAD is a different stream on every thread (and context),
+//    never the legacy stream; a thread that exits leaves its per-thread stream behind, never to another thread.
+//  - stream handles: cuStreamDestroy returns at once and the stream's work still completes; its handle value
+//    is given to a later stream only once that work is done (as CUDA may reuse it). cuStreamGetCtx and
+//    cuCtxGetDevice tell a stream's device.
+//  - unmaps: fakecuda_refuse_multi_mapping_unmap makes cuMemUnmap refuse a range of several mappings, the
+//    strict reading of "the entire contiguous address range that was mapped to" (counted as
+//    "cuMemUnmap:refused").
 //  - versions: cuDriverGetVersion is settable; cuGetProcAddress refuses a version above it.
 // Failure injection: fakecuda_fail("cuMemMap", n, e). Environment: FAKECUDA_DEVICES (default 2),
 // FAKECUDA_CAPACITY_MB (per device, default 1024; a comma list gives each device its own), FAKECUDA_DRIVER_VERSION.
@@ -42,6 +50,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -131,6 +140,12 @@ struct State {
   std::unordered_map<CUevent, FakeEvent> events;
   std::map<CUstream, FakeStream> streams;          // created (or adopted) streams
   std::map<CUcontext, FakeStream> null_streams;    // each context's legacy stream
+  // Each thread's per-thread default stream of each context (CU_STREAM_PER_THREAD): one per thread, as CUDA's.
+  // Keyed by a serial number per thread, never reused (a thread id may be, once its thread has exited).
+  std::map<std::pair<std::uint64_t, CUcontext>, FakeStream> per_thread_streams;
+  // Destroyed streams: a handle value is given to a new stream only once the old one's work is done.
+  std::vector<std::pair<CUstream, NodeP>> destroyed_streams;
+  bool refuse_multi_unmap = false;  // fakecuda_refuse_multi_mapping_unmap
   std::vector<NodeP> blocked;                      // in enqueue order
   std::vector<Touch> touches;                      // work that touches memory, until it is done
   std::map<unsigned long long, Capture> captures;  // capture id -> capture under way
@@ -171,6 +186,11 @@ State& st() {
 }
 
 thread_local std::vector<CUcontext> t_ctx_stack;
+std::uint64_t thread_serial() {
+  static std::atomic<std::uint64_t> next{1};
+  thread_local const std::uint64_t serial = next.fetch_add(1);
+  return serial;
+}
 thread_local CUstreamCaptureMode t_capture_mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
 
 CUcontext primary_ctx(int dev) { return reinterpret_cast<CUcontext>(static_cast<std::uintptr_t>(0xC0 + dev)); }
@@ -235,14 +255,15 @@ CUresult unsafe_call() {
   return prohibited ? CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED : CUDA_SUCCESS;
 }
 
-// The stream a handle names for the calling thread: created streams by handle, 0 / legacy / per-thread as
-// the current context's own. nullptr when it names none.
+// The stream a handle names for the calling thread: created streams by handle; 0 and CU_STREAM_LEGACY as the
+// current context's legacy stream; CU_STREAM_PER_THREAD as the calling thread's own per-thread stream of the
+// current context (a different stream on every thread). nullptr when it names none.
 FakeStream* stream_of(CUstream h) {
   State& s = st();
   if (h == nullptr || h == CU_STREAM_LEGACY || h == CU_STREAM_PER_THREAD) {
     CUcontext c = current();
     if (!c) return nullptr;
-    auto& n = s.null_streams[c];
+    auto& n = h == CU_STREAM_PER_THREAD ? s.per_thread_streams[{thread_serial(), c}] : s.null_streams[c];
     n.ctx = c;
     if (!n.id) n.id = s.next_stream_id++;
     return &n;
@@ -251,16 +272,26 @@ FakeStream* stream_of(CUstream h) {
   return it == s.streams.end() ? nullptr : &it->second;
 }
 
+// Every blocking stream of context c that may capture: created streams and per-thread streams.
+template <typename F>
+void for_each_stream(CUcontext c, F f) {
+  for (auto& [h, fs] : st().streams)
+    if (fs.ctx == c) f(fs);
+  for (auto& [key, fs] : st().per_thread_streams)
+    if (fs.ctx == c) f(fs);
+}
+
 // Using a stream while a capture is under way: the legacy stream synchronises with every blocking stream of
 // its context, so using it while one of them captures invalidates that capture (cudaStreamLegacy semantics).
 CUresult legacy_use(CUstream h, FakeStream* fs) {
   if (h != nullptr && h != CU_STREAM_LEGACY) return CUDA_SUCCESS;
   bool conflict = false;
-  for (auto& [sh, other] : st().streams)
-    if (other.ctx == fs->ctx && other.capture) {
+  for_each_stream(fs->ctx, [&](FakeStream& other) {
+    if (other.capture) {
       invalidate(other.capture);
       conflict = true;
     }
+  });
   return conflict ? CUDA_ERROR_STREAM_CAPTURE_IMPLICIT : CUDA_SUCCESS;
 }
 
@@ -640,15 +671,15 @@ FAKE_API CUresult cuCtxSynchronize() {
   const CUcontext c = current();
   // A context with a capturing stream cannot be synchronised, in any mode.
   bool capturing = false;
-  for (auto& [h, fs] : st().streams)
-    if (fs.ctx == c && fs.capture) {
+  for_each_stream(c, [&](FakeStream& fs) {
+    if (fs.capture) {
       invalidate(fs.capture);
       capturing = true;
     }
+  });
   if (capturing) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
   UNSAFE_DURING_CAPTURE();
-  for (auto& [h, fs] : st().streams)
-    if (fs.ctx == c) wait_for(fs.tail);
+  for_each_stream(c, [&](FakeStream& fs) { wait_for(fs.tail); });
   if (auto n = st().null_streams.find(c); n != st().null_streams.end()) wait_for(n->second.tail);
   return CUDA_SUCCESS;
 }
@@ -760,6 +791,11 @@ FAKE_API CUresult cuMemUnmap(CUdeviceptr va, size_t size) {
   UNSAFE_DURING_CAPTURE();
   State& s = st();
   if (!whole_mappings(s, va, size)) return CUDA_ERROR_INVALID_VALUE;  // R7
+  // The strict reading of "the entire contiguous address range that was mapped to", when asked for.
+  if (s.refuse_multi_unmap && s.mappings.find(va)->second.size != size) {
+    ++s.calls["cuMemUnmap:refused"];
+    return CUDA_ERROR_INVALID_VALUE;
+  }
   // cuMemUnmap is not stream-ordered: work still running over the range faults.
   still_touched(va, size, "cuMemUnmap");
   mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
@@ -819,13 +855,27 @@ FAKE_API CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
   return copy(dst, reinterpret_cast<const void*>(src), n, src, "cuMemcpyDtoH");
 }
 
+namespace {
+// A new stream's handle: the value of a destroyed stream whose work is done (cuda.h, cuStreamDestroy: its
+// resources are released once the work completes, and CUDA may hand the value out again), else a new one.
+CUstream new_stream_handle() {
+  State& s = st();
+  for (auto it = s.destroyed_streams.begin(); it != s.destroyed_streams.end(); ++it)
+    if (node_done(it->second)) {
+      const CUstream h = it->first;
+      s.destroyed_streams.erase(it);
+      return h;
+    }
+  return reinterpret_cast<CUstream>(s.next_stream++);
+}
+}  // namespace
+
 FAKE_API CUresult cuStreamCreate(CUstream* out, unsigned) {
   ENTER("cuStreamCreate");
   NEED_CONTEXT();
   if (!out) return CUDA_ERROR_INVALID_VALUE;
-  auto h = reinterpret_cast<CUstream>(st().next_stream++);
-  st().streams[h] = FakeStream{current(), nullptr};
-  *out = h;
+  *out = new_stream_handle();
+  st().streams[*out] = FakeStream{current(), nullptr};
   return CUDA_SUCCESS;
 }
 
@@ -834,7 +884,28 @@ FAKE_API CUresult cuStreamDestroy_v2(CUstream h) {
   NEED_CONTEXT();
   auto it = st().streams.find(h);
   if (it == st().streams.end()) return CUDA_ERROR_INVALID_HANDLE;
-  st().streams.erase(it);  // queued work still completes (cuStreamDestroy returns at once)
+  if (it->second.capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+  // Queued work still completes (cuStreamDestroy returns at once); the handle value may be reused after.
+  st().destroyed_streams.emplace_back(h, it->second.tail);
+  st().streams.erase(it);
+  return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuStreamGetCtx(CUstream h, CUcontext* out) {
+  ENTER("cuStreamGetCtx");
+  NEED_CONTEXT();
+  FakeStream* fs = stream_of(h);
+  if (!out) return CUDA_ERROR_INVALID_VALUE;
+  if (!fs) return CUDA_ERROR_INVALID_HANDLE;
+  *out = fs->ctx;
+  return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuCtxGetDevice(CUdevice* d) {
+  ENTER("cuCtxGetDevice");
+  NEED_CONTEXT();
+  if (!d) return CUDA_ERROR_INVALID_VALUE;
+  *d = ctx_device(current());
   return CUDA_SUCCESS;
 }
 
@@ -961,8 +1032,9 @@ FAKE_API CUresult cuStreamEndCapture(CUstream h, CUgraph* graph) {
   const bool bad = it->second.invalidated;
   const unsigned long long id = it->first;
   st().captures.erase(it);
-  for (auto& [sh, other] : st().streams)
+  for_each_stream(fs->ctx, [&](FakeStream& other) {
     if (other.capture == id) other.capture = 0;
+  });
   for (auto& [eh, ev] : st().events)
     if (ev.capture == id) ev.capture = 0;
   *graph = bad ? nullptr : reinterpret_cast<CUgraph>(st().next_graph++);
@@ -1055,6 +1127,8 @@ FAKE_API CUresult cuGetProcAddress(const char* symbol, void** pfn, int cuda_vers
       {"cuMemUnmap", reinterpret_cast<void*>(&cuMemUnmap)},
       {"cuMemSetAccess", reinterpret_cast<void*>(&cuMemSetAccess)},
       {"cuStreamCreate", reinterpret_cast<void*>(&cuStreamCreate)},
+      {"cuStreamGetCtx", reinterpret_cast<void*>(&cuStreamGetCtx)},
+      {"cuCtxGetDevice", reinterpret_cast<void*>(&cuCtxGetDevice)},
       {"cuStreamDestroy", reinterpret_cast<void*>(&cuStreamDestroy_v2)},
       {"cuEventCreate", reinterpret_cast<void*>(&cuEventCreate)},
       {"cuEventRecord", reinterpret_cast<void*>(&cuEventRecord)},
@@ -1149,9 +1223,23 @@ FAKE_API void fakecuda_set_capacity(int device, std::size_t bytes) {
 FAKE_API void* fakecuda_stream_create(int device) {
   std::lock_guard lk(st().mu);
   if (device < 0 || device >= st().devices) return nullptr;
-  auto h = reinterpret_cast<CUstream>(st().next_stream++);
+  CUstream h = new_stream_handle();
   st().streams[h] = FakeStream{primary_ctx(device), nullptr, false, 0, true};
   return h;
+}
+
+FAKE_API int fakecuda_stream_destroy(void* stream) {
+  std::lock_guard lk(st().mu);
+  auto it = st().streams.find(reinterpret_cast<CUstream>(stream));
+  if (it == st().streams.end() || !it->second.runtime) return CUDA_ERROR_INVALID_HANDLE;
+  st().destroyed_streams.emplace_back(it->first, it->second.tail);
+  st().streams.erase(it);
+  return CUDA_SUCCESS;
+}
+
+FAKE_API void fakecuda_refuse_multi_mapping_unmap(int refuse) {
+  std::lock_guard lk(st().mu);
+  st().refuse_multi_unmap = refuse != 0;
 }
 
 FAKE_API int fakecuda_adopt_stream(void* handle, int device) {
@@ -1166,9 +1254,11 @@ FAKE_API int fakecuda_launch(void* stream, const void* ptr, std::size_t bytes, u
   std::lock_guard lk(st().mu);
   State& s = st();
   auto h = reinterpret_cast<CUstream>(stream);
-  // Launches go to the stream's own context's work: the caller need not have a context current.
+  // Launches go to the stream's own context's work: the caller need not have a context current, except for
+  // CU_STREAM_PER_THREAD, the calling thread's per-thread stream of its current context.
   FakeStream* fs = nullptr;
-  if (auto it = s.streams.find(h); it != s.streams.end()) fs = &it->second;
+  if (h == CU_STREAM_PER_THREAD) fs = stream_of(h);
+  else if (auto it = s.streams.find(h); it != s.streams.end()) fs = &it->second;
   if (!fs) return CUDA_ERROR_INVALID_HANDLE;
   if (fs->capture) return CUDA_SUCCESS;  // recorded in the graph, runs at replay
   const auto va = reinterpret_cast<CUdeviceptr>(ptr);

@@ -36,8 +36,14 @@ unsigned fakecuda_last_handle_types();
 // adopted as one (for tests whose streams are fixed numbers). Streams the double does not know are refused.
 void* fakecuda_stream_create(int device);
 int fakecuda_adopt_stream(void* handle, int device);
+// Destroys a stream made by fakecuda_stream_create (its queued work still completes). CUDA may give its
+// handle value to a later stream once that work is done, and the double does.
+int fakecuda_stream_destroy(void* stream);
+// While set, cuMemUnmap refuses a range of more than one mapping (the strict reading of cuda.h's "the entire
+// contiguous address range that was mapped to").
+void fakecuda_refuse_multi_mapping_unmap(int refuse);
 // Work on `stream` that reads and writes [ptr, ptr+bytes) for `ticks` of the virtual clock, after the work
-// queued before it. Returns a CUresult (an illegal address when the memory is not accessible to the device).
+// queued before it. CU_STREAM_PER_THREAD is the calling thread's per-thread stream of its current context. Returns a CUresult (an illegal address when the memory is not accessible to the device).
 int fakecuda_launch(void* stream, const void* ptr, std::size_t bytes, unsigned long long ticks);
 // Work queued on `waiter` from now on is ordered after everything queued on `waited` so far (what a program
 // does with cudaEventRecord on `waited` and cudaStreamWaitEvent on `waiter`; torch's Stream.wait_stream).

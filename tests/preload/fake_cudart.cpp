@@ -1,11 +1,20 @@
 // A test double of the CUDA runtime (linked as libcudart.so.12 by the test program): host memory,
 // counted calls. fakecudart_calls(name) says how many calls reached it, i.e. were not interposed.
+// With a libcuda double named (FRAGLESS_LIBCUDA), what the real runtime does through the driver goes to it:
+// each device's primary context is retained on its first use and made current on the calling thread
+// (cudaSetDevice initialises the device, as CUDA 12's does); streams, stream capture, cudaStreamGetDevice and
+// cudaDeviceSynchronize (cuCtxSynchronize) are the double's. Built with FAKECUDART_BEFORE_12_8 it has no
+// cudaStreamGetDevice, as runtimes before CUDA 12.8.
+#include <dlfcn.h>
+
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
+#include <type_traits>
 
 #define API extern "C" __attribute__((visibility("default")))
 
@@ -53,6 +62,59 @@ API cudaError_t cudaMemGetInfo(size_t* f, size_t* t) {
 }
 namespace {
 thread_local int t_device = 0;  // the runtime's current device, per thread
+
+// The libcuda double's entry points the runtime uses (CUresult is an int; handles are pointers).
+struct Driver {
+  void* lib = nullptr;
+  int (*retain)(void**, int) = nullptr;
+  int (*set_current)(void*) = nullptr;
+  int (*ctx_synchronize)() = nullptr;
+  int (*stream_create)(void**, unsigned) = nullptr;
+  int (*stream_destroy)(void*) = nullptr;
+  int (*is_capturing)(void*, int*) = nullptr;
+  int (*begin_capture)(void*, int) = nullptr;
+  int (*end_capture)(void*, void**) = nullptr;
+  int (*stream_get_ctx)(void*, void**) = nullptr;
+  int (*push)(void*) = nullptr;
+  int (*pop)(void**) = nullptr;
+  int (*ctx_get_device)(int*) = nullptr;
+  Driver() {
+    const char* path = std::getenv("FRAGLESS_LIBCUDA");
+    if (!path || !*path || !(lib = dlopen(path, RTLD_NOW | RTLD_LOCAL))) return;
+    auto load = [&](auto* fn, const char* name) { *fn = reinterpret_cast<std::remove_pointer_t<decltype(fn)>>(dlsym(lib, name)); };
+    load(&retain, "cuDevicePrimaryCtxRetain");
+    load(&set_current, "cuCtxSetCurrent");
+    load(&ctx_synchronize, "cuCtxSynchronize");
+    load(&stream_create, "cuStreamCreate");
+    load(&stream_destroy, "cuStreamDestroy_v2");
+    load(&is_capturing, "cuStreamIsCapturing");
+    load(&begin_capture, "cuStreamBeginCapture_v2");
+    load(&end_capture, "cuStreamEndCapture");
+    load(&stream_get_ctx, "cuStreamGetCtx");
+    load(&push, "cuCtxPushCurrent_v2");
+    load(&pop, "cuCtxPopCurrent_v2");
+    load(&ctx_get_device, "cuCtxGetDevice");
+  }
+};
+Driver& drv() {
+  static auto* d = new Driver();
+  return *d;
+}
+void* g_primary[8] = {};        // retained primary contexts, per device (kept, as the runtime keeps them)
+thread_local void* t_current = nullptr;
+
+// The device's primary context, retained on first use and made current on this thread; false without a double.
+bool make_current(int device) {
+  Driver& d = drv();
+  if (!d.lib) return false;
+  std::lock_guard lk(mu);
+  if (!g_primary[device] && d.retain(&g_primary[device], device) != 0) return false;
+  if (t_current != g_primary[device] && d.set_current(g_primary[device]) == 0) t_current = g_primary[device];
+  return true;
+}
+// cudaError_t for a CUresult: 0 stays 0, anything else is reported as it is (tests only ask "failed?").
+int runtime_error(int cu) { return cu; }
+void* per_thread(cudaStream_t s) { return s ? s : reinterpret_cast<void*>(std::uintptr_t{0x2}); }  // _ptsz 0
 std::map<cudaStream_t, int>& stream_devices() {
   static auto* m = new std::map<cudaStream_t, int>();
   return *m;
@@ -69,24 +131,81 @@ API cudaError_t cudaGetDevice(int* d) {
 API cudaError_t cudaSetDevice(int d) {
   if (d < 0 || d > 7) return 101;  // cudaErrorInvalidDevice
   t_device = d;
+  make_current(d);
   return 0;
 }
-// Synchronises the current device: counted per device ("cudaDeviceSynchronize@1").
+// Synchronises the current device: counted per device ("cudaDeviceSynchronize@1"); the double's context.
 API cudaError_t cudaDeviceSynchronize() {
   count("cudaDeviceSynchronize");
   count(("cudaDeviceSynchronize@" + std::to_string(t_device)).c_str());
+  if (make_current(t_device)) return runtime_error(drv().ctx_synchronize());
   return 0;
 }
+API cudaError_t cudaStreamCreate(cudaStream_t* s) {
+  count("cudaStreamCreate");
+  if (!make_current(t_device)) return 1;
+  void* h = nullptr;
+  const int r = drv().stream_create(&h, 0);
+  *s = static_cast<cudaStream_t>(h);
+  return runtime_error(r);
+}
+API cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  count("cudaStreamDestroy");
+  if (!make_current(t_device)) return 1;
+  return runtime_error(drv().stream_destroy(s));
+}
+#if !defined(FAKECUDART_BEFORE_12_8)
 API cudaError_t cudaStreamGetDevice(cudaStream_t s, int* d) {
-  std::lock_guard lk(mu);
-  auto it = stream_devices().find(s);
-  *d = it == stream_devices().end() ? t_device : it->second;
+  {
+    std::lock_guard lk(mu);
+    auto it = stream_devices().find(s);
+    if (it != stream_devices().end()) {
+      *d = it->second;
+      return 0;
+    }
+  }
+  *d = t_device;
+  void* ctx = nullptr;
+  if (s && make_current(t_device) && drv().stream_get_ctx(s, &ctx) == 0 && drv().push(ctx) == 0) {
+    drv().ctx_get_device(d);
+    drv().pop(&ctx);
+  }
   return 0;
 }
-API cudaError_t cudaStreamIsCapturing(cudaStream_t s, int* status) {  // cudaStreamCaptureStatus
-  std::lock_guard lk(mu);
-  *status = capturing()[s] ? 1 : 0;
-  return 0;
+#endif
+namespace {
+int is_capturing(cudaStream_t s, int* status) {  // cudaStreamCaptureStatus
+  {
+    std::lock_guard lk(mu);
+    auto it = capturing().find(s);
+    if (it != capturing().end() || !drv().lib) {
+      *status = it != capturing().end() && it->second ? 1 : 0;
+      return 0;
+    }
+  }
+  make_current(t_device);
+  return runtime_error(drv().is_capturing(s, status));
+}
+}  // namespace
+API cudaError_t cudaStreamIsCapturing(cudaStream_t s, int* status) { return is_capturing(s, status); }
+API cudaError_t cudaStreamIsCapturing_ptsz(cudaStream_t s, int* status) {
+  return is_capturing(static_cast<cudaStream_t>(per_thread(s)), status);
+}
+API cudaError_t cudaStreamBeginCapture(cudaStream_t s, int mode) {
+  count("cudaStreamBeginCapture");
+  if (!make_current(t_device)) return 1;
+  return runtime_error(drv().begin_capture(s, mode));
+}
+API cudaError_t cudaStreamBeginCapture_ptsz(cudaStream_t s, int mode) {
+  return cudaStreamBeginCapture(static_cast<cudaStream_t>(per_thread(s)), mode);
+}
+API cudaError_t cudaStreamEndCapture(cudaStream_t s, void** graph) {
+  count("cudaStreamEndCapture");
+  if (!make_current(t_device)) return 1;
+  return runtime_error(drv().end_capture(s, graph));
+}
+API cudaError_t cudaStreamEndCapture_ptsz(cudaStream_t s, void** graph) {
+  return cudaStreamEndCapture(static_cast<cudaStream_t>(per_thread(s)), graph);
 }
 API cudaError_t cudaMallocAsync_ptsz(void** p, size_t size, cudaStream_t) {
   count("cudaMallocAsync_ptsz");
