@@ -127,26 +127,48 @@ TEST_CASE("fragless: with lend_pages:False, same-stream holes are unmapped after
   require_consistent(*e);
 }
 
-TEST_CASE("fragless: holes on another stream are lent in device order, the host never waits", "[fragless]") {
+TEST_CASE("fragless: holes of an idle stream are taken with no wait; a busy stream's only as the last resort, "
+          "in device order", "[fragless]") {
   EngineSpec spec;
   spec.policy = PolicyKind::fragless;
   auto e = make_engine(spec);
   TestEvents* ev = test_events_of(e->driver());
   make_holes(*e, 1);
   const auto before = reserved(*e);
-  ev->hold(1);  // stream 1 still runs the work that used its holes
   const auto waits = e->driver_counters()[DriverCall::stream_wait_event];
-  REQUIRE(e->allocate(8 * MiB, 2, nullptr));
-  CHECK(reserved(*e) == before);  // stream 1's holes backed it
-  CHECK(e->stats().num_forced_syncs == 0);
-  CHECK(e->driver_counters()[DriverCall::stream_wait_event] > waits);
-  // Work queued on stream 2 from now on waits for stream 1 (Note [Lending across streams]).
-  Event after = 0;
-  REQUIRE(e->driver().record_event(2, &after) == Status::ok);
-  CHECK(e->driver().query_event(after) == Status::not_ready);
-  ev->complete(1);
-  CHECK(e->driver().query_event(after) == Status::ok);
-  e->driver().release_event(after);
+  auto stream_2_waits = [&] {  // whether work queued on stream 2 from now on waits for something
+    Event after = 0;
+    REQUIRE(e->driver().record_event(2, &after) == Status::ok);
+    const bool waits_now = e->driver().query_event(after) == Status::not_ready;
+    e->driver().release_event(after);
+    return waits_now;
+  };
+  SECTION("idle: stream 1's holes back the request, and stream 2 waits for nothing") {
+    REQUIRE(e->allocate(8 * MiB, 2, nullptr));
+    CHECK(reserved(*e) == before);
+    CHECK(e->stats().num_forced_syncs == 0);
+    CHECK(e->driver_counters()[DriverCall::stream_wait_event] == waits);
+    CHECK_FALSE(stream_2_waits());
+  }
+  SECTION("busy, with room: stream 2 gets new memory and does not wait for stream 1's work") {
+    ev->hold(1);  // stream 1 still runs work (the hole's, or anything queued since)
+    REQUIRE(e->allocate(8 * MiB, 2, nullptr));
+    CHECK(reserved(*e) > before);
+    CHECK(e->driver_counters()[DriverCall::stream_wait_event] == waits);
+    CHECK_FALSE(stream_2_waits());
+    ev->complete(1);
+  }
+  SECTION("busy, device full: the holes are lent and stream 2 waits on the device; the host never waits") {
+    ev->hold(1);
+    REQUIRE(e->set_memory_fraction(static_cast<double>(before) / static_cast<double>(1024 * MiB)) == Status::ok);
+    REQUIRE(e->allocate(8 * MiB, 2, nullptr));
+    CHECK(reserved(*e) == before);
+    CHECK(e->stats().num_forced_syncs == 0);
+    CHECK(e->driver_counters()[DriverCall::stream_wait_event] > waits);
+    CHECK(stream_2_waits());  // Note [Lending across streams]
+    ev->complete(1);
+    CHECK_FALSE(stream_2_waits());
+  }
   require_consistent(*e);
 }
 

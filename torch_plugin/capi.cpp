@@ -268,9 +268,13 @@ void fragless_free(void* ptr, size_t, int device, cudaStream_t) {
 void fragless_init(int device_count) { get(device_count > 0 ? device_count : -1); }
 
 void fragless_empty_cache(void) {
+  t_last_error.clear();
   if (Allocator* a = get())
     for (int d = 0; d < a->device_count(); ++d)
-      if (DeviceEngine* e = a->existing(d)) e->empty_cache();  // a device never used holds nothing
+      if (DeviceEngine* e = a->existing(d)) {  // a device never used holds nothing
+        AllocError err;
+        if (e->empty_cache(&err) != Status::ok) t_last_error = err.message;  // Note [Failed waits]
+      }
 }
 
 void fragless_set_memory_fraction(double fraction, int device) {
@@ -299,14 +303,36 @@ void fragless_end_allocate_to_pool(int device, fragless_pool_id pool) {
 }
 
 void fragless_release_pool(int device, fragless_pool_id pool) {
-  if (DeviceEngine* e = engine(device)) e->release_pool({pool.first, pool.second});
+  AllocError err;
+  if (DeviceEngine* e = engine(device); e && e->release_pool({pool.first, pool.second}, &err) != Status::ok)
+    t_last_error = err.message;  // Note [Failed waits]
 }
 
+namespace {
+// The engine a statistics call answers from: the device's, if it exists. A device not used yet has none, and
+// none is created (nor its CUDA context retained): its statistics are zeros, as PyTorch's own are. nullptr
+// with *bad for a device that does not exist.
+DeviceEngine* stats_engine(int device, bool* bad) {
+  Allocator* a = get();
+  *bad = !a || device < 0 || device >= a->device_count();
+  if (*bad) {
+    if (a) t_last_error = "fragless: invalid device " + std::to_string(device) + " (fragless manages " +
+                          std::to_string(a->device_count()) + " devices)";
+    return nullptr;
+  }
+  return a->existing(device);
+}
+}  // namespace
+
 long fragless_memory_stats(int device, char* buf, size_t len) {
-  DeviceEngine* e = engine(device);
-  if (!e) return -1;
+  bool bad = false;
+  DeviceEngine* e = stats_engine(device, &bad);
+  if (bad) return -1;
   std::string json = "{";
-  for (const auto& [k, v] : e->stats().flatten()) {
+  DeviceStats zeros;  // a device not used yet: what its engine would start with
+  const std::size_t split = get()->options().max_split_size;
+  zeros.max_split_size = split == SIZE_MAX ? -1 : static_cast<std::int64_t>(split);
+  for (const auto& [k, v] : (e ? e->stats() : zeros).flatten()) {
     if (json.size() > 1) json += ",";
     json += "\"" + k + "\":" + std::to_string(v);
   }
@@ -315,9 +341,10 @@ long fragless_memory_stats(int device, char* buf, size_t len) {
 }
 
 int fragless_reset_peak_stats(int device) {
-  DeviceEngine* e = engine(device);
-  if (!e) return -1;
-  e->reset_peak_stats();
+  bool bad = false;
+  DeviceEngine* e = stats_engine(device, &bad);
+  if (bad) return -1;
+  if (e) e->reset_peak_stats();
   return 0;
 }
 
@@ -329,9 +356,10 @@ int fragless_mem_get_info(int device, size_t* free_bytes, size_t* total_bytes) {
 }
 
 int fragless_reset_accumulated_stats(int device) {
-  DeviceEngine* e = engine(device);
-  if (!e) return -1;
-  e->reset_accumulated_stats();
+  bool bad = false;
+  DeviceEngine* e = stats_engine(device, &bad);
+  if (bad) return -1;
+  if (e) e->reset_accumulated_stats();
   return 0;
 }
 

@@ -7,35 +7,55 @@
 //    defers such frees and releases them in batches behind one device-wide fence (cudaDeviceSynchronize)
 //    when 1024 frees or 256 MiB are pending, or when an allocation would otherwise fail.
 //    The fence synchronises the device that owns the memory (made current for the call), not the caller's.
+//    It never runs while a capture is under way (it would invalidate it), and a fence that fails keeps the
+//    frees deferred.
 //  - cudaFreeAsync is stream-ordered: the block is reused by its own stream at once and by other streams
 //    only after the work queued on the freeing stream before the free is done (record_stream semantics).
-//  - cudaMallocAsync allocates on the stream's device (cudaStreamGetDevice, CUDA 12.8+; else the current
-//    device). On a capturing stream both calls go to the runtime: memory allocated in a capture belongs to
-//    the graph (a free of fragless memory on a capturing stream waits behind the fence instead).
-//  - The _ptsz variants (code built with --default-stream per-thread) are interposed too.
+//  - cudaMallocAsync allocates on the stream's device (cudaStreamGetDevice, CUDA 12.8+; before that the
+//    stream's context, through the driver). On a capturing stream both calls go to the runtime: memory
+//    allocated in a capture belongs to the graph (a free of fragless memory on a capturing stream waits
+//    behind the fence instead).
+//  - cudaStreamBeginCapture / EndCapture (and their _ptsz and ToGraph forms) tell the device's engine that
+//    a capture is under way: it then records no event, synchronises nothing and releases nothing (Note
+//    [Capture rules], engine_state.h).
+//  - cudaStreamDestroy settles the stream first (its work waited for), so a later stream that gets the same
+//    handle value is a new stream to fragless.
+//  - Per-thread default streams (cudaStreamPerThread; stream 0 of the _ptsz variants, which code built with
+//    --default-stream per-thread calls) are keyed by thread (driver.h, R16).
 //  - cudaIpcGetMemHandle goes to the runtime; when it refuses fragless memory (cuMemCreate memory has no
 //    legacy IPC handle) fragless says why on stderr.
+//  - Looking up who owns a pointer uses the engines that exist: it never creates one, nor a context. No
+//    engine or context exists for a device before the program uses it; no process-wide lock is taken per call.
 // A statically linked CUDA runtime cannot be interposed (its calls never reach the dynamic linker).
 #include <dlfcn.h>
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "fragless/allocator.h"
+#if defined(FRAGLESS_HAVE_CUDA)
+#include "fragless/cuda_driver.h"
+#endif
 
 extern "C" {
 typedef int cudaError_t;  // cudaSuccess = 0, cudaErrorMemoryAllocation = 2, cudaErrorInvalidValue = 1
 struct CUstream_st;
 typedef CUstream_st* cudaStream_t;
+struct CUgraph_st;
+typedef CUgraph_st* cudaGraph_t;
 }
 
 namespace {
 
 constexpr cudaError_t kSuccess = 0, kInvalidValue = 1, kMemoryAllocation = 2;
+constexpr std::uintptr_t kStreamLegacy = 0x1, kStreamPerThread = 0x2;  // cudaStreamLegacy, cudaStreamPerThread
 
 template <typename F>
 F next(const char* name) {
@@ -54,7 +74,18 @@ struct Real {
   cudaError_t (*set_device)(int) = next<decltype(set_device)>("cudaSetDevice");
   cudaError_t (*device_synchronize)() = next<decltype(device_synchronize)>("cudaDeviceSynchronize");
   cudaError_t (*stream_is_capturing)(cudaStream_t, int*) = next<decltype(stream_is_capturing)>("cudaStreamIsCapturing");
+  cudaError_t (*stream_is_capturing_ptsz)(cudaStream_t, int*) =
+      next<decltype(stream_is_capturing_ptsz)>("cudaStreamIsCapturing_ptsz");
   cudaError_t (*stream_get_device)(cudaStream_t, int*) = next<decltype(stream_get_device)>("cudaStreamGetDevice");  // CUDA 12.8+
+  cudaError_t (*stream_destroy)(cudaStream_t) = next<decltype(stream_destroy)>("cudaStreamDestroy");
+  cudaError_t (*begin_capture)(cudaStream_t, int) = next<decltype(begin_capture)>("cudaStreamBeginCapture");
+  cudaError_t (*begin_capture_ptsz)(cudaStream_t, int) = next<decltype(begin_capture_ptsz)>("cudaStreamBeginCapture_ptsz");
+  cudaError_t (*begin_capture_to_graph)(cudaStream_t, cudaGraph_t, const void*, const void*, size_t, int) =
+      next<decltype(begin_capture_to_graph)>("cudaStreamBeginCaptureToGraph");  // CUDA 12.3+
+  cudaError_t (*begin_capture_to_graph_ptsz)(cudaStream_t, cudaGraph_t, const void*, const void*, size_t, int) =
+      next<decltype(begin_capture_to_graph_ptsz)>("cudaStreamBeginCaptureToGraph_ptsz");
+  cudaError_t (*end_capture)(cudaStream_t, cudaGraph_t*) = next<decltype(end_capture)>("cudaStreamEndCapture");
+  cudaError_t (*end_capture_ptsz)(cudaStream_t, cudaGraph_t*) = next<decltype(end_capture_ptsz)>("cudaStreamEndCapture_ptsz");
   cudaError_t (*ipc_get_mem_handle)(void*, void*) = next<decltype(ipc_get_mem_handle)>("cudaIpcGetMemHandle");
 };
 
@@ -73,48 +104,73 @@ struct Pending {
   std::size_t size;
 };
 
+// The frees of one device waiting for the fence, under that device's own lock.
+struct DevicePending {
+  std::mutex mu;
+  std::vector<Pending> list;
+  std::size_t bytes = 0;
+};
+
 struct Interposer {
-  std::mutex mu;  // guards pending and creation
+  std::atomic<fragless::Allocator*> ready{nullptr};  // set once the allocator exists: one load per call
+  std::mutex create_mu;                               // guards creation only
   std::unique_ptr<fragless::Allocator> alloc;
   bool tried = false;
-  std::vector<std::vector<Pending>> pending;  // per device: cudaFree'd, waiting for the fence
-  std::vector<std::size_t> pending_bytes;
+  std::unique_ptr<DevicePending[]> pending;  // per device: cudaFree'd, waiting for the fence
+  std::atomic<int> captures{0};              // captures under way (any device)
+  std::mutex captures_mu;                    // guards capturing (begin and end of a capture only)
+  std::map<fragless::Stream, int> capturing;  // capturing stream -> its device
 
   fragless::Allocator* get() {
-    std::lock_guard lk(mu);
+    if (fragless::Allocator* a = ready.load(std::memory_order_acquire)) return a;
+    std::lock_guard lk(create_mu);
     if (alloc || tried) return alloc.get();
     tried = true;
     auto conf = fragless::config_from_environment();
     std::string err;
-    if (conf.ok) alloc = fragless::Allocator::create(conf.options, -1, &err);
+    // No engine yet: each device's (and its CUDA context) comes with that device's first use.
+    if (conf.ok) alloc = fragless::Allocator::create(conf.options, -1, &err, /*eager=*/false);
     else err = conf.error;
     if (!alloc) {
       std::fprintf(stderr, "fragless (LD_PRELOAD): %s; forwarding every call to the CUDA runtime\n", err.c_str());
       return nullptr;
     }
-    pending.resize(static_cast<std::size_t>(alloc->device_count()));
-    pending_bytes.assign(pending.size(), 0);
+    pending = std::make_unique<DevicePending[]>(static_cast<std::size_t>(alloc->device_count()));
+    ready.store(alloc.get(), std::memory_order_release);
     return alloc.get();
   }
 
+  DevicePending& of(int device) { return pending[static_cast<std::size_t>(device)]; }
+
   // One device-wide fence on the owning device (made current for the call, then the caller's again), then
-  // the deferred frees of `device` go back to the cache.
-  void drain(int device) {
+  // the deferred frees of `device` go back to the cache. Not while a capture is under way, and a fence that
+  // fails frees nothing: the batch stays deferred. True when the frees went back.
+  bool drain(int device) {
+    if (captures.load(std::memory_order_acquire) > 0) return false;
+    DevicePending& d = of(device);
     std::vector<Pending> batch;
+    std::size_t bytes = 0;
     {
-      std::lock_guard lk(mu);
-      batch.swap(pending[static_cast<std::size_t>(device)]);
-      pending_bytes[static_cast<std::size_t>(device)] = 0;
+      std::lock_guard lk(d.mu);
+      batch.swap(d.list);
+      std::swap(bytes, d.bytes);
     }
-    if (batch.empty()) return;
+    if (batch.empty()) return true;
     int caller = device;
     if (real().get_device) real().get_device(&caller);
     const bool switch_device = caller != device && real().set_device;
     if (switch_device) real().set_device(device);
-    if (real().device_synchronize) real().device_synchronize();
+    const cudaError_t r = real().device_synchronize ? real().device_synchronize() : kInvalidValue;
     if (switch_device) real().set_device(caller);
+    if (r != kSuccess) {
+      std::lock_guard lk(d.mu);
+      d.list.insert(d.list.begin(), batch.begin(), batch.end());
+      d.bytes += bytes;
+      return false;
+    }
     ++g_counts.fences;
     for (const Pending& p : batch) alloc->device(device)->free(p.ptr);
+    return true;
   }
 };
 
@@ -129,24 +185,40 @@ int current_device() {
   return d;
 }
 
-// The engine that owns p, or -1.
+// The engine that owns p, among those that exist (-1: none). Never creates an engine or a context.
 int owner(void* p) {
   fragless::Allocator* a = ip().get();
   if (!a || !p) return -1;
   for (int d = 0; d < a->device_count(); ++d)
-    if (a->device(d)->owns(p)) return d;
+    if (fragless::DeviceEngine* e = a->existing(d); e && e->owns(p)) return d;
   return -1;
 }
 
-bool capturing(cudaStream_t s) {
-  int status = 0;  // cudaStreamCaptureStatusNone
-  return s && real().stream_is_capturing && real().stream_is_capturing(s, &status) == kSuccess && status != 0;
+// R16 (driver.h): cudaStreamPerThread, and stream 0 of the _ptsz entry points, are the calling thread's own
+// per-thread default stream, which fragless keys by thread; cudaStreamLegacy is stream 0.
+fragless::Stream engine_stream(cudaStream_t s, bool ptsz) {
+  const auto v = reinterpret_cast<std::uintptr_t>(s);
+  if (v == kStreamPerThread || (ptsz && v == 0)) return fragless::per_thread_stream();
+  return v == kStreamLegacy ? 0 : v;
 }
 
-// The device a stream belongs to (cudaStreamGetDevice where the runtime has it), else the current one.
+bool capturing(cudaStream_t s, bool ptsz) {
+  int status = 0;  // cudaStreamCaptureStatusNone
+  auto f = ptsz && real().stream_is_capturing_ptsz ? real().stream_is_capturing_ptsz : real().stream_is_capturing;
+  return f && f(s, &status) == kSuccess && status != 0;
+}
+
+// The device a stream belongs to: cudaStreamGetDevice where the runtime has it (12.8+), else the stream's
+// context through the driver; the default streams are the current device's.
 int device_of(cudaStream_t s) {
+  const auto v = reinterpret_cast<std::uintptr_t>(s);
+  if (v == 0 || v == kStreamLegacy || v == kStreamPerThread) return current_device();
   int d = -1;
-  if (s && real().stream_get_device && real().stream_get_device(s, &d) == kSuccess && d >= 0) return d;
+  if (real().stream_get_device && real().stream_get_device(s, &d) == kSuccess && d >= 0) return d;
+#if defined(FRAGLESS_HAVE_CUDA)
+  if (fragless::Allocator* a = ip().get(); a && a->options().driver == fragless::DriverKind::cuda)
+    if ((d = fragless::cuda_stream_device(v)) >= 0) return d;
+#endif
   return current_device();
 }
 
@@ -159,7 +231,7 @@ cudaError_t real_malloc_async(void** out, size_t size, cudaStream_t stream, bool
 cudaError_t allocate(void** out, size_t size, cudaStream_t stream, bool async, bool ptsz = false) {
   if (!out) return kInvalidValue;
   // Allocations on a capturing stream become graph-owned memory: only the runtime can serve them.
-  if (async && capturing(stream)) {
+  if (async && capturing(stream, ptsz)) {
     ++g_counts.fallbacks;
     return real_malloc_async(out, size, stream, ptsz);
   }
@@ -175,11 +247,11 @@ cudaError_t allocate(void** out, size_t size, cudaStream_t stream, bool async, b
     *out = nullptr;
     return kSuccess;
   }
+  const fragless::Stream s = async ? engine_stream(stream, ptsz) : 0;
   fragless::AllocError err;
-  void* p = e->allocate(size, reinterpret_cast<fragless::Stream>(stream), &err);
-  if (!p && err.status == fragless::Status::out_of_memory) {
-    ip().drain(dev);  // memory waiting behind the fence may be all that is missing
-    p = e->allocate(size, reinterpret_cast<fragless::Stream>(stream), &err);
+  void* p = e->allocate(size, s, &err);
+  if (!p && err.status == fragless::Status::out_of_memory && ip().drain(dev)) {
+    p = e->allocate(size, s, &err);  // memory waiting behind the fence may be all that is missing
   }
   if (!p) {
     std::fprintf(stderr, "%s\n", err.message.c_str());
@@ -190,24 +262,7 @@ cudaError_t allocate(void** out, size_t size, cudaStream_t stream, bool async, b
   return kSuccess;
 }
 
-}  // namespace
-
-extern "C" {
-
-__attribute__((visibility("default"))) cudaError_t cudaMalloc(void** p, size_t size) {
-  return allocate(p, size, nullptr, false);
-}
-
-__attribute__((visibility("default"))) cudaError_t cudaMallocAsync(void** p, size_t size, cudaStream_t s) {
-  return allocate(p, size, s, true);
-}
-
-// The entry points of code built with --default-stream per-thread.
-__attribute__((visibility("default"))) cudaError_t cudaMallocAsync_ptsz(void** p, size_t size, cudaStream_t s) {
-  return allocate(p, size, s, true, true);
-}
-
-__attribute__((visibility("default"))) cudaError_t cudaFree(void* p) {
+cudaError_t free_sync(void* p) {
   if (!p) return real().free ? real().free(p) : kSuccess;  // cudaFree(0) is the classic context-init idiom
   const int dev = owner(p);
   if (dev < 0) {
@@ -220,17 +275,16 @@ __attribute__((visibility("default"))) cudaError_t cudaFree(void* p) {
   i.alloc->device(dev)->base_allocation(p, &size);
   bool drain = false;
   {
-    std::lock_guard lk(i.mu);
-    auto& list = i.pending[static_cast<std::size_t>(dev)];
-    list.push_back({p, size});
-    i.pending_bytes[static_cast<std::size_t>(dev)] += size;
-    drain = list.size() >= 1024 || i.pending_bytes[static_cast<std::size_t>(dev)] >= (256u << 20);
+    DevicePending& d = i.of(dev);
+    std::lock_guard lk(d.mu);
+    d.list.push_back({p, size});
+    d.bytes += size;
+    drain = d.list.size() >= 1024 || d.bytes >= (256u << 20);
   }
   if (drain) i.drain(dev);
   return kSuccess;
 }
 
-namespace {
 cudaError_t free_async(void* p, cudaStream_t s, bool ptsz) {
   if (!p) return kSuccess;
   const int dev = owner(p);
@@ -239,23 +293,126 @@ cudaError_t free_async(void* p, cudaStream_t s, bool ptsz) {
     auto f = ptsz && real().free_async_ptsz ? real().free_async_ptsz : real().free_async;
     return f ? f(p, s) : kInvalidValue;
   }
-  if (capturing(s)) return cudaFree(p);  // no event may be recorded into the capture: behind the fence instead
+  if (capturing(s, ptsz)) return free_sync(p);  // no event may be recorded into the capture: behind the fence
   ++g_counts.frees;
   fragless::DeviceEngine* e = ip().alloc->device(dev);
-  e->record_stream(p, reinterpret_cast<fragless::Stream>(s));  // a no-op when s is the allocation stream
+  e->record_stream(p, engine_stream(s, ptsz));  // a no-op when s is the allocation stream
   return e->free(p) == fragless::Status::ok ? kSuccess : kInvalidValue;
 }
+
+// A capture began on stream s: its device's engine follows the capture rules until it ends.
+void capture_began(cudaStream_t s, bool ptsz) {
+  fragless::Allocator* a = ip().get();
+  if (!a) return;
+  const int dev = device_of(s);
+  fragless::DeviceEngine* e = a->device(dev);
+  if (!e) return;
+  Interposer& i = ip();
+  {
+    std::lock_guard lk(i.captures_mu);
+    if (!i.capturing.emplace(engine_stream(s, ptsz), dev).second) return;
+  }
+  i.captures.fetch_add(1, std::memory_order_acq_rel);
+  e->capture_began();
+}
+
+// The capture on stream s is over (ended, or never began): the engine may record, wait and release again.
+void capture_ended(cudaStream_t s, bool ptsz) {
+  Interposer& i = ip();
+  fragless::Allocator* a = i.ready.load(std::memory_order_acquire);
+  if (!a || capturing(s, ptsz)) return;
+  int dev = -1;
+  {
+    std::lock_guard lk(i.captures_mu);
+    auto it = i.capturing.find(engine_stream(s, ptsz));
+    if (it == i.capturing.end()) return;
+    dev = it->second;
+    i.capturing.erase(it);
+  }
+  i.captures.fetch_sub(1, std::memory_order_acq_rel);
+  if (fragless::DeviceEngine* e = a->existing(dev)) e->capture_ended();
+}
+
 }  // namespace
 
-__attribute__((visibility("default"))) cudaError_t cudaFreeAsync(void* p, cudaStream_t s) { return free_async(p, s, false); }
+extern "C" {
 
-__attribute__((visibility("default"))) cudaError_t cudaFreeAsync_ptsz(void* p, cudaStream_t s) {
-  return free_async(p, s, true);
+#define FRAGLESS_EXPORT __attribute__((visibility("default")))
+
+FRAGLESS_EXPORT cudaError_t cudaMalloc(void** p, size_t size) { return allocate(p, size, nullptr, false); }
+
+FRAGLESS_EXPORT cudaError_t cudaMallocAsync(void** p, size_t size, cudaStream_t s) { return allocate(p, size, s, true); }
+
+// The entry points of code built with --default-stream per-thread.
+FRAGLESS_EXPORT cudaError_t cudaMallocAsync_ptsz(void** p, size_t size, cudaStream_t s) {
+  return allocate(p, size, s, true, true);
+}
+
+FRAGLESS_EXPORT cudaError_t cudaFree(void* p) { return free_sync(p); }
+
+FRAGLESS_EXPORT cudaError_t cudaFreeAsync(void* p, cudaStream_t s) { return free_async(p, s, false); }
+
+FRAGLESS_EXPORT cudaError_t cudaFreeAsync_ptsz(void* p, cudaStream_t s) { return free_async(p, s, true); }
+
+FRAGLESS_EXPORT cudaError_t cudaStreamBeginCapture(cudaStream_t s, int mode) {
+  if (!real().begin_capture) return kInvalidValue;
+  const cudaError_t r = real().begin_capture(s, mode);
+  if (r == kSuccess) capture_began(s, false);
+  return r;
+}
+
+FRAGLESS_EXPORT cudaError_t cudaStreamBeginCapture_ptsz(cudaStream_t s, int mode) {
+  if (!real().begin_capture_ptsz) return kInvalidValue;
+  const cudaError_t r = real().begin_capture_ptsz(s, mode);
+  if (r == kSuccess) capture_began(s, true);
+  return r;
+}
+
+FRAGLESS_EXPORT cudaError_t cudaStreamBeginCaptureToGraph(cudaStream_t s, cudaGraph_t g, const void* deps,
+                                                          const void* data, size_t n, int mode) {
+  if (!real().begin_capture_to_graph) return kInvalidValue;
+  const cudaError_t r = real().begin_capture_to_graph(s, g, deps, data, n, mode);
+  if (r == kSuccess) capture_began(s, false);
+  return r;
+}
+
+FRAGLESS_EXPORT cudaError_t cudaStreamBeginCaptureToGraph_ptsz(cudaStream_t s, cudaGraph_t g, const void* deps,
+                                                               const void* data, size_t n, int mode) {
+  if (!real().begin_capture_to_graph_ptsz) return kInvalidValue;
+  const cudaError_t r = real().begin_capture_to_graph_ptsz(s, g, deps, data, n, mode);
+  if (r == kSuccess) capture_began(s, true);
+  return r;
+}
+
+FRAGLESS_EXPORT cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* g) {
+  if (!real().end_capture) return kInvalidValue;
+  const cudaError_t r = real().end_capture(s, g);
+  capture_ended(s, false);  // also when the capture was invalidated: it is over either way
+  return r;
+}
+
+FRAGLESS_EXPORT cudaError_t cudaStreamEndCapture_ptsz(cudaStream_t s, cudaGraph_t* g) {
+  if (!real().end_capture_ptsz) return kInvalidValue;
+  const cudaError_t r = real().end_capture_ptsz(s, g);
+  capture_ended(s, true);
+  return r;
+}
+
+// The stream's blocks are settled first: its work is waited for, so nothing of fragless's need name it again
+// and a later stream that is given the same handle value is a new stream.
+FRAGLESS_EXPORT cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  const auto v = reinterpret_cast<std::uintptr_t>(s);
+  if (fragless::Allocator* a = ip().ready.load(std::memory_order_acquire); a && v > kStreamPerThread)
+    if (fragless::DeviceEngine* e = a->existing(device_of(s))) {
+      fragless::AllocError err;
+      if (e->retire_stream(v, &err) != fragless::Status::ok) std::fprintf(stderr, "%s\n", err.message.c_str());
+    }
+  return real().stream_destroy ? real().stream_destroy(s) : kInvalidValue;
 }
 
 // fragless memory comes from cuMemCreate, which has no legacy IPC handle: the runtime refuses it. The call
 // still goes to the runtime (other memory may be shareable); when it fails on fragless memory, say why.
-__attribute__((visibility("default"))) cudaError_t cudaIpcGetMemHandle(void* handle, void* p) {
+FRAGLESS_EXPORT cudaError_t cudaIpcGetMemHandle(void* handle, void* p) {
   const cudaError_t r = real().ipc_get_mem_handle ? real().ipc_get_mem_handle(handle, p) : kInvalidValue;
   static std::atomic<bool> said{false};
   if (r != kSuccess && owner(p) >= 0 && !said.exchange(true))
@@ -268,13 +425,27 @@ __attribute__((visibility("default"))) cudaError_t cudaIpcGetMemHandle(void* han
 }
 
 // The device whose engine owns p, or -1 (for tests and curious users).
-__attribute__((visibility("default"))) int fragless_preload_device_of(void* p) { return owner(p); }
+FRAGLESS_EXPORT int fragless_preload_device_of(void* p) { return owner(p); }
 
-__attribute__((visibility("default"))) cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
+// fragless's own allocated and reserved bytes on a device (0 and 0 for a device it has not used); -1 when
+// the interposer is off.
+FRAGLESS_EXPORT int fragless_preload_memory(int device, size_t* allocated, size_t* reserved) {
+  fragless::Allocator* a = ip().get();
+  if (!a || !allocated || !reserved) return -1;
+  *allocated = *reserved = 0;
+  if (fragless::DeviceEngine* e = a->existing(device)) {
+    const auto u = e->usage();
+    *allocated = static_cast<size_t>(u.allocated);
+    *reserved = static_cast<size_t>(u.reserved);
+  }
+  return 0;
+}
+
+FRAGLESS_EXPORT cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
   const cudaError_t r = real().mem_get_info ? real().mem_get_info(free_bytes, total) : kInvalidValue;
   if (r != kSuccess) return r;
   if (fragless::Allocator* a = ip().get())
-    if (fragless::DeviceEngine* e = a->device(current_device())) {
+    if (fragless::DeviceEngine* e = a->existing(current_device())) {
       const auto u = e->usage();
       if (u.reserved > u.allocated) *free_bytes += static_cast<size_t>(u.reserved - u.allocated);  // cached, reusable
     }
@@ -282,7 +453,7 @@ __attribute__((visibility("default"))) cudaError_t cudaMemGetInfo(size_t* free_b
 }
 
 // Counters for tests and curious users: mallocs served, frees taken, frees forwarded, fences, fallbacks.
-__attribute__((visibility("default"))) void fragless_preload_counters(unsigned long out[5]) {
+FRAGLESS_EXPORT void fragless_preload_counters(unsigned long out[5]) {
   out[0] = g_counts.mallocs;
   out[1] = g_counts.frees;
   out[2] = g_counts.forwarded_frees;

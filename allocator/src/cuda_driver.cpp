@@ -54,6 +54,9 @@ struct Api {
   CUresult (*eventDestroy)(CUevent) = nullptr;
   CUresult (*streamSynchronize)(CUstream) = nullptr;
   CUresult (*streamWaitEvent)(CUstream, CUevent, unsigned) = nullptr;
+  CUresult (*ctxSynchronize)() = nullptr;
+  CUresult (*streamGetCtx)(CUstream, CUcontext*) = nullptr;
+  CUresult (*ctxGetDevice)(CUdevice*) = nullptr;
 
   std::string describe(const char* call, CUresult r) const {
     const char* name = nullptr;
@@ -130,7 +133,9 @@ const Api& api() {
                     resolve(a, "cuEventQuery", &a.eventQuery) && resolve(a, "cuEventSynchronize", &a.eventSynchronize) &&
                     resolve(a, "cuEventDestroy", &a.eventDestroy) &&
                     resolve(a, "cuStreamSynchronize", &a.streamSynchronize) &&
-                    resolve(a, "cuStreamWaitEvent", &a.streamWaitEvent);
+                    resolve(a, "cuStreamWaitEvent", &a.streamWaitEvent) &&
+                    resolve(a, "cuCtxSynchronize", &a.ctxSynchronize) &&
+                    resolve(a, "cuStreamGetCtx", &a.streamGetCtx) && resolve(a, "cuCtxGetDevice", &a.ctxGetDevice);
     if (!ok) return;
     if (CUresult r = a.init(0); r != CUDA_SUCCESS) a.error = "fragless: " + a.describe("cuInit", r);
   });
@@ -178,6 +183,17 @@ class OnDevice {
   CUstreamCaptureMode mode_ = CU_STREAM_CAPTURE_MODE_RELAXED;
 };
 
+// R16: the CUstream for one of fragless's streams. A per-thread default stream is CU_STREAM_PER_THREAD, and only
+// its own thread can name it (false otherwise).
+bool to_cu(Stream s, CUstream* out) {
+  if (!is_per_thread_stream(s)) {
+    *out = reinterpret_cast<CUstream>(s);
+    return true;
+  }
+  *out = CU_STREAM_PER_THREAD;
+  return s == per_thread_stream();
+}
+
 class CudaDriver final : public Driver {
  public:
   CudaDriver(const CudaDriverOptions& o, CUdevice dev, CUcontext primary, std::size_t granularity,
@@ -206,6 +222,11 @@ class CudaDriver final : public Driver {
   }
 
  private:
+  Status foreign_per_thread_stream(const char* call) {
+    std::lock_guard lk(err_mu_);
+    last_error_ = std::string(call) + ": another thread's per-thread default stream cannot be named (R16)";
+    return Status::invalid_argument;
+  }
   Status check(const char* call, CUresult r) {
     if (r == CUDA_SUCCESS) return Status::ok;
     if (r != CUDA_ERROR_NOT_READY) {
@@ -260,9 +281,14 @@ class CudaDriver final : public Driver {
         spare_events_.pop_back();
       }
     }
+    CUstream cs = nullptr;
+    if (!to_cu(s, &cs)) {
+      if (ev) do_release_event(reinterpret_cast<Event>(ev));
+      return foreign_per_thread_stream("cuEventRecord");
+    }
     if (!ev)
       if (Status st = check("cuEventCreate", api().eventCreate(&ev, CU_EVENT_DISABLE_TIMING)); st != Status::ok) return st;
-    if (Status st = check("cuEventRecord", api().eventRecord(ev, reinterpret_cast<CUstream>(s))); st != Status::ok) {
+    if (Status st = check("cuEventRecord", api().eventRecord(ev, cs)); st != Status::ok) {
       api().eventDestroy(ev);
       return st;
     }
@@ -284,12 +310,19 @@ class CudaDriver final : public Driver {
   }
   Status do_stream_wait_event(Stream s, Event e) override {
     OnDevice on(primary_, false);
-    return check("cuStreamWaitEvent",
-                 api().streamWaitEvent(reinterpret_cast<CUstream>(s), reinterpret_cast<CUevent>(e), 0));
+    CUstream cs = nullptr;
+    if (!to_cu(s, &cs)) return foreign_per_thread_stream("cuStreamWaitEvent");
+    return check("cuStreamWaitEvent", api().streamWaitEvent(cs, reinterpret_cast<CUevent>(e), 0));
   }
   Status do_synchronize_stream(Stream s) override {
     OnDevice on(primary_, true);  // see R14: a capture elsewhere must not forbid it
-    return check("cuStreamSynchronize", api().streamSynchronize(reinterpret_cast<CUstream>(s)));
+    CUstream cs = nullptr;
+    if (!to_cu(s, &cs)) return foreign_per_thread_stream("cuStreamSynchronize");
+    return check("cuStreamSynchronize", api().streamSynchronize(cs));
+  }
+  Status do_synchronize_device() override {
+    OnDevice on(primary_, true);  // R17; relaxed: a capture on another device must not forbid it
+    return check("cuCtxSynchronize", api().ctxSynchronize());
   }
 
   CUdevice dev_;
@@ -316,6 +349,27 @@ int cuda_device_count(std::string* error) {
     return -1;
   }
   return n;
+}
+
+int cuda_stream_device(Stream s) {
+  const Api& a = api();
+  if (!a.error.empty() || s == 0 || s == reinterpret_cast<Stream>(CU_STREAM_LEGACY) ||
+      s == reinterpret_cast<Stream>(CU_STREAM_PER_THREAD) || is_per_thread_stream(s))
+    return -1;  // the current context's stream: the caller's current device
+  CUcontext c = nullptr;
+  if (a.streamGetCtx(reinterpret_cast<CUstream>(s), &c) != CUDA_SUCCESS || !c) return -1;
+  if (a.ctxPushCurrent(c) != CUDA_SUCCESS) return -1;
+  CUdevice dev = -1;
+  const bool ok = a.ctxGetDevice(&dev) == CUDA_SUCCESS;
+  CUcontext popped = nullptr;
+  a.ctxPopCurrent(&popped);
+  int count = 0;
+  if (!ok || a.deviceGetCount(&count) != CUDA_SUCCESS) return -1;
+  for (int d = 0; d < count; ++d) {  // a CUdevice is a handle: its ordinal is the one cuDeviceGet maps to it
+    CUdevice h = -1;
+    if (a.deviceGet(&h, d) == CUDA_SUCCESS && h == dev) return d;
+  }
+  return -1;
 }
 
 std::unique_ptr<Driver> make_cuda_driver(const CudaDriverOptions& o, std::string* error) {

@@ -1,6 +1,14 @@
 #include "fragless/driver.h"
 
+#include <atomic>
+
 namespace fragless {
+
+Stream per_thread_stream() {
+  static std::atomic<Stream> next{1};
+  thread_local const Stream key = (Stream{0xF} << 60) | next.fetch_add(1, std::memory_order_relaxed);
+  return key;
+}
 
 const char* status_name(Status s) {
   switch (s) {
@@ -18,7 +26,7 @@ const char* driver_call_name(DriverCall c) {
   static constexpr const char* kNames[kDriverCallCount] = {
       "reserve", "free_reservation", "create", "release", "map", "unmap", "set_access",
       "record_event", "query_event", "synchronize_event", "synchronize_stream", "release_event",
-      "stream_wait_event"};
+      "stream_wait_event", "synchronize_device"};
   const int i = static_cast<int>(c);
   return i >= 0 && i < kDriverCallCount ? kNames[i] : "?";
 }
@@ -282,23 +290,52 @@ Status Driver::map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t off
   return st;
 }
 
+namespace {
+// R15: set once a driver refused one unmap over several mappings; every later unmap goes mapping by mapping.
+std::atomic<bool> g_unmap_each_mapping{false};
+}  // namespace
+
 Status Driver::unmap(DevicePtr va, std::size_t size) {
-  charge(DriverCall::unmap, size);
+  const char* rule = nullptr;
+  bool several = false;
   {
     std::lock_guard lk(mu_);
-    if (const char* r = contract_.check_unmap(va, size)) return refuse(r);
+    rule = contract_.check_unmap(va, size);
+    several = !rule && contract_.mappings_in(va, size) > 1;
   }
-  auto lk = impl_lock();
-  const Status st = fail_through(do_unmap(va, size));
-  if (st == Status::ok) {
-    std::vector<PhysHandle> gone;
-    {
-      std::lock_guard tl(mu_);
-      contract_.unmapped(va, size, &gone);
+  if (several && g_unmap_each_mapping.load(std::memory_order_relaxed)) return unmap_each_mapping(va, size);
+  charge(DriverCall::unmap, size);
+  if (rule) return refuse(rule);
+  Status st;
+  {
+    auto lk = impl_lock();
+    st = fail_through(do_unmap(va, size));
+    if (st == Status::ok) {
+      std::vector<PhysHandle> gone;
+      {
+        std::lock_guard tl(mu_);
+        contract_.unmapped(va, size, &gone);
+      }
+      for (PhysHandle h : gone) memory_gone(h);
+      return st;
     }
-    for (PhysHandle h : gone) memory_gone(h);
+  }
+  if (st == Status::invalid_argument && several) {
+    g_unmap_each_mapping.store(true, std::memory_order_relaxed);  // remembered for the process
+    return unmap_each_mapping(va, size);
   }
   return st;
+}
+
+Status Driver::unmap_each_mapping(DevicePtr va, std::size_t size) {
+  // Each mapping on its own; the first failure stops (what was unmapped is gone, the rest stays mapped).
+  for (DevicePtr at = va; at < va + size;) {
+    const std::size_t n = mapping_size(at);
+    if (n == 0) return refuse("unmap: range must be whole, adjacent mappings, never part of one (R7)");
+    if (Status st = unmap(at, n); st != Status::ok) return st;
+    at += n;
+  }
+  return Status::ok;
 }
 
 Status Driver::set_access(DevicePtr va, std::size_t size) {

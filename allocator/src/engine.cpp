@@ -77,18 +77,30 @@ DeviceEngine::State::~State() {
         pool_insert(b);
       }
   routes.clear();
+  external_captures = 0;
+  // Graph-private memory may still be used by a replay on a stream the engine does not know (R17).
+  const bool device_synced = !private_pools.empty() && synchronize_device();
   // Twice: a give-back that failed once (a transient driver error) gets another chance.
   for (int attempt = 0; attempt < 2; ++attempt) {
-    policy->release_free(nullptr);
-    for (auto& [id, ps] : private_pools) policy->release_free(ps.get());
+    policy->release_free(nullptr, false);
+    for (auto& [id, ps] : private_pools) policy->release_free(ps.get(), device_synced);
     retry_deferred();
   }
   policy.reset();
   retry_deferred();
+  for (auto& [st, m] : per_thread_marks)
+    if (m.valid) driver->release_event(m.event);
 }
 
 void DeviceEngine::State::give_back_mapping(DevicePtr va, std::size_t size) {
-  if (driver->unmap(va, size) != Status::ok) deferred_unmaps.emplace_back(va, size);
+  if (driver->unmap(va, size) == Status::ok) return;
+  // What is still mapped of the range, mapping by mapping (an unmap one mapping at a time, R15, may have
+  // stopped part way).
+  for (DevicePtr at = va; at < va + size; at += driver->granularity())
+    if (const std::size_t n = driver->mapping_size(at)) {
+      deferred_unmaps.emplace_back(at, n);
+      at += n - driver->granularity();
+    }
 }
 
 void DeviceEngine::State::give_back_handle(PhysHandle h) {
@@ -202,9 +214,55 @@ void DeviceEngine::State::add_reserved(bool small, std::int64_t bytes) {
   total_reserved = static_cast<std::size_t>(static_cast<std::int64_t>(total_reserved) + bytes);
 }
 
-void DeviceEngine::State::forced_sync(Stream st) {
-  driver->synchronize_stream(st);
+Status DeviceEngine::State::forced_sync(Stream st) {
+  if (retired_streams.count(st)) return Status::ok;  // waited for when it was destroyed
   ++stats.num_forced_syncs;
+  Status r = Status::ok;
+  if (is_per_thread_stream(st) && st != per_thread_stream()) {
+    // R16: another thread's per-thread stream; its mark was recorded at its latest free there. No mark: no
+    // block was freed there by its thread, so its free memory came back behind a fence or its events.
+    auto it = per_thread_marks.find(st);
+    if (it != per_thread_marks.end())
+      r = it->second.valid ? driver->synchronize_event(it->second.event) : Status::driver_error;
+  } else {
+    r = driver->synchronize_stream(st);
+  }
+  return r == Status::ok ? r : wait_failed("a stream synchronisation");
+}
+
+Status DeviceEngine::State::wait_failed(const char* what) {
+  ++stats.num_failed_waits;
+  if (wait_error.empty())
+    wait_error = std::string("fragless: ") + what + " on device " + std::to_string(driver->device()) +
+                 " failed (" + driver->last_error() + "); the memory under that work stays cached and the release "
+                 "is tried again later";
+  return Status::driver_error;
+}
+
+void DeviceEngine::State::mark_per_thread_free(Stream st) {
+  Mark& m = per_thread_marks[st];
+  if (m.valid) driver->release_event(m.event);
+  m.valid = driver->record_event(st, &m.event) == Status::ok;
+}
+
+bool DeviceEngine::State::stream_idle(Stream st) {
+  if (retired_streams.count(st)) return true;
+  if (is_per_thread_stream(st) && st != per_thread_stream()) {
+    auto it = per_thread_marks.find(st);
+    return it == per_thread_marks.end() || (it->second.valid && driver->query_event(it->second.event) == Status::ok);
+  }
+  Event e = 0;
+  if (driver->record_event(st, &e) != Status::ok) return false;
+  const bool idle = driver->query_event(e) == Status::ok;
+  driver->release_event(e);
+  return idle;
+}
+
+bool DeviceEngine::State::synchronize_device() {
+  ++stats.num_forced_syncs;
+  if (driver->synchronize_device() == Status::ok) return true;
+  wait_failed("a device-wide synchronisation (before graph-private memory goes)");
+  return false;
 }
 
 bool DeviceEngine::State::capacity_allows(std::size_t extra) const {
@@ -302,19 +360,27 @@ void DeviceEngine::State::free_block(Block* b, bool traced) {
   if (b->multi) policy->freed(b);
 }
 
-void DeviceEngine::State::insert_events(Block* b) {
+bool DeviceEngine::State::insert_events(Block* b) {
+  StreamUses left;
   for (Stream st : b->stream_uses) {
     Event e = 0;
     if (driver->record_event(st, &e) != Status::ok) {
-      // Could not record: wait for the stream instead, so the block is safe to reuse.
-      forced_sync(st);
+      // Could not record: wait for the stream instead, so the block is safe to reuse; if that fails too,
+      // the use stays and is tried again later (Note [Failed waits]).
+      if (forced_sync(st) != Status::ok) left.add(st);
       continue;
     }
     ++b->event_count;
     ++pending_event_count;
     pending_events[st].emplace_back(e, b);
   }
-  b->stream_uses.clear();
+  b->stream_uses = std::move(left);
+  return b->stream_uses.empty();
+}
+
+void DeviceEngine::State::defer_events(Block* b) {
+  ++b->event_count;  // the placeholder: never reusable while listed
+  deferred_until_no_capture.push_back(b);
 }
 
 void DeviceEngine::State::process_events() {
@@ -335,16 +401,22 @@ void DeviceEngine::State::process_events() {
 void DeviceEngine::State::synchronize_and_free_events() {
   if (pending_events.empty()) return;
   ++stats.num_sync_all_streams;
-  for (auto& [st, q] : pending_events) {
-    for (auto [e, b] : q) {
-      driver->synchronize_event(e);
+  for (auto it = pending_events.begin(); it != pending_events.end();) {
+    auto& q = it->second;
+    while (!q.empty()) {
+      auto [e, b] = q.front();
       ++stats.num_forced_syncs;
+      if (driver->synchronize_event(e) != Status::ok) {  // the block stays pending (Note [Failed waits])
+        wait_failed("an event synchronisation");
+        break;
+      }
       driver->release_event(e);
+      q.pop_front();
       --pending_event_count;
       if (--b->event_count == 0) free_block(b);
     }
+    it = q.empty() ? pending_events.erase(it) : std::next(it);
   }
-  pending_events.clear();
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -419,16 +491,24 @@ bool DeviceEngine::State::release_available_cached_blocks(AllocParams& p) {
 void DeviceEngine::State::release_cached_blocks(PoolSet* only) {
   background.quiesce();  // what a job holds is given back too (Note [Background work])
   synchronize_and_free_events();
-  policy->release_free(only ? only : &default_pools);
+  policy->release_free(only ? only : &default_pools, false);
   if (!only) maybe_free_private_pools();
   retry_deferred();
 }
 
 void DeviceEngine::State::maybe_free_private_pools() {
+  // Graph-private memory may be used by a replay on any stream (PyTorch replays on the caller's stream):
+  // a device-wide synchronisation first, as cudaFree's, never while a capture may be under way (it would
+  // invalidate it; Note [Capture rules]). If it fails, nothing goes (Note [Failed waits]).
+  const bool any = std::any_of(private_pools.begin(), private_pools.end(), [&](const auto& kv) {
+    return kv.second->released && std::any_of(segments.begin(), segments.end(),
+                                              [&](const auto& seg) { return seg->owner == kv.second.get(); });
+  });
+  if (capturing() || (any && !synchronize_device())) return;
   for (auto it = private_pools.begin(); it != private_pools.end();) {
     PoolSet* ps = it->second.get();
     if (!ps->released) { ++it; continue; }
-    policy->release_free(ps);
+    policy->release_free(ps, /*device_synchronized=*/true);
     const bool empty = std::none_of(segments.begin(), segments.end(),
                                     [&](const auto& seg) { return seg->owner == ps; });
     it = empty ? private_pools.erase(it) : std::next(it);
@@ -439,9 +519,9 @@ void DeviceEngine::State::after_capture() {
   std::vector<Block*> blocks;
   blocks.swap(deferred_until_no_capture);
   for (Block* b : blocks) {
-    b->event_count = 0;
-    insert_events(b);
-    if (b->event_count == 0) free_block(b);
+    --b->event_count;  // its placeholder
+    if (!insert_events(b)) defer_events(b);
+    else if (b->event_count == 0) free_block(b);
   }
   maybe_free_private_pools();
 }
@@ -548,10 +628,11 @@ void* DeviceEngine::allocate(std::size_t size, Stream stream, AllocError* err) {
     return nullptr;
   }
   std::lock_guard lk(s.mu);
-  if (s.routes.empty()) {  // Note [Capture rules]: no event query while a capture may be under way
+  if (!s.capturing()) {  // Note [Capture rules]: no event query while a capture may be under way
     if (!s.deferred_until_no_capture.empty()) s.after_capture();
     if (s.pending_event_count) s.process_events();
   }
+  if (!s.retired_streams.empty()) s.retired_streams.erase(stream);  // a new stream with that handle value
   AllocParams p;
   p.requested = size;
   p.rounded = round_size(size, s.opts);
@@ -583,17 +664,28 @@ Status DeviceEngine::free(void* ptr, AllocError* err) {
   s.stats.allocated_bytes.add(small, -size);
   s.stats.live_bytes.add(-static_cast<std::int64_t>(b->requested));
   if (b->size >= s.opts.max_split_size) s.stats.oversize_allocations.add(-1);
+  if (is_per_thread_stream(b->stream) && b->stream == per_thread_stream()) {
+    // R16: mark the stream for other threads; no event goes into a capture (a stale mark is no mark).
+    if (!s.capturing()) {
+      s.mark_per_thread_free(b->stream);
+    } else if (auto& m = s.per_thread_marks[b->stream]; m.valid) {
+      s.driver->release_event(m.event);
+      m.valid = false;
+    }
+  }
   if (!b->stream_uses.empty()) {
     emit(s, TraceAction::free_requested, b->stream, b->ptr, b->requested, b->size);
     b->state = BlockState::free;  // not allocated any more, but waits for its events (active_pending_free)
     if (s.capturing()) {
       // Note [Capture rules]: its events are recorded when the routing ends; until then it stays pending.
-      b->event_count = 1;
-      s.deferred_until_no_capture.push_back(b);
+      s.defer_events(b);
       return Status::ok;
     }
     if (!s.deferred_until_no_capture.empty()) s.after_capture();
-    s.insert_events(b);
+    if (!s.insert_events(b)) {
+      s.defer_events(b);  // Note [Failed waits]: tried again at the next allocation
+      return Status::ok;
+    }
     if (b->event_count == 0) {
       b->state = BlockState::allocated;
       s.free_block(b);
@@ -633,12 +725,46 @@ void* DeviceEngine::base_allocation(void* ptr, std::size_t* size) {
   return reinterpret_cast<void*>(b->segment->base);
 }
 
-void DeviceEngine::empty_cache() {
+namespace {
+// The wait failures of an operation (Note [Failed waits]) as its result.
+Status report_waits(std::string* wait_error, AllocError* err) {
+  if (wait_error->empty()) return Status::ok;
+  set_error(err, Status::driver_error, std::move(*wait_error));
+  wait_error->clear();
+  return Status::driver_error;
+}
+}  // namespace
+
+Status DeviceEngine::empty_cache(AllocError* err) {
   std::lock_guard lk(s_->mu);
-  if (s_->capturing()) return;  // Note [Capture rules]: nothing is released while a capture may be under way
+  if (s_->capturing()) return Status::ok;  // Note [Capture rules]: nothing is released while a capture may be under way
   emit(*s_, TraceAction::empty_cache, 0, 0, 0, 0);
   if (!s_->deferred_until_no_capture.empty()) s_->after_capture();
   s_->release_cached_blocks(nullptr);
+  return report_waits(&s_->wait_error, err);
+}
+
+void DeviceEngine::capture_began() {
+  std::lock_guard lk(s_->mu);
+  ++s_->external_captures;
+  s_->background.routing_changed(true);  // Note [Background work]: no job while a capture may be under way
+}
+
+void DeviceEngine::capture_ended() {
+  State& s = *s_;
+  std::lock_guard lk(s.mu);
+  if (s.external_captures > 0 && --s.external_captures == 0 && !s.capturing()) {
+    s.after_capture();
+    s.background.routing_changed(false);
+  }
+}
+
+Status DeviceEngine::retire_stream(Stream stream, AllocError* err) {
+  State& s = *s_;
+  std::lock_guard lk(s.mu);
+  if (s.capturing()) return Status::ok;  // no synchronisation during a capture; the stream stays as it was
+  if (s.forced_sync(stream) == Status::ok) s.retired_streams.insert(stream);
+  return report_waits(&s.wait_error, err);
 }
 
 void DeviceEngine::flush_trace() {
@@ -676,24 +802,26 @@ void DeviceEngine::end_allocate_to_pool(PoolId id) {
   auto it = std::find_if(s.routes.rbegin(), s.routes.rend(), [&](auto& r) { return r.first->id == id; });
   if (it != s.routes.rend()) s.routes.erase(std::next(it).base());
   // PyTorch ends the capture (cudaStreamEndCapture) before it ends the routing: events may be recorded now.
-  if (s.routes.empty()) {
+  if (!s.capturing()) {
     s.after_capture();
     s.background.routing_changed(false);
   }
 }
 
-void DeviceEngine::release_pool(PoolId id) {
+Status DeviceEngine::release_pool(PoolId id, AllocError* err) {
   State& s = *s_;
   std::lock_guard lk(s.mu);
   auto it = s.private_pools.find(id);
-  if (it == s.private_pools.end()) return;
+  if (it == s.private_pools.end()) return Status::ok;
   std::erase_if(s.routes, [&](auto& r) { return r.first == it->second.get(); });
   it->second->released = true;
-  // Freed now, or once no other capture may be under way (Note [Capture rules]).
+  // Freed now (after a device-wide synchronisation), or once no capture may be under way (Note [Capture
+  // rules]).
   if (!s.capturing()) {
     s.after_capture();
     s.background.routing_changed(false);
   }
+  return report_waits(&s.wait_error, err);
 }
 
 DeviceStats DeviceEngine::stats() {

@@ -164,9 +164,35 @@ struct DeviceEngine::State {
   // needs_events_deferred_until_no_capture): an event query or a synchronisation during a capture fails and
   // invalidates it, and an unmap is not stream-ordered. It only grows (create and map, in relaxed capture
   // mode), or reports out of memory.
-  bool capturing() const { return !routes.empty(); }
-  std::vector<Block*> deferred_until_no_capture;  // freed during a capture, with uses on other streams
-  void after_capture();                          // their events, and the pools released meanwhile
+  // Captures the engine does not allocate for (LD_PRELOAD: cudaStreamBeginCapture on this device) count too.
+  bool capturing() const { return !routes.empty() || external_captures > 0; }
+  int external_captures = 0;
+  // Freed with uses on other streams whose events are still to be recorded: during a capture, or after a
+  // record and the wait that stands in for it both failed (Note [Failed waits]). Each holds one placeholder
+  // in its event_count while listed.
+  std::vector<Block*> deferred_until_no_capture;
+  void after_capture();  // their events, and the pools released meanwhile
+
+  // Note [Failed waits]
+  // A synchronisation that fails (a driver error) proves nothing about the work it was to wait for. Memory
+  // under such work is never unmapped, released, lent or handed out: it stays cached (counted in reserved,
+  // shown by snapshots), the failure is counted (num_failed_waits) and reported to the caller of the release
+  // (empty_cache's error, hence fragless_last_error()), and the next release tries again.
+  std::string wait_error;  // the first failed wait since the last report
+  Status forced_sync(Stream s);  // waits for s (R16: another thread's per-thread stream through its mark)
+  Status wait_failed(const char* what);
+
+  // R16: per-thread default streams. Only their own thread can name them, so each free on one by its own
+  // thread records the stream's mark (an event); other threads wait for the mark instead of the stream.
+  struct Mark { Event event = 0; bool valid = false; };
+  std::unordered_map<Stream, Mark> per_thread_marks;
+  void mark_per_thread_free(Stream s);
+  // Streams the program destroyed (retire_stream): their work is done; nothing waits for them again until
+  // a stream with the same handle value is used.
+  std::set<Stream> retired_streams;
+  // Whether all work queued on s is done now (an event recorded and queried; a mark for another thread's
+  // per-thread stream); a driver error counts as not idle.
+  bool stream_idle(Stream s);
 
   std::vector<std::unique_ptr<Segment>> segments;
   BlockMap active_blocks;
@@ -205,11 +231,17 @@ struct DeviceEngine::State {
   void free_block(Block* b, bool traced = true);  // allocated/pending -> free in pool
   void process_events();
   void synchronize_and_free_events();
-  void insert_events(Block* b);
+  // Records an event on each stream use of b (or waits for the stream where recording fails); true when
+  // every use is covered. The uses it could not cover stay on b.
+  bool insert_events(Block* b);
+  void defer_events(Block* b);  // to deferred_until_no_capture, with its placeholder
 
   Block* allocate_slow(AllocParams& p, AllocError* err);
   Block* fail_allocation(AllocParams& p, AllocError* err);  // counts the OOM, fills err, returns nullptr
   void release_cached_blocks(PoolSet* only);
+  // Before graph-private memory is released: a device-wide synchronisation (R17). False (a wait failure)
+  // when it failed.
+  bool synchronize_device();
   bool garbage_collect(AllocParams& p);
   bool release_available_cached_blocks(AllocParams& p);
   void maybe_free_private_pools();
@@ -218,7 +250,6 @@ struct DeviceEngine::State {
   bool capacity_allows(std::size_t extra_bytes) const;
   std::string oom_message(const AllocParams& p, const std::string& driver_error);
   void add_reserved(bool small, std::int64_t bytes);
-  void forced_sync(Stream s);
   Block* take_large_remnant(AllocParams& p);
 
   // Giving memory back can fail (a driver error, an injected fault). The engine then forgets the memory

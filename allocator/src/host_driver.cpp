@@ -228,6 +228,11 @@ class HostDriver final : public Driver {
     events_.synchronize_stream(s);
     return Status::ok;
   }
+  Status do_synchronize_device() override {
+    if (Status st; injected(DriverCall::synchronize_device, &st)) return st;
+    events_.synchronize_all();
+    return Status::ok;
+  }
 
   int fd_;
   std::size_t capacity_;

@@ -35,7 +35,9 @@ class Policy {
   // the pool; nullptr with p.status set when the driver or the memory limit refused.
   virtual Block* grow(AllocParams& p) = 0;
   // Gives back to the driver everything cached (free, no events) in `only`, or in every pool when null.
-  virtual void release_free(PoolSet* only) = 0;
+  // `device_synchronized`: the whole device was synchronised just before (graph-private memory, R17), so no
+  // stream need be waited for.
+  virtual void release_free(PoolSet* only, bool device_synchronized) = 0;
   // Releases the segment of a free block that is a whole segment (classic); false if it cannot.
   virtual bool release_whole_segment(Block* b) { return false; }
   // Whether free block b should be split to serve a request of `rounded` bytes.

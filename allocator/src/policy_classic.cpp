@@ -75,13 +75,15 @@ class ClassicPolicy final : public Policy {
 
   bool release_whole_segment(Block* b) override {
     if (b->is_split() || b->segment->growable || !b->reusable()) return false;
-    s_.pool_erase(b);
     Segment* seg = b->segment;
     Driver& d = *s_.driver;
     // cuMemUnmap and cuMemRelease are not stream-ordered (cudaFree, which PyTorch calls here, synchronises
     // the device): kernels queued on the segment's stream before the free may still use it. Other streams'
-    // uses are behind the block's events, which have completed (the block is reusable).
-    if (!synced_.count(seg->stream)) s_.forced_sync(seg->stream);
+    // uses are behind the block's events, which have completed (the block is reusable). A failed wait
+    // keeps the segment (Note [Failed waits]).
+    if (failed_.count(seg->stream)) return false;
+    if (!synced_.count(seg->stream) && s_.forced_sync(seg->stream) != Status::ok) return false;
+    s_.pool_erase(b);
     // A failure here leaves the memory where it was: keep the segment cached rather than lose track of it.
     if (d.unmap(seg->base, seg->va_size) != Status::ok) {
       s_.pool_insert(b);
@@ -99,21 +101,28 @@ class ClassicPolicy final : public Policy {
     return true;
   }
 
-  void release_free(PoolSet* only) override {
-    // One synchronisation per stream for the whole release, not one per segment.
+  void release_free(PoolSet* only, bool device_synchronized) override {
+    // One synchronisation per stream for the whole release, not one per segment (none after a device-wide
+    // one).
     std::vector<Block*> whole;
     for (PoolSet* ps : pool_sets(only))
       for (BlockPool* bp : {&ps->small, &ps->large})
         for (Block* b : bp->blocks)
           if (!b->is_split() && !b->segment->growable && b->reusable()) whole.push_back(b);
-    for (Block* b : whole)
-      if (synced_.insert(b->segment->stream).second) s_.forced_sync(b->segment->stream);
+    for (Block* b : whole) {
+      const Stream st = b->segment->stream;
+      if (synced_.count(st) || failed_.count(st)) continue;
+      if (device_synchronized || s_.forced_sync(st) == Status::ok) synced_.insert(st);
+      else failed_.insert(st);
+    }
     for (Block* b : whole) release_whole_segment(b);
     synced_.clear();
+    failed_.clear();
   }
 
  private:
   std::set<Stream> synced_;  // streams synchronised for the release under way
+  std::set<Stream> failed_;  // streams whose synchronisation failed in it
 };
 
 }  // namespace

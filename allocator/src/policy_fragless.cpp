@@ -15,9 +15,10 @@
 // Note [Complete re-backing]
 // Invariant, checked after every operation: fragless creates new physical memory only when no physical
 // memory it already holds and could put under the request without waiting remains — no idle handle that
-// fits the room, and no whole handle under a free block of a default pool on the requesting stream, or on
-// any stream with lend_across_streams (Note [Lending across streams]) (holes and free segment tails alike),
-// outside the run being grown. One exception ends cycles (Note
+// fits the room, and no whole handle under a free block of a default pool on the requesting stream, or, with
+// lend_across_streams, on another stream that has no unfinished work (Note [Lending across streams]) (holes
+// and free segment tails alike), outside the run being grown. A growth in which a hole's unmap failed (a
+// driver error) is exempt. One exception ends cycles (Note
 // [Refills]): a growth into pages that reclaims stripped twice within the last kRefillWindow growths
 // creates its memory.
 //
@@ -37,14 +38,24 @@
 // are never reclaimed from: their addresses are baked into graphs.
 //
 // Note [Lending across streams]
-// A hole on another stream S can be lent the same way, with one more step: the requesting stream T is
-// made to wait, on the device, for an event recorded on S (cuStreamWaitEvent). Work on T that uses the new
-// block then starts only after everything S had queued, the work that used the hole among it; the host
-// never waits. CUDA's own stream-ordered pools reuse memory across streams the same way
-// (cudaMemPoolReuseAllowInternalDependencies). The price is a dependency of T on S's queued work at that
-// moment, which can delay T when S is busy (a communication stream, say): `lend_across_streams:False`
-// turns it off, and other streams' holes are then taken only after synchronising S, when creating memory
-// would exceed the device.
+// The rule: a hole on another stream S is taken for a request on stream T, with no wait at all, when S has
+// no unfinished work (an event recorded on S at that moment has already completed: the work that used the
+// hole is done, and so is everything else S had queued). A hole of a busy S is taken only as the last
+// resort, when creating the memory would exceed the device: then T is made to wait, on the device, for
+// an event recorded on S (cuStreamWaitEvent), the old mapping stays until that event completes, and the
+// host never waits. (CUDA's stream-ordered pools reuse memory across streams the same way,
+// cudaMemPoolReuseAllowInternalDependencies.)
+// Why: the event can only be recorded when the hole is taken, not when it was freed (recording one at
+// every free would put a driver call, a cuEventRecord of about a microsecond, on the fast path of every
+// free; the cache-hit pair costs well under that), so waiting for it makes T wait for everything queued on S
+// since the free too: a pending NCCL receive on a communication stream would stall compute, and two ranks
+// could wait on each other. Measured on the libcuda double's virtual clock (test_cuda_path.cpp, "lending
+// across streams waits for what it must"): a hole freed on S, then a kernel of 100000 ticks queued on S;
+// lending it to T the old way delayed T's next kernel by 100100 ticks, with this rule by 0 (T gets new
+// memory); on a full device the last resort delays it by the same 100100 ticks and the host by 0.
+// Per-thread default streams (driver.h, R16) are asked through the mark their own thread records at each
+// free there (engine_state.h). `lend_across_streams:False` takes other streams' holes only as the last
+// resort, after synchronising S on the host.
 //
 // Note [Lending pages without a sync]
 // cuMemUnmap is not stream-ordered, so unmapping a hole while its stream may still run work that used it
@@ -61,6 +72,7 @@
 // synchronisation happen at all; the driver is only touched when the working set changes shape.
 #include <algorithm>
 #include <deque>
+#include <map>
 #include <set>
 
 #include "handle_pool.h"
@@ -120,22 +132,25 @@ class FraglessPolicy final : public GrowablePolicy {
     }
     room = room_before_pending(seg, first, need, room);
     planned_ = 0;
+    idle_.clear();
+    unmap_failed_ = false;
     take_idle(need, room);
     const bool refill = planned_ < need && refills(seg, first, need - planned_);
     if (planned_ < need && !refill && !s_.capturing()) {
       // Touch nothing when even everything together cannot succeed: the retry chain takes over.
       if (planned_ + reclaimable_pages() + creatable_pages() < need) return fail_request(Status::out_of_memory, {});
       reclaim(seg.stream, /*other_streams=*/false, need, room);  // Note [Complete re-backing]
-      // Other streams' holes, lent in device order (Note [Lending across streams]).
+      // Holes of other streams that have no unfinished work, with no wait (Note [Lending across streams]).
       if (planned_ < need && lend_across()) reclaim(seg.stream, /*other_streams=*/true, need, room);
     }
-    // Without lending across streams, other streams' holes wait for their streams: the last resort.
-    if (planned_ < need && !lend_across() && !can_create(need - planned_) && !s_.capturing())
-      reclaim(seg.stream, /*other_streams=*/true, need, room);
+    // Holes of busy streams (lent in device order), or of every other stream without lending across
+    // streams (after a host wait): the last resort, when creating would exceed the device.
+    if (planned_ < need && !can_create(need - planned_) && !s_.capturing())
+      reclaim(seg.stream, /*other_streams=*/true, need, room, /*busy_too=*/true);
     std::vector<PhysHandle> created;
     if (planned_ < need) {
       // (During a capture creating is the only way: holes are not taken, Note [Capture rules].)
-      if (!refill && !s_.capturing()) audit_creation(seg, need - planned_, room - planned_);
+      if (!refill && !s_.capturing() && !unmap_failed_) audit_creation(seg, need - planned_, room - planned_);
       // A refill creates exactly what it misses: the memory it puts back is what the cycle moved.
       if (Status st = create(need - planned_, refill ? need - planned_ : room - planned_, first + planned_, seg.small,
                                &created);
@@ -180,17 +195,21 @@ class FraglessPolicy final : public GrowablePolicy {
         if (seg.small) move_reserved(false, n * page_);
         return n;
       }
-      s_.forced_sync(seg.stream);  // no event: wait for the stream instead, then unmap at once
+      // No event: wait for the stream instead, then unmap at once; a failed wait unmaps nothing.
+      if (s_.forced_sync(seg.stream) != Status::ok) return 0;
     }
-    if (s_.driver->unmap(seg.base + first * page_, n * page_) != Status::ok) return 0;
+    if (s_.driver->unmap(seg.base + first * page_, n * page_) != Status::ok) {
+      unmap_failed_ = true;  // the hole keeps its memory: no fault of the placement (Note [Complete re-backing])
+      return 0;
+    }
     give_back(seg, first, n, /*to_request=*/unmap_for_ != UnmapFor::release);
     if (seg.small) move_reserved(false, n * page_);
     return n;
   }
 
-  void release_free(PoolSet* only) override {
+  void release_free(PoolSet* only, bool device_synchronized) override {
     finish_pending(nullptr, 0, 0);
-    GrowablePolicy::release_free(only);
+    GrowablePolicy::release_free(only, device_synchronized);
   }
 
   // ---- Background work: splitting free multi-page handles (Note [Split in the background]) ----
@@ -285,18 +304,20 @@ class FraglessPolicy final : public GrowablePolicy {
 
   // Free blocks of the default pools (never private ones) on `stream` (or on every other stream), outside
   // the run being grown, with the whole mappings inside them.
-  std::vector<Candidate> candidates(Stream stream, bool other_streams) const {
+  // With `idle_only`, other streams' holes only where the stream has no unfinished work.
+  std::vector<Candidate> candidates(Stream stream, bool other_streams, bool idle_only = false) {
     std::vector<Candidate> cands;
     for (const BlockPool* bp : {&s_.default_pools.large, &s_.default_pools.small})
       for (Block* b : bp->blocks) {
         if (!b->segment->growable || (b->stream == stream) == other_streams) continue;
+        if (idle_only && other_streams && !idle(b->stream)) continue;
         std::size_t lo, hi;
         if (reclaimable(b, &lo, &hi)) cands.push_back({b, lo, hi});
       }
     return cands;
   }
 
-  std::size_t reclaimable_pages() const {
+  std::size_t reclaimable_pages() {
     std::size_t n = 0;
     for (bool other : {false, true})  // stream 0 and every other stream: each block once
       for (const Candidate& c : candidates(0, other)) n += c.hi - c.lo;
@@ -307,8 +328,8 @@ class FraglessPolicy final : public GrowablePolicy {
   // holes first; inside a hole, from the top down (the low part stays next to its allocated neighbour),
   // adjacent handles in one unmap. Same-stream holes lend without a sync; other streams' holes wait for
   // their streams first (counted).
-  void reclaim(Stream stream, bool other_streams, std::size_t need, std::size_t room) {
-    std::vector<Candidate> cands = candidates(stream, other_streams);
+  void reclaim(Stream stream, bool other_streams, std::size_t need, std::size_t room, bool busy_too = false) {
+    std::vector<Candidate> cands = candidates(stream, other_streams, /*idle_only=*/other_streams && !busy_too);
     std::sort(cands.begin(), cands.end(), [](const Candidate& a, const Candidate& b) { return a.hi - a.lo > b.hi - b.lo; });
     std::vector<Candidate> groups;
     std::size_t got = planned_;
@@ -328,15 +349,21 @@ class FraglessPolicy final : public GrowablePolicy {
       if (top > at) groups.push_back({c.b, at, top});
       if (got >= need) break;
     }
-    const bool lend = s_.opts.lend_pages && (!other_streams || lend_across());
+    // Same-stream holes lend (old mappings kept in stream order); idle streams' holes need no wait at all;
+    // busy streams' holes lend with a device-side wait, or without lend_across_streams after a host wait.
+    const bool lend = s_.opts.lend_pages && (!other_streams || (busy_too && lend_across()));
+    const bool waitless = other_streams && !busy_too;
     lend_to_ = stream;
-    if (!lend) {
+    std::set<Stream> failed;
+    if (!lend && !waitless) {
       std::set<Stream> streams;
       for (const Candidate& g : groups) streams.insert(g.b->stream);
-      for (Stream st : streams) s_.forced_sync(st);  // cuMemUnmap is not stream-ordered
+      for (Stream st : streams)  // cuMemUnmap is not stream-ordered; a failed wait takes nothing
+        if (s_.forced_sync(st) != Status::ok) failed.insert(st);
     }
     unmap_for_ = lend ? UnmapFor::lend : UnmapFor::reclaim;
-    for (const Candidate& g : groups) unmap_block_pages(g.b, g.lo, g.hi);
+    for (const Candidate& g : groups)
+      if (!failed.count(g.b->stream)) unmap_block_pages(g.b, g.lo, g.hi);
     unmap_for_ = UnmapFor::release;
   }
 
@@ -349,8 +376,8 @@ class FraglessPolicy final : public GrowablePolicy {
       return;
     }
     for (const auto& seg : s_.segments) {
-      if (!seg->growable || seg->owner != &s_.default_pools || (seg->stream != target.stream && !lend_across()))
-        continue;
+      if (!seg->growable || seg->owner != &s_.default_pools) continue;
+      if (seg->stream != target.stream && (!lend_across() || !idle(seg->stream))) continue;  // would need a wait
       for (Block* b = seg->first; b; b = b->next) {
         if (!b->reusable()) continue;
         std::size_t lo, hi;
@@ -401,8 +428,11 @@ class FraglessPolicy final : public GrowablePolicy {
     std::erase_if(pending_, [&](const Pending& p) {
       if (seg && (p.seg != seg || p.first >= first + n || p.first + p.n <= first)) return false;
       if (s_.driver->query_event(p.event) != Status::ok) {
-        s_.driver->synchronize_event(p.event);
         ++s_.stats.num_forced_syncs;
+        if (s_.driver->synchronize_event(p.event) != Status::ok) {
+          s_.wait_failed("a lent range's event");  // the old mapping stays (Note [Failed waits])
+          return false;
+        }
       }
       unmap_lent(p);
       return true;
@@ -588,6 +618,13 @@ class FraglessPolicy final : public GrowablePolicy {
   std::size_t planned_ = 0;        // pages taken for the request being mapped
   std::uint64_t tick_ = 0;         // growths so far
   Stream lend_to_ = 0;             // the stream of the request that lending serves
+  std::map<Stream, bool> idle_;    // per growth: whether a stream had no unfinished work when asked
+  bool unmap_failed_ = false;      // per growth: an unmap of a hole failed (the driver's fault)
+  bool idle(Stream st) {
+    auto [it, fresh] = idle_.try_emplace(st, false);
+    if (fresh) it->second = s_.stream_idle(st);
+    return it->second;
+  }
   bool lend_across() const { return s_.opts.lend_pages && s_.opts.lend_across_streams; }
   std::deque<Stripped> stripped_;  // ranges reclaims took memory from, within kRefillWindow growths
   std::vector<Pending> pending_;   // lent ranges still mapped at their old address

@@ -153,7 +153,7 @@ bool GrowablePolicy::unmap_block_pages(Block* b, std::size_t lo, std::size_t hi)
   return true;
 }
 
-void GrowablePolicy::release_free(PoolSet* only) {
+void GrowablePolicy::release_free(PoolSet* only, bool device_synchronized) {
   const auto sets = pool_sets(only);
   struct Victim { Block* b; std::size_t lo, hi; };
   std::vector<Victim> victims;
@@ -167,9 +167,14 @@ void GrowablePolicy::release_free(PoolSet* only) {
           streams.insert(b->stream);
         }
       }
-  // Unmapping is not stream-ordered: wait for the work queued on each stream first (as PyTorch does).
-  for (Stream st : streams) s_.forced_sync(st);
-  for (auto& v : victims) unmap_block_pages(v.b, v.lo, v.hi);
+  // Unmapping is not stream-ordered: wait for the work queued on each stream first (as PyTorch does; not
+  // after a device-wide synchronisation). A stream whose wait failed keeps its memory (Note [Failed waits]).
+  std::set<Stream> failed;
+  if (!device_synchronized)
+    for (Stream st : streams)
+      if (s_.forced_sync(st) != Status::ok) failed.insert(st);
+  for (auto& v : victims)
+    if (!failed.count(v.b->stream)) unmap_block_pages(v.b, v.lo, v.hi);
   // Drop segments that are entirely unmapped.
   std::erase_if(s_.segments, [&](const std::unique_ptr<Segment>& seg) {
     if (!seg->growable || seg->mapped_bytes != 0) return false;

@@ -20,7 +20,7 @@ class GrowablePolicy : public Policy {
   }
   bool prefer_non_growable() const override { return true; }
   Block* grow(AllocParams& p) override;
-  void release_free(PoolSet* only) override;
+  void release_free(PoolSet* only, bool device_synchronized) override;
 
  protected:
   virtual std::size_t page_size(bool small) const = 0;

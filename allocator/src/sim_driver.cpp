@@ -77,6 +77,10 @@ class SimDriver final : public Driver {
     events_.synchronize_stream(s);
     return Status::ok;
   }
+  Status do_synchronize_device() override {
+    events_.synchronize_all();
+    return Status::ok;
+  }
 
   std::size_t capacity_;
   std::size_t used_ = 0;

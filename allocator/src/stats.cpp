@@ -59,6 +59,7 @@ std::map<std::string, std::int64_t> DeviceStats::flatten() const {
   m["max_split_size"] = max_split_size;
   put(m, "fragless.live_bytes", live_bytes);
   m["fragless.num_forced_syncs"] = num_forced_syncs;
+  m["fragless.num_failed_waits"] = num_failed_waits;
   return m;
 }
 
@@ -70,6 +71,7 @@ void DeviceStats::reset_accumulated() {
   each_array(*this, [](Stat& s) { s.reset_accumulated(); });
   num_alloc_retries = num_ooms = num_sync_all_streams = num_device_alloc = num_device_free = 0;
   num_forced_syncs = 0;
+  num_failed_waits = 0;
 }
 
 }  // namespace fragless

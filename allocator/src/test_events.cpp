@@ -75,6 +75,13 @@ void TestEvents::synchronize_stream(Stream s) {
   for (auto it = after_.begin(); it != after_.end();) it = ready(it->first) ? after_.erase(it) : std::next(it);
 }
 
+void TestEvents::synchronize_all() {
+  std::lock_guard lk(mu_);
+  pending_.clear();
+  waits_.clear();
+  after_.clear();
+}
+
 void TestEvents::hold(Stream s) {
   std::lock_guard lk(mu_);
   held_.insert(s);

@@ -20,6 +20,11 @@ struct CudaDriverOptions {
 
 // Devices the driver sees; -1 with *error when libcuda cannot be loaded or initialised.
 int cuda_device_count(std::string* error);
+// The device (ordinal) of a CUDA stream, from its context (cuStreamGetCtx; every driver fragless runs on has
+// it, unlike the runtime's cudaStreamGetDevice of CUDA 12.8); -1 for the legacy and per-thread default
+// streams (the caller's current device) and when it cannot be told. Needs the calling thread to have a current
+// context, as any thread that has used the CUDA runtime does.
+int cuda_stream_device(Stream s);
 // nullptr with *error (naming the CUresult) when the device cannot be used: no libcuda, no such device,
 // no virtual memory management support.
 std::unique_ptr<Driver> make_cuda_driver(const CudaDriverOptions& opts, std::string* error);

@@ -67,6 +67,19 @@
 //  The libcuda double (tests/fake_cuda) models R12-R14 as well: contexts, a virtual clock with work that
 //  touches memory, faults, and captures. It judges work by the physical memory it touches (R9: one handle
 //  mapped at two addresses is one memory), ordering by happens-before, and unmaps by their addresses.
+//  R15 unmap over several mappings: cuda.h asks cuMemUnmap for "the entire contiguous address range that was
+//     mapped to"; R7's reading allows several adjacent mappings in one call. A driver that refuses such a
+//     range (invalid_argument while the range holds more than one mapping) gets one unmap per mapping from
+//     then on: the base class falls back and remembers the answer for the process.
+//  R16 per-thread default streams (cuda.h, CU_STREAM_PER_THREAD; cudaStreamPerThread; stream 0 of the _ptsz
+//     entry points): a different stream for every thread, which only its own thread can name. fragless
+//     keys such a stream by its thread (per_thread_stream(): a value no stream handle takes) and the cuda
+//     driver passes it to CUDA as CU_STREAM_PER_THREAD, never as 0 (fragless resolves entry points with
+//     legacy default-stream semantics, where 0 is the legacy stream). Another thread's per-thread stream
+//     cannot be named: such a call fails with invalid_argument.
+//  R17 device-wide synchronisation (cuCtxSynchronize on the device's primary context): waits for the work
+//     of every stream of the device, those the allocator does not know among them (a graph replayed on the
+//     caller's stream). It fails, and would invalidate it, while a capture on the device is under way.
 //  Events: record_event marks the current end of a stream's queue; query_event says ok once the work
 //  before it is done, else not_ready; synchronize_* wait (each one is a forced sync the engine counts);
 //  stream_wait_event(s, e) makes work queued on s later start after e (cuStreamWaitEvent; the host goes on),
@@ -101,10 +114,16 @@ const char* status_name(Status s);
 
 enum class DriverCall : int {
   reserve, free_reservation, create, release, map, unmap, set_access,
-  record_event, query_event, synchronize_event, synchronize_stream, release_event, stream_wait_event, count_
+  record_event, query_event, synchronize_event, synchronize_stream, release_event, stream_wait_event,
+  synchronize_device, count_
 };
 inline constexpr int kDriverCallCount = static_cast<int>(DriverCall::count_);
 const char* driver_call_name(DriverCall c);
+
+// R16: the calling thread's per-thread default stream, as fragless keys it (set bits no stream handle has:
+// user-space pointers never reach the top of the address space), and whether a stream is such a key.
+Stream per_thread_stream();
+inline bool is_per_thread_stream(Stream s) { return (s >> 60) == 0xF; }
 
 // Modelled cost of one call, in microseconds: us + per_mib × the call's size in MiB (calls with a size:
 // reserve, free_reservation, create, map, unmap, set_access). Defaults: published A100 figures at 2 MiB
@@ -166,6 +185,16 @@ class DriverContract {
   void unmapped(DevicePtr va, std::size_t size, std::vector<PhysHandle>* gone);
 
   std::size_t mapping_count() const { return mappings_.size(); }
+  // Mappings inside [va, va+size) (a range check_unmap accepted: whole, adjacent mappings).
+  std::size_t mappings_in(DevicePtr va, std::size_t size) const {
+    std::size_t n = 0;
+    for (auto it = mappings_.find(va); it != mappings_.end() && it->first < va + size; ++it) ++n;
+    return n;
+  }
+  std::size_t mapping_size(DevicePtr va) const {
+    auto it = mappings_.find(va);
+    return it == mappings_.end() ? 0 : it->second.size;
+  }
   std::size_t handle_size(PhysHandle h) const {
     auto it = handles_.find(h);
     return it == handles_.end() ? 0 : it->second.size;
@@ -216,6 +245,15 @@ class Driver {
   // dependency, the host does not wait.
   Status stream_wait_event(Stream s, Event e) {
     return event_call(DriverCall::stream_wait_event, [&] { return do_stream_wait_event(s, e); });
+  }
+  // Waits for all work queued on the device, on every stream (R17).
+  Status synchronize_device() {
+    return event_call(DriverCall::synchronize_device, [&] { return do_synchronize_device(); });
+  }
+  // The size of the mapping that starts at va (0: none starts there).
+  std::size_t mapping_size(DevicePtr va) const {
+    std::lock_guard lk(mu_);
+    return contract_.mapping_size(va);
   }
 
   // Free and total physical memory as the device sees it (cudaMemGetInfo).
@@ -271,6 +309,8 @@ class Driver {
   virtual Status do_release_event(Event e) = 0;
   virtual Status do_synchronize_stream(Stream s) = 0;
   virtual Status do_stream_wait_event(Stream s, Event e) = 0;
+  virtual Status do_synchronize_device() = 0;
+  Status unmap_each_mapping(DevicePtr va, std::size_t size);  // R15's fallback
 
   // Note [Driver calls from two threads]: the engine's thread and the background worker call one driver
   // at once, on distinct objects (the worker creates new handles, and maps, unmaps and releases only what

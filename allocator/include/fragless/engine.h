@@ -74,7 +74,9 @@ class DeviceEngine {
   void* base_allocation(void* ptr, std::size_t* size);
   bool owns(void* ptr);
 
-  void empty_cache();
+  // Gives back every cached byte it can. A wait that failed keeps the memory under that work cached (tried
+  // again at the next release) and is reported: driver_error with *error's message (Note [Failed waits]).
+  Status empty_cache(AllocError* error = nullptr);
   // 0 <= fraction <= 1 of the device's total memory; invalid_argument otherwise.
   Status set_memory_fraction(double fraction);
 
@@ -82,7 +84,17 @@ class DeviceEngine {
   // `filter` come from pool `id`, kept apart from everything else until released.
   void begin_allocate_to_pool(PoolId id, StreamFilter filter);
   void end_allocate_to_pool(PoolId id);
-  void release_pool(PoolId id);
+  // The pool's memory goes once its blocks are free, after a device-wide synchronisation (a replay may run on
+  // any stream), never while a capture may be under way. Failed waits are reported as empty_cache's.
+  Status release_pool(PoolId id, AllocError* error = nullptr);
+
+  // A capture this engine does not allocate for (LD_PRELOAD: cudaStreamBeginCapture on the device) begins or
+  // ends; while one is under way the engine follows Note [Capture rules] (engine_state.h).
+  void capture_began();
+  void capture_ended();
+  // `stream` is about to be destroyed (cudaStreamDestroy): waits for its work, so that nothing need name it
+  // again; a later stream with the same handle value is a new stream. Failed waits are reported.
+  Status retire_stream(Stream stream, AllocError* error = nullptr);
 
   DeviceStats stats();
   // Current allocated, reserved and live bytes: a cheap subset of stats() for per-event sampling.

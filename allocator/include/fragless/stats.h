@@ -40,6 +40,7 @@ struct DeviceStats {
   // fragless additions
   Stat live_bytes;                  // requested bytes of allocated (not pending) blocks
   std::int64_t num_forced_syncs = 0;  // every stream/event synchronisation the engine forced
+  std::int64_t num_failed_waits = 0;  // synchronisations that failed: the memory under them stayed cached
 
   // 1 - peak allocated / peak reserved (0 when nothing was reserved).
   double fragmentation_at_peak() const;

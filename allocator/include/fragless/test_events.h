@@ -20,6 +20,7 @@ class TestEvents {
   void release(Event e);
   void synchronize_stream(Stream s);
   void wait(Stream s, Event e);  // events recorded on s from now on complete only after e
+  void synchronize_all();        // every stream's work is done (a device-wide synchronisation)
 
   // Test controls.
   void hold(Stream s);          // events recorded on s from now on stay pending

@@ -1,0 +1,122 @@
+// libfragless.so's C ABI on the libcuda double, driven as PyTorch drives it, for what issue-level defects of
+// the CUDA path showed there: statistics of a device never used create nothing; a graph's memory survives
+// its replay on another stream through release_pool and empty_cache; a failed wait reaches
+// fragless_last_error(). Usage: fragless-capi-cuda-path LIBFRAGLESS LIBFAKECUDA
+#include <dlfcn.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+
+#include "fake_cuda.h"
+
+namespace {
+
+int failures = 0;
+void expect(bool ok, const std::string& what) {
+  std::printf("%s: %s\n", ok ? "ok" : "FAIL", what.c_str());
+  if (!ok) ++failures;
+}
+
+template <typename F>
+F sym(void* lib, const char* name) {
+  void* p = dlsym(lib, name);
+  if (!p) {
+    std::fprintf(stderr, "FAIL: %s not found\n", name);
+    std::exit(1);
+  }
+  return reinterpret_cast<F>(p);
+}
+
+struct CUstream_st;
+using cudaStream_t = CUstream_st*;
+struct PoolId { unsigned long long first, second; };
+constexpr std::size_t MiB = 1u << 20;
+
+long census_faults(decltype(&fakecuda_get_census) census) {
+  fakecuda_census c{};
+  census(&c);
+  return c.faults;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3) return std::fprintf(stderr, "usage: fragless-capi-cuda-path LIBFRAGLESS LIBFAKECUDA\n"), 2;
+  setenv("FRAGLESS_LIBCUDA", argv[2], 1);
+  void* fake = dlopen(argv[2], RTLD_NOW | RTLD_LOCAL);
+  void* lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+  if (!fake || !lib) return std::fprintf(stderr, "FAIL: dlopen: %s\n", dlerror()), 1;
+  auto census = sym<decltype(&fakecuda_get_census)>(fake, "fakecuda_get_census");
+  auto launch = sym<decltype(&fakecuda_launch)>(fake, "fakecuda_launch");
+  auto fail = sym<decltype(&fakecuda_fail)>(fake, "fakecuda_fail");
+  auto adopt = sym<decltype(&fakecuda_adopt_stream)>(fake, "fakecuda_adopt_stream");
+  auto first_fault = sym<decltype(&fakecuda_first_fault)>(fake, "fakecuda_first_fault");
+  auto primary_state = sym<int (*)(int, unsigned*, int*)>(fake, "cuDevicePrimaryCtxGetState");
+  auto malloc_fn = sym<void* (*)(size_t, int, cudaStream_t)>(lib, "fragless_malloc");
+  auto free_fn = sym<void (*)(void*, size_t, int, cudaStream_t)>(lib, "fragless_free");
+  auto empty_cache = sym<void (*)()>(lib, "fragless_empty_cache");
+  auto record_stream = sym<void (*)(void*, cudaStream_t)>(lib, "fragless_record_stream");
+  auto begin_pool = sym<void (*)(int, PoolId, std::function<bool(cudaStream_t)>)>(lib, "fragless_begin_allocate_to_pool");
+  auto end_pool = sym<void (*)(int, PoolId)>(lib, "fragless_end_allocate_to_pool");
+  auto release_pool = sym<void (*)(int, PoolId)>(lib, "fragless_release_pool");
+  auto memory_stats = sym<long (*)(int, char*, size_t)>(lib, "fragless_memory_stats");
+  auto reset_peak = sym<int (*)(int)>(lib, "fragless_reset_peak_stats");
+  auto reset_accumulated = sym<int (*)(int)>(lib, "fragless_reset_accumulated_stats");
+  auto mem_get_info = sym<int (*)(int, size_t*, size_t*)>(lib, "fragless_mem_get_info");
+  auto last_error = sym<const char* (*)()>(lib, "fragless_last_error");
+  auto active = [&](int device) {
+    unsigned flags = 0;
+    int on = 0;
+    return primary_state(device, &flags, &on) == 0 && on;
+  };
+  const auto capture = reinterpret_cast<cudaStream_t>(0x61), replay = reinterpret_cast<cudaStream_t>(0x62);
+  expect(adopt(capture, 0) && adopt(replay, 0), "two streams of device 0 (the runtime's)");
+
+  // 1. Statistics of a device that was never used: zeros, as PyTorch's, and no engine nor context for it.
+  void* x = malloc_fn(MiB, 0, nullptr);
+  expect(x != nullptr, "an allocation on device 0");
+  char used[8192], unused[8192];
+  expect(memory_stats(0, used, sizeof used) > 0, "device 0's statistics");
+  const long n = memory_stats(1, unused, sizeof unused);
+  expect(n > 0 && std::string(unused).find("\"allocated_bytes.all.current\":0") != std::string::npos,
+         "device 1's statistics are zeros");
+  expect(reset_peak(1) == 0 && reset_accumulated(1) == 0, "device 1's resets");
+  expect(!active(1), "and device 1's primary context was not created for them");
+  expect(memory_stats(9, unused, sizeof unused) == -1 && std::string(last_error()).find("invalid device 9") != std::string::npos,
+         "an invalid device is refused, and named");
+  size_t free_b = 0, total_b = 0;
+  expect(mem_get_info(1, &free_b, &total_b) == 0 && total_b > 0 && active(1),
+         "mem_get_info gives the driver's figures, creating the context as PyTorch's does");
+  free_fn(x, MiB, 0, nullptr);
+
+  // 2. A graph: blocks allocated to a private pool on the capture stream, replayed on another stream; the
+  //    graph reset while the replay runs (release_pool), then empty_cache. Nothing is unmapped under it.
+  const PoolId pool{3, 1};
+  begin_pool(0, pool, [capture](cudaStream_t s) { return s == capture; });
+  void* g = malloc_fn(6 * MiB, 0, capture);
+  end_pool(0, pool);
+  expect(g && launch(replay, g, 6 * MiB, 1000) == 0, "the graph's block, used by a replay on another stream");
+  free_fn(g, 6 * MiB, 0, capture);
+  release_pool(0, pool);
+  empty_cache();
+  expect(census_faults(census) == 0, std::string("nothing was unmapped under the replay (") + first_fault() + ")");
+
+  // 3. A wait that fails keeps the memory and says so in fragless_last_error().
+  void* y = malloc_fn(8 * MiB, 0, replay);
+  expect(y && launch(replay, y, 8 * MiB, 1000) == 0, "a block in use on its stream");
+  record_stream(y, capture);
+  free_fn(y, 8 * MiB, 0, replay);
+  fail("cuEventSynchronize", 1, 700);
+  empty_cache();
+  fail("cuEventSynchronize", 0, 0);
+  expect(std::string(last_error()).find("cuEventSynchronize") != std::string::npos,
+         std::string("fragless_last_error() names the failed wait (\"") + last_error() + "\")");
+  expect(census_faults(census) == 0, "and nothing was unmapped under the work");
+  empty_cache();
+  expect(std::string(last_error()).empty(), "the next empty_cache succeeds and clears it");
+  expect(census_faults(census) == 0, "no fault at all");
+  std::printf("%d failure(s)\n", failures);
+  return failures ? 1 : 0;
+}

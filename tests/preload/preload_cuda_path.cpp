@@ -1,0 +1,223 @@
+// The CUDA path of LD_PRELOAD on the libcuda double, as a CUDA program drives it through the runtime
+// double (fake_cudart.cpp, which goes to the libcuda double for contexts, streams, captures and device
+// synchronisation). Run only under the interposer, with FRAGLESS_LIBCUDA naming the double; each check
+// says what it proves; exits non-zero on any failure.
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "../fake_cuda/fake_cuda.h"
+
+extern "C" {
+typedef int cudaError_t;
+struct CUstream_st;
+typedef CUstream_st* cudaStream_t;
+cudaError_t cudaMalloc(void**, size_t);
+cudaError_t cudaFree(void*);
+cudaError_t cudaMallocAsync(void**, size_t, cudaStream_t);
+cudaError_t cudaFreeAsync(void*, cudaStream_t);
+cudaError_t cudaMallocAsync_ptsz(void**, size_t, cudaStream_t);
+cudaError_t cudaFreeAsync_ptsz(void*, cudaStream_t);
+cudaError_t cudaSetDevice(int);
+cudaError_t cudaStreamCreate(cudaStream_t*);
+cudaError_t cudaStreamDestroy(cudaStream_t);
+cudaError_t cudaStreamBeginCapture(cudaStream_t, int);
+cudaError_t cudaStreamEndCapture(cudaStream_t, void**);
+void* fakecudart_foreign_alloc(size_t);
+}
+
+namespace {
+
+int failures = 0;
+void expect(bool ok, const std::string& what) {
+  std::printf("%s: %s\n", ok ? "ok" : "FAIL", what.c_str());
+  if (!ok) ++failures;
+}
+
+template <typename F>
+F sym(void* lib, const char* name) {
+  auto f = reinterpret_cast<F>(dlsym(lib, name));
+  if (!f) {
+    std::fprintf(stderr, "FAIL: %s not found\n", name);
+    std::exit(1);
+  }
+  return f;
+}
+
+// The libcuda double's controls and census, and the interposer's own entry points.
+struct Double {
+  void* lib = nullptr;
+  decltype(&fakecuda_get_census) census_ = nullptr;
+  decltype(&fakecuda_fail) fail = nullptr;
+  decltype(&fakecuda_launch) launch = nullptr;
+  decltype(&fakecuda_first_fault) first_fault = nullptr;
+  decltype(&fakecuda_advance) advance = nullptr;
+  int (*primary_state)(int, unsigned*, int*) = nullptr;
+  int (*preload_memory)(int, size_t*, size_t*) = nullptr;
+  int (*device_of)(void*) = nullptr;
+  void (*counters)(unsigned long*) = nullptr;
+  Double() {
+    const char* path = std::getenv("FRAGLESS_LIBCUDA");
+    lib = path ? dlopen(path, RTLD_NOW | RTLD_LOCAL) : nullptr;
+    if (!lib || !dlsym(RTLD_DEFAULT, "fragless_preload_counters")) {
+      std::fprintf(stderr, "FAIL: run under LD_PRELOAD=libfragless_preload.so with FRAGLESS_LIBCUDA naming the double\n");
+      std::exit(1);
+    }
+    census_ = sym<decltype(census_)>(lib, "fakecuda_get_census");
+    fail = sym<decltype(fail)>(lib, "fakecuda_fail");
+    launch = sym<decltype(launch)>(lib, "fakecuda_launch");
+    first_fault = sym<decltype(first_fault)>(lib, "fakecuda_first_fault");
+    advance = sym<decltype(advance)>(lib, "fakecuda_advance");
+    primary_state = sym<decltype(primary_state)>(lib, "cuDevicePrimaryCtxGetState");
+    preload_memory = reinterpret_cast<decltype(preload_memory)>(dlsym(RTLD_DEFAULT, "fragless_preload_memory"));
+    expect(preload_memory != nullptr, "the interposer exports fragless_preload_memory");
+    device_of = sym<decltype(device_of)>(RTLD_DEFAULT, "fragless_preload_device_of");
+    counters = sym<decltype(counters)>(RTLD_DEFAULT, "fragless_preload_counters");
+  }
+  fakecuda_census census() const {
+    fakecuda_census c{};
+    census_(&c);
+    return c;
+  }
+  bool active(int device) const {
+    unsigned flags = 0;
+    int on = 0;
+    return primary_state(device, &flags, &on) == 0 && on;
+  }
+  std::size_t allocated(int device) const {
+    size_t a = 0, r = 0;
+    if (!preload_memory || preload_memory(device, &a, &r) != 0) return SIZE_MAX;
+    return a;
+  }
+  unsigned long fences() const {
+    unsigned long c[5];
+    counters(c);
+    return c[3];
+  }
+};
+
+constexpr std::size_t MiB = 1u << 20;
+constexpr int kCaptureGlobal = 0;  // cudaStreamCaptureModeGlobal
+void* const kPerThread = reinterpret_cast<void*>(std::uintptr_t{0x2});  // CU_STREAM_PER_THREAD
+
+}  // namespace
+
+int main() {
+  Double d;
+  // 1. A pointer's owner is looked up among the engines that exist: a free of memory fragless never saw
+  //    creates no engine and no context.
+  expect(cudaFree(fakecudart_foreign_alloc(4096)) == 0, "a foreign pointer's free, the process's first call");
+  expect(d.census().context_retains == 0, "retained no context (owner lookups create no engine)");
+
+  // 2. No context on device 0 before the program uses it: a program that only uses device 1.
+  expect(cudaSetDevice(1) == 0, "cudaSetDevice(1)");
+  void* on1 = nullptr;
+  expect(cudaMalloc(&on1, MiB) == 0 && on1 && d.device_of(on1) == 1, "cudaMalloc on device 1");
+  expect(!d.active(0), "device 0's primary context is not active (nothing created at start-up)");
+
+  //    And a device whose engine cannot be created does not crash a free.
+  d.fail("cuDevicePrimaryCtxRetain", 1, 2);  // the next retain fails (CUDA_ERROR_OUT_OF_MEMORY)
+  expect(cudaFree(fakecudart_foreign_alloc(4096)) == 0, "a foreign free while device 0's engine cannot be made");
+  d.fail("cuDevicePrimaryCtxRetain", 0, 0);
+
+  // 3. cudaMallocAsync allocates on the stream's device, with or without cudaStreamGetDevice (12.8+).
+  cudaStream_t s1 = nullptr;
+  expect(cudaStreamCreate(&s1) == 0 && s1, "a stream on device 1");
+  expect(cudaSetDevice(0) == 0, "cudaSetDevice(0)");
+  void* a1 = nullptr;
+  expect(cudaMallocAsync(&a1, MiB, s1) == 0 && a1 && d.device_of(a1) == 1,
+         std::string("cudaMallocAsync on a device-1 stream from device 0 allocates on device 1 (") +
+             (dlsym(RTLD_DEFAULT, "cudaStreamGetDevice") ? "cudaStreamGetDevice" : "no cudaStreamGetDevice: the stream's context") +
+             ")");
+  expect(cudaFreeAsync(a1, s1) == 0 && cudaFree(on1) == 0, "frees on device 1");
+
+  // 4. The fence of deferred frees never runs during a capture (it would invalidate it), and the engine
+  //    records no event into a capture: a capture on stream c while fragless's slow paths run.
+  cudaStream_t a = nullptr, c = nullptr;
+  expect(cudaStreamCreate(&a) == 0 && cudaStreamCreate(&c) == 0, "two streams on device 0");
+  for (int i = 0; i < 8; ++i) {  // holes on c, whose memory fragless may want to take for a
+    void* x = nullptr;
+    expect(cudaMallocAsync(&x, 3 * MiB, c) == 0 && x, "an allocation on c");
+    d.launch(c, x, 3 * MiB, 100);
+    expect(cudaFreeAsync(x, c) == 0, "its free on c");
+  }
+  expect(cudaStreamBeginCapture(c, kCaptureGlobal) == 0, "a global-mode capture begins on c");
+  void* big = nullptr;
+  expect(cudaMallocAsync(&big, 20 * MiB, a) == 0 && big, "a growth on a during the capture");
+  const unsigned long fences = d.fences();
+  for (int i = 0; i < 2; ++i) {
+    void* x = nullptr;
+    expect(cudaMalloc(&x, 160 * MiB) == 0 && x, "an allocation during the capture");
+    expect(cudaFree(x) == 0, "a cudaFree during the capture (256 MiB pending: the fence is due)");
+  }
+  expect(d.fences() == fences, "no fence ran during the capture");
+  void* graph = nullptr;
+  expect(cudaStreamEndCapture(c, &graph) == 0 && graph, "the capture ends valid");
+  expect(d.census().invalidated_captures == 0, std::string("no capture was invalidated (") + d.first_fault() + ")");
+  expect(cudaFreeAsync(big, a) == 0, "free on a");
+
+  // 5. A fence that fails keeps the frees deferred: their memory is not handed out again.
+  void* y = nullptr;
+  expect(cudaMalloc(&y, 300 * MiB) == 0 && y, "300 MiB on device 0");
+  d.launch(a, y, 300 * MiB, 1000);  // still in use on the device
+  d.fail("cuCtxSynchronize", 1, 999);
+  expect(cudaFree(y) == 0, "its cudaFree (the fence is due, and fails)");
+  expect(d.allocated(0) >= 300 * MiB, "the block stays allocated behind the failed fence");
+  d.fail("cuCtxSynchronize", 0, 0);
+  void* z = nullptr;
+  expect(cudaMalloc(&z, 300 * MiB) == 0 && z && z != y, "a new allocation does not get the unfenced memory");
+  d.launch(a, z, 300 * MiB, 10);
+  expect(cudaFree(z) == 0, "and its free fences both");
+  expect(d.allocated(0) == 0, "after a fence that worked, both went back");
+
+  // 6. Per-thread default streams are a different stream on each thread: a block freed on thread A's is
+  //    not handed to thread B without ordering.
+  void* pa = nullptr;
+  std::thread([&] {
+    cudaSetDevice(0);
+    expect(cudaMallocAsync_ptsz(&pa, 8 * MiB, nullptr) == 0 && pa, "thread A: cudaMallocAsync_ptsz on stream 0");
+    expect(d.launch(kPerThread, pa, 8 * MiB, 1000) == 0, "thread A: a kernel on its per-thread stream");
+    expect(cudaFreeAsync_ptsz(pa, nullptr) == 0, "thread A: cudaFreeAsync_ptsz");
+  }).join();
+  std::thread([&] {
+    cudaSetDevice(0);
+    void* pb = nullptr;
+    expect(cudaMallocAsync_ptsz(&pb, 8 * MiB, nullptr) == 0 && pb, "thread B: cudaMallocAsync_ptsz on stream 0");
+    expect(d.launch(kPerThread, pb, 8 * MiB, 10) == 0, "thread B: a kernel on its per-thread stream");
+    expect(cudaFreeAsync_ptsz(pb, nullptr) == 0, "thread B: cudaFreeAsync_ptsz");
+    std::printf("thread A's block %p, thread B's block %p\n", pa, pb);
+  }).join();
+  expect(d.census().faults == 0, std::string("no memory shared between the threads' streams unordered (") +
+                                     d.first_fault() + ")");
+
+  // 7. cudaStreamDestroy settles the stream: its work is waited for, later releases need not name it, and a
+  //    new stream that gets the same handle value is a new stream.
+  cudaStream_t t = nullptr;
+  expect(cudaStreamCreate(&t) == 0, "a stream t");
+  void* w = nullptr;
+  expect(cudaMallocAsync(&w, 64 * MiB, t) == 0 && w, "64 MiB on t");
+  d.launch(t, w, 64 * MiB, 5000);
+  expect(cudaFreeAsync(w, t) == 0, "freed on t while its kernel runs");
+  expect(cudaStreamDestroy(t) == 0, "t destroyed");
+  cudaStream_t t2 = nullptr;
+  expect(cudaStreamCreate(&t2) == 0, "a new stream");
+  std::printf("the new stream %s the destroyed one's handle value\n", t2 == t ? "reuses" : "does not reuse");
+  void* huge = nullptr;  // more than the device has free unless t's cached memory goes back
+  expect(cudaMallocAsync(&huge, 900 * MiB, t2) == 0 && huge, "a large allocation on the new stream succeeds");
+  d.launch(t2, huge, 900 * MiB, 10);
+  expect(cudaFreeAsync(huge, t2) == 0, "its free");
+  expect(cudaStreamDestroy(t2) == 0 && cudaStreamDestroy(a) == 0 && cudaStreamDestroy(c) == 0 &&
+             cudaStreamDestroy(s1) == 0,
+         "streams destroyed");
+
+  const auto census = d.census();
+  expect(census.faults == 0, std::string("the double saw no fault (") + d.first_fault() + ")");
+  expect(census.invalidated_captures == 0, "and no invalidated capture");
+  std::printf("%d failure(s)\n", failures);
+  return failures ? 1 : 0;
+}
