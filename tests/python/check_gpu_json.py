@@ -7,9 +7,9 @@ import sys
 from checks import check  # noqa: E402
 
 out = sys.argv[1]
-check = json.load(open(os.path.join(out, "gpu_check.json")))
-check(check["schema"] == "fragless-gpu-check/1", check.get("schema"))
-probe = check["probe"]
+gc = json.load(open(os.path.join(out, "gpu_check.json")))
+check(gc["schema"] == "fragless-gpu-check/1", gc.get("schema"))
+probe = gc["probe"]
 check(probe == json.load(open(os.path.join(out, "gpu_probe.json"))))
 check(probe["schema"] == "fragless-gpu-probe/1")
 check(isinstance(probe["date"], str) and isinstance(probe["driver"]["version"], int))
@@ -37,15 +37,15 @@ for k in ("map_nonzero_offset", "map_partial_handle", "unmap_several_mappings", 
     check(k in sem and (sem[k] is None or isinstance(sem[k], bool)), (k, sem.get(k)))
 check(sem["coherent_two_addresses"] is True and sem["unmap_several_mappings"] is True, sem)
 check(isinstance(probe["notes"], list) and probe["failure"] is None, probe["failure"])
-tests = check["real_driver_tests"]
+tests = gc["real_driver_tests"]
 check(tests["failed"] == 0 and tests["passed"] >= 12, tests)
 check(all(t["result"] in ("PASSED", "SKIPPED") for t in tests["tests"]), tests)
-rows = check["replay_with_measured_costs"]["results"]
+rows = gc["replay_with_measured_costs"]["results"]
 check({r["policy"] for r in rows} == {"classic", "expandable", "fragless"}, rows)
 check(all(r["modelled_driver_us"] > 0 for r in rows))
-check(isinstance(check["torch"], list))
-for r in check["torch"]:
+check(isinstance(gc["torch"], list))
+for r in gc["torch"]:
     for k in ("mode", "peak_reserved", "median_step_s", "alloc_free_us", "distinct_shapes", "checks", "losses"):
         check(k in r, k)
 print("gpu_check.json and gpu_probe.json follow their schema (%d cost rows, %d replay rows, %d torch rows)"
-      % (sum(len(v) for v in probe["costs_us"].values()), len(rows), len(check["torch"])))
+      % (sum(len(v) for v in probe["costs_us"].values()), len(rows), len(gc["torch"])))
