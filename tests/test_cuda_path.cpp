@@ -224,7 +224,7 @@ TEST_CASE("cuda driver: a release waits for no graph while a capture is under wa
   }
 }
 
-TEST_CASE("cuda driver: memory under work that could not be waited for is never unmapped; it stays cached",
+TEST_CASE("cuda driver: memory under work that could not be waited for is never unmapped: it stays cached",
           "[cuda][failed-waits]") {
   const Stream A = kFaultStreamA, B = kFaultStreamB;
   for (PolicyKind p : kPolicies)

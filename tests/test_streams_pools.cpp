@@ -127,7 +127,7 @@ TEST_CASE("fragless: with lend_pages:False, same-stream holes are unmapped after
   require_consistent(*e);
 }
 
-TEST_CASE("fragless: holes of an idle stream are taken with no wait; a busy stream's only as the last resort, "
+TEST_CASE("fragless: holes of an idle stream are taken with no wait, a busy stream's only as the last resort, "
           "in device order", "[fragless]") {
   EngineSpec spec;
   spec.policy = PolicyKind::fragless;
