@@ -4,14 +4,17 @@
 #   tools/gpu_bundle.sh [OUT]
 # Contents: bin/fragless-gpu-probe, bin/fragless-gpu-tests, bin/fragless-replay, lib/libfragless.so, lib/libfragless_preload.so,
 # lib/fragless_kernels.fatbin (the spin kernel, nvcc: sm_90 code + compute_80 PTX), python/fragless (the
-# helper), gpu_check.sh, gpu_train.py, MANIFEST. Then, on the device: bash OUT/gpu_check.sh OUT
+# helper), gpu_check.sh, gpu_train.py, MANIFEST (what was built, from which commit, the kernel, the glibc the
+# binaries need). Then, on the device: bash OUT/gpu_check.sh OUT
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 out="$(mkdir -p "${1:-$root/gpu-bundle}" && cd "${1:-$root/gpu-bundle}" && pwd)"
 build="${FRAGLESS_BUNDLE_BUILD:-$out.build}"
 jobs="$(nproc 2>/dev/null || echo 2)"
+launcher=()
+if command -v ccache >/dev/null; then launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DFRAGLESS_BUILD_TESTS=OFF -DFRAGLESS_BUILD_BENCH=ON \
-  -DCMAKE_EXE_LINKER_FLAGS="-static-libstdc++ -static-libgcc" >/dev/null
+  -DCMAKE_EXE_LINKER_FLAGS="-static-libstdc++ -static-libgcc" "${launcher[@]}" >/dev/null
 cmake --build "$build" -j"$jobs" --target fragless fragless_preload fragless-gpu-probe fragless-gpu-tests fragless-replay >/dev/null
 rm -rf "$out/bin" "$out/lib" "$out/python"
 mkdir -p "$out/bin" "$out/lib" "$out/python"
@@ -28,10 +31,13 @@ if [ -x "$nvcc" ]; then
 else
   kernel="none: no nvcc here, so the probe's kernel questions will be unanswered"
 fi
+# The glibc the binaries need: the newest GLIBC_ symbol version they import (gpu_check.sh checks it at start).
+glibc="$(objdump -T "$out"/bin/* "$out"/lib/*.so 2>/dev/null | grep -o 'GLIBC_[0-9][0-9.]*' | sed 's/GLIBC_//' | sort -uV | tail -1)"
 {
   echo "fragless GPU bundle"
   echo "built: $(date -u +%Y-%m-%dT%H:%MZ) on $(uname -m), from $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
   echo "kernel: $kernel"
+  echo "glibc: ${glibc:-unknown (no objdump on the build machine)} or newer (the newest symbol version the binaries import)"
 } > "$out/MANIFEST"
 size=$(du -sb "$out" | cut -f1)
 if [ "$size" -gt $((64 << 20)) ]; then

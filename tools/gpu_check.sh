@@ -3,106 +3,169 @@
 #   bash gpu-bundle/gpu_check.sh [BUNDLE]       (BUNDLE: default, the folder this script is in, or gpu-bundle/)
 # 1. the driver probe (tools/gpu_probe.cpp): granularity, VMM attributes, call costs, the contract's questions;
 # 2. the real-driver tests (tools/gpu_tests.cpp: conformance, OOM, integrity with patterns through cuMemcpy,
-#    record_stream with a real kernel on two streams, a graph capture on a real stream), every policy;
+#    record_stream proved physically with a kernel that writes at its end, a graph of real kernels replayed on
+#    another stream and released while it runs), every policy;
 # 3. the built-in workloads replayed with the measured costs instead of the A100 model;
 # 4. when PyTorch with CUDA is importable: training over batches whose shapes really vary under native,
 #    native + expandable_segments, fragless (CUDAPluggableAllocator) and fragless (LD_PRELOAD), plus the
 #    memory API, a snapshot and a CUDA graph under each (tools/gpu_train.py).
-# Writes gpu_check.json (and gpu_probe.json) into $OUT when set (the device tool's output folder), else the
-# current folder, and prints one table. At most about 8 minutes on one GPU; without a GPU it says so and
-# exits 77 within seconds. It builds from source only when the bundle is missing and a compiler is there.
-# FRAGLESS_LIBCUDA points it at another libcuda (the test double, in CI).
+# Writes exactly two files into $OUT (the device tool's output folder; else the current folder):
+# gpu_check.json (every step's result, exit status, time, and its stderr) and gpu_check.log (what it printed).
+# gpu_check.json is rewritten after every step, so a run cut short still hands back what it did. The step
+# limits add up to the 8-minute budget (480 s). Exit status: 0 when every step that ran passed, 77 only when
+# there is no GPU driver or device (within seconds), 1 when a step failed or timed out, a real-driver test
+# failed, or the bundle cannot run here (its glibc, MANIFEST). FRAGLESS_LIBCUDA points it at another libcuda
+# (the test double, in CI).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+out="${OUT:-$PWD}"
+mkdir -p "$out"
+if [ -z "${FRAGLESS_GPU_CHECK_LOGGED:-}" ]; then  # everything printed goes to gpu_check.log as well
+  FRAGLESS_GPU_CHECK_LOGGED=1 bash "$0" "$@" 2>&1 | tee "$out/gpu_check.log"
+  exit "${PIPESTATUS[0]}"
+fi
 bundle="${1:-}"
 if [ -z "$bundle" ]; then
   if [ -x "$here/bin/fragless-gpu-probe" ]; then bundle="$here"; else bundle="$here/../gpu-bundle"; fi
 fi
-out="${OUT:-$PWD}"
-mkdir -p "$out"
 steps="${FRAGLESS_GPU_STEPS:-40}"
-t_start=$(date +%s)
-left() { echo $((480 - ($(date +%s) - t_start))); }  # seconds of the 8-minute budget left
+work="$(mktemp -d "${TMPDIR:-/tmp}/fragless-gpu-check.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+# Step limits in seconds: 140 + 110 + 50 + 4 x 40 + 20 (assembling the report) = 480.
+t_probe=140 t_tests=110 t_replay=50 t_torch=40 t_report=20
 
 if [ ! -x "$bundle/bin/fragless-gpu-probe" ]; then
-  src="$(cd "$here/.." 2>/dev/null && pwd)"
-  if [ -f "$src/tools/gpu_bundle.sh" ] && command -v cmake >/dev/null && command -v c++ >/dev/null; then
-    echo "== no bundle at $bundle: building one from $src"
-    bash "$src/tools/gpu_bundle.sh" "$bundle" || { echo "gpu_check: building the bundle failed"; exit 1; }
-  else
-    echo "gpu_check: no bundle at $bundle and no compiler to build one (run tools/gpu_bundle.sh first)"
-    exit 1
-  fi
+  echo "gpu_check: no bundle at $bundle (run tools/gpu_bundle.sh on a build machine first)"
+  exit 1
 fi
 bundle="$(cd "$bundle" && pwd)"
 echo "== $(date -u +%Y-%m-%dT%H:%MZ) bundle: $(sed -n 2p "$bundle/MANIFEST" 2>/dev/null)"
 
+# The bundle's binaries need the glibc its MANIFEST names (the build machine's newest symbol version).
+need="$(sed -n 's/^glibc: \([0-9.]*\).*/\1/p' "$bundle/MANIFEST" 2>/dev/null)"
+have="$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{print $2}')"
+if [ -n "$need" ] && [ -n "$have" ] && [ "$(printf '%s\n%s\n' "$need" "$have" | sort -V | head -1)" != "$need" ]; then
+  echo "gpu_check: this bundle needs glibc $need or newer (MANIFEST); this machine has glibc $have: build the bundle on a machine with glibc $have or older"
+  exit 1
+fi
+[ -n "$need" ] || echo "gpu_check: the MANIFEST names no glibc; going on"
+
+# run NAME LIMIT CMD...: one step, its stdout to $work/NAME.out, stderr to $work/NAME.err (and printed),
+# its exit status and time to $work/NAME.status.
+run() {
+  local name="$1" limit="$2"; shift 2
+  local t0 rc; t0=$(date +%s)
+  timeout "$limit" "$@" > "$work/$name.out" 2> "$work/$name.err"
+  rc=$?
+  cat "$work/$name.err" >&2
+  echo "$rc $(( $(date +%s) - t0 )) $limit" > "$work/$name.status"
+  return $rc
+}
+
+# Assembles gpu_check.json from what the steps left in $work.
+report() {
+  timeout "$t_report" python3 - "$work" "$out/gpu_check.json" "$bundle" <<'PY'
+import json, os, sys
+work, dest, bundle = sys.argv[1], sys.argv[2], sys.argv[3]
+def text(name):
+    try:
+        return open(os.path.join(work, name), errors="replace").read()
+    except OSError:
+        return None
+def load(name):
+    t = text(name)
+    try:
+        return json.loads(t) if t else None
+    except ValueError:
+        return None
+steps = {}
+for f in sorted(os.listdir(work)):
+    if f.endswith(".status"):
+        name = f[:-len(".status")]
+        rc, secs, limit = (int(x) for x in text(f).split())
+        steps[name] = {"exit": rc, "seconds": secs, "limit_s": limit, "timed_out": rc in (124, 137),
+                       "stderr": (text(name + ".err") or "")[-20000:]}
+torch_rows = []
+for name in ("native", "expandable", "fragless", "preload"):
+    t = text("torch_%s.out" % name) or ""
+    rows = [json.loads(l) for l in t.splitlines() if l.startswith("{")]
+    torch_rows += rows[-1:]
+try:
+    manifest = open(os.path.join(bundle, "MANIFEST")).read()
+except OSError:
+    manifest = None
+doc = {"schema": "fragless-gpu-check/2", "manifest": manifest, "steps": steps, "probe": load("probe.json"),
+       "real_driver_tests": load("tests.json"), "replay_with_measured_costs": load("replay.out"), "torch": torch_rows}
+tmp = dest + ".tmp"
+json.dump(doc, open(tmp, "w"), indent=1)
+os.replace(tmp, dest)
+PY
+}
+
+failed=0
+step_failed() { echo "gpu_check: $1"; failed=1; }
+
 # 1. The driver probe. 77: no driver or no device.
 kernel="$bundle/lib/fragless_kernels.fatbin"
 [ -f "$kernel" ] || kernel=""
-timeout 240 "$bundle/bin/fragless-gpu-probe" ${kernel:+--kernel "$kernel"} --out "$out/gpu_probe.json"
+run probe "$t_probe" "$bundle/bin/fragless-gpu-probe" ${kernel:+--kernel "$kernel"} --out "$work/probe.json"
 rc=$?
 if [ $rc -eq 77 ]; then
+  cat "$work/probe.out"
   echo "SKIPPED: no GPU here; nothing was measured"
+  report
   exit 77
 fi
-[ $rc -eq 0 ] || echo "gpu_check: the probe failed (exit $rc); going on with what it wrote"
+cat "$work/probe.out"
+[ $rc -eq 0 ] || step_failed "the probe failed (exit $rc); going on with what it wrote"
+report
 
 # 2. The real-driver tests.
-timeout 180 "$bundle/bin/fragless-gpu-tests" ${kernel:+--kernel "$kernel"} --json "$out/gpu_tests.json" ||
-  echo "gpu_check: real-driver tests failed (see above)"
+run tests "$t_tests" "$bundle/bin/fragless-gpu-tests" ${kernel:+--kernel "$kernel"} --json "$work/tests.json"
+rc=$?
+cat "$work/tests.out"
+[ $rc -eq 0 ] || step_failed "real-driver tests failed or did not finish (exit $rc)"
+report
 
 # 3. The built-in workloads with the measured costs, against the A100 model.
-replay_json="$out/gpu_replay.json"
-if [ -s "$out/gpu_probe.json" ]; then
-  timeout 120 "$bundle/bin/fragless-replay" --json --costs "$out/gpu_probe.json" \
-    workload:transformer-train workload:transformer-infer > "$replay_json" 2>"$out/gpu_replay.err" ||
-    echo "gpu_check: the replay with measured costs failed (see gpu_replay.err)"
+if [ -s "$work/probe.json" ]; then
+  run replay "$t_replay" "$bundle/bin/fragless-replay" --json --costs "$work/probe.json" \
+    workload:transformer-train workload:transformer-infer
+  rc=$?
+  [ $rc -eq 0 ] || step_failed "the replay with measured costs failed (exit $rc)"
+else
+  step_failed "no probe results: the replay with measured costs was not run"
 fi
+report
 
 # 4. PyTorch, when it is importable with CUDA.
-torch_json="$out/gpu_torch.jsonl"
-: > "$torch_json"
 if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   lib="$bundle/lib"
-  run() {  # run MODE [ENV...]
+  train() {  # train MODE [ENV...]
     local mode="$1"; shift
-    local budget; budget=$(( $(left) / 2 ))
-    [ "$budget" -gt 20 ] || { echo "gpu_check: no time left for $mode"; return; }
-    env "$@" PYTHONPATH="$bundle/python" FRAGLESS_LIBRARY="$lib/libfragless.so" \
-      timeout "$budget" python3 "$bundle/gpu_train.py" --mode "$mode" --steps "$steps" 2>"$out/gpu_$mode.err" |
-      tail -1 >> "$torch_json" || true
+    run "torch_$mode" "$t_torch" env "$@" PYTHONPATH="$bundle/python" FRAGLESS_LIBRARY="$lib/libfragless.so" \
+      python3 "$bundle/gpu_train.py" --mode "$mode" --steps "$steps"
+    local rc=$?
+    tail -1 "$work/torch_$mode.out"
+    [ $rc -eq 0 ] || step_failed "training under $mode failed or did not finish (exit $rc)"
+    report
   }
-  run native
-  run expandable PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-  run fragless
-  run preload PYTORCH_NO_CUDA_MEMORY_CACHING=1 LD_PRELOAD="$lib/libfragless_preload.so"
+  train native
+  train expandable PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  train fragless
+  train preload PYTORCH_NO_CUDA_MEMORY_CACHING=1 LD_PRELOAD="$lib/libfragless_preload.so"
 else
   echo "== PyTorch with CUDA is not importable here: the training comparison was not run"
 fi
 
-# One JSON and one table.
-python3 - "$out" <<'PY'
-import json, os, sys
-out = sys.argv[1]
-def load(name):
-    p = os.path.join(out, name)
-    try:
-        return json.load(open(p))
-    except Exception:
-        return None
-probe = load("gpu_probe.json")
-tests = load("gpu_tests.json")
-replay = load("gpu_replay.json")
-torch_rows = []
-p = os.path.join(out, "gpu_torch.jsonl")
-if os.path.exists(p):
-    for line in open(p):
-        if line.startswith("{"):
-            torch_rows.append(json.loads(line))
-json.dump({"schema": "fragless-gpu-check/1", "probe": probe, "real_driver_tests": tests,
-           "replay_with_measured_costs": replay,
-           "torch": torch_rows}, open(os.path.join(out, "gpu_check.json"), "w"), indent=1)
+# One table.
+python3 - "$out/gpu_check.json" <<'PY'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+probe, tests, replay, torch_rows = doc["probe"], doc["real_driver_tests"], doc["replay_with_measured_costs"], doc["torch"]
+for name, st in doc["steps"].items():
+    print("step %-16s exit %3d in %4d s of %4d%s" % (name, st["exit"], st["seconds"], st["limit_s"],
+          " (timed out)" if st["timed_out"] else ""))
 if probe:
     d = probe["device"]
     print("device: %s, %.1f GiB, granularity %d / %d, driver %d" % (d["name"], d["total_bytes"] / 2**30,
@@ -125,5 +188,11 @@ if torch_rows:
         print("%-11s %12.0f %12s %8.2f%% %9.1f %13.2f %7d %s; %s" % (r["mode"], r["peak_reserved"] / 2**20, pa,
               100 * r["fragmentation_at_peak"], 1000 * r["median_step_s"], r["alloc_free_us"],
               r.get("distinct_shapes", 0), same, r.get("checks")))
-print("written:", os.path.join(out, "gpu_check.json"))
+print("written:", sys.argv[1])
 PY
+if [ $failed -ne 0 ]; then
+  echo "gpu_check: FAILED (see the steps above and gpu_check.json)"
+  exit 1
+fi
+echo "gpu_check: every step that ran passed"
+exit 0

@@ -6,9 +6,13 @@
 //
 // conformance (distinct, aligned, usable blocks; reuse; empty_cache gives everything back), OOM under a
 // memory fraction (PyTorch's first sentence, then recovery), integrity (random operations with a pattern per
-// live block, every policy), record_stream with a real kernel on a second stream, and a graph capture on a
-// real stream with pool routing (never invalidated). A test that cannot run here (no kernel on the libcuda
-// double) is reported SKIPPED, loudly. Exit 0 all passed, 1 a failure, 77 no GPU driver or device.
+// live block, every policy), record_stream proved physically (a kernel on a second stream writes the whole
+// freed block at its end: a new block must neither see that value nor lose its own bytes to it), a graph of
+// real kernels captured into a private pool, replayed on another stream and released while the replay runs
+// (the stream must end without a fault), and a capture on a real stream with pool routing (never
+// invalidated). A test fails when its allocator cannot be created or any driver call it makes fails. A test
+// that cannot run here (no kernel on the libcuda double) is reported SKIPPED, loudly. Exit 0 all passed, 1 a
+// failure (or the setup failed), 77 no GPU driver or device.
 #include <dlfcn.h>
 
 #include <chrono>
@@ -53,6 +57,12 @@ struct Cu {
   CUresult (*launchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
                            void**, void**) = nullptr;
   CUresult (*eventQuery)(CUevent) = nullptr;
+  CUresult (*eventCreate)(CUevent*, unsigned) = nullptr;
+  CUresult (*eventRecord)(CUevent, CUstream) = nullptr;
+  CUresult (*eventDestroy)(CUevent) = nullptr;
+  CUresult (*graphInstantiate)(CUgraphExec*, CUgraph, unsigned long long) = nullptr;
+  CUresult (*graphLaunch)(CUgraphExec, CUstream) = nullptr;
+  CUresult (*graphExecDestroy)(CUgraphExec) = nullptr;
   template <typename F>
   void get(F* f, const char* n) { *f = reinterpret_cast<F>(dlsym(lib, n)); }
 };
@@ -74,6 +84,8 @@ class Run {
     if (!ok && why.empty()) why = what;
     return ok;
   }
+  // A driver call the test makes: any error fails the test, named.
+  bool ok(CUresult r, const char* call) { return expect(r == CUDA_SUCCESS, std::string(call) + " returned " + std::to_string(r)); }
   void finish(const std::string& name) {
     if (why.empty()) ++r_.passed, r_.add(name, "PASSED", "");
     else ++r_.failed, r_.add(name, "FAILED", why);
@@ -104,6 +116,15 @@ class Run {
     if (cu_.dtoh(got.data(), d, got.size()) != CUDA_SUCCESS || got != v) return false;
     return n <= kHead || (cu_.dtoh(&last, d + n - 1, 1) == CUDA_SUCCESS && last == v[1]);
   }
+  // Every byte of the block: written whole, or read back whole and compared.
+  bool write_all(void* p, std::size_t n, std::uint64_t seed) {
+    const auto v = pattern(n, seed);
+    return cu_.htod(reinterpret_cast<CUdeviceptr>(p), v.data(), n) == CUDA_SUCCESS;
+  }
+  bool check_all(void* p, std::size_t n, std::uint64_t seed) {
+    std::vector<unsigned char> got(n);
+    return cu_.dtoh(got.data(), reinterpret_cast<CUdeviceptr>(p), n) == CUDA_SUCCESS && got == pattern(n, seed);
+  }
 
  private:
   Cu& cu_;
@@ -115,6 +136,21 @@ std::unique_ptr<Allocator> make(PolicyKind p, std::string* err) {
   o.policy = p;
   o.driver = DriverKind::cuda;
   return Allocator::create(o, 1, err);
+}
+
+// One test under one policy: an allocator that cannot be created fails it; then the body; then the verdict.
+template <typename F>
+void test(Run& t, PolicyKind p, const std::string& name, F&& body) {
+  std::string err;
+  auto a = make(p, &err);
+  DeviceEngine* e = a ? a->device(0, &err) : nullptr;
+  if (t.expect(e != nullptr, "cannot create the allocator: " + err)) body(*e);
+  t.finish(name + " (" + policy_name(p) + ")");
+}
+
+bool emptied(Run& t, DeviceEngine& e) {
+  AllocError ae;
+  return t.expect(e.empty_cache(&ae) == Status::ok, "empty_cache: " + ae.message);
 }
 
 }  // namespace
@@ -158,21 +194,31 @@ int main(int argc, char** argv) {
   cu.get(&cu.moduleGetFunction, "cuModuleGetFunction");
   cu.get(&cu.launchKernel, "cuLaunchKernel");
   cu.get(&cu.eventQuery, "cuEventQuery");
-  if (!cu.lib || !cu.primaryCtxRetain || !cu.htod || !cu.dtoh || !cu.streamCreate || !cu.beginCapture) {
+  cu.get(&cu.eventCreate, "cuEventCreate");
+  cu.get(&cu.eventRecord, "cuEventRecord");
+  cu.get(&cu.eventDestroy, "cuEventDestroy_v2");
+  cu.get(&cu.graphInstantiate, "cuGraphInstantiateWithFlags");
+  cu.get(&cu.graphLaunch, "cuGraphLaunch");
+  cu.get(&cu.graphExecDestroy, "cuGraphExecDestroy");
+  if (!cu.lib || !cu.primaryCtxRetain || !cu.ctxPush || !cu.htod || !cu.dtoh || !cu.streamCreate || !cu.beginCapture ||
+      !cu.endCapture || !cu.streamSynchronize) {
     std::fprintf(stderr, "fragless-gpu-tests: the driver lacks the calls these tests need\n");
     return 1;
   }
   // This thread acts as a CUDA program's: device 0's primary context current, streams of its own.
   CUcontext ctx = nullptr;
-  cu.primaryCtxRetain(&ctx, 0);
-  cu.ctxPush(ctx);
-  CUstream sa = nullptr, sb = nullptr;
-  cu.streamCreate(&sa, CU_STREAM_NON_BLOCKING);
-  cu.streamCreate(&sb, CU_STREAM_NON_BLOCKING);
+  CUstream sa = nullptr, sb = nullptr, sc = nullptr;
+  if (cu.primaryCtxRetain(&ctx, 0) != CUDA_SUCCESS || cu.ctxPush(ctx) != CUDA_SUCCESS ||
+      cu.streamCreate(&sa, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS ||
+      cu.streamCreate(&sb, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS ||
+      cu.streamCreate(&sc, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
+    std::fprintf(stderr, "fragless-gpu-tests: cannot set up device 0's context and three streams\n");
+    return 1;
+  }
   const auto A = reinterpret_cast<Stream>(sa), B = reinterpret_cast<Stream>(sb);
-  CUfunction spin = nullptr;
+  CUfunction spin_fill = nullptr;
   std::string no_kernel;
-  if (!cu.moduleLoadData || !cu.launchKernel) {
+  if (!cu.moduleLoadData || !cu.launchKernel || !cu.eventCreate || !cu.graphInstantiate || !cu.graphLaunch) {
     no_kernel = "the driver runs no kernels (the libcuda double)";
   } else if (kernel_file.empty()) {
     no_kernel = "no --kernel file";
@@ -183,154 +229,196 @@ int main(int argc, char** argv) {
     std::string image = ss.str() + std::string(1, '\0');
     CUmodule mod = nullptr;
     if (!f || cu.moduleLoadData(&mod, image.data()) != CUDA_SUCCESS ||
-        cu.moduleGetFunction(&spin, mod, "fragless_spin") != CUDA_SUCCESS)
-      no_kernel = "cannot load fragless_spin from " + kernel_file;
+        cu.moduleGetFunction(&spin_fill, mod, "fragless_spin_fill") != CUDA_SUCCESS)
+      no_kernel = "cannot load fragless_spin_fill from " + kernel_file;
   }
+  // A kernel on `s` that spins for about `ms` milliseconds, then writes `value` into every word of [p, p+n).
+  auto launch_fill = [&](CUstream s, void* p, std::size_t n, double ms, unsigned value) {
+    unsigned long long cycles = static_cast<unsigned long long>(ms * 2e6), words = n / 4;
+    void* args[] = {&p, &cycles, &words, &value};
+    return cu.launchKernel(spin_fill, 64, 1, 1, 256, 1, 1, 0, s, args, nullptr);
+  };
+  // Whether the work queued on s so far is still running.
+  auto running = [&](Run& t, CUstream s) {
+    CUevent ev = nullptr;
+    if (!t.ok(cu.eventCreate(&ev, CU_EVENT_DISABLE_TIMING), "cuEventCreate") || !t.ok(cu.eventRecord(ev, s), "cuEventRecord"))
+      return false;
+    const bool busy = cu.eventQuery(ev) == CUDA_ERROR_NOT_READY;
+    cu.eventDestroy(ev);
+    return busy;
+  };
   Report report;
   Run t(cu, report);
   const PolicyKind policies[] = {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless};
 
   for (PolicyKind p : policies) {
-    const std::string pn = policy_name(p);
-    {  // conformance
-      auto a = make(p, &err);
-      t.expect(a != nullptr, "cannot create the allocator: " + err);
-      if (a) {
-        DeviceEngine& e = *a->device(0);
-        std::vector<std::pair<void*, std::size_t>> live;
-        const std::size_t sizes[] = {1, 512, 4096, 1 * MiB + 7, 3 * MiB, 24 * MiB, 200 * MiB};
-        for (int round = 0; round < 3; ++round)
-          for (std::size_t i = 0; i < std::size(sizes); ++i) {
-            AllocError ae;
-            void* x = e.allocate(sizes[i], i % 2 ? A : B, &ae);
-            t.expect(x != nullptr, "allocation of " + std::to_string(sizes[i]) + " failed: " + ae.message);
-            if (!x) continue;
-            t.expect(reinterpret_cast<std::uintptr_t>(x) % 512 == 0, "a block not aligned to 512 bytes");
-            t.expect(t.write(x, sizes[i], i + 10 * round), "cuMemcpyHtoD into a block failed");
-            live.emplace_back(x, sizes[i]);
-          }
-        for (std::size_t k = 0; k < live.size(); ++k)
-          t.expect(t.check(live[k].first, live[k].second, k % std::size(sizes) + 10 * (k / std::size(sizes))),
-                   "a block's bytes changed (overlap or a bad mapping)");
-        for (auto& [x, n] : live) e.free(x);
-        const auto calls = e.driver_counters()[DriverCall::create];
-        for (int i = 0; i < 10; ++i) e.free(e.allocate(3 * MiB, A, nullptr));
-        t.expect(e.driver_counters()[DriverCall::create] == calls, "a freed block was not reused on its stream");
-        e.empty_cache();
-        t.expect(e.stats().reserved_bytes.all().current == 0, "empty_cache left memory reserved");
-        t.expect(e.check_invariants().empty(), e.check_invariants());
-      }
-      t.finish("conformance (" + pn + ")");
-    }
-    {  // OOM under a memory fraction, then recovery
-      auto a = make(p, &err);
-      if (a) {
-        DeviceEngine& e = *a->device(0);
-        std::size_t free_b = 0, total_b = 0;
-        e.memory_info(&free_b, &total_b);
-        t.expect(e.set_memory_fraction(0.02) == Status::ok, "set_memory_fraction");
-        AllocError ae;
-        void* big = e.allocate(total_b / 20, A, &ae);
-        t.expect(big == nullptr && ae.status == Status::out_of_memory, "no OOM beyond the memory fraction");
-        t.expect(ae.message.rfind("CUDA out of memory. Tried to allocate", 0) == 0, "OOM message: " + ae.message);
-        e.set_memory_fraction(1.0);
-        void* ok = e.allocate(total_b / 20, A, &ae);
-        t.expect(ok != nullptr, "no recovery after the fraction was lifted: " + ae.message);
-        if (ok) t.expect(t.write(ok, total_b / 20, 3) && t.check(ok, total_b / 20, 3), "the recovered block");
-        e.free(ok);
-      }
-      t.finish("OOM under a memory fraction, then recovery (" + pn + ")");
-    }
-    {  // integrity: random operations, a pattern per live block
-      auto a = make(p, &err);
-      if (a) {
-        DeviceEngine& e = *a->device(0);
-        std::mt19937_64 rng(42);
-        std::unordered_map<void*, std::pair<std::size_t, std::uint64_t>> live;
-        std::vector<void*> order;
-        for (int op = 0; op < 3000; ++op) {
-          if (!order.empty() && rng() % 3 == 0) {
-            const std::size_t k = rng() % order.size();
-            void* x = order[k];
-            t.expect(t.check(x, live[x].first, live[x].second), "a live block's bytes changed before its free");
-            e.free(x);
-            live.erase(x);
-            order[k] = order.back();
-            order.pop_back();
-          } else {
-            const std::size_t n = rng() % 4 == 0 ? (1 + rng() % 64) * MiB : 512 * (1 + rng() % 4096);
-            void* x = e.allocate(n, rng() % 2 ? A : B, nullptr);
-            if (!x) continue;
-            const std::uint64_t seed = rng();
-            t.expect(t.write(x, n, seed), "cuMemcpyHtoD");
-            live[x] = {n, seed};
-            order.push_back(x);
-          }
-          if (op % 500 == 499) e.empty_cache();
+    test(t, p, "conformance", [&](DeviceEngine& e) {
+      std::vector<std::pair<void*, std::size_t>> live;
+      const std::size_t sizes[] = {1, 512, 4096, 1 * MiB + 7, 3 * MiB, 24 * MiB, 200 * MiB};
+      for (int round = 0; round < 3; ++round)
+        for (std::size_t i = 0; i < std::size(sizes); ++i) {
+          AllocError ae;
+          void* x = e.allocate(sizes[i], i % 2 ? A : B, &ae);
+          t.expect(x != nullptr, "allocation of " + std::to_string(sizes[i]) + " failed: " + ae.message);
+          if (!x) continue;
+          t.expect(reinterpret_cast<std::uintptr_t>(x) % 512 == 0, "a block not aligned to 512 bytes");
+          t.expect(t.write(x, sizes[i], i + 10 * round), "cuMemcpyHtoD into a block failed");
+          live.emplace_back(x, sizes[i]);
         }
-        for (void* x : order) {
-          t.expect(t.check(x, live[x].first, live[x].second), "a live block's bytes changed");
-          e.free(x);
-        }
-        t.expect(e.check_invariants().empty(), e.check_invariants());
+      for (std::size_t k = 0; k < live.size(); ++k)
+        t.expect(t.check(live[k].first, live[k].second, k % std::size(sizes) + 10 * (k / std::size(sizes))),
+                 "a block's bytes changed (overlap or a bad mapping)");
+      for (auto& [x, n] : live) t.expect(e.free(x) == Status::ok, "free");
+      const auto calls = e.driver_counters()[DriverCall::create];
+      for (int i = 0; i < 10; ++i) t.expect(e.free(e.allocate(3 * MiB, A, nullptr)) == Status::ok, "alloc and free");
+      t.expect(e.driver_counters()[DriverCall::create] == calls, "a freed block was not reused on its stream");
+      emptied(t, e);
+      t.expect(e.stats().reserved_bytes.all().current == 0, "empty_cache left memory reserved");
+      t.expect(e.check_invariants().empty(), e.check_invariants());
+    });
+    test(t, p, "OOM under a memory fraction, then recovery", [&](DeviceEngine& e) {
+      std::size_t free_b = 0, total_b = 0;
+      e.memory_info(&free_b, &total_b);
+      t.expect(total_b > 0, "cuMemGetInfo gave no total");
+      t.expect(e.set_memory_fraction(0.02) == Status::ok, "set_memory_fraction");
+      AllocError ae;
+      void* big = e.allocate(total_b / 20, A, &ae);
+      t.expect(big == nullptr && ae.status == Status::out_of_memory, "no OOM beyond the memory fraction");
+      t.expect(ae.message.rfind("CUDA out of memory. Tried to allocate", 0) == 0, "OOM message: " + ae.message);
+      t.expect(e.set_memory_fraction(1.0) == Status::ok, "set_memory_fraction(1)");
+      void* ok = e.allocate(total_b / 20, A, &ae);
+      t.expect(ok != nullptr, "no recovery after the fraction was lifted: " + ae.message);
+      if (ok) {
+        t.expect(t.write(ok, total_b / 20, 3) && t.check(ok, total_b / 20, 3), "the recovered block");
+        t.expect(e.free(ok) == Status::ok, "free");
       }
-      t.finish("integrity: 3,000 random operations with patterns (" + pn + ")");
+      emptied(t, e);
+    });
+    test(t, p, "integrity: 3,000 random operations with patterns", [&](DeviceEngine& e) {
+      std::mt19937_64 rng(42);
+      std::unordered_map<void*, std::pair<std::size_t, std::uint64_t>> live;
+      std::vector<void*> order;
+      int allocated = 0;
+      for (int op = 0; op < 3000; ++op) {
+        if (!order.empty() && rng() % 3 == 0) {
+          const std::size_t k = rng() % order.size();
+          void* x = order[k];
+          t.expect(t.check(x, live[x].first, live[x].second), "a live block's bytes changed before its free");
+          t.expect(e.free(x) == Status::ok, "free");
+          live.erase(x);
+          order[k] = order.back();
+          order.pop_back();
+        } else {
+          const std::size_t n = rng() % 4 == 0 ? (1 + rng() % 64) * MiB : 512 * (1 + rng() % 4096);
+          AllocError ae;
+          void* x = e.allocate(n, rng() % 2 ? A : B, &ae);
+          if (!x) {
+            t.expect(ae.status == Status::out_of_memory, "allocation failed: " + ae.message);
+            continue;
+          }
+          ++allocated;
+          const std::uint64_t seed = rng();
+          t.expect(t.write(x, n, seed), "cuMemcpyHtoD");
+          live[x] = {n, seed};
+          order.push_back(x);
+        }
+        if (op % 500 == 499) emptied(t, e);
+      }
+      t.expect(allocated > 1000, "fewer than 1,000 allocations succeeded");
+      for (void* x : order) {
+        t.expect(t.check(x, live[x].first, live[x].second), "a live block's bytes changed");
+        t.expect(e.free(x) == Status::ok, "free");
+      }
+      t.expect(e.check_invariants().empty(), e.check_invariants());
+      emptied(t, e);
+    });
+    if (!no_kernel.empty()) {
+      t.skip(std::string("record_stream: no physical reuse before a kernel on a second stream ends (") + policy_name(p) + ")",
+             no_kernel);
+    } else {
+      test(t, p, "record_stream: no physical reuse before a kernel on a second stream ends", [&](DeviceEngine& e) {
+        constexpr std::size_t n = 8 * MiB;
+        void* x = e.allocate(n, A, nullptr);
+        if (!t.expect(x != nullptr, "allocation")) return;
+        // The kernel writes 0xA5A5A5A5 over all of x at its end, ~200 ms from now.
+        t.ok(launch_fill(sb, x, n, 200, 0xA5A5A5A5u), "cuLaunchKernel");
+        t.expect(e.record_stream(x, B) == Status::ok, "record_stream");
+        t.expect(e.free(x) == Status::ok, "free");
+        void* y = e.allocate(n, A, nullptr);  // the kernel still runs
+        if (!t.expect(y != nullptr, "allocation")) return;
+        t.expect(t.write_all(y, n, 77), "cuMemcpyHtoD into the new block");
+        t.expect(running(t, sb), "the kernel ended before the new block was written: the test proved nothing");
+        t.ok(cu.streamSynchronize(sb), "cuStreamSynchronize");
+        t.expect(t.check_all(y, n, 77), "the kernel's write at its end reached the new block: its memory was reused");
+        t.expect(e.free(y) == Status::ok, "free");
+        emptied(t, e);
+      });
     }
     if (!no_kernel.empty()) {
-      t.skip("record_stream with a kernel on a second stream (" + pn + ")", no_kernel);
-    } else {  // record_stream with a real kernel on B
-      auto a = make(p, &err);
-      if (a) {
-        DeviceEngine& e = *a->device(0);
-        void* x = e.allocate(8 * MiB, A, nullptr);
-        unsigned long long cycles = 100ull * 1000 * 1000 * 2;  // ~100 ms
-        void* args[] = {&x, &cycles};
-        t.expect(cu.launchKernel(spin, 1, 1, 1, 32, 1, 1, 0, sb, args, nullptr) == CUDA_SUCCESS, "cuLaunchKernel");
-        e.record_stream(x, B);
-        e.free(x);
-        void* y = e.allocate(8 * MiB, A, nullptr);  // the kernel still writes x
-        t.expect(y != x, "a block used by a running kernel on another stream was handed out again");
-        cu.streamSynchronize(sb);
-        e.free(y);
-        e.empty_cache();
-      }
-      t.finish("record_stream with a kernel on a second stream (" + pn + ")");
-    }
-    {  // graph capture on a real stream
-      auto a = make(p, &err);
-      if (a) {
-        DeviceEngine& e = *a->device(0);
-        e.free(e.allocate(4 * MiB, B, nullptr));  // cached memory, and a stream that is not captured
-        t.expect(cu.beginCapture(sa, CU_STREAM_CAPTURE_MODE_GLOBAL) == CUDA_SUCCESS, "cuStreamBeginCapture");
-        e.begin_allocate_to_pool({9, 9}, [A](Stream s) { return s == A; });
-        std::vector<void*> keep;
-        for (int i = 0; i < 6; ++i) {
-          void* g = e.allocate((1 + i) * 3 * MiB, A, nullptr);
-          t.expect(g != nullptr, "an allocation during the capture");
-          if (i % 2) {
-            e.record_stream(g, B);
-            e.free(g);
-          } else {
-            keep.push_back(g);
+      t.skip(std::string("a graph of kernels replayed on another stream, released while it runs (") + policy_name(p) + ")",
+             no_kernel);
+    } else {
+      test(t, p, "a graph of kernels replayed on another stream, released while it runs", [&](DeviceEngine& e) {
+        const PoolId pool{9, 1};
+        t.ok(cu.beginCapture(sa, CU_STREAM_CAPTURE_MODE_GLOBAL), "cuStreamBeginCapture");
+        e.begin_allocate_to_pool(pool, [A](Stream s) { return s == A; });
+        std::vector<std::pair<void*, std::size_t>> blocks;
+        for (std::size_t n : {6 * MiB, 512 * std::size_t{1024}, 40 * MiB}) {
+          void* g = e.allocate(n, A, nullptr);
+          if (t.expect(g != nullptr, "an allocation during the capture")) {
+            t.ok(launch_fill(sa, g, n, 100, 0x5A5A5A5Au), "cuLaunchKernel (captured)");
+            blocks.emplace_back(g, n);
           }
         }
         CUgraph graph = nullptr;
-        t.expect(cu.endCapture(sa, &graph) == CUDA_SUCCESS, "the capture was invalidated");
-        e.end_allocate_to_pool({9, 9});
+        t.ok(cu.endCapture(sa, &graph), "cuStreamEndCapture (the capture was invalidated?)");
+        e.end_allocate_to_pool(pool);
+        CUgraphExec exec = nullptr;
+        if (graph && t.ok(cu.graphInstantiate(&exec, graph, 0), "cuGraphInstantiateWithFlags")) {
+          t.ok(cu.graphLaunch(exec, sc), "cuGraphLaunch on a third stream");  // PyTorch: the caller's stream
+          for (auto& [g, n] : blocks) t.expect(e.free(g) == Status::ok, "free");
+          t.expect(running(t, sc), "the replay ended before the release: the test proved nothing");
+          AllocError ae;
+          t.expect(e.release_pool(pool, &ae) == Status::ok, "release_pool: " + ae.message);
+          emptied(t, e);
+          t.ok(cu.streamSynchronize(sc), "cuStreamSynchronize of the replay (a fault: memory unmapped under it)");
+          t.expect(e.stats().reserved_bytes.all().current == 0, "the pool's memory was not released");
+          cu.graphExecDestroy(exec);
+        }
         if (graph && cu.graphDestroy) cu.graphDestroy(graph);
-        for (void* g : keep) e.free(g);
-        e.release_pool({9, 9});
-        e.empty_cache();
-        t.expect(e.stats().reserved_bytes.all().current == 0, "the pool's memory was not released");
-      }
-      t.finish("graph capture on a real stream, pool routed and released (" + pn + ")");
+      });
     }
+    test(t, p, "a capture on a real stream, pool routed and released", [&](DeviceEngine& e) {
+      t.expect(e.free(e.allocate(4 * MiB, B, nullptr)) == Status::ok, "cached memory on a stream not captured");
+      t.ok(cu.beginCapture(sa, CU_STREAM_CAPTURE_MODE_GLOBAL), "cuStreamBeginCapture");
+      e.begin_allocate_to_pool({9, 9}, [A](Stream s) { return s == A; });
+      std::vector<void*> keep;
+      for (int i = 0; i < 6; ++i) {
+        void* g = e.allocate((1 + i) * 3 * MiB, A, nullptr);
+        if (!t.expect(g != nullptr, "an allocation during the capture")) continue;
+        if (i % 2) {
+          t.expect(e.record_stream(g, B) == Status::ok, "record_stream");
+          t.expect(e.free(g) == Status::ok, "free");
+        } else {
+          keep.push_back(g);
+        }
+      }
+      CUgraph graph = nullptr;
+      t.ok(cu.endCapture(sa, &graph), "cuStreamEndCapture (the capture was invalidated?)");
+      e.end_allocate_to_pool({9, 9});
+      if (graph && cu.graphDestroy) cu.graphDestroy(graph);
+      for (void* g : keep) t.expect(e.free(g) == Status::ok, "free");
+      AllocError ae;
+      t.expect(e.release_pool({9, 9}, &ae) == Status::ok, "release_pool: " + ae.message);
+      emptied(t, e);
+      t.expect(e.stats().reserved_bytes.all().current == 0, "the pool's memory was not released");
+    });
   }
-  cu.streamDestroy(sa);
-  cu.streamDestroy(sb);
+  for (CUstream s : {sa, sb, sc}) t.ok(cu.streamDestroy(s), "cuStreamDestroy");
   CUcontext popped = nullptr;
-  cu.ctxPop(&popped);
-  cu.primaryCtxRelease(0);
+  t.ok(cu.ctxPop(&popped), "cuCtxPopCurrent");
+  t.ok(cu.primaryCtxRelease(0), "cuDevicePrimaryCtxRelease");
+  if (!t.why.empty()) t.finish("teardown");
   std::printf("real-driver tests: %d passed, %d failed, %d skipped\n", report.passed, report.failed, report.skipped);
   if (!json_file.empty()) {
     std::ofstream f(json_file);

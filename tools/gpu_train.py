@@ -6,7 +6,8 @@ number of steps under one allocator, printed as one JSON line.
 
 native: PyTorch's caching allocator; expandable: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set by
 the caller); fragless: fragless.torch.enable() (CUDAPluggableAllocator); preload: PyTorch without caching
-(PYTORCH_NO_CUDA_MEMORY_CACHING=1) under LD_PRELOAD=libfragless_preload.so (set by the caller)."""
+(PYTORCH_NO_CUDA_MEMORY_CACHING=1) under LD_PRELOAD=libfragless_preload.so (set by the caller), whose allocated
+and reserved bytes come from the interposer itself (fragless_preload_memory), not from total minus free."""
 import argparse
 import json
 import os
@@ -26,6 +27,14 @@ args = ap.parse_args()
 if args.mode == "fragless":
     import fragless.torch as ft
     ft.enable()
+if args.mode == "preload":  # the interposer is in the process (LD_PRELOAD): its symbols are global
+    import ctypes
+    try:
+        preload_memory = ctypes.CDLL(None).fragless_preload_memory
+    except AttributeError:
+        raise SystemExit("gpu_train.py: --mode preload needs LD_PRELOAD=libfragless_preload.so")
+    preload_memory.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+    preload_memory.restype = ctypes.c_int
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -74,9 +83,11 @@ def usage():
     if args.mode == "fragless":
         s = ft.memory_stats(torch.cuda.current_device())
         return s["allocated_bytes.all.current"], s["reserved_bytes.all.current"]
-    if args.mode == "preload":
-        free, total = torch.cuda.mem_get_info()  # cached memory counts as free under the interposer
-        return None, total - free
+    if args.mode == "preload":  # fragless's own bytes, from the interposer's C ABI
+        a, r = ctypes.c_size_t(), ctypes.c_size_t()
+        if preload_memory(torch.cuda.current_device(), ctypes.byref(a), ctypes.byref(r)) != 0:
+            raise SystemExit("gpu_train.py: fragless_preload_memory failed: is libfragless_preload.so preloaded?")
+        return a.value, r.value
     return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
 
 

@@ -28,8 +28,13 @@ bool load_costs(const std::string& path, CostModel* out, std::string* error) {
   if (!f) return fail("cannot open the file");
   std::stringstream ss;
   ss << f.rdbuf();
-  const auto j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  auto j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return fail("not JSON (expected the output of fragless-gpu-probe)");
+  // The GPU check's report (gpu_check.json) carries the probe's output whole.
+  if (j.value("schema", "") == "fragless-gpu-check/2") {
+    if (!j.contains("probe") || !j["probe"].is_object()) return fail("a GPU check report without the probe's results");
+    j = nlohmann::json(j["probe"]);
+  }
   if (j.value("schema", "") != "fragless-gpu-probe/1")
     return fail("not a driver probe (schema is not \"fragless-gpu-probe/1\")");
   const auto costs = j.find("costs_us");

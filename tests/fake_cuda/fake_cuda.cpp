@@ -43,7 +43,7 @@
 //    strict reading of "the entire contiguous address range that was mapped to" (counted as
 //    "cuMemUnmap:refused").
 //  - versions: cuDriverGetVersion is settable; cuGetProcAddress refuses a version above it.
-// Failure injection: fakecuda_fail("cuMemMap", n, e). Environment: FAKECUDA_DEVICES (default 2),
+// Failure injection: fakecuda_fail("cuMemMap", n, e), or FAKECUDA_FAIL=cuMemMap:n:e. Environment: FAKECUDA_DEVICES (default 2),
 // FAKECUDA_CAPACITY_MB (per device, default 1024; a comma list gives each device its own), FAKECUDA_DRIVER_VERSION.
 #include <cuda.h>
 #include <sys/mman.h>
@@ -177,6 +177,18 @@ struct State {
       used[i] = 0;
     }
     primaries.resize(static_cast<std::size_t>(devices));
+    // FAKECUDA_FAIL=fn:nth:error[,fn:nth:error...]: failures injected from the start, for programs (the GPU
+    // check) that do not call fakecuda_fail themselves.
+    if (const char* f = std::getenv("FAKECUDA_FAIL"))
+      for (const char* q = f; *q;) {
+        const char* end = std::strchr(q, ',');
+        const std::string item(q, end ? static_cast<std::size_t>(end - q) : std::strlen(q));
+        const auto c1 = item.find(':'), c2 = item.rfind(':');
+        if (c1 != std::string::npos && c2 > c1)
+          faults[item.substr(0, c1)] = {std::atoi(item.c_str() + c1 + 1), static_cast<CUresult>(std::atoi(item.c_str() + c2 + 1))};
+        if (!end) break;
+        q = end + 1;
+      }
   }
 };
 

@@ -1,18 +1,38 @@
-"""Checks the files tools/gpu_check.sh writes (gpu_check.json, gpu_probe.json) against their schema, so a run
-on a GPU cannot fail on a typo: every key the docs and fragless-replay --costs read is there, with its type.
-Usage: check_gpu_json.py OUT_DIR"""
+"""Checks what tools/gpu_check.sh hands back against its schema, so a run on a GPU cannot fail on a typo:
+exactly gpu_check.json and gpu_check.log in OUT_DIR, every step with its exit status, time, limit and stderr,
+and every key the docs and fragless-replay --costs read, with its type.
+Usage: check_gpu_json.py OUT_DIR [--expect-failure]  (the latter: a run in which a real-driver test was made
+to fail: the files and the failure must be there)"""
 import json
 import os
 import sys
 from checks import check  # noqa: E402
 
 out = sys.argv[1]
+expect_failure = "--expect-failure" in sys.argv[2:]
+check(sorted(os.listdir(out)) == ["gpu_check.json", "gpu_check.log"], os.listdir(out))
 gc = json.load(open(os.path.join(out, "gpu_check.json")))
-check(gc["schema"] == "fragless-gpu-check/1", gc.get("schema"))
+check(gc["schema"] == "fragless-gpu-check/2", gc.get("schema"))
+check(isinstance(gc["manifest"], str) and "glibc: " in gc["manifest"], gc.get("manifest"))
+steps = gc["steps"]
+check({"probe", "tests", "replay"} <= set(steps), list(steps))
+check(sum(st["limit_s"] for st in steps.values()) <= 460, steps)  # 460 s of steps + 20 s for the report
+for name, st in steps.items():
+    for k, t in (("exit", int), ("seconds", int), ("limit_s", int), ("timed_out", bool), ("stderr", str)):
+        check(isinstance(st[k], t), (name, k, st.get(k)))
+    check(st["seconds"] <= st["limit_s"] + 5, (name, st))
+log = open(os.path.join(out, "gpu_check.log")).read()
+check("real-driver tests:" in log, log[-2000:])
+tests = gc["real_driver_tests"]
+if expect_failure:
+    check(tests["failed"] >= 1 and steps["tests"]["exit"] != 0, (tests, steps["tests"]))
+    check("gpu_check: FAILED" in log, log[-2000:])
+    print("a failed real-driver test is in gpu_check.json and gpu_check.log (%d failed)" % tests["failed"])
+    sys.exit(0)
+check(all(st["exit"] == 0 for st in steps.values()), steps)
+check("gpu_check: every step that ran passed" in log, log[-2000:])
 probe = gc["probe"]
-check(probe == json.load(open(os.path.join(out, "gpu_probe.json"))))
-check(probe["schema"] == "fragless-gpu-probe/1")
-check(isinstance(probe["date"], str) and isinstance(probe["driver"]["version"], int))
+check(probe["schema"] == "fragless-gpu-probe/1", probe.get("schema"))
 dev = probe["device"]
 for k in ("index", "total_bytes", "free_bytes", "granularity_min", "granularity_recommended"):
     check(isinstance(dev[k], int) and dev[k] >= 0, (k, dev[k]))
@@ -37,7 +57,6 @@ for k in ("map_nonzero_offset", "map_partial_handle", "unmap_several_mappings", 
     check(k in sem and (sem[k] is None or isinstance(sem[k], bool)), (k, sem.get(k)))
 check(sem["coherent_two_addresses"] is True and sem["unmap_several_mappings"] is True, sem)
 check(isinstance(probe["notes"], list) and probe["failure"] is None, probe["failure"])
-tests = gc["real_driver_tests"]
 check(tests["failed"] == 0 and tests["passed"] >= 12, tests)
 check(all(t["result"] in ("PASSED", "SKIPPED") for t in tests["tests"]), tests)
 rows = gc["replay_with_measured_costs"]["results"]
@@ -47,5 +66,5 @@ check(isinstance(gc["torch"], list))
 for r in gc["torch"]:
     for k in ("mode", "peak_reserved", "median_step_s", "alloc_free_us", "distinct_shapes", "checks", "losses"):
         check(k in r, k)
-print("gpu_check.json and gpu_probe.json follow their schema (%d cost rows, %d replay rows, %d torch rows)"
+print("gpu_check.json and gpu_check.log follow their schema (%d cost rows, %d replay rows, %d torch rows)"
       % (sum(len(v) for v in probe["costs_us"].values()), len(rows), len(gc["torch"])))
