@@ -54,7 +54,9 @@
 //  R13 asynchrony: cuMemUnmap, cuMemRelease and cuMemAddressFree are not stream-ordered (NVIDIA's VMM blog;
 //     PyTorch's expandable segments synchronise before unmapping; cudaFree synchronises the device): memory
 //     is unmapped only after the work queued on its streams is done. Work still running over it is an
-//     illegal-address fault, sticky for the context.
+//     illegal-address fault, sticky for the context. A synchronisation that returns an error proves
+//     nothing: the memory it was to wait for stays where it is (engine_state.h, Note [Failed waits]).
+//     Graph-private memory may be used by a replay on any stream: it goes only after R17's wait.
 //  R14 stream capture (cuda.h, cuStreamBeginCapture / cuThreadExchangeStreamCaptureMode; PyTorch's
 //     CUDACachingAllocator, which skips process_events during capture): querying or synchronising a
 //     captured event or a capturing stream, or synchronising its context, fails and invalidates the
@@ -63,7 +65,9 @@
 //     invalidate it too. The driver runs its VMM calls, cuMemGetInfo, event queries and synchronisations in
 //     relaxed mode, so a capture on another device (or another pool) does not forbid them; the engine issues
 //     no event query or synchronisation while a capture of its own may be under way (engine_state.h,
-//     Note [Capture rules]), since querying a captured event or syncing a capturing stream fails in any mode.
+//     Note [Capture rules]), since querying a captured event or syncing a capturing stream fails in any mode;
+//     a capture it is told of without a pool (LD_PRELOAD's cudaStreamBeginCapture) counts the same. Recording
+//     an event on a capturing stream makes it part of the graph (cuda.h, cuEventRecord): none is recorded.
 //  The libcuda double (tests/fake_cuda) models R12-R14 as well: contexts, a virtual clock with work that
 //  touches memory, faults, and captures. It judges work by the physical memory it touches (R9: one handle
 //  mapped at two addresses is one memory), ordering by happens-before, and unmaps by their addresses.
