@@ -117,6 +117,11 @@ int main(int argc, char** argv) {
   empty_cache();
   expect(std::string(last_error()).empty(), "the next empty_cache succeeds and clears it");
   expect(census_faults(census) == 0, "no fault at all");
+  fakecuda_census c{};
+  census(&c);
+  expect(c.invalidated_captures == 0 && c.context_retains == 2,
+         "no invalidated capture; context retains: fragless's engines of devices 0 and 1 only (" +
+             std::to_string(c.context_retains) + ")");
   std::printf("%d failure(s)\n", failures);
   return failures ? 1 : 0;
 }

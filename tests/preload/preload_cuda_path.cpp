@@ -218,6 +218,9 @@ int main() {
   const auto census = d.census();
   expect(census.faults == 0, std::string("the double saw no fault (") + d.first_fault() + ")");
   expect(census.invalidated_captures == 0, "and no invalidated capture");
+  // The runtime double holds devices 0 and 1 (used by the program); fragless one engine each, no other.
+  expect(census.context_retains == 4, "context retains: the runtime's two and fragless's two (" +
+                                          std::to_string(census.context_retains) + ")");
   std::printf("%d failure(s)\n", failures);
   return failures ? 1 : 0;
 }
