@@ -28,7 +28,7 @@ for arg in "$@"; do
   case "$arg" in
     --all) stop=() ;;
     --no-baseline) baseline=0 ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "mutants.sh: unknown option $arg (see --help)"; exit 2 ;;
     *) names+=("$arg") ;;
   esac
