@@ -6,6 +6,9 @@
 // never fails an allocation. Afterwards the engine is consistent, empty_cache gives every handle, mapping
 // and reservation back, and allocations succeed once the fault has cleared. (The cuda driver's sweep on
 // the libcuda double is in test_cuda_driver.cpp.)
+#include <chrono>
+#include <cstdio>
+
 #include "fault_workload.h"
 #include "helpers.h"
 
@@ -24,11 +27,10 @@ bool workload(DeviceEngine& e, std::string* error) {
   return fault_workload(e, error, [ev](bool on) { on ? ev->hold(kFaultStreamUse) : ev->complete(kFaultStreamUse); });
 }
 
-}  // namespace
-
-TEST_CASE("fault sweep: every host driver call site fails at every occurrence, nothing leaks", "[faults]") {
-  const PolicyKind policy = GENERATE(PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless);
+// One policy's sweep; a line on stdout after each call site, so a long run shows progress.
+void sweep(PolicyKind policy) {
   CAPTURE(name(policy));
+  const auto start = std::chrono::steady_clock::now();
   EngineSpec spec;
   spec.policy = policy;
   spec.driver = DriverKind::host;
@@ -74,6 +76,22 @@ TEST_CASE("fault sweep: every host driver call site fails at every occurrence, n
         require_consistent(*e);
         ++runs;
       }
+    const auto secs = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now() - start);
+    std::printf("fault sweep (%s): %s done, %zu runs, %llds\n", name(policy), driver_call_name(call), runs,
+                static_cast<long long>(secs.count()));
+    std::fflush(stdout);
   }
   CHECK(runs > 40);
+}
+
+}  // namespace
+
+TEST_CASE("fault sweep: every host driver call site fails at every occurrence, nothing leaks (classic)", "[faults]") {
+  sweep(PolicyKind::classic);
+}
+TEST_CASE("fault sweep: every host driver call site fails at every occurrence, nothing leaks (expandable)", "[faults]") {
+  sweep(PolicyKind::expandable);
+}
+TEST_CASE("fault sweep: every host driver call site fails at every occurrence, nothing leaks (fragless)", "[faults]") {
+  sweep(PolicyKind::fragless);
 }

@@ -10,9 +10,11 @@ build="${2:-$root/build-fuzz}"
 mkdir -p "$build"
 build="$(cd "$build" && pwd)"
 command -v clang++ >/dev/null || { echo "fuzz.sh: clang++ is not installed (apt-get install clang libclang-rt-14-dev)"; exit 77; }
-cmake -S "$root" -B "$build" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DFRAGLESS_FUZZ=ON -DFRAGLESS_BUILD_TESTS=OFF -DFRAGLESS_BUILD_BENCH=OFF >/dev/null
-cmake --build "$build" -j"$(nproc)" >/dev/null
+. "$root/tools/progress.sh"
+quiet_step "fuzz.sh: configure" "$build/configure.log" \
+  cmake -S "$root" -B "$build" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DFRAGLESS_FUZZ=ON -DFRAGLESS_BUILD_TESTS=OFF -DFRAGLESS_BUILD_BENCH=OFF
+quiet_step "fuzz.sh: build" "$build/build.log" cmake --build "$build" -j"$(nproc)"
 corpus="$build/corpus"
 mkdir -p "$corpus"/{config,pickle,csv,native,any,engine} "$build/crashes"
 printf 'policy:fragless,max_split_size_mb:256' >"$corpus/config/a"

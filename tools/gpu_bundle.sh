@@ -13,9 +13,13 @@ build="${FRAGLESS_BUNDLE_BUILD:-$out.build}"
 jobs="$(nproc 2>/dev/null || echo 2)"
 launcher=()
 if command -v ccache >/dev/null; then launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
-cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DFRAGLESS_BUILD_TESTS=OFF -DFRAGLESS_BUILD_BENCH=ON \
-  -DCMAKE_EXE_LINKER_FLAGS="-static-libstdc++ -static-libgcc" "${launcher[@]}" >/dev/null
-cmake --build "$build" -j"$jobs" --target fragless fragless_preload fragless-gpu-probe fragless-gpu-tests fragless-replay >/dev/null
+. "$root/tools/progress.sh"
+mkdir -p "$build"
+quiet_step "gpu_bundle: configure" "$build/configure.log" \
+  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DFRAGLESS_BUILD_TESTS=OFF -DFRAGLESS_BUILD_BENCH=ON \
+  -DCMAKE_EXE_LINKER_FLAGS="-static-libstdc++ -static-libgcc" "${launcher[@]}"
+quiet_step "gpu_bundle: build" "$build/build.log" \
+  cmake --build "$build" -j"$jobs" --target fragless fragless_preload fragless-gpu-probe fragless-gpu-tests fragless-replay
 rm -rf "$out/bin" "$out/lib" "$out/python"
 mkdir -p "$out/bin" "$out/lib" "$out/python"
 cp "$build/bin/fragless-gpu-probe" "$build/bin/fragless-gpu-tests" "$build/bin/fragless-replay" "$out/bin/"

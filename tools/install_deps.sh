@@ -9,6 +9,9 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "installing: ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq "${missing[@]}" >/dev/null
+  . "$(dirname "$0")/progress.sh"
+  log="$(mktemp)"
+  quiet_step "install_deps: apt-get update" "$log" apt-get update -qq
+  quiet_step "install_deps: apt-get install" "$log" apt-get install -y -qq "${missing[@]}"
+  rm -f "$log"
 fi

@@ -12,22 +12,27 @@ build="$(cd "$build" && pwd)"
 jobs="${FRAGLESS_SANITIZE_JOBS:-2}"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export FRAGLESS_WATCHDOG_S=900
+. "$root/tools/progress.sh"
 case "$kind" in
   asan)
-    cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFRAGLESS_SANITIZE=ON -DFRAGLESS_NESTED=ON -DFRAGLESS_BUILD_BENCH=ON >/dev/null
-    cmake --build "$build" -j"$jobs" >/dev/null
+    quiet_step "sanitize.sh asan: configure" "$build/configure.log" \
+      cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFRAGLESS_SANITIZE=ON -DFRAGLESS_NESTED=ON -DFRAGLESS_BUILD_BENCH=ON
+    quiet_step "sanitize.sh asan: build" "$build/build.log" cmake --build "$build" -j"$jobs"
     # LD_PRELOAD puts the interposer before the ASan runtime: allowed for that test. Python is not built
     # with ASan, so the tests that load libfragless into an interpreter (the Python helper, the viewer rules
     # on the engine's snapshots, the PyTorch API) cannot check it here: they run in the plain build.
     export ASAN_OPTIONS="detect_leaks=1:verify_asan_link_order=0:abort_on_error=1"
     echo "sanitize.sh: the tests run by a Python interpreter are left out here (an uninstrumented interpreter cannot load an ASan library); they run in the plain build"
-    ctest --test-dir "$build" -j"$jobs" --output-on-failure -E "python|viewer rules"
+    ctest --test-dir "$build" -j"$jobs" --output-on-failure -E "python|viewer rules" -LE slow
+    # The fault sweeps take minutes each: verbose, so their progress lines show as they come.
+    ctest --test-dir "$build" -j"$jobs" --output-on-failure -E "python|viewer rules" -L slow --verbose
     ;;
   tsan)
-    cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFRAGLESS_TSAN=ON -DFRAGLESS_NESTED=ON -DFRAGLESS_BUILD_BENCH=ON >/dev/null
-    cmake --build "$build" -j"$jobs" --target fragless-tests >/dev/null
+    quiet_step "sanitize.sh tsan: configure" "$build/configure.log" \
+      cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFRAGLESS_TSAN=ON -DFRAGLESS_NESTED=ON -DFRAGLESS_BUILD_BENCH=ON
+    quiet_step "sanitize.sh tsan: build" "$build/build.log" cmake --build "$build" -j"$jobs" --target fragless-tests
     export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1"
-    "$build/bin/fragless-tests" -w NoTests "[concurrency],[tracer],[conformance],[cuda][lock],[contexts]"
+    "$build/bin/fragless-tests" -w NoTests --durations yes "[concurrency],[tracer],[conformance],[cuda][lock],[contexts]"
     ;;
   *) echo "usage: sanitize.sh asan|tsan [BUILD_DIR]"; exit 2 ;;
 esac

@@ -9,6 +9,7 @@
   never go backwards, and what the conversion cannot keep (frames, ...) is named.
 
   viewer_snapshots.py BIN_DIR                          the engine's snapshots and its tracer's traces
+  viewer_snapshots.py BIN_DIR --million                the million-entry snapshot alone
   viewer_snapshots.py BIN_DIR --only-conversions DATA  the conversions of the real snapshots in DATA
   (FRAGLESS_LIBRARY set to libfragless.so)
 """
@@ -49,10 +50,11 @@ fragless.dump_snapshot(%(out)r)
 """
 
 
-def engine_snapshots(bin_dir, work, problems, checked):
+def engine_snapshots(bin_dir, work, problems, checked, million):
     pkg = os.path.join(HERE, "..", "..", "torch_plugin", "python")
     runs = [(p, 4000, 2000, 7) for p in ("classic", "expandable", "fragless")]
-    runs.append(("fragless", 1_000_000, 680_000, 3))  # a full million-entry history (an alloc and a free: 3)
+    if million:  # a full million-entry history (an alloc and a free: 3)
+        runs = [("fragless", 1_000_000, 680_000, 3)]
     for policy, entries, ops, seed in runs:
         out = os.path.join(work, f"engine-{policy}-{entries}.pickle")
         trace = os.path.join(work, f"trace-{policy}-{entries}")
@@ -142,7 +144,8 @@ def conversions(bin_dir, data, work, problems, checked):
 
 
 def main(argv):
-    if not argv or argv[0] in ("-h", "--help") or (len(argv) > 1 and (argv[1] != "--only-conversions" or len(argv) != 3)):
+    usage = len(argv) == 1 or argv[1:] == ["--million"] or (len(argv) == 3 and argv[1] == "--only-conversions")
+    if not argv or argv[0] in ("-h", "--help") or not usage:
         print(__doc__)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     bin_dir = argv[0]
@@ -153,8 +156,10 @@ def main(argv):
             # Two conversions of each real snapshot in DATA.
             want = 2 * sum(1 for n in os.listdir(argv[2]) if n.endswith(".pickle"))
         else:
-            engine_snapshots(bin_dir, work, problems, checked)
-            want = 4 + 3  # the engine's snapshots, and the tracer's traces of the three policies converted
+            million = argv[1:] == ["--million"]
+            engine_snapshots(bin_dir, work, problems, checked, million)
+            # the engine's snapshots, and the tracer's traces of the three policies converted (or the million)
+            want = 1 if million else 3 + 3
     if not checked:
         problems.append("no snapshot was checked")
     elif len(checked) != want:
