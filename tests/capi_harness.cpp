@@ -44,6 +44,10 @@ cudaStream_t stream(std::uintptr_t v) { return reinterpret_cast<cudaStream_t>(v)
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 2 && (std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0))
+    return std::printf("usage: fragless-capi-harness LIBFRAGLESS LIBFAKECUDA\n"
+                       "  drives libfragless.so through dlopen exactly as PyTorch's CUDAPluggableAllocator does, on\n"
+                       "  the libcuda double; exit 0 when every check passes\n"), 0;
   if (argc != 3) return std::fprintf(stderr, "usage: fragless-capi-harness LIBFRAGLESS LIBFAKECUDA\n"), 2;
   setenv("FRAGLESS_LIBCUDA", argv[2], 1);
   void* fake = dlopen(argv[2], RTLD_NOW | RTLD_LOCAL);

@@ -225,7 +225,8 @@ TEST_CASE("workloads: built-in transformer steps replay through every policy", "
   formats::Trace t;
   std::string err;
   CHECK_FALSE(replay::make_workload("workload:transformer-train:seqlen=zipf", &t, &err));
-  CHECK(err.find("unknown seqlen 'zipf'") != std::string::npos);
+  CHECK(err.find("seqlen: bad value 'zipf'") != std::string::npos);
+  CHECK(err.find("sharegpt, azure-conv, azure-code, arxiv or fixed:N") != std::string::npos);
   CHECK_FALSE(replay::make_workload("workload:gpt", &t, &(err = "")));
 }
 

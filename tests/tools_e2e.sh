@@ -146,9 +146,75 @@ check_exit 1 "a capacity too small for the smallest batch" "does not fit at its 
 check_exit 1 "a search that cannot converge" "cannot converge" \
   "$bin/fragless-replay" --policy classic --max-of seed --capacity-gib 8 "workload:transformer-infer:layers=2,steps=2"
 check_output "--help exits 0 and documents --fit" "--fit" "$bin/fragless-replay" --help
-# Every tool built with the project answers --help with its usage on stdout and exit 0 (fragless-capture,
-# built only with LibTorch, is checked by the LibTorch test).
-for tool in fragless-replay fragless-trace fragless-config fragless-oracles; do
-  check_output "$tool --help exits 0 with its usage" "[Uu]sage" "$bin/$tool" --help
+# Every program in the build's bin/ answers --help with its usage on stdout and exit 0 (Google Benchmark's
+# programs print their flags).
+for tool in "$bin"/*; do
+  [ -f "$tool" ] && [ -x "$tool" ] || continue
+  check_output "$(basename "$tool") --help exits 0 with its usage" "[Uu]sage|--benchmark_filter" timeout 60 "$tool" --help
 done
+for tool in fragless-replay fragless-trace fragless-config fragless-oracles fragless-capi-harness \
+            fragless-preload-program fragless-tests; do
+  [ -x "$bin/$tool" ] || fail "$tool was not built"
+done
+
+# Nothing in --conf is ignored: a policy selects it, a key the replay cannot honour is refused.
+tiny="workload:transformer-infer:layers=2,steps=2"
+check_count "--conf policy:classic replays classic alone" '"policy":"classic"' 1 "$bin/fragless-replay" --json --conf policy:classic "$tiny"
+check_count "... and no other policy" '"policy":"(expandable|fragless)"' 0 "$bin/fragless-replay" --json --conf policy:classic "$tiny"
+check_count "--conf expandable_segments:True replays expandable alone" '"policy":"[a-z]*"' 1 \
+  "$bin/fragless-replay" --json --conf expandable_segments:True "$tiny"
+check_output "... and that is expandable" '"policy":"expandable"' "$bin/fragless-replay" --json --conf expandable_segments:True "$tiny"
+check_error "--conf policy and --policy disagree" "name different policies" \
+  "$bin/fragless-replay" --conf policy:classic --policy fragless "$work/o.fgt"
+for key in driver:host capacity_mb:64 trace:x.fgt peer_access:False shareable_handles:True on_oom:throw; do
+  check_error "--conf ${key%%:*} is refused, not ignored" "not a replay setting" "$bin/fragless-replay" --conf "$key" "$work/o.fgt"
+done
+check_error "an error names what was typed" "'handles ends' is not key:value" \
+  "$bin/fragless-replay" --conf "handles ends" "$work/o.fgt"
+check_error "PyTorch's own keys are named as such" "PyTorch's own allocator" \
+  "$bin/fragless-replay" --conf "backend:cudaMallocAsync" "$work/o.fgt"
+# --help lists every workload key with its default and range; a bad value's error says what it accepts.
+for kv in "layers=24 \[1, 1000000\]" "dropout=0 \[0, 1\]" "ckpt=0 \[0, 1\]" "padding=none \(none or longest\)" \
+          "seqlen=sharegpt \(" "dtype=fp32 \(fp32 or bf16\)" "seed=1 \(" "levels=4 \[" "max_batch=32 \["; do
+  check_output "--help lists $kv" "$kv" "$bin/fragless-replay" --help
+done
+for key in layers d_model heads d_ff vocab batch steps max_seq ckpt dropout accum seqlen dtype padding seed; do
+  check_error "workload key $key: a bad value's error says what it accepts" "expected" \
+    "$bin/fragless-replay" "workload:transformer-train:$key=nonsense"
+done
+check_error "a zoo key's error gives its range" "is not a number in [" "$bin/fragless-replay" "workload:unet2d:levels=99"
+# The table ends with a legend of its columns; info and the replay say what their event counts count.
+check "the replay's table" "$bin/fragless-replay" "$work/o.fgt"
+check "... ends with a legend" grep -q "^columns: events = alloc, free and empty_cache" <(tail -n 1 "$work/out")
+check_output "info says what its event count counts" "events of every kind \(4 of them allocs, frees and empty_cache calls" \
+  "$bin/fragless-trace" info "$work/o.fgt"
+# A plot draws what the window began with as already present: a snapshot whose first event frees a block
+# allocated before the window (a pre-window allocation of 64 MiB) starts every curve before x = 0 at 64 MiB.
+cat >"$work/pre.py" <<'PY'
+import pickle, sys
+MiB = 1 << 20
+trace = [{"action": "free_completed", "addr": 0x7f0000000000, "size": 64 * MiB, "stream": 0, "time_us": 1000},
+         {"action": "alloc", "addr": 0x7f0010000000, "size": 8 * MiB, "stream": 0, "time_us": 2000},
+         {"action": "free_completed", "addr": 0x7f0010000000, "size": 8 * MiB, "stream": 0, "time_us": 3000},
+         {"action": "alloc", "addr": 0x7f0020000000, "size": 16 * MiB, "stream": 0, "time_us": 4000}]
+pickle.dump({"segments": [], "device_traces": [trace]}, open(sys.argv[1], "wb"), protocol=4)
+PY
+check "a snapshot with an allocation from before its window" python3 "$work/pre.py" "$work/pre.pickle"
+check "--plot FILE.gp writes the script" "$bin/fragless-replay" --plot "$work/pre.gp" --plot-x event "$work/pre.pickle"
+grep -A1 "<< EOD" "$work/pre.gp" >"$work/first-points"
+check_count "... whose every curve starts before the window at the pre-window state" "^-[0-9.]+ 64\.000 64\.000 [0-9.]+$" 3 \
+  cat "$work/first-points"
+check_output "... and marks where the window starts" '"window start"' cat "$work/pre.gp"
+# A trace without times (an RMM log without a Time column) converted to an RMM log gets one microsecond per
+# event, so the replay's time-weighted fragmentation is the same (it was 0 with every row at 00:00:00).
+cut -d, -f1,3- "$work/oracle.csv" >"$work/untimed.csv"
+check "a trace without times converts to an RMM log" "$bin/fragless-trace" convert "$work/untimed.csv" "$work/timed.csv"
+cp "$work/err" "$work/convert.err"
+check "... saying how its times were made" grep -q "one microsecond each" "$work/convert.err"
+check "the untimed trace replays" "$bin/fragless-replay" --json --policy classic "$work/untimed.csv"
+grep -o '"time_weighted_fragmentation":[0-9.e+-]*' "$work/out" >"$work/twf.want"
+check "the converted log replays" "$bin/fragless-replay" --json --policy classic "$work/timed.csv"
+grep -o '"time_weighted_fragmentation":[0-9.e+-]*' "$work/out" >"$work/twf.got"
+check "... with the same time-weighted fragmentation" diff "$work/twf.want" "$work/twf.got"
+check "... which is not 0" grep -qv '"time_weighted_fragmentation":0.000000$' "$work/twf.want"
 finish

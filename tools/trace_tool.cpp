@@ -225,8 +225,12 @@ int main(int argc, char** argv) {
           if (t0 < 0) t0 = e.time_us;
           t1 = std::max(t1, e.time_us);
         }
-      std::printf("%s\n  format %s, %d device(s), %zu events, %zu allocations live before the window\n", f.c_str(),
-                  format_name(fmt), t.devices(), t.events.size(), t.seed.size());
+      const std::uint64_t replayed = by_op[static_cast<int>(Op::alloc)] + by_op[static_cast<int>(Op::free)] +
+                                     by_op[static_cast<int>(Op::empty_cache)];
+      std::printf("%s\n  format %s, %d device(s), %zu events of every kind (%" PRIu64
+                  " of them allocs, frees and empty_cache calls: what fragless-replay replays, its 'events' column), "
+                  "%zu allocations live before the window\n",
+                  f.c_str(), format_name(fmt), t.devices(), t.events.size(), replayed, t.seed.size());
       std::printf("  ");
       for (int op = 0; op < 12; ++op)
         if (by_op[op]) std::printf("%s %" PRIu64 "  ", op_name(static_cast<Op>(op)), by_op[op]);
@@ -249,6 +253,11 @@ int main(int argc, char** argv) {
                    "fragless-trace: note: not kept in %s: %s (the fragless trace model holds allocation events, "
                    "segments and blocks, not their context)\n",
                    out.c_str(), dropped.c_str());
+    if (f == Format::rmm_csv && !t.has_time)
+      std::fprintf(stderr,
+                   "fragless-trace: note: %s has no timestamps; the RMM log's times count its events (one microsecond "
+                   "each, in order), so a replay weighs them as it weighs the original's\n",
+                   in.c_str());
     if (f == Format::rmm_csv && t.devices() > 1)
       std::fprintf(stderr, "fragless-trace: %s has %d devices; an RMM log holds one: writing device %d (--device)\n",
                    in.c_str(), t.devices(), device);

@@ -101,25 +101,48 @@ constexpr OptionInfo kOptions[] = {
      "use %r under torchrun). The path may not contain ',' or ':'."},
 };
 
+bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+
+// PyTorch's tokenizer: ',' ':' '[' ']' are tokens, whitespace is dropped. Each token also keeps the text
+// as written (inner whitespace included), which is what an error shows: "handles ends" is the token
+// "handlesends", and the user should read back what they typed.
 struct Tokenizer {
-  std::vector<std::string> tokens;
+  std::vector<std::string> tokens, written;
   explicit Tokenizer(std::string_view s) {
-    std::string cur;
+    std::string cur, raw;
     auto flush = [&] {
-      if (!cur.empty()) tokens.push_back(std::move(cur));
+      if (!cur.empty()) {
+        while (!raw.empty() && is_space(raw.back())) raw.pop_back();
+        tokens.push_back(std::move(cur));
+        written.push_back(std::move(raw));
+      }
       cur.clear();
+      raw.clear();
     };
     for (char c : s) {
       if (c == ',' || c == ':' || c == '[' || c == ']') {
         flush();
         tokens.emplace_back(1, c);
-      } else if (c != ' ' && c != '\t' && c != '\n' && c != '\r') {
+        written.emplace_back(1, c);
+      } else if (!is_space(c)) {
         cur.push_back(c);
+        raw.push_back(c);
+      } else if (!cur.empty()) {
+        raw.push_back(c);
       }
     }
     flush();
   }
 };
+
+// Keys of PyTorch's own allocator configuration (PYTORCH_CUDA_ALLOC_CONF) that configure nothing in
+// fragless: refused with a message saying so, rather than as typos.
+constexpr std::string_view kPyTorchOnlyKeys[] = {
+    "backend", "release_lock_on_cudamalloc", "release_lock_on_hipmalloc", "pinned_use_cuda_host_register",
+    "pinned_use_hip_host_register", "pinned_num_register_threads", "pinned_use_background_threads",
+    "pinned_reserve_segment_size_mb", "graph_capture_record_stream_reuse", "large_segment_size_mb",
+    "pinned_free_catch_all", "throw_on_cudamalloc_oom", "expandable_segments_reserve",
+    "expandable_segments_reserve_by_class"};
 
 std::string accepted_keys() {
   std::string s;
@@ -153,24 +176,33 @@ bool parse_double(const std::string& t, double* out) {
 
 class Parser {
  public:
-  Parser(std::string_view text, const Options& base) : toks_(Tokenizer(text).tokens), o_(base) {
+  Parser(std::string_view text, const Options& base) : o_(base) {
+    Tokenizer t(text);
+    toks_ = std::move(t.tokens);
+    written_ = std::move(t.written);
     o_.settings = std::string(text);
   }
 
   ConfigResult run() {
     bool policy_given = false;
     bool expandable = false;
+    std::vector<std::string> keys;
     while (i_ < toks_.size()) {
+      const std::size_t key_at = i_;
       const std::string key = toks_[i_++];
       if (key == "," ) continue;
-      if (!expect(":", key)) return fail();
+      if (!expect(":", key_at)) return fail();
+      keys.push_back(key);
       if (i_ >= toks_.size()) return fail("FRAGLESS_CONF: key '" + key + "' has no value");
       if (key == "roundup_power2_divisions") {
         if (!divisions(key)) return fail();
       } else {
+        const std::size_t value_at = i_;
         const std::string v = toks_[i_++];
         if (v == "[" || v == "]" || v == "," || v == ":")
           return fail(bad_value(key, v, "a single value (only roundup_power2_divisions takes a list)"));
+        if (written_[value_at] != v)  // PyTorch would read "fra gless" as "fragless": say what was typed
+          return fail(bad_value(key, written_[value_at], "a value without spaces inside"));
         if (!value(key, v, &policy_given, &expandable)) return fail();
       }
       if (i_ < toks_.size() && toks_[i_] != ",")
@@ -180,6 +212,7 @@ class Parser {
     ConfigResult r;
     r.ok = true;
     r.options = o_;
+    r.keys = std::move(keys);
     return r;
   }
 
@@ -190,16 +223,38 @@ class Parser {
     return r;
   }
 
-  bool expect(const char* tok, const std::string& key) {
+  // The ':' after the key at toks_[key_at]; else an error naming the key as it was written.
+  bool expect(const char* tok, std::size_t key_at) {
     if (i_ < toks_.size() && toks_[i_] == tok) {
       ++i_;
       return true;
     }
-    bool known = false;
-    for (const auto& o : kOptions) known |= o.key == key;
-    err_ = known ? "FRAGLESS_CONF: expected ':' after key '" + key + "'"
-                 : "FRAGLESS_CONF: unknown key '" + key + "' (accepted keys: " + accepted_keys() + ")";
+    const std::string& key = toks_[key_at];
+    const std::string& written = written_[key_at];
+    if (is_key(key)) return err("FRAGLESS_CONF: expected ':' after key '" + key + "'");
+    // "handles ends": a known key, a space, a value.
+    const std::string first = written.substr(0, written.find_first_of(" \t\n\r"));
+    if (first != written && is_key(first)) {
+      std::string rest = written.substr(first.size());
+      rest.erase(0, rest.find_first_not_of(" \t\n\r"));
+      return err("FRAGLESS_CONF: '" + written + "' is not key:value; a key and its value are joined by ':', as in '" +
+                 first + ":" + rest + "'");
+    }
+    return unknown_key(written);
+  }
+
+  static bool is_key(std::string_view key) {
+    for (const auto& o : kOptions)
+      if (o.key == key) return true;
     return false;
+  }
+
+  bool unknown_key(const std::string& written) {
+    for (std::string_view k : kPyTorchOnlyKeys)
+      if (k == written)
+        return err("FRAGLESS_CONF: '" + written + "' is a key of PyTorch's own allocator (PYTORCH_CUDA_ALLOC_CONF) and "
+                   "configures nothing in fragless: leave it out (accepted keys: " + accepted_keys() + ")");
+    return err("FRAGLESS_CONF: unknown key '" + written + "' (accepted keys: " + accepted_keys() + ")");
   }
 
   bool value(const std::string& key, const std::string& v, bool* policy_given, bool* expandable) {
@@ -281,7 +336,7 @@ class Parser {
           ++i;
       o_.trace = v;
     } else {
-      return err("FRAGLESS_CONF: unknown key '" + key + "' (accepted keys: " + accepted_keys() + ")");
+      return unknown_key(key);
     }
     return true;
   }
@@ -336,6 +391,7 @@ class Parser {
   }
 
   std::vector<std::string> toks_;
+  std::vector<std::string> written_;  // each token as written (Tokenizer)
   std::size_t i_ = 0;
   Options o_;
   std::string err_;

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -45,7 +46,9 @@ int usage(const char* msg) {
                "         allocation that runs out of memory is a result, counted in the OOMs column and skipped\n"
                "  --plot: live/allocated/reserved over time per policy, drawn by gnuplot into a PNG (with --fit,\n"
                "         at each policy's fitted capacity; with --max-of, at its largest value); each point is the\n"
-               "         largest value of its stretch of events, so no peak is lost\n"
+               "         largest value of its stretch of events, so no peak is lost; what the window began with\n"
+               "         (allocations live before it, classic's cached segments) is drawn as already there.\n"
+               "         FILE.gp writes the gnuplot script with its data instead (gnuplot FILE.gp draws it)\n"
                "  --plot-x: the x axis: trace time, event index, or auto (default: time, unless the trace has\n"
                "         none or its busy part would be squeezed into a corner)\n"
                "  --fit: per input, device and policy, the smallest device capacity (a multiple of --fit-step,\n"
@@ -60,17 +63,18 @@ int usage(const char* msg) {
                "         per handle size for each VMM call\n"
                "  exit status: 0 answered, 1 a search found no answer (the reason on stderr), 2 bad usage or\n"
                "         input\n"
-               "  --conf: allocator settings in FRAGLESS_CONF grammar (policy tuning keys such as handles,\n"
-               "          handle_max_mb, chunk_size_mb, reserve_slack, lend_pages); policy and driver are set by\n"
-               "          the replay\n"
+               "  --conf: allocator settings in FRAGLESS_CONF grammar (the README's table): policy tuning keys\n"
+               "          (handles, handle_max_mb, chunk_size_mb, reserve_slack, lend_pages, ...), PyTorch's keys\n"
+               "          (max_split_size_mb, roundup_power2_divisions, ...), page_size_mb; policy (or\n"
+               "          expandable_segments:True) selects the policy as --policy does. The replay runs the sim\n"
+               "          driver on a device of --capacity-gib: driver, capacity_mb, trace, peer_access,\n"
+               "          shareable_handles and on_oom are refused\n"
                "  --seqlen-file: sequence lengths for the workloads (a CSV column, see the README)\n"
-               "  NAME: transformer-train | transformer-infer; keys: layers d_model heads d_ff vocab batch steps\n"
-               "        seqlen (sharegpt|azure-conv|azure-code|arxiv|fixed:N) max_seq dtype (fp32|bf16) ckpt\n"
-               "        accum seed\n"
+               "%s"
                "  ckpt-accum: transformer-train with checkpointing and gradient accumulation (ckpt=1,accum=4,\n"
                "        steps=12); every transformer key applies\n"
                "%s",
-               fragless::replay::zoo_help().c_str());
+               fragless::replay::transformer_help().c_str(), fragless::replay::zoo_help().c_str());
   return msg ? 2 : 0;
 }
 
@@ -92,6 +96,51 @@ std::string short_name(const std::string& s) {
 }
 
 double mib(std::int64_t b) { return static_cast<double>(b) / (1 << 20); }
+
+// Note [Nothing in --conf is ignored]
+// A key of --conf either changes what the replay does or is refused: `policy` (and expandable_segments:True
+// without it, as in FRAGLESS_CONF) selects the policy, as --policy does; the keys of a real device (the
+// driver, its size, tracing, peers, handle export, the OOM behaviour of libfragless.so) have no meaning in
+// a replay on the sim driver, and --capacity-gib gives the device's size.
+constexpr const char* kConfRefused[][2] = {
+    {"driver", "the replay always runs the sim driver"},
+    {"capacity_mb", "give the device's size with --capacity-gib"},
+    {"trace", "the replay records no trace (fragless-trace converts traces)"},
+    {"peer_access", "it configures the cuda driver, and the replay runs the sim driver"},
+    {"shareable_handles", "it configures the cuda driver, and the replay runs the sim driver"},
+    {"on_oom", "it configures libfragless.so; in a replay an OOM is a result (the OOMs column)"}};
+
+// Applies one --conf string over *base; a policy it selects goes to *policy. False with *error naming the
+// key it refuses.
+bool apply_conf(const std::string& text, Options* base, std::optional<PolicyKind>* policy, std::string* error) {
+  const auto cr = parse_config(text, *base);
+  if (!cr.ok) {
+    *error = cr.error;
+    return false;
+  }
+  bool policy_key = false, expandable_key = false;
+  for (const auto& k : cr.keys) {
+    for (const auto& [key, why] : kConfRefused)
+      if (k == key) {
+        *error = "--conf " + k + ": not a replay setting (" + why + ")";
+        return false;
+      }
+    policy_key |= k == "policy";
+    expandable_key |= k == "expandable_segments";
+  }
+  if (policy_key || (expandable_key && cr.options.policy == PolicyKind::expandable)) *policy = cr.options.policy;
+  *base = cr.options;
+  base->policy = Options{}.policy;  // selected per run
+  return true;
+}
+
+// The table's columns, in one line under it.
+constexpr const char* kLegend =
+    "columns: events = alloc, free and empty_cache events replayed on the device; live, reserv = peaks (MiB); "
+    "overhead = reserved over live at the reserved peak; frag@pk = fragmentation at that peak; tw-frag = "
+    "time-weighted fragmentation; OOMs = allocations that did not fit --capacity-gib; create, map, unmap = driver "
+    "calls; syncs = synchronisations forced; driver ms = the calls' modelled time (A100 costs, or --costs); "
+    "Mev/s = replay speed; pytorch MiB = PyTorch's own peak reserved, where the snapshot tells it";
 
 enum class PlotX { auto_, time, event };
 
@@ -137,10 +186,29 @@ bool draw_plot(const std::string& path, const std::vector<ReplayResult>& results
     }
     return "\"" + o + "\"";
   };
+  // Note [The state before the window in a plot]
+  // What a trace's window began with (the allocations live before it; for classic, the segments PyTorch
+  // held) is drawn as already present: each curve starts a little before x = 0 at the window's starting
+  // state, and a dashed line marks where the window begins, rather than appearing as memory that arrived
+  // at the first instant.
+  std::vector<double> lead(panels.size(), 0);
+  for (auto& r : results) {
+    if (!r.pre_window || r.curve.empty()) continue;
+    const std::size_t k = panel_of(r);
+    const double end = seconds[k] ? r.curve.back().seconds : r.curve.back().index;
+    lead[k] = std::max(lead[k], 0.03 * std::max(end, 1e-9));
+  }
   std::size_t block = 0;
   for (auto& r : results) {
     const bool secs = seconds[panel_of(r)];
     script += "$d" + std::to_string(block++) + " << EOD\n";
+    if (const double l = lead[panel_of(r)]; l > 0) {
+      const auto& w = r.window_start;
+      char line[160];
+      std::snprintf(line, sizeof line, "%.6f %.3f %.3f %.3f\n%.6f %.3f %.3f %.3f\n", -l, mib(w.live), mib(w.allocated),
+                    mib(w.reserved), 0.0, mib(w.live), mib(w.allocated), mib(w.reserved));
+      script += line;
+    }
     for (auto& p : r.curve) {
       if (secs && p.seconds < 0) continue;
       char line[128];
@@ -152,7 +220,8 @@ bool draw_plot(const std::string& path, const std::vector<ReplayResult>& results
   }
   const int rows = static_cast<int>(panels.size());
   script += "set terminal pngcairo size 1200," + std::to_string(420 * rows) + " noenhanced\n";
-  script += "set output " + quote(path) + "\n";
+  const bool script_only = path.size() > 3 && path.compare(path.size() - 3, 3, ".gp") == 0;
+  script += "set output " + quote(script_only ? path.substr(0, path.size() - 3) + ".png" : path) + "\n";
   script += "set multiplot layout " + std::to_string(rows) + ",1\n";
   script += "set key below horizontal maxrows 3\nset ylabel \"MiB\"\nset grid\nset yrange [0:*]\n";
   const char* colours[] = {"#1f77b4", "#d62728", "#2ca02c"};
@@ -177,10 +246,21 @@ bool draw_plot(const std::string& path, const std::vector<ReplayResult>& results
     }
     plots += live;
     script += "set title " + quote(short_name(input) + " (device " + std::to_string(dev) + ")") + "\n";
+    script += lead[k] > 0 ? "set arrow 1 from 0, graph 0 to 0, graph 1 nohead dt 2 lc rgb \"gray40\"\n"
+                            "set label 1 \"window start\" at 0, graph 0.04 offset 0.5, 0 tc rgb \"gray40\"\n"
+                          : "unset arrow 1\nunset label 1\n";
     script += std::string("set xlabel \"") + (seconds[k] ? "trace time (s)" : "event index") + "\"\n";
     script += "plot " + plots.substr(0, plots.size() - 2) + "\n";
   }
   script += "unset multiplot\n";
+  if (script_only) {  // the script itself, with its data: `gnuplot FILE.gp` draws it
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    if (!f || std::fwrite(script.data(), 1, script.size(), f) != script.size() || std::fclose(f) != 0) {
+      *error = "--plot: cannot write " + path;
+      return false;
+    }
+    return true;
+  }
   std::FILE* g = popen("gnuplot 2>&1", "w");
   if (!g) {
     *error = "--plot: cannot start gnuplot";
@@ -425,6 +505,8 @@ int main(int argc, char** argv) {
   PlotX plot_x = PlotX::auto_;
   std::string plot, seqlen_file, max_key, costs_file;
   Options base;
+  std::optional<PolicyKind> conf_policy;
+  bool policy_given = false;
   std::vector<std::string> inputs;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -453,6 +535,7 @@ int main(int argc, char** argv) {
       jobs = static_cast<unsigned>(n);
     } else if (a == "--policy" && has_value) {
       policies.clear();
+      policy_given = true;
       std::stringstream ss(argv[++i]);
       std::string p;
       while (std::getline(ss, p, ',')) {
@@ -480,9 +563,8 @@ int main(int argc, char** argv) {
     } else if (a == "--costs" && has_value) {
       costs_file = argv[++i];
     } else if (a == "--conf" && has_value) {
-      const auto cr = parse_config(argv[++i], base);
-      if (!cr.ok) return usage(cr.error.c_str());
-      base = cr.options;
+      std::string err;
+      if (!apply_conf(argv[++i], &base, &conf_policy, &err)) return usage(err.c_str());
     } else if (a == "--policy" || a == "--capacity-gib" || a == "--plot" || a == "--seqlen-file" || a == "--conf" ||
                a == "--max-of" || a == "--fit-step" || a == "--jobs" || a == "--plot-x" || a == "--costs") {
       return usage(("missing value after " + a).c_str());
@@ -493,6 +575,11 @@ int main(int argc, char** argv) {
     }
   }
   if (inputs.empty()) return usage("no input");
+  if (conf_policy) {
+    if (policy_given && (policies.size() != 1 || policies[0] != *conf_policy))
+      return usage(("--conf policy:" + std::string(policy_name(*conf_policy)) + " and --policy name different policies").c_str());
+    policies = {*conf_policy};
+  }
   if (fit && !max_key.empty()) return usage("--fit finds a capacity and --max-of a value: ask one at a time");
   if (fit && capacity) return usage("--fit searches the capacity: drop --capacity-gib");
   if (fit_step_given && !fit) return usage("--fit-step applies to --fit");
@@ -504,7 +591,8 @@ int main(int argc, char** argv) {
       if (!workload_key_range(in, max_key, &lo, &hi, &err)) return std::fprintf(stderr, "fragless-replay: %s\n", err.c_str()), 2;
     }
 
-  if (!plot.empty() && std::system("command -v gnuplot >/dev/null 2>&1") != 0)
+  const bool plot_script = plot.size() > 3 && plot.compare(plot.size() - 3, 3, ".gp") == 0;
+  if (!plot.empty() && !plot_script && std::system("command -v gnuplot >/dev/null 2>&1") != 0)
     return usage("--plot needs gnuplot on the PATH (Debian: apt-get install gnuplot-nox)");
   std::vector<int> lengths;
   if (!seqlen_file.empty()) {
@@ -614,5 +702,6 @@ int main(int argc, char** argv) {
                 r.driver[DriverCall::unmap], r.forced_syncs, r.alloc_path_driver_us() / 1000,
                 r.background_driver_us() / 1000, r.events_per_second / 1e6, pyt);
   }
+  std::printf("%s\n", kLegend);
   return 0;
 }

@@ -97,6 +97,11 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
     }
     ptrs[s.address] = p;
   }
+  {
+    const DeviceEngine::Usage at = e.usage();
+    r.window_start = {0, 0, at.live, at.allocated, at.reserved};
+    r.pre_window = at.reserved > 0;
+  }
   e.reset_driver_counters();  // the window's driver calls only
   const auto seed_syncs = e.stats().num_forced_syncs;
   double allocated_integral = 0, reserved_integral = 0;

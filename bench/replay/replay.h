@@ -37,6 +37,10 @@ struct ReplayResult {
   struct Point { double seconds, index; std::int64_t live, allocated, reserved; };
   std::vector<Point> curve;  // filled when ReplayOptions::curve_points > 0
   bool curve_in_seconds = false;  // the trace has time
+  // What was there when the window began: the allocations live before it (and, for classic, the segments
+  // PyTorch held), present before the first event. A plot draws it as already there (--plot).
+  bool pre_window = false;
+  Point window_start{0, 0, 0, 0, 0};
 };
 
 // Device capacity of a replay without one: large enough that no trace recorded on a real GPU runs out.

@@ -4,12 +4,14 @@
 #include "zoo.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <map>
 #include <random>
 #include <sstream>
+#include <string_view>
 #include <vector>
 
 namespace fragless::replay {
@@ -74,21 +76,44 @@ class Emitter {
 
 struct Tensor { std::uint64_t addr, bytes; };
 
-// The integer keys of the transformer workloads, with the least value each accepts: what parse() reads and
-// checks, and what a search over one key (workload_key_range) may vary.
-struct IntKey { const char* name; int Config::*field; int least; };
-constexpr IntKey kIntKeys[] = {{"layers", &Config::layers, 1}, {"d_model", &Config::d_model, 1},
-                               {"heads", &Config::heads, 1},   {"d_ff", &Config::d_ff, 0},
-                               {"vocab", &Config::vocab, 0},   {"batch", &Config::batch, 1},
-                               {"steps", &Config::steps, 1},   {"max_seq", &Config::max_seq, 1},
-                               {"ckpt", &Config::ckpt, 0},     {"dropout", &Config::dropout, 0},
-                               {"accum", &Config::accum, 1}};
+// The integer keys of the transformer workloads, with the values each accepts: what parse() reads and
+// checks, what --help lists, and what a search over one key (workload_key_range) may vary.
 constexpr long kMaxIntValue = 1000000;
+struct IntKey { const char* name; int Config::*field; int least; long most; };
+constexpr IntKey kIntKeys[] = {{"layers", &Config::layers, 1, kMaxIntValue}, {"d_model", &Config::d_model, 1, kMaxIntValue},
+                               {"heads", &Config::heads, 1, kMaxIntValue},   {"d_ff", &Config::d_ff, 0, kMaxIntValue},
+                               {"vocab", &Config::vocab, 0, kMaxIntValue},   {"batch", &Config::batch, 1, kMaxIntValue},
+                               {"steps", &Config::steps, 1, kMaxIntValue},   {"max_seq", &Config::max_seq, 1, kMaxIntValue},
+                               {"ckpt", &Config::ckpt, 0, 1},                {"dropout", &Config::dropout, 0, 1},
+                               {"accum", &Config::accum, 1, kMaxIntValue}};
+// The other keys, with their default and what they accept (--help and the errors).
+struct TextKey { const char* name; const char* def; const char* accepted; };
+constexpr TextKey kTextKeys[] = {{"seqlen", "sharegpt", "sharegpt, azure-conv, azure-code, arxiv or fixed:N"},
+                                 {"dtype", "fp32", "fp32 or bf16"},
+                                 {"padding", "none", "none or longest"},
+                                 {"seed", "1", "an integer in [0, 2^64)"}};
+
+std::string int_range(const IntKey& k) {
+  return "an integer in [" + std::to_string(k.least) + ", " + std::to_string(k.most) + "]";
+}
+
+const char* accepted(const char* name) {
+  for (const auto& k : kTextKeys)
+    if (std::string_view(name) == k.name) return k.accepted;
+  return "";
+}
 
 const IntKey* int_key(const std::string& name) {
   for (const auto& k : kIntKeys)
     if (name == k.name) return &k;
   return nullptr;
+}
+
+std::string transformer_keys() {
+  std::string names;
+  for (const auto& k : kIntKeys) names += std::string(names.empty() ? "" : ", ") + k.name;
+  for (const auto& k : kTextKeys) names += std::string(", ") + k.name;
+  return names;
 }
 
 bool parse(const std::string& spec, Config* c, std::string* error) {
@@ -113,9 +138,10 @@ bool parse(const std::string& spec, Config* c, std::string* error) {
     const std::string k = item.substr(0, eq), v = item.substr(eq + 1);
     if (const IntKey* ik = int_key(k)) {
       char* end = nullptr;
+      errno = 0;
       const long n = std::strtol(v.c_str(), &end, 10);
-      if (v.empty() || *end || n < 0 || n > kMaxIntValue) {
-        *error = "workload option " + k + ": bad value '" + v + "'";
+      if (v.empty() || *end || errno || n < ik->least || n > ik->most) {
+        *error = "workload option " + k + ": bad value '" + v + "': expected " + int_range(*ik);
         return false;
       }
       c->*ik->field = static_cast<int>(n);
@@ -124,28 +150,29 @@ bool parse(const std::string& spec, Config* c, std::string* error) {
       c->seqlen_given = true;
     } else if (k == "padding") {
       if (v != "longest" && v != "none") {
-        *error = "workload option padding: expected longest or none, got '" + v + "'";
+        *error = "workload option padding: bad value '" + v + "': expected " + accepted("padding");
         return false;
       }
       c->pad_to_longest = v == "longest";
     } else if (k == "seed") {
-      c->seed = std::strtoull(v.c_str(), nullptr, 10);
+      char* end = nullptr;
+      errno = 0;
+      c->seed = std::strtoull(v.c_str(), &end, 10);
+      if (v.empty() || *end || errno || v[0] == '-') {
+        *error = "workload option seed: bad value '" + v + "': expected " + accepted("seed");
+        return false;
+      }
     } else if (k == "dtype") {
       if (v != "fp32" && v != "bf16") {
-        *error = "workload option dtype: expected fp32 or bf16, got '" + v + "'";
+        *error = "workload option dtype: bad value '" + v + "': expected " + accepted("dtype");
         return false;
       }
       c->dtype = v == "fp32" ? 4 : 2;
     } else {
-      *error = "unknown workload option '" + k + "'";
+      *error = "unknown workload option '" + k + "' (keys: " + transformer_keys() + ")";
       return false;
     }
   }
-  for (const auto& k : kIntKeys)
-    if (c->*k.field < k.least) {
-      *error = "workload option " + std::string(k.name) + " must be at least " + std::to_string(k.least);
-      return false;
-    }
   return true;
 }
 
@@ -158,13 +185,17 @@ class SeqLen {
       return;
     }
     if (c.seqlen.rfind("fixed:", 0) == 0) {
-      fixed_ = std::atoi(c.seqlen.c_str() + 6);
-      if (fixed_ < 1) *error = "seqlen fixed:N needs N >= 1";
+      char* end = nullptr;
+      const long n = std::strtol(c.seqlen.c_str() + 6, &end, 10);
+      if (*end || n < 1 || n > kMaxIntValue)
+        *error = "workload option seqlen: bad value '" + c.seqlen + "': fixed:N needs an integer N in [1, " +
+                 std::to_string(kMaxIntValue) + "]";
+      fixed_ = static_cast<int>(n);
       return;
     }
     for (const auto& f : kFits)
       if (c.seqlen == f.name) fit_ = &f;
-    if (!fit_) *error = "unknown seqlen '" + c.seqlen + "' (sharegpt, azure-conv, azure-code, arxiv or fixed:N)";
+    if (!fit_) *error = "workload option seqlen: bad value '" + c.seqlen + "': expected " + accepted("seqlen");
   }
   int draw() {
     if (fixed_) return std::min(fixed_, max_);
@@ -375,6 +406,28 @@ bool make_workload(const std::string& spec, formats::Trace* out, std::string* er
   return true;
 }
 
+std::string transformer_help() {
+  const Config defaults;
+  std::vector<std::string> items;
+  for (const auto& k : kIntKeys)
+    items.push_back(std::string(k.name) + "=" + std::to_string(defaults.*k.field) + " [" + std::to_string(k.least) +
+                    ", " + std::to_string(k.most) + "]");
+  for (const auto& k : kTextKeys) items.push_back(std::string(k.name) + "=" + k.def + " (" + k.accepted + ")");
+  std::string out = "  transformer-train, transformer-infer: decoder-only transformer steps over variable-length batches\n"
+                    "    keys (default, accepted values):";
+  std::size_t col = 36;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const std::string item = " " + items[i] + (i + 1 < items.size() ? "," : "");
+    if (col + item.size() > 110) {
+      out += "\n     ";
+      col = 5;
+    }
+    out += item;
+    col += item.size();
+  }
+  return out + "\n";
+}
+
 bool workload_key_range(const std::string& spec, const std::string& key, long long* lo, long long* hi,
                         std::string* error) {
   if (spec.rfind("workload:", 0) != 0) {
@@ -401,7 +454,7 @@ bool workload_key_range(const std::string& spec, const std::string& key, long lo
   }
   if (const IntKey* ik = int_key(key)) {
     *lo = ik->least;
-    *hi = kMaxIntValue;
+    *hi = ik->most;
     return true;
   }
   if (key == "seed") {

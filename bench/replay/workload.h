@@ -8,13 +8,16 @@
 
 namespace fragless::replay {
 
-// spec: "workload:NAME[:key=value,...]", NAME = transformer-train | transformer-infer. Keys: layers,
-// d_model, heads, d_ff, vocab, batch, steps, seqlen (sharegpt | azure-conv | azure-code | arxiv | fixed:N),
-// max_seq, dtype (fp32 | bf16), ckpt (0 | 1), seed. Returns false with *error on a bad spec.
+// spec: "workload:NAME[:key=value,...]", NAME = transformer-train | transformer-infer (or ckpt-accum, or a
+// zoo pattern, zoo.h). Keys, their defaults and accepted values: transformer_help(). Returns false with
+// *error on a bad spec, naming the key and what it accepts.
 // `lengths`, when given and the spec names no seqlen, replaces the fitted distribution: sequence lengths
 // are drawn from it uniformly (a user's own data, see read_seqlen_file).
 bool make_workload(const std::string& spec, formats::Trace* out, std::string* error,
                    const std::vector<int>* lengths = nullptr);
+
+// The transformer workloads' keys for --help: each with its default and the values it accepts.
+std::string transformer_help();
 
 // For a search over one key of a workload (fragless-replay --max-of): the integer range the key accepts.
 // False with *error when the spec is not a workload, or the key is unknown or not numeric (seqlen, dtype,

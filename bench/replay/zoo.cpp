@@ -522,14 +522,18 @@ bool is_zoo_workload(const std::string& name) {
 std::string zoo_help() {
   std::string out;
   for (const auto& g : generators()) {
-    out += "  " + std::string(g.name) + ": " + g.what + "\n    keys:";
-    for (const auto& key : g.keys) {
+    out += "  " + std::string(g.name) + ": " + g.what + "\n    keys (default [range]):";
+    std::size_t col = 26;
+    for (std::size_t i = 0; i < g.keys.size(); ++i) {
+      const Key& key = g.keys[i];
       std::ostringstream v;
-      v << key.def;
-      out += ' ';  // appended piecewise: GCC 12 misreads " " + std::string(...) as an overlapping copy
-      out += key.name;
-      out += '=';
+      v << ' ' << key.name << '=' << key.def << " [" << key.lo << ", " << key.hi << ']' << (i + 1 < g.keys.size() ? "," : "");
+      if (col + v.str().size() > 110) {
+        out += "\n     ";
+        col = 5;
+      }
       out += v.str();
+      col += v.str().size();
     }
     out += "\n";
   }

@@ -29,6 +29,13 @@ void fakecudart_set_stream(cudaStream_t, int, int);
 }
 
 int main(int argc, char** argv) {
+  if (argc == 2 && (std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0)) {
+    std::printf("usage: fragless-preload-program plain|interposed\n"
+                "  a program linked against a CUDA runtime double: plain, every call must reach the runtime;\n"
+                "  interposed (run with LD_PRELOAD=libfragless_preload.so), every allocation must be fragless's\n"
+                "  and foreign pointers forwarded\n");
+    return 0;
+  }
   const bool want_interposed = argc == 2 && std::strcmp(argv[1], "interposed") == 0;
   if (argc != 2 || (!want_interposed && std::strcmp(argv[1], "plain") != 0)) {
     std::fprintf(stderr, "usage: fragless-preload-program plain|interposed\n");

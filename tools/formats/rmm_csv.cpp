@@ -1,4 +1,5 @@
 // RAPIDS RMM logging_resource_adaptor CSV: Thread,Time,Action,Pointer,Size,Stream.
+#include <algorithm>
 #include <cinttypes>
 #include <cstdint>
 #include <cstdio>
@@ -134,22 +135,41 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
   return r;
 }
 
+// Note [Times in a converted RMM log]
+// A replay weighs each moment by trace time, or by one unit per event when the trace has none
+// (replay.cpp), so a conversion must keep that weighting. A trace without times gets one microsecond per
+// event of the device, in order (the rows' position among the events the replay counts: allocations,
+// frees, empty_cache), which weighs every event by one unit again. Allocations live before the window are
+// stamped at the window's first time, not at 00:00:00, so the log's span is the window's.
 std::string trace_to_rmm_csv(const Trace& t, int device) {
   std::string out = "Thread,Time,Action,Pointer,Size,Stream\n";
   char buf[160];
   // Time as RMM writes it: HH:MM:SS.ffffff (hours may pass 23 for a long run); the reader takes it back.
-  auto put = [&](const Event& e, const char* action) {
-    const std::int64_t us = e.time_us < 0 ? 0 : e.time_us;
+  auto put = [&](const Event& e, std::int64_t us, const char* action) {
     std::snprintf(buf, sizeof buf, "0,%02" PRId64 ":%02" PRId64 ":%02" PRId64 ".%06" PRId64 ",%s,0x%" PRIx64
                   ",%" PRIu64 ",%" PRIx64 "\n",
                   us / 3600000000, us / 60000000 % 60, us / 1000000 % 60, us % 1000000, action, e.address, e.size,
                   e.stream);
     out += buf;
   };
+  std::int64_t first = -1;
+  if (t.has_time)
+    for (const auto& e : t.events)
+      if (e.device == device && e.time_us >= 0) {
+        first = e.time_us;
+        break;
+      }
   for (const auto& e : t.seed)
-    if (e.device == device) put(e, "allocate");
-  for (const auto& e : t.events)
-    if (e.device == device && (e.op == Op::alloc || e.op == Op::free)) put(e, e.op == Op::alloc ? "allocate" : "free");
+    if (e.device == device) put(e, std::max<std::int64_t>(first, 0), "allocate");
+  std::int64_t index = 0, last = std::max<std::int64_t>(first, 0);
+  for (const auto& e : t.events) {
+    if (e.device != device || (e.op != Op::alloc && e.op != Op::free && e.op != Op::empty_cache)) continue;
+    ++index;
+    if (e.op == Op::empty_cache) continue;  // RMM's log has no such row
+    const std::int64_t us = !t.has_time ? index : e.time_us >= 0 ? e.time_us : last;  // untimed rows keep the time
+    last = us;
+    put(e, us, e.op == Op::alloc ? "allocate" : "free");
+  }
   return out;
 }
 

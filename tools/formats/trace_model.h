@@ -74,7 +74,8 @@ LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string
 LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name);
 LoadResult trace_from_native_bytes(const std::string& bytes, const std::string& name);
 
-// Writers. RMM logs have no device column: one device per file.
+// Writers. RMM logs have no device column: one device per file. A trace without times gets one
+// microsecond per event (Note [Times in a converted RMM log], rmm_csv.cpp).
 std::string trace_to_rmm_csv(const Trace& t, int device);
 std::string trace_to_native(const Trace& t);
 // PyTorch's _dump_snapshot layout (segments + device_traces), drawable by torch.cuda._memory_viz and

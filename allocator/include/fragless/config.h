@@ -12,6 +12,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace fragless {
 
@@ -65,7 +66,8 @@ std::span<const OptionInfo> option_table();
 struct ConfigResult {
   bool ok = false;
   Options options;
-  std::string error;  // names the key, the value and the accepted forms
+  std::string error;               // names the key, the value and the accepted forms, as written
+  std::vector<std::string> keys;   // the keys the text gave, in order (a tool may refuse some)
 };
 
 // Parses `text` over `base` (keys not mentioned keep base's values).
