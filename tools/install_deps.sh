@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages fragless builds and tests with, when any is missing (idempotent).
 set -euo pipefail
-packages=(g++ cmake make catch2 libbenchmark-dev libmimalloc-dev libcli11-dev nlohmann-json3-dev gnuplot-nox python3 clang libclang-rt-14-dev libtorch-dev python3-torch)
+packages=(g++ cmake make catch2 libbenchmark-dev libmimalloc-dev libcli11-dev nlohmann-json3-dev gnuplot-nox python3 python3-pip python3-setuptools python3-wheel python3-venv clang libclang-rt-14-dev libtorch-dev python3-torch)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -27,8 +27,13 @@ class OutOfMemoryError : public std::runtime_error {
 namespace {
 
 thread_local std::string t_last_error;
+// The stack of the C ABI call under way on this thread (Note [Stacks before locks]); events it causes carry it.
+thread_local std::shared_ptr<const stacks::Stack> t_call_stack;
 // fragless_set_oom_thrower: throws the host framework's own out-of-memory exception (torch.cuda.OutOfMemoryError).
 std::atomic<void (*)(const char*)> g_oom_thrower{nullptr};
+// fragless_set_oom_note: appended to the out-of-memory message when there is no thrower (why the error is not
+// the framework's own). Each note set is kept for the process (a reader may still hold the previous one).
+std::atomic<const std::string*> g_oom_note{nullptr};
 
 // Per device: forwards to the tracer (if on) and keeps the last N events for snapshots (if on), with the
 // stack of each allocation (and free, with context "all") when stacks are on (stacks.h).
@@ -42,7 +47,7 @@ class DeviceSink final : public EventSink {
     const bool freed = e.action == TraceAction::free || e.action == TraceAction::free_completed;
     const bool free_call = freed || e.action == TraceAction::free_requested;
     std::shared_ptr<const stacks::Stack> st;
-    if (stacks_ && (alloc || (context_ >= 2 && free_call))) st = stacks::capture(stacks_, 1);
+    if (stacks_ && (alloc || (context_ >= 2 && free_call))) st = t_call_stack;
     Rec r;
     r.h.action = e.action;
     r.h.address = e.address;  // 0 for events without one (physical create/release, empty_cache)
@@ -66,6 +71,8 @@ class DeviceSink final : public EventSink {
     max_entries_ = n;
     context_ = n ? context : 0;
     stacks_ = n && context ? stacks : 0;
+    wanted_alloc_.store(stacks_, std::memory_order_relaxed);
+    wanted_free_.store(context_ >= 2 ? stacks_ : 0, std::memory_order_relaxed);
     while (ring_.size() > n) ring_.pop_front();
     if (!stacks_) block_stacks_.clear();
   }
@@ -101,6 +108,9 @@ class DeviceSink final : public EventSink {
     for (const auto& [addr, st] : blocks) out->block_frames[addr] = frames(st);
   }
   bool needed() const { return tracer_ != nullptr || max_entries_ != 0; }
+  // Which stacks an allocation (a free) on this device records: stacks::python | stacks::cpp, or 0.
+  int stacks_for_alloc() const { return wanted_alloc_.load(std::memory_order_relaxed); }
+  int stacks_for_free() const { return wanted_free_.load(std::memory_order_relaxed); }
 
  private:
   struct Rec {
@@ -110,6 +120,7 @@ class DeviceSink final : public EventSink {
   EventSink* tracer_;
   std::size_t max_entries_ = 0;
   int context_ = 0, stacks_ = 0;
+  std::atomic<int> wanted_alloc_{0}, wanted_free_{0};  // read without mu_ before a call takes any lock
   std::mutex mu_;
   std::deque<Rec> ring_;
   std::unordered_map<std::uint64_t, std::shared_ptr<const stacks::Stack>> block_stacks_;
@@ -197,6 +208,25 @@ DeviceEngine* owner(void* ptr) {
   return nullptr;
 }
 
+// Note [Stacks before locks]
+// A stack is captured when the C ABI call starts, before the engine's lock is taken, and handed to the
+// events of that call through t_call_stack: capturing Python frames may take the GIL (stacks.h), and a
+// thread that holds the GIL may be waiting for the engine's lock, so the order is GIL -> engine lock, as in
+// PyTorch's allocator. Events a call causes that are not its own (frees completed while it runs) carry its
+// stack too, as they did when the stack was read at the event.
+class CallStack {
+ public:
+  CallStack(int device, bool alloc) {
+    Allocator* a = proc().ready.load(std::memory_order_acquire);
+    if (!a || device < 0 || device >= a->device_count()) return;
+    const DeviceSink& s = *proc().sinks[static_cast<std::size_t>(device)];
+    if (const int which = alloc ? s.stacks_for_alloc() : s.stacks_for_free()) t_call_stack = stacks::capture(which, 1);
+  }
+  ~CallStack() { t_call_stack.reset(); }
+  CallStack(const CallStack&) = delete;
+  CallStack& operator=(const CallStack&) = delete;
+};
+
 long copy_out(const std::string& s, char* buf, std::size_t len) {
   if (buf && len) {
     const std::size_t n = std::min(s.size(), len - 1);
@@ -220,6 +250,7 @@ void* allocate(size_t size, int device, cudaStream_t stream, bool* oom) {
   *oom = false;
   DeviceEngine* e = engine(device);
   if (!e) return nullptr;
+  CallStack stack(device, /*alloc=*/true);
   AllocError err;
   void* p = e->allocate(size, reinterpret_cast<Stream>(stream), &err);
   if (!p) {
@@ -240,6 +271,7 @@ void* fragless_malloc(size_t size, int device, cudaStream_t stream) {
   // Never NULL: PyTorch's normal path would wrap it in a tensor whose first kernel faults.
   if (oom) {
     if (auto thrower = g_oom_thrower.load(std::memory_order_acquire)) thrower(t_last_error.c_str());
+    if (const std::string* note = g_oom_note.load(std::memory_order_acquire)) throw OutOfMemoryError(t_last_error + " " + *note);
     throw OutOfMemoryError(t_last_error);
   }
   throw std::runtime_error(t_last_error);
@@ -247,6 +279,24 @@ void* fragless_malloc(size_t size, int device, cudaStream_t stream) {
 
 void fragless_set_oom_thrower(void (*thrower)(const char* message)) {
   g_oom_thrower.store(thrower, std::memory_order_release);
+}
+
+void fragless_set_oom_note(const char* note) {
+  g_oom_note.store(note && *note ? new std::string(note) : nullptr, std::memory_order_release);
+}
+
+long fragless_check_config(const char* conf, char* buf, size_t len) {
+  const ConfigResult r = parse_config(conf ? conf : "");
+  if (r.ok) return copy_out("", buf, len);
+  return copy_out(r.error, buf, len);
+}
+
+long fragless_check_driver(const char* conf, char* buf, size_t len) {
+  const ConfigResult r = parse_config(conf ? conf : "");
+  std::string err;
+  if (!r.ok) return copy_out(r.error, buf, len);
+  if (driver_available(r.options, &err)) return copy_out("", buf, len);
+  return copy_out(err, buf, len);
 }
 
 void* fragless_pool_malloc(size_t size, int device, cudaStream_t stream) {
@@ -258,6 +308,7 @@ void fragless_free(void* ptr, size_t, int device, cudaStream_t) {
   if (!ptr) return;
   // PyTorch passes the allocation's device: one lookup. Only a refused free looks at the other devices.
   DeviceEngine* e = engine(device);
+  CallStack stack(device, /*alloc=*/false);
   AllocError err;
   if (e && e->free(ptr, &err) == Status::ok) return;
   if (DeviceEngine* o = owner(ptr); o && o != e && o->free(ptr, &err) == Status::ok) return;

@@ -2,13 +2,14 @@
 
 #include <cxxabi.h>
 #include <dlfcn.h>
-#include <execinfo.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <type_traits>
 #include <mutex>
 #include <unordered_map>
+
+#include "unwind.h"
 
 namespace fragless::stacks {
 
@@ -34,7 +35,9 @@ struct Python {
   int (*gil_ensure)() = nullptr;            // PyGILState_Ensure
   void (*gil_release)(int) = nullptr;       // PyGILState_Release
   int (*finalizing)() = nullptr;            // Py_IsFinalizing (3.13) or _Py_IsFinalizing
+  void* (*this_thread_state)() = nullptr;   // PyGILState_GetThisThreadState: needs no GIL
   bool ok = false;
+  bool can_take_gil = false;                // what taking the GIL for a thread that released it needs
 
   Python() {
     auto get = [](auto& fn, const char* name) { fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(RTLD_DEFAULT, name)); };
@@ -55,9 +58,11 @@ struct Python {
     get(gil_release, "PyGILState_Release");
     get(finalizing, "Py_IsFinalizing");
     if (!finalizing) get(finalizing, "_Py_IsFinalizing");
+    get(this_thread_state, "PyGILState_GetThisThreadState");
     if (!(addr2line && gil_ensure && gil_release && finalizing)) frame_lasti = nullptr;  // lines at capture
     ok = is_initialized && gil_check && get_frame && frame_code && frame_back && frame_line && incref && decref &&
          getattr && utf8 && err_clear;
+    can_take_gil = ok && gil_ensure && gil_release && finalizing && this_thread_state;
   }
 };
 
@@ -119,38 +124,58 @@ const CodeInfo* code_info(Python& p, void* code, CodeCache& cache) {
   return it->second;
 }
 
+// The Python frames of the calling thread, which holds the GIL, innermost first.
+void python_frames(Python& p, Stack* s) {
+  CodeCache& cache = code_cache();
+  s->python.reserve(32);
+  void* f = p.get_frame();  // borrowed
+  bool owned = false;
+  for (int depth = 0; f && depth < kMaxFrames; ++depth) {
+    void* code = p.frame_code(f);
+    if (code) {
+      // The bytecode offset where the API gives it; the line (a walk of the line table) at snapshot time.
+      if (p.frame_lasti) s->python.push_back({code_info(p, code, cache), p.frame_lasti(f), true});
+      else s->python.push_back({code_info(p, code, cache), p.frame_line(f), false});
+      p.decref(code);
+    }
+    void* back = p.frame_back(f);  // new reference (or null)
+    if (owned) p.decref(f);
+    f = back;
+    owned = true;
+  }
+  if (owned && f) p.decref(f);
+}
+
+// Note [Taking the GIL for Python frames]
+// PyTorch's generated bindings release the GIL around the operator that allocates (torch.empty, arithmetic,
+// ...), so the allocating thread usually does not hold it. As PyTorch's own allocator does
+// (CapturedTraceback's Python gatherer), the frames are read by taking the GIL for the walk, which is why
+// capture() must run before any fragless lock is taken: a thread holding the GIL may be waiting for that
+// lock (lock order GIL -> fragless). Never taken by a thread with no Python thread state (a pure C++
+// thread: PyGILState_Ensure would create one, and it has no Python frames anyway), nor while the
+// interpreter is finalizing (PyGILState_Ensure may then never return or end the thread): no Python frames
+// then.
+void python_stack(Stack* s) {
+  Python& p = py();
+  if (!p.ok || !p.is_initialized()) return;
+  if (p.finalizing && p.finalizing()) return;
+  if (p.gil_check() == 1) return python_frames(p, s);
+  if (!p.can_take_gil || !p.this_thread_state()) return;
+  const int state = p.gil_ensure();
+  python_frames(p, s);
+  p.gil_release(state);
+}
+
 }  // namespace
 
 std::shared_ptr<const Stack> capture(int which, int skip) {
   auto s = std::make_shared<Stack>();
   if (which & cpp) {
     void* buf[kMaxFrames];
-    const int n = backtrace(buf, kMaxFrames);
-    for (int i = skip + 1; i < n; ++i) s->cpp.push_back(buf[i]);  // +1: this function
+    const int n = unwind(buf, kMaxFrames, skip + 1);  // +1: this function
+    s->cpp.assign(buf, buf + n);
   }
-  if (which & python) {
-    Python& p = py();
-    if (p.ok && p.is_initialized() && p.gil_check() == 1) {
-      CodeCache& cache = code_cache();
-      s->python.reserve(32);
-      void* f = p.get_frame();  // borrowed
-      bool owned = false;
-      for (int depth = 0; f && depth < kMaxFrames; ++depth) {
-        void* code = p.frame_code(f);
-        if (code) {
-          // The bytecode offset where the API gives it; the line (a walk of the line table) at snapshot time.
-          if (p.frame_lasti) s->python.push_back({code_info(p, code, cache), p.frame_lasti(f), true});
-          else s->python.push_back({code_info(p, code, cache), p.frame_line(f), false});
-          p.decref(code);
-        }
-        void* back = p.frame_back(f);  // new reference (or null)
-        if (owned) p.decref(f);
-        f = back;
-        owned = true;
-      }
-      if (owned && f) p.decref(f);
-    }
-  }
+  if (which & python) python_stack(s.get());
   if (s->cpp.empty() && s->python.empty()) return nullptr;
   return s;
 }
@@ -163,7 +188,9 @@ int Namer::line(const void* code, int offset) {
   Python& p = py();
   if (!tried_) {
     tried_ = true;
-    if (p.frame_lasti && p.is_initialized() && !p.finalizing()) {
+    // As for capture: never for a thread with no Python state, never while finalizing.
+    if (p.frame_lasti && p.is_initialized() && !p.finalizing() &&
+        (p.gil_check() == 1 || (p.this_thread_state && p.this_thread_state()))) {
       state_ = p.gil_ensure();
       held_ = true;
     }

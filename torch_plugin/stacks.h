@@ -2,11 +2,13 @@
 // (cheap: return addresses and Python code objects with their lines), symbolised only when a snapshot is
 // taken.
 //
-// - C++ frames: the return addresses of the calling thread (glibc's backtrace), symbolised with dladdr and
-//   demangled: the name of the nearest exported symbol and its library (no line: that needs debug info).
-// - Python frames: those of the calling thread when it holds the GIL, read through the CPython C API found
-//   at run time with dlsym (nothing links libpython; a process without Python has none). Each code object is
-//   kept alive (one reference, forever) the first time it is seen, so a frame is a pointer and a line.
+// - C++ frames: the return addresses of the calling thread (unwind.h: a DWARF unwinder with a rule cached per
+//   return address), symbolised with dladdr and demangled: the name of the nearest exported symbol and its
+//   library (no line: that needs debug info).
+// - Python frames: those of the calling thread, read through the CPython C API found at run time with dlsym
+//   (nothing links libpython; a process without Python has none), taking the GIL for the walk when the
+//   thread released it (Note [Taking the GIL for Python frames], stacks.cpp). Each code object is kept alive
+//   (one reference, forever) the first time it is seen, so a frame is a pointer and a line.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -34,6 +36,7 @@ struct Stack {
 };
 
 // `which`: python | cpp. `skip`: C++ frames of the caller's own to leave out. nullptr when nothing was found.
+// May take the GIL: call it holding no lock that an allocating thread may wait for.
 std::shared_ptr<const Stack> capture(int which, int skip);
 
 // Names stacks: C++ frames first (innermost first), then Python frames (innermost first), PyTorch's order.

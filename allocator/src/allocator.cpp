@@ -38,6 +38,18 @@ std::unique_ptr<Driver> make_driver(const Options& opts, int device, std::string
   return nullptr;
 }
 
+bool driver_available(const Options& opts, std::string* error) {
+  if (opts.driver != DriverKind::cuda) return true;
+#if defined(FRAGLESS_HAVE_CUDA)
+  const int n = cuda_device_count(error);
+  if (n == 0 && error) *error = "fragless: the CUDA driver reports no device";
+  return n > 0;
+#else
+  if (error) *error = "fragless: this build has no cuda driver (the CUDA headers were not found)";
+  return false;
+#endif
+}
+
 std::unique_ptr<Allocator> Allocator::create(const Options& opts, int devices, std::string* error, bool eager) {
   auto a = std::unique_ptr<Allocator>(new Allocator());
   a->opts_ = opts;

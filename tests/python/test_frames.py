@@ -1,9 +1,13 @@
 """Stack frames in snapshots (fragless.record_history's context and stacks, what _record_memory_history asks
-for): C++ frames of the allocating thread, and its Python frames when it holds the GIL (ctypes.PyDLL keeps
-the GIL during the call, as PyTorch's bindings do); frames of frees only with context "all"; none when off.
-The snapshots must still satisfy the viewer's rules. Run with FRAGLESS_LIBRARY set; the host driver."""
+for): C++ frames of the allocating thread, and its Python frames whether it holds the GIL (ctypes.PyDLL
+keeps it during the call) or released it (ctypes.CDLL, as PyTorch's generated bindings do: fragless takes
+the GIL for the walk); none from a thread with no Python state (FRAGLESS_FRAMES_HELPER, a pure C++ thread),
+none and no hang at interpreter shutdown; frames of frees only with context "all"; none when off. The
+snapshots must still satisfy the viewer's rules. (The same through PyTorch's own bindings:
+test_frames_torch.py.) Run with FRAGLESS_LIBRARY set; the host driver."""
 import ctypes
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -81,12 +85,59 @@ free_here(with_gil, p, 3 * MiB)
 freed = the_frees(before, p)
 check(any("free_here" in names(e["frames"]) for e in freed), freed)
 
-# Without the GIL (ctypes.CDLL) there are no Python frames, the C++ ones remain.
+# Without the GIL (ctypes.CDLL releases it for the call): fragless takes it to read the Python frames.
 before = len(history())
 p = allocate_from_a_caller(no_gil, MiB)
-n = names(the_alloc(before, p)["frames"])
-check("allocate_here" not in n and any("fragless_malloc" in x for x in n), n)
-no_gil.fragless_free(p, MiB, 0, None)
+frames = the_alloc(before, p)["frames"]
+n = names(frames)
+check("allocate_here" in n and "allocate_from_a_caller" in n and any("fragless_malloc" in x for x in n), n)
+here = [f for f in frames if f["name"] == "allocate_here"][0]
+check(here["line"] == allocate_here.__code__.co_firstlineno + 1, here)
+before = len(history())
+free_here(no_gil, p, MiB)
+check(any("free_here" in names(e["frames"]) for e in the_frees(before, p)), "no free_here frame on the free")
+
+# The C++ frames reach the process's entry point: the unwinder walks the whole stack (PyTorch's viewer
+# drops _start and __libc_start_main; they must be there to drop).
+check(any(x in ("_start", "__libc_start_main") for x in n), n)
+
+# A thread with no Python state gets C++ frames only (fragless never gives it one).
+helper = os.environ.get("FRAGLESS_FRAMES_HELPER")
+if helper:
+    h = ctypes.CDLL(helper)
+    h.helper_alloc_on_cpp_thread.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulong]
+    before = len(history())
+    check(h.helper_alloc_on_cpp_thread(ctypes.cast(no_gil.fragless_malloc, ctypes.c_void_p),
+                                       ctypes.cast(no_gil.fragless_free, ctypes.c_void_p), 5 * MiB), "no allocation")
+    a = [e for e in history()[before:] if e["action"] == "alloc" and e["size"] == 5 * MiB]
+    check(len(a) == 1, a)
+    n = names(a[0]["frames"])
+    check(n and "<module>" not in n and not any(f["filename"].endswith(".py") for f in a[0]["frames"]), n)
+    print("a C++ thread: %d C++ frames, no Python frame" % len(n))
+else:
+    print("SKIPPED (part): FRAGLESS_FRAMES_HELPER is not set, the pure C++ thread is not checked")
+
+# Interpreter shutdown: daemon threads allocating without the GIL while the interpreter finalizes must
+# neither hang nor crash the exit.
+SHUTDOWN = r"""
+import ctypes, sys, threading
+sys.path.insert(0, %r)
+import fragless
+lib = fragless.library()
+fragless.record_history(1000, context="all", stacks="all")
+def loop():
+    while True:
+        lib.fragless_free(lib.fragless_malloc(4096, 0, None), 4096, 0, None)
+for _ in range(4):
+    threading.Thread(target=loop, daemon=True).start()
+import time; time.sleep(0.3)
+print("exiting")
+"""
+pkg = os.path.join(HERE, "..", "..", "torch_plugin", "python")
+for attempt in range(5):
+    r = subprocess.run([sys.executable, "-c", SHUTDOWN % pkg], capture_output=True, text=True, timeout=60)
+    check(r.returncode == 0 and "exiting" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:]))
+print("interpreter shutdown with threads allocating: 5 clean exits")
 
 # stacks "python": Python frames only; context "alloc": no frames on frees.
 fragless.record_history(1000, context="alloc", stacks="python")

@@ -1,11 +1,17 @@
 """Out of memory under fragless.torch.enable() is a torch.cuda.OutOfMemoryError, with PyTorch's first sentence.
 
-enable() builds a thrower against the running PyTorch (torch_plugin/python/fragless/torch_oom.cpp) and hands
-it to libfragless.so. Without a GPU the path is exercised through PyTorch's CPU allocator: a probe
-(oom_probe.cpp) makes libfragless.so (host driver) PyTorch's CPU allocator, so torch.empty calls
-fragless_malloc, which throws through PyTorch's bindings exactly as it does from CUDAPluggableAllocator.
-Exits 77 (skipped) without PyTorch, its headers or a compiler."""
+enable() hands libfragless.so a thrower of c10::OutOfMemoryError built against the running PyTorch
+(torch_plugin/python/fragless/torch_oom.cpp). Without a GPU the path is exercised through PyTorch's CPU
+allocator: a probe (FRAGLESS_CPU_PROBE, oom_probe.cpp) makes libfragless.so (host driver) PyTorch's CPU
+allocator, so torch.empty calls fragless_malloc, which throws through PyTorch's bindings exactly as it does
+from CUDAPluggableAllocator. Three cases, each in its own interpreter:
+  built     the thrower built with libfragless.so (CMake, as `pip install` does) is used: no compiler (CXX is
+            /bin/false), nothing built into the cache;
+  compiled  the one beside the library is for another PyTorch: one is built now into the cache;
+  neither   no matching one and no compiler: RuntimeError, whose text says why, and enable() warns.
+Exits 77 (skipped) without PyTorch or the probe. Run with FRAGLESS_LIBRARY and FRAGLESS_CPU_PROBE set."""
 import ctypes
+import json
 import os
 import shutil
 import subprocess
@@ -13,65 +19,115 @@ import sys
 import tempfile
 import warnings
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "torch_plugin", "python"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "torch_plugin", "python"))
+sys.path.insert(0, HERE)
+from checks import check  # noqa: E402
 try:
     import torch
 except ImportError:
     print("SKIPPED: PyTorch is not installed for %s" % sys.executable)
     sys.exit(77)
-root = os.path.dirname(torch.__file__)
-cxx = shutil.which("c++") or shutil.which("g++")
-if not cxx or not os.path.exists(os.path.join(root, "include", "c10", "core", "Allocator.h")):
-    print("SKIPPED: no C++ compiler or no PyTorch C++ headers here")
+PROBE = os.environ.get("FRAGLESS_CPU_PROBE")
+if not PROBE or not os.path.exists(PROBE):
+    print("SKIPPED: no CPU-allocator probe (FRAGLESS_CPU_PROBE; built where PyTorch's C++ headers are found)")
     sys.exit(77)
 
-import fragless  # noqa: E402
-import fragless.torch as ft  # noqa: E402
-from checks import check  # noqa: E402
 
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    ft.enable()
-check(ft._oom_shim is not None, "the thrower was not built: %s" % [str(w.message) for w in caught])
+def run_case(case):
+    import fragless
+    import fragless.torch as ft
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ft.enable("driver:host,capacity_mb:512")
+    messages = [str(w.message) for w in caught]
+    lib = fragless.library()
+    p = ctypes.CDLL(PROBE)
+    p.probe_install.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    p.probe_install(ctypes.cast(lib.fragless_malloc, ctypes.c_void_p), ctypes.cast(lib.fragless_free, ctypes.c_void_p))
+    x = torch.ones(1 << 20)
+    check(float(x.sum()) == float(1 << 20))
+    check(fragless.memory_stats(0)["allocated_bytes.all.current"] >= 4 << 20)  # the tensor is fragless memory
+    before = fragless.memory_stats(0)["num_alloc_retries"]
+    want = torch.cuda.OutOfMemoryError if case != "neither" else RuntimeError
+    check(ft.oom_error_type() is want, (ft.oom_error_type(), messages))
+    try:
+        torch.empty(1 << 40, dtype=torch.uint8)
+        raise AssertionError("1 TiB was allocated")
+    except torch.cuda.OutOfMemoryError as e:
+        check(case != "neither", "OutOfMemoryError without a thrower")
+        msg = str(e)
+    except RuntimeError as e:
+        check(case == "neither", "RuntimeError although a thrower was there: %s" % messages)
+        msg = str(e)
+    check(msg.startswith("CUDA out of memory. Tried to allocate 1024.00 GiB. GPU 0 has a total capacity of "), msg)
+    check("fragless" in msg, msg)
+    check(fragless.memory_stats(0)["num_alloc_retries"] == before + 1)  # the retry chain ran first
+    if case == "neither":
+        check(any("will raise RuntimeError" in m for m in messages), messages)
+        check("not torch.cuda.OutOfMemoryError" in msg and "PyTorch" in msg, msg)  # the error says why
+    else:
+        check(not any("RuntimeError" in m for m in messages), messages)
+        # Without the thrower the same failure is a plain RuntimeError: the thrower is what makes the type.
+        lib.fragless_set_oom_thrower(None)
+        try:
+            torch.empty(1 << 40, dtype=torch.uint8)
+            raise AssertionError("1 TiB was allocated")
+        except torch.cuda.OutOfMemoryError:
+            raise AssertionError("OutOfMemoryError without the thrower")
+        except RuntimeError as e:
+            check("CUDA out of memory. Tried to allocate" in str(e), e)
+    del x
+    print("%s: %s, message as PyTorch's" % (case, want.__name__))
 
-# The probe: libfragless.so as PyTorch's CPU allocator.
-work = tempfile.mkdtemp(prefix="fragless-oom-")
-probe = os.path.join(work, "probe.so")
-libdir = os.path.join(root, "lib")
-cmd = [cxx, "-O1", "-std=c++17", "-shared", "-fPIC",
-       "-D_GLIBCXX_USE_CXX11_ABI=%d" % int(torch._C._GLIBCXX_USE_CXX11_ABI),
-       "-I", os.path.join(root, "include"), os.path.join(os.path.dirname(__file__), "oom_probe.cpp"),
-       "-o", probe, "-L", libdir, "-lc10", "-Wl,-rpath," + libdir]
-r = subprocess.run(cmd, capture_output=True, text=True)
-check(r.returncode == 0, r.stderr[-3000:])
-lib = fragless.library()
-p = ctypes.CDLL(probe)
-p.probe_install.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-p.probe_install(ctypes.cast(lib.fragless_malloc, ctypes.c_void_p), ctypes.cast(lib.fragless_free, ctypes.c_void_p))
 
-before = fragless.memory_stats(0)["num_alloc_retries"]
-x = torch.ones(1 << 20)
-check(float(x.sum()) == float(1 << 20))
-check(fragless.memory_stats(0)["allocated_bytes.all.current"] >= 4 << 20)  # the tensor is fragless memory
+def main():
+    built = os.path.join(os.path.dirname(os.environ["FRAGLESS_LIBRARY"]), "libfragless_torch_oom.so")
+    if not os.path.exists(built):
+        print("SKIPPED: no thrower beside %s (no PyTorch with headers at build time)" % os.environ["FRAGLESS_LIBRARY"])
+        return 77
+    print("interpreter: %s, torch %s" % (sys.executable, torch.__version__))
+    work = tempfile.mkdtemp(prefix="fragless-oom-")
+    # A library whose thrower is recorded as built for another PyTorch.
+    other = os.path.join(work, "other")
+    os.makedirs(other)
+    lib = os.environ["FRAGLESS_LIBRARY"]
+    shutil.copy2(lib, other)
+    shutil.copy2(built, other)
+    with open(os.path.join(os.path.dirname(lib), "fragless_build.json")) as f:
+        info = json.load(f)
+    info["torch_oom"]["torch"] = "0.0.1-another"
+    with open(os.path.join(other, "fragless_build.json"), "w") as f:
+        json.dump(info, f)
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    cases = [("built", lib, "/bin/false"), ("neither", os.path.join(other, "libfragless.so"), "/bin/false")]
+    if cxx and os.path.exists(os.path.join(os.path.dirname(torch.__file__), "include", "c10", "util", "Exception.h")):
+        cases.insert(1, ("compiled", os.path.join(other, "libfragless.so"), cxx))
+    else:
+        print("SKIPPED (part): no C++ compiler or no PyTorch headers: the 'compiled' case is not run")
+    for case, library, compiler in cases:
+        cache = os.path.join(work, "cache-" + case)
+        os.makedirs(cache)
+        env = dict(os.environ, FRAGLESS_LIBRARY=library, CXX=compiler, XDG_CACHE_HOME=cache)
+        r = subprocess.run([sys.executable, __file__, case], env=env, capture_output=True, text=True, timeout=300)
+        sys.stdout.write(r.stdout)
+        if r.returncode != 0:
+            print(r.stderr[-3000:])
+            print("FAIL: case %s" % case)
+            return 1
+        built_now = os.listdir(os.path.join(cache, "fragless")) if os.path.isdir(os.path.join(cache, "fragless")) else []
+        if case == "compiled":
+            check(any(n.endswith(".so") for n in built_now), "nothing was built into the cache: %s" % built_now)
+        else:
+            check(not built_now, "%s: something was built at run time: %s" % (case, built_now))
+    shutil.rmtree(work)
+    print("OOM under fragless.torch.enable(): torch.cuda.OutOfMemoryError from the built thrower, a compiled one, "
+          "and a RuntimeError that says why where neither can be had")
+    return 0
 
-try:
-    torch.empty(1 << 40, dtype=torch.uint8)
-    raise AssertionError("1 TiB was allocated")
-except torch.cuda.OutOfMemoryError as e:
-    msg = str(e)
-check(msg.startswith("CUDA out of memory. Tried to allocate 1024.00 GiB. GPU 0 has a total capacity of "), msg)
-check("fragless" in msg, msg)
-check(fragless.memory_stats(0)["num_alloc_retries"] == before + 1)  # the retry chain ran first
 
-# Without the thrower the same failure is a plain RuntimeError: the thrower is what makes the type.
-lib.fragless_set_oom_thrower(None)
-try:
-    torch.empty(1 << 40, dtype=torch.uint8)
-    raise AssertionError("1 TiB was allocated")
-except torch.cuda.OutOfMemoryError:
-    raise AssertionError("OutOfMemoryError without the thrower")
-except RuntimeError as e:
-    check("CUDA out of memory. Tried to allocate" in str(e), e)
-del x
-shutil.rmtree(work)
-print("OOM under fragless.torch.enable(): torch.cuda.OutOfMemoryError, message as PyTorch's")
+if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        run_case(sys.argv[1])
+    else:
+        sys.exit(main())

@@ -20,6 +20,10 @@ namespace fragless {
 // Builds the driver `opts.driver` for one device; nullptr with *error set when it cannot.
 std::unique_ptr<Driver> make_driver(const Options& opts, int device, std::string* error);
 
+// Whether opts.driver can start on this machine, creating nothing (no engine, no context): the cuda driver
+// needs libcuda and at least one device; host and sim always can. False with *error saying why.
+bool driver_available(const Options& opts, std::string* error);
+
 class Allocator {
  public:
   // An allocator for `devices` devices (-1: as many as the cuda driver reports; 1 for host and sim). No

@@ -31,6 +31,16 @@ FRAGLESS_API void fragless_free(void* ptr, size_t size, int device, cudaStream_t
  * framework's own exception: fragless.torch.enable() builds one against the running PyTorch that throws
  * c10::OutOfMemoryError, which PyTorch raises as torch.cuda.OutOfMemoryError. NULL restores the default. */
 FRAGLESS_API void fragless_set_oom_thrower(void (*thrower)(const char* message));
+/* Without a thrower, the out-of-memory exception's message ends with `note` (NULL or "": nothing): why the
+ * error is not the framework's own (fragless.torch.enable() says where no thrower could be had). */
+FRAGLESS_API void fragless_set_oom_note(const char* note);
+/* Checks a FRAGLESS_CONF string without creating anything: 0 when it is valid, else the length of the error
+ * message (naming the key, the value and the accepted forms), written into buf as fragless_memory_stats
+ * writes its text. */
+FRAGLESS_API long fragless_check_config(const char* conf, char* buf, size_t len);
+/* The same, and then whether the configuration's driver can start here (the cuda driver needs libcuda and a
+ * device), creating nothing: 0, or the length of the message saying why not. */
+FRAGLESS_API long fragless_check_driver(const char* conf, char* buf, size_t len);
 /* The same allocation, NULL on failure (torch.cuda.MemPool's allocator: PyTorch retries and raises). */
 FRAGLESS_API void* fragless_pool_malloc(size_t size, int device, cudaStream_t stream);
 

@@ -6,8 +6,8 @@
     fragless.torch.memory_stats()      # torch.cuda.memory_stats() key names
     fragless.torch.dump_snapshot("snap.pickle")   # open at pytorch.org/memory_viz
 
-The library is found through FRAGLESS_LIBRARY, next to this package, in the repository's build/lib, or
-on the loader path, in that order.
+The library is found through FRAGLESS_LIBRARY, inside this package (where `pip install` puts it), in the
+repository's build/lib, or on the loader path, in that order.
 """
 import ctypes
 import ctypes.util
@@ -16,8 +16,9 @@ import json
 import os
 import pickle
 
-__all__ = ["library", "library_path", "memory_stats", "memory_summary", "snapshot", "dump_snapshot",
-           "empty_cache", "record_history", "last_error", "device_count"]
+__all__ = ["library", "library_path", "preload_library_path", "build_info", "check_config", "check_driver", "memory_stats",
+           "memory_summary", "snapshot", "dump_snapshot", "empty_cache", "record_history", "last_error",
+           "device_count"]
 
 _lib = None
 _path = None
@@ -39,6 +40,49 @@ def library_path():
     """The libfragless.so this process uses (loading it if needed)."""
     library()
     return _path
+
+
+def preload_library_path():
+    """libfragless_preload.so, beside the libfragless.so this process uses (for LD_PRELOAD)."""
+    return os.path.join(os.path.dirname(os.path.abspath(library_path())), "libfragless_preload.so")
+
+
+def build_info():
+    """What the build beside the loaded library has (fragless_build.json, written by CMake): the version,
+    whether the cuda driver was built, and the OOM thrower's PyTorch version or why it was not built. {} for a
+    library without the file."""
+    path = os.path.join(os.path.dirname(os.path.abspath(library_path())), "fragless_build.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _check(fn, conf):
+    need = fn(conf.encode(), None, 0)
+    if need <= 0:
+        return None
+    buf = ctypes.create_string_buffer(need + 1)
+    fn(conf.encode(), buf, need + 1)
+    return buf.value.decode()
+
+
+def check_config(conf):
+    """Raises ValueError with the parser's message (naming the key, the value and the accepted forms) if
+    `conf`, a FRAGLESS_CONF string, is not valid; creates nothing."""
+    error = _check(library().fragless_check_config, conf)
+    if error:
+        raise ValueError(error)
+
+
+def check_driver(conf):
+    """For a valid `conf`: raises RuntimeError saying why its driver cannot start here (the cuda driver
+    needs libcuda and a device), creating nothing (no engine, no CUDA context)."""
+    check_config(conf)
+    error = _check(library().fragless_check_driver, conf)
+    if error:
+        raise RuntimeError(error)
 
 
 def library():
@@ -73,6 +117,11 @@ def library():
     _lib.fragless_reset_peak_stats.argtypes = [c.c_int]
     _lib.fragless_reset_accumulated_stats.argtypes = [c.c_int]
     _lib.fragless_mem_get_info.argtypes = [c.c_int, c.POINTER(c.c_size_t), c.POINTER(c.c_size_t)]
+    for fn in (_lib.fragless_check_config, _lib.fragless_check_driver):
+        fn.restype = c.c_long
+        fn.argtypes = [c.c_char_p, c.c_char_p, c.c_size_t]
+    _lib.fragless_set_oom_thrower.argtypes = [c.c_void_p]
+    _lib.fragless_set_oom_note.argtypes = [c.c_char_p]
     return _lib
 
 

@@ -54,8 +54,10 @@ _originals = {}
 def enable(conf=None):
     """Make fragless PyTorch's CUDA allocator and let torch.cuda's memory API answer from it. `conf` is a
     FRAGLESS_CONF string (else the environment's). Must run before the first CUDA allocation; raises
-    RuntimeError saying so otherwise. Returns the torch.cuda.memory.CUDAPluggableAllocator, or None on a
-    PyTorch without CUDA."""
+    RuntimeError saying so otherwise. Everything that would fail later fails here: a bad `conf` raises
+    ValueError naming the key; a driver that cannot start (no libcuda on a machine without a GPU) raises
+    RuntimeError saying so, and naming driver:host for CPU use. Returns the
+    torch.cuda.memory.CUDAPluggableAllocator, or None on a PyTorch without CUDA."""
     global _enabled
     if _enabled is not None:
         return _enabled
@@ -63,10 +65,16 @@ def enable(conf=None):
         import torch
     except ImportError as e:
         raise ImportError("fragless.torch.enable() needs PyTorch (>= 2.1); it is not importable here: %s" % e)
-    if conf is not None:
-        os.environ["FRAGLESS_CONF"] = conf
-    path = _f.library_path()
     lib = _f.library()
+    if conf is None:
+        conf = os.environ.get("FRAGLESS_CONF", "")
+    try:
+        _f.check_config(conf)
+    except ValueError as e:
+        raise ValueError("fragless.torch.enable(%r): %s" % (conf, e)) from None
+    os.environ["FRAGLESS_CONF"] = conf
+    _check_driver(conf)
+    path = _f.library_path()
     pluggable = getattr(torch.cuda.memory, "CUDAPluggableAllocator", None)
     if not torch.cuda.is_available() or pluggable is None:
         warnings.warn("fragless.torch.enable(): this PyTorch (%s) %s, so fragless is not its allocator; "
@@ -92,6 +100,32 @@ def enable(conf=None):
     _install_oom_error(torch)
     _enabled = alloc
     return alloc
+
+
+def _check_driver(conf):
+    """A driver that cannot start here is an error of enable(), not of the first allocation (nothing is
+    created: no engine, no CUDA context)."""
+    try:
+        _f.check_driver(conf)
+    except RuntimeError as e:
+        raise RuntimeError("fragless.torch.enable(): %s. For CPU use (a machine without a GPU or without libcuda), "
+                           "fragless runs on host memory with the host driver: fragless.torch.enable(\"driver:host\")"
+                           % str(e).rstrip(".")) from None
+
+
+def _thrower_in_package(torch):
+    """The thrower built with the package (next to libfragless.so; fragless_build.json names the PyTorch it
+    was built for). Returns (path, None) when it matches the running PyTorch, else (None, why not)."""
+    info = _f.build_info().get("torch_oom") or {}
+    here = os.path.dirname(os.path.abspath(_f.library_path()))
+    path = os.path.join(here, "libfragless_torch_oom.so")
+    if not info.get("built") or not os.path.exists(path):
+        return None, "this fragless was built without one (%s)" % (info.get("reason") or "no fragless_build.json")
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    if info.get("torch") != torch.__version__ or int(info.get("cxx11_abi", -1)) != abi:
+        return None, "the one built with fragless is for PyTorch %s (C++11 ABI %s), this is %s (%d)" % (
+            info.get("torch"), info.get("cxx11_abi"), torch.__version__, abi)
+    return path, None
 
 
 def _oom_shim_path(torch):
@@ -136,22 +170,42 @@ _oom_shim = None
 
 def _install_oom_error(torch):
     """Makes fragless's out-of-memory a torch.cuda.OutOfMemoryError (so `except torch.cuda.OutOfMemoryError`
-    catches it) by handing libfragless.so a thrower built against this PyTorch. Without a compiler or
-    PyTorch's headers it stays a RuntimeError with the same text, and says so. Returns whether it worked."""
+    catches it) by handing libfragless.so a thrower of c10::OutOfMemoryError built against this PyTorch: the
+    one built with the package when it matches this PyTorch (no compiler needed), else one built now into
+    the cache (a compiler and PyTorch's headers needed). Where neither is possible out of memory stays a
+    RuntimeError with the same text; a warning here and the error's own text say why. Returns whether it
+    worked."""
     global _oom_shim
     if _oom_shim is not None:
         return True
-    try:
-        shim = ctypes.CDLL(_oom_shim_path(torch))
-    except OSError as e:
-        warnings.warn("fragless.torch: out of memory will raise RuntimeError, not torch.cuda.OutOfMemoryError (%s)"
-                      % e, RuntimeWarning, stacklevel=3)
-        return False
     lib = _f.library()
-    lib.fragless_set_oom_thrower.argtypes = [ctypes.c_void_p]
+    packaged, why_not = _thrower_in_package(torch)
+    shim = None
+    if packaged:
+        try:
+            shim = ctypes.CDLL(packaged)
+        except OSError as e:
+            why_not = "the one built with fragless does not load (%s)" % e
+    if shim is None:
+        try:
+            shim = ctypes.CDLL(_oom_shim_path(torch))
+        except OSError as e:
+            why = "%s, and none could be built here: %s" % (why_not, e)
+            lib.fragless_set_oom_note(("(a RuntimeError, not torch.cuda.OutOfMemoryError: %s)" % why).encode())
+            warnings.warn("fragless.torch: out of memory will raise RuntimeError, not torch.cuda.OutOfMemoryError: "
+                          "%s" % why, RuntimeWarning, stacklevel=3)
+            return False
     lib.fragless_set_oom_thrower(ctypes.cast(shim.fragless_throw_torch_oom, ctypes.c_void_p))
+    lib.fragless_set_oom_note(None)
     _oom_shim = shim
     return True
+
+
+def oom_error_type():
+    """The exception fragless's out of memory raises after enable(): torch.cuda.OutOfMemoryError where a
+    thrower for this PyTorch could be had, else RuntimeError."""
+    import torch
+    return torch.cuda.OutOfMemoryError if _oom_shim is not None else RuntimeError
 
 
 def _device_index(torch, device):
