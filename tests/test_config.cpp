@@ -122,3 +122,23 @@ TEST_CASE("config: the README documents every key of the options table", "[confi
     CHECK(readme.find(line) != std::string::npos);
   }
 }
+
+TEST_CASE("config: an error shows what was typed, and PyTorch's own keys are named as such", "[config][bad-input]") {
+  // PyTorch's tokenizer drops whitespace, so "handles ends" would be the key "handlesends".
+  CHECK(bad("handles ends").find("'handles ends' is not key:value") != std::string::npos);
+  CHECK(bad("handles ends").find("'handles:ends'") != std::string::npos);
+  CHECK(bad("policy:fra gless").find("'fra gless'") != std::string::npos);
+  CHECK(bad("bogus key:1").find("unknown key 'bogus key'") != std::string::npos);
+  for (const char* k : {"backend:native", "release_lock_on_cudamalloc:True", "pinned_use_cuda_host_register:True",
+                        "pinned_num_register_threads:8", "graph_capture_record_stream_reuse:True"})
+    CHECK(bad(k).find("PyTorch's own allocator") != std::string::npos);
+  // Whitespace around tokens is PyTorch's grammar and stays accepted.
+  auto r = parse_config(" policy : classic , max_split_size_mb : 256 ");
+  REQUIRE(r.ok);
+  CHECK(r.options.policy == PolicyKind::classic);
+  CHECK(r.keys == std::vector<std::string>{"policy", "max_split_size_mb"});
+}
+
+TEST_CASE("config: a known key with spaces inside is refused, naming it as typed", "[config][bad-input]") {
+  CHECK(bad("max_split _size_mb:256").find("key 'max_split _size_mb' has spaces inside") != std::string::npos);
+}

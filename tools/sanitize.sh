@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Builds a sanitizer tree and runs tests in it.
 #   tools/sanitize.sh asan [BUILD_DIR]   the whole test suite under AddressSanitizer + UndefinedBehaviorSanitizer
+#   tools/sanitize.sh asan-build [BUILD_DIR]           the same tree, built only
+#   tools/sanitize.sh asan-test [BUILD_DIR] fast|sweeps in a built tree: the fast tier, or the fault sweeps
 #   tools/sanitize.sh tsan [BUILD_DIR]   the threaded tests under ThreadSanitizer: concurrency, conformance (streams,
 #                                        events), tracer, and the cuda driver's lock and context tests on the double
+# (CTest runs asan as the three steps, so that the fast tier and the sweeps run side by side.)
 set -euo pipefail
-kind="${1:?asan or tsan}"
+kind="${1:?asan, asan-build, asan-test or tsan}"
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${2:-$root/build-$kind}"
 mkdir -p "$build"
@@ -13,19 +16,34 @@ jobs="${FRAGLESS_SANITIZE_JOBS:-2}"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export FRAGLESS_WATCHDOG_S=900
 . "$root/tools/progress.sh"
-case "$kind" in
-  asan)
-    quiet_step "sanitize.sh asan: configure" "$build/configure.log" \
-      cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFRAGLESS_SANITIZE=ON -DFRAGLESS_NESTED=ON -DFRAGLESS_BUILD_BENCH=ON
-    quiet_step "sanitize.sh asan: build" "$build/build.log" cmake --build "$build" -j"$jobs"
-    # LD_PRELOAD puts the interposer before the ASan runtime: allowed for that test. Python is not built
-    # with ASan, so the tests that load libfragless into an interpreter (the Python helper, the viewer rules
-    # on the engine's snapshots, the PyTorch API) cannot check it here: they run in the plain build.
-    export ASAN_OPTIONS="detect_leaks=1:verify_asan_link_order=0:abort_on_error=1"
+asan_build() {
+  quiet_step "sanitize.sh asan: configure" "$build/configure.log" \
+    cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFRAGLESS_SANITIZE=ON -DFRAGLESS_NESTED=ON -DFRAGLESS_BUILD_BENCH=ON
+  quiet_step "sanitize.sh asan: build" "$build/build.log" cmake --build "$build" -j"$jobs"
+}
+asan_test() {  # fast | sweeps
+  # LD_PRELOAD puts the interposer before the ASan runtime: allowed for that test. Python is not built
+  # with ASan, so the tests that load libfragless into an interpreter (the Python helper, the viewer rules
+  # on the engine's snapshots, the PyTorch API) cannot check it here: they run in the plain build.
+  export ASAN_OPTIONS="detect_leaks=1:verify_asan_link_order=0:abort_on_error=1"
+  if [ "$1" = fast ]; then
     echo "sanitize.sh: the tests run by a Python interpreter are left out here (an uninstrumented interpreter cannot load an ASan library); they run in the plain build"
     ctest --test-dir "$build" -j"$jobs" --output-on-failure -E "python|viewer rules" -LE slow
+  else
     # The fault sweeps take minutes each: verbose, so their progress lines show as they come.
-    ctest --test-dir "$build" -j"$jobs" --output-on-failure -E "python|viewer rules" -L slow --verbose
+    ctest --test-dir "$build" -j"$jobs" --output-on-failure -L slow --verbose
+  fi
+}
+case "$kind" in
+  asan)
+    asan_build
+    asan_test fast
+    asan_test sweeps
+    ;;
+  asan-build) asan_build ;;
+  asan-test)
+    [ -f "$build/CMakeCache.txt" ] || { echo "sanitize.sh: $build is not built (sanitize.sh asan-build first)"; exit 2; }
+    asan_test "${3:?fast or sweeps}"
     ;;
   tsan)
     quiet_step "sanitize.sh tsan: configure" "$build/configure.log" \
@@ -34,5 +52,5 @@ case "$kind" in
     export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1"
     "$build/bin/fragless-tests" -w NoTests --durations yes "[concurrency],[tracer],[conformance],[cuda][lock],[contexts]"
     ;;
-  *) echo "usage: sanitize.sh asan|tsan [BUILD_DIR]"; exit 2 ;;
+  *) echo "usage: sanitize.sh asan|asan-build|tsan [BUILD_DIR], sanitize.sh asan-test BUILD_DIR fast|sweeps"; exit 2 ;;
 esac

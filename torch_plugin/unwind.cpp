@@ -25,10 +25,18 @@ std::atomic<unsigned long long> g_misses{0}, g_fallbacks{0};
 [[gnu::noinline]] int unwind_with_backtrace(void** out, int max, int skip) {
   constexpr int kMax = 256;
   void* buf[kMax];
-  const int want = std::min(kMax, max + skip + 1);
-  const int n = backtrace(buf, want);
+  const int n = backtrace(buf, std::min(kMax, max + skip + 8));
+  // The caller's frames start at this function's return address: usually buf[1] (buf[0] is in here), later
+  // where a sanitizer's interceptor of backtrace put frames of its own in between.
+  void* const ret = __builtin_return_address(0);
+  int first = 1;
+  for (int i = 0; i < n; ++i)
+    if (buf[i] == ret) {
+      first = i;
+      break;
+    }
   int k = 0;
-  for (int i = skip + 1; i < n && k < max; ++i) out[k++] = buf[i];  // +1: this function
+  for (int i = first + skip; i < n && k < max; ++i) out[k++] = buf[i];
   return k;
 }
 

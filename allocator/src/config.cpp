@@ -192,6 +192,9 @@ class Parser {
       const std::string key = toks_[i_++];
       if (key == "," ) continue;
       if (!expect(":", key_at)) return fail();
+      if (!is_key(key)) return unknown_key(written_[key_at]), fail();
+      if (written_[key_at] != key)  // PyTorch would read "max_split _size_mb" as a key: say what was typed
+        return fail("FRAGLESS_CONF: key '" + written_[key_at] + "' has spaces inside (write '" + key + "')");
       keys.push_back(key);
       if (i_ >= toks_.size()) return fail("FRAGLESS_CONF: key '" + key + "' has no value");
       if (key == "roundup_power2_divisions") {

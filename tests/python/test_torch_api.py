@@ -19,6 +19,7 @@ except ImportError as e:
     sys.exit(77)
 
 import fragless  # noqa: E402
+print("interpreter: %s, torch %s" % (sys.executable, torch.__version__))
 import fragless.torch  # noqa: E402
 from checks import check  # noqa: E402
 

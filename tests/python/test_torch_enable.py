@@ -6,13 +6,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "torch_pl
 try:
     import torch
 except ImportError:
-    print("SKIPPED: PyTorch is not installed here")
+    print("SKIPPED: PyTorch is not installed for %s" % sys.executable)
     sys.exit(77)
 if not torch.cuda.is_available():
-    print("SKIPPED: PyTorch has no usable CUDA device here")
+    print("SKIPPED: PyTorch has no usable CUDA device here (%s, torch %s)" % (sys.executable, torch.__version__))
     sys.exit(77)
 import fragless.torch as ft  # noqa: E402
 from checks import check  # noqa: E402
+print("interpreter: %s, torch %s" % (sys.executable, torch.__version__))
 
 ft.enable()
 x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
