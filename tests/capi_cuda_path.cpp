@@ -5,6 +5,7 @@
 #include <dlfcn.h>
 
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <functional>
 #include <string>
@@ -43,6 +44,12 @@ long census_faults(decltype(&fakecuda_get_census) census) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 2 && (std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0)) {
+    std::printf("usage: fragless-capi-cuda-path LIBFRAGLESS LIBFAKECUDA\n"
+                "  drives libfragless.so's C ABI on driver cuda over the libcuda double, as PyTorch drives a\n"
+                "  pluggable allocator; exits non-zero on any failed check\n");
+    return 0;
+  }
   if (argc != 3) return std::fprintf(stderr, "usage: fragless-capi-cuda-path LIBFRAGLESS LIBFAKECUDA\n"), 2;
   setenv("FRAGLESS_LIBCUDA", argv[2], 1);
   void* fake = dlopen(argv[2], RTLD_NOW | RTLD_LOCAL);

@@ -107,7 +107,14 @@ void* const kPerThread = reinterpret_cast<void*>(std::uintptr_t{0x2});  // CU_ST
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  if (argc == 2 && (std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0)) {
+    std::printf("usage: LD_PRELOAD=libfragless_preload.so FRAGLESS_LIBCUDA=libfragless_fakecuda.so %s\n"
+                "  the CUDA path of LD_PRELOAD through the runtime double on the libcuda double; exits\n"
+                "  non-zero on any failed check\n", argv[0]);
+    return 0;
+  }
+  if (argc != 1) return std::fprintf(stderr, "usage: %s (takes no arguments; --help)\n", argv[0]), 2;
   Double d;
   // 1. A pointer's owner is looked up among the engines that exist: a free of memory fragless never saw
   //    creates no engine and no context.
