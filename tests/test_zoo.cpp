@@ -35,7 +35,7 @@ Outcome run_all(const formats::Trace& t) {
   return o;
 }
 
-// The targets of the fragless policy (docs/RESULTS.md, "Targets"): never more reserved than classic or
+// The targets of the fragless policy (docs/RESULTS.md, "The fragless policy against its targets"): never more reserved than classic or
 // expandable (asserted), and overhead over live at most 2%, plus 4 MiB per stream below 1 GiB of peak live.
 // The overhead target is not met on every pattern (docs/RESULTS.md, "Pattern zoo", says where and why):
 // a miss is reported loudly, with the draw, but does not fail the test.

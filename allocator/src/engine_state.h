@@ -1,5 +1,5 @@
 // Internal state of one DeviceEngine. Layering (top to bottom): PoolSet → BlockPool → Segment → Block,
-// with physical pages coming from a PageSource (policy.h).
+// with address space and physical pages managed by the policy (policy.h).
 //
 // Invariants (checked by check_invariants after every operation in the randomized tests):
 //  I1  The blocks of a segment tile [base, base + va_size) exactly, in address order, linked by prev/next.

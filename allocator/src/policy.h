@@ -1,5 +1,5 @@
 // Policies decide how address space and physical pages back blocks. The engine owns pools, blocks,
-// stats and the retry chain; a policy implements four small hooks.
+// stats and the retry chain; a policy implements the virtual hooks declared below.
 #pragma once
 #include <atomic>
 #include <memory>

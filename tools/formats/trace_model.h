@@ -40,7 +40,7 @@ struct Trace {
   bool has_time = false;
   // For generated workloads, which record no time: the modelled time (µs) at which each event happens,
   // parallel to `events` (bench/replay/compute_model.h); empty otherwise. Not a recording: it drives only the
-  // replay's background clock (docs/ARCHITECTURE.md, "Background work in the replay").
+  // replay's background clock (Note [Background work in the replay], replay.cpp).
   std::vector<std::int64_t> model_time_us;
   // PyTorch's own peak reserved over the window per device, when the snapshot tells it (segments at dump
   // time rolled back through the window's segment events); empty otherwise.

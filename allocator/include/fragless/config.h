@@ -18,7 +18,7 @@ namespace fragless {
 
 enum class PolicyKind { classic, expandable, fragless };
 enum class DriverKind { cuda, host, sim };
-// How the fragless policy shapes new physical handles (docs/ARCHITECTURE.md, "Whole handles").
+// How the fragless policy shapes new physical handles (Note [Whole handles], policy_fragless.cpp).
 enum class HandleShape { pages, ends, whole, cells };
 // Who does the driver work no caller waits for (allocator/src/background.h): a worker thread per device,
 // nobody, or whoever calls DeviceEngine::run_background (the replay, on the trace's clock; tests).
@@ -42,7 +42,7 @@ struct Options {
   bool peer_access = true;                               // cuda: grant peers that can access this device
   bool shareable_handles = false;                        // cuda: physical memory exportable as POSIX fds
   std::string trace;                                     // trace path pattern (%p %d %r); empty = off
-  // fragless policy (docs/ARCHITECTURE.md, "The fragless policy").
+  // fragless policy (docs/ARCHITECTURE.md, "Policies").
   HandleShape handle_shape = HandleShape::pages;        // shape of new physical handles
   std::size_t handle_max = 8u << 20;                     // handles:ends: largest body handle, bytes
   std::size_t chunk_size = 16u << 20;                    // a growth's new handle may round up to this, bytes

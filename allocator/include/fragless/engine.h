@@ -113,7 +113,7 @@ class DeviceEngine {
   // Largest free range in the cache and total free bytes in the cache (external fragmentation).
   std::pair<std::size_t, std::size_t> free_ranges();
 
-  // Checks every invariant (see engine_invariants.cpp); empty string when all hold.
+  // Checks every invariant (engine_inspect.cpp); empty string when all hold.
   std::string check_invariants();
 
   void set_event_sink(EventSink* sink);  // nullptr = tracing off
