@@ -139,7 +139,8 @@ constexpr const char* kLegend =
     "columns: events = alloc, free and empty_cache events replayed on the device; live, reserv = peaks (MiB); "
     "overhead = reserved over live at the reserved peak; frag@pk = fragmentation at that peak; tw-frag = "
     "time-weighted fragmentation; OOMs = allocations that did not fit --capacity-gib; create, map, unmap = driver "
-    "calls; syncs = synchronisations forced; driver ms = the calls' modelled time (A100 costs, or --costs); "
+    "calls; syncs = synchronisations forced; path ms, bg ms = the calls' modelled time (A100 costs, or --costs) "
+    "inside allocation and free calls, and done by the background worker; "
     "Mev/s = replay speed; pytorch MiB = PyTorch's own peak reserved, where the snapshot tells it";
 
 enum class PlotX { auto_, time, event };
