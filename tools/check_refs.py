@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Checks that what a comment names exists in the tree.
 
-  - a file named in a comment (`engine.cpp`, `tools/formats/pickle.h`) is a tracked file, by path or by
+  - a file named in a comment (`engine.cpp`, `allocator/formats/pickle.h`) is a tracked file, by path or by
     name, or one of the outside files listed in OUTSIDE (CUDA's and PyTorch's), or lies under ../shared
     (`reference/...`, `data/...`);
   - a section named as `docs/NAME.md, "Heading"` (in code or in the docs) is a heading of that document;

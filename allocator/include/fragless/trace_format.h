@@ -1,4 +1,4 @@
-// The native trace format: what the tracer writes and `tools/formats` reads. Little-endian, fixed-size
+// The native trace format: what the tracer writes and `allocator/formats` reads. Little-endian, fixed-size
 // records after a fixed-size header, so a file cut short by a crash still reads up to its last complete
 // record and a reader can seek by index.
 //
