@@ -30,6 +30,7 @@ inline std::unique_ptr<DeviceEngine> make_engine(const EngineSpec& spec) {
     HostDriverOptions h;
     h.capacity = spec.capacity;
     h.page_size = spec.page;
+    h.shareable = o.shareable_handles;
     std::string err;
     d = make_host_driver(h, &err);
     REQUIRE(d != nullptr);

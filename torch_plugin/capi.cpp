@@ -448,4 +448,76 @@ int fragless_device_count(void) {
   return a ? a->device_count() : -1;
 }
 
+// ---- Sharing across processes (engine.h, Note [Sharing] in engine_share.cpp) ----
+
+struct fragless_share {
+  SharedBlock block;
+};
+
+fragless_share* fragless_share_export(void* ptr) {
+  t_last_error.clear();
+  DeviceEngine* e = owner(ptr);
+  if (!e) {
+    t_last_error = "fragless: share of a pointer fragless did not allocate (or already freed); nothing was shared";
+    return nullptr;
+  }
+  auto* s = new fragless_share();
+  AllocError err;
+  if (e->share(ptr, &s->block, &err) != Status::ok) {
+    t_last_error = err.message;
+    delete s;
+    return nullptr;
+  }
+  return s;
+}
+
+size_t fragless_share_description(const fragless_share* s, const char** bytes) {
+  if (bytes) *bytes = s ? s->block.description.data() : nullptr;
+  return s ? s->block.description.size() : 0;
+}
+
+size_t fragless_share_fds(const fragless_share* s, const int** fds) {
+  if (fds) *fds = s ? s->block.fds.data() : nullptr;
+  return s ? s->block.fds.size() : 0;
+}
+
+void fragless_share_free(fragless_share* s) { delete s; }
+
+void* fragless_open_shared(int device, const char* bytes, size_t len, const int* fds, size_t nfds, size_t* size) {
+  t_last_error.clear();
+  DeviceEngine* e = engine(device);
+  if (!e) return nullptr;
+  if (!bytes && len) {
+    t_last_error = "fragless: open_shared: no description";
+    return nullptr;
+  }
+  AllocError err;
+  void* p = e->open_shared(std::string(bytes ? bytes : "", len), fds, nfds, size, &err);
+  if (!p) t_last_error = err.message;
+  return p;
+}
+
+int fragless_close_shared(void* ptr) {
+  t_last_error.clear();
+  Allocator* a = get();
+  if (!a) return -1;
+  AllocError err;
+  for (int d = 0; d < a->device_count(); ++d)
+    if (DeviceEngine* e = a->existing(d)) {
+      AllocError mine;
+      if (e->close_shared(ptr, &mine) == Status::ok) return 0;
+      if (err.message.empty() || mine.status != Status::invalid_argument) err = mine;
+    }
+  t_last_error = err.message.empty() ? "fragless: close_shared of a pointer open_shared did not return" : err.message;
+  return -1;
+}
+
+size_t fragless_reap_shared(void) {
+  size_t n = 0;
+  if (Allocator* a = get())
+    for (int d = 0; d < a->device_count(); ++d)
+      if (DeviceEngine* e = a->existing(d)) n += e->reap_shared();
+  return n;
+}
+
 }  // extern "C"

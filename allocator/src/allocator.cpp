@@ -13,6 +13,7 @@ std::unique_ptr<Driver> make_driver(const Options& opts, int device, std::string
       h.device = device;
       h.page_size = opts.page_size;
       if (opts.capacity) h.capacity = opts.capacity;
+      h.shareable = opts.shareable_handles;
       return make_host_driver(h, error);
     }
     case DriverKind::sim: {

@@ -59,8 +59,9 @@ constexpr OptionInfo kOptions[] = {
      "memory, as cudaMalloc memory is reachable by peers: one cuMemSetAccess per mapping, with one descriptor per "
      "device. False grants the owning device only (peer copies and NCCL P2P through it then fault)."},
     {"shareable_handles", "True or False", "False",
-     "cuda driver: create physical memory with a POSIX file descriptor handle type (exportable with "
-     "cuMemExportToShareableHandle), where the device supports it; off, handles are not shareable."},
+     "create physical memory exportable, so that blocks can be shared with other processes (fragless.share): "
+     "cuda driver: a POSIX file descriptor handle type (cuMemExportToShareableHandle) where the device "
+     "supports it; host driver: a memfd per handle. Off, sharing is refused."},
     {"handles", "pages, ends, whole or cells", "pages",
      "fragless policy: the shape of new physical handles (a mapping is always one whole handle). pages: one "
      "handle per page (finest re-backing, most cuMemCreate calls); ends: the body of a growth in handles of "

@@ -26,7 +26,7 @@ const char* driver_call_name(DriverCall c) {
   static constexpr const char* kNames[kDriverCallCount] = {
       "reserve", "free_reservation", "create", "release", "map", "unmap", "set_access",
       "record_event", "query_event", "synchronize_event", "synchronize_stream", "release_event",
-      "stream_wait_event", "synchronize_device"};
+      "stream_wait_event", "synchronize_device", "export_handle", "import_handle"};
   const int i = static_cast<int>(c);
   return i >= 0 && i < kDriverCallCount ? kNames[i] : "?";
 }
@@ -122,6 +122,12 @@ const char* DriverContract::check_unmap(DevicePtr va, std::size_t size) const {
   return nullptr;
 }
 
+const char* DriverContract::check_export(PhysHandle h) const {
+  auto it = handles_.find(h);
+  if (it == handles_.end() || it->second.released) return "export_handle: unknown or released handle (R18)";
+  return nullptr;
+}
+
 bool DriverContract::released(PhysHandle h) {
   auto it = handles_.find(h);
   if (it->second.map_count == 0) {
@@ -171,6 +177,11 @@ std::string Driver::last_error() const {
 Status Driver::refuse(const char* rule) {
   t_last_rule = {this, rule};
   return Status::invalid_argument;
+}
+
+Status Driver::unsupported(const char* what) {
+  t_last_rule = {this, what};
+  return Status::not_supported;
 }
 
 Status Driver::fail_through(Status st) {
@@ -346,6 +357,30 @@ Status Driver::set_access(DevicePtr va, std::size_t size) {
   }
   auto lk = impl_lock();
   return fail_through(do_set_access(va, size));
+}
+
+Status Driver::export_handle(PhysHandle h, int* fd) {
+  charge(DriverCall::export_handle);
+  {
+    std::lock_guard lk(mu_);
+    if (const char* r = contract_.check_export(h)) return refuse(r);
+  }
+  auto lk = impl_lock();
+  return fail_through(do_export_handle(h, fd));
+}
+
+Status Driver::import_handle(int fd, std::size_t size, PhysHandle* h) {
+  charge(DriverCall::import_handle, size);
+  if (const char* r = contract_.check_create(size)) return refuse(r);
+  if (fd < 0) return refuse("import_handle: not a file descriptor (R19)");
+  Status st;
+  {
+    auto lk = impl_lock();
+    st = fail_through(do_import_handle(fd, size, h));
+  }
+  std::lock_guard lk(mu_);
+  if (st == Status::ok) contract_.created(*h, size);  // mapped whole and released like a created handle (R19)
+  return st;
 }
 
 }  // namespace fragless

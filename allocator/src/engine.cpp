@@ -57,6 +57,7 @@ DeviceEngine::State::State(const Options& o, std::unique_ptr<Driver> d) : opts(o
 
 DeviceEngine::State::~State() {
   background.stop();  // Note [Background work]: the worker never outlives the engine
+  close_all_shares();  // Note [Sharing]: what other processes opened keeps its memory through their handles
   // Give everything back, live blocks too: the process is done with this device.
   for (auto& [id, ev] : pending_events)
     for (auto& [e, b] : ev) driver->release_event(e);
@@ -535,6 +536,7 @@ Block* DeviceEngine::State::allocate_slow(AllocParams& p, AllocError* err) {
     return fail_allocation(p, err);
   }
   if (has_deferred()) retry_deferred();
+  if (!exports.empty()) reap_exports();  // Note [Sharing]: blocks freed by their owner, no longer open anywhere
   garbage_collect(p);
   if (p.pool->small && policy->small_from_large_remnants())
     if (Block* b = take_large_remnant(p)) return b;
@@ -655,9 +657,17 @@ Status DeviceEngine::free(void* ptr, AllocError* err) {
                   "fragless: free of pointer %p on device %d that fragless did not allocate or already freed; "
                   "nothing was changed",
                   ptr, s.driver->device());
-    set_error(err, Status::invalid_argument, buf);
+    const bool opened = !b && s.imports.count(reinterpret_cast<DevicePtr>(ptr));
+    set_error(err, Status::invalid_argument, opened ? s.imported_free_message(ptr) : std::string(buf));
     return Status::invalid_argument;
   }
+  if (b->exported) return s.free_exported(b, err);  // Note [Sharing]: held while another process has it open
+  s.free_live(b);
+  return Status::ok;
+}
+
+void DeviceEngine::State::free_live(Block* b) {
+  State& s = *this;
   const bool small = b->pool->small;
   const auto size = static_cast<std::int64_t>(b->size);
   s.stats.allocation.add(small, -1);
@@ -679,12 +689,12 @@ Status DeviceEngine::free(void* ptr, AllocError* err) {
     if (s.capturing()) {
       // Note [Capture rules]: its events are recorded when the routing ends; until then it stays pending.
       s.defer_events(b);
-      return Status::ok;
+      return;
     }
     if (!s.deferred_until_no_capture.empty()) s.after_capture();
     if (!s.insert_events(b)) {
       s.defer_events(b);  // Note [Failed waits]: tried again at the next allocation
-      return Status::ok;
+      return;
     }
     if (b->event_count == 0) {
       b->state = BlockState::allocated;
@@ -694,7 +704,6 @@ Status DeviceEngine::free(void* ptr, AllocError* err) {
     emit(s, TraceAction::free, b->stream, b->ptr, b->requested, b->size);
     s.free_block(b, /*traced=*/false);
   }
-  return Status::ok;
 }
 
 Status DeviceEngine::record_stream(void* ptr, Stream stream) {
@@ -740,6 +749,7 @@ Status DeviceEngine::empty_cache(AllocError* err) {
   if (s_->capturing()) return Status::ok;  // Note [Capture rules]: nothing is released while a capture may be under way
   emit(*s_, TraceAction::empty_cache, 0, 0, 0, 0);
   if (!s_->deferred_until_no_capture.empty()) s_->after_capture();
+  if (!s_->exports.empty()) s_->reap_exports();
   s_->release_cached_blocks(nullptr);
   return report_waits(&s_->wait_error, err);
 }
@@ -826,6 +836,7 @@ Status DeviceEngine::release_pool(PoolId id, AllocError* err) {
 
 DeviceStats DeviceEngine::stats() {
   std::lock_guard lk(s_->mu);
+  if (!s_->exports.empty()) s_->reap_exports();
   return s_->stats;
 }
 

@@ -130,6 +130,7 @@ std::string DeviceEngine::State::check_invariants() {
   if (static_cast<std::int64_t>(total_reserved) != stats.reserved_bytes.all().current)
     fail("I5: total_reserved differs from reserved_bytes", nullptr);
   if (std::string p = policy->check(); !p.empty()) fail(p, nullptr);
+  if (std::string p = check_sharing(); !p.empty()) fail(p, nullptr);
   return err.str();
 }
 

@@ -74,6 +74,8 @@ struct Block {
   // May overlap a physical mapping of several pages (fragless): its free is reported to the policy, which
   // may split such a mapping into pages in the background. Conservative: kept by splits, or-ed by merges.
   bool multi : 1 = false;
+  // Allocated and exported (Note [Sharing]): listed in State::exports; its free waits for every lease.
+  bool exported : 1 = false;
 
   bool mapped() const { return state != BlockState::unmapped; }
   bool is_split() const { return prev != nullptr || next != nullptr; }
@@ -267,6 +269,35 @@ struct DeviceEngine::State {
 
   std::string check_invariants();
   std::vector<SegmentInfo> snapshot();
+
+  // The free of an allocated block (stats, events, back to its pool); free() checked the pointer.
+  void free_live(Block* b);
+
+  // Note [Sharing] (engine_share.cpp). An exported block stays allocated, whole handles and all, while any
+  // lease on it is open anywhere; its owner's free is then recorded (owner_freed) and done when the last
+  // lease closes. Invariant (checked): a block is `exported` iff it is allocated and listed here; an
+  // owner-freed block has at least one open lease.
+  struct Export {
+    std::vector<int> leases;   // this engine's end of each lease socket, one per share made
+    std::size_t span = 0;      // bytes of the whole handles under the block (exported_bytes)
+    bool owner_freed = false;  // freed by its owner; goes back to the cache with the last lease
+  };
+  std::unordered_map<DevicePtr, Export> exports;  // by block address
+  // Other processes' blocks mapped here by open_shared, by the pointer handed out.
+  struct Import {
+    DevicePtr va = 0;        // the reservation: the whole handles, mapped at their offsets
+    std::size_t span = 0;
+    std::size_t size = 0;    // the block's size
+    int lease = -1;          // this process's copy of the lease (its close drops the reference)
+  };
+  std::unordered_map<DevicePtr, Import> imports;
+  Status free_exported(Block* b, AllocError* err);
+  // Closes the leases nobody holds any more and frees the blocks their owners freed; with `waited_us` > 0
+  // (tests) waits that long for a lease to close. Returns how many blocks went back.
+  std::size_t reap_exports(int waited_us = 0);
+  std::string imported_free_message(void* ptr) const;
+  std::string check_sharing() const;
+  void close_all_shares();  // teardown: every lease and import goes
 };
 
 }  // namespace fragless

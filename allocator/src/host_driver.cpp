@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <linux/falloc.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -20,11 +21,13 @@ namespace {
 class HostDriver final : public Driver {
  public:
   HostDriver(const HostDriverOptions& o, int fd)
-      : Driver(o.device, o.page_size), fd_(fd), capacity_(round_down(o.capacity, o.page_size)) {
+      : Driver(o.device, o.page_size), fd_(fd), shareable_(o.shareable), capacity_(round_down(o.capacity, o.page_size)) {
     free_ranges_.emplace(0, capacity_);
   }
   ~HostDriver() override {
     for (auto& [va, r] : reservations_) munmap(reinterpret_cast<void*>(va), r);
+    for (auto& [h, hd] : handles_)
+      if (hd.fd != fd_) close(hd.fd);
     close(fd_);
   }
   const char* name() const override { return "host"; }
@@ -53,11 +56,14 @@ class HostDriver final : public Driver {
     c.mappings = mappings_.size();
     c.reservations = reservations_.size();
     c.physical_bytes = used_;
+    for (auto& [h, hd] : handles_) c.imported_handles += hd.imported;
     return c;
   }
 
  private:
-  struct Handle { std::size_t offset, size; };
+  // fd: the device's memfd (offset: where the handle's pages are), or the handle's own memfd (offset 0) when
+  // it was created exportable or imported.
+  struct Handle { int fd; std::size_t offset, size; bool imported = false; };
   struct Mapping { std::size_t size; PhysHandle handle; bool accessible; };
   struct Fault { std::uint64_t countdown = 0; Status status = Status::ok; };
 
@@ -122,9 +128,10 @@ class HostDriver final : public Driver {
       const std::size_t offset = it->first, len = it->second;
       free_ranges_.erase(it);
       if (len > size) free_ranges_.emplace(offset + size, len - size);
+      if (shareable_) return create_exportable(offset, size, h);
       used_ += size;
       *h = next_handle_++;
-      handles_.emplace(*h, Handle{offset, size});
+      handles_.emplace(*h, Handle{fd_, offset, size});
       return Status::ok;
     }
     return fail("create: out of memory (" + std::to_string(capacity_ - used_) + " of " + std::to_string(capacity_) +
@@ -138,15 +145,71 @@ class HostDriver final : public Driver {
     return Status::ok;
   }
 
+  // Note [Exportable host handles]: a handle that may be exported is a memfd of its own (what another process
+  // maps is then exactly that handle's memory, and it lives while any process holds it, as R18 says of
+  // CUDA's); it takes its budget from the device's range all the same, so capacity is shared alike.
+  Status create_exportable(std::size_t offset, std::size_t size, PhysHandle* h) {
+    const int fd = memfd_create("fragless-host-handle", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, static_cast<off_t>(size)) != 0) {
+      const std::string why = std::strerror(errno);
+      if (fd >= 0) close(fd);
+      give_range_back(offset, size);
+      return fail("create: memfd: " + why, Status::driver_error);
+    }
+    used_ += size;
+    *h = next_handle_++;
+    handles_.emplace(*h, Handle{fd, offset, size});
+    return Status::ok;
+  }
+
+  Status do_export_handle(PhysHandle h, int* out) override {
+    if (Status st; injected(DriverCall::export_handle, &st)) return st;
+    const Handle& hd = handles_.at(h);
+    if (hd.fd == fd_)
+      return fail("export_handle: the handle was not created exportable (R18; shareable_handles:True creates "
+                  "exportable memory)",
+                  Status::not_supported);
+    const int fd = fcntl(hd.fd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return fail(std::string("export_handle: dup: ") + std::strerror(errno), Status::driver_error);
+    *out = fd;
+    return Status::ok;
+  }
+
+  // R19: fd must be a host handle's memfd of exactly `size` bytes; the descriptor stays the caller's.
+  Status do_import_handle(int fd, std::size_t size, PhysHandle* h) override {
+    if (Status st; injected(DriverCall::import_handle, &st)) return st;
+    struct stat st{};
+    if (fstat(fd, &st) != 0) return fail(std::string("import_handle: fd: ") + std::strerror(errno));
+    if (fcntl(fd, F_GET_SEALS) < 0) return fail("import_handle: the descriptor is not exported memory (not a memfd)");
+    if (static_cast<std::size_t>(st.st_size) != size)
+      return fail("import_handle: the descriptor's memory is " + std::to_string(st.st_size) + " bytes, not " +
+                  std::to_string(size));
+    const int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (own < 0) return fail(std::string("import_handle: dup: ") + std::strerror(errno), Status::driver_error);
+    *h = next_handle_++;
+    handles_.emplace(*h, Handle{own, 0, size, true});
+    return Status::ok;
+  }
+
   void memory_gone(PhysHandle h) override {
     auto it = handles_.find(h);
     const Handle hd = it->second;
     handles_.erase(it);
+    if (hd.fd != fd_) {  // its own memfd: the memory goes with the last descriptor and mapping
+      close(hd.fd);
+      if (hd.imported) return;  // another process's memory: not this device's budget
+      used_ -= hd.size;
+      give_range_back(hd.offset, hd.size);
+      return;
+    }
     // Punch a hole so the memory really goes back, then coalesce the free range.
     fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(hd.offset),
               static_cast<off_t>(hd.size));
     used_ -= hd.size;
-    std::size_t off = hd.offset, len = hd.size;
+    give_range_back(hd.offset, hd.size);
+  }
+
+  void give_range_back(std::size_t off, std::size_t len) {
     auto next = free_ranges_.lower_bound(off);
     if (next != free_ranges_.end() && next->first == off + len) {
       len += next->second;
@@ -167,8 +230,9 @@ class HostDriver final : public Driver {
   Status do_map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t) override {
     if (Status st; injected(DriverCall::map, &st)) return st;
     auto hit = handles_.find(h);
-    void* p = mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_SHARED | MAP_FIXED, fd_,
-                   static_cast<off_t>(hit->second.offset));
+    const bool own = hit->second.fd != fd_;
+    void* p = mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_SHARED | MAP_FIXED, hit->second.fd,
+                   static_cast<off_t>(own ? 0 : hit->second.offset));
     if (p == MAP_FAILED) return fail(std::string("map: mmap: ") + std::strerror(errno), Status::driver_error);
     mappings_.emplace(va, Mapping{size, h, false});
     return Status::ok;
@@ -235,6 +299,7 @@ class HostDriver final : public Driver {
   }
 
   int fd_;
+  bool shareable_;
   std::size_t capacity_;
   std::size_t used_ = 0;
   PhysHandle next_handle_ = 1;

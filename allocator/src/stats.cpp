@@ -33,7 +33,8 @@ void each_array(DeviceStats& s, F f) {
   for (StatArray* a : {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes,
                        &s.reserved_bytes, &s.active_bytes, &s.inactive_split_bytes, &s.requested_bytes})
     for (Stat& st : a->by_pool) f(st);
-  for (Stat* st : {&s.oversize_allocations, &s.oversize_segments, &s.live_bytes}) f(*st);
+  for (Stat* st : {&s.oversize_allocations, &s.oversize_segments, &s.live_bytes, &s.exported_bytes, &s.imported_bytes})
+    f(*st);
 }
 
 }  // namespace
@@ -60,6 +61,8 @@ std::map<std::string, std::int64_t> DeviceStats::flatten() const {
   put(m, "fragless.live_bytes", live_bytes);
   m["fragless.num_forced_syncs"] = num_forced_syncs;
   m["fragless.num_failed_waits"] = num_failed_waits;
+  put(m, "fragless.exported_bytes", exported_bytes);
+  put(m, "fragless.imported_bytes", imported_bytes);
   return m;
 }
 

@@ -84,6 +84,27 @@
 //  R17 device-wide synchronisation (cuCtxSynchronize on the device's primary context): waits for the work
 //     of every stream of the device, those the allocator does not know among them (a graph replayed on the
 //     caller's stream). It fails, and would invalidate it, while a capture on the device is under way.
+//  R18 export (cuda.h, cuMemExportToShareableHandle; CU_MEM_HANDLE_TYPE_NONE "does not allow any export
+//     mechanism"): a handle is exported only if it was created with the type asked for among its
+//     requestedHandleTypes (CUmemAllocationProp; R11 says when fragless asks), else the call fails (the
+//     stricter reading: every other type refuses, none falls back). For CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+//     the result is an int, a new file descriptor the caller owns and closes; flags must be 0. "Once all
+//     shareable handles are closed and the allocation is released, the allocated memory referenced will be
+//     released": the memory lives while the handle, any exported descriptor or any imported handle does.
+//     The descriptor travels to another process only as a file descriptor does (SCM_RIGHTS over a Unix
+//     socket, or pidfd_getfd): NVIDIA's memMapIPCDrv sample. Fabric handles (CU_MEM_HANDLE_TYPE_FABRIC, 64
+//     bytes that travel as bytes, an IMEX channel needed, "CUDA_ERROR_NOT_PERMITTED" otherwise) are not
+//     used by fragless yet.
+//  R19 import (cuMemImportFromShareableHandle): for a POSIX file descriptor, osHandle is the descriptor
+//     itself cast to a pointer ((void*)(uintptr_t)fd, as NVIDIA's memMapIPCDrv sample passes it), and the
+//     descriptor stays the caller's. The result is a handle like a created one: mapped whole at offset 0
+//     (R5), its access set by the importer for its own device (cuMemMap: "the process must use cuMemMap to
+//     map the memory ... before setting accessibility with cuMemSetAccess"), released with release (R8),
+//     after which its mappings keep the memory. "There is no guarantee that the contents of handle will be
+//     the same CUDA memory handle for the same given OS shareable handle": two imports of one descriptor
+//     are two handles, each released on its own. The import does not say the allocation's size: the
+//     importer is told it (with the descriptor), and a map of another size fails (R5). The host driver
+//     checks the size at the import (a memfd's size); the libcuda double, at both.
 //  Events: record_event marks the current end of a stream's queue; query_event says ok once the work
 //  before it is done, else not_ready; synchronize_* wait (each one is a forced sync the engine counts);
 //  stream_wait_event(s, e) makes work queued on s later start after e (cuStreamWaitEvent; the host goes on),
@@ -119,7 +140,7 @@ const char* status_name(Status s);
 enum class DriverCall : int {
   reserve, free_reservation, create, release, map, unmap, set_access,
   record_event, query_event, synchronize_event, synchronize_stream, release_event, stream_wait_event,
-  synchronize_device, count_
+  synchronize_device, export_handle, import_handle, count_
 };
 inline constexpr int kDriverCallCount = static_cast<int>(DriverCall::count_);
 const char* driver_call_name(DriverCall c);
@@ -178,6 +199,7 @@ class DriverContract {
   const char* check_map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t offset) const;
   const char* check_set_access(DevicePtr va, std::size_t size) const;
   const char* check_unmap(DevicePtr va, std::size_t size) const;
+  const char* check_export(PhysHandle h) const;
 
   void reserved(DevicePtr va, std::size_t size) { reservations_[va] = size; }
   void freed_reservation(DevicePtr va) { reservations_.erase(va); }
@@ -234,6 +256,12 @@ class Driver {
   Status map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t offset);
   Status unmap(DevicePtr va, std::size_t size);
   Status set_access(DevicePtr va, std::size_t size);
+  // R18: a new file descriptor for handle h's memory (*fd, owned by the caller); not_supported when h was not
+  // created exportable or the driver cannot share.
+  Status export_handle(PhysHandle h, int* fd);
+  // R19: a new handle (*h) for `size` bytes of memory another process (or this one) exported as descriptor
+  // fd, which stays the caller's. Map it whole, release it like a created handle.
+  Status import_handle(int fd, std::size_t size, PhysHandle* h);
   Status record_event(Stream s, Event* e) {
     return event_call(DriverCall::record_event, [&] { return do_record_event(s, e); });
   }
@@ -314,6 +342,12 @@ class Driver {
   virtual Status do_synchronize_stream(Stream s) = 0;
   virtual Status do_stream_wait_event(Stream s, Event e) = 0;
   virtual Status do_synchronize_device() = 0;
+  // R18, R19: drivers that cannot share memory (sim) keep these.
+  virtual Status do_export_handle(PhysHandle, int*) { return unsupported("export_handle: this driver cannot share memory"); }
+  virtual Status do_import_handle(int, std::size_t, PhysHandle*) {
+    return unsupported("import_handle: this driver cannot share memory");
+  }
+  Status unsupported(const char* what);
   Status unmap_each_mapping(DevicePtr va, std::size_t size);  // R15's fallback
 
   // Note [Driver calls from two threads]: the engine's thread and the background worker call one driver

@@ -23,6 +23,7 @@
 
 #include "fragless/config.h"
 #include "fragless/driver.h"
+#include "fragless/share.h"
 #include "fragless/stats.h"
 
 namespace fragless {
@@ -95,6 +96,24 @@ class DeviceEngine {
   // `stream` is about to be destroyed (cudaStreamDestroy): waits for its work, so that nothing need name it
   // again; a later stream with the same handle value is a new stream. Failed waits are reported.
   Status retire_stream(Stream stream, AllocError* error = nullptr);
+
+  // Sharing across processes (Note [Sharing], engine_share.cpp). share: the block that starts at ptr (an
+  // allocation of this engine, handed out and not freed), exported as whole handles (driver.h, R18); needs
+  // memory created exportable (shareable_handles:True), not_supported otherwise. While any copy of the
+  // share's lease is open (in this process, on its way, in a process that opened it) the block stays
+  // allocated: its free is done when the last lease closes, so its pages are never re-backed, lent or
+  // reused under another process.
+  Status share(void* ptr, SharedBlock* out, AllocError* error = nullptr);
+  // Maps a block another process (or this one) shared, on this engine's device: the pointer to the block and
+  // *size. The description and descriptors are checked first; a forged or stale one is refused (nullptr,
+  // *error says why) and nothing is mapped. The descriptors stay the caller's.
+  void* open_shared(const std::string& description, const int* fds, std::size_t nfds, std::size_t* size,
+                    AllocError* error = nullptr);
+  // Unmaps a block open_shared mapped (after a device-wide synchronisation, R13/R17) and drops its lease.
+  Status close_shared(void* ptr, AllocError* error = nullptr);
+  // Frees the shared blocks whose owner freed them and whose leases are all closed now (this also happens on
+  // every slow allocation, empty_cache and stats); waits up to `wait_us` for one (tests). Returns how many.
+  std::size_t reap_shared(int wait_us = 0);
 
   DeviceStats stats();
   // Current allocated, reserved and live bytes: a cheap subset of stats() for per-event sampling.

@@ -1,6 +1,7 @@
 // `host` driver: real host memory with cuMemMap semantics.
 //
-// One memfd is the "physical memory" of the device; a handle is a contiguous page range in it. A reservation
+// One memfd is the "physical memory" of the device; a handle is a contiguous page range in it (a memfd of its
+// own when created exportable: `shareable`, Note [Exportable host handles] in host_driver.cpp). A reservation
 // is a PROT_NONE anonymous mapping; map = mmap(MAP_FIXED|MAP_SHARED) of the handle's pages over it (still
 // PROT_NONE, as cuMemMap leaves memory inaccessible); set_access = mprotect(READ|WRITE); unmap puts a
 // PROT_NONE reservation back; release punches a hole in the memfd so the memory really goes back to the OS.
@@ -19,6 +20,9 @@ struct HostDriverOptions {
   int device = 0;
   std::size_t page_size = 2u << 20;     // granularity; a power of two, a multiple of the OS page
   std::size_t capacity = 4ull << 30;    // physical budget in bytes
+  // Handles created exportable (R18): each a memfd of its own (one file descriptor held per handle), which
+  // export_handle duplicates; otherwise a page range of the device's memfd, which export refuses.
+  bool shareable = false;
 };
 
 // Returns nullptr and sets *error when the memfd cannot be made.
@@ -33,7 +37,10 @@ void host_driver_inject_failure(Driver& d, DriverCall call, std::uint64_t nth, S
 // How many injected failures the driver has returned so far (a sweep checks that each one fired).
 std::uint64_t host_driver_injected_failures(Driver& d);
 // Number of live handles, mappings and reservations (leak checks in tests).
-struct HostDriverCensus { std::size_t handles = 0, mappings = 0, reservations = 0, physical_bytes = 0; };
+// imported_handles: those of handles that came from import_handle (another process's memory).
+struct HostDriverCensus {
+  std::size_t handles = 0, mappings = 0, reservations = 0, physical_bytes = 0, imported_handles = 0;
+};
 HostDriverCensus host_driver_census(Driver& d);
 
 }  // namespace fragless

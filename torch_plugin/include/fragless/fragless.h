@@ -83,6 +83,30 @@ FRAGLESS_API void fragless_trace_flush(void);
 /* Devices fragless manages (initialising if needed); -1 if it cannot start (see fragless_last_error). */
 FRAGLESS_API int fragless_device_count(void);
 
+/* Sharing across processes (README "Sharing across processes"). The allocation that starts at ptr, exported:
+ * NULL with fragless_last_error() when it cannot be (not a live allocation; memory not created exportable:
+ * shareable_handles:True). The allocation stays held, whatever its owner frees, while any copy of the
+ * share's lease is open in any process. */
+typedef struct fragless_share fragless_share;
+FRAGLESS_API fragless_share* fragless_share_export(void* ptr);
+/* The share's description (*bytes, the return value its length) and its descriptors (*fds, the return value
+ * their count: the lease first, then one per physical handle), owned by the share. Send both; descriptors
+ * as descriptors (SCM_RIGHTS). */
+FRAGLESS_API size_t fragless_share_description(const fragless_share* share, const char** bytes);
+FRAGLESS_API size_t fragless_share_fds(const fragless_share* share, const int** fds);
+/* Closes this process's copies of the share's descriptors and frees it (copies sent elsewhere stay open). */
+FRAGLESS_API void fragless_share_free(fragless_share* share);
+/* Maps a share received from another process (or this one) on `device`: the pointer to the allocation and
+ * *size; NULL with fragless_last_error() when the description or descriptors are refused (forged, stale,
+ * malformed) or mapping fails; nothing is mapped then. The descriptors stay the caller's. */
+FRAGLESS_API void* fragless_open_shared(int device, const char* bytes, size_t len, const int* fds, size_t nfds,
+                                        size_t* size);
+/* Unmaps what fragless_open_shared mapped and drops its reference; 0, or -1 with fragless_last_error(). */
+FRAGLESS_API int fragless_close_shared(void* ptr);
+/* Frees the allocations whose owner freed them and whose every lease is closed now (slow allocations,
+ * empty_cache and statistics do it too); returns how many. */
+FRAGLESS_API size_t fragless_reap_shared(void);
+
 #ifdef __cplusplus
 }
 #endif
