@@ -12,7 +12,7 @@ namespace fragless {
 // One unit of background work (Note [Background work] in background.h), passed by value from its take to
 // its run and its finish.
 struct BackgroundJob {
-  enum class Kind : std::uint8_t { none, split } kind = Kind::none;
+  enum class Kind : std::uint8_t { none, split, unmap_lent } kind = Kind::none;
   Segment* segment = nullptr;
   Block* busy = nullptr;             // the range, held out of every pool while the job runs
   std::size_t first = 0, pages = 0;  // the range, in segment pages
@@ -20,6 +20,9 @@ struct BackgroundJob {
   PhysHandle handle = 0;             // split: the multi-page handle mapped there
   Stream stream = 0;                 // whose queued work used the range
   std::vector<PhysHandle> created;   // split: the new one-page handles, in page order
+  Event event = 0;                   // unmap_lent: the event the range's old mapping waits for
+  std::uint64_t id = 0;              // unmap_lent: the range
+  std::atomic<int>* claim = nullptr; // unmap_lent: the range's state, which the run sets when it lets go
   // How it ended: done; cancelled (nothing changed, the range as it was); gave back (the range is unmapped
   // and its old handle released, or handed to the deferred releases when release_failed).
   enum class Outcome : std::uint8_t { cancelled, done, gave_back } outcome = Outcome::cancelled;

@@ -64,7 +64,7 @@
 // (R9: one handle may be mapped at several addresses). The new block's work is queued on the same stream
 // after everything that used the hole, so stream order makes the sharing safe. An event recorded on the
 // stream at that moment tells when the old mappings may go; they are unmapped once the event has completed
-// (polled on later slow paths), or, if their address range is needed again before that, after waiting for
+// (by the background worker, or polled on later slow paths: lent_ranges.h), or, if their address range is needed again before that, after waiting for
 // the event, which counts as a forced synchronisation. Until its old mapping is gone a lent range is
 // `unmapped` to the engine and no other request maps it.
 //
@@ -77,6 +77,7 @@
 
 #include "handle_pool.h"
 #include "handle_splitter.h"
+#include "lent_ranges.h"
 #include "policy_growable.h"
 #include "trace_emit.h"
 
@@ -97,17 +98,7 @@ class FraglessPolicy final : public GrowablePolicy {
       if (seg->growable) mapped += seg->mapped_bytes / page_;
     if (std::string e = pool_.check(mapped); !e.empty()) return e;
     if (std::string e = check_multi(); !e.empty()) return e;
-    for (const Pending& p : pending_) {
-      const DevicePtr lo = p.seg->base + p.first * page_, hi = lo + p.n * page_;
-      if (p.first + p.n > p.seg->pages.size()) return "fragless: a lent range lies outside its segment";
-      for (std::size_t i = p.first; i < p.first + p.n; ++i)
-        if (p.seg->pages[i].valid()) return "fragless: a lent range was mapped again before its old mapping went";
-      // The engine sees the range as unmapped: it must lie inside unmapped blocks.
-      for (Block* b = p.seg->first; b; b = b->next)
-        if (b->ptr < hi && b->ptr + b->size > lo && b->state != BlockState::unmapped)
-          return "fragless: a lent range overlaps a block that is not unmapped";
-    }
-    return {};
+    return lent_.check();
   }
 
  protected:
@@ -123,14 +114,14 @@ class FraglessPolicy final : public GrowablePolicy {
     ++tick_;
     if (s_.capturing()) {
       // Note [Capture rules] (engine_state.h): no event query, no wait, no reclaim; idle and new handles only.
-      if (overlaps_pending(seg, first, need)) return fail_request(Status::out_of_memory, {});
+      if (lent_.overlaps(seg, first, need)) return fail_request(Status::out_of_memory, {});
     } else {
-      poll_pending();
-      finish_pending(&seg, first, need);  // the range may still be mapped to handles lent out without a sync
+      if (lent_.poll(background())) s_.background.wake();
+      lent_.finish(&seg, first, need);  // the range may still be mapped to handles lent out without a sync
       // An unmap of a lent range that failed just now is retried before anything maps over the range.
       if (s_.has_deferred()) s_.retry_deferred();
     }
-    room = room_before_pending(seg, first, need, room);
+    room = lent_.room_before(seg, first, need, room);
     planned_ = 0;
     idle_.clear();
     unmap_failed_ = false;
@@ -153,7 +144,7 @@ class FraglessPolicy final : public GrowablePolicy {
       if (!refill && !s_.capturing() && !unmap_failed_) audit_creation(seg, need - planned_, room - planned_);
       // A refill creates exactly what it misses: the memory it puts back is what the cycle moved.
       if (Status st = create(need - planned_, refill ? need - planned_ : room - planned_, first + planned_, seg.small,
-                               &created);
+                               first + room == seg.pages.size(), &created);
           st != Status::ok)
         return fail_request(st, created);
     }
@@ -190,7 +181,8 @@ class FraglessPolicy final : public GrowablePolicy {
       Event e = 0;
       if (s_.driver->record_event(seg.stream, &e) == Status::ok &&
           (seg.stream == lend_to_ || s_.driver->stream_wait_event(lend_to_, e) == Status::ok)) {
-        pending_.push_back({&seg, first, n, e});
+        lent_.add(seg, first, n, e);
+        s_.background.wake();  // Note [Unmaps in the background]
         give_back(seg, first, n, /*to_request=*/true);
         if (seg.small) move_reserved(false, n * page_);
         return n;
@@ -208,7 +200,7 @@ class FraglessPolicy final : public GrowablePolicy {
   }
 
   void release_free(PoolSet* only, bool device_synchronized) override {
-    finish_pending(nullptr, 0, 0);
+    lent_.finish(nullptr, 0, 0);
     GrowablePolicy::release_free(only, device_synchronized);
   }
 
@@ -244,11 +236,19 @@ class FraglessPolicy final : public GrowablePolicy {
   void freed(Block* b) override {
     if (splitter_.freed(b)) s_.background.wake();
   }
-  bool take_background_job(BackgroundJob* job) override { return !s_.capturing() && splitter_.take(job); }
-  void run_background_job(BackgroundJob& job, const std::atomic<bool>& abort, bool manual) override {
-    HandleSplitter::run(*s_.driver, page_, job, abort, manual);
+  // Unmaps of lent ranges first (one call each, and they free address space), then splits.
+  bool take_background_job(BackgroundJob* job) override {
+    return !s_.capturing() && (lent_.take(job) || splitter_.take(job));
   }
-  void finish_background_job(BackgroundJob& job) override { splitter_.finish(job); }
+  void run_background_job(BackgroundJob& job, const std::atomic<bool>& abort, bool manual) override {
+    if (job.kind == BackgroundJob::Kind::unmap_lent) LentRanges::run(*s_.driver, job, abort);
+    else HandleSplitter::run(*s_.driver, page_, job, abort, manual);
+  }
+  void finish_background_job(BackgroundJob& job) override {
+    if (job.kind == BackgroundJob::Kind::unmap_lent) lent_.finish_job(job);
+    else splitter_.finish(job);
+  }
+  bool background() const { return s_.opts.background != BackgroundMode::off; }
 
   // After a release (empty_cache, OOM retry): every idle handle goes back to the driver.
   void after_release() override {
@@ -256,9 +256,6 @@ class FraglessPolicy final : public GrowablePolicy {
   }
 
  private:
-  // A range whose handles were lent to a request on the same stream while the old mappings stayed:
-  // unmapped once the event (recorded on the segment's stream at lending time) has completed.
-  struct Pending { Segment* seg; std::size_t first, n; Event event; };
   struct Stripped { const Segment* seg; std::size_t lo, hi; std::uint64_t tick; std::uint32_t times; };
   static constexpr std::uint64_t kRefillWindow = 256;  // growths
   // Whole mappings [lo, hi) (segment pages) inside the free block b.
@@ -398,59 +395,13 @@ class FraglessPolicy final : public GrowablePolicy {
     }
   }
 
-  // ---- Lending ----
-
-  // The room a request may map into stops at the next lent range of the segment.
-  std::size_t room_before_pending(const Segment& seg, std::size_t first, std::size_t need, std::size_t room) const {
-    for (const Pending& p : pending_)
-      if (p.seg == &seg && p.first >= first + need && p.first < first + room) room = p.first - first;
-    return room;
-  }
-
-  bool overlaps_pending(const Segment& seg, std::size_t first, std::size_t n) const {
-    for (const Pending& p : pending_)
-      if (p.seg == &seg && p.first < first + n && first < p.first + p.n) return true;
-    return false;
-  }
-
-  // Unmaps the lent ranges whose work is done, without waiting.
-  void poll_pending() {
-    std::erase_if(pending_, [&](const Pending& p) {
-      if (s_.driver->query_event(p.event) != Status::ok) return false;
-      unmap_lent(p);
-      return true;
-    });
-  }
-
-  // Unmaps the lent ranges of seg overlapping pages [first, first + n), or all of them when seg is null,
-  // waiting for their events where needed (a forced sync, counted).
-  void finish_pending(const Segment* seg, std::size_t first, std::size_t n) {
-    std::erase_if(pending_, [&](const Pending& p) {
-      if (seg && (p.seg != seg || p.first >= first + n || p.first + p.n <= first)) return false;
-      if (s_.driver->query_event(p.event) != Status::ok) {
-        ++s_.stats.num_forced_syncs;
-        if (s_.driver->synchronize_event(p.event) != Status::ok) {
-          s_.wait_failed("a lent range's event");  // the old mapping stays (Note [Failed waits])
-          return false;
-        }
-      }
-      unmap_lent(p);
-      return true;
-    });
-  }
-
-  void unmap_lent(const Pending& p) {
-    s_.give_back_mapping(p.seg->base + p.first * page_, p.n * page_);
-    s_.driver->release_event(p.event);
-  }
-
   // ---- Failure and bookkeeping ----
 
   // A failed request: the handles it was lent (used or not) become idle, which any stream may take, so the
   // lenders' queued work must be done first; what it created goes back to the driver.
   Status fail_request(Status st, const std::vector<PhysHandle>& created) {
     // (During a capture nothing was lent: the taken handles were idle or new, and nothing need wait.)
-    if (!pending_.empty() && !pool_.taken().empty() && !s_.capturing()) finish_pending(nullptr, 0, 0);
+    if (!lent_.empty() && !pool_.taken().empty() && !s_.capturing()) lent_.finish(nullptr, 0, 0);
     pool_.return_taken();
     for (PhysHandle h : created) {
       const std::size_t pages = pool_.pages(h);
@@ -526,13 +477,14 @@ class FraglessPolicy final : public GrowablePolicy {
   // handles]). With `ends` and `whole`, the last one may be rounded up to chunk_size, but by no more than
   // reserve_slack of live bytes and never past the room: fewer cuMemCreate calls at a bounded cost in idle
   // memory.
-  std::vector<std::size_t> shape(std::size_t missing, std::size_t room, std::size_t at, bool small) {
+  std::vector<std::size_t> shape(std::size_t missing, std::size_t room, std::size_t at, bool small, bool frontier) {
     if (s_.opts.handle_shape == HandleShape::pages) return std::vector<std::size_t>(missing, 1);
     const std::size_t chunk = std::max<std::size_t>(1, s_.opts.chunk_size / page_);
     const auto live = static_cast<double>(std::max<std::int64_t>(0, s_.stats.live_bytes.current));
     const auto slack = static_cast<std::size_t>(live * s_.opts.reserve_slack) / page_;
     if (s_.opts.handle_shape == HandleShape::cells)  // Note [Cells]
-      return cells(missing, room, at, small ? std::max<std::size_t>(1, kSmallBuffer / page_) : std::clamp<std::size_t>(slack, 1, chunk));
+      return cells(missing, room, at, small ? std::max<std::size_t>(1, kSmallBuffer / page_) : std::clamp<std::size_t>(slack, 1, chunk),
+                   frontier);
     std::size_t extra = std::min(room, std::max(missing, std::min(chunk, missing + slack))) - missing;
     if (extra && !can_create(missing + extra)) extra = 0;
     if (s_.opts.handle_shape == HandleShape::whole || missing < 2) return {missing + extra};
@@ -554,13 +506,16 @@ class FraglessPolicy final : public GrowablePolicy {
   // pool chunk_size_mb, expandable's 20 MiB page, but no more than reserve_slack of live bytes, so a small
   // job's free tail stays small; in the small pool one 2 MiB page), so a growth makes no more cuMemCreate
   // calls than the cells it touches and leaves a free tail no longer than a cell: a handle never crosses a
-  // cell boundary, the new memory ends on one (the rest of the last cell is free space after the request, as
-  // in expandable's last page), and the cells that lie wholly inside the request are one handle (of at most
+  // cell boundary, a growth at the end of what its segment maps ends on one (the rest of the last cell is
+  // free space after the request, as in expandable's last page; a growth into a gap between mapped pages
+  // creates only what it needs, leaving no free tail between live blocks), and the cells that lie wholly inside the request are one handle (of at most
   // handle_max_mb): only the request uses them, so nothing else pins them, and a large request costs one
   // call, not one per cell. Once free, every multi-page handle is split into pages in the background (Note
   // [Split in the background]), so re-backing then moves that memory page by page.
-  std::vector<std::size_t> cells(std::size_t missing, std::size_t room, std::size_t at, std::size_t chunk) {
-    std::size_t end = std::min(at + room, (at + missing + chunk - 1) / chunk * chunk);
+  std::vector<std::size_t> cells(std::size_t missing, std::size_t room, std::size_t at, std::size_t chunk, bool frontier) {
+    // Only a growth at the end of what the segment maps rounds up to a cell's end: one inside a gap (a hole
+    // re-backed elsewhere) would leave its free tail between live blocks.
+    std::size_t end = frontier ? std::min(at + room, (at + missing + chunk - 1) / chunk * chunk) : at + missing;
     if (end > at + missing && !can_create(end - at)) end = at + missing;
     const std::size_t body_max = std::max<std::size_t>(1, s_.opts.handle_max / page_);
     std::vector<std::size_t> sizes;
@@ -586,8 +541,9 @@ class FraglessPolicy final : public GrowablePolicy {
 
   // Creates the handles for `missing` pages; they join the request. A handle that cannot be had in one
   // piece is created page by page (the last resort when physical memory is too fragmented for a large one).
-  Status create(std::size_t missing, std::size_t room, std::size_t at, bool small, std::vector<PhysHandle>* created) {
-    for (std::size_t pages : shape(missing, room, at, small)) {
+  Status create(std::size_t missing, std::size_t room, std::size_t at, bool small, bool frontier,
+                std::vector<PhysHandle>* created) {
+    for (std::size_t pages : shape(missing, room, at, small, frontier)) {
       if (!s_.capacity_allows(pages * page_)) return Status::out_of_memory;
       PhysHandle h = 0;
       Status st = s_.driver->create(pages * page_, &h);
@@ -627,7 +583,7 @@ class FraglessPolicy final : public GrowablePolicy {
   }
   bool lend_across() const { return s_.opts.lend_pages && s_.opts.lend_across_streams; }
   std::deque<Stripped> stripped_;  // ranges reclaims took memory from, within kRefillWindow growths
-  std::vector<Pending> pending_;   // lent ranges still mapped at their old address
+  LentRanges lent_{s_, page_};    // lent ranges still mapped at their old address
   std::string audit_;              // a broken Note [Complete re-backing], for check()
   // Why unmap_pages is called: a release (handles become idle), a reclaim for the request being mapped
   // (handles go to it), or a same-stream reclaim that lends without a sync (to it, old mapping kept).

@@ -1,0 +1,72 @@
+// The fragless policy's lent ranges (Note [Lending pages without a sync] in policy_fragless.cpp): address
+// ranges whose handles now back another place while their old mappings stay until the work queued on
+// their stream is done. Each is `unmapped` to the engine; its old mapping is unmapped by whoever gets to it
+// first once its event has completed: the background worker (Note [Unmaps in the background]), or a later
+// slow path, which also waits for the event when it needs the range back.
+//
+// Note [Unmaps in the background]
+// Unmapping a lent range costs a cuMemUnmap the request that lent it does not need. The worker takes the
+// oldest range nobody is handling (claimed), queries its event and, when the work is done, unmaps it, all
+// without the device lock; the finish drops the range from the books. A range whose event is not done yet
+// waits (is not taken again) until the next growth. With background work on, the allocation path does not
+// unmap ranges it does not need (a growth only rearms the waiting ones); it never touches a claimed range:
+// a growth that needs one back spins until the worker has let go of it (at most one query and one unmap),
+// and a range the worker has unmapped it simply drops.
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <list>
+
+#include "policy.h"
+
+namespace fragless {
+
+class LentRanges {
+ public:
+  LentRanges(DeviceEngine::State& s, std::size_t page) : s_(s), page_(page) {}
+
+  // Pages [first, first + n) of seg were lent behind `event` (recorded on the segment's stream).
+  void add(Segment& seg, std::size_t first, std::size_t n, Event event);
+  bool empty() const { return ranges_.empty(); }
+
+  // The room a request may map into from `first` stops at the next lent range of the segment.
+  std::size_t room_before(const Segment& seg, std::size_t first, std::size_t need, std::size_t room) const;
+  bool overlaps(const Segment& seg, std::size_t first, std::size_t n) const;
+  // Without background work: unmaps the ranges whose work is done, without waiting. With it: leaves them to
+  // the worker, giving those it found not done another go; true when there is work for it.
+  bool poll(bool background);
+  // Unmaps the ranges of seg overlapping pages [first, first + n), or all of them when seg is null,
+  // waiting for their events where needed (a forced sync, counted); a range whose wait fails stays, mapped at
+  // its old address (Note [Failed waits]).
+  void finish(const Segment* seg, std::size_t first, std::size_t n);
+
+  // Background work (Note [Unmaps in the background]).
+  bool take(BackgroundJob* job);
+  static void run(Driver& d, BackgroundJob& job, const std::atomic<bool>& abort);
+  void finish_job(BackgroundJob& job);
+
+  std::string check() const;
+
+ private:
+  enum State : int { open, claimed, unmapped, waiting };  // waiting: its event was not done; not taken now
+  struct Range {
+    Segment* seg;
+    std::size_t first, n;
+    Event event;
+    std::uint64_t id;
+    std::atomic<int> state{open};
+  };
+  bool hits(const Range& r, const Segment* seg, std::size_t first, std::size_t n) const {
+    return !seg || (r.seg == seg && r.first < first + n && first < r.first + r.n);
+  }
+  // Waits (spinning, the device lock held) until the worker lets go of r; returns its state then.
+  static int settle(const Range& r);
+  void drop(Range& r);  // r's old mapping is gone or going now: unmap it unless the worker did, forget it
+
+  DeviceEngine::State& s_;
+  std::size_t page_;
+  std::list<Range> ranges_;  // oldest first; a list, so the worker's job can point at its range
+  std::uint64_t next_id_ = 1;
+};
+
+}  // namespace fragless
