@@ -35,8 +35,10 @@ TEST_CASE("config: defaults and simple keys", "[config]") {
   CHECK(o.page_size == 4u << 20);
   CHECK(ok("per_process_memory_fraction:0.5").per_process_memory_fraction == Approx(0.5));
   CHECK(ok("max_non_split_rounding_mb:1024").max_non_split_rounding_size == 1024u << 20);
-  CHECK(o.chunk_size == 16u << 20);
-  CHECK(o.reserve_slack == 0.0);
+  CHECK(o.handle_shape == HandleShape::cells);
+  CHECK(o.handle_max == 64u << 20);
+  CHECK(o.chunk_size == 20u << 20);
+  CHECK(o.reserve_slack == 1.0 / 128);
   CHECK(o.lend_pages);
   CHECK(o.small_in_remnants);
   o = ok("chunk_size_mb:64,reserve_slack:0.5,lend_pages:False,small_in_remnants:False,handles:ends,"

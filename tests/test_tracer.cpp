@@ -62,7 +62,9 @@ TEST_CASE("tracer: path patterns expand pid, device and rank", "[tracer]") {
 
 TEST_CASE("tracer: records every event, per device, and replays to the same reserved peak", "[tracer][seeded]") {
   const std::string dir = temp_dir();
-  auto parsed = parse_config("driver:host,capacity_mb:1024,trace:" + dir + "/rec-%d.fgt");
+  // No background work: when the worker runs depends on the threads' timing, and the replay below must
+  // make the same decisions as the traced run.
+  auto parsed = parse_config("driver:host,capacity_mb:1024,background:False,trace:" + dir + "/rec-%d.fgt");
   REQUIRE(parsed.ok);
   std::string err;
   std::vector<std::string> paths;
@@ -120,7 +122,9 @@ TEST_CASE("tracer: records every event, per device, and replays to the same rese
       REQUIRE(r.trace.events[i].time_us >= r.trace.events[i - 1].time_us);
     // The engine is deterministic: replaying the recorded requests through the same policy on the sim
     // driver reserves exactly what the traced run reserved.
-    auto res = replay::replay(r.trace, d, PolicyKind::fragless, 0);
+    replay::ReplayOptions ro;
+    ro.base.background = BackgroundMode::off;
+    auto res = replay::replay(r.trace, d, PolicyKind::fragless, ro);
     REQUIRE(res.error.empty());
     CHECK(res.peak_reserved == live_peak_reserved[d]);
   }

@@ -62,22 +62,22 @@ constexpr OptionInfo kOptions[] = {
      "create physical memory exportable, so that blocks can be shared with other processes (fragless.share): "
      "cuda driver: a POSIX file descriptor handle type (cuMemExportToShareableHandle) where the device "
      "supports it; host driver: a memfd per handle. Off, sharing is refused."},
-    {"handles", "pages, ends, whole or cells", "pages",
+    {"handles", "pages, ends, whole or cells", "cells",
      "fragless policy: the shape of new physical handles (a mapping is always one whole handle). pages: one "
      "handle per page (finest re-backing, most cuMemCreate calls); ends: the body of a growth in handles of "
      "at most handle_max_mb, its last page in a handle of its own; whole: one handle per growth; cells: new "
      "memory in the cells expandable segments would create (chunk_size_mb in the large pool, shrunk to "
      "reserve_slack of live bytes, and 2 MiB in the small pool), the cells a request covers whole in one "
      "handle of at most handle_max_mb. With background:True, free multi-page handles become pages."},
-    {"handle_max_mb", "integer >= 1 (MiB)", "8",
+    {"handle_max_mb", "integer >= 1 (MiB)", "64",
      "fragless policy (handles ends or cells): the body of a growth is created in handles of at most this much; "
      "a live block that straddles a handle pins less than this of it, and one background split replaces at "
      "most this much."},
-    {"chunk_size_mb", "integer >= 1 (MiB)", "16",
+    {"chunk_size_mb", "integer >= 1 (MiB)", "20",
      "fragless policy: with handles ends or whole, a growth's new handle may be rounded up to this much, mapped "
      "as free space after the request, to save cuMemCreate calls, never past reserve_slack of live bytes; with "
      "handles cells, the largest cell."},
-    {"reserve_slack", "number in [0, 1]", "0",
+    {"reserve_slack", "number in [0, 1]", "0.0078125 (1/128)",
      "fragless policy: memory is only created when the memory held cannot be put under the request; this "
      "share of live bytes bounds what a growth may create past its request (a cell of handles cells, the "
      "rounding of ends or whole) and what a refill that ends a re-backing cycle may add past the peak of live "

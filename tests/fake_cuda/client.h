@@ -101,9 +101,8 @@ inline const bool g_use_double = (setenv("FRAGLESS_LIBCUDA",
                                          std::getenv("FRAGLESS_TEST_LIBCUDA") ? std::getenv("FRAGLESS_TEST_LIBCUDA")
                                                                               : FRAGLESS_FAKECUDA_PATH, 1), true);
 
-inline std::unique_ptr<Allocator> make(PolicyKind p, std::string* err) {
+inline std::unique_ptr<Allocator> make(PolicyKind p, std::string* err, Options o = {}) {
   fake().clear_faults();  // a test that failed before leaves none behind
-  Options o;
   o.policy = p;
   o.driver = DriverKind::cuda;
   return Allocator::create(o, -1, err);

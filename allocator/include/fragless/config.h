@@ -43,10 +43,10 @@ struct Options {
   bool shareable_handles = false;                        // cuda: physical memory exportable as POSIX fds
   std::string trace;                                     // trace path pattern (%p %d %r); empty = off
   // fragless policy (docs/ARCHITECTURE.md, "Policies").
-  HandleShape handle_shape = HandleShape::pages;        // shape of new physical handles
-  std::size_t handle_max = 8u << 20;                     // handles:ends: largest body handle, bytes
-  std::size_t chunk_size = 16u << 20;                    // a growth's new handle may round up to this, bytes
-  double reserve_slack = 0;                              // new memory past the request or peak live: this share
+  HandleShape handle_shape = HandleShape::cells;        // shape of new physical handles
+  std::size_t handle_max = 64u << 20;                    // handles:ends and cells: largest body handle, bytes
+  std::size_t chunk_size = 20u << 20;                    // cells: the largest cell; ends, whole: round up to this
+  double reserve_slack = 1.0 / 128;                      // new memory past the request or peak live: this share
   bool lend_pages = true;                                // same-stream holes lend pages without a sync
   bool lend_across_streams = true;                       // ...and other streams' holes, by a stream wait
   bool small_in_remnants = true;                         // small requests may use sub-MiB large-pool remnants
