@@ -30,7 +30,7 @@ constexpr SeqFit kFits[] = {
 struct Config {
   std::string name;
   int layers = 24, d_model = 1024, heads = 16, d_ff = 4096, vocab = 10000, batch = 4, steps = 6, max_seq = 2048;
-  int dtype = 4, ckpt = 0, dropout = 0, accum = 1;
+  int dtype = 4, ckpt = 0, dropout = 0, accum = 1, tf32 = 0;
   bool pad_to_longest = false;  // padding=longest: every sequence padded to the batch's longest
   std::uint64_t seed = 1;
   std::string seqlen = "sharegpt";
@@ -41,7 +41,7 @@ struct Config {
 // Emits the allocation events, stamped with the compute model's clock (compute_model.h).
 class Emitter {
  public:
-  Emitter(formats::Trace* t, int bytes_per_element) : t_(t), width_(bytes_per_element) {}
+  Emitter(formats::Trace* t, int bytes_per_element, bool tf32) : t_(t), width_(bytes_per_element), clock_(tf32) {}
   std::uint64_t alloc(std::uint64_t bytes, bool seed = false) {
     const std::uint64_t addr = (next_++) << 12;
     formats::Event e;
@@ -85,7 +85,7 @@ constexpr IntKey kIntKeys[] = {{"layers", &Config::layers, 1, kMaxIntValue}, {"d
                                {"vocab", &Config::vocab, 0, kMaxIntValue},   {"batch", &Config::batch, 1, kMaxIntValue},
                                {"steps", &Config::steps, 1, kMaxIntValue},   {"max_seq", &Config::max_seq, 1, kMaxIntValue},
                                {"ckpt", &Config::ckpt, 0, 1},                {"dropout", &Config::dropout, 0, 1},
-                               {"accum", &Config::accum, 1, kMaxIntValue}};
+                               {"accum", &Config::accum, 1, kMaxIntValue},   {"tf32", &Config::tf32, 0, 1}};
 // The other keys, with their default and what they accept (--help and the errors).
 struct TextKey { const char* name; const char* def; const char* accepted; };
 constexpr TextKey kTextKeys[] = {{"seqlen", "sharegpt", "sharegpt, azure-conv, azure-code, arxiv or fixed:N"},
@@ -401,7 +401,7 @@ bool make_workload(const std::string& spec, formats::Trace* out, std::string* er
   if (!error->empty()) return false;
   *out = formats::Trace{};
   out->source = spec;
-  Emitter em(out, c.dtype);
+  Emitter em(out, c.dtype, c.tf32 != 0);
   if (c.name == "transformer-train") train(c, lens, em); else infer(c, lens, em);
   return true;
 }
