@@ -56,6 +56,10 @@ void Background::quiesce() {
   abort_.store(false, std::memory_order_relaxed);
 }
 
+void Background::wait_idle() {
+  while (in_flight_) idle_cv_->wait(mu_);
+}
+
 void Background::routing_changed(bool routed) {
   if (routed) quiesce();
   routed_ = routed;

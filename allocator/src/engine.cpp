@@ -900,6 +900,9 @@ const Options& DeviceEngine::options() const { return s_->opts; }
 Driver& DeviceEngine::driver() { return *s_->driver; }
 void DeviceEngine::memory_info(std::size_t* free_bytes, std::size_t* total_bytes) {
   std::lock_guard lk(s_->mu);
+  // A job in flight may hold less than the books say (a split releases its handle before creating the
+  // pages): the answer waits for it, so free + reserved is the device's memory, as without background work.
+  s_->background.wait_idle();
   s_->driver->memory_info(free_bytes, total_bytes);
 }
 int DeviceEngine::device() const { return s_->driver->device(); }

@@ -137,14 +137,17 @@ def device_count():
 
 
 def _read(fn, *args):
+    # The answer may grow between the call that sizes the buffer and the one that fills it (a background
+    # job changes the segments, another thread allocates): then it is asked again, with room for the new size.
     need = fn(*args, None, 0)
-    if need < 0:
-        raise RuntimeError(last_error())
-    buf = ctypes.create_string_buffer(need + 1)
-    got = fn(*args, buf, need + 1)
-    if got < 0:
-        raise RuntimeError(last_error())
-    return buf.raw[:got]
+    while True:
+        if need < 0:
+            raise RuntimeError(last_error())
+        buf = ctypes.create_string_buffer(need + 1)
+        got = fn(*args, buf, need + 1)
+        if 0 <= got <= need:
+            return buf.raw[:got]
+        need = got
 
 
 def memory_stats(device=0):
