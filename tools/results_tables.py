@@ -13,6 +13,9 @@
   tools/results_tables.py fit      FILES...   the smallest device per policy (--fit, steps 1/4 and 1/16 GiB)
   tools/results_tables.py maxbatch            the largest batch per policy on 24, 40, 80 and 141 GiB devices
   tools/results_tables.py fits     FILES...   both of the above, in that order (docs/RESULTS.md, "What fits")
+  tools/results_tables.py driver   [--costs PROBE.json] FILES...   the ten built-in workloads and FILES: peak
+                                 reserved, driver calls, alloc-path and background driver time per policy,
+                                 and the start-up targets (docs/RESULTS.md, "Driver time on the allocation path")
 FILES are traces; the eight default workloads (four sequence-length distributions, training and inference)
 are added to `targets` and `params`.
 Run from the repository root after building (uses build/bin/fragless-replay)."""
@@ -310,10 +313,57 @@ def maxbatch_table(_):
     print(f"{replays} replays in {seconds:.1f} s of searching.")
 
 
+BUILTINS = ["workload:transformer-train", "workload:transformer-infer", "workload:ckpt-accum", "workload:unet2d",
+            "workload:unet3d", "workload:moe", "workload:serving", "workload:fsdp", "workload:pipeline",
+            "workload:random"]
+
+
+def driver_table(args):
+    """Per input (the built-in workloads at their defaults, then FILES): what each policy holds and what its
+    driver calls cost, split into the time a caller waits for (alloc path) and the time spent off it
+    (background), under the A100 model or a measured --costs file; then the targets per input and in total."""
+    costs = []
+    if args and args[0] == "--costs":
+        costs, args = ["--costs", args[1]], args[2:]
+    rows = by_input(run([*costs, *BUILTINS, *args]))
+    print("| input | peak live MiB | reserved MiB classic / expandable / fragless | fragless overhead | creates "
+          "expandable / fragless (background) | maps | set-access | expandable driver ms | fragless alloc-path ms "
+          "| fragless background ms | targets missed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    met = 0
+    tot = {"e": 0.0, "path": 0.0, "bg": 0.0}
+    for (name, _), p in rows.items():
+        c, e, f = p["classic"], p["expandable"], p["fragless"]
+        live = f["peak_live_bytes"]
+        dc, de, df, bg = c["driver_calls"], e["driver_calls"], f["driver_calls"], f["background_calls"]
+        best = min(c["peak_reserved_bytes"], e["peak_reserved_bytes"])
+        misses = []
+        if f["alloc_path_driver_us"] > e["modelled_driver_us"]:
+            misses.append(f"driver +{(f['alloc_path_driver_us'] - e['modelled_driver_us']) / 1000:.1f} ms")
+        if f["overhead_over_live"] > overhead_limit(live):
+            misses.append(f"overhead (limit {100 * overhead_limit(live):.2f}%)")
+        if f["peak_reserved_bytes"] > best:
+            misses.append(f"+{(f['peak_reserved_bytes'] - best) / 2**20:.0f} MiB over a peer")
+        met += not misses
+        tot["e"] += e["modelled_driver_us"]
+        tot["path"] += f["alloc_path_driver_us"]
+        tot["bg"] += f["background_driver_us"]
+        label = name.split(":", 1)[1] if name.startswith("workload:") else os.path.basename(name)
+        print(f"| {label} | {mib(live)} | {mib(c['peak_reserved_bytes'])} / {mib(e['peak_reserved_bytes'])} / "
+              f"{mib(f['peak_reserved_bytes'])} | {100 * f['overhead_over_live']:.2f}% | {de['create']} / "
+              f"{df['create']} ({bg['create']}) | {de['map']} / {df['map']} | {de['set_access']} / {df['set_access']} "
+              f"| {e['modelled_driver_us'] / 1000:.1f} | {f['alloc_path_driver_us'] / 1000:.1f} | "
+              f"{f['background_driver_us'] / 1000:.1f} | {', '.join(misses) or 'none'} |")
+    print()
+    print(f"{met} of {len(rows)} inputs meet every target. Modelled driver time over all inputs: expandable "
+          f"{tot['e'] / 1000:.0f} ms; fragless {tot['path'] / 1000:.0f} ms on the allocation path and "
+          f"{tot['bg'] / 1000:.0f} ms in the background.")
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 3 and not (len(sys.argv) == 2 and sys.argv[1] in ("variants", "zoo", "maxbatch")):
         sys.exit(__doc__)
     {"replay": replay_table, "fidelity": fidelity_table, "targets": targets_table, "params": params_table, "variants": variants_table,
-     "handles": handles_table, "zoo": zoo_table, "fit": fit_table, "maxbatch": maxbatch_table,
+     "handles": handles_table, "driver": driver_table, "zoo": zoo_table, "fit": fit_table, "maxbatch": maxbatch_table,
      "fits": lambda a: (fit_table(a), print(), maxbatch_table(a)),
      "validate": lambda a: validate_table(a[0]), "published": lambda a: published_table(a[0])}[sys.argv[1]](sys.argv[2:])
