@@ -92,6 +92,7 @@ class FraglessPolicy final : public GrowablePolicy {
   bool small_from_large_remnants() const override { return s_.opts.small_in_remnants; }
 
   std::string check() const override {
+    audit_on_ = true;  // Note [Auditing creations]
     if (!audit_.empty()) return audit_;
     std::size_t mapped = 0;
     for (const auto& seg : s_.segments)
@@ -141,7 +142,7 @@ class FraglessPolicy final : public GrowablePolicy {
     std::vector<PhysHandle> created;
     if (planned_ < need) {
       // (During a capture creating is the only way: holes are not taken, Note [Capture rules].)
-      if (!refill && !s_.capturing() && !unmap_failed_) audit_creation(seg, need - planned_, room - planned_);
+      if (audit_on_ && !refill && !s_.capturing() && !unmap_failed_) audit_creation(seg, need - planned_, room - planned_);
       // A refill creates exactly what it misses: the memory it puts back is what the cycle moved.
       if (Status st = create(need - planned_, refill ? need - planned_ : room - planned_, first + planned_, seg.small,
                                first + room == seg.pages.size(), &created);
@@ -367,6 +368,12 @@ class FraglessPolicy final : public GrowablePolicy {
   // Note [Complete re-backing], checked: just before memory is created, an independent recount (from the
   // segments' block lists, not the pools' size sets) finds nothing on the requesting stream that could
   // still go under the request without waiting.
+  //
+  // Note [Auditing creations]
+  // The recount walks every block of every segment, as check_invariants does, and a growth that creates
+  // memory is frequent while memory first grows: run on every creation it was half of fragless's
+  // BM_GrowthPath. So it runs only in an engine whose invariants are being checked: from the first check()
+  // on (the randomized tests and the fuzzers call it after every operation).
   void audit_creation(const Segment& target, std::size_t missing, std::size_t room) {
     if (pool_.idle_pages_within(room) > 0) {
       audit_ = "fragless: created memory while an idle handle fitted the request (Note [Complete re-backing])";
@@ -585,6 +592,7 @@ class FraglessPolicy final : public GrowablePolicy {
   std::deque<Stripped> stripped_;  // ranges reclaims took memory from, within kRefillWindow growths
   LentRanges lent_{s_, page_};    // lent ranges still mapped at their old address
   std::string audit_;              // a broken Note [Complete re-backing], for check()
+  mutable bool audit_on_ = false;  // check() has been called: audit every creation (Note [Auditing creations])
   // Why unmap_pages is called: a release (handles become idle), a reclaim for the request being mapped
   // (handles go to it), or a same-stream reclaim that lends without a sync (to it, old mapping kept).
   enum class UnmapFor { release, reclaim, lend } unmap_for_ = UnmapFor::release;

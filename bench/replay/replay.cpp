@@ -70,6 +70,9 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
   auto drv = make_sim_driver(so);
   if (opt.costs) drv->set_cost_model(*opt.costs);
   DeviceEngine e(o, std::move(drv));
+  // Checked at the start too, which also has the policy audit each creation from here on (the fragless
+  // policy's Note [Auditing creations]); the broken rule is reported at the end.
+  if (opt.check) e.check_invariants();
   std::unordered_map<std::uint64_t, void*> ptrs;  // trace address -> replayed block
   ptrs.reserve(t.events.size() / 2 + t.seed.size());
   std::unordered_set<std::uint64_t> failed;  // trace addresses whose allocation ran out of memory
