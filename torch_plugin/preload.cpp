@@ -1,4 +1,6 @@
-// libfragless_preload.so: LD_PRELOAD interposer for programs that link the CUDA runtime dynamically.
+// libfragless_preload.so: LD_PRELOAD interposer for programs that link the CUDA runtime dynamically, and
+// (preload_driver.cpp, the driver half) for programs that allocate with the driver API. This is the runtime
+// half; what both share is in preload_core.h.
 //
 // cudaMalloc / cudaMallocAsync allocate from fragless; cudaFree / cudaFreeAsync give fragless's pointers
 // back and forward every other pointer to the real runtime (dlsym(RTLD_NEXT, ...)); cudaMemGetInfo counts
@@ -40,6 +42,7 @@
 #include <vector>
 
 #include "fragless/allocator.h"
+#include "preload_core.h"
 #if defined(FRAGLESS_HAVE_CUDA)
 #include "fragless/cuda_driver.h"
 #endif
@@ -94,10 +97,7 @@ const Real& real() {
   return r;
 }
 
-struct Counters {
-  std::atomic<unsigned long> mallocs{0}, frees{0}, forwarded_frees{0}, fences{0}, fallbacks{0};
-};
-Counters g_counts;
+fragless_preload::Counters& g_counts = fragless_preload::counters();
 
 struct Pending {
   void* ptr;
@@ -160,9 +160,11 @@ struct Interposer {
     if (real().get_device) real().get_device(&caller);
     const bool switch_device = caller != device && real().set_device;
     if (switch_device) real().set_device(device);
-    const cudaError_t r = real().device_synchronize ? real().device_synchronize() : kInvalidValue;
+    // A program with no CUDA runtime (the driver API only) gets the fence from the engine's own driver.
+    const bool ok = real().device_synchronize ? real().device_synchronize() == kSuccess
+                                              : alloc->device(device)->driver().synchronize_device() == fragless::Status::ok;
     if (switch_device) real().set_device(caller);
-    if (r != kSuccess) {
+    if (!ok) {
       std::lock_guard lk(d.mu);
       d.list.insert(d.list.begin(), batch.begin(), batch.end());
       d.bytes += bytes;
@@ -185,14 +187,7 @@ int current_device() {
   return d;
 }
 
-// The engine that owns p, among those that exist (-1: none). Never creates an engine or a context.
-int owner(void* p) {
-  fragless::Allocator* a = ip().get();
-  if (!a || !p) return -1;
-  for (int d = 0; d < a->device_count(); ++d)
-    if (fragless::DeviceEngine* e = a->existing(d); e && e->owns(p)) return d;
-  return -1;
-}
+using fragless_preload::owner;
 
 // R16 (driver.h): cudaStreamPerThread, and stream 0 of the _ptsz entry points, are the calling thread's own
 // per-thread default stream, which fragless keys by thread; cudaStreamLegacy is stream 0.
@@ -230,6 +225,8 @@ cudaError_t real_malloc_async(void** out, size_t size, cudaStream_t stream, bool
 
 cudaError_t allocate(void** out, size_t size, cudaStream_t stream, bool async, bool ptsz = false) {
   if (!out) return kInvalidValue;
+  if (fragless_preload::recursing()) return async ? real_malloc_async(out, size, stream, ptsz) : real().malloc(out, size);
+  fragless_preload::Inside inside;
   // Allocations on a capturing stream become graph-owned memory: only the runtime can serve them.
   if (async && capturing(stream, ptsz)) {
     ++g_counts.fallbacks;
@@ -264,36 +261,27 @@ cudaError_t allocate(void** out, size_t size, cudaStream_t stream, bool async, b
 
 cudaError_t free_sync(void* p) {
   if (!p) return real().free ? real().free(p) : kSuccess;  // cudaFree(0) is the classic context-init idiom
-  const int dev = owner(p);
+  const int dev = fragless_preload::recursing() ? -1 : owner(p);
   if (dev < 0) {
     ++g_counts.forwarded_frees;
     return real().free ? real().free(p) : kInvalidValue;
   }
+  fragless_preload::Inside inside;
   ++g_counts.frees;
-  Interposer& i = ip();
-  std::size_t size = 0;
-  i.alloc->device(dev)->base_allocation(p, &size);
-  bool drain = false;
-  {
-    DevicePending& d = i.of(dev);
-    std::lock_guard lk(d.mu);
-    d.list.push_back({p, size});
-    d.bytes += size;
-    drain = d.list.size() >= 1024 || d.bytes >= (256u << 20);
-  }
-  if (drain) i.drain(dev);
+  fragless_preload::free_behind_fence(dev, p);
   return kSuccess;
 }
 
 cudaError_t free_async(void* p, cudaStream_t s, bool ptsz) {
   if (!p) return kSuccess;
-  const int dev = owner(p);
+  const int dev = fragless_preload::recursing() ? -1 : owner(p);
   if (dev < 0) {  // the runtime's (graph-owned memory from a capture among them)
     ++g_counts.forwarded_frees;
     auto f = ptsz && real().free_async_ptsz ? real().free_async_ptsz : real().free_async;
     return f ? f(p, s) : kInvalidValue;
   }
   if (capturing(s, ptsz)) return free_sync(p);  // no event may be recorded into the capture: behind the fence
+  fragless_preload::Inside inside;
   ++g_counts.frees;
   fragless::DeviceEngine* e = ip().alloc->device(dev);
   e->record_stream(p, engine_stream(s, ptsz));  // a no-op when s is the allocation stream
@@ -305,26 +293,95 @@ void capture_began(cudaStream_t s, bool ptsz) {
   fragless::Allocator* a = ip().get();
   if (!a) return;
   const int dev = device_of(s);
-  fragless::DeviceEngine* e = a->device(dev);
-  if (!e) return;
+  if (!a->device(dev)) return;
+  fragless_preload::capture_began(engine_stream(s, ptsz), dev);
+}
+
+// The capture on stream s is over (ended, or never began): the engine may record, wait and release again.
+void capture_ended(cudaStream_t s, bool ptsz) {
+  if (!ip().ready.load(std::memory_order_acquire) || capturing(s, ptsz)) return;
+  fragless_preload::capture_ended(engine_stream(s, ptsz));
+}
+
+}  // namespace
+
+// ---- What the driver half shares (preload_core.h) ---------------------------------------------------------
+
+namespace fragless_preload {
+
+Counters& counters() {
+  static Counters* c = new Counters();  // never destroyed, as the interposer
+  return *c;
+}
+
+fragless::Allocator* allocator() { return ip().get(); }
+
+namespace {
+thread_local int t_inside = 0;
+}
+Inside::Inside() { ++t_inside; }
+Inside::~Inside() { --t_inside; }
+bool recursing() {
+  if (t_inside == 0) return false;
+  ++counters().recursions;
+  return true;
+}
+
+bool& cached_counted() {
+  thread_local bool counted = false;
+  return counted;
+}
+
+int owner(const void* p) {
+  fragless::Allocator* a = ip().get();
+  if (!a || !p) return -1;
+  void* q = const_cast<void*>(p);
+  for (int d = 0; d < a->device_count(); ++d)
+    if (fragless::DeviceEngine* e = a->existing(d); e && e->owns(q)) return d;
+  return -1;
+}
+
+// Note [Frees behind the fence]: cudaFree (and cuMemFree of memory not from the stream-ordered allocator)
+// promise that the memory is not reused while work queued before the free may still touch it. The free is
+// deferred; a batch of them goes back to the cache behind one device-wide synchronisation, when 1024 frees
+// or 256 MiB are pending or when an allocation would otherwise fail.
+void free_behind_fence(int device, void* p) {
   Interposer& i = ip();
+  std::size_t size = 0;
+  i.alloc->device(device)->base_allocation(p, &size);
+  bool due = false;
+  {
+    DevicePending& d = i.of(device);
+    std::lock_guard lk(d.mu);
+    d.list.push_back({p, size});
+    d.bytes += size;
+    due = d.list.size() >= 1024 || d.bytes >= (256u << 20);
+  }
+  if (due) i.drain(device);
+}
+
+bool drain(int device) { return ip().drain(device); }
+
+void capture_began(fragless::Stream stream, int device) {
+  Interposer& i = ip();
+  fragless::DeviceEngine* e = i.alloc ? i.alloc->existing(device) : nullptr;
+  if (!e) return;
   {
     std::lock_guard lk(i.captures_mu);
-    if (!i.capturing.emplace(engine_stream(s, ptsz), dev).second) return;
+    if (!i.capturing.emplace(stream, device).second) return;
   }
   i.captures.fetch_add(1, std::memory_order_acq_rel);
   e->capture_began();
 }
 
-// The capture on stream s is over (ended, or never began): the engine may record, wait and release again.
-void capture_ended(cudaStream_t s, bool ptsz) {
+void capture_ended(fragless::Stream stream) {
   Interposer& i = ip();
   fragless::Allocator* a = i.ready.load(std::memory_order_acquire);
-  if (!a || capturing(s, ptsz)) return;
+  if (!a) return;
   int dev = -1;
   {
     std::lock_guard lk(i.captures_mu);
-    auto it = i.capturing.find(engine_stream(s, ptsz));
+    auto it = i.capturing.find(stream);
     if (it == i.capturing.end()) return;
     dev = it->second;
     i.capturing.erase(it);
@@ -333,7 +390,7 @@ void capture_ended(cudaStream_t s, bool ptsz) {
   if (fragless::DeviceEngine* e = a->existing(dev)) e->capture_ended();
 }
 
-}  // namespace
+}  // namespace fragless_preload
 
 extern "C" {
 
@@ -442,8 +499,9 @@ FRAGLESS_EXPORT int fragless_preload_memory(int device, size_t* allocated, size_
 }
 
 FRAGLESS_EXPORT cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
+  fragless_preload::cached_counted() = false;
   const cudaError_t r = real().mem_get_info ? real().mem_get_info(free_bytes, total) : kInvalidValue;
-  if (r != kSuccess) return r;
+  if (r != kSuccess || fragless_preload::cached_counted() || fragless_preload::recursing()) return r;  // counted already
   if (fragless::Allocator* a = ip().get())
     if (fragless::DeviceEngine* e = a->existing(current_device())) {
       const auto u = e->usage();
@@ -459,6 +517,14 @@ FRAGLESS_EXPORT void fragless_preload_counters(unsigned long out[5]) {
   out[2] = g_counts.forwarded_frees;
   out[3] = g_counts.fences;
   out[4] = g_counts.fallbacks;
+}
+
+// The driver half's counters: allocations it served, calls and frees it forwarded to the driver, calls that
+// came back into an interposed entry point from inside fragless (Note [No recursion]; always 0).
+FRAGLESS_EXPORT void fragless_preload_driver_counters(unsigned long out[3]) {
+  out[0] = g_counts.driver_mallocs;
+  out[1] = g_counts.driver_forwarded;
+  out[2] = g_counts.recursions;
 }
 
 }  // extern "C"

@@ -79,12 +79,20 @@ bool resolve(Api& a, const char* name, F* fn) {
   return true;
 }
 
+}  // namespace
+
+const char* cuda_library_name() {
+  const char* path = std::getenv("FRAGLESS_LIBCUDA");
+  return path && *path ? path : "libcuda.so.1";
+}
+
+namespace {
+
 const Api& api() {
   static Api a;
   static std::once_flag once;
   std::call_once(once, [] {
-    const char* path = std::getenv("FRAGLESS_LIBCUDA");
-    const char* lib_name = path && *path ? path : "libcuda.so.1";
+    const char* lib_name = cuda_library_name();
     a.lib = dlopen(lib_name, RTLD_NOW | RTLD_LOCAL);
     if (!a.lib) {
       const char* why = dlerror();

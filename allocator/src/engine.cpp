@@ -734,6 +734,23 @@ void* DeviceEngine::base_allocation(void* ptr, std::size_t* size) {
   return reinterpret_cast<void*>(b->segment->base);
 }
 
+void* DeviceEngine::allocation_containing(void* ptr, std::size_t* size) {
+  State& s = *s_;
+  const auto p = reinterpret_cast<DevicePtr>(ptr);
+  std::lock_guard lk(s.mu);
+  for (const auto& seg : s.segments) {
+    if (p < seg->base || p >= seg->base + seg->va_size) continue;
+    for (Block* b = seg->first; b; b = b->next)
+      if (p >= b->ptr && p < b->ptr + b->size) {
+        if (b->state != BlockState::allocated) return nullptr;
+        if (size) *size = b->size;
+        return reinterpret_cast<void*>(b->ptr);
+      }
+    return nullptr;
+  }
+  return nullptr;
+}
+
 namespace {
 // The wait failures of an operation (Note [Failed waits]) as its result.
 Status report_waits(std::string* wait_error, AllocError* err) {

@@ -124,6 +124,24 @@ struct PhysRange { CUmemGenericAllocationHandle handle; std::size_t lo, hi; };
 struct Touch { CUdeviceptr va; std::size_t size; CUstream stream; NodeP node; std::vector<PhysRange> phys; };
 struct Capture { CUstream origin; CUstreamCaptureMode mode; std::thread::id thread; bool invalidated = false; };
 struct Primary { int retains = 0; };
+// Memory the double allocates itself (the driver's own allocator): its mapping, device, size asked for,
+// buffer id, pool (stream-ordered allocations) and whether it came from the stream-ordered allocator.
+struct OwnAllocation {
+  std::size_t size = 0, mapped = 0;
+  int device = 0;
+  unsigned long long buffer_id = 0;
+  CUmemoryPool pool = nullptr;
+  bool async = false;
+};
+// A memory pool (cuMemPoolCreate, or a device's default pool): its properties, access and attributes.
+struct MemPool {
+  CUmemPoolProps props{};
+  bool is_default = false;
+  std::map<int, CUmemAccess_flags> access;  // other devices granted access
+  cuuint64_t release_threshold = 0;
+  int follow_events = 1, opportunistic = 1, internal_dependencies = 1;
+  std::size_t used = 0;
+};
 
 struct State {
   std::mutex mu;
@@ -160,6 +178,12 @@ struct State {
   int driver_version = 13000;
   unsigned last_handle_types = 0;
   std::map<CUdeviceptr, std::set<int>> access_of;  // per mapping (by its address): devices granted access
+  // The double's own allocations (cuMemAlloc, cuMemAllocPitch, the stream-ordered allocator): each one
+  // reservation, handle and mapping of its own, by its address.
+  std::map<CUdeviceptr, OwnAllocation> own;
+  unsigned long long next_buffer_id = 1;
+  std::map<CUmemoryPool, MemPool> pools;  // created and default pools
+  std::uintptr_t next_pool = 0xB000;
   State() {
     if (const char* v = std::getenv("FAKECUDA_DRIVER_VERSION")) driver_version = std::max(1, std::atoi(v));
     if (const char* d = std::getenv("FAKECUDA_DEVICES")) devices = std::max(1, std::atoi(d));
@@ -578,7 +602,10 @@ FAKE_API CUresult cuDeviceGetAttribute(int* v, CUdevice_attribute a, CUdevice d)
   ENTER("cuDeviceGetAttribute");
   if (d < 0 || d >= st().devices) return CUDA_ERROR_INVALID_DEVICE;
   *v = a == CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED ||
-       a == CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED;
+       a == CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED ||
+       a == CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED;
+  if (a == CU_DEVICE_ATTRIBUTE_TEXTURE_PITCH_ALIGNMENT) *v = 512;  // kTexturePitchAlignment below
+  if (a == CU_DEVICE_ATTRIBUTE_MAX_PITCH) *v = 1 << 21;            // kMaxPitch below
   return CUDA_SUCCESS;
 }
 
@@ -1102,67 +1129,489 @@ FAKE_API unsigned fakecuda_last_handle_types() {
   return st().last_handle_types;
 }
 
-#undef cuGetProcAddress  // cuda.h maps the name to the _v2 entry point; the double exports the original ABI
+// ---- The driver's own allocator: cuMemAlloc, cuMemAllocPitch, the stream-ordered allocator, pools ----------
+// Each allocation is one reservation, handle and mapping of its own, accessible to its device (as the VMM
+// calls leave it after cuMemSetAccess), so work may be launched on it and the census counts it. cuda.h's
+// strict readings: cuMemAlloc of 0 bytes is CUDA_ERROR_INVALID_VALUE; cuMemFree takes only an address an
+// allocation call returned (the start, not an address inside); cuMemAllocPitch takes element sizes 4, 8 and
+// 16 only and pads the pitch to the device's texture pitch alignment; cuMemFree of memory from the
+// stream-ordered allocator does not synchronise ("callers must ensure that all accesses ... have completed":
+// work still on it is a fault), of other memory it synchronises the context (it "may perform implicit
+// synchronization"). cuMemFreeAsync frees once the work queued on its stream before it is done (the double
+// waits for it: stricter orderings between streams are the allocator under test's business, not the
+// driver's own memory's). A pool's memory comes from its own location's device.
+namespace {
+
+constexpr int kTexturePitchAlignment = 512;  // CU_DEVICE_ATTRIBUTE_TEXTURE_PITCH_ALIGNMENT of the double
+constexpr int kMaxPitch = 1 << 21;           // CU_DEVICE_ATTRIBUTE_MAX_PITCH of the double
+
+// Allocates `size` bytes on `dev` (caller holds the lock).
+CUresult own_alloc(State& s, std::size_t size, int dev, CUmemoryPool pool, bool async, CUdeviceptr* out) {
+  const std::size_t mapped = (size + kGranularity - 1) / kGranularity * kGranularity;
+  if (s.used[dev] + mapped > s.capacity[dev]) return CUDA_ERROR_OUT_OF_MEMORY;
+  const int fd = memfd_create("fakecuda-own", MFD_CLOEXEC);
+  if (fd < 0 || ftruncate(fd, static_cast<off_t>(mapped)) != 0) {
+    if (fd >= 0) close(fd);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  void* m = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (m == MAP_FAILED) {
+    close(fd);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  const auto va = reinterpret_cast<CUdeviceptr>(m);
+  s.used[dev] += mapped;
+  const CUmemGenericAllocationHandle h = s.next_handle++;
+  s.handles[h] = {fd, mapped, dev, 1, true};  // released at once: the mapping keeps it, as cuMemFree's unmap ends it
+  s.reservations[va] = mapped;
+  s.mappings[va] = {mapped, h, true};
+  s.access_of[va].insert(dev);
+  s.own[va] = {size, mapped, dev, s.next_buffer_id++, pool, async};
+  *out = va;
+  return CUDA_SUCCESS;
+}
+
+// Frees an allocation of the double's own (caller holds the lock): unmapped at once.
+void own_release(State& s, std::map<CUdeviceptr, OwnAllocation>::iterator it) {
+  const CUdeviceptr va = it->first;
+  const std::size_t mapped = it->second.mapped;
+  if (it->second.pool) {
+    auto p = s.pools.find(it->second.pool);
+    if (p != s.pools.end()) p->second.used -= it->second.size;
+  }
+  still_touched(va, mapped, "cuMemFree");
+  const CUmemGenericAllocationHandle h = s.mappings[va].handle;
+  munmap(reinterpret_cast<void*>(va), mapped);
+  s.mappings.erase(va);
+  s.access_of.erase(va);
+  s.reservations.erase(va);
+  --s.handles[h].map_count;
+  drop_if_unused(s, h);
+  s.own.erase(it);
+}
+
+// The own allocation holding va (any byte of it), or end().
+std::map<CUdeviceptr, OwnAllocation>::iterator own_containing(State& s, CUdeviceptr va) {
+  auto it = s.own.upper_bound(va);
+  if (it == s.own.begin()) return s.own.end();
+  --it;
+  return va < it->first + it->second.size ? it : s.own.end();
+}
+
+CUresult alloc_async(CUdeviceptr* p, size_t size, CUmemoryPool pool, CUstream h) {
+  NEED_CONTEXT();
+  State& s = st();
+  FakeStream* fs = stream_of(h);
+  if (!p || size == 0 || !fs) return CUDA_ERROR_INVALID_VALUE;
+  int dev = ctx_device(fs->ctx);
+  if (pool) {
+    auto it = s.pools.find(pool);
+    if (it == s.pools.end()) return CUDA_ERROR_INVALID_VALUE;
+    dev = it->second.props.location.id;
+    if (it->second.props.maxSize && it->second.used + size > it->second.props.maxSize) return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  const CUresult r = own_alloc(s, size, dev, pool, true, p);
+  if (r == CUDA_SUCCESS && pool) s.pools[pool].used += size;
+  return r;
+}
+
+CUresult free_async(CUdeviceptr p, CUstream h) {
+  NEED_CONTEXT();
+  State& s = st();
+  FakeStream* fs = stream_of(h);
+  auto it = s.own.find(p);
+  if (!fs || it == s.own.end()) return CUDA_ERROR_INVALID_VALUE;
+  if (!fs->capture) wait_for(fs->tail);
+  own_release(s, it);
+  return CUDA_SUCCESS;
+}
+
+CUstream per_thread_if_null(CUstream h) { return h ? h : CU_STREAM_PER_THREAD; }
+
+CUmemoryPool default_pool(State& s, int dev) {
+  for (auto& [h, pool] : s.pools)
+    if (pool.is_default && pool.props.location.id == dev) return h;
+  const auto h = reinterpret_cast<CUmemoryPool>(s.next_pool++);
+  MemPool& pool = s.pools[h];
+  pool.is_default = true;
+  pool.props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+  pool.props.location = {CU_MEM_LOCATION_TYPE_DEVICE, dev};
+  return h;
+}
+
+}  // namespace
+
+FAKE_API CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t size) {
+  ENTER("cuMemAlloc");
+  NEED_CONTEXT();
+  if (!p || size == 0) return CUDA_ERROR_INVALID_VALUE;
+  return own_alloc(st(), size, ctx_device(current()), nullptr, false, p);
+}
+
+FAKE_API CUresult cuMemAllocPitch_v2(CUdeviceptr* p, size_t* pitch, size_t width, size_t height, unsigned element) {
+  ENTER("cuMemAllocPitch");
+  NEED_CONTEXT();
+  if (!p || !pitch || width == 0 || height == 0 || (element != 4 && element != 8 && element != 16))
+    return CUDA_ERROR_INVALID_VALUE;
+  const std::size_t rounded = (width + kTexturePitchAlignment - 1) / kTexturePitchAlignment * kTexturePitchAlignment;
+  if (rounded > static_cast<std::size_t>(kMaxPitch)) return CUDA_ERROR_INVALID_VALUE;
+  const CUresult r = own_alloc(st(), rounded * height, ctx_device(current()), nullptr, false, p);
+  if (r == CUDA_SUCCESS) *pitch = rounded;
+  return r;
+}
+
+FAKE_API CUresult cuMemFree_v2(CUdeviceptr p) {
+  ENTER("cuMemFree");
+  NEED_CONTEXT();
+  State& s = st();
+  auto it = s.own.find(p);
+  if (it == s.own.end()) return CUDA_ERROR_INVALID_VALUE;  // not an address an allocation call returned
+  if (!it->second.async) {  // implicit synchronisation: the context's work is waited for
+    for_each_stream(current(), [&](FakeStream& fs) { wait_for(fs.tail); });
+    if (auto n = s.null_streams.find(current()); n != s.null_streams.end()) wait_for(n->second.tail);
+  }
+  own_release(s, it);
+  return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr p) {
+  ENTER("cuMemGetAddressRange");
+  NEED_CONTEXT();
+  auto it = own_containing(st(), p);
+  // cuda.h answers for "the allocation by cuMemAlloc() or cuMemAllocPitch()" (the strict reading: the
+  // driver's own allocations only, not memory mapped with cuMemMap).
+  if (it == st().own.end()) return CUDA_ERROR_NOT_FOUND;
+  if (base) *base = it->first;
+  if (size) *size = it->second.size;
+  return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuMemAllocAsync(CUdeviceptr* p, size_t size, CUstream h) {
+  ENTER("cuMemAllocAsync");
+  return alloc_async(p, size, nullptr, h);
+}
+FAKE_API CUresult cuMemAllocAsync_ptsz(CUdeviceptr* p, size_t size, CUstream h) {
+  ENTER("cuMemAllocAsync");
+  return alloc_async(p, size, nullptr, per_thread_if_null(h));
+}
+FAKE_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr* p, size_t size, CUmemoryPool pool, CUstream h) {
+  ENTER("cuMemAllocFromPoolAsync");
+  if (!pool) return CUDA_ERROR_INVALID_VALUE;
+  return alloc_async(p, size, pool, h);
+}
+FAKE_API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr* p, size_t size, CUmemoryPool pool, CUstream h) {
+  ENTER("cuMemAllocFromPoolAsync");
+  if (!pool) return CUDA_ERROR_INVALID_VALUE;
+  return alloc_async(p, size, pool, per_thread_if_null(h));
+}
+FAKE_API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream h) {
+  ENTER("cuMemFreeAsync");
+  return free_async(p, h);
+}
+FAKE_API CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream h) {
+  ENTER("cuMemFreeAsync");
+  return free_async(p, per_thread_if_null(h));
+}
+
+// cuda.h, CUmemPoolProps: allocType "currently must be" pinned; the location a device here; the Windows
+// security attributes "required to be zero" elsewhere; the reserved bytes "must be 0".
+FAKE_API CUresult cuMemPoolCreate(CUmemoryPool* pool, const CUmemPoolProps* props) {
+  ENTER("cuMemPoolCreate");
+  State& s = st();
+  if (!pool || !props || props->allocType != CU_MEM_ALLOCATION_TYPE_PINNED ||
+      props->location.type != CU_MEM_LOCATION_TYPE_DEVICE || props->location.id < 0 || props->location.id >= s.devices ||
+      props->win32SecurityAttributes ||
+      std::any_of(std::begin(props->reserved), std::end(props->reserved), [](unsigned char c) { return c != 0; }))
+    return CUDA_ERROR_INVALID_VALUE;
+  const auto h = reinterpret_cast<CUmemoryPool>(s.next_pool++);
+  s.pools[h].props = *props;
+  *pool = h;
+  return CUDA_SUCCESS;
+}
+
+// cuda.h: "A device's default memory pool cannot be destroyed"; a pool with allocations outstanding goes
+// once they are freed (its handle is unusable at once).
+FAKE_API CUresult cuMemPoolDestroy(CUmemoryPool pool) {
+  ENTER("cuMemPoolDestroy");
+  State& s = st();
+  auto it = s.pools.find(pool);
+  if (it == s.pools.end() || it->second.is_default) return CUDA_ERROR_INVALID_VALUE;
+  s.pools.erase(it);
+  for (auto& [va, o] : s.own)
+    if (o.pool == pool) o.pool = nullptr;
+  return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool* pool, CUdevice dev) {
+  ENTER("cuDeviceGetDefaultMemPool");
+  if (!pool) return CUDA_ERROR_INVALID_VALUE;
+  if (dev < 0 || dev >= st().devices) return CUDA_ERROR_INVALID_DEVICE;
+  *pool = default_pool(st(), dev);
+  return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuMemPoolSetAccess(CUmemoryPool pool, const CUmemAccessDesc* map, size_t count) {
+  ENTER("cuMemPoolSetAccess");
+  State& s = st();
+  auto it = s.pools.find(pool);
+  if (it == s.pools.end() || (count && !map)) return CUDA_ERROR_INVALID_VALUE;
+  for (size_t i = 0; i < count; ++i)
+    if (map[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || map[i].location.id < 0 || map[i].location.id >= s.devices)
+      return CUDA_ERROR_INVALID_DEVICE;
+  for (size_t i = 0; i < count; ++i) it->second.access[map[i].location.id] = map[i].flags;
+  return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuMemPoolGetAccess(CUmemAccess_flags* flags, CUmemoryPool pool, CUmemLocation* location) {
+  ENTER("cuMemPoolGetAccess");
+  auto it = st().pools.find(pool);
+  if (!flags || !location || it == st().pools.end() || location->type != CU_MEM_LOCATION_TYPE_DEVICE)
+    return CUDA_ERROR_INVALID_VALUE;
+  auto a = it->second.access.find(location->id);
+  *flags = location->id == it->second.props.location.id ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+           : a == it->second.access.end()               ? CU_MEM_ACCESS_FLAGS_PROT_NONE
+                                                        : a->second;
+  return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void* value) {
+  ENTER("cuMemPoolSetAttribute");
+  auto it = st().pools.find(pool);
+  if (it == st().pools.end() || !value) return CUDA_ERROR_INVALID_VALUE;
+  MemPool& p = it->second;
+  switch (attr) {
+    case CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES: p.follow_events = *static_cast<int*>(value); break;
+    case CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC: p.opportunistic = *static_cast<int*>(value); break;
+    case CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES: p.internal_dependencies = *static_cast<int*>(value); break;
+    case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: p.release_threshold = *static_cast<cuuint64_t*>(value); break;
+    default: return CUDA_ERROR_INVALID_VALUE;
+  }
+  return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void* value) {
+  ENTER("cuMemPoolGetAttribute");
+  auto it = st().pools.find(pool);
+  if (it == st().pools.end() || !value) return CUDA_ERROR_INVALID_VALUE;
+  MemPool& p = it->second;
+  switch (attr) {
+    case CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES: *static_cast<int*>(value) = p.follow_events; break;
+    case CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC: *static_cast<int*>(value) = p.opportunistic; break;
+    case CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES: *static_cast<int*>(value) = p.internal_dependencies; break;
+    case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: *static_cast<cuuint64_t*>(value) = p.release_threshold; break;
+    case CU_MEMPOOL_ATTR_USED_MEM_CURRENT:
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: *static_cast<cuuint64_t*>(value) = p.used; break;
+    default: return CUDA_ERROR_INVALID_VALUE;
+  }
+  return CUDA_SUCCESS;
+}
+
+// Pointer attributes (cuda.h, cuPointerGetAttribute). For the double's own allocations: the allocation; for
+// memory mapped with cuMemMap: the range attributes are "the mappable address range ptr references (e.g.
+// from cuMemAddressReserve)", the context is the current one's when its device has access (the strict
+// reading: a VMM mapping belongs to no context), no buffer id. Anything else: CUDA_ERROR_INVALID_VALUE.
+namespace {
+CUresult pointer_attribute(State& s, void* data, CUpointer_attribute attr, CUdeviceptr p) {
+  auto o = own_containing(s, p);
+  CUdeviceptr start = 0;
+  std::size_t size = 0;
+  int dev = -1;
+  if (o != s.own.end()) {
+    start = o->first;
+    size = o->second.size;
+    dev = o->second.device;
+  } else {
+    auto r = s.reservations.upper_bound(p);
+    if (r == s.reservations.begin()) return CUDA_ERROR_INVALID_VALUE;
+    --r;
+    if (p >= r->first + r->second) return CUDA_ERROR_INVALID_VALUE;
+    auto m = s.mappings.upper_bound(p);
+    if (m == s.mappings.begin() || p >= std::prev(m)->first + std::prev(m)->second.size) {
+      if (attr == CU_POINTER_ATTRIBUTE_MAPPED) {
+        *static_cast<int*>(data) = 0;
+        return CUDA_SUCCESS;
+      }
+      return CUDA_ERROR_INVALID_VALUE;
+    }
+    start = r->first;
+    size = r->second;
+    dev = s.handles.count(std::prev(m)->second.handle) ? s.handles[std::prev(m)->second.handle].device : -1;
+  }
+  switch (attr) {
+    case CU_POINTER_ATTRIBUTE_MEMORY_TYPE: *static_cast<unsigned*>(data) = CU_MEMORYTYPE_DEVICE; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: *static_cast<int*>(data) = dev; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_DEVICE_POINTER: *static_cast<CUdeviceptr*>(data) = p; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: *static_cast<CUdeviceptr*>(data) = start; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_RANGE_SIZE: *static_cast<size_t*>(data) = size; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_MAPPED: *static_cast<int*>(data) = 1; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_IS_MANAGED: *static_cast<int*>(data) = 0; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_CONTEXT:
+      *static_cast<CUcontext*>(data) = o != s.own.end() ? primary_ctx(dev) : nullptr;
+      return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_BUFFER_ID:
+      if (o == s.own.end()) return CUDA_ERROR_INVALID_VALUE;
+      *static_cast<unsigned long long*>(data) = o->second.buffer_id;
+      return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE:
+      *static_cast<CUmemoryPool*>(data) = o != s.own.end() ? o->second.pool : nullptr;
+      return CUDA_SUCCESS;
+    default: return CUDA_ERROR_INVALID_VALUE;
+  }
+}
+}  // namespace
+
+FAKE_API CUresult cuPointerGetAttribute(void* data, CUpointer_attribute attr, CUdeviceptr p) {
+  ENTER("cuPointerGetAttribute");
+  NEED_CONTEXT();
+  if (!data) return CUDA_ERROR_INVALID_VALUE;
+  return pointer_attribute(st(), data, attr, p);
+}
+
+// cuda.h: unlike cuPointerGetAttribute, an invalid pointer is no error: every attribute gets its default
+// (null, zero) and the call succeeds.
+FAKE_API CUresult cuPointerGetAttributes(unsigned n, CUpointer_attribute* attrs, void** data, CUdeviceptr p) {
+  ENTER("cuPointerGetAttributes");
+  NEED_CONTEXT();
+  if (!attrs || !data) return CUDA_ERROR_INVALID_VALUE;
+  for (unsigned i = 0; i < n; ++i) {
+    if (!data[i]) continue;
+    if (pointer_attribute(st(), data[i], attrs[i], p) != CUDA_SUCCESS) {
+      const std::size_t width = attrs[i] == CU_POINTER_ATTRIBUTE_MEMORY_TYPE || attrs[i] == CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL ||
+                                        attrs[i] == CU_POINTER_ATTRIBUTE_MAPPED || attrs[i] == CU_POINTER_ATTRIBUTE_IS_MANAGED
+                                    ? 4
+                                    : 8;
+      std::memset(data[i], 0, width);
+    }
+  }
+  return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuStreamBeginCapture_v2_ptsz(CUstream h, CUstreamCaptureMode mode) {
+  return cuStreamBeginCapture_v2(per_thread_if_null(h), mode);
+}
+FAKE_API CUresult cuStreamEndCapture_ptsz(CUstream h, CUgraph* graph) { return cuStreamEndCapture(per_thread_if_null(h), graph); }
+FAKE_API CUresult cuStreamIsCapturing_ptsz(CUstream h, CUstreamCaptureStatus* status) {
+  return cuStreamIsCapturing(per_thread_if_null(h), status);
+}
+
+#undef cuGetProcAddress  // cuda.h maps the name to the _v2 entry point; the double exports both ABIs
+namespace {
+// cuGetProcAddress's table: a base name, the CUDA version its ABI here dates from (an older one asked for is
+// CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT: the double has no older ABI), and the entry points for legacy
+// and per-thread default-stream semantics (CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM; DEFAULT is the
+// legacy one at the ABI, cuda.h's inline wrapper adding the flag for code built for per-thread streams).
+struct ProcEntry {
+  int since;
+  void* legacy;
+  void* ptsz;
+};
+template <typename F>
+ProcEntry any(F f) {
+  return {0, reinterpret_cast<void*>(f), reinterpret_cast<void*>(f)};
+}
+template <typename F, typename G>
+ProcEntry since(int v, F legacy, G ptsz) {
+  return {v, reinterpret_cast<void*>(legacy), reinterpret_cast<void*>(ptsz)};
+}
+CUresult get_proc(const char* symbol, void** pfn, int cuda_version, cuuint64_t flags, CUdriverProcAddressQueryResult* status);
+}  // namespace
+
+FAKE_API CUresult cuGetProcAddress(const char* symbol, void** pfn, int cuda_version, cuuint64_t flags) {
+  return get_proc(symbol, pfn, cuda_version, flags, nullptr);
+}
+FAKE_API CUresult cuGetProcAddress_v2(const char* symbol, void** pfn, int cuda_version, cuuint64_t flags,
+                                      CUdriverProcAddressQueryResult* status) {
+  return get_proc(symbol, pfn, cuda_version, flags, status);
+}
+
+namespace {
 // R10: a version newer than the driver's own is refused.
-FAKE_API CUresult cuGetProcAddress(const char* symbol, void** pfn, int cuda_version, cuuint64_t) {
+CUresult get_proc(const char* symbol, void** pfn, int cuda_version, cuuint64_t flags, CUdriverProcAddressQueryResult* status) {
   {
     std::lock_guard lk(st().mu);
+    ++st().calls["cuGetProcAddress"];
     if (cuda_version > st().driver_version) {
       if (pfn) *pfn = nullptr;
+      if (status) *status = CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT;
       return CUDA_ERROR_NOT_FOUND;
     }
   }
-  static const std::unordered_map<std::string, void*> table = {
-      {"cuInit", reinterpret_cast<void*>(&cuInit)},
-      {"cuGetErrorName", reinterpret_cast<void*>(&cuGetErrorName)},
-      {"cuGetErrorString", reinterpret_cast<void*>(&cuGetErrorString)},
-      {"cuDeviceGetCount", reinterpret_cast<void*>(&cuDeviceGetCount)},
-      {"cuDeviceGet", reinterpret_cast<void*>(&cuDeviceGet)},
-      {"cuDeviceGetAttribute", reinterpret_cast<void*>(&cuDeviceGetAttribute)},
-      {"cuDeviceTotalMem", reinterpret_cast<void*>(&cuDeviceTotalMem_v2)},
-      {"cuDeviceCanAccessPeer", reinterpret_cast<void*>(&cuDeviceCanAccessPeer)},
-      {"cuDevicePrimaryCtxRetain", reinterpret_cast<void*>(&cuDevicePrimaryCtxRetain)},
-      {"cuDevicePrimaryCtxRelease", reinterpret_cast<void*>(&cuDevicePrimaryCtxRelease_v2)},
-      {"cuDevicePrimaryCtxGetState", reinterpret_cast<void*>(&cuDevicePrimaryCtxGetState)},
-      {"cuCtxGetCurrent", reinterpret_cast<void*>(&cuCtxGetCurrent)},
-      {"cuCtxSetCurrent", reinterpret_cast<void*>(&cuCtxSetCurrent)},
-      {"cuCtxPushCurrent", reinterpret_cast<void*>(&cuCtxPushCurrent_v2)},
-      {"cuCtxPopCurrent", reinterpret_cast<void*>(&cuCtxPopCurrent_v2)},
-      {"cuCtxSynchronize", reinterpret_cast<void*>(&cuCtxSynchronize)},
-      {"cuMemGetInfo", reinterpret_cast<void*>(&cuMemGetInfo_v2)},
-      {"cuMemGetAllocationGranularity", reinterpret_cast<void*>(&cuMemGetAllocationGranularity)},
-      {"cuMemAddressReserve", reinterpret_cast<void*>(&cuMemAddressReserve)},
-      {"cuMemAddressFree", reinterpret_cast<void*>(&cuMemAddressFree)},
-      {"cuMemCreate", reinterpret_cast<void*>(&cuMemCreate)},
-      {"cuMemRelease", reinterpret_cast<void*>(&cuMemRelease)},
-      {"cuMemMap", reinterpret_cast<void*>(&cuMemMap)},
-      {"cuMemUnmap", reinterpret_cast<void*>(&cuMemUnmap)},
-      {"cuMemSetAccess", reinterpret_cast<void*>(&cuMemSetAccess)},
-      {"cuStreamCreate", reinterpret_cast<void*>(&cuStreamCreate)},
-      {"cuStreamGetCtx", reinterpret_cast<void*>(&cuStreamGetCtx)},
-      {"cuCtxGetDevice", reinterpret_cast<void*>(&cuCtxGetDevice)},
-      {"cuStreamDestroy", reinterpret_cast<void*>(&cuStreamDestroy_v2)},
-      {"cuEventCreate", reinterpret_cast<void*>(&cuEventCreate)},
-      {"cuEventRecord", reinterpret_cast<void*>(&cuEventRecord)},
-      {"cuEventQuery", reinterpret_cast<void*>(&cuEventQuery)},
-      {"cuEventSynchronize", reinterpret_cast<void*>(&cuEventSynchronize)},
-      {"cuEventDestroy", reinterpret_cast<void*>(&cuEventDestroy_v2)},
-      {"cuStreamSynchronize", reinterpret_cast<void*>(&cuStreamSynchronize)},
-      {"cuStreamWaitEvent", reinterpret_cast<void*>(&cuStreamWaitEvent)},
-      {"cuStreamBeginCapture", reinterpret_cast<void*>(&cuStreamBeginCapture_v2)},
-      {"cuStreamEndCapture", reinterpret_cast<void*>(&cuStreamEndCapture)},
-      {"cuStreamIsCapturing", reinterpret_cast<void*>(&cuStreamIsCapturing)},
-      {"cuStreamGetCaptureInfo", reinterpret_cast<void*>(&cuStreamGetCaptureInfo_v3)},
-      {"cuThreadExchangeStreamCaptureMode", reinterpret_cast<void*>(&cuThreadExchangeStreamCaptureMode)},
+  if (flags & ~static_cast<cuuint64_t>(CU_GET_PROC_ADDRESS_LEGACY_STREAM | CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM))
+    return CUDA_ERROR_INVALID_VALUE;
+  static const std::unordered_map<std::string, ProcEntry> table = {
+      {"cuInit", any(&cuInit)},
+      {"cuGetErrorName", any(&cuGetErrorName)},
+      {"cuGetErrorString", any(&cuGetErrorString)},
+      {"cuDriverGetVersion", any(&cuDriverGetVersion)},
+      {"cuGetProcAddress", since(12000, &cuGetProcAddress_v2, &cuGetProcAddress_v2)},
+      {"cuDeviceGetCount", any(&cuDeviceGetCount)},
+      {"cuDeviceGet", any(&cuDeviceGet)},
+      {"cuDeviceGetAttribute", any(&cuDeviceGetAttribute)},
+      {"cuDeviceTotalMem", any(&cuDeviceTotalMem_v2)},
+      {"cuDeviceCanAccessPeer", any(&cuDeviceCanAccessPeer)},
+      {"cuDevicePrimaryCtxRetain", any(&cuDevicePrimaryCtxRetain)},
+      {"cuDevicePrimaryCtxRelease", any(&cuDevicePrimaryCtxRelease_v2)},
+      {"cuDevicePrimaryCtxGetState", any(&cuDevicePrimaryCtxGetState)},
+      {"cuCtxGetCurrent", any(&cuCtxGetCurrent)},
+      {"cuCtxSetCurrent", any(&cuCtxSetCurrent)},
+      {"cuCtxPushCurrent", any(&cuCtxPushCurrent_v2)},
+      {"cuCtxPopCurrent", any(&cuCtxPopCurrent_v2)},
+      {"cuCtxSynchronize", any(&cuCtxSynchronize)},
+      {"cuMemGetInfo", any(&cuMemGetInfo_v2)},
+      {"cuMemGetAllocationGranularity", any(&cuMemGetAllocationGranularity)},
+      {"cuMemAddressReserve", any(&cuMemAddressReserve)},
+      {"cuMemAddressFree", any(&cuMemAddressFree)},
+      {"cuMemCreate", any(&cuMemCreate)},
+      {"cuMemRelease", any(&cuMemRelease)},
+      {"cuMemMap", any(&cuMemMap)},
+      {"cuMemUnmap", any(&cuMemUnmap)},
+      {"cuMemSetAccess", any(&cuMemSetAccess)},
+      {"cuMemAlloc", since(3020, &cuMemAlloc_v2, &cuMemAlloc_v2)},
+      {"cuMemAllocPitch", since(3020, &cuMemAllocPitch_v2, &cuMemAllocPitch_v2)},
+      {"cuMemFree", since(3020, &cuMemFree_v2, &cuMemFree_v2)},
+      {"cuMemGetAddressRange", since(3020, &cuMemGetAddressRange_v2, &cuMemGetAddressRange_v2)},
+      {"cuPointerGetAttribute", any(&cuPointerGetAttribute)},
+      {"cuPointerGetAttributes", any(&cuPointerGetAttributes)},
+      {"cuMemAllocAsync", since(11020, &cuMemAllocAsync, &cuMemAllocAsync_ptsz)},
+      {"cuMemAllocFromPoolAsync", since(11020, &cuMemAllocFromPoolAsync, &cuMemAllocFromPoolAsync_ptsz)},
+      {"cuMemFreeAsync", since(11020, &cuMemFreeAsync, &cuMemFreeAsync_ptsz)},
+      {"cuMemPoolCreate", since(11020, &cuMemPoolCreate, &cuMemPoolCreate)},
+      {"cuMemPoolDestroy", since(11020, &cuMemPoolDestroy, &cuMemPoolDestroy)},
+      {"cuDeviceGetDefaultMemPool", since(11020, &cuDeviceGetDefaultMemPool, &cuDeviceGetDefaultMemPool)},
+      {"cuMemPoolSetAccess", since(11020, &cuMemPoolSetAccess, &cuMemPoolSetAccess)},
+      {"cuMemPoolGetAccess", since(11020, &cuMemPoolGetAccess, &cuMemPoolGetAccess)},
+      {"cuMemPoolSetAttribute", since(11020, &cuMemPoolSetAttribute, &cuMemPoolSetAttribute)},
+      {"cuMemPoolGetAttribute", since(11020, &cuMemPoolGetAttribute, &cuMemPoolGetAttribute)},
+      {"cuStreamCreate", any(&cuStreamCreate)},
+      {"cuStreamGetCtx", any(&cuStreamGetCtx)},
+      {"cuCtxGetDevice", any(&cuCtxGetDevice)},
+      {"cuStreamDestroy", any(&cuStreamDestroy_v2)},
+      {"cuEventCreate", any(&cuEventCreate)},
+      {"cuEventRecord", any(&cuEventRecord)},
+      {"cuEventQuery", any(&cuEventQuery)},
+      {"cuEventSynchronize", any(&cuEventSynchronize)},
+      {"cuEventDestroy", any(&cuEventDestroy_v2)},
+      {"cuStreamSynchronize", any(&cuStreamSynchronize)},
+      {"cuStreamWaitEvent", any(&cuStreamWaitEvent)},
+      {"cuStreamBeginCapture", since(10010, &cuStreamBeginCapture_v2, &cuStreamBeginCapture_v2_ptsz)},
+      {"cuStreamEndCapture", since(10000, &cuStreamEndCapture, &cuStreamEndCapture_ptsz)},
+      {"cuStreamIsCapturing", since(10000, &cuStreamIsCapturing, &cuStreamIsCapturing_ptsz)},
+      {"cuStreamGetCaptureInfo", any(&cuStreamGetCaptureInfo_v3)},
+      {"cuThreadExchangeStreamCaptureMode", any(&cuThreadExchangeStreamCaptureMode)},
   };
   auto it = table.find(symbol ? symbol : "");
-  if (it == table.end()) {
+  if (it == table.end() || cuda_version < it->second.since) {
     if (pfn) *pfn = nullptr;
+    if (status)
+      *status = it == table.end() ? CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND : CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT;
     return CUDA_ERROR_NOT_FOUND;
   }
-  *pfn = it->second;
+  if (!pfn) return CUDA_ERROR_INVALID_VALUE;
+  *pfn = flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM ? it->second.ptsz : it->second.legacy;
+  if (status) *status = CU_GET_PROC_ADDRESS_SUCCESS;
   return CUDA_SUCCESS;
 }
+}  // namespace
 
 // ---- Controls for tests ----------------------------------------------------------------------------------
 
@@ -1205,6 +1654,7 @@ FAKE_API void fakecuda_get_census(fakecuda_census* out) {
   out->invalidated_captures = st().invalidated_captures;
   out->context_retains = 0;
   for (auto& p : st().primaries) out->context_retains += p.retains;
+  out->own_allocations = static_cast<long>(st().own.size());
 }
 
 FAKE_API const char* fakecuda_first_fault() {
@@ -1315,6 +1765,14 @@ FAKE_API void fakecuda_advance(unsigned long long ticks) {
   std::lock_guard lk(st().mu);
   resolve();
   advance_to(st().now + ticks);
+}
+
+FAKE_API void* fakecuda_foreign_alloc(int device, std::size_t bytes) {
+  std::lock_guard lk(st().mu);
+  CUdeviceptr p = 0;
+  if (device < 0 || device >= st().devices || bytes == 0 || own_alloc(st(), bytes, device, nullptr, false, &p) != CUDA_SUCCESS)
+    return nullptr;
+  return reinterpret_cast<void*>(p);
 }
 
 FAKE_API unsigned long long fakecuda_now() {

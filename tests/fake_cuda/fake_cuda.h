@@ -12,6 +12,7 @@ struct fakecuda_census {
   long faults;                // illegal-address faults (memory unmapped, freed or handed out under running work)
   long invalidated_captures;  // stream captures an unsupported call invalidated
   long context_retains;       // primary-context retains outstanding, over all devices
+  long own_allocations;       // the double's own allocations live (cuMemAlloc, cuMemAllocPitch, stream-ordered)
 };
 // The nth (1-based) future call of `fn` (e.g. "cuMemMap") returns `error` (a CUresult); nth 0 clears.
 void fakecuda_fail(const char* fn, int nth, int error);
@@ -52,5 +53,8 @@ int fakecuda_stream_wait(void* waiter, void* waited);
 // held stream); 0 for a stream with no work or one the double does not know.
 unsigned long long fakecuda_stream_done_at(void* stream);
 void fakecuda_advance(unsigned long long ticks);
+// Memory the driver allocated for someone else (as its own cuMemAlloc would, without the caller's context):
+// what a library that allocated without fragless leaves in the process, for tests of forwarding.
+void* fakecuda_foreign_alloc(int device, std::size_t bytes);
 unsigned long long fakecuda_now();
 }

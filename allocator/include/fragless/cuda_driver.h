@@ -18,6 +18,9 @@ struct CudaDriverOptions {
   bool shareable_handles = false;
 };
 
+// The library fragless loads as the driver: FRAGLESS_LIBCUDA when set, else libcuda.so.1 (LD_PRELOAD's driver
+// half forwards to the same one).
+const char* cuda_library_name();
 // Devices the driver sees; -1 with *error when libcuda cannot be loaded or initialised.
 int cuda_device_count(std::string* error);
 // The device (ordinal) of a CUDA stream, from its context (cuStreamGetCtx; every driver fragless runs on has

@@ -105,6 +105,52 @@
 //     are two handles, each released on its own. The import does not say the allocation's size: the
 //     importer is told it (with the descriptor), and a map of another size fails (R5). The host driver
 //     checks the size at the import (a memfd's size); the libcuda double, at both.
+//  LD_PRELOAD's driver half (torch_plugin/preload_driver.cpp) rests on these:
+//  R20 how programs reach the driver. cuda.h maps cuMemAlloc, cuMemAllocPitch, cuMemFree, cuMemGetInfo and
+//     cuMemGetAddressRange to their _v2 symbols (CUDA 3.2's ABI), cuGetProcAddress to cuGetProcAddress_v2
+//     (CUDA 12.0, with symbolStatus), and under --default-stream per-thread the stream calls to their _ptsz
+//     symbols. cuGetProcAddress(symbol, pfn, cudaVersion, flags) names the base symbol; the entry point it
+//     hands out has the ABI of cudaVersion (so cuMemAlloc below 3020 is the old 32-bit one, cuGetProcAddress
+//     below 12000 the four-argument one), and CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM selects the _ptsz
+//     form. CU_GET_PROC_ADDRESS_DEFAULT means per-thread only for code built for per-thread streams, which
+//     cuda.h's inline wrapper of cuGetProcAddress_v2 turns into the flag before the call: at the ABI it is
+//     the legacy stream. The CUDA 13.0 runtime (libcudart.so.13, observed with a logging libcuda) dlopens
+//     libcuda.so.1, takes cuGetProcAddress_v2 through a lookup that reaches an LD_PRELOAD library's export
+//     first, asks it for cuGetProcAddress at 11030 and 12000, then for every entry point with flags 0 or 2 and
+//     the version of its ABI (cuMemAlloc 3020, cuMemAllocAsync 11020, cuPointerGetAttributes 7000); it
+//     passes no symbolStatus. XLA and TensorFlow (xla/tsl/cuda/cuda_stub.cc over tsl's dso_loader) dlopen
+//     libcuda.so.1 with RTLD_NOW | RTLD_LOCAL and dlsym each exported name (cuMemAlloc_v2...) in that handle,
+//     which searches only the driver and its dependencies: an LD_PRELOAD export is never found that way, so
+//     the interposer answers dlsym for the driver's handle too. A driver's cuGetProcAddress is assumed to
+//     hand out its own entry points, not ones an interposer could capture (the double links -Bsymbolic);
+//     should one not, the interposer's recursion guard forwards such calls (Note [No recursion]).
+//  R21 cuMemAllocPitch (cuda.h): element sizes 4, 8 or 16; the pitch "is guaranteed to match or exceed the
+//     alignment requirement for texture binding": fragless rounds the width up to
+//     CU_DEVICE_ATTRIBUTE_TEXTURE_PITCH_ALIGNMENT and refuses a pitch above CU_DEVICE_ATTRIBUTE_MAX_PITCH.
+//     cuMemAlloc of 0 bytes is CUDA_ERROR_INVALID_VALUE (the driver's answer is passed on). cuMemFree takes
+//     only an address an allocation call returned and "may perform implicit synchronization" (for memory not
+//     from the stream-ordered allocator); cuMemFreeAsync is stream-ordered; during a capture cuMemAllocAsync
+//     and cuMemAllocFromPoolAsync create graph-owned memory and cuMemFreeAsync "must be passed the address
+//     of a graph allocation": those go to the driver.
+//  R22 queries (cuda.h): cuMemGetAddressRange answers for "the allocation by cuMemAlloc() or
+//     cuMemAllocPitch()"; for cuMemMap'd memory it gives "the size of the mapped region" and
+//     CU_POINTER_ATTRIBUTE_RANGE_START_ADDR/RANGE_SIZE "the mappable address range (e.g. from
+//     cuMemAddressReserve)": for fragless memory the driver would describe fragless's mapping or
+//     reservation, not the block, so the interposer answers the range queries, the device ordinal, memory
+//     type, device pointer, managed flag, pool (none) and context (the device's primary context) for any
+//     address inside a block; the others are the driver's (it sees fragless's mapping). cuPointerGetAttributes
+//     never fails for a non-CUDA pointer (the attributes get their defaults).
+//  R23 memory pools (cuda.h, CUmemPoolProps and CUmemPool_attribute): a pool's properties cannot be queried
+//     back, so the interposer knows the pools it saw made (cuMemPoolCreate, cuDeviceGetDefaultMemPool) and the
+//     access cuMemPoolSetAccess granted. It serves a pool's allocations when fragless can honour the pool:
+//     pinned device memory of one device, no shareable handle type (cuMemPoolExportPointer needs the pool's
+//     own memory), no maxSize, no usage flags, and no peer granted access that fragless does not grant
+//     (peer_access); else, and for pools it does not know, the driver serves them. Not honoured, and said:
+//     the release threshold and the reuse attributes govern the pool's own memory, not fragless's cache
+//     (fragless caches by its policy and releases on empty_cache and out-of-memory; its reuse is stream-ordered
+//     as record_stream, never opportunistic); the pool's statistics (CU_MEMPOOL_ATTR_USED_MEM_CURRENT...) do
+//     not count fragless memory; cuMemAllocFromPoolAsync on a stream of another device than the pool's goes
+//     to the driver (fragless orders a block on its own device's streams only).
 //  Events: record_event marks the current end of a stream's queue; query_event says ok once the work
 //  before it is done, else not_ready; synchronize_* wait (each one is a forced sync the engine counts);
 //  stream_wait_event(s, e) makes work queued on s later start after e (cuStreamWaitEvent; the host goes on),

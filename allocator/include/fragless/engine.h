@@ -74,6 +74,10 @@ class DeviceEngine {
   // Base address and size of the segment holding ptr (getBaseAllocation); nullptr if unknown.
   void* base_allocation(void* ptr, std::size_t* size);
   bool owns(void* ptr);
+  // The allocated block holding ptr (its first byte or any byte inside it): its address, and its size in
+  // *size; nullptr when no allocated block of this engine holds ptr. Walks the segments (for queries such as
+  // LD_PRELOAD's cuMemGetAddressRange, not for the allocation path).
+  void* allocation_containing(void* ptr, std::size_t* size);
 
   // Gives back every cached byte it can. A wait that failed keeps the memory under that work cached (tried
   // again at the next release) and is reported: driver_error with *error's message (Note [Failed waits]).

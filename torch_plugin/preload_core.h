@@ -1,0 +1,55 @@
+// What the two halves of the LD_PRELOAD interposer share: the runtime half (preload.cpp: cudaMalloc and
+// friends) and the driver half (preload_driver.cpp: cuMemAlloc and friends, cuGetProcAddress, dlsym). One
+// allocator, one owner lookup, one queue of frees behind the fence and one record of captures serve both, so
+// memory allocated through one API may be freed through the other.
+#pragma once
+#include <atomic>
+#include <cstddef>
+
+#include "fragless/allocator.h"
+
+namespace fragless_preload {
+
+// The process's allocator, created on first use with no engine (nullptr when fragless is off: the
+// configuration or the driver could not be loaded; everything is then forwarded).
+fragless::Allocator* allocator();
+
+// The device whose existing engine owns p, or -1. Never creates an engine or a context.
+int owner(const void* p);
+
+// cudaFree's and cuMemFree's promise: p (owned by `device`'s engine) goes back to the cache only behind a
+// device-wide fence, run when enough frees are pending (Note [Frees behind the fence], preload.cpp).
+void free_behind_fence(int device, void* p);
+
+// Runs the fence for `device` now and gives its deferred frees back; false when it could not run (a capture
+// is under way, or the synchronisation failed: the frees stay deferred).
+bool drain(int device);
+
+// A capture began on `stream` (fragless's key of it) of `device`; it ended. Until every capture has ended
+// the fence does not run and the device's engine follows the capture rules.
+void capture_began(fragless::Stream stream, int device);
+void capture_ended(fragless::Stream stream);
+
+// Set on the calling thread by the driver half's cuMemGetInfo once it has counted fragless's cached memory as
+// free: the runtime's cudaMemGetInfo (which reaches it through the runtime's driver table) then adds nothing.
+bool& cached_counted();
+
+// Note [No recursion] (preload_driver.cpp): a thread inside fragless (allocating or freeing for an
+// interposed call) that comes back into an interposed entry point is counted and forwarded to the driver or
+// runtime, never served (fragless's engine lock is held). Inside marks the scope; recursing() tells and counts.
+struct Inside {
+  Inside();
+  ~Inside();
+  Inside(const Inside&) = delete;
+  Inside& operator=(const Inside&) = delete;
+};
+bool recursing();
+
+struct Counters {
+  std::atomic<unsigned long> mallocs{0}, frees{0}, forwarded_frees{0}, fences{0}, fallbacks{0};
+  // The driver half: allocations served and pointers forwarded, calls that would have recursed.
+  std::atomic<unsigned long> driver_mallocs{0}, driver_forwarded{0}, recursions{0};
+};
+Counters& counters();
+
+}  // namespace fragless_preload
