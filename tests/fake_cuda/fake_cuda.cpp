@@ -1767,6 +1767,11 @@ FAKE_API void fakecuda_advance(unsigned long long ticks) {
   advance_to(st().now + ticks);
 }
 
+FAKE_API std::size_t fakecuda_free_bytes(int device) {
+  std::lock_guard lk(st().mu);
+  return device < 0 || device >= st().devices ? 0 : st().capacity[device] - st().used[device];
+}
+
 FAKE_API void* fakecuda_foreign_alloc(int device, std::size_t bytes) {
   std::lock_guard lk(st().mu);
   CUdeviceptr p = 0;

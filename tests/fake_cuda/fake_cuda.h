@@ -56,5 +56,7 @@ void fakecuda_advance(unsigned long long ticks);
 // Memory the driver allocated for someone else (as its own cuMemAlloc would, without the caller's context):
 // what a library that allocated without fragless leaves in the process, for tests of forwarding.
 void* fakecuda_foreign_alloc(int device, std::size_t bytes);
+// What cuMemGetInfo of the device would call free (its capacity less the physical memory in use).
+std::size_t fakecuda_free_bytes(int device);
 unsigned long long fakecuda_now();
 }

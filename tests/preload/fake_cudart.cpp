@@ -54,12 +54,6 @@ API cudaError_t cudaFreeAsync(void* p, cudaStream_t) {
   std::free(p);
   return 0;
 }
-API cudaError_t cudaMemGetInfo(size_t* f, size_t* t) {
-  count("cudaMemGetInfo");
-  *t = size_t{1} << 30;
-  *f = size_t{1} << 29;
-  return 0;
-}
 namespace {
 thread_local int t_device = 0;  // the runtime's current device, per thread
 
@@ -78,6 +72,12 @@ struct Driver {
   int (*push)(void*) = nullptr;
   int (*pop)(void**) = nullptr;
   int (*ctx_get_device)(int*) = nullptr;
+  // Taken through cuGetProcAddress_v2, as the CUDA 13 runtime takes every driver entry point: the
+  // cuGetProcAddress_v2 it uses comes from a lookup that finds an LD_PRELOAD library's export first (driver.h
+  // R20), so an interposer's entry points are what it calls.
+  int (*mem_get_info)(size_t*, size_t*) = nullptr;
+  int (*mem_alloc_pitch)(void**, size_t*, size_t, size_t, unsigned) = nullptr;
+  int (*pointer_attributes)(unsigned, int*, void**, void*) = nullptr;
   Driver() {
     const char* path = std::getenv("FRAGLESS_LIBCUDA");
     if (!path || !*path || !(lib = dlopen(path, RTLD_NOW | RTLD_LOCAL))) return;
@@ -94,6 +94,16 @@ struct Driver {
     load(&push, "cuCtxPushCurrent_v2");
     load(&pop, "cuCtxPopCurrent_v2");
     load(&ctx_get_device, "cuCtxGetDevice");
+    using GetProc = int (*)(const char*, void**, int, unsigned long long, int*);
+    auto get_proc = reinterpret_cast<GetProc>(dlsym(RTLD_DEFAULT, "cuGetProcAddress_v2"));
+    if (!get_proc) get_proc = reinterpret_cast<GetProc>(dlsym(lib, "cuGetProcAddress_v2"));
+    auto proc = [&](auto* fn, const char* name) {
+      void* p = nullptr;
+      if (get_proc && get_proc(name, &p, 12000, 0, nullptr) == 0) *fn = reinterpret_cast<std::remove_pointer_t<decltype(fn)>>(p);
+    };
+    proc(&mem_get_info, "cuMemGetInfo");
+    proc(&mem_alloc_pitch, "cuMemAllocPitch");
+    proc(&pointer_attributes, "cuPointerGetAttributes");
   }
 };
 Driver& drv() {
@@ -124,6 +134,42 @@ std::map<cudaStream_t, bool>& capturing() {
   return *m;
 }
 }  // namespace
+// Through the driver when there is one (cuMemGetInfo of the current device), else a fixed answer.
+API cudaError_t cudaMemGetInfo(size_t* f, size_t* t) {
+  count("cudaMemGetInfo");
+  if (make_current(t_device) && drv().mem_get_info) return runtime_error(drv().mem_get_info(f, t));
+  *t = size_t{1} << 30;
+  *f = size_t{1} << 29;
+  return 0;
+}
+// cudaMallocPitch and cudaPointerGetAttributes are the driver's cuMemAllocPitch and cuPointerGetAttributes
+// (CUDA's runtime reaches them the same way); without a double they fail.
+API cudaError_t cudaMallocPitch(void** p, size_t* pitch, size_t width, size_t height) {
+  count("cudaMallocPitch");
+  if (!make_current(t_device) || !drv().mem_alloc_pitch) return 1;
+  return runtime_error(drv().mem_alloc_pitch(p, pitch, width, height, 16));
+}
+struct FakePointerAttributes {  // cudaPointerAttributes: type, device, devicePointer, hostPointer
+  int type;
+  int device;
+  void* device_pointer;
+  void* host_pointer;
+};
+API cudaError_t cudaPointerGetAttributes(FakePointerAttributes* a, const void* ptr) {
+  count("cudaPointerGetAttributes");
+  if (!a || !make_current(t_device) || !drv().pointer_attributes) return 1;
+  unsigned type = 0;
+  int device = -1;
+  void* dp = nullptr;
+  int attrs[3] = {2 /* CU_POINTER_ATTRIBUTE_MEMORY_TYPE */, 9 /* DEVICE_ORDINAL */, 3 /* DEVICE_POINTER */};
+  void* data[3] = {&type, &device, &dp};
+  if (int r = drv().pointer_attributes(3, attrs, data, const_cast<void*>(ptr)); r != 0) return runtime_error(r);
+  a->type = type == 2 /* CU_MEMORYTYPE_DEVICE */ ? 2 /* cudaMemoryTypeDevice */ : 0 /* unregistered */;
+  a->device = device;
+  a->device_pointer = dp;
+  a->host_pointer = nullptr;
+  return 0;
+}
 API cudaError_t cudaGetDevice(int* d) {
   *d = t_device;
   return 0;

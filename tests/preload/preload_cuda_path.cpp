@@ -28,6 +28,15 @@ cudaError_t cudaStreamCreate(cudaStream_t*);
 cudaError_t cudaStreamDestroy(cudaStream_t);
 cudaError_t cudaStreamBeginCapture(cudaStream_t, int);
 cudaError_t cudaStreamEndCapture(cudaStream_t, void**);
+cudaError_t cudaMemGetInfo(size_t*, size_t*);
+cudaError_t cudaMallocPitch(void**, size_t*, size_t, size_t);
+struct PointerAttributes {  // cudaPointerAttributes
+  int type;
+  int device;
+  void* device_pointer;
+  void* host_pointer;
+};
+cudaError_t cudaPointerGetAttributes(PointerAttributes*, const void*);
 void* fakecudart_foreign_alloc(size_t);
 }
 
@@ -60,6 +69,7 @@ struct Double {
   int (*primary_state)(int, unsigned*, int*) = nullptr;
   int (*preload_memory)(int, size_t*, size_t*) = nullptr;
   int (*device_of)(void*) = nullptr;
+  decltype(&fakecuda_free_bytes) free_bytes = nullptr;
   void (*counters)(unsigned long*) = nullptr;
   Double() {
     const char* path = std::getenv("FRAGLESS_LIBCUDA");
@@ -73,6 +83,7 @@ struct Double {
     launch = sym<decltype(launch)>(lib, "fakecuda_launch");
     first_fault = sym<decltype(first_fault)>(lib, "fakecuda_first_fault");
     advance = sym<decltype(advance)>(lib, "fakecuda_advance");
+    free_bytes = sym<decltype(free_bytes)>(lib, "fakecuda_free_bytes");
     primary_state = sym<decltype(primary_state)>(lib, "cuDevicePrimaryCtxGetState");
     preload_memory = reinterpret_cast<decltype(preload_memory)>(dlsym(RTLD_DEFAULT, "fragless_preload_memory"));
     expect(preload_memory != nullptr, "the interposer exports fragless_preload_memory");
@@ -221,6 +232,30 @@ int main(int argc, char** argv) {
   expect(cudaStreamDestroy(t2) == 0 && cudaStreamDestroy(a) == 0 && cudaStreamDestroy(c) == 0 &&
              cudaStreamDestroy(s1) == 0,
          "streams destroyed");
+
+  // 8. What the runtime does through the driver (it takes its driver entry points through cuGetProcAddress,
+  //    which hands out the interposer's): cudaMallocPitch is the driver's cuMemAllocPitch, so fragless's;
+  //    cudaPointerGetAttributes answers for it; cudaMemGetInfo counts fragless's cached memory once, though
+  //    both the runtime call and the driver call it makes are interposed.
+  expect(cudaSetDevice(1) == 0, "cudaSetDevice(1)");
+  void* pitched = nullptr;
+  size_t pitch = 0;
+  const bool pitched_ok = cudaMallocPitch(&pitched, &pitch, 1000, 64) == 0;
+  expect(pitched_ok && pitched && d.device_of(pitched) == 1 && pitch >= 1000,
+         "cudaMallocPitch through the driver: fragless's, on device 1 (pitch " + std::to_string(pitch) + ")");
+  PointerAttributes pa_attr{};
+  expect(cudaPointerGetAttributes(&pa_attr, static_cast<char*>(pitched) + 64) == 0 && pa_attr.type == 2 &&
+             pa_attr.device == 1 && pa_attr.device_pointer == static_cast<char*>(pitched) + 64,
+         "cudaPointerGetAttributes: device memory of device 1");
+  expect(cudaFree(pitched) == 0, "cudaFree of the pitched block");
+  void* cached = nullptr;
+  expect(cudaMallocAsync(&cached, 40 * MiB, nullptr) == 0 && cudaFreeAsync(cached, nullptr) == 0, "40 MiB cached on device 1");
+  size_t free_b = 0, total_b = 0, al = 0, re = 0;
+  expect(cudaMemGetInfo(&free_b, &total_b) == 0 && d.preload_memory && d.preload_memory(1, &al, &re) == 0, "cudaMemGetInfo");
+  expect(free_b == d.free_bytes(1) + (re - al), "free = the driver's free + fragless's cached bytes, counted once (" +
+                                                    std::to_string(free_b / MiB) + " MiB, cached " +
+                                                    std::to_string((re - al) / MiB) + " MiB)");
+  expect(cudaSetDevice(0) == 0, "cudaSetDevice(0)");
 
   const auto census = d.census();
   expect(census.faults == 0, std::string("the double saw no fault (") + d.first_fault() + ")");
