@@ -258,3 +258,31 @@ TEST_CASE("sharing: 1,000 share, open and close cycles leak no descriptor, mappi
   require_consistent(*b);
   a->free(keep);
 }
+
+TEST_CASE("sharing: a range registered for NCCL is never re-backed until its deregistration", "[share]") {
+  // Capacity for the registered block and little more: fragless would re-back its pages once it is freed.
+  auto a = make_engine(shareable(PolicyKind::fragless, 16 * MiB));
+  auto* p = static_cast<unsigned char*>(a->allocate(8 * MiB, 0, nullptr));
+  std::memset(p, 0x3C, 8 * MiB);
+  AllocError err;
+  CHECK(a->register_range(p + 4096, 9 * MiB, &err) == Status::invalid_argument);  // past the allocation
+  CHECK_THAT(err.message, Catch::Contains("not inside one live fragless allocation"));
+  REQUIRE(a->register_range(p + 4096, MiB, &err) == Status::ok);  // an interior range, as a tensor view's
+  REQUIRE(a->free(p) == Status::ok);
+  CHECK(a->stats().allocated_bytes.all().current == static_cast<std::int64_t>(8 * MiB));
+  std::vector<void*> more;
+  while (void* q = a->allocate(2 * MiB, 0, nullptr)) {
+    std::memset(q, 0xEE, 2 * MiB);
+    more.push_back(q);
+  }
+  CHECK(more.size() == 4);  // 16 MiB: 8 held for NCCL
+  a->empty_cache();
+  for (std::size_t i = 0; i < 8 * MiB; i += 4096) REQUIRE(p[i] == 0x3C);
+  require_consistent(*a);
+  CHECK(a->deregister_range(p + 5000, &err) == Status::ok);  // anywhere inside the block
+  CHECK(a->stats().allocated_bytes.all().current == static_cast<std::int64_t>(4 * 2 * MiB));
+  CHECK(a->deregister_range(p, &err) == Status::invalid_argument);
+  CHECK_THAT(err.message, Catch::Contains("which no register_range holds"));
+  CHECK(a->allocate(8 * MiB, 0, nullptr) != nullptr);  // the memory serves again
+  require_consistent(*a);
+}

@@ -520,4 +520,32 @@ size_t fragless_reap_shared(void) {
   return n;
 }
 
+extern "C++" {
+namespace {
+// The first existing engine for which f succeeds; else the error of the last (an interior pointer has no
+// owner lookup).
+template <class F>
+int on_some_engine(F f, const char* none) {
+  t_last_error.clear();
+  Allocator* a = get();
+  if (!a) return -1;
+  AllocError err;
+  for (int d = 0; d < a->device_count(); ++d)
+    if (DeviceEngine* e = a->existing(d); e && f(*e, &err) == Status::ok) return 0;
+  t_last_error = err.message.empty() ? none : err.message;
+  return -1;
+}
+}  // namespace
+}  // extern "C++"
+
+int fragless_register_range(void* ptr, size_t size) {
+  return on_some_engine([&](DeviceEngine& e, AllocError* err) { return e.register_range(ptr, size, err); },
+                        "fragless: register_range: no device has been used yet");
+}
+
+int fragless_deregister_range(void* ptr) {
+  return on_some_engine([&](DeviceEngine& e, AllocError* err) { return e.deregister_range(ptr, err); },
+                        "fragless: deregister_range: no device has been used yet");
+}
+
 }  // extern "C"

@@ -57,6 +57,10 @@ struct Api {
   CUresult (*ctxSynchronize)() = nullptr;
   CUresult (*streamGetCtx)(CUstream, CUcontext*) = nullptr;
   CUresult (*ctxGetDevice)(CUdevice*) = nullptr;
+  // Sharing (R18, R19): optional; without them export and import are not supported.
+  CUresult (*memExportToShareableHandle)(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
+                                         unsigned long long) = nullptr;
+  CUresult (*memImportFromShareableHandle)(CUmemGenericAllocationHandle*, void*, CUmemAllocationHandleType) = nullptr;
 
   std::string describe(const char* call, CUresult r) const {
     const char* name = nullptr;
@@ -145,6 +149,12 @@ const Api& api() {
                     resolve(a, "cuCtxSynchronize", &a.ctxSynchronize) &&
                     resolve(a, "cuStreamGetCtx", &a.streamGetCtx) && resolve(a, "cuCtxGetDevice", &a.ctxGetDevice);
     if (!ok) return;
+    void* p = nullptr;
+    if (a.getProcAddress("cuMemExportToShareableHandle", &p, a.version, 0) == CUDA_SUCCESS && p)
+      a.memExportToShareableHandle = reinterpret_cast<decltype(a.memExportToShareableHandle)>(p);
+    p = nullptr;
+    if (a.getProcAddress("cuMemImportFromShareableHandle", &p, a.version, 0) == CUDA_SUCCESS && p)
+      a.memImportFromShareableHandle = reinterpret_cast<decltype(a.memImportFromShareableHandle)>(p);
     if (CUresult r = a.init(0); r != CUDA_SUCCESS) a.error = "fragless: " + a.describe("cuInit", r);
   });
   return a;
@@ -273,6 +283,33 @@ class CudaDriver final : public Driver {
   Status do_unmap(DevicePtr va, std::size_t size) override {
     OnDevice on(primary_, true);
     return check("cuMemUnmap", api().memUnmap(static_cast<CUdeviceptr>(va), size));
+  }
+  // R18: only memory created with the POSIX file descriptor type (shareable_handles:True, R11) is exported.
+  Status do_export_handle(PhysHandle h, int* fd) override {
+    if (!(prop_.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+      return unshareable("export_handle: the handle was not created exportable (R18; shareable_handles:True "
+                         "creates exportable memory where the device supports POSIX file descriptor handles)");
+    if (!api().memExportToShareableHandle) return unshareable("export_handle: libcuda has no cuMemExportToShareableHandle");
+    OnDevice on(primary_, true);
+    return check("cuMemExportToShareableHandle",
+                 api().memExportToShareableHandle(fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+  }
+  // R19: the descriptor is passed as the pointer-sized osHandle and stays the caller's.
+  Status do_import_handle(int fd, std::size_t, PhysHandle* h) override {
+    if (!api().memImportFromShareableHandle) return unshareable("import_handle: libcuda has no cuMemImportFromShareableHandle");
+    OnDevice on(primary_, true);
+    CUmemGenericAllocationHandle handle = 0;
+    const Status st = check("cuMemImportFromShareableHandle",
+                            api().memImportFromShareableHandle(
+                                &handle, reinterpret_cast<void*>(static_cast<std::uintptr_t>(fd)),
+                                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+    if (st == Status::ok) *h = static_cast<PhysHandle>(handle);
+    return st;
+  }
+  Status unshareable(const char* why) {
+    std::lock_guard lk(err_mu_);
+    last_error_ = why;
+    return Status::not_supported;
   }
   Status do_set_access(DevicePtr va, std::size_t size) override {
     OnDevice on(primary_, true);

@@ -243,7 +243,7 @@ Status DeviceEngine::share(void* ptr, SharedBlock* out, AllocError* err) {
     return Status::driver_error;
   }
   State::Export& e = s.exports[b->ptr];
-  if (e.leases.empty()) {
+  if (e.span == 0) {
     e.span = h.span;
     s.stats.exported_bytes.add(static_cast<std::int64_t>(h.span));
   }
@@ -276,23 +276,28 @@ std::size_t DeviceEngine::State::reap_exports(int waited_us) {
         ::close(fd);
         return true;
       });
-      if (!e.leases.empty()) {
+      if (e.held()) {
         ++it;
         continue;
       }
-      Block* b = active_blocks.get(it->first);
-      b->exported = false;
-      stats.exported_bytes.add(-static_cast<std::int64_t>(e.span));
-      const bool freed_by_owner = e.owner_freed;
-      it = exports.erase(it);
-      if (freed_by_owner) {
-        free_live(b);
-        ++freed;
-      }
+      auto next = std::next(it);
+      freed += release_if_unheld(it);
+      it = next;
     }
     if (freed || exports.empty() || std::chrono::steady_clock::now() >= deadline) return freed;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+}
+
+bool DeviceEngine::State::release_if_unheld(std::unordered_map<DevicePtr, Export>::iterator it) {
+  if (it->second.held()) return false;
+  Block* b = active_blocks.get(it->first);
+  b->exported = false;
+  stats.exported_bytes.add(-static_cast<std::int64_t>(it->second.span));
+  const bool freed_by_owner = it->second.owner_freed;
+  exports.erase(it);
+  if (freed_by_owner) free_live(b);
+  return freed_by_owner;
 }
 
 std::size_t DeviceEngine::reap_shared(int wait_us) {
@@ -414,7 +419,7 @@ std::string DeviceEngine::State::check_sharing() const {
     const Block* b = active_blocks.get(p);
     if (!b || !b->exported || b->state != BlockState::allocated)
       return "sharing: an exported block is not an allocated block marked exported";
-    if (e.leases.empty()) return "sharing: an exported block has no lease";
+    if (!e.held()) return "sharing: a listed block has no lease and no registration";
     exported += static_cast<std::int64_t>(e.span);
   }
   std::size_t marked = 0;
@@ -424,6 +429,61 @@ std::string DeviceEngine::State::check_sharing() const {
   if (exported != stats.exported_bytes.current) return "sharing: exported bytes differ from recount";
   if (imported != stats.imported_bytes.current) return "sharing: imported bytes differ from recount";
   return {};
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Registered ranges
+//
+// Note [Registered ranges]
+// NCCL's user-buffer registration (ncclCommRegister) binds an address range to the physical memory under it
+// at that moment; re-backing the range (fragless's reclaim or lending, a split into pages, a release and a
+// new handle) behind NCCL's back would make collectives read and write memory the range no longer has. The
+// engine re-backs only memory under free blocks, so a registered range is held as a shared block is: its
+// block stays allocated, whatever its owner frees, until every registration of it is deregistered. The
+// program calls register_range right after ncclCommRegister and deregister_range right after
+// ncclCommDeregister (README "Sharing across processes"); a range must lie inside one allocation.
+
+Block* DeviceEngine::State::live_block_holding(DevicePtr p, std::size_t size) const {
+  for (const auto& seg : segments) {
+    if (p < seg->base || p >= seg->base + seg->va_size) continue;
+    for (Block* b = seg->first; b; b = b->next)
+      if (p >= b->ptr && p < b->ptr + b->size)
+        return b->state == BlockState::allocated && size <= b->ptr + b->size - p ? b : nullptr;
+  }
+  return nullptr;
+}
+
+Status DeviceEngine::register_range(void* ptr, std::size_t size, AllocError* err) {
+  State& s = *s_;
+  std::lock_guard lk(s.mu);
+  const auto p = reinterpret_cast<DevicePtr>(ptr);
+  Block* b = size ? s.live_block_holding(p, size) : nullptr;
+  if (!b || (b->exported && s.exports.at(b->ptr).owner_freed)) {
+    set_error(err, Status::invalid_argument,
+              "fragless: register_range of " + std::to_string(size) + " bytes at " + hex(ptr) + " on device " +
+                  std::to_string(s.driver->device()) + ": not inside one live fragless allocation; nothing was registered");
+    return Status::invalid_argument;
+  }
+  ++s.exports[b->ptr].registrations;
+  b->exported = true;
+  return Status::ok;
+}
+
+Status DeviceEngine::deregister_range(void* ptr, AllocError* err) {
+  State& s = *s_;
+  std::lock_guard lk(s.mu);
+  const auto p = reinterpret_cast<DevicePtr>(ptr);
+  Block* b = s.live_block_holding(p, 1);
+  auto it = b ? s.exports.find(b->ptr) : s.exports.end();
+  if (it == s.exports.end() || it->second.registrations == 0) {
+    set_error(err, Status::invalid_argument,
+              "fragless: deregister_range at " + hex(ptr) + " on device " + std::to_string(s.driver->device()) +
+                  ", which no register_range holds; nothing was changed");
+    return Status::invalid_argument;
+  }
+  --it->second.registrations;
+  s.release_if_unheld(it);
+  return Status::ok;
 }
 
 }  // namespace fragless

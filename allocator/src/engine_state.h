@@ -275,12 +275,15 @@ struct DeviceEngine::State {
 
   // Note [Sharing] (engine_share.cpp). An exported block stays allocated, whole handles and all, while any
   // lease on it is open anywhere; its owner's free is then recorded (owner_freed) and done when the last
-  // lease closes. Invariant (checked): a block is `exported` iff it is allocated and listed here; an
-  // owner-freed block has at least one open lease.
+  // lease closes. Invariant (checked): a block is `exported` iff it is allocated and listed here; every
+  // listed block is held (a lease open, or a registration).
+  // A block registered with NCCL (register_range) is held the same way until its last deregistration.
   struct Export {
     std::vector<int> leases;   // this engine's end of each lease socket, one per share made
-    std::size_t span = 0;      // bytes of the whole handles under the block (exported_bytes)
+    std::size_t span = 0;      // bytes of the whole handles under the block (exported_bytes), 0 if never shared
+    int registrations = 0;     // register_range calls not yet deregistered (Note [Registered ranges])
     bool owner_freed = false;  // freed by its owner; goes back to the cache with the last lease
+    bool held() const { return !leases.empty() || registrations > 0; }
   };
   std::unordered_map<DevicePtr, Export> exports;  // by block address
   // Other processes' blocks mapped here by open_shared, by the pointer handed out.
@@ -291,6 +294,10 @@ struct DeviceEngine::State {
     int lease = -1;          // this process's copy of the lease (its close drops the reference)
   };
   std::unordered_map<DevicePtr, Import> imports;
+  // The allocated block holding [p, p+size), or nullptr (a linear walk: registrations are rare).
+  Block* live_block_holding(DevicePtr p, std::size_t size) const;
+  // Drops one hold's worth of bookkeeping once nothing holds the block: unlisted, and freed if its owner did.
+  bool release_if_unheld(std::unordered_map<DevicePtr, Export>::iterator it);
   Status free_exported(Block* b, AllocError* err);
   // Closes the leases nobody holds any more and frees the blocks their owners freed; with `waited_us` > 0
   // (tests) waits that long for a lease to close. Returns how many blocks went back.

@@ -46,7 +46,9 @@
 // Failure injection: fakecuda_fail("cuMemMap", n, e), or FAKECUDA_FAIL=cuMemMap:n:e. Environment: FAKECUDA_DEVICES (default 2),
 // FAKECUDA_CAPACITY_MB (per device, default 1024; a comma list gives each device its own), FAKECUDA_DRIVER_VERSION.
 #include <cuda.h>
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -101,7 +103,9 @@ struct Node {
 };
 using NodeP = std::shared_ptr<Node>;
 
-struct Handle { int fd; std::size_t size; int device; int map_count; bool released; };
+// types: requestedHandleTypes at cuMemCreate (what it may be exported as, R18); imported: made by
+// cuMemImportFromShareableHandle (another allocation's memory: no capacity of this device's).
+struct Handle { int fd; std::size_t size; int device; int map_count; bool released; unsigned types = 0; bool imported = false; };
 struct Mapping { std::size_t size; CUmemGenericAllocationHandle handle; bool accessible; };
 struct Fault { int countdown; CUresult error; };
 struct FakeEvent { CUcontext ctx; NodeP node; unsigned long long capture = 0; };
@@ -500,7 +504,7 @@ void drop_if_unused(State& s, CUmemGenericAllocationHandle h) {
       break;
     }
   close(it->second.fd);
-  s.used[it->second.device] -= it->second.size;
+  if (!it->second.imported) s.used[it->second.device] -= it->second.size;
   s.handles.erase(it);
 }
 
@@ -790,7 +794,48 @@ FAKE_API CUresult cuMemCreate(CUmemGenericAllocationHandle* h, size_t size, cons
   s.used[dev] += size;
   s.last_handle_types = static_cast<unsigned>(prop->requestedHandleTypes);
   *h = s.next_handle++;
-  s.handles[*h] = {fd, size, dev, 0, false};
+  s.handles[*h] = {fd, size, dev, 0, false, static_cast<unsigned>(prop->requestedHandleTypes)};
+  return CUDA_SUCCESS;
+}
+
+// R18: only a handle created with the type among its requestedHandleTypes is exported; the double's devices
+// have no fabric (CUDA_ERROR_NOT_SUPPORTED, as a device without CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED).
+FAKE_API CUresult cuMemExportToShareableHandle(void* out, CUmemGenericAllocationHandle h, CUmemAllocationHandleType type,
+                                               unsigned long long flags) {
+  ENTER("cuMemExportToShareableHandle");
+  NEED_CONTEXT();
+  UNSAFE_DURING_CAPTURE();
+  State& s = st();
+  auto it = s.handles.find(h);
+  if (!out || flags != 0 || it == s.handles.end() || it->second.released) return CUDA_ERROR_INVALID_VALUE;
+  if (type == CU_MEM_HANDLE_TYPE_FABRIC) return CUDA_ERROR_NOT_SUPPORTED;
+  if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || !(it->second.types & type)) return CUDA_ERROR_INVALID_VALUE;
+  const int fd = fcntl(it->second.fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+  *static_cast<int*>(out) = fd;
+  return CUDA_SUCCESS;
+}
+
+// R19: osHandle is the descriptor itself, which stays the caller's; it must be a descriptor the double
+// exported (a memfd of its own). The handle's device is the current context's (the importer maps it there).
+FAKE_API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* h, void* os_handle,
+                                                 CUmemAllocationHandleType type) {
+  ENTER("cuMemImportFromShareableHandle");
+  NEED_CONTEXT();
+  UNSAFE_DURING_CAPTURE();
+  State& s = st();
+  if (!h || type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_INVALID_VALUE;
+  const int fd = static_cast<int>(reinterpret_cast<std::uintptr_t>(os_handle));
+  char link[64], target[256] = {};
+  std::snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+  const ssize_t n = readlink(link, target, sizeof target - 1);
+  struct stat sb{};
+  if (n <= 0 || std::strncmp(target, "/memfd:fakecuda", 15) != 0 || fstat(fd, &sb) != 0 || sb.st_size <= 0)
+    return CUDA_ERROR_INVALID_VALUE;  // not memory the double exported
+  const int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (own < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+  *h = s.next_handle++;
+  s.handles[*h] = {own, static_cast<std::size_t>(sb.st_size), ctx_device(current()), 0, false, 0, true};
   return CUDA_SUCCESS;
 }
 
@@ -1563,6 +1608,8 @@ CUresult get_proc(const char* symbol, void** pfn, int cuda_version, cuuint64_t f
       {"cuMemAddressFree", any(&cuMemAddressFree)},
       {"cuMemCreate", any(&cuMemCreate)},
       {"cuMemRelease", any(&cuMemRelease)},
+      {"cuMemExportToShareableHandle", any(&cuMemExportToShareableHandle)},
+      {"cuMemImportFromShareableHandle", any(&cuMemImportFromShareableHandle)},
       {"cuMemMap", any(&cuMemMap)},
       {"cuMemUnmap", any(&cuMemUnmap)},
       {"cuMemSetAccess", any(&cuMemSetAccess)},

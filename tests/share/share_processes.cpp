@@ -184,8 +184,13 @@ void bytes_exporter(int sock) {
   CHECK(stat_of("fragless.exported_bytes.current") >= static_cast<long long>(n));
   send_msg(sock, "close");
   REQUIRE(recv_msg(sock) == "closed");
+  CHECK(fragless_register_range(p + 4096, MiB) == 0);  // NCCL's registration holds it too
+  CHECK(fragless_register_range(p, 64 * MiB) == -1);
+  CHECK(std::strstr(fragless_last_error(), "not inside one live fragless allocation") != nullptr);
   fragless_free(p, n, 0, nullptr);
-  reaped();
+  CHECK(fragless_reap_shared() == 0);
+  CHECK(stat_of("allocated_bytes.all.current") > 0);
+  CHECK(fragless_deregister_range(p + 4096) == 0);
   CHECK(stat_of("fragless.exported_bytes.current") == 0);
   CHECK(stat_of("allocated_bytes.all.current") == 0);
 }

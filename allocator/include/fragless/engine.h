@@ -118,6 +118,11 @@ class DeviceEngine {
   // Frees the shared blocks whose owner freed them and whose leases are all closed now (this also happens on
   // every slow allocation, empty_cache and stats); waits up to `wait_us` for one (tests). Returns how many.
   std::size_t reap_shared(int wait_us = 0);
+  // NCCL user-buffer registration (Note [Registered ranges]): [ptr, ptr+size), inside one live allocation, is
+  // never re-backed until deregister_range(ptr) (its block stays allocated, whatever its owner frees). Call
+  // it after ncclCommRegister, and deregister_range after ncclCommDeregister. invalid_argument otherwise.
+  Status register_range(void* ptr, std::size_t size, AllocError* error = nullptr);
+  Status deregister_range(void* ptr, AllocError* error = nullptr);
 
   DeviceStats stats();
   // Current allocated, reserved and live bytes: a cheap subset of stats() for per-event sampling.

@@ -106,6 +106,12 @@ FRAGLESS_API int fragless_close_shared(void* ptr);
 /* Frees the allocations whose owner freed them and whose every lease is closed now (slow allocations,
  * empty_cache and statistics do it too); returns how many. */
 FRAGLESS_API size_t fragless_reap_shared(void);
+/* NCCL user-buffer registration: call fragless_register_range(buf, size) right after ncclCommRegister(comm,
+ * buf, size, &handle) and fragless_deregister_range(buf) right after ncclCommDeregister. Until then the
+ * allocation holding [buf, buf+size) is never re-backed (its free waits). 0, or -1 with fragless_last_error()
+ * when the range is not inside one live fragless allocation. */
+FRAGLESS_API int fragless_register_range(void* ptr, size_t size);
+FRAGLESS_API int fragless_deregister_range(void* ptr);
 
 #ifdef __cplusplus
 }

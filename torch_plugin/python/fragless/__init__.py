@@ -18,7 +18,7 @@ import pickle
 
 __all__ = ["library", "library_path", "preload_library_path", "build_info", "check_config", "check_driver", "memory_stats",
            "memory_summary", "snapshot", "dump_snapshot", "empty_cache", "record_history", "last_error",
-           "device_count"]
+           "device_count", "Shared", "share", "open_shared", "close_shared", "reap_shared"]
 
 _lib = None
 _path = None
@@ -232,3 +232,6 @@ def mem_get_info(device=0):
     if library().fragless_mem_get_info(int(device), ctypes.byref(free), ctypes.byref(total)) < 0:
         raise RuntimeError(last_error())
     return free.value, total.value
+
+
+from .share import Shared, share, open_shared, close_shared, reap_shared  # noqa: E402 (needs library() above)

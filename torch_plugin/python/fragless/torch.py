@@ -98,6 +98,8 @@ def enable(conf=None):
                            "on a GPU." % e) from None
     _install_api(torch)
     _install_oom_error(torch)
+    from . import torch_share  # torch.multiprocessing sends fragless's CUDA tensors through fragless.share
+    torch_share.install(torch)
     _enabled = alloc
     return alloc
 
