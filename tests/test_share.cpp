@@ -286,3 +286,44 @@ TEST_CASE("sharing: a range registered for NCCL is never re-backed until its der
   CHECK(a->allocate(8 * MiB, 0, nullptr) != nullptr);  // the memory serves again
   require_consistent(*a);
 }
+
+TEST_CASE("sharing: a driver call that fails while sharing or opening leaks nothing and says which", "[share]") {
+  auto a = make_engine(shareable(PolicyKind::fragless));
+  auto b = make_engine(shareable(PolicyKind::fragless));
+  void* p = a->allocate(5 * MiB, 0, nullptr);
+  const std::size_t fds0 = open_fds();
+  SharedBlock s;
+  AllocError err;
+  host_driver_inject_failure(a->driver(), DriverCall::export_handle, 2, Status::driver_error);
+  CHECK(a->share(p, &s, &err) == Status::driver_error);
+  CHECK_THAT(err.message, Catch::Contains("export_handle: injected failure"));
+  CHECK(s.fds.empty());
+  CHECK(open_fds() == fds0);
+  CHECK(a->stats().exported_bytes.current == 0);
+  require_consistent(*a);
+  REQUIRE(a->share(p, &s, &err) == Status::ok);
+  for (DriverCall c : {DriverCall::reserve, DriverCall::import_handle, DriverCall::map, DriverCall::set_access}) {
+    for (std::uint64_t nth : {1, 2}) {
+      if (nth == 2 && (c == DriverCall::reserve || c == DriverCall::set_access)) continue;  // one call each
+      INFO(driver_call_name(c) << " call " << nth);
+      host_driver_inject_failure(b->driver(), c, nth, Status::driver_error);
+      std::size_t size = 0;
+      CHECK(b->open_shared(s.description, s.fds.data(), s.fds.size(), &size, &err) == nullptr);
+      CHECK_THAT(err.message, Catch::Contains(std::string(driver_call_name(c)) + ": injected failure"));
+      host_driver_inject_failure(b->driver(), c, 0, Status::ok);
+      const auto census = host_driver_census(b->driver());
+      CHECK(census.handles == 0);
+      CHECK(census.mappings == 0);
+      CHECK(census.reservations == 0);
+      CHECK(b->stats().imported_bytes.current == 0);
+      require_consistent(*b);
+    }
+  }
+  std::size_t size = 0;
+  void* q = b->open_shared(s.description, s.fds.data(), s.fds.size(), &size, &err);
+  REQUIRE(q);  // the same share opens once nothing fails
+  REQUIRE(b->close_shared(q) == Status::ok);
+  s.close_fds();
+  REQUIRE(a->free(p) == Status::ok);
+  CHECK(a->stats().allocated_bytes.all().current == 0);
+}
