@@ -68,7 +68,7 @@ constexpr OptionInfo kOptions[] = {
      "at most handle_max_mb, its last page in a handle of its own; whole: one handle per growth; cells: new "
      "memory in the cells expandable segments would create (chunk_size_mb in the large pool, shrunk to "
      "reserve_slack of live bytes, and 2 MiB in the small pool), the cells a request covers whole in one "
-     "handle of at most handle_max_mb. With background:True, free multi-page handles become pages."},
+     "handle of at most handle_max_mb. With background:True, free multi-page handles are split into pieces of 1, 1, 2, 4, ... pages."},
     {"handle_max_mb", "integer >= 1 (MiB)", "64",
      "fragless policy (handles ends or cells): the body of a growth is created in handles of at most this much; "
      "a live block that straddles a handle pins less than this of it, and one background split replaces at "

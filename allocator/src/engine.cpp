@@ -356,9 +356,10 @@ void DeviceEngine::State::free_block(Block* b, bool traced) {
   if (traced) emit(*this, TraceAction::free_completed, b->stream, b->ptr, b->requested, b->size);
   b->state = BlockState::free;
   b->stream_uses.clear();
+  const DevicePtr lo = b->ptr, hi = b->ptr + b->size;  // what the caller freed, before the merge
   b = merge_free(b);
   pool_insert(b);
-  if (b->multi) policy->freed(b);
+  if (b->multi) policy->freed(b, lo, hi);
 }
 
 bool DeviceEngine::State::insert_events(Block* b) {

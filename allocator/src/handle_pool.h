@@ -63,11 +63,11 @@ class HandlePool {
   // The first `count` taken handles were mapped (mark_mapped): they are no longer the request's.
   void forget_taken(std::size_t count) { taken_.erase(taken_.begin(), taken_.begin() + count); }
   // Mapped handle h was split in place (handle_splitter.h): one-page handles `by` are mapped instead.
-  void replace_mapped(PhysHandle h, const std::vector<PhysHandle>& by) {
+  void replace_mapped(PhysHandle h, const std::vector<PhysHandle>& by, const std::vector<std::size_t>& pages) {
     remove_mapped(h);
-    for (PhysHandle n : by) {
-      info_[n] = Info{1, State::mapped};
-      ++total_pages_;
+    for (std::size_t i = 0; i < by.size(); ++i) {
+      info_[by[i]] = Info{pages[i], State::mapped};
+      total_pages_ += pages[i];
     }
   }
   // Mapped handle h was unmapped and released (a split that gave its range back).

@@ -25,7 +25,7 @@ bool HandleSplitter::any_multi(const Segment& seg, std::size_t first, std::size_
 
 // ---- Finding work ----
 
-bool HandleSplitter::freed(Block* b) {
+bool HandleSplitter::freed(Block* b, DevicePtr lo_va, DevicePtr hi_va) {
   const Segment& seg = *b->segment;
   const std::size_t lo = (b->ptr - seg.base) / page_, hi = (b->ptr + b->size - seg.base + page_ - 1) / page_;
   // A multi-page mapping that starts before b may still reach into it: start from the one before lo.
@@ -40,6 +40,7 @@ bool HandleSplitter::freed(Block* b) {
     overlaps = true;
     const DevicePtr va = seg.base + start * page_, va_end = seg.base + end * page_;
     if (va < b->ptr || va_end > b->ptr + b->size) continue;  // a live neighbour still uses part of it
+    if (va_end <= lo_va || va >= hi_va) continue;              // untouched since it was created: left whole
     if (seg.owner != &s_.default_pools || !queued_.insert(h).second) continue;
     queue_.push_back({b->segment, start, h, b});
     queued = true;
@@ -102,6 +103,7 @@ bool HandleSplitter::take(BackgroundJob* job) {
     job->pages = k;
     job->va = va;
     job->handle = c.handle;
+    job->to_pages = pieces_.count(c.handle) > 0;
     job->stream = b->stream;
     job->busy = carve(b, va, k * page_);
     job->created.clear();
@@ -113,6 +115,17 @@ bool HandleSplitter::take(BackgroundJob* job) {
 }
 
 // ---- The driver calls (no lock) ----
+
+// Note [Split in the background]: 1, 1, 2, 4, ... from the bottom, the last piece what is left.
+std::vector<std::size_t> HandleSplitter::piece_sizes(std::size_t pages) {
+  std::vector<std::size_t> sizes{1};
+  for (std::size_t total = 1; total < pages;) {
+    const std::size_t k = std::min(total, pages - total);
+    sizes.push_back(k);
+    total += k;
+  }
+  return sizes;
+}
 
 void HandleSplitter::run(Driver& d, std::size_t page, BackgroundJob& job, const std::atomic<bool>& abort,
                          bool manual) {
@@ -136,14 +149,16 @@ void HandleSplitter::run(Driver& d, std::size_t page, BackgroundJob& job, const 
     job.release_failed = true;
     return;
   }
-  for (std::size_t i = 0; i < job.pages; ++i) {
+  job.sizes = job.to_pages ? std::vector<std::size_t>(job.pages, 1) : piece_sizes(job.pages);
+  for (std::size_t k : job.sizes) {
     PhysHandle h = 0;
-    if (aborted() || d.create(page, &h) != Status::ok) break;
+    if (aborted() || d.create(k * page, &h) != Status::ok) break;
     job.created.push_back(h);
   }
-  std::size_t mapped = 0;
-  if (job.created.size() == job.pages)
-    while (mapped < job.pages && d.map(job.va + mapped * page, page, job.created[mapped], 0) == Status::ok) ++mapped;
+  std::size_t mapped = 0, n = 0;
+  if (job.created.size() == job.sizes.size())
+    for (; n < job.sizes.size() && d.map(job.va + mapped * page, job.sizes[n] * page, job.created[n], 0) == Status::ok; ++n)
+      mapped += job.sizes[n];
   if (mapped == job.pages && d.set_access(job.va, job.pages * page) == Status::ok) {
     job.outcome = Outcome::done;
     return;
@@ -151,16 +166,17 @@ void HandleSplitter::run(Driver& d, std::size_t page, BackgroundJob& job, const 
   // Undo: nothing of the new pages stays. (An unmap that fails here leaves the mapping to the contract's
   // books: the handles are released, and their memory goes when the process does.)
   if (mapped) d.unmap(job.va, mapped * page);
+  job.sizes.clear();
   for (PhysHandle h : job.created) d.release(h);
   job.created.clear();
 }
 
 // ---- The results (lock held) ----
 
-void HandleSplitter::release_busy(Block* busy, bool mapped) {
+void HandleSplitter::release_busy(Block* busy, bool mapped, bool multi) {
   if (mapped) {
     busy->state = BlockState::free;
-    busy->multi = false;
+    busy->multi = multi;
     s_.pool_insert(s_.merge_free(busy));
     return;
   }
@@ -182,14 +198,24 @@ void HandleSplitter::finish(BackgroundJob& job) {
   if (job.release_failed) s_.deferred_handles.push_back(job.handle);
   emit(s_, TraceAction::phys_release, 0, 0, bytes, bytes);
   if (job.outcome == Outcome::done) {
-    pool_.replace_mapped(job.handle, job.created);
-    for (std::size_t i = 0; i < job.pages; ++i) seg.pages[job.first + i] = PageRef{job.created[i], 0};
-    for (std::size_t i = 0; i < job.pages; ++i) emit(s_, TraceAction::phys_create, 0, 0, page_, page_);
-    release_busy(job.busy, /*mapped=*/true);
+    pool_.replace_mapped(job.handle, job.created, job.sizes);
+    pieces_.erase(job.handle);
+    bool multi = false;
+    for (std::size_t i = 0, at = job.first; i < job.created.size(); at += job.sizes[i], ++i) {
+      for (std::size_t j = 0; j < job.sizes[i]; ++j) seg.pages[at + j] = PageRef{job.created[i], j * page_};
+      mapped(seg, at, job.created[i]);
+      if (job.sizes[i] > 1) {
+        multi = true;
+        pieces_.insert(job.created[i]);
+      }
+      emit(s_, TraceAction::phys_create, 0, 0, job.sizes[i] * page_, job.sizes[i] * page_);
+    }
+    release_busy(job.busy, /*mapped=*/true, multi);  // its multi-page pieces split once used and freed
     return;
   }
   // Gave back: the range is unmapped and its memory released (or deferred), as by a release.
   pool_.remove_mapped(job.handle);
+  pieces_.erase(job.handle);
   for (std::size_t i = 0; i < job.pages; ++i) seg.pages[job.first + i] = PageRef{};
   seg.mapped_bytes -= bytes;
   s_.add_reserved(seg.small, -static_cast<std::int64_t>(bytes));

@@ -5,11 +5,20 @@
 // small: one 2 MiB handle per page moves the finest, but costs a cuMemCreate per page while memory first
 // grows, when the caller waits for every one (docs/RESULTS.md, "Handle shapes"). So a growth creates its
 // memory in large handles (nothing held could be re-backed at that moment anyway), and once such a handle
-// is free (no live block overlaps it), the background worker replaces it in place by one handle per page:
+// is free (no live block overlaps it), the background worker replaces it in place by pieces of 1, 1, 2, 4,
+// ... pages from the bottom up (each piece no larger than all below it together, the last one what is left:
+// piece_sizes), so k pages cost about log2(k) + 2 creates instead of k. Re-backing takes pieces from the top
+// of a hole down while they fit the room, so a hole gives a request any number of pages up to its size; an
+// allocation that lands in the hole from the bottom pins at most the one piece its end falls in. A piece that
+// a later allocation covered is split again when that allocation is freed (freed() queues only the handles
+// the freed block overlaps), so memory that is used in small parts becomes pages, and memory that is not
+// stays in few handles: fewer creates for the worker, and fewer cuMemRelease calls when empty_cache gives it
+// back (an empty_cache waits for one release per handle). A piece is split into pages, not pieces again, so
+// a repeated step reaches its steady state (no driver call) by its third pass. The worker's split:
 // it takes the range out of the pool (a busy block), waits for the work queued on its stream (R13: the
-// unmap is not stream-ordered), unmaps it, releases the old handle, creates the pages, maps them at the
+// unmap is not stream-ordered), unmaps it, releases the old handle, creates the pieces, maps them at the
 // same addresses and grants access; then the range goes back to its pool, free, with the same address and
-// size. The old handle is released before the pages are created, so a split never holds more memory than
+// size. The old handle is released before the pieces are created, so a split never holds more memory than
 // it started with. A split that cannot finish (a create refused, an abort) gives the range back: unmapped,
 // its memory released, as an empty_cache would.
 //
@@ -38,10 +47,13 @@ class HandleSplitter {
   // Whether pages [first, first + n) of seg include a multi-page mapping.
   bool any_multi(const Segment& seg, std::size_t first, std::size_t n) const;
   std::size_t multi_count() const { return multi_.size(); }
+  // Handle h goes back to the driver (its id may come back for another handle).
+  void released(PhysHandle h) { pieces_.erase(h); }
 
-  // Free block b (Block::multi) is back in its pool: queues the multi-page handles it now covers whole, and
-  // clears b->multi when it overlaps none. True when something was queued.
-  bool freed(Block* b);
+  // Free block b (Block::multi) is back in its pool, [lo, hi) the block the caller freed before it merged
+  // with its neighbours: queues the multi-page handles b now covers whole that [lo, hi) overlaps, and clears
+  // b->multi when b overlaps none. True when something was queued.
+  bool freed(Block* b, DevicePtr lo, DevicePtr hi);
 
   // The three steps of a split (Note [Background work]).
   bool take(BackgroundJob* job);
@@ -51,11 +63,12 @@ class HandleSplitter {
   std::string check() const;
 
  private:
+  static std::vector<std::size_t> piece_sizes(std::size_t pages);  // what a split of `pages` creates
   struct Candidate { Segment* seg; std::size_t first; PhysHandle handle; Block* block; };
   bool segment_alive(const Segment* seg) const;
   Block* covering(Segment& seg, Block* hint, DevicePtr va, std::size_t len) const;
   Block* carve(Block* b, DevicePtr va, std::size_t len);  // b's [va, va + len) becomes a busy block
-  void release_busy(Block* busy, bool mapped);            // busy back to free (mapped) or unmapped
+  void release_busy(Block* busy, bool mapped, bool multi = false);  // busy back to free (mapped) or unmapped
 
   DeviceEngine::State& s_;
   HandlePool& pool_;
@@ -64,6 +77,7 @@ class HandleSplitter {
   std::deque<Candidate> queue_;                             // free multi-page handles to split, oldest first
   std::unordered_set<PhysHandle> queued_;                   // the handles in queue_ or retry_
   std::vector<Candidate> retry_;                            // cancelled: queued again at the next freed()
+  std::unordered_set<PhysHandle> pieces_;                   // multi-page pieces of earlier splits (split into pages)
 };
 
 }  // namespace fragless

@@ -19,7 +19,9 @@ struct BackgroundJob {
   DevicePtr va = 0;                  // its address
   PhysHandle handle = 0;             // split: the multi-page handle mapped there
   Stream stream = 0;                 // whose queued work used the range
-  std::vector<PhysHandle> created;   // split: the new one-page handles, in page order
+  std::vector<PhysHandle> created;   // split: the new handles, in address order
+  std::vector<std::size_t> sizes;    // split: their pages (Note [Split in the background])
+  bool to_pages = false;             // split: the handle is a piece of an earlier split: make pages
   Event event = 0;                   // unmap_lent: the event the range's old mapping waits for
   std::uint64_t id = 0;              // unmap_lent: the range
   std::atomic<int>* claim = nullptr; // unmap_lent: the range's state, which the run sets when it lets go
@@ -64,7 +66,7 @@ class Policy {
   virtual void finish_background_job(BackgroundJob&) {}
   // Under the device lock: free block b, which may overlap a multi-page mapping (Block::multi), went back
   // to its pool (merged with its free neighbours).
-  virtual void freed(Block* b) {}
+  virtual void freed(Block* b, DevicePtr lo, DevicePtr hi) {}
 
   Driver& driver() { return *s_.driver; }
 

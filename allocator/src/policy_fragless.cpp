@@ -7,7 +7,7 @@
 // one page per handle moves the finest but costs a cuMemCreate per page; one handle per growth costs one
 // call but pins the whole growth while any byte of it is live. `handles:ends` puts the body of a growth in
 // one handle and its last page, the one a neighbour may share, in a handle of its own, and `handles:cells`
-// creates what expandable segments would (Note [Cells]); a free multi-page handle is split into pages in
+// creates what expandable segments would (Note [Cells]); a free multi-page handle is split into pieces in
 // the background (Note [Split in the background]). docs/RESULTS.md, "Handle shapes", measures them. A handle larger than what a request still needs
 // is mapped whole anyway when the unmapped room after the request holds it: the extra pages become free
 // space at the segment's end, so no held memory is ever unusable for lack of a split.
@@ -234,8 +234,8 @@ class FraglessPolicy final : public GrowablePolicy {
   bool multi_page(const Segment& seg, std::size_t first, std::size_t n) const override {
     return splitter_.any_multi(seg, first, n);
   }
-  void freed(Block* b) override {
-    if (splitter_.freed(b)) s_.background.wake();
+  void freed(Block* b, DevicePtr lo, DevicePtr hi) override {
+    if (splitter_.freed(b, lo, hi)) s_.background.wake();
   }
   // Unmaps of lent ranges first (one call each, and they free address space), then splits.
   bool take_background_job(BackgroundJob* job) override {
@@ -461,6 +461,7 @@ class FraglessPolicy final : public GrowablePolicy {
   }
 
   void release_handle(PhysHandle h, std::size_t pages) {
+    splitter_.released(h);
     s_.give_back_handle(h);
     const std::size_t bytes = pages * page_;
     s_.add_reserved(false, -static_cast<std::int64_t>(bytes));
@@ -517,7 +518,7 @@ class FraglessPolicy final : public GrowablePolicy {
   // free space after the request, as in expandable's last page; a growth into a gap between mapped pages
   // creates only what it needs, leaving no free tail between live blocks), and the cells that lie wholly inside the request are one handle (of at most
   // handle_max_mb): only the request uses them, so nothing else pins them, and a large request costs one
-  // call, not one per cell. Once free, every multi-page handle is split into pages in the background (Note
+  // call, not one per cell. Once free, every multi-page handle is split into pieces in the background (Note
   // [Split in the background]), so re-backing then moves that memory page by page.
   std::vector<std::size_t> cells(std::size_t missing, std::size_t room, std::size_t at, std::size_t chunk, bool frontier) {
     // Only a growth at the end of what the segment maps rounds up to a cell's end: one inside a gap (a hole
