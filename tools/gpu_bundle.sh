@@ -27,6 +27,7 @@ cp "$build/lib/libfragless.so" "$build/lib/libfragless_preload.so" "$out/lib/"
 cp -r "$root/torch_plugin/python/fragless" "$out/python/"
 rm -rf "$out/python/fragless/__pycache__"
 cp "$root/tools/gpu_check.sh" "$root/tools/gpu_train.py" "$out/"
+cp "$root/tests/python/test_torch_share.py" "$root/tests/python/checks.py" "$out/"
 nvcc="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
 if [ -x "$nvcc" ]; then
   "$nvcc" -fatbin -gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=compute_80 \

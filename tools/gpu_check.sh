@@ -8,7 +8,9 @@
 # 3. the built-in workloads replayed with the measured costs instead of the A100 model;
 # 4. when PyTorch with CUDA is importable: training over batches whose shapes really vary under native,
 #    native + expandable_segments, fragless (CUDAPluggableAllocator) and fragless (LD_PRELOAD), plus the
-#    memory API, a snapshot and a CUDA graph under each (tools/gpu_train.py).
+#    memory API, a snapshot and a CUDA graph under each (tools/gpu_train.py);
+# 5. then a CUDA tensor fragless allocated sent to a second process through torch.multiprocessing under
+#    fragless.torch.enable() (tests/python/test_torch_share.py).
 # Writes exactly two files into $OUT (the device tool's output folder; else the current folder):
 # gpu_check.json (every step's result, exit status, time, and its stderr) and gpu_check.log (what it printed).
 # gpu_check.json is rewritten after every step, so a run cut short still hands back what it did. The step
@@ -31,8 +33,9 @@ fi
 steps="${FRAGLESS_GPU_STEPS:-40}"
 work="$(mktemp -d "${TMPDIR:-/tmp}/fragless-gpu-check.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
-# Step limits in seconds: 140 + 110 + 50 + 4 x 40 + 20 (assembling the report) = 480.
-t_probe=140 t_tests=110 t_replay=50 t_torch=40 t_report=20
+# Step limits in seconds: 130 + 100 + 50 + 4 x 40 + 20 (the CUDA tensor exchange) + 20 (assembling the
+# report) = 480.
+t_probe=130 t_tests=100 t_replay=50 t_torch=40 t_share=20 t_report=20
 
 if [ ! -x "$bundle/bin/fragless-gpu-probe" ]; then
   echo "gpu_check: no bundle at $bundle (run tools/gpu_bundle.sh on a build machine first)"
@@ -154,6 +157,14 @@ if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   train expandable PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   train fragless
   train preload PYTORCH_NO_CUDA_MEMORY_CACHING=1 LD_PRELOAD="$lib/libfragless_preload.so"
+  # 5. torch.multiprocessing sends a CUDA tensor fragless allocated to a second process under
+  #    fragless.torch.enable() (tests/python/test_torch_share.py: bytes both ways, the receiver's close).
+  run torch_share "$t_share" env PYTHONPATH="$bundle/python" FRAGLESS_LIBRARY="$lib/libfragless.so" \
+    python3 "$bundle/test_torch_share.py"
+  rc=$?
+  tail -3 "$work/torch_share.out"
+  [ $rc -eq 0 ] || step_failed "the two-process CUDA tensor exchange failed or did not finish (exit $rc)"
+  report
 else
   echo "== PyTorch with CUDA is not importable here: the training comparison was not run"
 fi
