@@ -1,5 +1,5 @@
-// Background work (allocator/src/background.h): the fragless policy's split of free multi-page handles
-// into pages (Note [Split in the background], allocator/src/handle_splitter.h), stepped by hand and on the
+// Background work (allocator/src/state/background.h): the fragless policy's split of free multi-page handles
+// into pages (Note [Split in the background], allocator/src/policy/fragless/handle_splitter.h), stepped by hand and on the
 // worker thread; what it may not do (run while a pool routing is active, outlive a release or the engine,
 // survive a fork); and every one of its driver calls failing. The thread tests are tagged [concurrency]
 // so that the ThreadSanitizer run covers the worker.

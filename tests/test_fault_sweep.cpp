@@ -64,7 +64,7 @@ void sweep(PolicyKind policy) {
           CHECK_FALSE(ok);  // reached the caller, named
           CHECK_THAT(err, Catch::Contains(std::string(driver_call_name(call)) + ": injected failure (driver_error)"));
         } else if (policy == PolicyKind::fragless && call == DriverCall::create) {
-          // A multi-page handle refused is created page by page first (policy_fragless.cpp, create): the
+          // A multi-page handle refused is created page by page first (policy/fragless/policy.cpp, create): the
           // retry chain runs only when a page is refused too.
           CHECK((ok || e->stats().num_alloc_retries >= 1));
           if (!ok) CHECK_THAT(err, Catch::Contains("out of memory"));

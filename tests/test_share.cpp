@@ -1,4 +1,4 @@
-// Sharing blocks between engines (Note [Sharing], engine_share.cpp), in one process: two engines, each with
+// Sharing blocks between engines (Note [Sharing], engine/share.cpp), in one process: two engines, each with
 // its own host driver (its own memfds), stand for two processes; the descriptors are real. The two-process
 // tests through libfragless.so are tests/share/share_processes.cpp.
 #include <dirent.h>

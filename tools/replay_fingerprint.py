@@ -57,7 +57,9 @@ def fingerprint(replay, inputs):
             sys.exit(f"replay_fingerprint: fragless-replay {inp} exited {run.returncode}: {run.stderr.strip()}")
         for r in json.loads(run.stdout)["results"]:
             key = f"{os.path.basename(r['input'])} | device {r['device']} | {r['policy']}"
-            rows[key] = strip(r)
+            row = strip(r)
+            row["input"] = os.path.basename(row["input"])  # where the checkout is is not behaviour
+            rows[key] = row
     return rows
 
 
@@ -87,7 +89,10 @@ def main(argv):
     print(f"replay_fingerprint: {len(inputs)} inputs, {len(rows)} rows written to {argv[2]}")
     if len(argv) == 5:
         with open(argv[4]) as f:
-            problems = compare(rows, json.load(f))
+            old = json.load(f)
+        for row in old.values():
+            row["input"] = os.path.basename(row["input"])
+        problems = compare(rows, old)
         for p in problems[:50]:
             print(p)
         print(f"replay_fingerprint: {len(problems)} difference(s) from {argv[4]}")

@@ -448,7 +448,7 @@ int fragless_device_count(void) {
   return a ? a->device_count() : -1;
 }
 
-// ---- Sharing across processes (engine.h, Note [Sharing] in engine_share.cpp) ----
+// ---- Sharing across processes (engine.h, Note [Sharing] in engine/share.cpp) ----
 
 struct fragless_share {
   SharedBlock block;

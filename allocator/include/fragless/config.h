@@ -18,9 +18,9 @@ namespace fragless {
 
 enum class PolicyKind { classic, expandable, fragless };
 enum class DriverKind { cuda, host, sim };
-// How the fragless policy shapes new physical handles (Note [Whole handles], policy_fragless.cpp).
+// How the fragless policy shapes new physical handles (Note [Whole handles], policy/fragless/policy.cpp).
 enum class HandleShape { pages, ends, whole, cells };
-// Who does the driver work no caller waits for (allocator/src/background.h): a worker thread per device,
+// Who does the driver work no caller waits for (allocator/src/state/background.h): a worker thread per device,
 // nobody, or whoever calls DeviceEngine::run_background (the replay, on the trace's clock; tests).
 enum class BackgroundMode { thread, off, manual };
 

@@ -101,7 +101,7 @@ class DeviceEngine {
   // again; a later stream with the same handle value is a new stream. Failed waits are reported.
   Status retire_stream(Stream stream, AllocError* error = nullptr);
 
-  // Sharing across processes (Note [Sharing], engine_share.cpp). share: the block that starts at ptr (an
+  // Sharing across processes (Note [Sharing], engine/share.cpp). share: the block that starts at ptr (an
   // allocation of this engine, handed out and not freed), exported as whole handles (driver.h, R18); needs
   // memory created exportable (shareable_handles:True), not_supported otherwise. While any copy of the
   // share's lease is open (in this process, on its way, in a process that opened it) the block stays
@@ -141,7 +141,7 @@ class DeviceEngine {
   // Largest free range in the cache and total free bytes in the cache (external fragmentation).
   std::pair<std::size_t, std::size_t> free_ranges();
 
-  // Checks every invariant (engine_inspect.cpp); empty string when all hold.
+  // Checks every invariant (engine/inspect.cpp); empty string when all hold.
   std::string check_invariants();
 
   void set_event_sink(EventSink* sink);  // nullptr = tracing off

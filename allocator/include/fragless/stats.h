@@ -41,7 +41,7 @@ struct DeviceStats {
   Stat live_bytes;                  // requested bytes of allocated (not pending) blocks
   std::int64_t num_forced_syncs = 0;  // every stream/event synchronisation the engine forced
   std::int64_t num_failed_waits = 0;  // synchronisations that failed: the memory under them stayed cached
-  // Sharing across processes (engine_share.cpp): bytes of this device's blocks that other processes may hold
+  // Sharing across processes (engine/share.cpp): bytes of this device's blocks that other processes may hold
   // open (the whole handles under each exported block, once per block), and bytes of other processes'
   // memory mapped here by open_shared (in neither allocated nor reserved).
   Stat exported_bytes, imported_bytes;

@@ -1,10 +1,10 @@
-#include "handle_splitter.h"
+#include "policy/fragless/handle_splitter.h"
 
 #include <algorithm>
 #include <chrono>
 #include <thread>
 
-#include "trace_emit.h"
+#include "state/trace_emit.h"
 
 namespace fragless {
 

@@ -75,11 +75,11 @@
 #include <map>
 #include <set>
 
-#include "handle_pool.h"
-#include "handle_splitter.h"
-#include "lent_ranges.h"
-#include "policy_growable.h"
-#include "trace_emit.h"
+#include "policy/fragless/handle_pool.h"
+#include "policy/fragless/handle_splitter.h"
+#include "policy/fragless/lent_ranges.h"
+#include "policy/growable.h"
+#include "state/trace_emit.h"
 
 namespace fragless {
 namespace {

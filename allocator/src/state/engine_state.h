@@ -23,9 +23,9 @@
 
 #include "fragless/engine.h"
 #include "fragless/rounding.h"
-#include "background.h"
-#include "block_map.h"
-#include "spin_mutex.h"
+#include "state/background.h"
+#include "state/block_map.h"
+#include "base/spin_mutex.h"
 
 namespace fragless {
 
@@ -273,7 +273,7 @@ struct DeviceEngine::State {
   // The free of an allocated block (stats, events, back to its pool); free() checked the pointer.
   void free_live(Block* b);
 
-  // Note [Sharing] (engine_share.cpp). An exported block stays allocated, whole handles and all, while any
+  // Note [Sharing] (engine/share.cpp). An exported block stays allocated, whole handles and all, while any
   // lease on it is open anywhere; its owner's free is then recorded (owner_freed) and done when the last
   // lease closes. Invariant (checked): a block is `exported` iff it is allocated and listed here; every
   // listed block is held (a lease open, or a registration).

@@ -1,8 +1,8 @@
 // expandable: PyTorch's expandable_segments:True. One growing segment per (stream, pool); 2 MiB pages in
 // the small pool and 20 MiB pages in the large pool (rounded up to the driver's granularity); one physical
 // handle per page, created on map and released on unmap.
-#include "policy_growable.h"
-#include "trace_emit.h"
+#include "policy/growable.h"
+#include "state/trace_emit.h"
 
 namespace fragless {
 namespace {

@@ -1,6 +1,6 @@
 // Emitting trace events from the engine: one predictable branch when no sink is installed.
 #pragma once
-#include "engine_state.h"
+#include "state/engine_state.h"
 #include "fragless/trace.h"
 
 namespace fragless {

@@ -8,7 +8,7 @@
 //
 // Subclasses decide where physical pages come from (map_pages / unmap_pages).
 #pragma once
-#include "policy.h"
+#include "policy/policy.h"
 
 namespace fragless {
 

@@ -32,8 +32,8 @@
 #include <unordered_set>
 #include <utility>
 
-#include "handle_pool.h"
-#include "policy.h"
+#include "policy/fragless/handle_pool.h"
+#include "policy/policy.h"
 
 namespace fragless {
 

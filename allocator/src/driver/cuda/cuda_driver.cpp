@@ -3,7 +3,7 @@
 
 #include <dlfcn.h>
 
-#include "spin_mutex.h"
+#include "base/spin_mutex.h"
 
 #include <cstdlib>
 #include <mutex>

@@ -1,9 +1,9 @@
-#include "policy_growable.h"
+#include "policy/growable.h"
 
 #include <algorithm>
 #include <set>
 
-#include "trace_emit.h"
+#include "state/trace_emit.h"
 
 namespace fragless {
 

@@ -1,4 +1,4 @@
-#include "background.h"
+#include "state/background.h"
 
 #include <pthread.h>
 
@@ -6,8 +6,7 @@
 #include <mutex>
 
 #include "fragless/driver.h"
-#include "policy.h"
-#include "spin_mutex.h"
+#include "base/spin_mutex.h"
 
 namespace fragless {
 
@@ -85,30 +84,30 @@ void Background::stop() {
 
 bool Background::run_one(bool manual) {
   BackgroundJob job;
-  if (!may_take() || !policy_) return false;  // the work waits for the routing (or the fork) to end
-  if (!policy_->take_background_job(&job)) {
+  if (!may_take() || !work_source_) return false;  // the work waits for the routing (or the fork) to end
+  if (!work_source_->take_background_job(&job)) {
     work_ = false;
     return false;
   }
   in_flight_ = true;
   mu_.unlock();
-  policy_->run_background_job(job, abort_, manual);
+  work_source_->run_background_job(job, abort_, manual);
   mu_.lock();
-  policy_->finish_background_job(job);
+  work_source_->finish_background_job(job);
   in_flight_ = false;
   idle_cv_->notify_all();
   return true;
 }
 
 double Background::step(double budget_us) {
-  if (mode_ != BackgroundMode::manual || budget_us <= 0 || !policy_) return 0;
+  if (mode_ != BackgroundMode::manual || budget_us <= 0 || !work_source_) return 0;
   BackgroundCalls counted;
   double spent = 0;
   std::lock_guard lk(mu_);
   while (work_ && spent < budget_us) {
-    const double before = policy_->driver().counters().background_us;
+    const double before = driver_->counters().background_us;
     if (!run_one(/*manual=*/true)) break;
-    spent += policy_->driver().counters().background_us - before;
+    spent += driver_->counters().background_us - before;
   }
   return spent;
 }

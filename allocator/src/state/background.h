@@ -1,6 +1,6 @@
 // The background worker: driver work that no caller waits for, done by one thread per device (or, in the
-// replay and in tests, by whoever calls step()). The policy says what the work is (policy.h,
-// BackgroundJob); this file says how it runs and what it may not do.
+// replay and in tests, by whoever calls step()). The policy says what the work is (BackgroundWork, which
+// policy/policy.h implements); this file says how it runs and what it may not do.
 //
 // Note [Background work]
 // A job goes through three steps, and passes its values from one to the next:
@@ -31,22 +31,67 @@
 #include <memory>
 #include <thread>
 
+#include <vector>
+
 #include "fragless/config.h"
+#include "fragless/driver.h"
 
 namespace fragless {
 
 class SpinMutex;
-class Policy;
+struct Segment;
+struct Block;
+
+// One unit of background work (Note [Background work]), passed by value from its take to
+// its run and its finish.
+struct BackgroundJob {
+  enum class Kind : std::uint8_t { none, split, unmap_lent } kind = Kind::none;
+  Segment* segment = nullptr;
+  Block* busy = nullptr;             // the range, held out of every pool while the job runs
+  std::size_t first = 0, pages = 0;  // the range, in segment pages
+  DevicePtr va = 0;                  // its address
+  PhysHandle handle = 0;             // split: the multi-page handle mapped there
+  Stream stream = 0;                 // whose queued work used the range
+  std::vector<PhysHandle> created;   // split: the new handles, in address order
+  std::vector<std::size_t> sizes;    // split: their pages (Note [Split in the background])
+  bool to_pages = false;             // split: the handle is a piece of an earlier split: make pages
+  Event event = 0;                   // unmap_lent: the event the range's old mapping waits for
+  std::uint64_t id = 0;              // unmap_lent: the range
+  std::atomic<int>* claim = nullptr; // unmap_lent: the range's state, which the run sets when it lets go
+  // How it ended: done; cancelled (nothing changed, the range as it was); gave back (the range is unmapped
+  // and its old handle released, or handed to the deferred releases when release_failed).
+  enum class Outcome : std::uint8_t { cancelled, done, gave_back } outcome = Outcome::cancelled;
+  bool release_failed = false;
+};
+
+// What the worker runs: the three steps of Note [Background work]. The policy implements it
+// (policy/policy.h), so this layer, below the policies, calls them without knowing them.
+class BackgroundWork {
+ public:
+  virtual ~BackgroundWork() = default;
+  // Under the device lock: the next job, false when there is none.
+  virtual bool take_background_job(BackgroundJob*) = 0;
+  // Without the lock: the job's driver calls; it stops early when `abort` is set. `manual`: the caller
+  // steps the background by hand and must not be kept waiting for the GPU.
+  virtual void run_background_job(BackgroundJob&, const std::atomic<bool>& abort, bool manual) = 0;
+  // Under the device lock: the job's results into the engine's books.
+  virtual void finish_background_job(BackgroundJob&) = 0;
+};
+
 
 class Background {
  public:
-  // `mu` is the device lock; `policy` does the jobs. Nothing runs until wake().
+  // `mu` is the device lock; the work set by set_work() does the jobs. Nothing runs until wake().
   Background(SpinMutex& mu, BackgroundMode mode);
   ~Background();  // stops the worker
   Background(const Background&) = delete;
   Background& operator=(const Background&) = delete;
 
-  void set_policy(Policy* p) { policy_ = p; }
+  // `work` does the jobs; `driver` counts their driver time (step()).
+  void set_work(BackgroundWork* work, Driver* driver) {
+    work_source_ = work;
+    driver_ = driver;
+  }
   BackgroundMode mode() const { return mode_; }
   bool in_flight() const { return in_flight_; }  // device lock held
 
@@ -84,7 +129,8 @@ class Background {
   bool may_take() const { return !stop_ && !routed_ && !fork_paused_; }
 
   SpinMutex& mu_;
-  Policy* policy_ = nullptr;
+  BackgroundWork* work_source_ = nullptr;
+  Driver* driver_ = nullptr;
   BackgroundMode mode_;
   // Waited on with mu_. On the heap: a forked child leaks them (the worker may have been waiting on one, and
   // glibc's destroy would wait for it for ever) and makes new ones.

@@ -4,8 +4,8 @@
 #include <set>
 #include <vector>
 
-#include "policy.h"
-#include "trace_emit.h"
+#include "policy/policy.h"
+#include "state/trace_emit.h"
 
 namespace fragless {
 namespace {

@@ -39,7 +39,7 @@
 #include <cstring>
 #include <thread>
 
-#include "engine_state.h"
+#include "state/engine_state.h"
 #include "fragless/engine.h"
 
 namespace fragless {

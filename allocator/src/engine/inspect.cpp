@@ -2,8 +2,8 @@
 #include <set>
 #include <sstream>
 
-#include "engine_state.h"
-#include "policy.h"
+#include "state/engine_state.h"
+#include "policy/policy.h"
 
 namespace fragless {
 

@@ -6,9 +6,9 @@
 #include <cinttypes>
 #include <cstdio>
 
-#include "engine_state.h"
-#include "policy.h"
-#include "trace_emit.h"
+#include "state/engine_state.h"
+#include "policy/policy.h"
+#include "state/trace_emit.h"
 
 namespace fragless {
 
@@ -52,7 +52,7 @@ DeviceEngine::State::State(const Options& o, std::unique_ptr<Driver> d) : opts(o
     allowed_memory_maximum = static_cast<std::size_t>(opts.per_process_memory_fraction * device_total);
   stats.max_split_size = opts.max_split_size == SIZE_MAX ? -1 : static_cast<std::int64_t>(opts.max_split_size);
   policy = make_policy(opts.policy, *this);
-  background.set_policy(policy.get());
+  background.set_work(policy.get(), driver.get());
 }
 
 DeviceEngine::State::~State() {

@@ -5,33 +5,11 @@
 #include <memory>
 #include <vector>
 
-#include "engine_state.h"
+#include "state/engine_state.h"
 
 namespace fragless {
 
-// One unit of background work (Note [Background work] in background.h), passed by value from its take to
-// its run and its finish.
-struct BackgroundJob {
-  enum class Kind : std::uint8_t { none, split, unmap_lent } kind = Kind::none;
-  Segment* segment = nullptr;
-  Block* busy = nullptr;             // the range, held out of every pool while the job runs
-  std::size_t first = 0, pages = 0;  // the range, in segment pages
-  DevicePtr va = 0;                  // its address
-  PhysHandle handle = 0;             // split: the multi-page handle mapped there
-  Stream stream = 0;                 // whose queued work used the range
-  std::vector<PhysHandle> created;   // split: the new handles, in address order
-  std::vector<std::size_t> sizes;    // split: their pages (Note [Split in the background])
-  bool to_pages = false;             // split: the handle is a piece of an earlier split: make pages
-  Event event = 0;                   // unmap_lent: the event the range's old mapping waits for
-  std::uint64_t id = 0;              // unmap_lent: the range
-  std::atomic<int>* claim = nullptr; // unmap_lent: the range's state, which the run sets when it lets go
-  // How it ended: done; cancelled (nothing changed, the range as it was); gave back (the range is unmapped
-  // and its old handle released, or handed to the deferred releases when release_failed).
-  enum class Outcome : std::uint8_t { cancelled, done, gave_back } outcome = Outcome::cancelled;
-  bool release_failed = false;
-};
-
-class Policy {
+class Policy : public BackgroundWork {
  public:
   explicit Policy(DeviceEngine::State& s) : s_(s) {}
   virtual ~Policy() = default;
@@ -57,13 +35,10 @@ class Policy {
   // Checks the policy's own invariants (empty when they hold).
   virtual std::string check() const { return {}; }
 
-  // Background work (background.h). Under the device lock: the next job, false when there is none.
-  virtual bool take_background_job(BackgroundJob*) { return false; }
-  // Without the lock: the job's driver calls; it stops early when `abort` is set. `manual`: the caller
-  // steps the background by hand and must not be kept waiting for the GPU.
-  virtual void run_background_job(BackgroundJob&, const std::atomic<bool>& abort, bool manual) {}
-  // Under the device lock: the job's results into the engine's books.
-  virtual void finish_background_job(BackgroundJob&) {}
+  // Background work (state/background.h, BackgroundWork): none unless a policy has some.
+  bool take_background_job(BackgroundJob*) override { return false; }
+  void run_background_job(BackgroundJob&, const std::atomic<bool>&, bool) override {}
+  void finish_background_job(BackgroundJob&) override {}
   // Under the device lock: free block b, which may overlap a multi-page mapping (Block::multi), went back
   // to its pool (merged with its free neighbours).
   virtual void freed(Block* b, DevicePtr lo, DevicePtr hi) {}

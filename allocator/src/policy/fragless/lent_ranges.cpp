@@ -1,4 +1,4 @@
-#include "lent_ranges.h"
+#include "policy/fragless/lent_ranges.h"
 
 #include <thread>
 
