@@ -26,6 +26,10 @@ enum class BackgroundMode { thread, off, manual };
 
 const char* policy_name(PolicyKind p);
 const char* driver_kind_name(DriverKind d);
+// The policy or driver a name (as policy_name or driver_kind_name write it) selects; nullopt for any other
+// text. The one parser of these names: FRAGLESS_CONF, the replay's and the tools' options all use it.
+std::optional<PolicyKind> policy_from_name(std::string_view name);
+std::optional<DriverKind> driver_kind_from_name(std::string_view name);
 
 inline constexpr int kRoundUpPowerOfTwoIntervals = 16;
 

@@ -26,6 +26,18 @@ const char* driver_kind_name(DriverKind d) {
   return "?";
 }
 
+std::optional<PolicyKind> policy_from_name(std::string_view name) {
+  for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless})
+    if (name == policy_name(p)) return p;
+  return std::nullopt;
+}
+
+std::optional<DriverKind> driver_kind_from_name(std::string_view name) {
+  for (DriverKind d : {DriverKind::cuda, DriverKind::host, DriverKind::sim})
+    if (name == driver_kind_name(d)) return d;
+  return std::nullopt;
+}
+
 namespace {
 
 constexpr OptionInfo kOptions[] = {
@@ -265,9 +277,7 @@ class Parser {
     std::size_t n = 0;
     double d = 0;
     if (key == "policy") {
-      if (v == "classic") o_.policy = PolicyKind::classic;
-      else if (v == "expandable") o_.policy = PolicyKind::expandable;
-      else if (v == "fragless") o_.policy = PolicyKind::fragless;
+      if (const auto p = policy_from_name(v)) o_.policy = *p;
       else return err(bad_value(key, v, "classic, expandable or fragless"));
       *policy_given = true;
     } else if (key == "expandable_segments") {
@@ -284,9 +294,7 @@ class Parser {
       if (!parse_double(v, &d) || !(d >= 0.0 && d <= 1.0)) return err(bad_value(key, v, "a number in [0, 1]"));
       o_.per_process_memory_fraction = d;
     } else if (key == "driver") {
-      if (v == "cuda") o_.driver = DriverKind::cuda;
-      else if (v == "host") o_.driver = DriverKind::host;
-      else if (v == "sim") o_.driver = DriverKind::sim;
+      if (const auto d = driver_kind_from_name(v)) o_.driver = *d;
       else return err(bad_value(key, v, "cuda, host or sim"));
     } else if (key == "page_size_mb") {
       if (!parse_uint(v, &n) || n == 0 || n > 1024 || !std::has_single_bit(n))
