@@ -93,13 +93,6 @@ std::pair<std::uint64_t, std::uint64_t> identity(int fd) {
   return {static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino)};
 }
 
-void set_error(AllocError* e, Status st, std::string msg) {
-  if (e) {
-    e->status = st;
-    e->message = std::move(msg);
-  }
-}
-
 std::string hex(const void* p) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%p", p);

@@ -17,7 +17,7 @@ class ExpandablePolicy final : public GrowablePolicy {
     return round_up(small ? kSmallBuffer : kLargeBuffer, s_.driver->granularity());
   }
 
-  Status map_pages(Segment& seg, std::size_t first, std::size_t* n_io, std::size_t) override {
+  Status map_pages(Segment& seg, std::size_t first, std::size_t* n_io, std::size_t, const Run&) override {
     const std::size_t page = seg.page_size, n = *n_io;
     if (!s_.capacity_allows(n * page)) return Status::out_of_memory;
     Driver& d = *s_.driver;
@@ -47,7 +47,7 @@ class ExpandablePolicy final : public GrowablePolicy {
     return Status::ok;
   }
 
-  std::size_t unmap_pages(Segment& seg, std::size_t first, std::size_t n) override {
+  std::size_t unmap_pages(Segment& seg, std::size_t first, std::size_t n, const Unmap&) override {
     const std::size_t page = seg.page_size;
     Driver& d = *s_.driver;
     std::size_t done = 0;

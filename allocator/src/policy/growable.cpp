@@ -66,26 +66,16 @@ Block* GrowablePolicy::find_run(AllocParams& p) {
   return nullptr;
 }
 
-Status GrowablePolicy::map_block(Block* u, std::size_t bytes) {
+Status GrowablePolicy::map_block(Block* u, std::size_t bytes, const Run& run) {
   Segment& seg = *u->segment;
   const std::size_t first = (u->ptr - seg.base) / seg.page_size;
   std::size_t n = bytes / seg.page_size;
-  if (Status st = map_pages(seg, first, &n, u->size / seg.page_size); st != Status::ok) return st;
+  if (Status st = map_pages(seg, first, &n, u->size / seg.page_size, run); st != Status::ok) return st;
   bytes = n * seg.page_size;
   s_.unmapped_erase(u);
-  if (bytes < u->size) {
-    Block* rest = s_.new_block();
-    rest->ptr = u->ptr + bytes;
-    rest->size = u->size - bytes;
-    rest->segment = u->segment;
-    rest->pool = u->pool;
-    rest->stream = u->stream;
-    rest->state = BlockState::unmapped;
-    rest->prev = u;
-    rest->next = u->next;
-    if (rest->next) rest->next->prev = rest;
-    u->next = rest;
-    u->size = bytes;
+  if (bytes < u->size) {  // the rest stays unmapped
+    Block* rest = s_.split_after(u, u->ptr + bytes);
+    rest->multi = false;
     s_.unmapped_insert(rest);
   }
   u->state = BlockState::free;
@@ -103,18 +93,16 @@ Block* GrowablePolicy::grow(AllocParams& p) {
     if (!seg) return nullptr;
     head = seg->first;
   }
-  run_lo_ = head->ptr;
-  run_hi_ = head->ptr + round_up(p.rounded, head->segment->page_size) + head->segment->page_size;
+  const Run run{head->ptr, head->ptr + round_up(p.rounded, head->segment->page_size) + head->segment->page_size};
   if (head->state == BlockState::free) s_.pool_erase(head);
   for (;;) {
     if (head->state == BlockState::free && head->size >= p.rounded) break;
     Block* u = head->state == BlockState::unmapped ? head : head->next;
     const std::size_t have = head->state == BlockState::free ? head->size : 0;
     const std::size_t bytes = std::min(round_up(p.rounded - have, u->segment->page_size), u->size);
-    if (Status st = map_block(u, bytes); st != Status::ok) {
+    if (Status st = map_block(u, bytes, run); st != Status::ok) {
       p.status = st;
       if (head->state == BlockState::free) s_.pool_insert(head);
-      run_lo_ = run_hi_ = 0;
       return nullptr;
     }
     // u is now free and mapped; merge it with head (if free) and the reusable block after it.
@@ -124,14 +112,13 @@ Block* GrowablePolicy::grow(AllocParams& p) {
       s_.absorb_next(head);
     }
   }
-  run_lo_ = run_hi_ = 0;
   return head;
 }
 
-bool GrowablePolicy::unmap_block_pages(Block* b, std::size_t lo, std::size_t hi) {
+bool GrowablePolicy::unmap_block_pages(Block* b, std::size_t lo, std::size_t hi, const Unmap& how) {
   Segment& seg = *b->segment;
   s_.pool_erase(b);
-  const std::size_t done = unmap_pages(seg, lo, hi - lo);
+  const std::size_t done = unmap_pages(seg, lo, hi - lo, how);
   if (done == 0) {
     s_.pool_insert(b);
     return false;

@@ -6,11 +6,15 @@
 // where a run of reusable free and unmapped blocks fits the request and maps the missing pages;
 // releasing unmaps every whole free page and drops segments that end up entirely unmapped.
 //
-// Subclasses decide where physical pages come from (map_pages / unmap_pages).
+// Subclasses decide where physical pages come from (map_pages / unmap_pages). What a step needs is passed
+// to it as values: the run being grown (Run) down to map_pages, the reason for an unmap (Unmap) down to
+// unmap_pages.
 #pragma once
 #include "policy/policy.h"
 
 namespace fragless {
+
+struct Growth;  // a subclass's growth in progress (the fragless policy's: policy/fragless/fragless_policy.h)
 
 class GrowablePolicy : public Policy {
  public:
@@ -23,22 +27,36 @@ class GrowablePolicy : public Policy {
   void release_free(PoolSet* only, bool device_synchronized) override;
 
  protected:
+  // The run being grown by one grow() call, [lo, hi): what map_pages must not take memory from.
+  struct Run {
+    DevicePtr lo = 0, hi = 0;
+  };
+  // Why unmap_pages is called: a release (handles become idle), a reclaim for a request being mapped
+  // (handles go to it), or a same-stream reclaim that lends without a sync (to it, the old mapping kept).
+  struct Unmap {
+    enum class Why : std::uint8_t { release, reclaim, lend } why = Why::release;
+    Stream lend_to = 0;         // lend: the stream of the request that lending serves
+    Growth* growth = nullptr;   // reclaim and lend: the subclass's growth the handles go to
+  };
+
   virtual std::size_t page_size(bool small) const = 0;
   // Backs pages [first, first + *n) of seg with physical memory, maps them and sets access; all or nothing.
   // The pages [first, first + room) are unmapped and free to use: a policy whose physical handles span
   // several pages may map more than asked (up to room), and says how many in *n. Adds to reserved what it
   // creates.
-  virtual Status map_pages(Segment& seg, std::size_t first, std::size_t* n, std::size_t room) = 0;
-  // Unmaps pages [first, first + n) (the caller synchronised the stream); returns how many leading pages
-  // were unmapped (n on success).
-  virtual std::size_t unmap_pages(Segment& seg, std::size_t first, std::size_t n) = 0;
+  // `run` is the run being grown.
+  virtual Status map_pages(Segment& seg, std::size_t first, std::size_t* n, std::size_t room, const Run& run) = 0;
+  // Unmaps pages [first, first + n) (the caller synchronised the stream, unless `how` lends); returns how
+  // many leading pages were unmapped (n on success).
+  virtual std::size_t unmap_pages(Segment& seg, std::size_t first, std::size_t n, const Unmap& how) = 0;
   virtual void after_release() {}
   // Whether pages [first, first + n) of seg, just mapped, include a mapping of several pages (Block::multi).
   virtual bool multi_page(const Segment&, std::size_t /*first*/, std::size_t /*n*/) const { return false; }
 
   // Unmaps whole pages [lo, hi) (segment page indices) inside reusable block b, which is in its pool.
   // Splits b into free head, unmapped middle and free tail. False if nothing could be unmapped.
-  bool unmap_block_pages(Block* b, std::size_t lo, std::size_t hi);
+  bool unmap_block_pages(Block* b, std::size_t lo, std::size_t hi, const Unmap& how);
+  bool unmap_block_pages(Block* b, std::size_t lo, std::size_t hi) { return unmap_block_pages(b, lo, hi, Unmap{}); }
   // Whole pages inside b: [*lo, *hi); false if none.
   static bool whole_pages(const Block* b, std::size_t* lo, std::size_t* hi);
   // The pages inside b that can be unmapped: whole pages, narrowed by a policy whose mappings span several
@@ -47,13 +65,10 @@ class GrowablePolicy : public Policy {
     return whole_pages(b, lo, hi);
   }
 
-  // The run being grown in the current grow() call: reclaim must not take pages from it.
-  DevicePtr run_lo_ = 0, run_hi_ = 0;
-
  private:
   Segment* new_segment(AllocParams& p);
   Block* find_run(AllocParams& p);
-  Status map_block(Block* u, std::size_t bytes);
+  Status map_block(Block* u, std::size_t bytes, const Run& run);
 };
 
 }  // namespace fragless

@@ -307,4 +307,12 @@ struct DeviceEngine::State {
   void close_all_shares();  // teardown: every lease and import goes
 };
 
+// Fills `e` (when given) with a status and the message that explains it.
+inline void set_error(AllocError* e, Status st, std::string msg) {
+  if (e) {
+    e->status = st;
+    e->message = std::move(msg);
+  }
+}
+
 }  // namespace fragless

@@ -1,0 +1,117 @@
+// The fragless policy's new memory (fragless_policy.h): how much may still be created, the shape of new
+// handles (Note [Whole handles], Note [Cells]), and their creation.
+#include <algorithm>
+
+#include "policy/fragless/fragless_policy.h"
+#include "state/trace_emit.h"
+
+namespace fragless {
+
+// Pages that could still be created within the device's free memory and the memory fraction.
+std::size_t FraglessPolicy::creatable_pages() {
+  std::size_t free_b = 0, total_b = 0;
+  s_.driver->memory_info(&free_b, &total_b);
+  if (s_.allowed_memory_maximum)
+    free_b = std::min(free_b, s_.allowed_memory_maximum > s_.total_reserved
+                                  ? s_.allowed_memory_maximum - s_.total_reserved : 0);
+  return free_b / page_;
+}
+
+// The handles a growth of `missing` pages, the first at segment page `at`, creates (Note [Whole
+// handles]). With `ends` and `whole`, the last one may be rounded up to chunk_size, but by no more than
+// reserve_slack of live bytes and never past the room: fewer cuMemCreate calls at a bounded cost in idle
+// memory.
+std::vector<std::size_t> FraglessPolicy::shape(std::size_t missing, std::size_t room, std::size_t at, bool small,
+                                               bool frontier) {
+  if (s_.opts.handle_shape == HandleShape::pages) return std::vector<std::size_t>(missing, 1);
+  const std::size_t chunk = std::max<std::size_t>(1, s_.opts.chunk_size / page_);
+  const auto live = static_cast<double>(std::max<std::int64_t>(0, s_.stats.live_bytes.current));
+  const auto slack = static_cast<std::size_t>(live * s_.opts.reserve_slack) / page_;
+  if (s_.opts.handle_shape == HandleShape::cells)  // Note [Cells]
+    return cells(missing, room, at, small ? std::max<std::size_t>(1, kSmallBuffer / page_) : std::clamp<std::size_t>(slack, 1, chunk),
+                 frontier);
+  std::size_t extra = std::min(room, std::max(missing, std::min(chunk, missing + slack))) - missing;
+  if (extra && !can_create(missing + extra)) extra = 0;
+  if (s_.opts.handle_shape == HandleShape::whole || missing < 2) return {missing + extra};
+  // The body in handles of at most handle_max pages, then the last page (which a neighbour may share)
+  // with the slack: a live block that later straddles a body handle pins less than handle_max of it.
+  const std::size_t body_max = std::max<std::size_t>(1, s_.opts.handle_max / page_);
+  std::vector<std::size_t> sizes;
+  for (std::size_t left = missing - 1; left > 0;) {
+    const std::size_t k = std::min(left, body_max);
+    sizes.push_back(k);
+    left -= k;
+  }
+  sizes.push_back(1 + extra);
+  return sizes;
+}
+
+// Note [Cells]
+// handles:cells creates new memory the way expandable segments do, in cells of the segment (in the large
+// pool chunk_size_mb, expandable's 20 MiB page, but no more than reserve_slack of live bytes, so a small
+// job's free tail stays small; in the small pool one 2 MiB page), so a growth makes no more cuMemCreate
+// calls than the cells it touches and leaves a free tail no longer than a cell: a handle never crosses a
+// cell boundary, a growth at the end of what its segment maps ends on one (the rest of the last cell is
+// free space after the request, as in expandable's last page; a growth into a gap between mapped pages
+// creates only what it needs, leaving no free tail between live blocks), and the cells that lie wholly inside the request are one handle (of at most
+// handle_max_mb): only the request uses them, so nothing else pins them, and a large request costs one
+// call, not one per cell. Once free, every multi-page handle is split into pieces in the background (Note
+// [Split in the background]), so re-backing then moves that memory page by page.
+std::vector<std::size_t> FraglessPolicy::cells(std::size_t missing, std::size_t room, std::size_t at,
+                                               std::size_t chunk, bool frontier) {
+  // Only a growth at the end of what the segment maps rounds up to a cell's end: one inside a gap (a hole
+  // re-backed elsewhere) would leave its free tail between live blocks.
+  std::size_t end = frontier ? std::min(at + room, (at + missing + chunk - 1) / chunk * chunk) : at + missing;
+  if (end > at + missing && !can_create(end - at)) end = at + missing;
+  const std::size_t body_max = std::max<std::size_t>(1, s_.opts.handle_max / page_);
+  std::vector<std::size_t> sizes;
+  // The cells covered whole by the request's pages but its last (a neighbour may share the last page).
+  const std::size_t body_lo = (at + chunk - 1) / chunk * chunk, body_hi = (at + missing - 1) / chunk * chunk;
+  if (body_hi <= body_lo) {  // no whole cell: one handle per cell touched
+    for (std::size_t p = at; p < end;) {
+      const std::size_t next = std::min(end, (p / chunk + 1) * chunk);
+      sizes.push_back(next - p);
+      p = next;
+    }
+    return sizes;
+  }
+  if (body_lo > at) sizes.push_back(body_lo - at);  // the rest of a cell begun earlier
+  for (std::size_t p = body_lo; p < body_hi;) {
+    const std::size_t k = std::min(body_hi - p, body_max);
+    sizes.push_back(k);
+    p += k;
+  }
+  sizes.push_back(end - body_hi);  // the last cell: the request's last page and the free space after it
+  return sizes;
+}
+
+// Creates the handles for `missing` pages; they join the request. A handle that cannot be had in one
+// piece is created page by page (the last resort when physical memory is too fragmented for a large one).
+Status FraglessPolicy::create(Growth& g, std::size_t missing, std::size_t room, std::size_t at, bool small,
+                              bool frontier, std::vector<PhysHandle>* created) {
+  for (std::size_t pages : shape(missing, room, at, small, frontier)) {
+    if (!s_.capacity_allows(pages * page_)) return Status::out_of_memory;
+    PhysHandle h = 0;
+    Status st = s_.driver->create(pages * page_, &h);
+    if (st == Status::ok) {
+      add_created(g, h, pages, created);
+      continue;
+    }
+    if (st != Status::out_of_memory || pages == 1) return st;
+    for (std::size_t i = 0; i < pages; ++i) {
+      if ((st = s_.driver->create(page_, &h)) != Status::ok) return st;
+      add_created(g, h, 1, created);
+    }
+  }
+  return Status::ok;
+}
+
+void FraglessPolicy::add_created(Growth& g, PhysHandle h, std::size_t pages, std::vector<PhysHandle>* created) {
+  pool_.add_taken(h, pages);
+  g.planned += pages;
+  created->push_back(h);
+  s_.add_reserved(false, static_cast<std::int64_t>(pages * page_));
+  emit(s_, TraceAction::phys_create, 0, 0, pages * page_, pages * page_);
+}
+
+}  // namespace fragless

@@ -1,0 +1,184 @@
+// The fragless policy: growable segments with page-granular (2 MiB) pages whose physical memory comes from
+// a device-wide pool of whole handles (handle_pool.h). One class, in four files by concept:
+//   policy.cpp       placement: a growth's steps in order (idle handles, reclaim, creation, mapping),
+//                    unmaps and what they give back, refills, failure, the background hooks, check();
+//   reclaim.cpp      reclaim: whole handles under free blocks, and the audit of Note [Complete re-backing];
+//   create.cpp       new memory: how much may be created, and the shape of new handles (Note [Cells]);
+//   lent_ranges.h    lending: ranges lent without a sync until their old mappings go;
+//   handle_splitter.h  splitting free multi-page handles in the background.
+// A growth's state is one value, Growth, made by map_pages and passed to each step (and, through
+// GrowablePolicy::Unmap, to unmap_pages): no step reads what another left in a member.
+//
+// Note [Whole handles]
+// CUDA maps a physical handle only whole, at offset 0 (driver.h, R5), and unmaps whole mappings only (R7).
+// So the unit that can move from one address to another is a handle, and its size is a policy choice:
+// one page per handle moves the finest but costs a cuMemCreate per page; one handle per growth costs one
+// call but pins the whole growth while any byte of it is live. `handles:ends` puts the body of a growth in
+// one handle and its last page, the one a neighbour may share, in a handle of its own, and `handles:cells`
+// creates what expandable segments would (Note [Cells]); a free multi-page handle is split into pieces in
+// the background (Note [Split in the background]). docs/RESULTS.md, "Handle shapes", measures them. A handle larger than what a request still needs
+// is mapped whole anyway when the unmapped room after the request holds it: the extra pages become free
+// space at the segment's end, so no held memory is ever unusable for lack of a split.
+//
+// Note [Complete re-backing]
+// Invariant, checked after every operation: fragless creates new physical memory only when no physical
+// memory it already holds and could put under the request without waiting remains — no idle handle that
+// fits the room, and no whole handle under a free block of a default pool on the requesting stream, or, with
+// lend_across_streams, on another stream that has no unfinished work (Note [Lending across streams]) (holes
+// and free segment tails alike), outside the run being grown. A growth in which a hole's unmap failed (a
+// driver error) is exempt. One exception ends cycles (Note
+// [Refills]): a growth into pages that reclaims stripped twice within the last kRefillWindow growths
+// creates its memory.
+//
+// Note [Refills]
+// A repeated step can make re-backing cycle: a miss at R takes memory from hole H, the next step's miss at
+// H takes it back from R, and so on, an unmap and a map every step for ever. The sign is a growth into
+// pages that reclaims stripped twice within kRefillWindow growths: the memory taken from there keeps being
+// needed there. (Once is no sign: a step of another shape re-backs there legitimately.) Such a growth
+// creates new memory instead (idle handles still come first), so both places keep memory and the
+// step reaches a steady state with no driver call. A refill is bounded: it may not take reserved past
+// reserve_slack above the peak of live bytes plus two pages; a larger growth into stripped pages (a
+// repeated chain of doubling activations, whose second pass lands where the first pass took memory from)
+// re-backs completely instead, at the price of its driver calls. Lent ranges whose events have
+// completed are unmapped first, so their handles count too. Holes on other streams need a
+// synchronisation before their memory can move (cuMemUnmap is not stream-ordered); taking them is a
+// counted last resort, used only when creating would exceed the device. Private pools (graph capture)
+// are never reclaimed from: their addresses are baked into graphs.
+//
+// Note [Lending across streams]
+// The rule: a hole on another stream S is taken for a request on stream T, with no wait at all, when S has
+// no unfinished work (an event recorded on S at that moment has already completed: the work that used the
+// hole is done, and so is everything else S had queued). A hole of a busy S is taken only as the last
+// resort, when creating the memory would exceed the device: then T is made to wait, on the device, for
+// an event recorded on S (cuStreamWaitEvent), the old mapping stays until that event completes, and the
+// host never waits. (CUDA's stream-ordered pools reuse memory across streams the same way,
+// cudaMemPoolReuseAllowInternalDependencies.)
+// Why: the event can only be recorded when the hole is taken, not when it was freed (recording one at
+// every free would put a driver call, a cuEventRecord of about a microsecond, on the fast path of every
+// free; the cache-hit pair costs well under that), so waiting for it makes T wait for everything queued on S
+// since the free too: a pending NCCL receive on a communication stream would stall compute, and two ranks
+// could wait on each other. Measured on the libcuda double's virtual clock (test_cuda_path.cpp, "lending
+// across streams waits for what it must"): a hole freed on S, then a kernel of 100000 ticks queued on S;
+// lending it to T the old way delayed T's next kernel by 100100 ticks, with this rule by 0 (T gets new
+// memory); on a full device the last resort delays it by the same 100100 ticks and the host by 0.
+// Per-thread default streams (driver.h, R16) are asked through the mark their own thread records at each
+// free there (engine_state.h). `lend_across_streams:False` takes other streams' holes only as the last
+// resort, after synchronising S on the host.
+//
+// Note [Lending pages without a sync]
+// cuMemUnmap is not stream-ordered, so unmapping a hole while its stream may still run work that used it
+// needs a synchronisation first (PyTorch synchronises before every unmap). But a hole on the requesting
+// stream need not be unmapped first: its handles are mapped at the new address while the old mappings stay
+// (R9: one handle may be mapped at several addresses). The new block's work is queued on the same stream
+// after everything that used the hole, so stream order makes the sharing safe. An event recorded on the
+// stream at that moment tells when the old mappings may go; they are unmapped once the event has completed
+// (by the background worker, or polled on later slow paths: lent_ranges.h), or, if their address range is needed again before that, after waiting for
+// the event, which counts as a forced synchronisation. Until its old mapping is gone a lent range is
+// `unmapped` to the engine and no other request maps it.
+//
+// In a steady state (the same step again) every request hits the cache, so no driver call and no
+// synchronisation happen at all; the driver is only touched when the working set changes shape.
+#pragma once
+#include <atomic>
+#include <deque>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "policy/fragless/handle_pool.h"
+#include "policy/fragless/handle_splitter.h"
+#include "policy/fragless/lent_ranges.h"
+#include "policy/growable.h"
+
+namespace fragless {
+
+// One growth of the fragless policy (one map_pages call), passed to each of its steps.
+struct Growth {
+  Stream stream = 0;                  // the segment's: the stream of the request
+  DevicePtr run_lo = 0, run_hi = 0;   // the run being grown: reclaim must not take pages from it
+  std::size_t planned = 0;            // pages taken for the request so far
+  bool unmap_failed = false;          // an unmap of a hole failed (the driver's fault, Note [Complete re-backing])
+  std::map<Stream, bool> idle;        // whether a stream had no unfinished work when first asked
+};
+
+class FraglessPolicy final : public GrowablePolicy {
+ public:
+  using GrowablePolicy::GrowablePolicy;
+  PolicyKind kind() const override { return PolicyKind::fragless; }
+  std::size_t idle_bytes() const override { return pool_.idle_pages() * page_; }
+  bool small_from_large_remnants() const override { return s_.opts.small_in_remnants; }
+  std::string check() const override;
+  void release_free(PoolSet* only, bool device_synchronized) override;
+  void freed(Block* b, DevicePtr lo, DevicePtr hi) override;
+  bool take_background_job(BackgroundJob* job) override;
+  void run_background_job(BackgroundJob& job, const std::atomic<bool>& abort, bool manual) override;
+  void finish_background_job(BackgroundJob& job) override;
+
+ protected:
+  std::size_t page_size(bool) const override { return page_; }
+  // Whole pages of b, narrowed to the whole mappings inside them (R7).
+  bool unmappable_pages(const Block* b, std::size_t* lo, std::size_t* hi) const override {
+    return whole_pages(b, lo, hi) && whole_mappings(*b->segment, lo, hi);
+  }
+  Status map_pages(Segment& seg, std::size_t first, std::size_t* n_io, std::size_t room, const Run& run) override;
+  std::size_t unmap_pages(Segment& seg, std::size_t first, std::size_t n, const Unmap& how) override;
+  bool multi_page(const Segment& seg, std::size_t first, std::size_t n) const override {
+    return splitter_.any_multi(seg, first, n);
+  }
+  // After a release (empty_cache, OOM retry): every idle handle goes back to the driver.
+  void after_release() override {
+    pool_.release_idle([&](PhysHandle h, std::size_t pages) { release_handle(h, pages); });
+  }
+
+ private:
+  struct Stripped { const Segment* seg; std::size_t lo, hi; std::uint64_t tick; std::uint32_t times; };
+  static constexpr std::uint64_t kRefillWindow = 256;  // growths
+  // Whole mappings [lo, hi) (segment pages) inside the free block b.
+  struct Candidate { Block* b; std::size_t lo, hi; };
+
+  static std::size_t mapping_start(const Segment& seg, std::size_t page) {
+    return page - seg.pages[page].offset / seg.page_size;
+  }
+  // Narrows mapped pages [*lo, *hi) of seg to the whole mappings inside them; false if none.
+  bool whole_mappings(const Segment& seg, std::size_t* lo, std::size_t* hi) const;
+  bool background() const { return s_.opts.background != BackgroundMode::off; }
+  bool lend_across() const { return s_.opts.lend_pages && s_.opts.lend_across_streams; }
+  // Whether stream st had no unfinished work when this growth first asked (asked once per growth).
+  bool idle(Growth& g, Stream st);
+
+  // policy.cpp: placement, unmaps, refills, failure.
+  std::string check_multi() const;
+  void take_idle(Growth& g, std::size_t need, std::size_t room);
+  Status fail_request(Status st, const std::vector<PhysHandle>& created);
+  void give_back(Segment& seg, std::size_t first, std::size_t n, Growth* to_request);
+  bool refills(const Segment& seg, std::size_t first, std::size_t missing);
+  void move_reserved(bool to_small, std::size_t bytes);
+  void release_handle(PhysHandle h, std::size_t pages);
+
+  // reclaim.cpp
+  bool reclaimable(const Block* b, const Growth& g, std::size_t* lo, std::size_t* hi) const;
+  std::vector<Candidate> candidates(Growth& g, Stream stream, bool other_streams, bool idle_only = false);
+  std::size_t reclaimable_pages(Growth& g);
+  void reclaim(Growth& g, bool other_streams, std::size_t need, std::size_t room, bool busy_too = false);
+  void audit_creation(Growth& g, const Segment& target, std::size_t missing, std::size_t room);
+
+  // create.cpp
+  std::size_t creatable_pages();
+  bool can_create(std::size_t pages) { return s_.capacity_allows(pages * page_) && creatable_pages() >= pages; }
+  std::vector<std::size_t> shape(std::size_t missing, std::size_t room, std::size_t at, bool small, bool frontier);
+  std::vector<std::size_t> cells(std::size_t missing, std::size_t room, std::size_t at, std::size_t chunk, bool frontier);
+  Status create(Growth& g, std::size_t missing, std::size_t room, std::size_t at, bool small, bool frontier,
+                std::vector<PhysHandle>* created);
+  void add_created(Growth& g, PhysHandle h, std::size_t pages, std::vector<PhysHandle>* created);
+
+  std::size_t page_ = s_.driver->granularity();
+  HandlePool pool_;
+  HandleSplitter splitter_{s_, pool_, page_};  // Note [Split in the background]
+  std::uint64_t tick_ = 0;         // growths so far
+  std::deque<Stripped> stripped_;  // ranges reclaims took memory from, within kRefillWindow growths
+  LentRanges lent_{s_, page_};    // lent ranges still mapped at their old address
+  std::string audit_;              // a broken Note [Complete re-backing], for check()
+  mutable bool audit_on_ = false;  // check() has been called: audit every creation (Note [Auditing creations])
+};
+
+}  // namespace fragless

@@ -1,0 +1,200 @@
+// The books of DeviceEngine::State (state/engine_state.h): blocks made and deleted, pools and the unmapped
+// sets kept in order, splits and merges, the driver resources given back (or deferred when the driver
+// refuses), reserved bytes, and the stream questions the request path asks (forced syncs, idle streams).
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+
+#include "fragless/engine.h"
+#include "state/engine_state.h"
+
+namespace fragless {
+
+// ---------------------------------------------------------------------------------------------------------
+// State basics
+
+void DeviceEngine::State::give_back_mapping(DevicePtr va, std::size_t size) {
+  if (driver->unmap(va, size) == Status::ok) return;
+  // What is still mapped of the range, mapping by mapping (an unmap one mapping at a time, R15, may have
+  // stopped part way).
+  for (DevicePtr at = va; at < va + size; at += driver->granularity())
+    if (const std::size_t n = driver->mapping_size(at)) {
+      deferred_unmaps.emplace_back(at, n);
+      at += n - driver->granularity();
+    }
+}
+
+void DeviceEngine::State::give_back_handle(PhysHandle h) {
+  if (driver->release(h) != Status::ok) deferred_handles.push_back(h);
+}
+
+void DeviceEngine::State::give_back_reservation(DevicePtr va, std::size_t size) {
+  if (driver->free_reservation(va, size) != Status::ok) deferred_reservations.emplace_back(va, size);
+}
+
+bool DeviceEngine::State::retry_deferred() {
+  // Mappings first (a reservation cannot be freed while mapped), then handles, then address ranges.
+  std::erase_if(deferred_unmaps, [&](const auto& m) { return driver->unmap(m.first, m.second) == Status::ok; });
+  std::erase_if(deferred_handles, [&](PhysHandle h) { return driver->release(h) == Status::ok; });
+  std::erase_if(deferred_reservations,
+                [&](const auto& r) { return driver->free_reservation(r.first, r.second) == Status::ok; });
+  return !has_deferred();
+}
+
+Block* DeviceEngine::State::new_block() {
+  if (spare_blocks.empty()) {
+    constexpr std::size_t kSlab = 256;
+    block_slabs.push_back(std::make_unique<Block[]>(kSlab));
+    for (std::size_t i = 0; i < kSlab; ++i) spare_blocks.push_back(&block_slabs.back()[i]);
+  }
+  Block* b = spare_blocks.back();
+  spare_blocks.pop_back();
+  return b;
+}
+
+void DeviceEngine::State::delete_block(Block* b) {
+  *b = Block{};
+  spare_blocks.push_back(b);
+}
+
+void DeviceEngine::State::pool_insert(Block* b) {
+  b->pool->blocks.insert(b);
+  b->in_size_set = true;
+  if (!b->segment->growable && b->is_split()) {
+    stats.inactive_split.add(b->pool->small, 1);
+    stats.inactive_split_bytes.add(b->pool->small, static_cast<std::int64_t>(b->size));
+  }
+}
+
+void DeviceEngine::State::pool_erase(Block* b) {
+  b->pool->blocks.erase(b);
+  b->in_size_set = false;
+  if (!b->segment->growable && b->is_split()) {
+    stats.inactive_split.add(b->pool->small, -1);
+    stats.inactive_split_bytes.add(b->pool->small, -static_cast<std::int64_t>(b->size));
+  }
+}
+
+void DeviceEngine::State::unmapped_insert(Block* b) { b->pool->unmapped.insert(b); }
+void DeviceEngine::State::unmapped_erase(Block* b) { b->pool->unmapped.erase(b); }
+
+Block* DeviceEngine::State::split_after(Block* b, DevicePtr at) {
+  Block* r = new_block();
+  r->ptr = at;
+  r->size = b->ptr + b->size - at;
+  r->segment = b->segment;
+  r->pool = b->pool;
+  r->stream = b->stream;
+  r->state = b->state;
+  r->multi = b->multi;
+  r->prev = b;
+  r->next = b->next;
+  if (r->next) r->next->prev = r;
+  b->next = r;
+  b->size = at - b->ptr;
+  return r;
+}
+
+void DeviceEngine::State::absorb_next(Block* b) {
+  Block* n = b->next;
+  b->size += n->size;
+  b->multi = b->multi || n->multi;
+  b->next = n->next;
+  if (b->next) b->next->prev = b;
+  delete_block(n);
+}
+
+Block* DeviceEngine::State::merge_free(Block* b) {
+  if (Block* p = b->prev; p && p->reusable()) {
+    pool_erase(p);
+    absorb_next(p);
+    b = p;
+  }
+  if (Block* n = b->next; n && n->reusable()) {
+    pool_erase(n);
+    absorb_next(b);
+  }
+  return b;
+}
+
+Block* DeviceEngine::State::merge_unmapped(Block* b) {
+  if (Block* p = b->prev; p && p->state == BlockState::unmapped) {
+    unmapped_erase(p);
+    absorb_next(p);
+    b = p;
+  }
+  if (Block* n = b->next; n && n->state == BlockState::unmapped) {
+    unmapped_erase(n);
+    absorb_next(b);
+  }
+  return b;
+}
+
+void DeviceEngine::State::add_reserved(bool small, std::int64_t bytes) {
+  stats.reserved_bytes.add(small, bytes);
+  total_reserved = static_cast<std::size_t>(static_cast<std::int64_t>(total_reserved) + bytes);
+}
+
+Status DeviceEngine::State::forced_sync(Stream st) {
+  if (retired_streams.count(st)) return Status::ok;  // waited for when it was destroyed
+  ++stats.num_forced_syncs;
+  Status r = Status::ok;
+  if (is_per_thread_stream(st) && st != per_thread_stream()) {
+    // R16: another thread's per-thread stream; its mark was recorded at its latest free there. No mark: no
+    // block was freed there by its thread, so its free memory came back behind a fence or its events.
+    auto it = per_thread_marks.find(st);
+    if (it != per_thread_marks.end())
+      r = it->second.valid ? driver->synchronize_event(it->second.event) : Status::driver_error;
+  } else {
+    r = driver->synchronize_stream(st);
+  }
+  return r == Status::ok ? r : wait_failed("a stream synchronisation");
+}
+
+Status DeviceEngine::State::wait_failed(const char* what) {
+  ++stats.num_failed_waits;
+  if (wait_error.empty())
+    wait_error = std::string("fragless: ") + what + " on device " + std::to_string(driver->device()) +
+                 " failed (" + driver->last_error() + "); the memory under that work stays cached and the release "
+                 "is tried again later";
+  return Status::driver_error;
+}
+
+void DeviceEngine::State::mark_per_thread_free(Stream st) {
+  Mark& m = per_thread_marks[st];
+  if (m.valid) driver->release_event(m.event);
+  m.valid = driver->record_event(st, &m.event) == Status::ok;
+}
+
+bool DeviceEngine::State::stream_idle(Stream st) {
+  if (retired_streams.count(st)) return true;
+  if (is_per_thread_stream(st) && st != per_thread_stream()) {
+    auto it = per_thread_marks.find(st);
+    return it == per_thread_marks.end() || (it->second.valid && driver->query_event(it->second.event) == Status::ok);
+  }
+  Event e = 0;
+  if (driver->record_event(st, &e) != Status::ok) return false;
+  const bool idle = driver->query_event(e) == Status::ok;
+  driver->release_event(e);
+  return idle;
+}
+
+bool DeviceEngine::State::synchronize_device() {
+  ++stats.num_forced_syncs;
+  if (driver->synchronize_device() == Status::ok) return true;
+  wait_failed("a device-wide synchronisation (before graph-private memory goes)");
+  return false;
+}
+
+bool DeviceEngine::State::capacity_allows(std::size_t extra) const {
+  return allowed_memory_maximum == 0 || total_reserved + extra <= allowed_memory_maximum;
+}
+
+PoolSet& DeviceEngine::State::pool_set_for(Stream st) {
+  for (auto it = routes.rbegin(); it != routes.rend(); ++it)
+    if (!it->second || it->second(st)) return *it->first;
+  return default_pools;
+}
+
+
+}  // namespace fragless
