@@ -39,13 +39,30 @@ using fragless_preload::counters;
 
 using Dlsym = void* (*)(void*, const char*);
 
-// glibc's own dlsym (2.34 moved it into libc; older ones have it in libdl with the architecture's base version).
-Dlsym real_dlsym() {
-  static const Dlsym f = [] {
-    for (const char* v : {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", "GLIBC_2.0"})
-      if (void* p = dlvsym(RTLD_NEXT, "dlsym", v)) return reinterpret_cast<Dlsym>(p);
-    return static_cast<Dlsym>(nullptr);
-  }();
+// Note [dlsym before the sanitizers]: a sanitizer runtime resolves its interceptors with
+// dlsym(RTLD_NEXT, ...) while it initialises, and with this library first in LD_PRELOAD that call lands in
+// the dlsym below. AddressSanitizer does it before it maps its shadow memory (InitializeAsanInterceptors
+// runs before InitializeShadowMemory in AsanInitInternal), so the path RTLD_NEXT and RTLD_DEFAULT take
+// must execute no instrumented code: no sanitizer checks in these two functions, and no function-local
+// static (its guard is a call into the instrumented C++ runtime): a plain pointer read and written with
+// the compiler's atomic builtins, which the instrumentation does not wrap in a call.
+#define FRAGLESS_NO_SANITIZE __attribute__((no_sanitize("address", "undefined", "thread")))
+
+Dlsym g_real_dlsym = nullptr;  // constant-initialised: set before any constructor runs
+
+// glibc's own dlsym (2.34 moved it into libc; older ones have it in libdl with the architecture's base
+// version). Two threads racing here both find the same pointer; either store is right.
+FRAGLESS_NO_SANITIZE Dlsym real_dlsym() {
+  Dlsym f = __atomic_load_n(&g_real_dlsym, __ATOMIC_ACQUIRE);
+  if (f) return f;
+  static const char* const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", "GLIBC_2.0"};
+  for (const char* v : versions) {
+    if (void* p = dlvsym(RTLD_NEXT, "dlsym", v)) {
+      f = reinterpret_cast<Dlsym>(p);
+      break;
+    }
+  }
+  __atomic_store_n(&g_real_dlsym, f, __ATOMIC_RELEASE);
   return f;
 }
 
@@ -748,8 +765,9 @@ FRAGLESS_EXPORT CUresult cuGetProcAddress_v2(const char* symbol, void** pfn, int
 
 // dlsym: lookups in a handle of the driver library hand out the interposed entry points (XLA and TensorFlow
 // look libcuda's symbols up in their own RTLD_LOCAL handle). RTLD_DEFAULT and RTLD_NEXT are passed on as a
-// tail call, so glibc sees the original caller (RTLD_NEXT is relative to it; a test checks it).
-FRAGLESS_EXPORT __attribute__((optimize("O2", "optimize-sibling-calls"))) void* dlsym(void* handle, const char* name) {
+// tail call, so glibc sees the original caller (RTLD_NEXT is relative to it; a test checks it), and touch
+// nothing instrumented (Note [dlsym before the sanitizers]).
+FRAGLESS_EXPORT FRAGLESS_NO_SANITIZE __attribute__((optimize("O2", "optimize-sibling-calls"))) void* dlsym(void* handle, const char* name) {
   if (handle == RTLD_DEFAULT || handle == RTLD_NEXT) return real_dlsym()(handle, name);
   return lookup(handle, name, __builtin_return_address(0));
 }
