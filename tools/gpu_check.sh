@@ -2,7 +2,7 @@
 # The GPU check, run on a GPU machine from a bundle built on a CPU one (tools/gpu_bundle.sh), without building:
 #   bash gpu-bundle/gpu_check.sh [BUNDLE]       (BUNDLE: default, the folder this script is in, or gpu-bundle/)
 # 1. the driver probe (tools/gpu_probe.cpp): granularity, VMM attributes, call costs, the contract's questions;
-# 2. the real-driver tests (tools/gpu_tests.cpp: conformance, OOM, integrity with patterns through cuMemcpy,
+# 2. the real-driver tests (tests/gpu/gpu_tests.cpp: conformance, OOM, integrity with patterns through cuMemcpy,
 #    record_stream proved physically with a kernel that writes at its end, a graph of real kernels replayed on
 #    another stream and released while it runs), every policy;
 # 3. the built-in workloads replayed with the measured costs instead of the A100 model;

@@ -1,17 +1,20 @@
 // The libcuda double (libfragless_fakecuda.so) as the cuda-driver tests drive it: its controls loaded by name,
-// the census check every test ends with, allocators on the cuda driver, and the double's context calls.
+// the census check every test ends with, allocators on the cuda driver, the fault sweeps' workload and call
+// counts, and the double's context calls. The test programs without Catch2 use program.h.
 #pragma once
 #include <catch2/catch.hpp>
 #include <dlfcn.h>
 
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <cuda.h>
 
 #include "fake_cuda.h"
-#include "../fault_workload.h"
+#include "../support/fault_workload.h"
 #include "fragless/allocator.h"
 
 namespace fragless::test {
@@ -135,6 +138,26 @@ inline void require_nothing_held() {
   REQUIRE(c.reservations == 0);
   REQUIRE(c.events == 0);
   REQUIRE(c.used_bytes == 0);
+}
+
+// The fault sweeps' workload (fault_workload.h) on one device of the double: the streams are that device's,
+// and the one the workload holds is held in the double (test_cuda_driver.cpp, test_background_cuda.cpp).
+inline bool workload(DeviceEngine& e, std::string* error) {
+  const Stream base = Fake::stream_base(e.device());
+  return fault_workload(e, error, [base](bool on) {
+    fake().hold(reinterpret_cast<void*>(base + kFaultStreamUse), on ? 1 : 0);
+  }, base);
+}
+
+// How many times `run` calls each of `calls` in the double: the occurrences a fault sweep fails one by one.
+template <std::size_t N>
+std::vector<unsigned long> calls_made(const char* const (&calls)[N], const std::function<void()>& run) {
+  std::vector<unsigned long> before;
+  for (auto c : calls) before.push_back(fake().calls(c));
+  run();
+  std::vector<unsigned long> total;
+  for (std::size_t i = 0; i < N; ++i) total.push_back(fake().calls(calls[i]) - before[i]);
+  return total;
 }
 
 // The double's context calls, for tests that act as a CUDA program would.

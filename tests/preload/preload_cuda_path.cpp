@@ -11,7 +11,7 @@
 #include <string>
 #include <thread>
 
-#include "../fake_cuda/fake_cuda.h"
+#include "../fake_cuda/program.h"
 
 extern "C" {
 typedef int cudaError_t;
@@ -40,77 +40,9 @@ cudaError_t cudaPointerGetAttributes(PointerAttributes*, const void*);
 void* fakecudart_foreign_alloc(size_t);
 }
 
+using namespace fakecuda_program;
+
 namespace {
-
-int failures = 0;
-void expect(bool ok, const std::string& what) {
-  std::printf("%s: %s\n", ok ? "ok" : "FAIL", what.c_str());
-  if (!ok) ++failures;
-}
-
-template <typename F>
-F sym(void* lib, const char* name) {
-  auto f = reinterpret_cast<F>(dlsym(lib, name));
-  if (!f) {
-    std::fprintf(stderr, "FAIL: %s not found\n", name);
-    std::exit(1);
-  }
-  return f;
-}
-
-// The libcuda double's controls and census, and the interposer's own entry points.
-struct Double {
-  void* lib = nullptr;
-  decltype(&fakecuda_get_census) census_ = nullptr;
-  decltype(&fakecuda_fail) fail = nullptr;
-  decltype(&fakecuda_launch) launch = nullptr;
-  decltype(&fakecuda_first_fault) first_fault = nullptr;
-  decltype(&fakecuda_advance) advance = nullptr;
-  int (*primary_state)(int, unsigned*, int*) = nullptr;
-  int (*preload_memory)(int, size_t*, size_t*) = nullptr;
-  int (*device_of)(void*) = nullptr;
-  decltype(&fakecuda_free_bytes) free_bytes = nullptr;
-  void (*counters)(unsigned long*) = nullptr;
-  Double() {
-    const char* path = std::getenv("FRAGLESS_LIBCUDA");
-    lib = path ? dlopen(path, RTLD_NOW | RTLD_LOCAL) : nullptr;
-    if (!lib || !dlsym(RTLD_DEFAULT, "fragless_preload_counters")) {
-      std::fprintf(stderr, "FAIL: run under LD_PRELOAD=libfragless_preload.so with FRAGLESS_LIBCUDA naming the double\n");
-      std::exit(1);
-    }
-    census_ = sym<decltype(census_)>(lib, "fakecuda_get_census");
-    fail = sym<decltype(fail)>(lib, "fakecuda_fail");
-    launch = sym<decltype(launch)>(lib, "fakecuda_launch");
-    first_fault = sym<decltype(first_fault)>(lib, "fakecuda_first_fault");
-    advance = sym<decltype(advance)>(lib, "fakecuda_advance");
-    free_bytes = sym<decltype(free_bytes)>(lib, "fakecuda_free_bytes");
-    primary_state = sym<decltype(primary_state)>(lib, "cuDevicePrimaryCtxGetState");
-    preload_memory = reinterpret_cast<decltype(preload_memory)>(dlsym(RTLD_DEFAULT, "fragless_preload_memory"));
-    expect(preload_memory != nullptr, "the interposer exports fragless_preload_memory");
-    device_of = sym<decltype(device_of)>(RTLD_DEFAULT, "fragless_preload_device_of");
-    counters = sym<decltype(counters)>(RTLD_DEFAULT, "fragless_preload_counters");
-  }
-  fakecuda_census census() const {
-    fakecuda_census c{};
-    census_(&c);
-    return c;
-  }
-  bool active(int device) const {
-    unsigned flags = 0;
-    int on = 0;
-    return primary_state(device, &flags, &on) == 0 && on;
-  }
-  std::size_t allocated(int device) const {
-    size_t a = 0, r = 0;
-    if (!preload_memory || preload_memory(device, &a, &r) != 0) return SIZE_MAX;
-    return a;
-  }
-  unsigned long fences() const {
-    unsigned long c[5];
-    counters(c);
-    return c[3];
-  }
-};
 
 constexpr std::size_t MiB = 1u << 20;
 constexpr int kCaptureGlobal = 0;  // cudaStreamCaptureModeGlobal
@@ -126,7 +58,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (argc != 1) return std::fprintf(stderr, "usage: %s (takes no arguments; --help)\n", argv[0]), 2;
-  Double d;
+  const Interposed d;
   // 1. A pointer's owner is looked up among the engines that exist: a free of memory fragless never saw
   //    creates no engine and no context.
   expect(cudaFree(fakecudart_foreign_alloc(4096)) == 0, "a foreign pointer's free, the process's first call");

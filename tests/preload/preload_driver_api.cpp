@@ -24,7 +24,7 @@
 #include <string>
 #include <thread>
 
-#include "../fake_cuda/fake_cuda.h"
+#include "../fake_cuda/program.h"
 
 #undef cuGetProcAddress
 
@@ -32,13 +32,9 @@
 extern "C" CUresult cuMemAllocAsync_ptsz(CUdeviceptr*, size_t, CUstream);
 extern "C" CUresult cuMemFreeAsync_ptsz(CUdeviceptr, CUstream);
 
-namespace {
+using namespace fakecuda_program;
 
-int failures = 0;
-void expect(bool ok, const std::string& what) {
-  std::printf("%s: %s\n", ok ? "ok" : "FAIL", what.c_str());
-  if (!ok) ++failures;
-}
+namespace {
 
 // The driver API as the program under test sees it.
 struct Api {
@@ -68,15 +64,6 @@ struct Api {
   CUresult (*begin_capture)(CUstream, CUstreamCaptureMode);
   CUresult (*end_capture)(CUstream, CUgraph*);
 };
-
-template <typename F>
-void need(F* out, void* p, const char* name) {
-  if (!p) {
-    std::fprintf(stderr, "FAIL: %s not found\n", name);
-    std::exit(1);
-  }
-  *out = reinterpret_cast<F>(p);
-}
 
 Api direct() {
   return {&cuInit, &cuDeviceGet, &cuDevicePrimaryCtxRetain, &cuCtxSetCurrent, &cuStreamCreate, &cuMemAlloc_v2,
@@ -165,55 +152,6 @@ Api by_proc_address(void* lib, bool v1) {
   return a;
 }
 
-// The double's controls, census and call counts, and the interposer's own entry points.
-struct Double {
-  void* lib = nullptr;
-  decltype(&fakecuda_get_census) census_ = nullptr;
-  decltype(&fakecuda_calls) calls = nullptr;
-  decltype(&fakecuda_launch) launch = nullptr;
-  decltype(&fakecuda_first_fault) first_fault = nullptr;
-  decltype(&fakecuda_foreign_alloc) foreign_alloc = nullptr;
-  int (*device_of)(void*) = nullptr;
-  int (*preload_memory)(int, size_t*, size_t*) = nullptr;
-  void (*counters)(unsigned long*) = nullptr;
-  void (*driver_counters)(unsigned long*) = nullptr;
-  Double() {
-    const char* path = std::getenv("FRAGLESS_LIBCUDA");
-    lib = path ? dlopen(path, RTLD_NOW | RTLD_LOCAL) : nullptr;
-    if (!lib || !dlsym(RTLD_DEFAULT, "fragless_preload_counters")) {
-      std::fprintf(stderr, "FAIL: run under LD_PRELOAD=libfragless_preload.so with FRAGLESS_LIBCUDA naming the double\n");
-      std::exit(1);
-    }
-    need(&census_, dlsym(lib, "fakecuda_get_census"), "fakecuda_get_census");
-    need(&calls, dlsym(lib, "fakecuda_calls"), "fakecuda_calls");
-    need(&launch, dlsym(lib, "fakecuda_launch"), "fakecuda_launch");
-    need(&first_fault, dlsym(lib, "fakecuda_first_fault"), "fakecuda_first_fault");
-    need(&foreign_alloc, dlsym(lib, "fakecuda_foreign_alloc"), "fakecuda_foreign_alloc");
-    need(&device_of, dlsym(RTLD_DEFAULT, "fragless_preload_device_of"), "fragless_preload_device_of");
-    preload_memory = reinterpret_cast<decltype(preload_memory)>(dlsym(RTLD_DEFAULT, "fragless_preload_memory"));
-    expect(preload_memory != nullptr, "the interposer exports fragless_preload_memory");
-    need(&counters, dlsym(RTLD_DEFAULT, "fragless_preload_counters"), "fragless_preload_counters");
-    driver_counters =
-        reinterpret_cast<decltype(driver_counters)>(dlsym(RTLD_DEFAULT, "fragless_preload_driver_counters"));
-  }
-  fakecuda_census census() const {
-    fakecuda_census c{};
-    census_(&c);
-    return c;
-  }
-  bool fragless(CUdeviceptr p, int device) const { return device_of(reinterpret_cast<void*>(p)) == device; }
-  unsigned long fences() const {
-    unsigned long c[5];
-    counters(c);
-    return c[3];
-  }
-  unsigned long recursions() const {
-    unsigned long c[3] = {0, 0, 0};
-    if (driver_counters) driver_counters(c);
-    return driver_counters ? c[2] : ~0ul;
-  }
-};
-
 constexpr std::size_t MiB = 1u << 20;
 
 void* as_ptr(CUdeviceptr p) { return reinterpret_cast<void*>(p); }
@@ -235,7 +173,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s direct|dlsym|procaddress|procaddress1 (--help)\n", argv[0]);
     return 2;
   }
-  Double d;
+  const Interposed d;
   void* driver = dlopen(std::getenv("FRAGLESS_LIBCUDA"), RTLD_NOW | RTLD_LOCAL);
   Api a{};
   if (mode == "direct") a = direct();

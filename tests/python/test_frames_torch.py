@@ -13,19 +13,12 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "torch_plugin", "python"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from checks import check  # noqa: E402
-try:
-    import torch
-except ImportError as e:
-    print("SKIPPED: PyTorch is not importable by %s (%s)" % (sys.executable, e))
-    sys.exit(77)
+from torch_prologue import announce, check, torch  # exits 77 (skipped) without PyTorch
 probe_path = os.environ.get("FRAGLESS_CPU_PROBE")
 if not probe_path or not os.path.exists(probe_path):
     print("SKIPPED: no CPU-allocator probe (FRAGLESS_CPU_PROBE; built where PyTorch's C++ headers are found)")
     sys.exit(77)
-print("interpreter: %s, torch %s" % (sys.executable, torch.__version__))
+announce()
 faulthandler.dump_traceback_later(120, exit=True)  # a deadlock fails the test with every thread's stack
 
 os.environ["FRAGLESS_CONF"] = "driver:host,capacity_mb:1024"

@@ -4,19 +4,11 @@ memory call: a bad key or value raises ValueError naming it (as written); where 
 use, within a second; and then enable("driver:host") works. Exits 77 (skipped) without PyTorch. Run with
 FRAGLESS_LIBRARY set."""
 import os
-import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "torch_plugin", "python"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from checks import check  # noqa: E402
-try:
-    import torch
-except ImportError as e:
-    print("SKIPPED: PyTorch is not importable by %s (%s)" % (sys.executable, e))
-    sys.exit(77)
-print("interpreter: %s, torch %s" % (sys.executable, torch.__version__))
+from torch_prologue import announce, check  # exits 77 (skipped) without PyTorch
+announce()
 os.environ["FRAGLESS_LIBCUDA"] = "/nonexistent/libcuda.so.1"
 os.environ.pop("FRAGLESS_CONF", None)
 import fragless  # noqa: E402

@@ -10,36 +10,16 @@
 #include <functional>
 #include <string>
 
-#include "fake_cuda.h"
+#include "program.h"
+
+using namespace fakecuda_program;
 
 namespace {
-
-int failures = 0;
-void expect(bool ok, const std::string& what) {
-  std::printf("%s: %s\n", ok ? "ok" : "FAIL", what.c_str());
-  if (!ok) ++failures;
-}
-
-template <typename F>
-F sym(void* lib, const char* name) {
-  void* p = dlsym(lib, name);
-  if (!p) {
-    std::fprintf(stderr, "FAIL: %s not found\n", name);
-    std::exit(1);
-  }
-  return reinterpret_cast<F>(p);
-}
 
 struct CUstream_st;
 using cudaStream_t = CUstream_st*;
 struct PoolId { unsigned long long first, second; };
 constexpr std::size_t MiB = 1u << 20;
-
-long census_faults(decltype(&fakecuda_get_census) census) {
-  fakecuda_census c{};
-  census(&c);
-  return c.faults;
-}
 
 }  // namespace
 
@@ -55,12 +35,7 @@ int main(int argc, char** argv) {
   void* fake = dlopen(argv[2], RTLD_NOW | RTLD_LOCAL);
   void* lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
   if (!fake || !lib) return std::fprintf(stderr, "FAIL: dlopen: %s\n", dlerror()), 1;
-  auto census = sym<decltype(&fakecuda_get_census)>(fake, "fakecuda_get_census");
-  auto launch = sym<decltype(&fakecuda_launch)>(fake, "fakecuda_launch");
-  auto fail = sym<decltype(&fakecuda_fail)>(fake, "fakecuda_fail");
-  auto adopt = sym<decltype(&fakecuda_adopt_stream)>(fake, "fakecuda_adopt_stream");
-  auto first_fault = sym<decltype(&fakecuda_first_fault)>(fake, "fakecuda_first_fault");
-  auto primary_state = sym<int (*)(int, unsigned*, int*)>(fake, "cuDevicePrimaryCtxGetState");
+  const Double d(fake);
   auto malloc_fn = sym<void* (*)(size_t, int, cudaStream_t)>(lib, "fragless_malloc");
   auto free_fn = sym<void (*)(void*, size_t, int, cudaStream_t)>(lib, "fragless_free");
   auto empty_cache = sym<void (*)()>(lib, "fragless_empty_cache");
@@ -73,13 +48,8 @@ int main(int argc, char** argv) {
   auto reset_accumulated = sym<int (*)(int)>(lib, "fragless_reset_accumulated_stats");
   auto mem_get_info = sym<int (*)(int, size_t*, size_t*)>(lib, "fragless_mem_get_info");
   auto last_error = sym<const char* (*)()>(lib, "fragless_last_error");
-  auto active = [&](int device) {
-    unsigned flags = 0;
-    int on = 0;
-    return primary_state(device, &flags, &on) == 0 && on;
-  };
   const auto capture = reinterpret_cast<cudaStream_t>(0x61), replay = reinterpret_cast<cudaStream_t>(0x62);
-  expect(adopt(capture, 0) && adopt(replay, 0), "two streams of device 0 (the runtime's)");
+  expect(d.adopt(capture, 0) && d.adopt(replay, 0), "two streams of device 0 (the runtime's)");
 
   // 1. Statistics of a device that was never used: zeros, as PyTorch's, and no engine nor context for it.
   void* x = malloc_fn(MiB, 0, nullptr);
@@ -90,11 +60,11 @@ int main(int argc, char** argv) {
   expect(n > 0 && std::string(unused).find("\"allocated_bytes.all.current\":0") != std::string::npos,
          "device 1's statistics are zeros");
   expect(reset_peak(1) == 0 && reset_accumulated(1) == 0, "device 1's resets");
-  expect(!active(1), "and device 1's primary context was not created for them");
+  expect(!d.active(1), "and device 1's primary context was not created for them");
   expect(memory_stats(9, unused, sizeof unused) == -1 && std::string(last_error()).find("invalid device 9") != std::string::npos,
          "an invalid device is refused, and named");
   size_t free_b = 0, total_b = 0;
-  expect(mem_get_info(1, &free_b, &total_b) == 0 && total_b > 0 && active(1),
+  expect(mem_get_info(1, &free_b, &total_b) == 0 && total_b > 0 && d.active(1),
          "mem_get_info gives the driver's figures, creating the context as PyTorch's does");
   free_fn(x, MiB, 0, nullptr);
 
@@ -104,28 +74,27 @@ int main(int argc, char** argv) {
   begin_pool(0, pool, [capture](cudaStream_t s) { return s == capture; });
   void* g = malloc_fn(6 * MiB, 0, capture);
   end_pool(0, pool);
-  expect(g && launch(replay, g, 6 * MiB, 1000) == 0, "the graph's block, used by a replay on another stream");
+  expect(g && d.launch(replay, g, 6 * MiB, 1000) == 0, "the graph's block, used by a replay on another stream");
   free_fn(g, 6 * MiB, 0, capture);
   release_pool(0, pool);
   empty_cache();
-  expect(census_faults(census) == 0, std::string("nothing was unmapped under the replay (") + first_fault() + ")");
+  expect(d.census().faults == 0, std::string("nothing was unmapped under the replay (") + d.first_fault() + ")");
 
   // 3. A wait that fails keeps the memory and says so in fragless_last_error().
   void* y = malloc_fn(8 * MiB, 0, replay);
-  expect(y && launch(replay, y, 8 * MiB, 1000) == 0, "a block in use on its stream");
+  expect(y && d.launch(replay, y, 8 * MiB, 1000) == 0, "a block in use on its stream");
   record_stream(y, capture);
   free_fn(y, 8 * MiB, 0, replay);
-  fail("cuEventSynchronize", 1, 700);
+  d.fail("cuEventSynchronize", 1, 700);
   empty_cache();
-  fail("cuEventSynchronize", 0, 0);
+  d.fail("cuEventSynchronize", 0, 0);
   expect(std::string(last_error()).find("cuEventSynchronize") != std::string::npos,
          std::string("fragless_last_error() names the failed wait (\"") + last_error() + "\")");
-  expect(census_faults(census) == 0, "and nothing was unmapped under the work");
+  expect(d.census().faults == 0, "and nothing was unmapped under the work");
   empty_cache();
   expect(std::string(last_error()).empty(), "the next empty_cache succeeds and clears it");
-  expect(census_faults(census) == 0, "no fault at all");
-  fakecuda_census c{};
-  census(&c);
+  expect(d.census().faults == 0, "no fault at all");
+  const fakecuda_census c = d.census();
   expect(c.invalidated_captures == 0 && c.context_retains == 2,
          "no invalidated capture; context retains: fragless's engines of devices 0 and 1 only (" +
              std::to_string(c.context_retains) + ")");

@@ -1,5 +1,5 @@
 // The seed of a random or property test: FRAGLESS_SEED when set (CI runs the [seeded] tests once more with
-// a new seed per run, tests/new_seed.sh, and prints it), else the test's own fixed seed. Each seeded test
+// a new seed per run, tests/support/new_seed.sh, and prints it), else the test's own fixed seed. Each seeded test
 // CAPTUREs its seed, so a failure names the run to replay: FRAGLESS_SEED=N fragless-tests "[seeded]".
 #pragma once
 #include <catch2/catch.hpp>

@@ -16,13 +16,6 @@ namespace {
 
 constexpr std::size_t MiB = 1u << 20;
 
-bool workload(DeviceEngine& e, std::string* error) {
-  const Stream base = Fake::stream_base(e.device());
-  return fault_workload(e, error, [base](bool on) {
-    fake().hold(reinterpret_cast<void*>(base + kFaultStreamUse), on ? 1 : 0);
-  }, base);
-}
-
 Options with_worker() {
   Options o;  // the defaults: handles:cells, background:True
   o.background = BackgroundMode::thread;
@@ -55,18 +48,13 @@ TEST_CASE("fault sweep: the worker thread on the libcuda double, each of its cal
   Watchdog dog("background fault sweep on the double", 1200);
   const char* calls[] = {"cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease", "cuEventRecord",
                          "cuEventQuery"};
-  std::vector<unsigned long> total;
-  {
+  const std::vector<unsigned long> total = calls_made(calls, [] {
     std::string err;
-    std::vector<unsigned long> before;
-    for (auto c : calls) before.push_back(fake().calls(c));
     auto a = make(PolicyKind::fragless, &err, with_worker());
     REQUIRE(a);
     REQUIRE(workload(*a->device(0), &err));
     a->device(0)->drain_background();
-    a.reset();
-    for (std::size_t i = 0; i < std::size(calls); ++i) total.push_back(fake().calls(calls[i]) - before[i]);
-  }
+  });
   require_nothing_held();
   std::size_t runs = 0;
   for (std::size_t c = 0; c < std::size(calls); ++c)

@@ -99,7 +99,7 @@ check_output "classic reserves 192 MiB on the RMM log" '"policy":"classic".*"pea
 check_output "the same from the converted snapshot" '"peak_reserved_bytes":201326592' \
   "$bin/fragless-replay" --policy classic --json "$work/o.pickle"
 # python3 is a build dependency (tools/install_deps.sh): missing, this fails.
-check "Python's unpickler reads our snapshot in PyTorch's layout" python3 "$(dirname "$0")/python/check_snapshot.py" "$work/o.pickle"
+check "Python's unpickler reads our snapshot in PyTorch's layout" python3 "$(dirname "$0")/../python/check_snapshot.py" "$work/o.pickle"
 # --conf reaches the policy: with lend_pages:False a same-stream re-backing synchronises first (and by
 # default it does not).
 check_output "by default fragless forces no sync on this workload" '"forced_syncs":0[,}]' \

@@ -26,13 +26,6 @@ namespace {
 
 constexpr std::size_t MiB = 1u << 20;
 
-bool workload(DeviceEngine& e, std::string* error) {
-  const Stream base = Fake::stream_base(e.device());
-  return fragless::test::fault_workload(e, error, [base](bool on) {
-    fake().hold(reinterpret_cast<void*>(base + fragless::test::kFaultStreamUse), on ? 1 : 0);
-  }, base);
-}
-
 }  // namespace
 
 TEST_CASE("cuda driver: the libcuda double's memory is real, and everything goes back", "[cuda]") {
@@ -112,17 +105,12 @@ TEST_CASE("cuda driver: a failure at every call site of map, set access, unmap a
   std::size_t runs = 0;
   for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless}) {
     // How many times the workload calls each function.
-    std::vector<unsigned long> total;
-    {
+    const std::vector<unsigned long> total = calls_made(calls, [&] {
       std::string err;
-      std::vector<unsigned long> before;
-      for (auto c : calls) before.push_back(fake().calls(c));
       auto a = make(p, &err, quiet);
       REQUIRE(a);
       REQUIRE(workload(*a->device(0), &err));
-      a.reset();
-      for (std::size_t i = 0; i < std::size(calls); ++i) total.push_back(fake().calls(calls[i]) - before[i]);
-    }
+    });
     for (std::size_t c = 0; c < std::size(calls); ++c)
       for (unsigned long nth = 1; nth <= total[c]; ++nth)
         for (int error : {kOom, kIllegalAddress}) {
