@@ -14,6 +14,7 @@
 #include <random>
 #include <string>
 
+#include "fragless/config.h"
 #include "fragless/torch_cpu.h"
 
 namespace {
@@ -101,7 +102,7 @@ int main(int argc, char** argv) {
     };
     bool ok = true;
     if (a == "--allocator") ok = (allocator = v) == "fragless" || v == "default";
-    else if (a == "--policy") ok = (policy = v) == "classic" || v == "expandable" || v == "fragless";
+    else if (a == "--policy") ok = fragless::policy_from_name(policy = v).has_value();
     else if (a == "--trace") trace = v;
     else if (a == "--steps") ok = num(&steps);
     else if (a == "--epochs") ok = num(&epochs);

@@ -1,0 +1,194 @@
+// The command line of fragless-replay (cli.h).
+#include "cli.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+#include <thread>
+
+#include "workload.h"
+#include "zoo.h"
+
+namespace fragless::replay {
+namespace {
+
+int usage(const char* msg) {
+  if (msg) std::fprintf(stderr, "fragless-replay: %s\n", msg);
+  std::fprintf(msg ? stderr : stdout,
+               "usage: fragless-replay [--policy classic,expandable,fragless] [--capacity-gib N] [--json]\n"
+               "                       [--conf KEY:VALUE,...] [--jobs N] [--costs PROBE.json]\n"
+               "                       [--plot FILE.png [--plot-x time|event|auto]] [--seqlen-file CSV] INPUT...\n"
+               "       fragless-replay --fit [--fit-step GIB] [options] INPUT...\n"
+               "       fragless-replay --max-batch | --max-of KEY --capacity-gib N [options] workload:...\n"
+               "  INPUT: a fragless native trace, PyTorch memory snapshot pickle or RMM log CSV (detected from\n"
+               "         content), or workload:NAME[:key=value,...]\n"
+               "  --capacity-gib: the device's memory; without it the capacity is unlimited (1 TiB). An\n"
+               "         allocation that runs out of memory is a result, counted in the OOMs column and skipped\n"
+               "  --plot: live/allocated/reserved over time per policy, drawn by gnuplot into a PNG (with --fit,\n"
+               "         at each policy's fitted capacity; with --max-of, at its largest value); each point is the\n"
+               "         largest value of its stretch of events, so no peak is lost; what the window began with\n"
+               "         (allocations live before it, classic's cached segments) is drawn as already there.\n"
+               "         FILE.gp writes the gnuplot script with its data instead (gnuplot FILE.gp draws it)\n"
+               "  --plot-x: the x axis: trace time, event index, or auto (default: time, unless the trace has\n"
+               "         none or its busy part would be squeezed into a corner)\n"
+               "  --fit: per input, device and policy, the smallest device capacity (a multiple of --fit-step,\n"
+               "         default 0.25 GiB) on which the replay has no OOM, found by bisection; the answer is\n"
+               "         replayed with zero OOMs and one step below it with at least one\n"
+               "  --max-batch: with --capacity-gib, the largest batch per workload and policy that replays with\n"
+               "         no OOM on that device, and its ratios to classic and expandable; --max-of KEY searches\n"
+               "         another numeric workload key (max_seq, micro, tokens, max_batch, ...) the same way\n"
+               "  --jobs: replays run at once (default: the number of cores)\n"
+               "  --costs: the driver's call costs measured by fragless-gpu-probe (its JSON, or the GPU check's\n"
+               "         gpu_check.json, which holds it) instead of the A100 model: a line through the medians\n"
+               "         per handle size for each VMM call\n"
+               "  exit status: 0 answered, 1 a search found no answer (the reason on stderr), 2 bad usage or\n"
+               "         input\n"
+               "  --conf: allocator settings in FRAGLESS_CONF grammar (the README's table): policy tuning keys\n"
+               "          (handles, handle_max_mb, chunk_size_mb, reserve_slack, lend_pages, ...), PyTorch's keys\n"
+               "          (max_split_size_mb, roundup_power2_divisions, ...), page_size_mb; policy (or\n"
+               "          expandable_segments:True) selects the policy as --policy does. The replay runs the sim\n"
+               "          driver on a device of --capacity-gib: driver, capacity_mb, trace, peer_access,\n"
+               "          shareable_handles and on_oom are refused\n"
+               "  --seqlen-file: sequence lengths for the workloads (a CSV column, see the README)\n"
+               "%s"
+               "  ckpt-accum: transformer-train with checkpointing and gradient accumulation (ckpt=1,accum=4,\n"
+               "        steps=12); every transformer key applies\n"
+               "%s",
+               fragless::replay::transformer_help().c_str(), fragless::replay::zoo_help().c_str());
+  return msg ? 2 : 0;
+}
+
+// Note [Nothing in --conf is ignored]
+// A key of --conf either changes what the replay does or is refused: `policy` (and expandable_segments:True
+// without it, as in FRAGLESS_CONF) selects the policy, as --policy does; the keys of a real device (the
+// driver, its size, tracing, peers, handle export, the OOM behaviour of libfragless.so) have no meaning in
+// a replay on the sim driver, and --capacity-gib gives the device's size.
+constexpr const char* kConfRefused[][2] = {
+    {"driver", "the replay always runs the sim driver"},
+    {"capacity_mb", "give the device's size with --capacity-gib"},
+    {"trace", "the replay records no trace (fragless-trace converts traces)"},
+    {"peer_access", "it configures the cuda driver, and the replay runs the sim driver"},
+    {"shareable_handles", "it configures the cuda driver, and the replay runs the sim driver"},
+    {"on_oom", "it configures libfragless.so; in a replay an OOM is a result (the OOMs column)"}};
+
+// Applies one --conf string over *base; a policy it selects goes to *policy. False with *error naming the
+// key it refuses.
+bool apply_conf(const std::string& text, Options* base, std::optional<PolicyKind>* policy, std::string* error) {
+  const auto cr = parse_config(text, *base);
+  if (!cr.ok) {
+    *error = cr.error;
+    return false;
+  }
+  bool policy_key = false, expandable_key = false;
+  for (const auto& k : cr.keys) {
+    for (const auto& [key, why] : kConfRefused)
+      if (k == key) {
+        *error = "--conf " + k + ": not a replay setting (" + why + ")";
+        return false;
+      }
+    policy_key |= k == "policy";
+    expandable_key |= k == "expandable_segments";
+  }
+  if (policy_key || (expandable_key && cr.options.policy == PolicyKind::expandable)) *policy = cr.options.policy;
+  *base = cr.options;
+  base->policy = Options{}.policy;  // selected per run
+  return true;
+}
+
+}  // namespace
+
+bool plot_is_script(const std::string& path) { return path.size() > 3 && path.compare(path.size() - 3, 3, ".gp") == 0; }
+
+std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
+  CommandLine& cl = *out;
+  cl.jobs = std::max(1u, std::thread::hardware_concurrency());
+  bool fit_step_given = false, policy_given = false;
+  std::optional<PolicyKind> conf_policy;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const bool has_value = i + 1 < argc;
+    if (a == "--json") cl.json = true;
+    else if (a == "-h" || a == "--help") return usage(nullptr);
+    else if (a == "--fit") cl.fit = true;
+    else if (a == "--max-batch") {
+      if (!cl.max_key.empty() && cl.max_key != "batch") return usage("--max-batch and --max-of name different keys");
+      cl.max_key = "batch";
+    } else if (a == "--max-of" && has_value) {
+      const std::string k = argv[++i];
+      if (k.empty()) return usage("--max-of needs a workload key (batch, max_seq, ...)");
+      if (!cl.max_key.empty() && cl.max_key != k) return usage("--max-batch and --max-of name different keys");
+      cl.max_key = k;
+    } else if (a == "--fit-step" && has_value) {
+      char* end = nullptr;
+      const double g = std::strtod(argv[++i], &end);
+      if (*end || !(g >= 1.0 / 1024) || g > 1024) return usage("--fit-step needs a number of GiB in [1/1024, 1024]");
+      cl.fit_step = static_cast<std::uint64_t>(g * (1ull << 30));
+      fit_step_given = true;
+    } else if (a == "--jobs" && has_value) {
+      char* end = nullptr;
+      const long n = std::strtol(argv[++i], &end, 10);
+      if (*end || n < 1 || n > 1024) return usage("--jobs needs a number in [1, 1024]");
+      cl.jobs = static_cast<unsigned>(n);
+    } else if (a == "--policy" && has_value) {
+      cl.policies.clear();
+      policy_given = true;
+      std::stringstream ss(argv[++i]);
+      std::string p;
+      while (std::getline(ss, p, ',')) {
+        const auto kind = policy_from_name(p);
+        if (!kind) return usage(("unknown policy '" + p + "' (classic, expandable, fragless)").c_str());
+        cl.policies.push_back(*kind);
+      }
+      if (cl.policies.empty()) return usage("--policy needs at least one policy");
+    } else if (a == "--capacity-gib" && has_value) {
+      char* end = nullptr;
+      const double g = std::strtod(argv[++i], &end);
+      if (*end || !(g > 0) || g > 1e6) return usage("--capacity-gib needs a positive number");
+      cl.capacity = static_cast<std::uint64_t>(g * (1ull << 30));
+    } else if (a == "--plot" && has_value) {
+      cl.plot = argv[++i];
+    } else if (a == "--plot-x" && has_value) {
+      const std::string v = argv[++i];
+      if (v == "time") cl.plot_x = PlotX::time;
+      else if (v == "event") cl.plot_x = PlotX::event;
+      else if (v == "auto") cl.plot_x = PlotX::auto_;
+      else return usage(("--plot-x: expected time, event or auto, got '" + v + "'").c_str());
+    } else if (a == "--seqlen-file" && has_value) {
+      cl.seqlen_file = argv[++i];
+    } else if (a == "--costs" && has_value) {
+      cl.costs_file = argv[++i];
+    } else if (a == "--conf" && has_value) {
+      std::string err;
+      if (!apply_conf(argv[++i], &cl.base, &conf_policy, &err)) return usage(err.c_str());
+    } else if (a == "--policy" || a == "--capacity-gib" || a == "--plot" || a == "--seqlen-file" || a == "--conf" ||
+               a == "--max-of" || a == "--fit-step" || a == "--jobs" || a == "--plot-x" || a == "--costs") {
+      return usage(("missing value after " + a).c_str());
+    } else if (!a.empty() && a[0] == '-') {
+      return usage(("unknown option " + a).c_str());
+    } else {
+      cl.inputs.push_back(a);
+    }
+  }
+  if (cl.inputs.empty()) return usage("no input");
+  if (conf_policy) {
+    if (policy_given && (cl.policies.size() != 1 || cl.policies[0] != *conf_policy))
+      return usage(("--conf policy:" + std::string(policy_name(*conf_policy)) + " and --policy name different policies").c_str());
+    cl.policies = {*conf_policy};
+  }
+  if (cl.fit && !cl.max_key.empty()) return usage("--fit finds a capacity and --max-of a value: ask one at a time");
+  if (cl.fit && cl.capacity) return usage("--fit searches the capacity: drop --capacity-gib");
+  if (fit_step_given && !cl.fit) return usage("--fit-step applies to --fit");
+  if (!cl.max_key.empty() && !cl.capacity) return usage("--max-batch / --max-of need the device's size (--capacity-gib N)");
+  if (!cl.max_key.empty())
+    for (const auto& in : cl.inputs) {
+      long long lo, hi;
+      std::string err;
+      if (!workload_key_range(in, cl.max_key, &lo, &hi, &err)) return std::fprintf(stderr, "fragless-replay: %s\n", err.c_str()), 2;
+    }
+  if (!cl.plot.empty() && !plot_is_script(cl.plot) && std::system("command -v gnuplot >/dev/null 2>&1") != 0)
+    return usage("--plot needs gnuplot on the PATH (Debian: apt-get install gnuplot-nox)");
+  return std::nullopt;
+}
+
+}  // namespace fragless::replay

@@ -1,0 +1,132 @@
+// The text tables of fragless-replay (output.h).
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+
+#include "output.h"
+
+namespace fragless::replay {
+namespace {
+
+// The table's columns, in one line under it.
+constexpr const char* kLegend =
+    "columns: events = alloc, free and empty_cache events replayed on the device; live, reserv = peaks (MiB); "
+    "overhead = reserved over live at the reserved peak; frag@pk = fragmentation at that peak; tw-frag = "
+    "time-weighted fragmentation; OOMs = allocations that did not fit --capacity-gib; create, map, unmap = driver "
+    "calls; syncs = synchronisations forced; path ms, bg ms = the calls' modelled time (A100 costs, or --costs) "
+    "inside allocation and free calls, and done by the background worker; "
+    "Mev/s = replay speed; pytorch MiB = PyTorch's own peak reserved, where the snapshot tells it";
+
+// PyTorch's own peak reserved in MiB, or "-" where the snapshot does not tell it.
+void pytorch_cell(const ReplayResult& r, char (&cell)[32]) {
+  if (r.pytorch_recorded_peak_reserved)
+    std::snprintf(cell, sizeof cell, "%.1f", mib(static_cast<std::int64_t>(*r.pytorch_recorded_peak_reserved)));
+}
+
+}  // namespace
+
+std::string short_name(const std::string& s) {
+  const auto slash = s.find_last_of('/');
+  std::string n = slash == std::string::npos ? s : s.substr(slash + 1);
+  if (n.size() > 44) n = n.substr(0, 20) + "…" + n.substr(n.size() - 23);
+  return n;
+}
+
+double mib(std::int64_t b) { return static_cast<double>(b) / (1 << 20); }
+double gib(std::uint64_t b) { return static_cast<double>(b) / (1ull << 30); }
+
+void print_error(const std::string& message) { std::fprintf(stderr, "fragless-replay: %s\n", message.c_str()); }
+
+int fail(const std::string& message) {
+  print_error(message);
+  return 2;
+}
+
+void print_replay_table(const std::vector<ReplayResult>& results) {
+  std::printf("%-44s %3s %-10s %9s %11s %11s %9s %8s %8s %5s %7s %7s %7s %6s %9s %9s %8s %11s\n", "input", "dev",
+              "policy", "events", "live MiB", "reserv MiB", "overhead", "frag@pk", "tw-frag", "OOMs", "create", "map",
+              "unmap", "syncs", "path ms", "bg ms", "Mev/s", "pytorch MiB");
+  for (const auto& r : results) {
+    char pyt[32] = "-";
+    pytorch_cell(r, pyt);
+    std::printf("%-44s %3d %-10s %9" PRIu64 " %11.1f %11.1f %8.2f%% %7.2f%% %7.2f%% %5" PRIu64 " %7" PRIu64 " %7" PRIu64
+                " %7" PRIu64 " %6" PRId64 " %9.2f %9.2f %8.2f %11s\n",
+                short_name(r.input).c_str(), r.device, policy_name(r.policy), r.events, mib(r.peak_live),
+                mib(r.peak_reserved), 100 * r.overhead_over_live, 100 * r.fragmentation_at_peak,
+                100 * r.time_weighted_fragmentation, r.ooms, r.driver[DriverCall::create], r.driver[DriverCall::map],
+                r.driver[DriverCall::unmap], r.forced_syncs, r.alloc_path_driver_us() / 1000,
+                r.background_driver_us() / 1000, r.events_per_second / 1e6, pyt);
+  }
+  std::printf("%s\n", kLegend);
+}
+
+void print_fit_table(const std::vector<formats::Trace>& traces, const std::vector<Task>& tasks,
+                     const Searches<FitResult>& fits, std::uint64_t step) {
+  const auto& found = fits.answers;
+  // The classic answer for the same input and device, for the ratio column.
+  auto classic_of = [&](std::size_t k) -> const FitResult* {
+    for (std::size_t j = 0; j < tasks.size(); ++j)
+      if (tasks[j].input == tasks[k].input && tasks[j].device == tasks[k].device &&
+          tasks[j].policy == PolicyKind::classic && found[j].error.empty())
+        return &found[j];
+    return nullptr;
+  };
+  std::printf("%-44s %3s %-10s %10s %12s %8s %8s %11s %8s %8s %11s\n", "input", "dev", "policy", "live MiB",
+              "fits on GiB", "÷live", "÷classic", "reserv MiB", "OOMs", "replays", "pytorch MiB");
+  for (std::size_t k = 0; k < found.size(); ++k) {
+    const auto& f = found[k];
+    const auto& t = tasks[k];
+    if (!f.error.empty()) {
+      std::printf("%-44s %3d %-10s %10s %12s\n", short_name(traces[t.input].source).c_str(), t.device,
+                  policy_name(t.policy), "-", "no answer");
+      continue;
+    }
+    char pyt[32] = "-", vs[32] = "-";
+    pytorch_cell(f.at, pyt);
+    if (const FitResult* c = classic_of(k)) std::snprintf(vs, sizeof vs, "%.3f", gib(f.min_capacity) / gib(c->min_capacity));
+    std::printf("%-44s %3d %-10s %10.1f %12.4g %8.3f %8s %11.1f %8" PRIu64 " %8d %11s\n",
+                short_name(traces[t.input].source).c_str(), t.device, policy_name(t.policy), mib(f.peak_live),
+                gib(f.min_capacity), static_cast<double>(f.min_capacity) / static_cast<double>(std::max<std::int64_t>(1, f.peak_live)),
+                vs, mib(f.at.peak_reserved), f.recorded_ooms, f.replays, pyt);
+  }
+  std::printf("fit: %zu searches, %d replays, step %.4g GiB, %.2f s\n", found.size(), fits.replays, gib(step), fits.seconds);
+  std::printf("OOMs: the ones the trace itself recorded; every answer was replayed with 0 OOMs, one step below with at least 1\n");
+}
+
+void print_max_table(const std::vector<std::string>& inputs, const std::vector<MaxTask>& tasks,
+                     const Searches<MaxResult>& search, const std::string& key, std::uint64_t capacity) {
+  const auto& found = search.answers;
+  // fragless's largest value over policy p's, for the same workload; -1 where either has no answer.
+  auto ratio = [&](std::size_t k, PolicyKind p) -> double {
+    auto answer = [&](PolicyKind q) -> const MaxResult* {
+      for (std::size_t j = 0; j < tasks.size(); ++j)
+        if (tasks[j].input == tasks[k].input && tasks[j].policy == q && found[j].error.empty()) return &found[j];
+      return nullptr;
+    };
+    const MaxResult* f = answer(PolicyKind::fragless);
+    const MaxResult* b = answer(p);
+    return f && b && b->max_value > 0 ? static_cast<double>(f->max_value) / static_cast<double>(b->max_value) : -1;
+  };
+  std::printf("%-44s %7s %-10s %-8s %8s %9s %9s %10s %11s %8s\n", "workload", "GiB", "policy", "key", "largest",
+              "÷classic", "÷expand", "live MiB", "reserv MiB", "replays");
+  for (std::size_t k = 0; k < found.size(); ++k) {
+    const auto& f = found[k];
+    if (!f.error.empty()) {
+      std::printf("%-44s %7.4g %-10s %-8s %8s\n", short_name(inputs[tasks[k].input]).c_str(), gib(capacity),
+                  policy_name(tasks[k].policy), key.c_str(), "none");
+      continue;
+    }
+    char vc[32] = "-", ve[32] = "-";
+    if (tasks[k].policy == PolicyKind::fragless) {
+      if (double r = ratio(k, PolicyKind::classic); r > 0) std::snprintf(vc, sizeof vc, "%.2f", r);
+      if (double r = ratio(k, PolicyKind::expandable); r > 0) std::snprintf(ve, sizeof ve, "%.2f", r);
+    }
+    std::printf("%-44s %7.4g %-10s %-8s %8lld %9s %9s %10.1f %11.1f %8d\n", short_name(inputs[tasks[k].input]).c_str(),
+                gib(capacity), policy_name(tasks[k].policy), key.c_str(), f.max_value, vc, ve, mib(f.at.peak_live),
+                mib(f.at.peak_reserved), f.replays);
+  }
+  std::printf("max: %zu searches, %d replays, %.2f s; every answer was replayed with 0 OOMs, one above it with at least 1\n",
+              found.size(), search.replays, search.seconds);
+}
+
+}  // namespace fragless::replay
