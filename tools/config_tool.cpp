@@ -18,7 +18,12 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (argc > 1 && (std::strcmp(argv[1], "-h") == 0 || std::strcmp(argv[1], "--help") == 0)) {
-    std::printf("usage: fragless-config [CONF | --table]\n  checks CONF (default: $FRAGLESS_CONF)\n");
+    std::printf("usage: fragless-config [CONF | --table]\n  checks CONF (default: $FRAGLESS_CONF), a list of "
+                "key:value separated by ','\n  --table  prints the keys as a Markdown table\nkeys:\n");
+    for (const auto& o : option_table())
+      std::printf("  %-30.*s %.*s (default %.*s)\n", static_cast<int>(o.key.size()), o.key.data(),
+                  static_cast<int>(o.type.size()), o.type.data(), static_cast<int>(o.default_value.size()),
+                  o.default_value.data());
     return 0;
   }
   const ConfigResult r = argc > 1 ? parse_config(argv[1]) : config_from_environment();

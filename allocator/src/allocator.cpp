@@ -1,66 +1,35 @@
 #include "fragless/allocator.h"
 
-#include "fragless/cuda_driver.h"
-#include "fragless/host_driver.h"
-#include "fragless/sim_driver.h"
+#include "driver/registry.h"
 
 namespace fragless {
 
 std::unique_ptr<Driver> make_driver(const Options& opts, int device, std::string* error) {
-  switch (opts.driver) {
-    case DriverKind::host: {
-      HostDriverOptions h;
-      h.device = device;
-      h.page_size = opts.page_size;
-      if (opts.capacity) h.capacity = opts.capacity;
-      h.shareable = opts.shareable_handles;
-      return make_host_driver(h, error);
-    }
-    case DriverKind::sim: {
-      SimDriverOptions s;
-      s.device = device;
-      s.page_size = opts.page_size;
-      if (opts.capacity) s.capacity = opts.capacity;
-      return make_sim_driver(s);
-    }
-    case DriverKind::cuda: {
-#if defined(FRAGLESS_HAVE_CUDA)
-      CudaDriverOptions c;
-      c.device = device;
-      c.peer_access = opts.peer_access;
-      c.shareable_handles = opts.shareable_handles;
-      return make_cuda_driver(c, error);
-#else
-      break;
-#endif
-    }
-  }
-  if (error) *error = "fragless: this build has no cuda driver (the CUDA headers were not found); use driver:host or driver:sim";
+  const DriverEntry& e = driver_entry(opts.driver);
+  if (e.make) return e.make(opts, device, error);
+  if (error) *error = e.missing;
   return nullptr;
 }
 
 bool driver_available(const Options& opts, std::string* error) {
-  if (opts.driver != DriverKind::cuda) return true;
-#if defined(FRAGLESS_HAVE_CUDA)
-  const int n = cuda_device_count(error);
-  if (n == 0 && error) *error = "fragless: the CUDA driver reports no device";
+  const DriverEntry& e = driver_entry(opts.driver);
+  if (!e.make) {
+    if (error) *error = e.missing;
+    return false;
+  }
+  if (!e.device_count) return true;
+  const int n = e.device_count(error);
+  if (n == 0 && error) *error = std::string("fragless: the ") + e.name + " driver reports no device";
   return n > 0;
-#else
-  if (error) *error = "fragless: this build has no cuda driver (the CUDA headers were not found)";
-  return false;
-#endif
 }
 
 std::unique_ptr<Allocator> Allocator::create(const Options& opts, int devices, std::string* error, bool eager) {
   auto a = std::unique_ptr<Allocator>(new Allocator());
   a->opts_ = opts;
   if (devices < 0) {  // as many as the driver has
-#if defined(FRAGLESS_HAVE_CUDA)
-    devices = opts.driver == DriverKind::cuda ? cuda_device_count(error) : 1;
+    const DriverEntry& e = driver_entry(opts.driver);
+    devices = e.device_count ? e.device_count(error) : 1;
     if (devices < 0) return nullptr;
-#else
-    devices = 1;
-#endif
   }
   if (!opts.trace.empty()) {
     a->tracing_ = Tracing::open(opts.trace, devices, policy_name(opts.policy), error);

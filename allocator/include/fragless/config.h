@@ -35,6 +35,7 @@ inline constexpr int kRoundUpPowerOfTwoIntervals = 16;
 
 struct Options {
   PolicyKind policy = PolicyKind::fragless;
+  bool expandable_segments = false;                      // PyTorch's key, as given (policy follows it)
   DriverKind driver = DriverKind::cuda;
   std::size_t max_split_size = SIZE_MAX;                 // bytes; SIZE_MAX = unlimited
   std::size_t max_non_split_rounding_size = 20u << 20;   // bytes
@@ -58,12 +59,15 @@ struct Options {
   std::string settings;                                  // the string this was parsed from
 };
 
-// One row of the options table.
+// One row of the options table: the only place a key is written (Note [One options table], config.cpp).
 struct OptionInfo {
   std::string_view key;
   std::string_view type;
   std::string_view default_value;
   std::string_view meaning;
+  // Parses a value of this key into the options: "" when it was right, else the forms it may take. Null for
+  // the one key whose value is a list (roundup_power2_divisions), which the grammar parses.
+  std::string (*parse)(std::string_view value, Options& o) = nullptr;
 };
 std::span<const OptionInfo> option_table();
 

@@ -1,5 +1,6 @@
 #include "fragless/config.h"
 
+#include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <cmath>
@@ -17,14 +18,6 @@ const char* policy_name(PolicyKind p) {
   return "?";
 }
 
-const char* driver_kind_name(DriverKind d) {
-  switch (d) {
-    case DriverKind::cuda: return "cuda";
-    case DriverKind::host: return "host";
-    case DriverKind::sim: return "sim";
-  }
-  return "?";
-}
 
 std::optional<PolicyKind> policy_from_name(std::string_view name) {
   for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless})
@@ -32,86 +25,195 @@ std::optional<PolicyKind> policy_from_name(std::string_view name) {
   return std::nullopt;
 }
 
-std::optional<DriverKind> driver_kind_from_name(std::string_view name) {
-  for (DriverKind d : {DriverKind::cuda, DriverKind::host, DriverKind::sim})
-    if (name == driver_kind_name(d)) return d;
-  return std::nullopt;
-}
 
 namespace {
 
+// ---- Value parsers, for the table's rows: each returns "" when the value was right, else the forms a value
+// may take (the parser names the key and what was typed around it).
+
+bool parse_uint(std::string_view t, std::size_t* out) {
+  if (t.empty() || t.size() > 19) return false;
+  for (char c : t)
+    if (c < '0' || c > '9') return false;
+  *out = std::strtoull(std::string(t).c_str(), nullptr, 10);
+  return true;
+}
+
+bool parse_double(std::string_view t, double* out) {
+  if (t.empty()) return false;
+  const std::string s(t);
+  char* end = nullptr;
+  errno = 0;
+  *out = std::strtod(s.c_str(), &end);
+  return errno == 0 && end == s.c_str() + s.size() && std::isfinite(*out);
+}
+
+std::string boolean(std::string_view v, bool* out) {
+  if (v != "True" && v != "False") return "True or False (exactly)";
+  *out = v == "True";
+  return {};
+}
+
+// A whole number of MiB in [lo, hi], as bytes.
+std::string mib(std::string_view v, std::size_t lo, std::size_t hi, const char* expected, std::size_t* out) {
+  std::size_t n = 0;
+  if (!parse_uint(v, &n) || n < lo || n > hi) return expected;
+  *out = n > (SIZE_MAX >> 20) ? SIZE_MAX : n << 20;
+  return {};
+}
+
+std::string fraction(std::string_view v, bool open, double* out) {
+  double d = 0;
+  if (!parse_double(v, &d) || !(open ? d > 0.0 && d < 1.0 : d >= 0.0 && d <= 1.0))
+    return open ? "a number in (0, 1)" : "a number in [0, 1]";
+  *out = d;
+  return {};
+}
+
+// Note [One options table]
+// A key is written once: its row below gives its name, its accepted forms, its default and meaning (the
+// README's table, `fragless-config --table` and `--help` print these) and the function that parses its
+// value into Options. The parser knows no key by name but the list-valued one (whose row has no function:
+// its value is the list grammar, divisions()) and the policy/expandable_segments rule (run()).
 constexpr OptionInfo kOptions[] = {
     {"policy", "classic, expandable or fragless", "fragless",
      "How address space and physical pages back blocks: PyTorch's native behaviour, PyTorch's "
-     "expandable_segments, or fragless's re-backing policy."},
+     "expandable_segments, or fragless's re-backing policy.",
+     [](std::string_view v, Options& o) -> std::string {
+       if (const auto p = policy_from_name(v)) return o.policy = *p, std::string{};
+       return "classic, expandable or fragless";
+     }},
     {"expandable_segments", "True or False", "False",
-     "PyTorch's key: True selects the expandable policy unless `policy` is also given."},
+     "PyTorch's key: True selects the expandable policy unless `policy` is also given.",
+     [](std::string_view v, Options& o) { return boolean(v, &o.expandable_segments); }},
     {"max_split_size_mb", "integer >= 20 (MiB)", "unlimited",
-     "Blocks this large or larger are never split; smaller requests never take them (PyTorch's semantics)."},
+     "Blocks this large or larger are never split; smaller requests never take them (PyTorch's semantics).",
+     [](std::string_view v, Options& o) {
+       return mib(v, 20, SIZE_MAX, "an integer number of MiB, at least 20", &o.max_split_size);
+     }},
     {"max_non_split_rounding_mb", "integer >= 20 (MiB)", "20",
-     "An oversize request may take a cached block at most this much larger."},
+     "An oversize request may take a cached block at most this much larger.",
+     [](std::string_view v, Options& o) {
+       return mib(v, 20, SIZE_MAX, "an integer number of MiB, at least 20", &o.max_non_split_rounding_size);
+     }},
     {"roundup_power2_divisions", "power of two, or list [MB:div,...,>:div]", "0 (off)",
-     "Round requests up to one of `div` steps between powers of two, per size interval (PyTorch's semantics)."},
+     "Round requests up to one of `div` steps between powers of two, per size interval (PyTorch's semantics).",
+     nullptr},
     {"garbage_collection_threshold", "number in (0, 1)", "0 (off)",
      "With a memory fraction below 1: above this share of the limit, free the oldest whole cached segments "
-     "(classic policy)."},
+     "(classic policy).",
+     [](std::string_view v, Options& o) { return fraction(v, true, &o.garbage_collection_threshold); }},
     {"per_process_memory_fraction", "number in [0, 1]", "1",
-     "Cap on physical memory this process may reserve, as a fraction of the device's total."},
+     "Cap on physical memory this process may reserve, as a fraction of the device's total.",
+     [](std::string_view v, Options& o) { return fraction(v, false, &o.per_process_memory_fraction); }},
     {"driver", "cuda, host or sim", "cuda",
-     "Backend: the real CUDA driver, host memory with cuMemMap semantics, or the counting simulator."},
-    {"page_size_mb", "power of two >= 1 (MiB)", "2", "Page (granularity) of the host and sim drivers."},
+     "Backend: the real CUDA driver, host memory with cuMemMap semantics, or the counting simulator.",
+     [](std::string_view v, Options& o) -> std::string {
+       if (const auto d = driver_kind_from_name(v)) return o.driver = *d, std::string{};
+       return "cuda, host or sim";
+     }},
+    {"page_size_mb", "power of two >= 1 (MiB)", "2", "Page (granularity) of the host and sim drivers.",
+     [](std::string_view v, Options& o) -> std::string {
+       std::size_t n = 0;
+       if (!parse_uint(v, &n) || n == 0 || n > 1024 || !std::has_single_bit(n))
+         return "a power of two between 1 and 1024 (MiB)";
+       return o.page_size = n << 20, std::string{};
+     }},
     {"capacity_mb", "integer >= 1 (MiB)", "host 4096, sim 81920",
-     "Physical memory of one host or sim device; creating beyond it fails as out of memory."},
+     "Physical memory of one host or sim device; creating beyond it fails as out of memory.",
+     [](std::string_view v, Options& o) {
+       return mib(v, 1, std::size_t{1} << 30, "an integer number of MiB between 1 and 2^30", &o.capacity);
+     }},
     {"on_oom", "throw", "throw",
      "libfragless.so: fragless_malloc throws a C++ exception carrying the diagnosis on out of memory (PyTorch's "
      "normal path crashes on NULL). The value null was removed: torch.cuda.MemPool takes fragless_pool_malloc, "
-     "which returns NULL."},
+     "which returns NULL.",
+     [](std::string_view v, Options&) -> std::string {
+       if (v == "null")
+         return "throw (on_oom:null was removed: fragless_malloc always throws on out of memory, as a NULL "
+                "crashes PyTorch's first kernel; give torch.cuda.MemPool the entry point fragless_pool_malloc, "
+                "which returns NULL)";
+       return v == "throw" ? std::string{} : std::string("throw");
+     }},
     {"peer_access", "True or False", "True",
      "cuda driver: grant every peer device that can access this one (cuDeviceCanAccessPeer) access to fragless "
      "memory, as cudaMalloc memory is reachable by peers: one cuMemSetAccess per mapping, with one descriptor per "
-     "device. False grants the owning device only (peer copies and NCCL P2P through it then fault)."},
+     "device. False grants the owning device only (peer copies and NCCL P2P through it then fault).",
+     [](std::string_view v, Options& o) { return boolean(v, &o.peer_access); }},
     {"shareable_handles", "True or False", "False",
      "create physical memory exportable, so that blocks can be shared with other processes (fragless.share): "
      "cuda driver: a POSIX file descriptor handle type (cuMemExportToShareableHandle) where the device "
-     "supports it; host driver: a memfd per handle. Off, sharing is refused."},
+     "supports it; host driver: a memfd per handle. Off, sharing is refused.",
+     [](std::string_view v, Options& o) { return boolean(v, &o.shareable_handles); }},
     {"handles", "pages, ends, whole or cells", "cells",
      "fragless policy: the shape of new physical handles (a mapping is always one whole handle). pages: one "
      "handle per page (finest re-backing, most cuMemCreate calls); ends: the body of a growth in handles of "
      "at most handle_max_mb, its last page in a handle of its own; whole: one handle per growth; cells: new "
      "memory in the cells expandable segments would create (chunk_size_mb in the large pool, shrunk to "
      "reserve_slack of live bytes, and 2 MiB in the small pool), the cells a request covers whole in one "
-     "handle of at most handle_max_mb. With background:True, free multi-page handles are split into pieces of 1, 1, 2, 4, ... pages."},
+     "handle of at most handle_max_mb. With background:True, free multi-page handles are split into pieces of 1, 1, 2, 4, ... pages.",
+     [](std::string_view v, Options& o) -> std::string {
+       constexpr std::pair<std::string_view, HandleShape> shapes[] = {
+           {"pages", HandleShape::pages}, {"ends", HandleShape::ends}, {"whole", HandleShape::whole},
+           {"cells", HandleShape::cells}};
+       for (const auto& [name, shape] : shapes)
+         if (v == name) return o.handle_shape = shape, std::string{};
+       return "pages, ends, whole or cells";
+     }},
     {"handle_max_mb", "integer >= 1 (MiB)", "64",
      "fragless policy (handles ends or cells): the body of a growth is created in handles of at most this much; "
      "a live block that straddles a handle pins less than this of it, and one background split replaces at "
-     "most this much."},
+     "most this much.",
+     [](std::string_view v, Options& o) {
+       return mib(v, 1, std::size_t{1} << 20, "an integer number of MiB between 1 and 2^20", &o.handle_max);
+     }},
     {"chunk_size_mb", "integer >= 1 (MiB)", "20",
      "fragless policy: with handles ends or whole, a growth's new handle may be rounded up to this much, mapped "
      "as free space after the request, to save cuMemCreate calls, never past reserve_slack of live bytes; with "
-     "handles cells, the largest cell."},
+     "handles cells, the largest cell.",
+     [](std::string_view v, Options& o) {
+       return mib(v, 1, std::size_t{1} << 20, "an integer number of MiB between 1 and 2^20", &o.chunk_size);
+     }},
     {"reserve_slack", "number in [0, 1]", "0.0078125 (1/128)",
      "fragless policy: memory is only created when the memory held cannot be put under the request; this "
      "share of live bytes bounds what a growth may create past its request (a cell of handles cells, the "
      "rounding of ends or whole) and what a refill that ends a re-backing cycle may add past the peak of live "
-     "bytes (plus two pages)."},
+     "bytes (plus two pages).",
+     [](std::string_view v, Options& o) { return fraction(v, false, &o.reserve_slack); }},
     {"lend_pages", "True or False", "True",
      "fragless policy: pages of a hole on the requesting stream are mapped where needed without a "
      "synchronisation (the old mapping goes once the stream's queued work is done). False: synchronise and "
-     "unmap first, as PyTorch does."},
+     "unmap first, as PyTorch does.",
+     [](std::string_view v, Options& o) { return boolean(v, &o.lend_pages); }},
     {"lend_across_streams", "True or False", "True",
      "fragless policy (with lend_pages): pages of a hole on another stream are lent too; the requesting stream "
      "waits on the device (cuStreamWaitEvent) for the hole's stream, the host never waits. False: such holes "
-     "are taken only after synchronising their stream, when the device is full."},
+     "are taken only after synchronising their stream, when the device is full.",
+     [](std::string_view v, Options& o) { return boolean(v, &o.lend_across_streams); }},
     {"small_in_remnants", "True or False", "True",
      "fragless policy: a small request (<= 1 MiB) that would grow the small pool may take a free large-pool "
-     "block under 1 MiB, which no large request fits."},
+     "block under 1 MiB, which no large request fits.",
+     [](std::string_view v, Options& o) { return boolean(v, &o.small_in_remnants); }},
     {"background", "True or False", "True",
      "A worker thread per device does the driver work no request waits for: with the fragless policy it "
      "splits multi-page handles into 2 MiB pages once they are free (so their memory can be re-backed page by "
-     "page). False: none is done."},
+     "page). False: none is done.",
+     [](std::string_view v, Options& o) -> std::string {
+       bool on = false;
+       if (std::string e = boolean(v, &on); !e.empty()) return e;
+       return o.background = on ? BackgroundMode::thread : BackgroundMode::off, std::string{};
+     }},
     {"trace", "file path; %p pid, %d device, %r rank, %% percent", "off",
      "Record every allocator event to this file in fragless's native format (one file per device with %d; "
-     "use %r under torchrun). The path may not contain ',' or ':'."},
+     "use %r under torchrun). The path may not contain ',' or ':'.",
+     [](std::string_view v, Options& o) -> std::string {
+       for (std::size_t i = 0; i < v.size(); ++i)
+         if (v[i] == '%' && (i + 1 >= v.size() || std::string_view("pdr%").find(v[i + 1]) == std::string_view::npos))
+           return "a path where '%' is followed by p (pid), d (device), r (rank) or %";
+         else if (v[i] == '%')
+           ++i;
+       return o.trace = std::string(v), std::string{};
+     }},
 };
 
 bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
@@ -171,22 +273,6 @@ std::string bad_value(std::string_view key, std::string_view value, std::string_
          std::string(expected);
 }
 
-bool parse_uint(const std::string& t, std::size_t* out) {
-  if (t.empty() || t.size() > 19) return false;
-  for (char c : t)
-    if (c < '0' || c > '9') return false;
-  *out = std::strtoull(t.c_str(), nullptr, 10);
-  return true;
-}
-
-bool parse_double(const std::string& t, double* out) {
-  if (t.empty()) return false;
-  char* end = nullptr;
-  errno = 0;
-  *out = std::strtod(t.c_str(), &end);
-  return errno == 0 && end == t.c_str() + t.size() && std::isfinite(*out);
-}
-
 class Parser {
  public:
   Parser(std::string_view text, const Options& base) : o_(base) {
@@ -197,20 +283,19 @@ class Parser {
   }
 
   ConfigResult run() {
-    bool policy_given = false;
-    bool expandable = false;
     std::vector<std::string> keys;
     while (i_ < toks_.size()) {
       const std::size_t key_at = i_;
       const std::string key = toks_[i_++];
       if (key == "," ) continue;
       if (!expect(":", key_at)) return fail();
-      if (!is_key(key)) return unknown_key(written_[key_at]), fail();
+      const OptionInfo* row = row_of(key);
+      if (!row) return unknown_key(written_[key_at]), fail();
       if (written_[key_at] != key)  // PyTorch would read "max_split _size_mb" as a key: say what was typed
         return fail("FRAGLESS_CONF: key '" + written_[key_at] + "' has spaces inside (write '" + key + "')");
       keys.push_back(key);
       if (i_ >= toks_.size()) return fail("FRAGLESS_CONF: key '" + key + "' has no value");
-      if (key == "roundup_power2_divisions") {
+      if (!row->parse) {  // the list-valued key
         if (!divisions(key)) return fail();
       } else {
         const std::size_t value_at = i_;
@@ -219,12 +304,14 @@ class Parser {
           return fail(bad_value(key, v, "a single value (only roundup_power2_divisions takes a list)"));
         if (written_[value_at] != v)  // PyTorch would read "fra gless" as "fragless": say what was typed
           return fail(bad_value(key, written_[value_at], "a value without spaces inside"));
-        if (!value(key, v, &policy_given, &expandable)) return fail();
+        if (!value(*row, v)) return fail();
       }
       if (i_ < toks_.size() && toks_[i_] != ",")
         return fail("FRAGLESS_CONF: expected ',' after the value of '" + key + "', found '" + toks_[i_] + "'");
     }
-    if (expandable && !policy_given) o_.policy = PolicyKind::expandable;
+    // PyTorch's rule: expandable_segments:True selects the expandable policy unless this text names one.
+    const auto given = [&](std::string_view k) { return std::find(keys.begin(), keys.end(), k) != keys.end(); };
+    if (given("expandable_segments") && o_.expandable_segments && !given("policy")) o_.policy = PolicyKind::expandable;
     ConfigResult r;
     r.ok = true;
     r.options = o_;
@@ -259,11 +346,7 @@ class Parser {
     return unknown_key(written);
   }
 
-  static bool is_key(std::string_view key) {
-    for (const auto& o : kOptions)
-      if (o.key == key) return true;
-    return false;
-  }
+  static bool is_key(std::string_view key) { return row_of(key) != nullptr; }
 
   bool unknown_key(const std::string& written) {
     for (std::string_view k : kPyTorchOnlyKeys)
@@ -273,84 +356,16 @@ class Parser {
     return err("FRAGLESS_CONF: unknown key '" + written + "' (accepted keys: " + accepted_keys() + ")");
   }
 
-  bool value(const std::string& key, const std::string& v, bool* policy_given, bool* expandable) {
-    std::size_t n = 0;
-    double d = 0;
-    if (key == "policy") {
-      if (const auto p = policy_from_name(v)) o_.policy = *p;
-      else return err(bad_value(key, v, "classic, expandable or fragless"));
-      *policy_given = true;
-    } else if (key == "expandable_segments") {
-      if (v != "True" && v != "False") return err(bad_value(key, v, "True or False (exactly)"));
-      *expandable = v == "True";
-    } else if (key == "max_split_size_mb" || key == "max_non_split_rounding_mb") {
-      if (!parse_uint(v, &n) || n < 20) return err(bad_value(key, v, "an integer number of MiB, at least 20"));
-      const std::size_t bytes = n > (SIZE_MAX >> 20) ? SIZE_MAX : n << 20;
-      (key == "max_split_size_mb" ? o_.max_split_size : o_.max_non_split_rounding_size) = bytes;
-    } else if (key == "garbage_collection_threshold") {
-      if (!parse_double(v, &d) || !(d > 0.0 && d < 1.0)) return err(bad_value(key, v, "a number in (0, 1)"));
-      o_.garbage_collection_threshold = d;
-    } else if (key == "per_process_memory_fraction") {
-      if (!parse_double(v, &d) || !(d >= 0.0 && d <= 1.0)) return err(bad_value(key, v, "a number in [0, 1]"));
-      o_.per_process_memory_fraction = d;
-    } else if (key == "driver") {
-      if (const auto d = driver_kind_from_name(v)) o_.driver = *d;
-      else return err(bad_value(key, v, "cuda, host or sim"));
-    } else if (key == "page_size_mb") {
-      if (!parse_uint(v, &n) || n == 0 || n > 1024 || !std::has_single_bit(n))
-        return err(bad_value(key, v, "a power of two between 1 and 1024 (MiB)"));
-      o_.page_size = n << 20;
-    } else if (key == "capacity_mb") {
-      if (!parse_uint(v, &n) || n == 0 || n > (std::size_t{1} << 30))
-        return err(bad_value(key, v, "an integer number of MiB between 1 and 2^30"));
-      o_.capacity = n << 20;
-    } else if (key == "on_oom") {
-      if (v == "null")
-        return err("fragless: on_oom:null was removed: fragless_malloc always throws on out of memory (a NULL "
-                   "crashes PyTorch's first kernel); give torch.cuda.MemPool the entry point fragless_pool_malloc, "
-                   "which returns NULL");
-      if (v != "throw") return err(bad_value(key, v, "throw"));
-    } else if (key == "peer_access") {
-      if (v != "True" && v != "False") return err(bad_value(key, v, "True or False (exactly)"));
-      o_.peer_access = v == "True";
-    } else if (key == "shareable_handles") {
-      if (v != "True" && v != "False") return err(bad_value(key, v, "True or False (exactly)"));
-      o_.shareable_handles = v == "True";
-    } else if (key == "handles") {
-      if (v == "pages") o_.handle_shape = HandleShape::pages;
-      else if (v == "ends") o_.handle_shape = HandleShape::ends;
-      else if (v == "whole") o_.handle_shape = HandleShape::whole;
-      else if (v == "cells") o_.handle_shape = HandleShape::cells;
-      else return err(bad_value(key, v, "pages, ends, whole or cells"));
-    } else if (key == "handle_max_mb") {
-      if (!parse_uint(v, &n) || n == 0 || n > (std::size_t{1} << 20))
-        return err(bad_value(key, v, "an integer number of MiB between 1 and 2^20"));
-      o_.handle_max = n << 20;
-    } else if (key == "chunk_size_mb") {
-      if (!parse_uint(v, &n) || n == 0 || n > (std::size_t{1} << 20))
-        return err(bad_value(key, v, "an integer number of MiB between 1 and 2^20"));
-      o_.chunk_size = n << 20;
-    } else if (key == "reserve_slack") {
-      if (!parse_double(v, &d) || !(d >= 0.0 && d <= 1.0)) return err(bad_value(key, v, "a number in [0, 1]"));
-      o_.reserve_slack = d;
-    } else if (key == "lend_pages" || key == "small_in_remnants" || key == "lend_across_streams") {
-      if (v != "True" && v != "False") return err(bad_value(key, v, "True or False (exactly)"));
-      (key == "lend_pages" ? o_.lend_pages : key == "small_in_remnants" ? o_.small_in_remnants
-                                                                          : o_.lend_across_streams) = v == "True";
-    } else if (key == "background") {
-      if (v != "True" && v != "False") return err(bad_value(key, v, "True or False (exactly)"));
-      o_.background = v == "True" ? BackgroundMode::thread : BackgroundMode::off;
-    } else if (key == "trace") {
-      for (std::size_t i = 0; i < v.size(); ++i)
-        if (v[i] == '%' && (i + 1 >= v.size() || std::string_view("pdr%").find(v[i + 1]) == std::string_view::npos))
-          return err(bad_value(key, v, "a path where '%' is followed by p (pid), d (device), r (rank) or %"));
-        else if (v[i] == '%')
-          ++i;
-      o_.trace = v;
-    } else {
-      return unknown_key(key);
-    }
+  // The value of a key whose row parses it (Note [One options table]).
+  bool value(const OptionInfo& row, const std::string& v) {
+    if (std::string expected = row.parse(v, o_); !expected.empty()) return err(bad_value(row.key, v, expected));
     return true;
+  }
+
+  static const OptionInfo* row_of(std::string_view key) {
+    for (const auto& o : kOptions)
+      if (o.key == key) return &o;
+    return nullptr;
   }
 
   // roundup_power2_divisions: a single power of two, or [K:V,...,>:V] (PyTorch's semantics).

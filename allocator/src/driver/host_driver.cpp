@@ -1,5 +1,6 @@
 // host driver: cuMemMap semantics over real host memory (see host_driver.h).
 #include "fragless/host_driver.h"
+#include "driver/registry.h"
 
 #include <fcntl.h>
 #include <linux/falloc.h>
@@ -351,6 +352,16 @@ std::uint64_t host_driver_injected_failures(Driver& d) {
 HostDriverCensus host_driver_census(Driver& d) {
   if (auto* h = dynamic_cast<HostDriver*>(&d)) return h->census();
   return {};
+}
+
+// The registry's entry (driver/registry.h): the options the host driver reads.
+std::unique_ptr<Driver> make_host_driver_for(const Options& o, int device, std::string* error) {
+  HostDriverOptions h;
+  h.device = device;
+  h.page_size = o.page_size;
+  if (o.capacity) h.capacity = o.capacity;
+  h.shareable = o.shareable_handles;
+  return make_host_driver(h, error);
 }
 
 }  // namespace fragless

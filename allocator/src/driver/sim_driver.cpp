@@ -1,5 +1,6 @@
 // sim driver: numbers instead of memory. Fast enough for millions of events per second in the replay.
 #include "fragless/sim_driver.h"
+#include "driver/registry.h"
 
 #include <unordered_map>
 
@@ -100,6 +101,15 @@ std::unique_ptr<Driver> make_sim_driver(const SimDriverOptions& opts) { return s
 TestEvents* sim_test_events(Driver& d) {
   auto* s = dynamic_cast<SimDriver*>(&d);
   return s ? &s->events() : nullptr;
+}
+
+// The registry's entry (driver/registry.h): the options the sim driver reads.
+std::unique_ptr<Driver> make_sim_driver_for(const Options& o, int device, std::string*) {
+  SimDriverOptions s;
+  s.device = device;
+  s.page_size = o.page_size;
+  if (o.capacity) s.capacity = o.capacity;
+  return make_sim_driver(s);
 }
 
 }  // namespace fragless

@@ -1,5 +1,6 @@
 // The cuda driver: every VMM and event call through function pointers obtained from libcuda at run time.
 #include "fragless/cuda_driver.h"
+#include "driver/registry.h"
 
 #include <dlfcn.h>
 
@@ -18,6 +19,47 @@ namespace {
 // The oldest driver fragless runs on (cuGetProcAddress arrived in CUDA 11.3) and the semantics it asks for.
 constexpr int kMinDriverVersion = 11030, kWantedDriverVersion = 12000;
 
+// Every entry point fragless calls, listed once: its Api member, its base name (looked up with
+// cuGetProcAddress, so "cuMemGetInfo" is the _v2 entry point). The member's type is cuda.h's own prototype.
+// Required: loading fails without one.
+#define FRAGLESS_CUDA_REQUIRED(X) \
+  X(init, cuInit) \
+  X(getErrorName, cuGetErrorName) \
+  X(getErrorString, cuGetErrorString) \
+  X(deviceGetCount, cuDeviceGetCount) \
+  X(deviceGet, cuDeviceGet) \
+  X(deviceGetAttribute, cuDeviceGetAttribute) \
+  X(deviceCanAccessPeer, cuDeviceCanAccessPeer) \
+  X(primaryCtxRetain, cuDevicePrimaryCtxRetain) \
+  X(primaryCtxRelease, cuDevicePrimaryCtxRelease) \
+  X(ctxGetCurrent, cuCtxGetCurrent) \
+  X(ctxPushCurrent, cuCtxPushCurrent) \
+  X(ctxPopCurrent, cuCtxPopCurrent) \
+  X(threadExchangeStreamCaptureMode, cuThreadExchangeStreamCaptureMode) \
+  X(memGetInfo, cuMemGetInfo) \
+  X(memGetAllocationGranularity, cuMemGetAllocationGranularity) \
+  X(memAddressReserve, cuMemAddressReserve) \
+  X(memAddressFree, cuMemAddressFree) \
+  X(memCreate, cuMemCreate) \
+  X(memRelease, cuMemRelease) \
+  X(memMap, cuMemMap) \
+  X(memUnmap, cuMemUnmap) \
+  X(memSetAccess, cuMemSetAccess) \
+  X(eventCreate, cuEventCreate) \
+  X(eventRecord, cuEventRecord) \
+  X(eventQuery, cuEventQuery) \
+  X(eventSynchronize, cuEventSynchronize) \
+  X(eventDestroy, cuEventDestroy) \
+  X(streamSynchronize, cuStreamSynchronize) \
+  X(streamWaitEvent, cuStreamWaitEvent) \
+  X(ctxSynchronize, cuCtxSynchronize) \
+  X(streamGetCtx, cuStreamGetCtx) \
+  X(ctxGetDevice, cuCtxGetDevice)
+// Sharing (R18, R19): optional; without them export and import are not supported.
+#define FRAGLESS_CUDA_OPTIONAL(X) \
+  X(memExportToShareableHandle, cuMemExportToShareableHandle) \
+  X(memImportFromShareableHandle, cuMemImportFromShareableHandle)
+
 // Function pointers, looked up by base name with cuGetProcAddress for CUDA 12.0 semantics (so that, for
 // example, "cuMemGetInfo" is the _v2 entry point), or the driver's own version where it is older.
 struct Api {
@@ -25,42 +67,10 @@ struct Api {
   int version = kWantedDriverVersion;  // what cuGetProcAddress is asked for
   std::string error;  // why loading failed
   CUresult (*getProcAddress)(const char*, void**, int, cuuint64_t) = nullptr;
-  CUresult (*init)(unsigned) = nullptr;
-  CUresult (*getErrorName)(CUresult, const char**) = nullptr;
-  CUresult (*getErrorString)(CUresult, const char**) = nullptr;
-  CUresult (*deviceGetCount)(int*) = nullptr;
-  CUresult (*deviceGet)(CUdevice*, int) = nullptr;
-  CUresult (*deviceGetAttribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
-  CUresult (*deviceCanAccessPeer)(int*, CUdevice, CUdevice) = nullptr;
-  CUresult (*primaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
-  CUresult (*primaryCtxRelease)(CUdevice) = nullptr;
-  CUresult (*ctxGetCurrent)(CUcontext*) = nullptr;
-  CUresult (*ctxPushCurrent)(CUcontext) = nullptr;
-  CUresult (*ctxPopCurrent)(CUcontext*) = nullptr;
-  CUresult (*threadExchangeStreamCaptureMode)(CUstreamCaptureMode*) = nullptr;
-  CUresult (*memGetInfo)(size_t*, size_t*) = nullptr;
-  CUresult (*memGetAllocationGranularity)(size_t*, const CUmemAllocationProp*, CUmemAllocationGranularity_flags) = nullptr;
-  CUresult (*memAddressReserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long) = nullptr;
-  CUresult (*memAddressFree)(CUdeviceptr, size_t) = nullptr;
-  CUresult (*memCreate)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*, unsigned long long) = nullptr;
-  CUresult (*memRelease)(CUmemGenericAllocationHandle) = nullptr;
-  CUresult (*memMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long) = nullptr;
-  CUresult (*memUnmap)(CUdeviceptr, size_t) = nullptr;
-  CUresult (*memSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
-  CUresult (*eventCreate)(CUevent*, unsigned) = nullptr;
-  CUresult (*eventRecord)(CUevent, CUstream) = nullptr;
-  CUresult (*eventQuery)(CUevent) = nullptr;
-  CUresult (*eventSynchronize)(CUevent) = nullptr;
-  CUresult (*eventDestroy)(CUevent) = nullptr;
-  CUresult (*streamSynchronize)(CUstream) = nullptr;
-  CUresult (*streamWaitEvent)(CUstream, CUevent, unsigned) = nullptr;
-  CUresult (*ctxSynchronize)() = nullptr;
-  CUresult (*streamGetCtx)(CUstream, CUcontext*) = nullptr;
-  CUresult (*ctxGetDevice)(CUdevice*) = nullptr;
-  // Sharing (R18, R19): optional; without them export and import are not supported.
-  CUresult (*memExportToShareableHandle)(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
-                                         unsigned long long) = nullptr;
-  CUresult (*memImportFromShareableHandle)(CUmemGenericAllocationHandle*, void*, CUmemAllocationHandleType) = nullptr;
+#define FRAGLESS_CUDA_MEMBER(member, symbol) decltype(&symbol) member = nullptr;
+  FRAGLESS_CUDA_REQUIRED(FRAGLESS_CUDA_MEMBER)
+  FRAGLESS_CUDA_OPTIONAL(FRAGLESS_CUDA_MEMBER)
+#undef FRAGLESS_CUDA_MEMBER
 
   std::string describe(const char* call, CUresult r) const {
     const char* name = nullptr;
@@ -126,35 +136,15 @@ const Api& api() {
       a.error = std::string("fragless: ") + lib_name + " has no cuGetProcAddress (a CUDA 11.3 or newer driver is needed)";
       return;
     }
-    const bool ok = resolve(a, "cuInit", &a.init) && resolve(a, "cuGetErrorName", &a.getErrorName) &&
-                    resolve(a, "cuGetErrorString", &a.getErrorString) && resolve(a, "cuDeviceGetCount", &a.deviceGetCount) &&
-                    resolve(a, "cuDeviceGet", &a.deviceGet) && resolve(a, "cuDeviceGetAttribute", &a.deviceGetAttribute) &&
-                    resolve(a, "cuDeviceCanAccessPeer", &a.deviceCanAccessPeer) &&
-                    resolve(a, "cuDevicePrimaryCtxRetain", &a.primaryCtxRetain) &&
-                    resolve(a, "cuDevicePrimaryCtxRelease", &a.primaryCtxRelease) &&
-                    resolve(a, "cuCtxGetCurrent", &a.ctxGetCurrent) && resolve(a, "cuCtxPushCurrent", &a.ctxPushCurrent) &&
-                    resolve(a, "cuCtxPopCurrent", &a.ctxPopCurrent) &&
-                    resolve(a, "cuThreadExchangeStreamCaptureMode", &a.threadExchangeStreamCaptureMode) &&
-                    resolve(a, "cuMemGetInfo", &a.memGetInfo) &&
-                    resolve(a, "cuMemGetAllocationGranularity", &a.memGetAllocationGranularity) &&
-                    resolve(a, "cuMemAddressReserve", &a.memAddressReserve) &&
-                    resolve(a, "cuMemAddressFree", &a.memAddressFree) && resolve(a, "cuMemCreate", &a.memCreate) &&
-                    resolve(a, "cuMemRelease", &a.memRelease) && resolve(a, "cuMemMap", &a.memMap) &&
-                    resolve(a, "cuMemUnmap", &a.memUnmap) && resolve(a, "cuMemSetAccess", &a.memSetAccess) &&
-                    resolve(a, "cuEventCreate", &a.eventCreate) && resolve(a, "cuEventRecord", &a.eventRecord) &&
-                    resolve(a, "cuEventQuery", &a.eventQuery) && resolve(a, "cuEventSynchronize", &a.eventSynchronize) &&
-                    resolve(a, "cuEventDestroy", &a.eventDestroy) &&
-                    resolve(a, "cuStreamSynchronize", &a.streamSynchronize) &&
-                    resolve(a, "cuStreamWaitEvent", &a.streamWaitEvent) &&
-                    resolve(a, "cuCtxSynchronize", &a.ctxSynchronize) &&
-                    resolve(a, "cuStreamGetCtx", &a.streamGetCtx) && resolve(a, "cuCtxGetDevice", &a.ctxGetDevice);
+#define FRAGLESS_CUDA_RESOLVE(member, symbol) &&resolve(a, #symbol, &a.member)
+    const bool ok = true FRAGLESS_CUDA_REQUIRED(FRAGLESS_CUDA_RESOLVE);
+#undef FRAGLESS_CUDA_RESOLVE
     if (!ok) return;
-    void* p = nullptr;
-    if (a.getProcAddress("cuMemExportToShareableHandle", &p, a.version, 0) == CUDA_SUCCESS && p)
-      a.memExportToShareableHandle = reinterpret_cast<decltype(a.memExportToShareableHandle)>(p);
-    p = nullptr;
-    if (a.getProcAddress("cuMemImportFromShareableHandle", &p, a.version, 0) == CUDA_SUCCESS && p)
-      a.memImportFromShareableHandle = reinterpret_cast<decltype(a.memImportFromShareableHandle)>(p);
+#define FRAGLESS_CUDA_RESOLVE_OPTIONAL(member, symbol) \
+  if (void* p = nullptr; a.getProcAddress(#symbol, &p, a.version, 0) == CUDA_SUCCESS && p) \
+    a.member = reinterpret_cast<decltype(a.member)>(p);
+    FRAGLESS_CUDA_OPTIONAL(FRAGLESS_CUDA_RESOLVE_OPTIONAL)
+#undef FRAGLESS_CUDA_RESOLVE_OPTIONAL
     if (CUresult r = a.init(0); r != CUDA_SUCCESS) a.error = "fragless: " + a.describe("cuInit", r);
   });
   return a;
@@ -475,6 +465,15 @@ std::unique_ptr<Driver> make_cuda_driver(const CudaDriverOptions& o, std::string
       }
     }
   return std::make_unique<CudaDriver>(o, dev, primary, gran, prop, std::move(access));
+}
+
+// The registry's entry (driver/registry.h): the options the cuda driver reads.
+std::unique_ptr<Driver> make_cuda_driver_for(const Options& o, int device, std::string* error) {
+  CudaDriverOptions c;
+  c.device = device;
+  c.peer_access = o.peer_access;
+  c.shareable_handles = o.shareable_handles;
+  return make_cuda_driver(c, error);
 }
 
 }  // namespace fragless
