@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Checks that what a comment names exists in the tree.
 
-  - a file named in a comment (`engine.cpp`, `allocator/formats/pickle.h`) is a tracked file, by path or by
-    name, or one of the outside files listed in OUTSIDE (CUDA's and PyTorch's), or lies under ../shared
+  - a file named in a comment (`engine.cpp`, `allocator/formats/pickle.h`) is a tracked file: a path is a
+    tracked file's path or the tail of one, a bare name any tracked file's name; in the docs, every path, or one of the outside files listed in OUTSIDE (CUDA's and PyTorch's), or lies under ../shared
     (`reference/...`, `data/...`);
   - a section named as `docs/NAME.md, "Heading"` (in code or in the docs) is a heading of that document;
   - every `Note [Title]` that is referred to is defined somewhere: a comment (or a docs line) that starts
@@ -84,12 +84,16 @@ def main():
                     problems.append(f"{where}: names docs/{doc}, which does not exist")
                 elif section not in docs[doc]:
                     problems.append(f'{where}: names section "{section}" of docs/{doc}, which has no such heading')
-            if is_doc:
-                continue
             for ref in FILE_REF.findall(text):
-                if ref in known or os.path.basename(ref) in known or ref in OUTSIDE or ref.startswith(OUTSIDE_PREFIXES):
+                if is_doc and "/" not in ref:
+                    continue  # the docs name files by path; a bare name there is prose
+                if ref in OUTSIDE or ref.startswith(OUTSIDE_PREFIXES):
                     continue
-                if re.match(r"[A-Z_]+/", ref):  # a placeholder folder (OUT/..., WORK_DIR/...)
+                # A path is a tracked file's path or its tail (`policy/fragless/policy.cpp`); a bare name is any
+                # tracked file's name.
+                if ref in known if "/" not in ref else (ref in files or any(f.endswith("/" + ref) for f in files)):
+                    continue
+                if re.match(r"[A-Z_]+/|gpu-bundle/", ref):  # a placeholder or built folder (OUT/..., the GPU bundle)
                     continue
                 if os.path.exists(os.path.join(shared, ref)):
                     continue

@@ -2,6 +2,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "driver/registry.h"
 #include "fragless/config.h"
 
 using namespace fragless;
@@ -143,4 +144,28 @@ TEST_CASE("config: an error shows what was typed, and PyTorch's own keys are nam
 
 TEST_CASE("config: a known key with spaces inside is refused, naming it as typed", "[config][bad-input]") {
   CHECK(bad("max_split _size_mb:256").find("key 'max_split _size_mb' has spaces inside") != std::string::npos);
+}
+
+TEST_CASE("config: every row parses its own default, and every driver kind has its registry line", "[config]") {
+  // Note [One options table]: a row without a parser is the one list-valued key.
+  for (const auto& row : option_table()) {
+    INFO(row.key);
+    CHECK((row.parse != nullptr) == (row.key != "roundup_power2_divisions"));
+  }
+  for (DriverKind d : {DriverKind::cuda, DriverKind::host, DriverKind::sim}) {
+    const auto& e = driver_entry(d);
+    CHECK(e.kind == d);
+    CHECK(driver_kind_from_name(driver_kind_name(d)) == d);
+    CHECK((e.make != nullptr) == (e.missing == nullptr));
+  }
+  CHECK(driver_registry().size() == 3);
+  CHECK_FALSE(driver_kind_from_name("gpu").has_value());
+  CHECK(bad("driver:gpu").find("cuda, host or sim") != std::string::npos);
+  // expandable_segments:True selects expandable only when the same text names no policy.
+  CHECK(ok("expandable_segments:True").policy == PolicyKind::expandable);
+  CHECK(ok("expandable_segments:True,policy:classic").policy == PolicyKind::classic);
+  CHECK(ok("policy:classic,expandable_segments:True").policy == PolicyKind::classic);
+  Options base;
+  base.policy = PolicyKind::classic;
+  CHECK(parse_config("expandable_segments:False", base).options.policy == PolicyKind::classic);
 }
