@@ -69,11 +69,8 @@ def main(argv):
             if f.startswith(("allocator/", "torch_plugin/")) and (inc.startswith("tools/") or
                                                                  os.path.exists(os.path.join("tools", inc))):
                 problems.append(f"{where}: includes {inc}, a header under tools/")
-    for p in problems:
-        print(p)
-    print(f"check_layers: {len(files)} tracked files, {len(problems)} broken rule(s)")
+    print("\n".join(problems + [f"check_layers: {len(files)} tracked files, {len(problems)} broken rule(s)"]))
     return 1 if problems else 0
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+sys.exit(main(sys.argv) if __name__ == "__main__" else 0)

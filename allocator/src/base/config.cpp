@@ -70,6 +70,25 @@ std::string fraction(std::string_view v, bool open, double* out) {
   return {};
 }
 
+// Row parsers for a field of Options, by kind of value.
+template <bool Options::*Field>
+std::string flag(std::string_view v, Options& o) {
+  return boolean(v, &(o.*Field));
+}
+
+template <std::size_t Options::*Field, std::size_t Lo, std::size_t Hi>
+std::string mib_field(std::string_view v, Options& o) {
+  static const std::string expected = Lo == 20 ? std::string("an integer number of MiB, at least 20")
+                                               : "an integer number of MiB between 1 and 2^" +
+                                                     std::to_string(std::bit_width(Hi) - 1);
+  return mib(v, Lo, Hi, expected.c_str(), &(o.*Field));
+}
+
+template <double Options::*Field, bool Open>
+std::string fraction_field(std::string_view v, Options& o) {
+  return fraction(v, Open, &(o.*Field));
+}
+
 // Note [One options table]
 // A key is written once: its row below gives its name, its accepted forms, its default and meaning (the
 // README's table, `fragless-config --table` and `--help` print these) and the function that parses its
@@ -85,27 +104,23 @@ constexpr OptionInfo kOptions[] = {
      }},
     {"expandable_segments", "True or False", "False",
      "PyTorch's key: True selects the expandable policy unless `policy` is also given.",
-     [](std::string_view v, Options& o) { return boolean(v, &o.expandable_segments); }},
+     &flag<&Options::expandable_segments>},
     {"max_split_size_mb", "integer >= 20 (MiB)", "unlimited",
      "Blocks this large or larger are never split; smaller requests never take them (PyTorch's semantics).",
-     [](std::string_view v, Options& o) {
-       return mib(v, 20, SIZE_MAX, "an integer number of MiB, at least 20", &o.max_split_size);
-     }},
+     &mib_field<&Options::max_split_size, 20, SIZE_MAX>},
     {"max_non_split_rounding_mb", "integer >= 20 (MiB)", "20",
      "An oversize request may take a cached block at most this much larger.",
-     [](std::string_view v, Options& o) {
-       return mib(v, 20, SIZE_MAX, "an integer number of MiB, at least 20", &o.max_non_split_rounding_size);
-     }},
+     &mib_field<&Options::max_non_split_rounding_size, 20, SIZE_MAX>},
     {"roundup_power2_divisions", "power of two, or list [MB:div,...,>:div]", "0 (off)",
      "Round requests up to one of `div` steps between powers of two, per size interval (PyTorch's semantics).",
      nullptr},
     {"garbage_collection_threshold", "number in (0, 1)", "0 (off)",
      "With a memory fraction below 1: above this share of the limit, free the oldest whole cached segments "
      "(classic policy).",
-     [](std::string_view v, Options& o) { return fraction(v, true, &o.garbage_collection_threshold); }},
+     &fraction_field<&Options::garbage_collection_threshold, true>},
     {"per_process_memory_fraction", "number in [0, 1]", "1",
      "Cap on physical memory this process may reserve, as a fraction of the device's total.",
-     [](std::string_view v, Options& o) { return fraction(v, false, &o.per_process_memory_fraction); }},
+     &fraction_field<&Options::per_process_memory_fraction, false>},
     {"driver", "cuda, host or sim", "cuda",
      "Backend: the real CUDA driver, host memory with cuMemMap semantics, or the counting simulator.",
      [](std::string_view v, Options& o) -> std::string {
@@ -121,9 +136,7 @@ constexpr OptionInfo kOptions[] = {
      }},
     {"capacity_mb", "integer >= 1 (MiB)", "host 4096, sim 81920",
      "Physical memory of one host or sim device; creating beyond it fails as out of memory.",
-     [](std::string_view v, Options& o) {
-       return mib(v, 1, std::size_t{1} << 30, "an integer number of MiB between 1 and 2^30", &o.capacity);
-     }},
+     &mib_field<&Options::capacity, 1, std::size_t{1} << 30>},
     {"on_oom", "throw", "throw",
      "libfragless.so: fragless_malloc throws a C++ exception carrying the diagnosis on out of memory (PyTorch's "
      "normal path crashes on NULL). The value null was removed: torch.cuda.MemPool takes fragless_pool_malloc, "
@@ -139,12 +152,12 @@ constexpr OptionInfo kOptions[] = {
      "cuda driver: grant every peer device that can access this one (cuDeviceCanAccessPeer) access to fragless "
      "memory, as cudaMalloc memory is reachable by peers: one cuMemSetAccess per mapping, with one descriptor per "
      "device. False grants the owning device only (peer copies and NCCL P2P through it then fault).",
-     [](std::string_view v, Options& o) { return boolean(v, &o.peer_access); }},
+     &flag<&Options::peer_access>},
     {"shareable_handles", "True or False", "False",
      "create physical memory exportable, so that blocks can be shared with other processes (fragless.share): "
      "cuda driver: a POSIX file descriptor handle type (cuMemExportToShareableHandle) where the device "
      "supports it; host driver: a memfd per handle. Off, sharing is refused.",
-     [](std::string_view v, Options& o) { return boolean(v, &o.shareable_handles); }},
+     &flag<&Options::shareable_handles>},
     {"handles", "pages, ends, whole or cells", "cells",
      "fragless policy: the shape of new physical handles (a mapping is always one whole handle). pages: one "
      "handle per page (finest re-backing, most cuMemCreate calls); ends: the body of a growth in handles of "
@@ -164,36 +177,32 @@ constexpr OptionInfo kOptions[] = {
      "fragless policy (handles ends or cells): the body of a growth is created in handles of at most this much; "
      "a live block that straddles a handle pins less than this of it, and one background split replaces at "
      "most this much.",
-     [](std::string_view v, Options& o) {
-       return mib(v, 1, std::size_t{1} << 20, "an integer number of MiB between 1 and 2^20", &o.handle_max);
-     }},
+     &mib_field<&Options::handle_max, 1, std::size_t{1} << 20>},
     {"chunk_size_mb", "integer >= 1 (MiB)", "20",
      "fragless policy: with handles ends or whole, a growth's new handle may be rounded up to this much, mapped "
      "as free space after the request, to save cuMemCreate calls, never past reserve_slack of live bytes; with "
      "handles cells, the largest cell.",
-     [](std::string_view v, Options& o) {
-       return mib(v, 1, std::size_t{1} << 20, "an integer number of MiB between 1 and 2^20", &o.chunk_size);
-     }},
+     &mib_field<&Options::chunk_size, 1, std::size_t{1} << 20>},
     {"reserve_slack", "number in [0, 1]", "0.0078125 (1/128)",
      "fragless policy: memory is only created when the memory held cannot be put under the request; this "
      "share of live bytes bounds what a growth may create past its request (a cell of handles cells, the "
      "rounding of ends or whole) and what a refill that ends a re-backing cycle may add past the peak of live "
      "bytes (plus two pages).",
-     [](std::string_view v, Options& o) { return fraction(v, false, &o.reserve_slack); }},
+     &fraction_field<&Options::reserve_slack, false>},
     {"lend_pages", "True or False", "True",
      "fragless policy: pages of a hole on the requesting stream are mapped where needed without a "
      "synchronisation (the old mapping goes once the stream's queued work is done). False: synchronise and "
      "unmap first, as PyTorch does.",
-     [](std::string_view v, Options& o) { return boolean(v, &o.lend_pages); }},
+     &flag<&Options::lend_pages>},
     {"lend_across_streams", "True or False", "True",
      "fragless policy (with lend_pages): pages of a hole on another stream are lent too; the requesting stream "
      "waits on the device (cuStreamWaitEvent) for the hole's stream, the host never waits. False: such holes "
      "are taken only after synchronising their stream, when the device is full.",
-     [](std::string_view v, Options& o) { return boolean(v, &o.lend_across_streams); }},
+     &flag<&Options::lend_across_streams>},
     {"small_in_remnants", "True or False", "True",
      "fragless policy: a small request (<= 1 MiB) that would grow the small pool may take a free large-pool "
      "block under 1 MiB, which no large request fits.",
-     [](std::string_view v, Options& o) { return boolean(v, &o.small_in_remnants); }},
+     &flag<&Options::small_in_remnants>},
     {"background", "True or False", "True",
      "A worker thread per device does the driver work no request waits for: with the fragless policy it "
      "splits multi-page handles into 2 MiB pages once they are free (so their memory can be re-backed page by "

@@ -48,23 +48,9 @@ class ClassicPolicy final : public Policy {
       p.status = st;
       return nullptr;
     }
-    auto seg = std::make_unique<Segment>();
-    seg->base = va;
-    seg->va_size = va_size;
-    seg->page_size = va_size;
-    seg->mapped_bytes = va_size;
-    seg->small = p.pool->small;
-    seg->stream = p.stream;
-    seg->owner = p.pool->owner;
-    seg->pages.push_back(PageRef{h, 0});
-    Block* b = s_.new_block();
-    b->ptr = va;
-    b->size = va_size;
-    b->segment = seg.get();
-    b->pool = p.pool;
-    b->stream = p.stream;
-    seg->first = b;
-    s_.segments.push_back(std::move(seg));
+    Block* b = s_.add_segment(p, va, va_size, va_size, BlockState::free);
+    b->segment->mapped_bytes = va_size;
+    b->segment->pages.push_back(PageRef{h, 0});
     s_.add_reserved(p.pool->small, static_cast<std::int64_t>(va_size));
     s_.stats.segment.add(p.pool->small, 1);
     if (va_size >= s_.opts.max_split_size) s_.stats.oversize_segments.add(1);

@@ -24,26 +24,12 @@ Segment* GrowablePolicy::new_segment(AllocParams& p) {
     p.status = st;
     return nullptr;
   }
-  auto seg = std::make_unique<Segment>();
-  seg->base = va;
-  seg->va_size = va_size;
-  seg->page_size = page;
+  Block* b = s_.add_segment(p, va, va_size, page, BlockState::unmapped);
+  Segment* seg = b->segment;
   seg->growable = true;
-  seg->small = p.pool->small;
-  seg->stream = p.stream;
-  seg->owner = p.pool->owner;
   seg->pages.resize(va_size / page);
-  Block* b = s_.new_block();
-  b->ptr = va;
-  b->size = va_size;
-  b->segment = seg.get();
-  b->pool = p.pool;
-  b->stream = p.stream;
-  b->state = BlockState::unmapped;
-  seg->first = b;
   s_.unmapped_insert(b);
-  s_.segments.push_back(std::move(seg));
-  return s_.segments.back().get();
+  return seg;
 }
 
 // The lowest-address run of reusable and unmapped blocks on this stream that holds p.rounded bytes and

@@ -52,6 +52,27 @@ Block* DeviceEngine::State::new_block() {
   return b;
 }
 
+Block* DeviceEngine::State::add_segment(const AllocParams& p, DevicePtr va, std::size_t va_size,
+                                       std::size_t page_size, BlockState state) {
+  auto seg = std::make_unique<Segment>();
+  seg->base = va;
+  seg->va_size = va_size;
+  seg->page_size = page_size;
+  seg->small = p.pool->small;
+  seg->stream = p.stream;
+  seg->owner = p.pool->owner;
+  Block* b = new_block();
+  b->ptr = va;
+  b->size = va_size;
+  b->segment = seg.get();
+  b->pool = p.pool;
+  b->stream = p.stream;
+  b->state = state;
+  seg->first = b;
+  segments.push_back(std::move(seg));
+  return b;
+}
+
 void DeviceEngine::State::delete_block(Block* b) {
   *b = Block{};
   spare_blocks.push_back(b);

@@ -211,6 +211,10 @@ struct DeviceEngine::State {
   std::vector<Block*> spare_blocks;
   Block* new_block();
   void delete_block(Block* b);
+  // A new segment over the reservation [va, va + va_size) for p's pool and stream, with pages of
+  // `page_size`, covered by one block in `state` (not yet in any pool); returns that block.
+  Block* add_segment(const AllocParams& p, DevicePtr va, std::size_t va_size, std::size_t page_size,
+                     BlockState state);
 
   // Pool membership, with the inactive_split stats that go with it.
   void pool_insert(Block* b);
