@@ -30,11 +30,7 @@ const DriverEntry& driver_entry(DriverKind kind) {
   return kDrivers[0];  // every DriverKind has its line (a test checks it)
 }
 
-const char* driver_kind_name(DriverKind d) {
-  for (const DriverEntry& e : kDrivers)
-    if (e.kind == d) return e.name;
-  return "?";
-}
+const char* driver_kind_name(DriverKind d) { return driver_entry(d).name; }
 
 std::optional<DriverKind> driver_kind_from_name(std::string_view name) {
   for (const DriverEntry& e : kDrivers)

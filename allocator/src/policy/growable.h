@@ -35,8 +35,8 @@ class GrowablePolicy : public Policy {
   // (handles go to it), or a same-stream reclaim that lends without a sync (to it, the old mapping kept).
   struct Unmap {
     enum class Why : std::uint8_t { release, reclaim, lend } why = Why::release;
-    Stream lend_to = 0;         // lend: the stream of the request that lending serves
-    Growth* growth = nullptr;   // reclaim and lend: the subclass's growth the handles go to
+    Growth* growth = nullptr;   // reclaim and lend: the subclass's growth the handles go to (and, lending,
+                                // whose stream they are lent to)
   };
 
   virtual std::size_t page_size(bool small) const = 0;

@@ -106,9 +106,10 @@ Status FraglessPolicy::map_pages(Segment& seg, std::size_t first, std::size_t* n
 std::size_t FraglessPolicy::unmap_pages(Segment& seg, std::size_t first, std::size_t n, const Unmap& how) {
   if (how.why == Unmap::Why::lend) {
     // Note [Lending pages without a sync]: the old mappings stay until the stream's queued work is done.
+    const Stream to = how.growth->stream;
     Event e = 0;
     if (s_.driver->record_event(seg.stream, &e) == Status::ok &&
-        (seg.stream == how.lend_to || s_.driver->stream_wait_event(how.lend_to, e) == Status::ok)) {
+        (seg.stream == to || s_.driver->stream_wait_event(to, e) == Status::ok)) {
       lent_.add(seg, first, n, e);
       s_.background.wake();  // Note [Unmaps in the background]
       give_back(seg, first, n, how.growth);

@@ -79,7 +79,7 @@ void FraglessPolicy::reclaim(Growth& g, bool other_streams, std::size_t need, st
     for (Stream st : streams)  // cuMemUnmap is not stream-ordered; a failed wait takes nothing
       if (s_.forced_sync(st) != Status::ok) failed.insert(st);
   }
-  const Unmap how{lend ? Unmap::Why::lend : Unmap::Why::reclaim, stream, &g};
+  const Unmap how{lend ? Unmap::Why::lend : Unmap::Why::reclaim, &g};
   for (const Candidate& c : groups)
     if (!failed.count(c.b->stream)) unmap_block_pages(c.b, c.lo, c.hi, how);
 }
