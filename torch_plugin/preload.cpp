@@ -288,7 +288,14 @@ cudaError_t free_async(void* p, cudaStream_t s, bool ptsz) {
   return e->free(p) == fragless::Status::ok ? kSuccess : kInvalidValue;
 }
 
-// A capture began on stream s: its device's engine follows the capture rules until it ends.
+// A capture begins on stream s: its device's engine follows the capture rules until it ends.
+//
+// Note [Quiet before a capture]
+// The engine is told before the capture begins, not after: its background work stops (a job in flight is
+// waited for) while nothing is being captured yet. Told after, a job in flight could record, query or wait
+// in the window between cuStreamBeginCapture and the engine's pause, which in a global-mode capture
+// invalidates it (seen under ASan, whose slowness widens that window). When the real call then fails, the
+// engine is told the capture ended.
 void capture_began(cudaStream_t s, bool ptsz) {
   fragless::Allocator* a = ip().get();
   if (!a) return;
@@ -413,15 +420,17 @@ FRAGLESS_EXPORT cudaError_t cudaFreeAsync_ptsz(void* p, cudaStream_t s) { return
 
 FRAGLESS_EXPORT cudaError_t cudaStreamBeginCapture(cudaStream_t s, int mode) {
   if (!real().begin_capture) return kInvalidValue;
+  capture_began(s, false);  // Note [Quiet before a capture]
   const cudaError_t r = real().begin_capture(s, mode);
-  if (r == kSuccess) capture_began(s, false);
+  if (r != kSuccess) capture_ended(s, false);
   return r;
 }
 
 FRAGLESS_EXPORT cudaError_t cudaStreamBeginCapture_ptsz(cudaStream_t s, int mode) {
   if (!real().begin_capture_ptsz) return kInvalidValue;
+  capture_began(s, true);  // Note [Quiet before a capture]
   const cudaError_t r = real().begin_capture_ptsz(s, mode);
-  if (r == kSuccess) capture_began(s, true);
+  if (r != kSuccess) capture_ended(s, true);
   return r;
 }
 

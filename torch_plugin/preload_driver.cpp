@@ -603,14 +603,16 @@ FRAGLESS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool) {
 
 FRAGLESS_EXPORT CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode) {
   if (!real().begin_capture) return CUDA_ERROR_NOT_SUPPORTED;
+  fragless_preload::capture_began(stream_key(s, false), stream_device(s));  // Note [Quiet before a capture]
   const CUresult r = real().begin_capture(s, mode);
-  if (r == CUDA_SUCCESS) fragless_preload::capture_began(stream_key(s, false), stream_device(s));
+  if (r != CUDA_SUCCESS && !capturing(s, false)) fragless_preload::capture_ended(stream_key(s, false));
   return r;
 }
 FRAGLESS_EXPORT CUresult cuStreamBeginCapture_v2_ptsz(CUstream s, CUstreamCaptureMode mode) {
   if (!real().begin_capture_ptsz) return CUDA_ERROR_NOT_SUPPORTED;
+  fragless_preload::capture_began(stream_key(s, true), stream_device(s));  // Note [Quiet before a capture]
   const CUresult r = real().begin_capture_ptsz(s, mode);
-  if (r == CUDA_SUCCESS) fragless_preload::capture_began(stream_key(s, true), stream_device(s));
+  if (r != CUDA_SUCCESS && !capturing(s, true)) fragless_preload::capture_ended(stream_key(s, true));
   return r;
 }
 FRAGLESS_EXPORT CUresult cuStreamEndCapture(CUstream s, CUgraph* g) {
