@@ -13,15 +13,14 @@
 #include "fragless/allocator.h"
 #include "trace_model.h"
 #include "random_ops.h"
+#include "seeded_policies.h"
 #include "watchdog.h"
 
 using namespace fragless;
 using namespace fragless::test;
 
 TEST_CASE("concurrency: 8 threads on shared devices keep data and invariants intact, tracer on", "[concurrency][seeded]") {
-  const PolicyKind policy = GENERATE(PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless);
-  const std::uint64_t seed = test_seed(77);
-  CAPTURE(name(policy), seed);
+  FRAGLESS_SEEDED_POLICIES(policy, seed, 77);
   Watchdog dog("concurrency test", 300);
   const std::string dir = (std::filesystem::temp_directory_path() / ("fragless-conc-" + std::to_string(::getpid()))).string();
   std::filesystem::create_directories(dir);

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdio>
 
+#include "census_checks.h"
 #include "fault_workload.h"
 #include "helpers.h"
 
@@ -73,12 +74,7 @@ void sweep(PolicyKind policy) {
           if (!ok) CHECK_THAT(err, Catch::Contains("out of memory"));
         }
         require_consistent(*e);
-        e->empty_cache();
-        const auto census = host_driver_census(e->driver());
-        CHECK(census.handles == 0);
-        CHECK(census.mappings == 0);
-        CHECK(census.reservations == 0);
-        CHECK(census.physical_bytes == 0);
+        check_all_given_back(*e, true);
         std::string again;
         REQUIRE(workload(*e, &again));
         require_consistent(*e);

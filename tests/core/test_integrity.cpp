@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "random_ops.h"
+#include "seeded_policies.h"
 
 using namespace fragless;
 using namespace fragless::test;
@@ -54,9 +55,7 @@ bool verify(const LiveBlock& b) {
 }  // namespace
 
 TEST_CASE("integrity: 100,000 random operations on real memory corrupt nothing", "[integrity][seeded]") {
-  const PolicyKind policy = GENERATE(PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless);
-  const std::uint64_t seed = test_seed(0x1e7e6417);
-  CAPTURE(name(policy), seed);
+  FRAGLESS_SEEDED_POLICIES(policy, seed, 0x1e7e6417);
   EngineSpec spec;
   spec.policy = policy;
   spec.driver = DriverKind::host;

@@ -1,13 +1,12 @@
 // Randomized operations, with the invariant checker after every one.
 #include "random_ops.h"
+#include "seeded_policies.h"
 
 using namespace fragless;
 using namespace fragless::test;
 
 TEST_CASE("randomized: 100,000 operations per policy keep every invariant", "[random][seeded]") {
-  const PolicyKind policy = GENERATE(PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless);
-  const std::uint64_t seed = test_seed(0xf7a61e55);
-  CAPTURE(name(policy), seed);
+  FRAGLESS_SEEDED_POLICIES(policy, seed, 0xf7a61e55);
   EngineSpec spec;
   spec.policy = policy;
   spec.capacity = 384 * MiB;

@@ -96,12 +96,19 @@ static std::vector<void*> make_holes(DeviceEngine& e, Stream stream) {
   return live;
 }
 
-TEST_CASE("fragless: re-backs free pages from holes instead of creating memory", "[fragless]") {
+// A fragless engine, with `off` (when given) turned off, and ten holes on `stream` (make_holes).
+static std::unique_ptr<DeviceEngine> fragless_with_holes(Stream stream, bool Options::*off = nullptr) {
   EngineSpec spec;
   spec.policy = PolicyKind::fragless;
+  if (off) spec.base.*off = false;
   auto e = make_engine(spec);
+  make_holes(*e, stream);
+  return e;
+}
+
+TEST_CASE("fragless: re-backs free pages from holes instead of creating memory", "[fragless]") {
   // A pattern that fragments, then a request no hole fits.
-  make_holes(*e, 0);
+  auto e = fragless_with_holes(0);
   const auto before = reserved(*e);
   const auto creates_before = e->driver_counters()[DriverCall::create];
   for (int i = 0; i < 2; ++i) REQUIRE(e->allocate(8 * MiB, 0, nullptr));
@@ -114,11 +121,7 @@ TEST_CASE("fragless: re-backs free pages from holes instead of creating memory",
 }
 
 TEST_CASE("fragless: with lend_pages:False, same-stream holes are unmapped after a sync", "[fragless]") {
-  EngineSpec spec;
-  spec.policy = PolicyKind::fragless;
-  spec.base.lend_pages = false;
-  auto e = make_engine(spec);
-  make_holes(*e, 0);
+  auto e = fragless_with_holes(0, &Options::lend_pages);
   const auto before = reserved(*e);
   REQUIRE(e->allocate(8 * MiB, 0, nullptr));
   CHECK(reserved(*e) == before);
@@ -129,11 +132,8 @@ TEST_CASE("fragless: with lend_pages:False, same-stream holes are unmapped after
 
 TEST_CASE("fragless: holes of an idle stream are taken with no wait, a busy stream's only as the last resort, "
           "in device order", "[fragless]") {
-  EngineSpec spec;
-  spec.policy = PolicyKind::fragless;
-  auto e = make_engine(spec);
+  auto e = fragless_with_holes(1);
   TestEvents* ev = test_events_of(e->driver());
-  make_holes(*e, 1);
   const auto before = reserved(*e);
   const auto waits = e->driver_counters()[DriverCall::stream_wait_event];
   auto stream_2_waits = [&] {  // whether work queued on stream 2 from now on waits for something
@@ -174,11 +174,7 @@ TEST_CASE("fragless: holes of an idle stream are taken with no wait, a busy stre
 
 TEST_CASE("fragless: with lend_across_streams:False, other streams' holes wait for their stream, as a last resort",
           "[fragless]") {
-  EngineSpec spec;
-  spec.policy = PolicyKind::fragless;
-  spec.base.lend_across_streams = false;
-  auto e = make_engine(spec);
-  make_holes(*e, 1);
+  auto e = fragless_with_holes(1, &Options::lend_across_streams);
   const auto before = reserved(*e);
   // While the device has room, another stream's holes stay put: taking them would need a sync.
   REQUIRE(e->allocate(8 * MiB, 2, nullptr));

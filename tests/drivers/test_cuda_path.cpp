@@ -13,6 +13,13 @@ using namespace fragless::test;
 namespace {
 constexpr std::size_t MiB = 1u << 20;
 constexpr PolicyKind kPolicies[] = {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless};
+
+// A block of `size` bytes on `stream`; the test cannot go on without it.
+void* must_allocate(DeviceEngine& e, std::size_t size, Stream stream) {
+  void* p = e.allocate(size, stream, nullptr);
+  REQUIRE(p);
+  return p;
+}
 }  // namespace
 
 namespace {
@@ -139,15 +146,13 @@ TEST_CASE("cuda driver: memory moved to another stream is used only after the wo
         auto a = make_lazy(p);
         DeviceEngine& e = *a->device(0);
         // A block on A, used by a long kernel, freed: A's own later work may reuse it at once.
-        void* x = e.allocate(16 * MiB, A, nullptr);
-        REQUIRE(x);
+        void* x = must_allocate(e, 16 * MiB, A);
         REQUIRE(fake().work(A, x, 16 * MiB, 1000) == CUDA_SUCCESS);
         REQUIRE(e.free(x) == Status::ok);
         // B misses. fragless may lend the hole's handles to B at a new address (the old mapping stays until
         // A's work is done); with no room to create, every policy must take that memory for B.
         if (tight) fake().capacity(0, e.usage().reserved + 8 * MiB);
-        void* y = e.allocate(16 * MiB, B, nullptr);
-        REQUIRE(y);
+        void* y = must_allocate(e, 16 * MiB, B);
         REQUIRE(fake().work(B, y, 16 * MiB, 10) == CUDA_SUCCESS);
         CHECK(fake().now().faults == 0);
         REQUIRE(e.free(y) == Status::ok);
@@ -173,10 +178,8 @@ TEST_CASE("cuda driver: a graph's memory is not unmapped under its replay on ano
       auto a = make_lazy(p);
       DeviceEngine& e = *a->device(0);
       e.begin_allocate_to_pool(pool, [capture](Stream s) { return s == capture; });
-      void* x = e.allocate(6 * MiB, capture, nullptr);
-      void* y = e.allocate(4096, capture, nullptr);
-      REQUIRE(x);
-      REQUIRE(y);
+      void* x = must_allocate(e, 6 * MiB, capture);
+      void* y = must_allocate(e, 4096, capture);
       e.end_allocate_to_pool(pool);
       REQUIRE(fake().work(replay, x, 6 * MiB, 1000) == CUDA_SUCCESS);  // the replay
       REQUIRE(fake().work(replay, y, 4096, 1000) == CUDA_SUCCESS);
@@ -204,8 +207,7 @@ TEST_CASE("cuda driver: a release waits for no graph while a capture is under wa
       DeviceEngine& e = *a->device(0);
       const PoolId g1{1, 1}, g2{2, 1};
       e.begin_allocate_to_pool(g1, [capture](Stream s) { return s == capture; });
-      void* x = e.allocate(6 * MiB, capture, nullptr);
-      REQUIRE(x);
+      void* x = must_allocate(e, 6 * MiB, capture);
       e.end_allocate_to_pool(g1);
       REQUIRE(fake().work(replay, x, 6 * MiB, 1000) == CUDA_SUCCESS);
       REQUIRE(e.free(x) == Status::ok);
@@ -233,10 +235,8 @@ TEST_CASE("cuda driver: memory under work that could not be waited for is never 
       {
         auto a = make_lazy(p);
         DeviceEngine& e = *a->device(0);
-        void* x = e.allocate(8 * MiB, A, nullptr);
-        void* y = e.allocate(8 * MiB, A, nullptr);
-        REQUIRE(x);
-        REQUIRE(y);
+        void* x = must_allocate(e, 8 * MiB, A);
+        void* y = must_allocate(e, 8 * MiB, A);
         REQUIRE(fake().work(A, x, 8 * MiB, 1000) == CUDA_SUCCESS);  // on its own stream
         REQUIRE(fake().stream_wait(as_ptr(B), as_ptr(A)) == CUDA_SUCCESS);
         REQUIRE(fake().work(B, y, 8 * MiB, 1000) == CUDA_SUCCESS);  // and on another (record_stream)
@@ -258,8 +258,7 @@ TEST_CASE("cuda driver: memory under work that could not be waited for is never 
         CHECK(e.usage().reserved <= reserved);
         CHECK(e.check_invariants().empty());
         // Nothing is handed out from under the work either: new blocks do not meet it.
-        void* z = e.allocate(8 * MiB, B, nullptr);
-        REQUIRE(z);
+        void* z = must_allocate(e, 8 * MiB, B);
         REQUIRE(fake().work(B, z, 8 * MiB, 10) == CUDA_SUCCESS);
         CHECK(fake().now().faults == 0);
         REQUIRE(e.free(z) == Status::ok);
@@ -316,8 +315,7 @@ TEST_CASE("cuda driver: a destroyed stream's handle value, reused, never makes f
       void* s = fake().stream_create(0);
       REQUIRE(s);
       const auto S = reinterpret_cast<Stream>(s);
-      void* x = e.allocate(8 * MiB, S, nullptr);
-      REQUIRE(x);
+      void* x = must_allocate(e, 8 * MiB, S);
       REQUIRE(fake().work(S, x, 8 * MiB, 1000) == CUDA_SUCCESS);
       REQUIRE(e.free(x) == Status::ok);
       REQUIRE(fake().stream_destroy(s) == CUDA_SUCCESS);  // its kernel still runs
@@ -333,8 +331,7 @@ TEST_CASE("cuda driver: a destroyed stream's handle value, reused, never makes f
       fake().advance(1000);  // the work is done: the value may now be reused
       void* s3 = fake().stream_create(0);
       CHECK(s3 == s);
-      void* y = e.allocate(8 * MiB, reinterpret_cast<Stream>(s3), nullptr);  // from the old stream's cache
-      REQUIRE(y);
+      void* y = must_allocate(e, 8 * MiB, reinterpret_cast<Stream>(s3));  // from the old stream's cache
       REQUIRE(fake().work(reinterpret_cast<Stream>(s3), y, 8 * MiB, 10) == CUDA_SUCCESS);
       CHECK(fake().now().faults == 0);
       REQUIRE(e.free(y) == Status::ok);
@@ -359,17 +356,14 @@ TEST_CASE("cuda driver: lending across streams waits for what it must, not for n
       {
         auto a = make_lazy(p);
         DeviceEngine& e = *a->device(0);
-        void* x = e.allocate(16 * MiB, A, nullptr);
-        void* other = e.allocate(4 * MiB, A, nullptr);
-        REQUIRE(x);
-        REQUIRE(other);
+        void* x = must_allocate(e, 16 * MiB, A);
+        void* other = must_allocate(e, 4 * MiB, A);
         REQUIRE(fake().work(A, x, 16 * MiB, 100) == CUDA_SUCCESS);
         REQUIRE(e.free(x) == Status::ok);
         REQUIRE(fake().work(A, other, 4 * MiB, kLong) == CUDA_SUCCESS);  // newer work, another block
         if (tight) fake().capacity(0, e.usage().reserved + 8 * MiB);
         const auto start = fake().clock();
-        void* y = e.allocate(16 * MiB, B, nullptr);
-        REQUIRE(y);
+        void* y = must_allocate(e, 16 * MiB, B);
         const auto host_wait = fake().clock() - start;
         REQUIRE(fake().work(B, y, 16 * MiB, kShort) == CUDA_SUCCESS);
         const auto device_wait = fake().done_at(as_ptr(B)) - fake().clock() - kShort;

@@ -250,6 +250,13 @@ int main(int argc, char** argv) {
   Report report;
   Run t(cu, report);
   const PolicyKind policies[] = {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless};
+  // A test that needs a kernel of its own; skipped, with the reason, where none can run.
+  auto kernel_test = [&](PolicyKind p, const std::string& name, auto&& body) {
+    if (!no_kernel.empty())
+      t.skip(name + " (" + policy_name(p) + ")", no_kernel);
+    else
+      test(t, p, name, body);
+  };
 
   for (PolicyKind p : policies) {
     test(t, p, "conformance", [&](DeviceEngine& e) {
@@ -332,62 +339,52 @@ int main(int argc, char** argv) {
       t.expect(e.check_invariants().empty(), e.check_invariants());
       emptied(t, e);
     });
-    if (!no_kernel.empty()) {
-      t.skip(std::string("record_stream: no physical reuse before a kernel on a second stream ends (") + policy_name(p) + ")",
-             no_kernel);
-    } else {
-      test(t, p, "record_stream: no physical reuse before a kernel on a second stream ends", [&](DeviceEngine& e) {
-        constexpr std::size_t n = 8 * MiB;
-        void* x = e.allocate(n, A, nullptr);
-        if (!t.expect(x != nullptr, "allocation")) return;
-        // The kernel writes 0xA5A5A5A5 over all of x at its end, ~200 ms from now.
-        t.ok(launch_fill(sb, x, n, 200, 0xA5A5A5A5u), "cuLaunchKernel");
-        t.expect(e.record_stream(x, B) == Status::ok, "record_stream");
-        t.expect(e.free(x) == Status::ok, "free");
-        void* y = e.allocate(n, A, nullptr);  // the kernel still runs
-        if (!t.expect(y != nullptr, "allocation")) return;
-        t.expect(t.write_all(y, n, 77), "cuMemcpyHtoD into the new block");
-        t.expect(running(t, sb), "the kernel ended before the new block was written: the test proved nothing");
-        t.ok(cu.streamSynchronize(sb), "cuStreamSynchronize");
-        t.expect(t.check_all(y, n, 77), "the kernel's write at its end reached the new block: its memory was reused");
-        t.expect(e.free(y) == Status::ok, "free");
+    kernel_test(p, "record_stream: no physical reuse before a kernel on a second stream ends", [&](DeviceEngine& e) {
+      constexpr std::size_t n = 8 * MiB;
+      void* x = e.allocate(n, A, nullptr);
+      if (!t.expect(x != nullptr, "allocation")) return;
+      // The kernel writes 0xA5A5A5A5 over all of x at its end, ~200 ms from now.
+      t.ok(launch_fill(sb, x, n, 200, 0xA5A5A5A5u), "cuLaunchKernel");
+      t.expect(e.record_stream(x, B) == Status::ok, "record_stream");
+      t.expect(e.free(x) == Status::ok, "free");
+      void* y = e.allocate(n, A, nullptr);  // the kernel still runs
+      if (!t.expect(y != nullptr, "allocation")) return;
+      t.expect(t.write_all(y, n, 77), "cuMemcpyHtoD into the new block");
+      t.expect(running(t, sb), "the kernel ended before the new block was written: the test proved nothing");
+      t.ok(cu.streamSynchronize(sb), "cuStreamSynchronize");
+      t.expect(t.check_all(y, n, 77), "the kernel's write at its end reached the new block: its memory was reused");
+      t.expect(e.free(y) == Status::ok, "free");
+      emptied(t, e);
+    });
+    kernel_test(p, "a graph of kernels replayed on another stream, released while it runs", [&](DeviceEngine& e) {
+      const PoolId pool{9, 1};
+      t.ok(cu.beginCapture(sa, CU_STREAM_CAPTURE_MODE_GLOBAL), "cuStreamBeginCapture");
+      e.begin_allocate_to_pool(pool, [A](Stream s) { return s == A; });
+      std::vector<std::pair<void*, std::size_t>> blocks;
+      for (std::size_t n : {6 * MiB, 512 * std::size_t{1024}, 40 * MiB}) {
+        void* g = e.allocate(n, A, nullptr);
+        if (t.expect(g != nullptr, "an allocation during the capture")) {
+          t.ok(launch_fill(sa, g, n, 100, 0x5A5A5A5Au), "cuLaunchKernel (captured)");
+          blocks.emplace_back(g, n);
+        }
+      }
+      CUgraph graph = nullptr;
+      t.ok(cu.endCapture(sa, &graph), "cuStreamEndCapture (the capture was invalidated?)");
+      e.end_allocate_to_pool(pool);
+      CUgraphExec exec = nullptr;
+      if (graph && t.ok(cu.graphInstantiate(&exec, graph, 0), "cuGraphInstantiateWithFlags")) {
+        t.ok(cu.graphLaunch(exec, sc), "cuGraphLaunch on a third stream");  // PyTorch: the caller's stream
+        for (auto& [g, n] : blocks) t.expect(e.free(g) == Status::ok, "free");
+        t.expect(running(t, sc), "the replay ended before the release: the test proved nothing");
+        AllocError ae;
+        t.expect(e.release_pool(pool, &ae) == Status::ok, "release_pool: " + ae.message);
         emptied(t, e);
-      });
-    }
-    if (!no_kernel.empty()) {
-      t.skip(std::string("a graph of kernels replayed on another stream, released while it runs (") + policy_name(p) + ")",
-             no_kernel);
-    } else {
-      test(t, p, "a graph of kernels replayed on another stream, released while it runs", [&](DeviceEngine& e) {
-        const PoolId pool{9, 1};
-        t.ok(cu.beginCapture(sa, CU_STREAM_CAPTURE_MODE_GLOBAL), "cuStreamBeginCapture");
-        e.begin_allocate_to_pool(pool, [A](Stream s) { return s == A; });
-        std::vector<std::pair<void*, std::size_t>> blocks;
-        for (std::size_t n : {6 * MiB, 512 * std::size_t{1024}, 40 * MiB}) {
-          void* g = e.allocate(n, A, nullptr);
-          if (t.expect(g != nullptr, "an allocation during the capture")) {
-            t.ok(launch_fill(sa, g, n, 100, 0x5A5A5A5Au), "cuLaunchKernel (captured)");
-            blocks.emplace_back(g, n);
-          }
-        }
-        CUgraph graph = nullptr;
-        t.ok(cu.endCapture(sa, &graph), "cuStreamEndCapture (the capture was invalidated?)");
-        e.end_allocate_to_pool(pool);
-        CUgraphExec exec = nullptr;
-        if (graph && t.ok(cu.graphInstantiate(&exec, graph, 0), "cuGraphInstantiateWithFlags")) {
-          t.ok(cu.graphLaunch(exec, sc), "cuGraphLaunch on a third stream");  // PyTorch: the caller's stream
-          for (auto& [g, n] : blocks) t.expect(e.free(g) == Status::ok, "free");
-          t.expect(running(t, sc), "the replay ended before the release: the test proved nothing");
-          AllocError ae;
-          t.expect(e.release_pool(pool, &ae) == Status::ok, "release_pool: " + ae.message);
-          emptied(t, e);
-          t.ok(cu.streamSynchronize(sc), "cuStreamSynchronize of the replay (a fault: memory unmapped under it)");
-          t.expect(e.stats().reserved_bytes.all().current == 0, "the pool's memory was not released");
-          cu.graphExecDestroy(exec);
-        }
-        if (graph && cu.graphDestroy) cu.graphDestroy(graph);
-      });
-    }
+        t.ok(cu.streamSynchronize(sc), "cuStreamSynchronize of the replay (a fault: memory unmapped under it)");
+        t.expect(e.stats().reserved_bytes.all().current == 0, "the pool's memory was not released");
+        cu.graphExecDestroy(exec);
+      }
+      if (graph && cu.graphDestroy) cu.graphDestroy(graph);
+    });
     test(t, p, "a capture on a real stream, pool routed and released", [&](DeviceEngine& e) {
       t.expect(e.free(e.allocate(4 * MiB, B, nullptr)) == Status::ok, "cached memory on a stream not captured");
       t.ok(cu.beginCapture(sa, CU_STREAM_CAPTURE_MODE_GLOBAL), "cuStreamBeginCapture");
