@@ -7,21 +7,13 @@ import collections
 import ctypes
 import os
 import pickle
-import sys
 import tempfile
 import warnings
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "torch_plugin", "python"))
-try:
-    import torch
-except ImportError as e:
-    print("SKIPPED: PyTorch is not importable by %s (%s)" % (sys.executable, e))
-    sys.exit(77)
-
+from torch_prologue import announce, check, torch  # exits 77 (skipped) without PyTorch
 import fragless  # noqa: E402
-print("interpreter: %s, torch %s" % (sys.executable, torch.__version__))
+announce()
 import fragless.torch  # noqa: E402
-from checks import check  # noqa: E402
 
 MiB = 1 << 20
 with warnings.catch_warnings(record=True) as caught:

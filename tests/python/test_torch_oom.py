@@ -19,15 +19,7 @@ import sys
 import tempfile
 import warnings
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "torch_plugin", "python"))
-sys.path.insert(0, HERE)
-from checks import check  # noqa: E402
-try:
-    import torch
-except ImportError:
-    print("SKIPPED: PyTorch is not installed for %s" % sys.executable)
-    sys.exit(77)
+from torch_prologue import announce, check, torch  # exits 77 (skipped) without PyTorch
 PROBE = os.environ.get("FRAGLESS_CPU_PROBE")
 if not PROBE or not os.path.exists(PROBE):
     print("SKIPPED: no CPU-allocator probe (FRAGLESS_CPU_PROBE; built where PyTorch's C++ headers are found)")
@@ -86,7 +78,7 @@ def main():
     if not os.path.exists(built):
         print("SKIPPED: no thrower beside %s (no PyTorch with headers at build time)" % os.environ["FRAGLESS_LIBRARY"])
         return 77
-    print("interpreter: %s, torch %s" % (sys.executable, torch.__version__))
+    announce()
     work = tempfile.mkdtemp(prefix="fragless-oom-")
     # A library whose thrower is recorded as built for another PyTorch.
     other = os.path.join(work, "other")

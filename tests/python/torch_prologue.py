@@ -1,7 +1,7 @@
-"""The prologue of the PyTorch tests run from this folder (test_frames_torch.py, test_torch_errors.py):
-imported first, it puts the helper's package (torch_plugin/python) and this folder on sys.path and imports
-torch, or ends the test as skipped (exit 77) where this Python cannot import it. announce() prints the
-interpreter and the torch the test runs with."""
+"""The prologue of the PyTorch tests run from this folder (test_frames_torch.py, test_torch_errors.py,
+test_torch_api.py, test_torch_oom.py): imported first, it puts the helper's package (torch_plugin/python) and
+this folder on sys.path and imports torch, or ends the test as skipped (exit 77) where this Python cannot
+import it. announce() prints the interpreter and the torch the test runs with."""
 import os
 import sys
 
