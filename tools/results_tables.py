@@ -40,14 +40,24 @@ def run_search(args):
     return json.loads(p.stdout)
 
 
+def header(*columns):
+    """A markdown table's header row and its separator."""
+    print("| " + " | ".join(columns) + " |")
+    print("|---" * len(columns) + "|")
+
+
+def best_other(p):
+    """The smaller peak reserved of classic and expandable, given an input's results by policy."""
+    return min(p["classic"]["peak_reserved_bytes"], p["expandable"]["peak_reserved_bytes"])
+
+
 def mib(b):
     return "-" if b is None else f"{b / 2**20:.1f}"
 
 
 def replay_table(files):
-    print("| trace | policy | peak live MiB | peak reserved MiB | overhead over live | frag at peak | creates | maps "
-          "| unmaps | forced syncs | modelled driver ms | driver / trace time | PyTorch recorded peak MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    header("trace", "policy", "peak live MiB", "peak reserved MiB", "overhead over live", "frag at peak", "creates",
+           "maps", "unmaps", "forced syncs", "modelled driver ms", "driver / trace time", "PyTorch recorded peak MiB")
     for r in run(files):
         d = r["driver_calls"]
         dur = r["trace_duration_us"]
@@ -60,8 +70,7 @@ def replay_table(files):
 
 
 def fidelity_table(files):
-    print("| trace | classic peak reserved MiB | PyTorch recorded MiB | difference |")
-    print("|---|---|---|---|")
+    header("trace", "classic peak reserved MiB", "PyTorch recorded MiB", "difference")
     for r in run(["--policy", "classic", *files]):
         theirs = r["pytorch_recorded_peak_reserved_bytes"]
         if theirs is None:
@@ -71,8 +80,7 @@ def fidelity_table(files):
 
 
 def validate_table(data):
-    print("| context | real peak live MiB | generated peak live MiB | ratio |")
-    print("|---|---|---|---|")
+    header("context", "real peak live MiB", "generated peak live MiB", "ratio")
     for ctx in (128, 256, 512, 1024):
         real = run(["--policy", "classic",
                     f"{data}/cs336_wedsonlin_87b0864_results_medium_{ctx}_training_memory_snapshot.pickle"])[0]
@@ -87,9 +95,9 @@ def published_table(directory):
     and utilisation (allocated / reserved) per pipeline-stage group, as published."""
     import csv
     names = {"torch": "PyTorch 2.3", "segment": "expandable_segments", "gmlake": "GMLake", "alloc": "STAlloc"}
-    print("| workload | allocator | group 1 reserved GB | group 1 allocated GB | group 1 utilisation (as published) "
-          "| group 2 reserved GB | group 2 allocated GB | group 2 utilisation (as published) |")
-    print("|---|---|---|---|---|---|---|---|")
+    header("workload", "allocator", "group 1 reserved GB", "group 1 allocated GB",
+           "group 1 utilisation (as published)", "group 2 reserved GB", "group 2 allocated GB",
+           "group 2 utilisation (as published)")
     for f in sorted(os.listdir(directory)):
         if not f.endswith(".csv"):
             continue
@@ -120,13 +128,12 @@ def by_input(results):
 
 def targets_table(files):
     rows = by_input(run([*files, *WORKLOADS]))
-    print("| input | peak live MiB | fragless overhead | limit | best other policy MiB | fragless MiB | forced syncs "
-          "| driver / trace time | met |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    header("input", "peak live MiB", "fragless overhead", "limit", "best other policy MiB", "fragless MiB",
+           "forced syncs", "driver / trace time", "met")
     for (name, dev), p in rows.items():
         f = p["fragless"]
         live = f["peak_live_bytes"]
-        best = min(p["expandable"]["peak_reserved_bytes"], p["classic"]["peak_reserved_bytes"])
+        best = best_other(p)
         ov, lim = f["overhead_over_live"], overhead_limit(live)
         dur = f["trace_duration_us"]
         share = f["modelled_driver_us"] / dur if dur else None
@@ -153,9 +160,8 @@ def handles_table(files):
     inputs = [*files, *WORKLOADS, *ZOO]
     ref = by_input(run(["--policy", "expandable", *inputs]))
     cols = [(name, by_input(run(["--policy", "fragless", "--conf", conf, *inputs]))) for name, conf in HANDLES]
-    print("| input | expandable MiB / creates / driver ms | " +
-          " | ".join(f"{n} MiB / creates / maps / unmaps / set-access / driver ms" for n, _ in cols) + " |")
-    print("|---|---|" + "---|" * len(cols))
+    header("input", "expandable MiB / creates / driver ms",
+           *(f"{n} MiB / creates / maps / unmaps / set-access / driver ms" for n, _ in cols))
     totals = {n: [0, 0, 0.0, 0] for n, _ in cols}
     etot = [0, 0.0]
     for key, p in ref.items():
@@ -176,8 +182,8 @@ def handles_table(files):
         print(f"| {os.path.basename(key[0])} | {mib(e['peak_reserved_bytes'])} / {e['driver_calls']['create']} / "
               f"{e['modelled_driver_us'] / 1000:.1f} | " + " | ".join(cells) + " |")
     print()
-    print(f"| handle shape | inputs above expandable | largest overhead over live | cuMemCreate calls | modelled driver ms |")
-    print("|---|---|---|---|---|")
+    header("handle shape", "inputs above expandable", "largest overhead over live", "cuMemCreate calls",
+           "modelled driver ms")
     print(f"| (expandable) | - | - | {etot[0]} | {etot[1] / 1000:.0f} |")
     for n, _ in cols:
         t = totals[n]
@@ -186,14 +192,13 @@ def handles_table(files):
 
 def zoo_table(_):
     rows = by_input(run(ZOO))
-    print("| workload | peak live MiB | classic | expandable | fragless | fragless vs best other | fragless creates "
-          "(expandable) | forced syncs | target met |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    header("workload", "peak live MiB", "classic", "expandable", "fragless", "fragless vs best other",
+           "fragless creates (expandable)", "forced syncs", "target met")
     for (name, _), p in rows.items():
         f = p["fragless"]
         live = f["peak_live_bytes"]
         ov = {k: 100 * p[k]["overhead_over_live"] for k in ("classic", "expandable", "fragless")}
-        best = min(p["classic"]["peak_reserved_bytes"], p["expandable"]["peak_reserved_bytes"])
+        best = best_other(p)
         diff = f["peak_reserved_bytes"] - best
         misses = [m for m, bad in (("overhead", f["overhead_over_live"] > overhead_limit(live)),
                                    ("worse than another policy", diff > 0)) if bad]
@@ -206,10 +211,9 @@ def zoo_table(_):
 def params_table(files):
     inputs = [*files, *WORKLOADS]
     base = by_input(run(["--policy", "classic,expandable", *inputs]))
-    print("| fragless settings | inputs over the overhead target | inputs above expandable or classic "
-          "| mean overhead over live | largest overhead | forced syncs (all inputs) | cuMemCreate calls "
-          "| mean driver / trace time |")
-    print("|---|---|---|---|---|---|---|---|")
+    header("fragless settings", "inputs over the overhead target", "inputs above expandable or classic",
+           "mean overhead over live", "largest overhead", "forced syncs (all inputs)", "cuMemCreate calls",
+           "mean driver / trace time")
     for conf in PARAMS:
         rows = run(["--policy", "fragless", *(["--conf", conf] if conf else []), *inputs])
         over = worse = syncs = creates = 0
@@ -219,8 +223,7 @@ def params_table(files):
             live = r["peak_live_bytes"]
             ovs.append(r["overhead_over_live"])
             over += r["overhead_over_live"] > overhead_limit(live)
-            worse += r["peak_reserved_bytes"] > min(p["expandable"]["peak_reserved_bytes"],
-                                                    p["classic"]["peak_reserved_bytes"])
+            worse += r["peak_reserved_bytes"] > best_other(p)
             syncs += r["forced_syncs"]
             creates += r["driver_calls"]["create"]
             if r["trace_duration_us"]:
@@ -237,12 +240,11 @@ def variants_table(_):
                           "dtype=bf16,ckpt=1,seed=3")
             if not (kind == "infer" and "ckpt" in extra)]
     rows = by_input(run(cfgs))
-    print("| workload | peak live MiB | classic | expandable | fragless | fragless vs best other |")
-    print("|---|---|---|---|---|---|")
+    header("workload", "peak live MiB", "classic", "expandable", "fragless", "fragless vs best other")
     for (name, _), p in rows.items():
         live = p["fragless"]["peak_live_bytes"]
         ov = {k: 100 * p[k]["overhead_over_live"] for k in ("classic", "expandable", "fragless")}
-        best = min(p["classic"]["peak_reserved_bytes"], p["expandable"]["peak_reserved_bytes"])
+        best = best_other(p)
         diff = p["fragless"]["peak_reserved_bytes"] - best
         print(f"| {name.split(':', 1)[1]} | {mib(live)} | {ov['classic']:.2f}% | {ov['expandable']:.2f}% | "
               f"{ov['fragless']:.2f}% | {'+' if diff > 0 else ''}{diff / 2**20:.0f} MiB |")
@@ -264,9 +266,8 @@ def fit_table(files):
                                         "pytorch": r.get("pytorch_recorded_peak_reserved_bytes")})
             row[(step, r["policy"])] = r["min_capacity_bytes"]
     pols = ("classic", "expandable", "fragless")
-    print("| trace | dev | peak live GiB | classic (1/4 GiB) | expandable | fragless | classic (1/16 GiB) | expandable "
-          "| fragless | fragless ÷ classic (1/16) | PyTorch recorded peak reserved GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    header("trace", "dev", "peak live GiB", "classic (1/4 GiB)", "expandable", "fragless", "classic (1/16 GiB)",
+           "expandable", "fragless", "fragless ÷ classic (1/16)", "PyTorch recorded peak reserved GiB")
     total = {p: 0 for p in pols}
     for (name, dev), row in sorted(rows.items()):
         c = [gib(row.get(("coarse", p))) for p in pols]
@@ -292,8 +293,8 @@ MAX_WORKLOADS = [(f"workload:{w}:seqlen={d}", w, d, "batch")
 
 def maxbatch_table(_):
     """The largest batch (moe: tokens per step) per policy, per workload and distribution, per device size."""
-    print("| workload | lengths | key | GiB | classic | expandable | fragless | fragless ÷ classic | fragless ÷ expandable |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    header("workload", "lengths", "key", "GiB", "classic", "expandable", "fragless", "fragless ÷ classic",
+           "fragless ÷ expandable")
     seconds = replays = 0
     for key in ("batch", "tokens"):
         specs = [w for w in MAX_WORKLOADS if w[3] == key]
@@ -326,10 +327,9 @@ def driver_table(args):
     if args and args[0] == "--costs":
         costs, args = ["--costs", args[1]], args[2:]
     rows = by_input(run([*costs, *BUILTINS, *args]))
-    print("| input | peak live MiB | reserved MiB classic / expandable / fragless | fragless overhead | creates "
-          "expandable / fragless (background) | maps | set-access | expandable driver ms | fragless alloc-path ms "
-          "| fragless background ms | targets missed |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    header("input", "peak live MiB", "reserved MiB classic / expandable / fragless", "fragless overhead",
+           "creates expandable / fragless (background)", "maps", "set-access", "expandable driver ms",
+           "fragless alloc-path ms", "fragless background ms", "targets missed")
     met = 0
     tot = {"e": 0.0, "path": 0.0, "bg": 0.0}
     for (name, _), p in rows.items():
