@@ -9,6 +9,20 @@ namespace {
 constexpr char kProto = '\x80', kStop = '.', kMark = '(', kEmptyDict = '}', kSetItems = 'u', kEmptyList = ']',
                kAppends = 'e', kTuple = 't', kBinInt = 'J', kBinInt1 = 'K', kBinInt2 = 'M', kLong1 = '\x8a',
                kShortUnicode = '\x8c', kUnicode = 'X', kBinFloat = 'G', kTrue = '\x88', kFalse = '\x89', kNone = 'N';
+
+// A container opens with its opcode and a frame; a list or dict closes with the last batch's opcode where a
+// batch is open, a tuple always with TUPLE.
+template <class Frames>
+void open_frame(std::string& out, Frames& open, char opcode, char kind) {
+  out.push_back(opcode);
+  open.push_back({kind});
+}
+template <class Frames>
+void close_frame(std::string& out, Frames& open, char opcode) {
+  if (open.back().kind == 't' || open.back().marked) out.push_back(opcode);
+  open.pop_back();
+}
+
 }  // namespace
 
 PickleWriter::PickleWriter() {
@@ -37,36 +51,12 @@ void PickleWriter::after_item() {
   }
 }
 
-void PickleWriter::begin_dict() {
-  before_item();
-  out_.push_back(kEmptyDict);
-  open_.push_back({'d'});
-}
-void PickleWriter::end_dict() {
-  if (open_.back().marked) out_.push_back(kSetItems);
-  open_.pop_back();
-  after_item();
-}
-void PickleWriter::begin_list() {
-  before_item();
-  out_.push_back(kEmptyList);
-  open_.push_back({'l'});
-}
-void PickleWriter::end_list() {
-  if (open_.back().marked) out_.push_back(kAppends);
-  open_.pop_back();
-  after_item();
-}
-void PickleWriter::begin_tuple() {
-  before_item();
-  out_.push_back(kMark);
-  open_.push_back({'t'});
-}
-void PickleWriter::end_tuple() {
-  out_.push_back(kTuple);
-  open_.pop_back();
-  after_item();
-}
+void PickleWriter::begin_dict() { before_item(); open_frame(out_, open_, kEmptyDict, 'd'); }
+void PickleWriter::end_dict() { close_frame(out_, open_, kSetItems); after_item(); }
+void PickleWriter::begin_list() { before_item(); open_frame(out_, open_, kEmptyList, 'l'); }
+void PickleWriter::end_list() { close_frame(out_, open_, kAppends); after_item(); }
+void PickleWriter::begin_tuple() { before_item(); open_frame(out_, open_, kMark, 't'); }
+void PickleWriter::end_tuple() { close_frame(out_, open_, kTuple); after_item(); }
 
 void PickleWriter::str(std::string_view s) {
   before_item();

@@ -5,23 +5,26 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <utility>
 #include <vector>
 
 namespace fragless {
 
+namespace {
+// The policies' names, both ways.
+constexpr std::pair<PolicyKind, const char*> kPolicyNames[] = {
+    {PolicyKind::classic, "classic"}, {PolicyKind::expandable, "expandable"}, {PolicyKind::fragless, "fragless"}};
+}  // namespace
+
 const char* policy_name(PolicyKind p) {
-  switch (p) {
-    case PolicyKind::classic: return "classic";
-    case PolicyKind::expandable: return "expandable";
-    case PolicyKind::fragless: return "fragless";
-  }
+  for (const auto& [kind, name] : kPolicyNames)
+    if (kind == p) return name;
   return "?";
 }
 
-
 std::optional<PolicyKind> policy_from_name(std::string_view name) {
-  for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless})
-    if (name == policy_name(p)) return p;
+  for (const auto& [kind, n] : kPolicyNames)
+    if (name == n) return kind;
   return std::nullopt;
 }
 

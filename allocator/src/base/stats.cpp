@@ -1,5 +1,7 @@
 #include "fragless/stats.h"
 
+#include <utility>
+
 namespace fragless {
 
 double DeviceStats::fragmentation_at_peak() const {
@@ -28,53 +30,50 @@ void put(std::map<std::string, std::int64_t>& m, const std::string& key, const S
   put(m, key + ".large_pool", a.by_pool[kLargePool]);
 }
 
+// DeviceStats's members with their names in flatten(), each kind in one table: the stat arrays, the single
+// stats, and the counters reset_accumulated() zeroes (max_split_size, a setting, is neither).
+constexpr std::pair<const char*, StatArray DeviceStats::*> kArrays[] = {
+    {"allocation", &DeviceStats::allocation}, {"segment", &DeviceStats::segment}, {"active", &DeviceStats::active},
+    {"inactive_split", &DeviceStats::inactive_split}, {"allocated_bytes", &DeviceStats::allocated_bytes},
+    {"reserved_bytes", &DeviceStats::reserved_bytes}, {"active_bytes", &DeviceStats::active_bytes},
+    {"inactive_split_bytes", &DeviceStats::inactive_split_bytes}, {"requested_bytes", &DeviceStats::requested_bytes}};
+constexpr std::pair<const char*, Stat DeviceStats::*> kStats[] = {
+    {"oversize_allocations", &DeviceStats::oversize_allocations},
+    {"oversize_segments", &DeviceStats::oversize_segments},
+    {"fragless.live_bytes", &DeviceStats::live_bytes},
+    {"fragless.exported_bytes", &DeviceStats::exported_bytes},
+    {"fragless.imported_bytes", &DeviceStats::imported_bytes}};
+constexpr std::pair<const char*, std::int64_t DeviceStats::*> kCounters[] = {
+    {"num_alloc_retries", &DeviceStats::num_alloc_retries}, {"num_ooms", &DeviceStats::num_ooms},
+    {"num_sync_all_streams", &DeviceStats::num_sync_all_streams}, {"num_device_alloc", &DeviceStats::num_device_alloc},
+    {"num_device_free", &DeviceStats::num_device_free}, {"fragless.num_forced_syncs", &DeviceStats::num_forced_syncs},
+    {"fragless.num_failed_waits", &DeviceStats::num_failed_waits}};
+
 template <class F>
-void each_array(DeviceStats& s, F f) {
-  for (StatArray* a : {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes,
-                       &s.reserved_bytes, &s.active_bytes, &s.inactive_split_bytes, &s.requested_bytes})
-    for (Stat& st : a->by_pool) f(st);
-  for (Stat* st : {&s.oversize_allocations, &s.oversize_segments, &s.live_bytes, &s.exported_bytes, &s.imported_bytes})
-    f(*st);
+void each_stat(DeviceStats& s, F f) {
+  for (const auto& [name, array] : kArrays)
+    for (Stat& st : (s.*array).by_pool) f(st);
+  for (const auto& [name, stat] : kStats) f(s.*stat);
 }
 
 }  // namespace
 
 std::map<std::string, std::int64_t> DeviceStats::flatten() const {
   std::map<std::string, std::int64_t> m;
-  put(m, "allocation", allocation);
-  put(m, "segment", segment);
-  put(m, "active", active);
-  put(m, "inactive_split", inactive_split);
-  put(m, "allocated_bytes", allocated_bytes);
-  put(m, "reserved_bytes", reserved_bytes);
-  put(m, "active_bytes", active_bytes);
-  put(m, "inactive_split_bytes", inactive_split_bytes);
-  put(m, "requested_bytes", requested_bytes);
-  put(m, "oversize_allocations", oversize_allocations);
-  put(m, "oversize_segments", oversize_segments);
-  m["num_alloc_retries"] = num_alloc_retries;
-  m["num_ooms"] = num_ooms;
-  m["num_sync_all_streams"] = num_sync_all_streams;
-  m["num_device_alloc"] = num_device_alloc;
-  m["num_device_free"] = num_device_free;
+  for (const auto& [name, array] : kArrays) put(m, name, this->*array);
+  for (const auto& [name, stat] : kStats) put(m, name, this->*stat);
+  for (const auto& [name, counter] : kCounters) m[name] = this->*counter;
   m["max_split_size"] = max_split_size;
-  put(m, "fragless.live_bytes", live_bytes);
-  m["fragless.num_forced_syncs"] = num_forced_syncs;
-  m["fragless.num_failed_waits"] = num_failed_waits;
-  put(m, "fragless.exported_bytes", exported_bytes);
-  put(m, "fragless.imported_bytes", imported_bytes);
   return m;
 }
 
 void DeviceStats::reset_peaks() {
-  each_array(*this, [](Stat& s) { s.reset_peak(); });
+  each_stat(*this, [](Stat& s) { s.reset_peak(); });
 }
 
 void DeviceStats::reset_accumulated() {
-  each_array(*this, [](Stat& s) { s.reset_accumulated(); });
-  num_alloc_retries = num_ooms = num_sync_all_streams = num_device_alloc = num_device_free = 0;
-  num_forced_syncs = 0;
-  num_failed_waits = 0;
+  each_stat(*this, [](Stat& s) { s.reset_accumulated(); });
+  for (const auto& [name, counter] : kCounters) this->*counter = 0;
 }
 
 }  // namespace fragless

@@ -1,6 +1,7 @@
 #include "fragless/driver.h"
 
 #include <atomic>
+#include <mutex>
 
 namespace fragless {
 
@@ -221,17 +222,26 @@ void Driver::set_cost_model(const CostModel& m) {
 // Each one counts the call, checks it against the contract and runs it; the contract's tables are read and
 // written under mu_, the call itself runs outside it (Note [Driver calls from two threads]).
 
+namespace {
+
+// A checked call that passed: `call` runs under `impl` (the driver's impl_lock()), then, where it succeeded,
+// `record` tells the contract's tables, under `tables` (mu_).
+template <class Call, class Record>
+Status run_and_record(std::unique_lock<std::mutex> impl, std::mutex& tables, Call call, Record record) {
+  const Status st = call();
+  if (impl.owns_lock()) impl.unlock();
+  std::lock_guard lk(tables);
+  if (st == Status::ok) record();
+  return st;
+}
+
+}  // namespace
+
 Status Driver::reserve(std::size_t size, DevicePtr* va) {
   charge(DriverCall::reserve, size);
   if (const char* r = contract_.check_reserve(size)) return refuse(r);
-  Status st;
-  {
-    auto lk = impl_lock();
-    st = fail_through(do_reserve(size, va));
-  }
-  std::lock_guard lk(mu_);
-  if (st == Status::ok) contract_.reserved(*va, size);
-  return st;
+  return run_and_record(impl_lock(), mu_, [&] { return fail_through(do_reserve(size, va)); },
+                        [&] { contract_.reserved(*va, size); });
 }
 
 Status Driver::free_reservation(DevicePtr va, std::size_t size) {
@@ -240,27 +250,15 @@ Status Driver::free_reservation(DevicePtr va, std::size_t size) {
     std::lock_guard lk(mu_);
     if (const char* r = contract_.check_free_reservation(va, size)) return refuse(r);
   }
-  Status st;
-  {
-    auto lk = impl_lock();
-    st = fail_through(do_free_reservation(va, size));
-  }
-  std::lock_guard lk(mu_);
-  if (st == Status::ok) contract_.freed_reservation(va);
-  return st;
+  return run_and_record(impl_lock(), mu_, [&] { return fail_through(do_free_reservation(va, size)); },
+                        [&] { contract_.freed_reservation(va); });
 }
 
 Status Driver::create(std::size_t size, PhysHandle* h) {
   charge(DriverCall::create, size);
   if (const char* r = contract_.check_create(size)) return refuse(r);
-  Status st;
-  {
-    auto lk = impl_lock();
-    st = fail_through(do_create(size, h));
-  }
-  std::lock_guard lk(mu_);
-  if (st == Status::ok) contract_.created(*h, size);
-  return st;
+  return run_and_record(impl_lock(), mu_, [&] { return fail_through(do_create(size, h)); },
+                        [&] { contract_.created(*h, size); });
 }
 
 Status Driver::release(PhysHandle h) {
@@ -291,14 +289,8 @@ Status Driver::map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t off
     std::lock_guard lk(mu_);
     if (const char* r = contract_.check_map(va, size, h, offset)) return refuse(r);
   }
-  Status st;
-  {
-    auto lk = impl_lock();
-    st = fail_through(do_map(va, size, h, offset));
-  }
-  std::lock_guard lk(mu_);
-  if (st == Status::ok) contract_.mapped(va, size, h);
-  return st;
+  return run_and_record(impl_lock(), mu_, [&] { return fail_through(do_map(va, size, h, offset)); },
+                        [&] { contract_.mapped(va, size, h); });
 }
 
 namespace {
@@ -373,14 +365,9 @@ Status Driver::import_handle(int fd, std::size_t size, PhysHandle* h) {
   charge(DriverCall::import_handle, size);
   if (const char* r = contract_.check_create(size)) return refuse(r);
   if (fd < 0) return refuse("import_handle: not a file descriptor (R19)");
-  Status st;
-  {
-    auto lk = impl_lock();
-    st = fail_through(do_import_handle(fd, size, h));
-  }
-  std::lock_guard lk(mu_);
-  if (st == Status::ok) contract_.created(*h, size);  // mapped whole and released like a created handle (R19)
-  return st;
+  // Mapped whole and released like a created handle (R19).
+  return run_and_record(impl_lock(), mu_, [&] { return fail_through(do_import_handle(fd, size, h)); },
+                        [&] { contract_.created(*h, size); });
 }
 
 }  // namespace fragless
