@@ -80,6 +80,15 @@ class Emit {
     for (auto it = v.rbegin(); it != v.rend(); ++it) free(*it);
     v.clear();
   }
+  // Frees each of `v` in order (free_all frees the newest first).
+  void free_each(const std::vector<u64>& v) {
+    for (u64 addr : v) free(addr);
+  }
+  // `next` takes the place of `cur`, which is freed.
+  void replace(u64& cur, u64 next) {
+    free(cur);
+    cur = next;
+  }
   double uniform(double a, double b) { return std::uniform_real_distribution<double>(a, b)(rng); }
   // A value around `x`, within ±jitter of it, at least 1.
   u64 jitter(double x, double j) { return static_cast<u64>(std::max(1.0, std::round(x * uniform(1 - j, 1 + j)))); }
@@ -98,12 +107,13 @@ class Emit {
 };
 
 int I(const std::map<std::string, double>& k, const char* n) { return static_cast<int>(k.at(n)); }
+u64 U(const std::map<std::string, double>& k, const char* n) { return static_cast<u64>(I(k, n)); }
 double D(const std::map<std::string, double>& k, const char* n) { return k.at(n); }
 
 // ---- U-Net (2D training or 3D volume inference): activations halve and double by level ----
 void unet(const std::map<std::string, double>& k, Emit& em) {
   const int dims = I(k, "dims"), levels = I(k, "levels"), steps = I(k, "steps");
-  const u64 base = static_cast<u64>(I(k, "base")), batch = static_cast<u64>(I(k, "batch"));
+  const u64 base = U(k, "base"), batch = U(k, "batch");
   const bool train = I(k, "train") != 0;
   const u64 quantum = u64{1} << levels;
   auto act = [&](u64 ch, u64 side) {
@@ -168,19 +178,18 @@ void unet(const std::map<std::string, double>& k, Emit& em) {
     for (auto it = kept.rbegin(); it != kept.rend(); ++it) {
       const u64 ng = em.produce(em.size_of(*it), 2 * em.flops_of(*it));  // gradients of input and weights
       em.free(*it);
-      em.free(g);
-      g = ng;
+      em.replace(g, ng);
     }
     em.free(g);
-    for (u64 sk : skips) em.free(sk);
+    em.free_each(skips);
   }
-  for (u64 g : grads) em.free(g);
+  em.free_each(grads);
 }
 
 // ---- Mixture of experts: per-expert token counts that change every step ----
 void moe(const std::map<std::string, double>& k, Emit& em) {
   const int layers = I(k, "layers"), experts = I(k, "experts"), steps = I(k, "steps"), topk = I(k, "topk");
-  const u64 d = static_cast<u64>(I(k, "d_model")), ff = static_cast<u64>(I(k, "d_ff"));
+  const u64 d = U(k, "d_model"), ff = U(k, "d_ff");
   const bool train = I(k, "train") != 0;
   for (int l = 0; l < layers; ++l) {
     em.alloc(d * static_cast<u64>(experts) * 4, 0, true);  // router
@@ -224,7 +233,7 @@ void moe(const std::map<std::string, double>& k, Emit& em) {
         outs.push_back(out);
       }
       const u64 next = em.produce(tokens * d * 2, 0);
-      for (u64 o : outs) em.free(o);
+      em.free_each(outs);
       if (train) keep.push_back(x); else em.free(x);
       x = next;
     }
@@ -244,19 +253,18 @@ void moe(const std::map<std::string, double>& k, Emit& em) {
       }
       const u64 ndx = em.produce(tokens * d * 2, 0);
       em.free_all(kept[static_cast<std::size_t>(l)]);
-      em.free(dx);
-      dx = ndx;
+      em.replace(dx, ndx);
     }
     em.free(dx);
   }
-  for (u64 g : grads) em.free(g);
+  em.free_each(grads);
 }
 
 // ---- LLM serving with continuous batching: per-request KV caches that grow and finish at random ----
 void serving(const std::map<std::string, double>& k, Emit& em) {
   const int layers = I(k, "layers"), steps = I(k, "steps"), max_batch = I(k, "max_batch"), block = I(k, "block");
-  const u64 d = static_cast<u64>(I(k, "d_model")), ff = static_cast<u64>(I(k, "d_ff"));
-  const u64 kv_token = static_cast<u64>(I(k, "kv_heads")) * static_cast<u64>(I(k, "head_dim")) * 2;  // bf16, K or V
+  const u64 d = U(k, "d_model"), ff = U(k, "d_ff");
+  const u64 kv_token = U(k, "kv_heads") * U(k, "head_dim") * 2;  // bf16, K or V
   for (int l = 0; l < layers; ++l)
     for (u64 n : {d * d * 2, d * d * 2, d * ff * 2, ff * d * 2}) em.alloc(n, 0, true);
   struct Request { int len, left; u64 cap; std::vector<u64> kv; };
@@ -283,8 +291,7 @@ void serving(const std::map<std::string, double>& k, Emit& em) {
       em.free(qkv);
       const u64 next = em.produce(tokens * d * 2, 2 * T * F * D + 2 * T * D * D);
       em.free(h);
-      em.free(x);
-      x = next;
+      em.replace(x, next);
     }
     em.free(x);
     // Each request's KV cache grows by a block when it is full (a new tensor, the old one freed), and a
@@ -296,8 +303,7 @@ void serving(const std::map<std::string, double>& k, Emit& em) {
         r.cap += static_cast<u64>(block);
         for (u64& t : r.kv) {
           const u64 grown = em.produce(r.cap * kv_token, 0);  // a copy of the old one, and a block more
-          em.free(t);
-          t = grown;
+          em.replace(t, grown);
         }
       }
     }
@@ -315,8 +321,8 @@ void serving(const std::map<std::string, double>& k, Emit& em) {
 // ---- Sharded data parallel (FSDP / ZeRO-3): parameters gathered on a communication stream ----
 void fsdp(const std::map<std::string, double>& k, Emit& em) {
   const int layers = I(k, "layers"), steps = I(k, "steps");
-  const u64 d = static_cast<u64>(I(k, "d_model")), world = static_cast<u64>(I(k, "world"));
-  const u64 batch = static_cast<u64>(I(k, "batch"));
+  const u64 d = U(k, "d_model"), world = U(k, "world");
+  const u64 batch = U(k, "batch");
   constexpr u64 kComm = 7;  // the communication stream
   const u64 full = 12 * d * d * 2, shard = full / world;  // one layer's bf16 parameters, and a rank's share
   for (int l = 0; l < layers; ++l) {
@@ -336,8 +342,7 @@ void fsdp(const std::map<std::string, double>& k, Emit& em) {
       em.kernel(2.0 * 12 * static_cast<double>(d * d * tokens), 0);  // the layer's forward
       for (int i = 0; i < 4; ++i) keep.push_back(em.alloc(act));
       keep.push_back(em.alloc(4 * act));
-      em.free(gathered);
-      gathered = next;
+      em.replace(gathered, next);
     }
     if (grad_shards.empty())
       for (int l = 0; l < layers; ++l) grad_shards.push_back(em.alloc(shard * 2));
@@ -353,19 +358,18 @@ void fsdp(const std::map<std::string, double>& k, Emit& em) {
       em.free(scattered);
       em.free(regather);
       em.free_all(kept[static_cast<std::size_t>(l)]);
-      em.free(dx);
-      dx = ndx;
+      em.replace(dx, ndx);
     }
     em.free(dx);
   }
-  for (u64 g : grad_shards) em.free(g);
+  em.free_each(grad_shards);
 }
 
 // ---- Pipeline parallel, 1F1B: micro-batches of varying length in flight on one stage ----
 void pipeline(const std::map<std::string, double>& k, Emit& em) {
   const int stages = I(k, "stages"), rank = std::min(I(k, "rank"), I(k, "stages") - 1), micro = I(k, "micro");
   const int layers = I(k, "layers"), steps = I(k, "steps");
-  const u64 d = static_cast<u64>(I(k, "d_model")), ff = static_cast<u64>(I(k, "d_ff")), batch = static_cast<u64>(I(k, "batch"));
+  const u64 d = U(k, "d_model"), ff = U(k, "d_ff"), batch = U(k, "batch");
   constexpr u64 kComm = 5;
   for (int l = 0; l < layers; ++l)
     for (u64 n : {4 * d * d * 2, d * ff * 2, ff * d * 2}) em.alloc(n, 0, true);
@@ -399,8 +403,7 @@ void pipeline(const std::map<std::string, double>& k, Emit& em) {
         em.kernel(2 * layer_flops, 0);
         const u64 gh = em.alloc(t * ff * 2), ng = em.alloc(act);
         em.free(gh);
-        em.free(g);
-        g = ng;
+        em.replace(g, ng);
       }
       em.free_all(kept[static_cast<std::size_t>(m)]);
       const u64 send = em.alloc(act, kComm);
@@ -511,13 +514,22 @@ const std::vector<Generator>& generators() {
   return g;
 }
 
+const Generator* find_generator(const std::string& name) {
+  for (const auto& g : generators())
+    if (name == g.name) return &g;
+  return nullptr;
+}
+
+// The error for a key `gen` does not have, naming the keys it has.
+std::string unknown_key(const std::string& name, const Generator& gen, const std::string& key) {
+  std::string names;
+  for (const auto& k : gen.keys) names += std::string(names.empty() ? "" : ", ") + k.name;
+  return "workload " + name + ": unknown key '" + key + "' (keys: " + names + ")";
+}
+
 }  // namespace
 
-bool is_zoo_workload(const std::string& name) {
-  for (const auto& g : generators())
-    if (name == g.name) return true;
-  return false;
-}
+bool is_zoo_workload(const std::string& name) { return find_generator(name) != nullptr; }
 
 std::string zoo_help() {
   std::string out;
@@ -547,29 +559,24 @@ std::vector<std::string> zoo_names() {
 }
 
 bool zoo_key_range(const std::string& name, const std::string& key, double* lo, double* hi, std::string* error) {
-  for (const auto& g : generators()) {
-    if (name != g.name) continue;
-    std::string names;
-    for (const auto& k : g.keys) {
-      if (key == k.name) {
-        *lo = k.lo;
-        *hi = k.hi;
-        return true;
-      }
-      names += std::string(names.empty() ? "" : ", ") + k.name;
-    }
-    *error = "workload " + name + ": unknown key '" + key + "' (keys: " + names + ")";
+  const Generator* gen = find_generator(name);
+  if (!gen) {
+    *error = "unknown workload '" + name + "'";
     return false;
   }
-  *error = "unknown workload '" + name + "'";
+  for (const auto& k : gen->keys)
+    if (key == k.name) {
+      *lo = k.lo;
+      *hi = k.hi;
+      return true;
+    }
+  *error = unknown_key(name, *gen, key);
   return false;
 }
 
 bool make_zoo_workload(const std::string& name, const std::string& options, formats::Trace* out,
                        std::string* error) {
-  const Generator* gen = nullptr;
-  for (const auto& g : generators())
-    if (name == g.name) gen = &g;
+  const Generator* gen = find_generator(name);
   if (!gen) {
     *error = "unknown workload '" + name + "'";
     return false;
@@ -586,9 +593,7 @@ bool make_zoo_workload(const std::string& name, const std::string& options, form
     for (const auto& k : gen->keys)
       if (key == k.name) spec = &k;
     if (!spec) {
-      std::string names;
-      for (const auto& k : gen->keys) names += std::string(names.empty() ? "" : ", ") + k.name;
-      *error = "workload " + name + ": unknown key '" + key + "' (keys: " + names + ")";
+      *error = unknown_key(name, *gen, key);
       return false;
     }
     if (eq == std::string::npos) {
