@@ -1,12 +1,13 @@
 // libfragless_preload.so, the driver half: the CUDA driver API's allocation entry points, for programs that
 // allocate with libcuda rather than the runtime (XLA's and TensorFlow's StreamExecutor: cuMemAlloc per
 // buffer; their cuda_malloc_async allocator: cuMemAllocFromPoolAsync and cuMemFreeAsync). What is interposed,
-// and how a pointer to it is obtained, is written in driver.h (R20-R23); in short:
+// and how a pointer to it is obtained, is written in driver.h (R20-R25); in short:
 //  - exported: cuMemAlloc_v2, cuMemAllocPitch_v2, cuMemFree_v2, cuMemAllocAsync, cuMemAllocFromPoolAsync and
 //    cuMemFreeAsync (and their _ptsz forms), cuMemGetInfo_v2, cuMemGetAddressRange_v2,
-//    cuPointerGetAttribute(s), the pool calls whose answers fragless needs (cuMemPoolCreate,
-//    cuDeviceGetDefaultMemPool, cuMemPoolSetAccess, cuMemPoolDestroy), the capture calls
-//    (cuStreamBeginCapture_v2, cuStreamEndCapture and _ptsz), cuGetProcAddress and cuGetProcAddress_v2;
+//    cuPointerGetAttribute(s), the pool calls whose answers fragless needs or changes (cuMemPoolCreate,
+//    cuDeviceGetDefaultMemPool, cuMemPoolSetAccess, cuMemPoolDestroy, cuDeviceSetMemPool, cuMemSetMemPool,
+//    cuMemPoolGetAttribute, cuMemPoolSetAttribute), the capture calls (cuStreamBeginCapture_v2,
+//    cuStreamEndCapture and _ptsz), cuStreamDestroy(_v2), cuGetProcAddress and cuGetProcAddress_v2;
 //  - cuGetProcAddress(_v2) hands out the interposed entry point wherever the driver would hand out one of
 //    these, for the version and flags asked (the CUDA runtime takes all its driver pointers that way);
 //  - dlsym on a handle of the driver library (XLA and TensorFlow dlopen libcuda.so.1 with RTLD_LOCAL and
@@ -24,12 +25,14 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <unordered_map>
 
 #include "fragless/allocator.h"
 #include "fragless/cuda_driver.h"
 #include "preload_core.h"
 
-#undef cuGetProcAddress  // cuda.h maps it to _v2; both ABIs are interposed under their own names
+#undef cuGetProcAddress  // cuda.h maps these to their _v2; both ABIs are interposed under their own names
+#undef cuStreamDestroy
 
 namespace {
 
@@ -94,11 +97,17 @@ struct Real {
   CUresult (*pool_destroy)(CUmemoryPool);
   CUresult (*default_pool)(CUmemoryPool*, CUdevice);
   CUresult (*pool_set_access)(CUmemoryPool, const CUmemAccessDesc*, size_t);
+  CUresult (*pool_get_attribute)(CUmemoryPool, CUmemPool_attribute, void*);
+  CUresult (*pool_set_attribute)(CUmemoryPool, CUmemPool_attribute, void*);
+  CUresult (*device_set_pool)(CUdevice, CUmemoryPool);
+  CUresult (*mem_set_pool)(CUmemLocation*, CUmemAllocationType, CUmemoryPool);
   CUresult (*begin_capture)(CUstream, CUstreamCaptureMode);
   CUresult (*begin_capture_ptsz)(CUstream, CUstreamCaptureMode);
   CUresult (*end_capture)(CUstream, CUgraph*);
   CUresult (*end_capture_ptsz)(CUstream, CUgraph*);
   CUresult (*is_capturing)(CUstream, CUstreamCaptureStatus*);
+  CUresult (*stream_destroy)(CUstream);
+  CUresult (*stream_destroy_v1)(CUstream);
   CUresult (*is_capturing_ptsz)(CUstream, CUstreamCaptureStatus*);
   CUresult (*ctx_get_current)(CUcontext*);
   CUresult (*ctx_get_device)(CUdevice*);
@@ -131,11 +140,17 @@ struct Real {
     resolve_in(lib, &pool_destroy, "cuMemPoolDestroy");
     resolve_in(lib, &default_pool, "cuDeviceGetDefaultMemPool");
     resolve_in(lib, &pool_set_access, "cuMemPoolSetAccess");
+    resolve_in(lib, &pool_get_attribute, "cuMemPoolGetAttribute");
+    resolve_in(lib, &pool_set_attribute, "cuMemPoolSetAttribute");
+    resolve_in(lib, &device_set_pool, "cuDeviceSetMemPool");
+    resolve_in(lib, &mem_set_pool, "cuMemSetMemPool");  // CUDA 13
     resolve_in(lib, &begin_capture, "cuStreamBeginCapture_v2");
     resolve_in(lib, &begin_capture_ptsz, "cuStreamBeginCapture_v2_ptsz");
     resolve_in(lib, &end_capture, "cuStreamEndCapture");
     resolve_in(lib, &end_capture_ptsz, "cuStreamEndCapture_ptsz");
     resolve_in(lib, &is_capturing, "cuStreamIsCapturing");
+    resolve_in(lib, &stream_destroy, "cuStreamDestroy_v2");
+    resolve_in(lib, &stream_destroy_v1, "cuStreamDestroy");
     resolve_in(lib, &is_capturing_ptsz, "cuStreamIsCapturing_ptsz");
     resolve_in(lib, &ctx_get_current, "cuCtxGetCurrent");
     resolve_in(lib, &ctx_get_device, "cuCtxGetDevice");
@@ -271,7 +286,7 @@ bool capturing(CUstream s, bool ptsz) {
   return f && f(s, &st) == CUDA_SUCCESS && st != CU_STREAM_CAPTURE_STATUS_NONE;
 }
 
-// ---- Pools (R23) --------------------------------------------------------------------------------------------
+// ---- Pools (R23, R24) ---------------------------------------------------------------------------------------
 
 // Pools whose properties the interposer knows (from cuMemPoolCreate and cuDeviceGetDefaultMemPool), and
 // whether fragless can serve them as the driver would: device memory of one device, no shareable handle
@@ -281,13 +296,16 @@ struct KnownPool {
   std::atomic<CUmemoryPool> pool{nullptr};
   std::atomic<int> device{-1};
   std::atomic<bool> servable{false};
+  // R24: fragless memory allocated from the pool and not freed yet (the sizes asked), and its high-water
+  // marks since the program last reset CU_MEMPOOL_ATTR_USED_MEM_HIGH and RESERVED_MEM_HIGH.
+  std::atomic<std::uint64_t> used{0}, used_high{0}, reserved_high{0};
 };
 constexpr int kMaxPools = 256;
 KnownPool g_pools[kMaxPools];
 std::atomic<int> g_pool_count{0};
 std::mutex g_pools_mu;
 
-const KnownPool* find_pool(CUmemoryPool p) {
+KnownPool* find_pool(CUmemoryPool p) {
   const int n = g_pool_count.load(std::memory_order_acquire);
   for (int i = 0; i < n; ++i)
     if (g_pools[i].pool.load(std::memory_order_relaxed) == p) return &g_pools[i];
@@ -309,6 +327,92 @@ void remember_pool(CUmemoryPool p, int device, bool servable) {
   k->device.store(device, std::memory_order_relaxed);
   k->servable.store(servable, std::memory_order_relaxed);
   k->pool.store(p, std::memory_order_release);
+}
+
+// Each device's default pool (once seen) and its current pool (cuDeviceSetMemPool, cuMemSetMemPool; nullptr
+// until one is set), by ordinal: cuMemAllocAsync allocates from the current pool of the stream's device.
+constexpr int kMaxDevices = 64;
+std::atomic<CUmemoryPool> g_default_pools[kMaxDevices], g_current_pools[kMaxDevices];
+
+void remember_default_pool(CUmemoryPool p, int device) {
+  if (device < 0 || device >= kMaxDevices) return;
+  if (!find_pool(p)) remember_pool(p, device, true);
+  g_default_pools[device].store(p, std::memory_order_release);
+}
+
+// The pool cuMemAllocAsync on `device` allocates from, if the interposer knows it (nullptr otherwise).
+KnownPool* current_pool(int device) {
+  if (device < 0 || device >= kMaxDevices) return nullptr;
+  if (CUmemoryPool p = g_current_pools[device].load(std::memory_order_acquire)) return find_pool(p);
+  CUmemoryPool p = g_default_pools[device].load(std::memory_order_acquire);
+  CUdevice d = -1;
+  if (!p && real().default_pool && real().device_get(&d, device) == CUDA_SUCCESS && real().default_pool(&p, d) == CUDA_SUCCESS)
+    remember_default_pool(p, device);
+  return p ? find_pool(p) : nullptr;
+}
+
+void raise_to(std::atomic<std::uint64_t>& high, std::uint64_t v) {
+  std::uint64_t h = high.load(std::memory_order_relaxed);
+  while (h < v && !high.compare_exchange_weak(h, v, std::memory_order_relaxed)) {
+  }
+}
+
+// ---- What the interposer keeps about a block ----------------------------------------------------------------
+
+// Per device, the fragless blocks the interposer keeps something about, by address: the pool it was
+// allocated from and the size asked (R24), its buffer id once asked for (R25). An entry goes at the block's
+// free (fragless_preload::forget, from either half). Each device's book has its own lock; a free skips it
+// while the book is empty.
+struct Entry {
+  KnownPool* pool = nullptr;
+  std::uint64_t asked = 0;
+  unsigned long long id = 0;
+};
+struct DeviceBook {
+  std::mutex mu;
+  std::unordered_map<CUdeviceptr, Entry> live;
+  std::atomic<std::size_t> entries{0};
+};
+
+DeviceBook* book(int device) {
+  static DeviceBook* books = new DeviceBook[kMaxDevices];  // never destroyed: frees may come from static destructors
+  return device >= 0 && device < kMaxDevices ? &books[device] : nullptr;
+}
+
+// Block p (asked bytes) was allocated from pool k.
+void count_in(int device, CUdeviceptr p, KnownPool* k, std::uint64_t asked) {
+  DeviceBook* b = book(device);
+  if (!b) return;
+  const std::uint64_t now = k->used.fetch_add(asked, std::memory_order_relaxed) + asked;
+  raise_to(k->used_high, now);
+  raise_to(k->reserved_high, now);
+  std::lock_guard lk(b->mu);
+  b->live[p] = Entry{k, asked, 0};
+  b->entries.store(b->live.size(), std::memory_order_release);
+}
+
+// R25: fragless's ids have the top bit set; the driver's count its allocations from 1.
+constexpr unsigned long long kFraglessBufferIds = 1ull << 63;
+
+// The buffer id of the block at `base` on `device` (0: none can be kept).
+unsigned long long buffer_id(int device, CUdeviceptr base) {
+  static std::atomic<unsigned long long> next{0};
+  DeviceBook* b = book(device);
+  if (!b) return 0;
+  std::lock_guard lk(b->mu);
+  Entry& e = b->live[base];
+  if (!e.id) e.id = kFraglessBufferIds | (next.fetch_add(1, std::memory_order_relaxed) + 1);
+  b->entries.store(b->live.size(), std::memory_order_release);
+  return e.id;
+}
+
+// The pool the block at `base` was allocated from (nullptr: none, or not from a pool).
+CUmemoryPool pool_of(int device, CUdeviceptr base) {
+  DeviceBook* b = book(device);
+  if (!b || b->entries.load(std::memory_order_acquire) == 0) return nullptr;
+  std::lock_guard lk(b->mu);
+  auto it = b->live.find(base);
+  return it != b->live.end() && it->second.pool ? it->second.pool->pool.load(std::memory_order_relaxed) : nullptr;
 }
 
 void say_once(std::atomic<bool>& said, const char* what) {
@@ -365,6 +469,8 @@ CUresult alloc_sync(CUdeviceptr* out, size_t size) {
   return serve(e, dev, size, 0, out);
 }
 
+std::atomic<bool> g_said_pool{false}, g_said_stream{false}, g_said_current{false};
+
 CUresult alloc_async(CUdeviceptr* out, size_t size, CUstream s, bool ptsz) {
   auto forward = [&] {
     ++counters().driver_forwarded;
@@ -375,10 +481,19 @@ CUresult alloc_async(CUdeviceptr* out, size_t size, CUstream s, bool ptsz) {
   if (!out || size == 0 || recursing() || capturing(s, ptsz)) return forward();
   const int dev = stream_device(s);
   fragless::DeviceEngine* e = engine_for(dev);
-  return e ? serve(e, dev, size, stream_key(s, ptsz), out) : forward();
+  if (!e) return forward();
+  KnownPool* k = current_pool(dev);
+  if (!k || !k->servable.load(std::memory_order_relaxed)) {
+    say_once(g_said_current,
+             "cuMemAllocAsync on a device whose current memory pool fragless cannot serve as the driver would "
+             "(unknown to it, or with a shareable handle type, a maximum size, a usage, or access for a peer it "
+             "does not grant): its allocations go to the driver");
+    return forward();
+  }
+  const CUresult r = serve(e, dev, size, stream_key(s, ptsz), out);
+  if (r == CUDA_SUCCESS) count_in(dev, *out, k, size);
+  return r;
 }
-
-std::atomic<bool> g_said_pool{false}, g_said_stream{false};
 
 CUresult alloc_from_pool(CUdeviceptr* out, size_t size, CUmemoryPool pool, CUstream s, bool ptsz) {
   auto forward = [&] {
@@ -387,7 +502,7 @@ CUresult alloc_from_pool(CUdeviceptr* out, size_t size, CUmemoryPool pool, CUstr
     return f ? f(out, size, pool, s) : CUDA_ERROR_NOT_SUPPORTED;
   };
   if (!out || size == 0 || recursing() || capturing(s, ptsz)) return forward();
-  const KnownPool* k = find_pool(pool);
+  KnownPool* k = find_pool(pool);
   if (!k || !k->servable.load(std::memory_order_relaxed)) {
     say_once(g_said_pool,
              "a memory pool fragless cannot serve as the driver would (unknown to it, or with a shareable handle "
@@ -400,7 +515,10 @@ CUresult alloc_from_pool(CUdeviceptr* out, size_t size, CUmemoryPool pool, CUstr
     return forward();
   }
   fragless::DeviceEngine* e = engine_for(dev);
-  return e ? serve(e, dev, size, stream_key(s, ptsz), out) : forward();
+  if (!e) return forward();
+  const CUresult r = serve(e, dev, size, stream_key(s, ptsz), out);
+  if (r == CUDA_SUCCESS) count_in(dev, *out, k, size);
+  return r;
 }
 
 CUresult free_sync(CUdeviceptr p) {
@@ -431,9 +549,7 @@ CUresult free_async(CUdeviceptr p, CUstream s, bool ptsz) {
     fragless_preload::free_behind_fence(dev, ptr);
     return CUDA_SUCCESS;
   }
-  fragless::DeviceEngine* e = fragless_preload::allocator()->device(dev);
-  e->record_stream(ptr, stream_key(s, ptsz));  // a no-op when s is the allocation stream
-  return e->free(ptr) == fragless::Status::ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+  return fragless_preload::free_on_stream(dev, ptr, stream_key(s, ptsz)) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 // ---- Queries (R22) ------------------------------------------------------------------------------------------
@@ -461,7 +577,13 @@ bool answer(CUpointer_attribute attr, void* data, int device, CUdeviceptr p, CUd
     case CU_POINTER_ATTRIBUTE_MEMORY_TYPE: *static_cast<unsigned*>(data) = CU_MEMORYTYPE_DEVICE; return true;
     case CU_POINTER_ATTRIBUTE_DEVICE_POINTER: *static_cast<CUdeviceptr*>(data) = p; return true;
     case CU_POINTER_ATTRIBUTE_IS_MANAGED: *static_cast<int*>(data) = 0; return true;
-    case CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE: *static_cast<CUmemoryPool*>(data) = nullptr; return true;
+    case CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE: *static_cast<CUmemoryPool*>(data) = pool_of(device, base); return true;
+    case CU_POINTER_ATTRIBUTE_BUFFER_ID: {  // R25
+      const unsigned long long id = buffer_id(device, base);
+      if (!id) return false;
+      *static_cast<unsigned long long*>(data) = id;
+      return true;
+    }
     case CU_POINTER_ATTRIBUTE_CONTEXT: {
       CUcontext c = primary_of(device);
       if (!c) return false;
@@ -470,6 +592,16 @@ bool answer(CUpointer_attribute attr, void* data, int device, CUdeviceptr p, CUd
     }
     default: return false;
   }
+}
+
+// ---- Streams ------------------------------------------------------------------------------------------------
+
+// cuStreamDestroy through `destroy` (the driver's entry point of the ABI asked), once fragless has settled the
+// stream's blocks.
+CUresult destroy_stream(CUstream s, CUresult (*destroy)(CUstream)) {
+  if (!destroy) return CUDA_ERROR_NOT_SUPPORTED;
+  if (!default_stream(s) && !recursing()) fragless_preload::retire_stream(stream_key(s, false), stream_device(s));
+  return destroy(s);
 }
 
 }  // namespace
@@ -576,8 +708,7 @@ FRAGLESS_EXPORT CUresult cuMemPoolCreate(CUmemoryPool* pool, const CUmemPoolProp
 FRAGLESS_EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool* pool, CUdevice dev) {
   const CUresult r = real().default_pool(pool, dev);
   if (r != CUDA_SUCCESS || !pool) return r;
-  const int ordinal = ordinal_of(dev);
-  if (!find_pool(*pool)) remember_pool(*pool, ordinal, ordinal >= 0);
+  remember_default_pool(*pool, ordinal_of(dev));
   return r;
 }
 
@@ -598,6 +729,46 @@ FRAGLESS_EXPORT CUresult cuMemPoolSetAccess(CUmemoryPool pool, const CUmemAccess
 FRAGLESS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool) {
   const CUresult r = real().pool_destroy(pool);
   if (r == CUDA_SUCCESS && find_pool(pool)) remember_pool(pool, -1, false);  // fragless's blocks live on until freed
+  return r;
+}
+
+// R24: the pool's statistics count the fragless memory allocated from it.
+FRAGLESS_EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void* value) {
+  if (!real().pool_get_attribute) return CUDA_ERROR_NOT_SUPPORTED;
+  const CUresult r = real().pool_get_attribute(pool, attr, value);
+  const KnownPool* k = r == CUDA_SUCCESS && value ? find_pool(pool) : nullptr;
+  if (!k) return r;
+  auto add = [&](const std::atomic<std::uint64_t>& v) { *static_cast<cuuint64_t*>(value) += v.load(std::memory_order_relaxed); };
+  if (attr == CU_MEMPOOL_ATTR_USED_MEM_CURRENT || attr == CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) add(k->used);
+  else if (attr == CU_MEMPOOL_ATTR_USED_MEM_HIGH) add(k->used_high);
+  else if (attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH) add(k->reserved_high);
+  return r;
+}
+
+// R24: a high-water mark the driver reset (to zero: it refuses any other value) restarts from fragless's use.
+FRAGLESS_EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void* value) {
+  if (!real().pool_set_attribute) return CUDA_ERROR_NOT_SUPPORTED;
+  const CUresult r = real().pool_set_attribute(pool, attr, value);
+  KnownPool* k = r == CUDA_SUCCESS ? find_pool(pool) : nullptr;
+  if (k && attr == CU_MEMPOOL_ATTR_USED_MEM_HIGH) k->used_high.store(k->used.load(std::memory_order_relaxed));
+  if (k && attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH) k->reserved_high.store(k->used.load(std::memory_order_relaxed));
+  return r;
+}
+
+// The current pool of a device: cuMemAllocAsync on its streams allocates from it (R24).
+FRAGLESS_EXPORT CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool) {
+  if (!real().device_set_pool) return CUDA_ERROR_NOT_SUPPORTED;
+  const CUresult r = real().device_set_pool(dev, pool);
+  const int ordinal = r == CUDA_SUCCESS ? ordinal_of(dev) : -1;
+  if (ordinal >= 0 && ordinal < kMaxDevices) g_current_pools[ordinal].store(pool, std::memory_order_release);
+  return r;
+}
+FRAGLESS_EXPORT CUresult cuMemSetMemPool(CUmemLocation* location, CUmemAllocationType type, CUmemoryPool pool) {
+  if (!real().mem_set_pool) return CUDA_ERROR_NOT_SUPPORTED;
+  const CUresult r = real().mem_set_pool(location, type, pool);
+  if (r == CUDA_SUCCESS && location->type == CU_MEM_LOCATION_TYPE_DEVICE && type == CU_MEM_ALLOCATION_TYPE_PINNED &&
+      location->id >= 0 && location->id < kMaxDevices)
+    g_current_pools[location->id].store(pool, std::memory_order_release);
   return r;
 }
 
@@ -626,6 +797,13 @@ FRAGLESS_EXPORT CUresult cuStreamEndCapture_ptsz(CUstream s, CUgraph* g) {
   const CUresult r = real().end_capture_ptsz(s, g);
   if (!capturing(s, true)) fragless_preload::capture_ended(stream_key(s, true));
   return r;
+}
+
+// The stream's blocks are settled first, as for cudaStreamDestroy (fragless_preload::retire_stream). The
+// CUDA 4.0 ABI (cuStreamDestroy_v2) and the older one (cuStreamDestroy) take the same argument.
+FRAGLESS_EXPORT CUresult cuStreamDestroy_v2(CUstream s) { return destroy_stream(s, real().stream_destroy); }
+FRAGLESS_EXPORT CUresult cuStreamDestroy(CUstream s) {
+  return destroy_stream(s, real().stream_destroy_v1 ? real().stream_destroy_v1 : real().stream_destroy);
 }
 
 }  // extern "C"
@@ -668,8 +846,13 @@ const Proc* proc(const char* name) {
       {"cuMemPoolDestroy", 11020, fn(&cuMemPoolDestroy), fn(&cuMemPoolDestroy)},
       {"cuDeviceGetDefaultMemPool", 11020, fn(&cuDeviceGetDefaultMemPool), fn(&cuDeviceGetDefaultMemPool)},
       {"cuMemPoolSetAccess", 11020, fn(&cuMemPoolSetAccess), fn(&cuMemPoolSetAccess)},
+      {"cuMemPoolGetAttribute", 11020, fn(&cuMemPoolGetAttribute), fn(&cuMemPoolGetAttribute)},
+      {"cuMemPoolSetAttribute", 11020, fn(&cuMemPoolSetAttribute), fn(&cuMemPoolSetAttribute)},
+      {"cuDeviceSetMemPool", 11020, fn(&cuDeviceSetMemPool), fn(&cuDeviceSetMemPool)},
+      {"cuMemSetMemPool", 13000, fn(&cuMemSetMemPool), fn(&cuMemSetMemPool)},
       {"cuStreamBeginCapture", 10010, fn(&cuStreamBeginCapture_v2), fn(&cuStreamBeginCapture_v2_ptsz)},
       {"cuStreamEndCapture", 10000, fn(&cuStreamEndCapture), fn(&cuStreamEndCapture_ptsz)},
+      {"cuStreamDestroy", 4000, fn(&cuStreamDestroy_v2), fn(&cuStreamDestroy_v2)},
       {"cuGetProcAddress", 12000, fn(&cuGetProcAddress_v2), fn(&cuGetProcAddress_v2)},
   };
   if (!name || name[0] != 'c' || name[1] != 'u') return nullptr;
@@ -715,10 +898,16 @@ void* exported(const char* name) {
       {"cuMemPoolDestroy", fn(&cuMemPoolDestroy)},
       {"cuDeviceGetDefaultMemPool", fn(&cuDeviceGetDefaultMemPool)},
       {"cuMemPoolSetAccess", fn(&cuMemPoolSetAccess)},
+      {"cuMemPoolGetAttribute", fn(&cuMemPoolGetAttribute)},
+      {"cuMemPoolSetAttribute", fn(&cuMemPoolSetAttribute)},
+      {"cuDeviceSetMemPool", fn(&cuDeviceSetMemPool)},
+      {"cuMemSetMemPool", fn(&cuMemSetMemPool)},
       {"cuStreamBeginCapture_v2", fn(&cuStreamBeginCapture_v2)},
       {"cuStreamBeginCapture_v2_ptsz", fn(&cuStreamBeginCapture_v2_ptsz)},
       {"cuStreamEndCapture", fn(&cuStreamEndCapture)},
       {"cuStreamEndCapture_ptsz", fn(&cuStreamEndCapture_ptsz)},
+      {"cuStreamDestroy", fn(&cuStreamDestroy)},
+      {"cuStreamDestroy_v2", fn(&cuStreamDestroy_v2)},
       {"cuGetProcAddress", fn(&cuGetProcAddress)},
       {"cuGetProcAddress_v2", fn(&cuGetProcAddress_v2)},
   };
@@ -775,3 +964,16 @@ FRAGLESS_EXPORT FRAGLESS_NO_SANITIZE __attribute__((optimize("O2", "optimize-sib
 }
 
 }  // extern "C"
+
+// ---- What either half's free tells this one (preload_core.h) ------------------------------------------------
+
+void fragless_preload::forget(int device, const void* p) {
+  DeviceBook* b = book(device);
+  if (!b || b->entries.load(std::memory_order_acquire) == 0) return;
+  std::lock_guard lk(b->mu);
+  auto it = b->live.find(reinterpret_cast<CUdeviceptr>(p));
+  if (it == b->live.end()) return;
+  if (KnownPool* k = it->second.pool) k->used.fetch_sub(it->second.asked, std::memory_order_relaxed);
+  b->live.erase(it);
+  b->entries.store(b->live.size(), std::memory_order_release);
+}
