@@ -48,7 +48,7 @@ void retire_stream(fragless::Stream stream, int device);
 // free: the runtime's cudaMemGetInfo (which reaches it through the runtime's driver table) then adds nothing.
 bool& cached_counted();
 
-// Note [No recursion] (preload_driver.cpp): a thread inside fragless (allocating or freeing for an
+// Note [No recursion] (preload_driver_lookup.cpp): a thread inside fragless (allocating or freeing for an
 // interposed call) that comes back into an interposed entry point is counted and forwarded to the driver or
 // runtime, never served (fragless's engine lock is held). Inside marks the scope; recursing() tells and counts.
 struct Inside {
