@@ -283,9 +283,7 @@ cudaError_t free_async(void* p, cudaStream_t s, bool ptsz) {
   if (capturing(s, ptsz)) return free_sync(p);  // no event may be recorded into the capture: behind the fence
   fragless_preload::Inside inside;
   ++g_counts.frees;
-  fragless::DeviceEngine* e = ip().alloc->device(dev);
-  e->record_stream(p, engine_stream(s, ptsz));  // a no-op when s is the allocation stream
-  return e->free(p) == fragless::Status::ok ? kSuccess : kInvalidValue;
+  return fragless_preload::free_on_stream(dev, p, engine_stream(s, ptsz)) ? kSuccess : kInvalidValue;
 }
 
 // A capture begins on stream s: its device's engine follows the capture rules until it ends.
@@ -353,6 +351,7 @@ int owner(const void* p) {
 // deferred; a batch of them goes back to the cache behind one device-wide synchronisation, when 1024 frees
 // or 256 MiB are pending or when an allocation would otherwise fail.
 void free_behind_fence(int device, void* p) {
+  forget(device, p);
   Interposer& i = ip();
   std::size_t size = 0;
   i.alloc->device(device)->base_allocation(p, &size);
@@ -368,6 +367,20 @@ void free_behind_fence(int device, void* p) {
 }
 
 bool drain(int device) { return ip().drain(device); }
+
+bool free_on_stream(int device, void* p, fragless::Stream s) {
+  forget(device, p);
+  fragless::DeviceEngine* e = ip().alloc->device(device);
+  e->record_stream(p, s);  // a no-op when s is the allocation stream
+  return e->free(p) == fragless::Status::ok;
+}
+
+void retire_stream(fragless::Stream stream, int device) {
+  fragless::Allocator* a = ip().ready.load(std::memory_order_acquire);
+  fragless::DeviceEngine* e = a && device >= 0 ? a->existing(device) : nullptr;
+  fragless::AllocError err;
+  if (e && e->retire_stream(stream, &err) != fragless::Status::ok) std::fprintf(stderr, "%s\n", err.message.c_str());
+}
 
 void capture_began(fragless::Stream stream, int device) {
   Interposer& i = ip();
@@ -464,15 +477,10 @@ FRAGLESS_EXPORT cudaError_t cudaStreamEndCapture_ptsz(cudaStream_t s, cudaGraph_
   return r;
 }
 
-// The stream's blocks are settled first: its work is waited for, so nothing of fragless's need name it again
-// and a later stream that is given the same handle value is a new stream.
+// The stream's blocks are settled first (fragless_preload::retire_stream).
 FRAGLESS_EXPORT cudaError_t cudaStreamDestroy(cudaStream_t s) {
   const auto v = reinterpret_cast<std::uintptr_t>(s);
-  if (fragless::Allocator* a = ip().ready.load(std::memory_order_acquire); a && v > kStreamPerThread)
-    if (fragless::DeviceEngine* e = a->existing(device_of(s))) {
-      fragless::AllocError err;
-      if (e->retire_stream(v, &err) != fragless::Status::ok) std::fprintf(stderr, "%s\n", err.message.c_str());
-    }
+  if (ip().ready.load(std::memory_order_acquire) && v > kStreamPerThread) fragless_preload::retire_stream(v, device_of(s));
   return real().stream_destroy ? real().stream_destroy(s) : kInvalidValue;
 }
 

@@ -21,6 +21,15 @@ int owner(const void* p);
 // device-wide fence, run when enough frees are pending (Note [Frees behind the fence], preload.cpp).
 void free_behind_fence(int device, void* p);
 
+// cudaFreeAsync's and cuMemFreeAsync's promise: p (owned by `device`'s engine) is reused by stream s (fragless's
+// key) at once and by other streams only after the work queued on s before the free is done. False: the
+// engine refused the pointer.
+bool free_on_stream(int device, void* p, fragless::Stream s);
+
+// Every free of fragless memory, from either half, tells the driver half first (preload_driver.cpp): what it
+// keeps about the block (a pool's statistics, a buffer id) goes with it.
+void forget(int device, const void* p);
+
 // Runs the fence for `device` now and gives its deferred frees back; false when it could not run (a capture
 // is under way, or the synchronisation failed: the frees stay deferred).
 bool drain(int device);
@@ -30,11 +39,16 @@ bool drain(int device);
 void capture_began(fragless::Stream stream, int device);
 void capture_ended(fragless::Stream stream);
 
+// The program destroys `stream` (fragless's key of it) of `device` (cudaStreamDestroy, cuStreamDestroy): its
+// blocks are settled first (its work waited for), so nothing of fragless's need name it again and a later
+// stream given the same handle value is a new stream. Nothing for a device without an engine.
+void retire_stream(fragless::Stream stream, int device);
+
 // Set on the calling thread by the driver half's cuMemGetInfo once it has counted fragless's cached memory as
 // free: the runtime's cudaMemGetInfo (which reaches it through the runtime's driver table) then adds nothing.
 bool& cached_counted();
 
-// Note [No recursion] (preload_driver.cpp): a thread inside fragless (allocating or freeing for an
+// Note [No recursion] (preload_driver_lookup.cpp): a thread inside fragless (allocating or freeing for an
 // interposed call) that comes back into an interposed entry point is counted and forwarded to the driver or
 // runtime, never served (fragless's engine lock is held). Inside marks the scope; recursing() tells and counts.
 struct Inside {

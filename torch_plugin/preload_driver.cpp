@@ -1,12 +1,13 @@
 // libfragless_preload.so, the driver half: the CUDA driver API's allocation entry points, for programs that
 // allocate with libcuda rather than the runtime (XLA's and TensorFlow's StreamExecutor: cuMemAlloc per
 // buffer; their cuda_malloc_async allocator: cuMemAllocFromPoolAsync and cuMemFreeAsync). What is interposed,
-// and how a pointer to it is obtained, is written in driver.h (R20-R23); in short:
+// and how a pointer to it is obtained, is written in driver.h (R20-R25); in short:
 //  - exported: cuMemAlloc_v2, cuMemAllocPitch_v2, cuMemFree_v2, cuMemAllocAsync, cuMemAllocFromPoolAsync and
 //    cuMemFreeAsync (and their _ptsz forms), cuMemGetInfo_v2, cuMemGetAddressRange_v2,
-//    cuPointerGetAttribute(s), the pool calls whose answers fragless needs (cuMemPoolCreate,
-//    cuDeviceGetDefaultMemPool, cuMemPoolSetAccess, cuMemPoolDestroy), the capture calls
-//    (cuStreamBeginCapture_v2, cuStreamEndCapture and _ptsz), cuGetProcAddress and cuGetProcAddress_v2;
+//    cuPointerGetAttribute(s), the pool calls whose answers fragless needs or changes (cuMemPoolCreate,
+//    cuDeviceGetDefaultMemPool, cuMemPoolSetAccess, cuMemPoolDestroy, cuDeviceSetMemPool, cuMemSetMemPool,
+//    cuMemPoolGetAttribute, cuMemPoolSetAttribute), the capture calls (cuStreamBeginCapture_v2,
+//    cuStreamEndCapture and _ptsz), cuStreamDestroy(_v2), cuGetProcAddress and cuGetProcAddress_v2;
 //  - cuGetProcAddress(_v2) hands out the interposed entry point wherever the driver would hand out one of
 //    these, for the version and flags asked (the CUDA runtime takes all its driver pointers that way);
 //  - dlsym on a handle of the driver library (XLA and TensorFlow dlopen libcuda.so.1 with RTLD_LOCAL and
@@ -15,156 +16,15 @@
 //    driver's, so fragless's calls never come back here (Note [No recursion]).
 // Foreign pointers (memory fragless did not allocate) and calls fragless cannot serve as the driver would
 // go to the real driver unchanged; each case is listed in driver.h.
-#include <dlfcn.h>
-
-#include <cuda.h>
-
-#include <atomic>
-#include <cstdint>
 #include <cstdio>
-#include <cstring>
-#include <mutex>
 
-#include "fragless/allocator.h"
-#include "fragless/cuda_driver.h"
 #include "preload_core.h"
+#include "preload_driver.h"
 
-#undef cuGetProcAddress  // cuda.h maps it to _v2; both ABIs are interposed under their own names
+namespace fragless_preload::cu {
 
-namespace {
-
-using fragless_preload::counters;
-
-// ---- The real driver and the real dlsym ---------------------------------------------------------------------
-
-using Dlsym = void* (*)(void*, const char*);
-
-// Note [dlsym before the sanitizers]: a sanitizer runtime resolves its interceptors with
-// dlsym(RTLD_NEXT, ...) while it initialises, and with this library first in LD_PRELOAD that call lands in
-// the dlsym below. AddressSanitizer does it before it maps its shadow memory (InitializeAsanInterceptors
-// runs before InitializeShadowMemory in AsanInitInternal), so the path RTLD_NEXT and RTLD_DEFAULT take
-// must execute no instrumented code: no sanitizer checks in these two functions, and no function-local
-// static (its guard is a call into the instrumented C++ runtime): a plain pointer read and written with
-// the compiler's atomic builtins, which the instrumentation does not wrap in a call.
-#define FRAGLESS_NO_SANITIZE __attribute__((no_sanitize("address", "undefined", "thread")))
-
-Dlsym g_real_dlsym = nullptr;  // constant-initialised: set before any constructor runs
-
-// glibc's own dlsym (2.34 moved it into libc; older ones have it in libdl with the architecture's base
-// version). Two threads racing here both find the same pointer; either store is right.
-FRAGLESS_NO_SANITIZE Dlsym real_dlsym() {
-  Dlsym f = __atomic_load_n(&g_real_dlsym, __ATOMIC_ACQUIRE);
-  if (f) return f;
-  static const char* const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", "GLIBC_2.0"};
-  for (const char* v : versions) {
-    if (void* p = dlvsym(RTLD_NEXT, "dlsym", v)) {
-      f = reinterpret_cast<Dlsym>(p);
-      break;
-    }
-  }
-  __atomic_store_n(&g_real_dlsym, f, __ATOMIC_RELEASE);
-  return f;
-}
-
-template <typename F>
-void resolve_in(void* lib, F* out, const char* name) {
-  *out = lib && real_dlsym() ? reinterpret_cast<F>(real_dlsym()(lib, name)) : nullptr;
-}
-
-// The entry points of the library fragless loads as its driver (cuda_library_name()), by their exported
-// names, looked up in its own handle: never the interposed ones.
-struct Real {
-  void* lib = dlopen(fragless::cuda_library_name(), RTLD_NOW | RTLD_LOCAL);
-  CUresult (*get_proc)(const char*, void**, int, cuuint64_t);
-  CUresult (*get_proc_v2)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
-  CUresult (*mem_alloc)(CUdeviceptr*, size_t);
-  CUresult (*mem_alloc_pitch)(CUdeviceptr*, size_t*, size_t, size_t, unsigned);
-  CUresult (*mem_free)(CUdeviceptr);
-  CUresult (*mem_get_info)(size_t*, size_t*);
-  CUresult (*alloc_async)(CUdeviceptr*, size_t, CUstream);
-  CUresult (*alloc_async_ptsz)(CUdeviceptr*, size_t, CUstream);
-  CUresult (*alloc_pool)(CUdeviceptr*, size_t, CUmemoryPool, CUstream);
-  CUresult (*alloc_pool_ptsz)(CUdeviceptr*, size_t, CUmemoryPool, CUstream);
-  CUresult (*free_async)(CUdeviceptr, CUstream);
-  CUresult (*free_async_ptsz)(CUdeviceptr, CUstream);
-  CUresult (*address_range)(CUdeviceptr*, size_t*, CUdeviceptr);
-  CUresult (*pointer_attribute)(void*, CUpointer_attribute, CUdeviceptr);
-  CUresult (*pointer_attributes)(unsigned, CUpointer_attribute*, void**, CUdeviceptr);
-  CUresult (*pool_create)(CUmemoryPool*, const CUmemPoolProps*);
-  CUresult (*pool_destroy)(CUmemoryPool);
-  CUresult (*default_pool)(CUmemoryPool*, CUdevice);
-  CUresult (*pool_set_access)(CUmemoryPool, const CUmemAccessDesc*, size_t);
-  CUresult (*begin_capture)(CUstream, CUstreamCaptureMode);
-  CUresult (*begin_capture_ptsz)(CUstream, CUstreamCaptureMode);
-  CUresult (*end_capture)(CUstream, CUgraph*);
-  CUresult (*end_capture_ptsz)(CUstream, CUgraph*);
-  CUresult (*is_capturing)(CUstream, CUstreamCaptureStatus*);
-  CUresult (*is_capturing_ptsz)(CUstream, CUstreamCaptureStatus*);
-  CUresult (*ctx_get_current)(CUcontext*);
-  CUresult (*ctx_get_device)(CUdevice*);
-  CUresult (*ctx_push)(CUcontext);
-  CUresult (*ctx_pop)(CUcontext*);
-  CUresult (*stream_get_ctx)(CUstream, CUcontext*);
-  CUresult (*device_get)(CUdevice*, int);
-  CUresult (*device_count)(int*);
-  CUresult (*device_attribute)(int*, CUdevice_attribute, CUdevice);
-  CUresult (*primary_state)(CUdevice, unsigned*, int*);
-  CUresult (*primary_retain)(CUcontext*, CUdevice);
-  CUresult (*primary_release)(CUdevice);
-  Real() {
-    resolve_in(lib, &get_proc, "cuGetProcAddress");
-    resolve_in(lib, &get_proc_v2, "cuGetProcAddress_v2");
-    resolve_in(lib, &mem_alloc, "cuMemAlloc_v2");
-    resolve_in(lib, &mem_alloc_pitch, "cuMemAllocPitch_v2");
-    resolve_in(lib, &mem_free, "cuMemFree_v2");
-    resolve_in(lib, &mem_get_info, "cuMemGetInfo_v2");
-    resolve_in(lib, &alloc_async, "cuMemAllocAsync");
-    resolve_in(lib, &alloc_async_ptsz, "cuMemAllocAsync_ptsz");
-    resolve_in(lib, &alloc_pool, "cuMemAllocFromPoolAsync");
-    resolve_in(lib, &alloc_pool_ptsz, "cuMemAllocFromPoolAsync_ptsz");
-    resolve_in(lib, &free_async, "cuMemFreeAsync");
-    resolve_in(lib, &free_async_ptsz, "cuMemFreeAsync_ptsz");
-    resolve_in(lib, &address_range, "cuMemGetAddressRange_v2");
-    resolve_in(lib, &pointer_attribute, "cuPointerGetAttribute");
-    resolve_in(lib, &pointer_attributes, "cuPointerGetAttributes");
-    resolve_in(lib, &pool_create, "cuMemPoolCreate");
-    resolve_in(lib, &pool_destroy, "cuMemPoolDestroy");
-    resolve_in(lib, &default_pool, "cuDeviceGetDefaultMemPool");
-    resolve_in(lib, &pool_set_access, "cuMemPoolSetAccess");
-    resolve_in(lib, &begin_capture, "cuStreamBeginCapture_v2");
-    resolve_in(lib, &begin_capture_ptsz, "cuStreamBeginCapture_v2_ptsz");
-    resolve_in(lib, &end_capture, "cuStreamEndCapture");
-    resolve_in(lib, &end_capture_ptsz, "cuStreamEndCapture_ptsz");
-    resolve_in(lib, &is_capturing, "cuStreamIsCapturing");
-    resolve_in(lib, &is_capturing_ptsz, "cuStreamIsCapturing_ptsz");
-    resolve_in(lib, &ctx_get_current, "cuCtxGetCurrent");
-    resolve_in(lib, &ctx_get_device, "cuCtxGetDevice");
-    resolve_in(lib, &ctx_push, "cuCtxPushCurrent_v2");
-    resolve_in(lib, &ctx_pop, "cuCtxPopCurrent_v2");
-    resolve_in(lib, &stream_get_ctx, "cuStreamGetCtx");
-    resolve_in(lib, &device_get, "cuDeviceGet");
-    resolve_in(lib, &device_count, "cuDeviceGetCount");
-    resolve_in(lib, &device_attribute, "cuDeviceGetAttribute");
-    resolve_in(lib, &primary_state, "cuDevicePrimaryCtxGetState");
-    resolve_in(lib, &primary_retain, "cuDevicePrimaryCtxRetain");
-    resolve_in(lib, &primary_release, "cuDevicePrimaryCtxRelease_v2");
-  }
-};
-
-const Real& real() {
-  static const Real* r = new Real();  // never destroyed: frees may come from static destructors
-  return *r;
-}
-
-// ---- Recursion ----------------------------------------------------------------------------------------------
-
-// Note [No recursion]: fragless's own driver (cuda_driver.cpp, linked into this library) dlopens the driver and looks up
-// cuGetProcAddress with dlsym on that handle; the dlsym below answers lookups made from this library with the
-// real driver's symbols, so every call fragless makes goes to the real driver. As a second line, a thread
-// that is inside fragless (allocating or freeing for an interposed call) and comes back into an interposed
-// entry point is counted (counters().recursions; the tests require none) and forwarded.
-using fragless_preload::Inside;
-using fragless_preload::recursing;
+// Note [No recursion] (preload_driver_lookup.cpp): a thread inside fragless (fragless_preload::Inside) that
+// comes back into an entry point here is forwarded (fragless_preload::recursing()).
 
 // ---- Contexts and devices -----------------------------------------------------------------------------------
 
@@ -271,63 +131,7 @@ bool capturing(CUstream s, bool ptsz) {
   return f && f(s, &st) == CUDA_SUCCESS && st != CU_STREAM_CAPTURE_STATUS_NONE;
 }
 
-// ---- Pools (R23) --------------------------------------------------------------------------------------------
-
-// Pools whose properties the interposer knows (from cuMemPoolCreate and cuDeviceGetDefaultMemPool), and
-// whether fragless can serve them as the driver would: device memory of one device, no shareable handle
-// type, no size limit, no special usage, access for no peer fragless does not grant. Added and changed under
-// a lock (pool calls are rare), read without one.
-struct KnownPool {
-  std::atomic<CUmemoryPool> pool{nullptr};
-  std::atomic<int> device{-1};
-  std::atomic<bool> servable{false};
-};
-constexpr int kMaxPools = 256;
-KnownPool g_pools[kMaxPools];
-std::atomic<int> g_pool_count{0};
-std::mutex g_pools_mu;
-
-const KnownPool* find_pool(CUmemoryPool p) {
-  const int n = g_pool_count.load(std::memory_order_acquire);
-  for (int i = 0; i < n; ++i)
-    if (g_pools[i].pool.load(std::memory_order_relaxed) == p) return &g_pools[i];
-  return nullptr;
-}
-
-void remember_pool(CUmemoryPool p, int device, bool servable) {
-  std::lock_guard lk(g_pools_mu);
-  const int n = g_pool_count.load(std::memory_order_acquire);
-  KnownPool* k = nullptr;
-  for (int i = 0; i < n && !k; ++i)
-    if (g_pools[i].pool.load(std::memory_order_relaxed) == p || g_pools[i].pool.load(std::memory_order_relaxed) == nullptr)
-      k = &g_pools[i];
-  if (!k) {
-    if (n == kMaxPools) return;  // unknown pools are forwarded
-    k = &g_pools[n];
-    g_pool_count.store(n + 1, std::memory_order_release);
-  }
-  k->device.store(device, std::memory_order_relaxed);
-  k->servable.store(servable, std::memory_order_relaxed);
-  k->pool.store(p, std::memory_order_release);
-}
-
-void say_once(std::atomic<bool>& said, const char* what) {
-  if (!said.exchange(true)) std::fprintf(stderr, "fragless (LD_PRELOAD): %s\n", what);
-}
-
-// Whether fragless grants `peer` access to memory of `device` (the cuda driver grants every peer that can
-// access it when peer_access is on).
-bool fragless_grants(int device, int peer) {
-  fragless::Allocator* a = fragless_preload::allocator();
-  if (!a || !a->options().peer_access) return false;
-  const Real& r = real();
-  CUdevice d = -1, p = -1;
-  int can = 0;
-  if (r.device_get(&d, device) != CUDA_SUCCESS || r.device_get(&p, peer) != CUDA_SUCCESS) return false;
-  auto can_access = reinterpret_cast<CUresult (*)(int*, CUdevice, CUdevice)>(
-      real_dlsym() ? real_dlsym()(r.lib, "cuDeviceCanAccessPeer") : nullptr);
-  return can_access && can_access(&can, p, d) == CUDA_SUCCESS && can;
-}
+namespace {
 
 // ---- Allocation and free ------------------------------------------------------------------------------------
 
@@ -365,6 +169,8 @@ CUresult alloc_sync(CUdeviceptr* out, size_t size) {
   return serve(e, dev, size, 0, out);
 }
 
+std::atomic<bool> g_said_pool{false}, g_said_stream{false}, g_said_current{false};
+
 CUresult alloc_async(CUdeviceptr* out, size_t size, CUstream s, bool ptsz) {
   auto forward = [&] {
     ++counters().driver_forwarded;
@@ -375,10 +181,19 @@ CUresult alloc_async(CUdeviceptr* out, size_t size, CUstream s, bool ptsz) {
   if (!out || size == 0 || recursing() || capturing(s, ptsz)) return forward();
   const int dev = stream_device(s);
   fragless::DeviceEngine* e = engine_for(dev);
-  return e ? serve(e, dev, size, stream_key(s, ptsz), out) : forward();
+  if (!e) return forward();
+  KnownPool* k = current_pool(dev);
+  if (!k || !k->servable.load(std::memory_order_relaxed)) {
+    say_once(g_said_current,
+             "cuMemAllocAsync on a device whose current memory pool fragless cannot serve as the driver would "
+             "(unknown to it, or with a shareable handle type, a maximum size, a usage, or access for a peer it "
+             "does not grant): its allocations go to the driver");
+    return forward();
+  }
+  const CUresult r = serve(e, dev, size, stream_key(s, ptsz), out);
+  if (r == CUDA_SUCCESS) count_in(dev, *out, k, size);
+  return r;
 }
-
-std::atomic<bool> g_said_pool{false}, g_said_stream{false};
 
 CUresult alloc_from_pool(CUdeviceptr* out, size_t size, CUmemoryPool pool, CUstream s, bool ptsz) {
   auto forward = [&] {
@@ -387,7 +202,7 @@ CUresult alloc_from_pool(CUdeviceptr* out, size_t size, CUmemoryPool pool, CUstr
     return f ? f(out, size, pool, s) : CUDA_ERROR_NOT_SUPPORTED;
   };
   if (!out || size == 0 || recursing() || capturing(s, ptsz)) return forward();
-  const KnownPool* k = find_pool(pool);
+  KnownPool* k = find_pool(pool);
   if (!k || !k->servable.load(std::memory_order_relaxed)) {
     say_once(g_said_pool,
              "a memory pool fragless cannot serve as the driver would (unknown to it, or with a shareable handle "
@@ -400,7 +215,10 @@ CUresult alloc_from_pool(CUdeviceptr* out, size_t size, CUmemoryPool pool, CUstr
     return forward();
   }
   fragless::DeviceEngine* e = engine_for(dev);
-  return e ? serve(e, dev, size, stream_key(s, ptsz), out) : forward();
+  if (!e) return forward();
+  const CUresult r = serve(e, dev, size, stream_key(s, ptsz), out);
+  if (r == CUDA_SUCCESS) count_in(dev, *out, k, size);
+  return r;
 }
 
 CUresult free_sync(CUdeviceptr p) {
@@ -431,9 +249,7 @@ CUresult free_async(CUdeviceptr p, CUstream s, bool ptsz) {
     fragless_preload::free_behind_fence(dev, ptr);
     return CUDA_SUCCESS;
   }
-  fragless::DeviceEngine* e = fragless_preload::allocator()->device(dev);
-  e->record_stream(ptr, stream_key(s, ptsz));  // a no-op when s is the allocation stream
-  return e->free(ptr) == fragless::Status::ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+  return fragless_preload::free_on_stream(dev, ptr, stream_key(s, ptsz)) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 // ---- Queries (R22) ------------------------------------------------------------------------------------------
@@ -461,7 +277,13 @@ bool answer(CUpointer_attribute attr, void* data, int device, CUdeviceptr p, CUd
     case CU_POINTER_ATTRIBUTE_MEMORY_TYPE: *static_cast<unsigned*>(data) = CU_MEMORYTYPE_DEVICE; return true;
     case CU_POINTER_ATTRIBUTE_DEVICE_POINTER: *static_cast<CUdeviceptr*>(data) = p; return true;
     case CU_POINTER_ATTRIBUTE_IS_MANAGED: *static_cast<int*>(data) = 0; return true;
-    case CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE: *static_cast<CUmemoryPool*>(data) = nullptr; return true;
+    case CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE: *static_cast<CUmemoryPool*>(data) = pool_of(device, base); return true;
+    case CU_POINTER_ATTRIBUTE_BUFFER_ID: {  // R25
+      const unsigned long long id = buffer_id(device, base);
+      if (!id) return false;
+      *static_cast<unsigned long long*>(data) = id;
+      return true;
+    }
     case CU_POINTER_ATTRIBUTE_CONTEXT: {
       CUcontext c = primary_of(device);
       if (!c) return false;
@@ -472,13 +294,26 @@ bool answer(CUpointer_attribute attr, void* data, int device, CUdeviceptr p, CUd
   }
 }
 
+// ---- Streams ------------------------------------------------------------------------------------------------
+
+// cuStreamDestroy through `destroy` (the driver's entry point of the ABI asked), once fragless has settled the
+// stream's blocks.
+CUresult destroy_stream(CUstream s, CUresult (*destroy)(CUstream)) {
+  if (!destroy) return CUDA_ERROR_NOT_SUPPORTED;
+  if (!default_stream(s) && !recursing()) fragless_preload::retire_stream(stream_key(s, false), stream_device(s));
+  return destroy(s);
+}
+
 }  // namespace
+}  // namespace fragless_preload::cu
+
+using namespace fragless_preload::cu;
+using fragless_preload::counters;
+using fragless_preload::recursing;
 
 // ---- The entry points ---------------------------------------------------------------------------------------
 
 extern "C" {
-
-#define FRAGLESS_EXPORT __attribute__((visibility("default")))
 
 FRAGLESS_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t size) { return alloc_sync(p, size); }
 
@@ -561,46 +396,6 @@ FRAGLESS_EXPORT CUresult cuPointerGetAttributes(unsigned n, CUpointer_attribute*
   return r;
 }
 
-FRAGLESS_EXPORT CUresult cuMemPoolCreate(CUmemoryPool* pool, const CUmemPoolProps* props) {
-  const CUresult r = real().pool_create(pool, props);
-  if (r != CUDA_SUCCESS || !pool || !props) return r;
-  bool servable = props->allocType == CU_MEM_ALLOCATION_TYPE_PINNED && props->location.type == CU_MEM_LOCATION_TYPE_DEVICE &&
-                  props->handleTypes == CU_MEM_HANDLE_TYPE_NONE && props->maxSize == 0 && props->usage == 0;
-  int dev = -1;
-  CUdevice d = -1;
-  if (servable && real().device_get(&d, props->location.id) == CUDA_SUCCESS) dev = props->location.id;
-  remember_pool(*pool, dev, servable && dev >= 0);
-  return r;
-}
-
-FRAGLESS_EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool* pool, CUdevice dev) {
-  const CUresult r = real().default_pool(pool, dev);
-  if (r != CUDA_SUCCESS || !pool) return r;
-  const int ordinal = ordinal_of(dev);
-  if (!find_pool(*pool)) remember_pool(*pool, ordinal, ordinal >= 0);
-  return r;
-}
-
-FRAGLESS_EXPORT CUresult cuMemPoolSetAccess(CUmemoryPool pool, const CUmemAccessDesc* map, size_t count) {
-  const CUresult r = real().pool_set_access(pool, map, count);
-  const KnownPool* k = find_pool(pool);
-  if (r != CUDA_SUCCESS || !k || !map) return r;
-  const int dev = k->device.load(std::memory_order_relaxed);
-  bool servable = k->servable.load(std::memory_order_relaxed);
-  for (size_t i = 0; i < count && servable; ++i)
-    if (map[i].location.type == CU_MEM_LOCATION_TYPE_DEVICE && map[i].location.id != dev &&
-        map[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE && !fragless_grants(dev, map[i].location.id))
-      servable = false;  // a peer that would read fragless memory without access
-  remember_pool(pool, dev, servable);
-  return r;
-}
-
-FRAGLESS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool) {
-  const CUresult r = real().pool_destroy(pool);
-  if (r == CUDA_SUCCESS && find_pool(pool)) remember_pool(pool, -1, false);  // fragless's blocks live on until freed
-  return r;
-}
-
 FRAGLESS_EXPORT CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode) {
   if (!real().begin_capture) return CUDA_ERROR_NOT_SUPPORTED;
   fragless_preload::capture_began(stream_key(s, false), stream_device(s));  // Note [Quiet before a capture]
@@ -628,150 +423,11 @@ FRAGLESS_EXPORT CUresult cuStreamEndCapture_ptsz(CUstream s, CUgraph* g) {
   return r;
 }
 
-}  // extern "C"
-
-// ---- cuGetProcAddress and dlsym (R20) -----------------------------------------------------------------------
-
-namespace {
-
-// An interposed entry point as cuGetProcAddress names it: the base name, the oldest CUDA version whose ABI
-// the interposer's entry point has (an older version gets the driver's own), and the entry points for legacy
-// and per-thread default-stream semantics.
-struct Proc {
-  const char* name;
-  int since;
-  void* legacy;
-  void* ptsz;
-};
-
-template <typename F>
-void* fn(F f) {
-  return reinterpret_cast<void*>(f);
-}
-
-extern "C" CUresult cuGetProcAddress(const char*, void**, int, cuuint64_t);
-extern "C" CUresult cuGetProcAddress_v2(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
-
-const Proc* proc(const char* name) {
-  static const Proc table[] = {
-      {"cuMemAlloc", 3020, fn(&cuMemAlloc_v2), fn(&cuMemAlloc_v2)},
-      {"cuMemAllocPitch", 3020, fn(&cuMemAllocPitch_v2), fn(&cuMemAllocPitch_v2)},
-      {"cuMemFree", 3020, fn(&cuMemFree_v2), fn(&cuMemFree_v2)},
-      {"cuMemGetInfo", 3020, fn(&cuMemGetInfo_v2), fn(&cuMemGetInfo_v2)},
-      {"cuMemGetAddressRange", 3020, fn(&cuMemGetAddressRange_v2), fn(&cuMemGetAddressRange_v2)},
-      {"cuPointerGetAttribute", 4000, fn(&cuPointerGetAttribute), fn(&cuPointerGetAttribute)},
-      {"cuPointerGetAttributes", 7000, fn(&cuPointerGetAttributes), fn(&cuPointerGetAttributes)},
-      {"cuMemAllocAsync", 11020, fn(&cuMemAllocAsync), fn(&cuMemAllocAsync_ptsz)},
-      {"cuMemAllocFromPoolAsync", 11020, fn(&cuMemAllocFromPoolAsync), fn(&cuMemAllocFromPoolAsync_ptsz)},
-      {"cuMemFreeAsync", 11020, fn(&cuMemFreeAsync), fn(&cuMemFreeAsync_ptsz)},
-      {"cuMemPoolCreate", 11020, fn(&cuMemPoolCreate), fn(&cuMemPoolCreate)},
-      {"cuMemPoolDestroy", 11020, fn(&cuMemPoolDestroy), fn(&cuMemPoolDestroy)},
-      {"cuDeviceGetDefaultMemPool", 11020, fn(&cuDeviceGetDefaultMemPool), fn(&cuDeviceGetDefaultMemPool)},
-      {"cuMemPoolSetAccess", 11020, fn(&cuMemPoolSetAccess), fn(&cuMemPoolSetAccess)},
-      {"cuStreamBeginCapture", 10010, fn(&cuStreamBeginCapture_v2), fn(&cuStreamBeginCapture_v2_ptsz)},
-      {"cuStreamEndCapture", 10000, fn(&cuStreamEndCapture), fn(&cuStreamEndCapture_ptsz)},
-      {"cuGetProcAddress", 12000, fn(&cuGetProcAddress_v2), fn(&cuGetProcAddress_v2)},
-  };
-  if (!name || name[0] != 'c' || name[1] != 'u') return nullptr;
-  for (const Proc& p : table)
-    if (std::strcmp(p.name, name) == 0) return &p;
-  return nullptr;
-}
-
-// What cuGetProcAddress hands out for `symbol` once the driver found it: the interposed entry point for the
-// version and flags asked, or the driver's own. CU_GET_PROC_ADDRESS_DEFAULT is the legacy stream at the ABI
-// (R20: cuda.h's inline wrapper adds the per-thread flag for code built for per-thread streams).
-void substitute(const char* symbol, void** pfn, int version, cuuint64_t flags) {
-  const Proc* p = proc(symbol);
-  if (!p || !pfn || !*pfn) return;
-  if (std::strcmp(symbol, "cuGetProcAddress") == 0) {  // both ABIs, by version
-    *pfn = version >= 12000 ? fn(&cuGetProcAddress_v2) : fn(&cuGetProcAddress);
-    return;
-  }
-  if (version < p->since) return;
-  *pfn = flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM ? p->ptsz : p->legacy;
-}
-
-// The interposed entry point exported under `name` (a driver's exported symbol name), or nullptr.
-void* exported(const char* name) {
-  static const struct {
-    const char* name;
-    void* fn;
-  } table[] = {
-      {"cuMemAlloc_v2", fn(&cuMemAlloc_v2)},
-      {"cuMemAllocPitch_v2", fn(&cuMemAllocPitch_v2)},
-      {"cuMemFree_v2", fn(&cuMemFree_v2)},
-      {"cuMemGetInfo_v2", fn(&cuMemGetInfo_v2)},
-      {"cuMemGetAddressRange_v2", fn(&cuMemGetAddressRange_v2)},
-      {"cuPointerGetAttribute", fn(&cuPointerGetAttribute)},
-      {"cuPointerGetAttributes", fn(&cuPointerGetAttributes)},
-      {"cuMemAllocAsync", fn(&cuMemAllocAsync)},
-      {"cuMemAllocAsync_ptsz", fn(&cuMemAllocAsync_ptsz)},
-      {"cuMemAllocFromPoolAsync", fn(&cuMemAllocFromPoolAsync)},
-      {"cuMemAllocFromPoolAsync_ptsz", fn(&cuMemAllocFromPoolAsync_ptsz)},
-      {"cuMemFreeAsync", fn(&cuMemFreeAsync)},
-      {"cuMemFreeAsync_ptsz", fn(&cuMemFreeAsync_ptsz)},
-      {"cuMemPoolCreate", fn(&cuMemPoolCreate)},
-      {"cuMemPoolDestroy", fn(&cuMemPoolDestroy)},
-      {"cuDeviceGetDefaultMemPool", fn(&cuDeviceGetDefaultMemPool)},
-      {"cuMemPoolSetAccess", fn(&cuMemPoolSetAccess)},
-      {"cuStreamBeginCapture_v2", fn(&cuStreamBeginCapture_v2)},
-      {"cuStreamBeginCapture_v2_ptsz", fn(&cuStreamBeginCapture_v2_ptsz)},
-      {"cuStreamEndCapture", fn(&cuStreamEndCapture)},
-      {"cuStreamEndCapture_ptsz", fn(&cuStreamEndCapture_ptsz)},
-      {"cuGetProcAddress", fn(&cuGetProcAddress)},
-      {"cuGetProcAddress_v2", fn(&cuGetProcAddress_v2)},
-  };
-  if (!name || name[0] != 'c' || name[1] != 'u') return nullptr;
-  for (const auto& e : table)
-    if (std::strcmp(e.name, name) == 0) return e.fn;
-  return nullptr;
-}
-
-// Whether `address` (a caller's) lies in this library: fragless's own lookups get the real driver.
-bool from_here(const void* address) {
-  static const void* const self = [] {
-    Dl_info info{};
-    return dladdr(reinterpret_cast<const void*>(&exported), &info) ? info.dli_fbase : nullptr;
-  }();
-  Dl_info info{};
-  return self && dladdr(address, &info) && info.dli_fbase == self;
-}
-
-void* lookup(void* handle, const char* name, const void* caller) {
-  void* p = real_dlsym() ? real_dlsym()(handle, name) : nullptr;
-  void* mine = p ? exported(name) : nullptr;
-  if (!mine || p == mine || from_here(caller)) return p;
-  // Only the driver's own symbols are swapped: p must be what the library the interposer forwards to has.
-  return real().lib && p == real_dlsym()(real().lib, name) ? mine : p;
-}
-
-}  // namespace
-
-extern "C" {
-
-FRAGLESS_EXPORT CUresult cuGetProcAddress(const char* symbol, void** pfn, int version, cuuint64_t flags) {
-  if (!real().get_proc) return CUDA_ERROR_NOT_FOUND;
-  const CUresult r = real().get_proc(symbol, pfn, version, flags);
-  if (r == CUDA_SUCCESS) substitute(symbol, pfn, version, flags);
-  return r;
-}
-
-FRAGLESS_EXPORT CUresult cuGetProcAddress_v2(const char* symbol, void** pfn, int version, cuuint64_t flags,
-                                             CUdriverProcAddressQueryResult* status) {
-  if (!real().get_proc_v2) return CUDA_ERROR_NOT_FOUND;
-  const CUresult r = real().get_proc_v2(symbol, pfn, version, flags, status);
-  if (r == CUDA_SUCCESS && (!status || *status == CU_GET_PROC_ADDRESS_SUCCESS)) substitute(symbol, pfn, version, flags);
-  return r;
-}
-
-// dlsym: lookups in a handle of the driver library hand out the interposed entry points (XLA and TensorFlow
-// look libcuda's symbols up in their own RTLD_LOCAL handle). RTLD_DEFAULT and RTLD_NEXT are passed on as a
-// tail call, so glibc sees the original caller (RTLD_NEXT is relative to it; a test checks it), and touch
-// nothing instrumented (Note [dlsym before the sanitizers]).
-FRAGLESS_EXPORT FRAGLESS_NO_SANITIZE __attribute__((optimize("O2", "optimize-sibling-calls"))) void* dlsym(void* handle, const char* name) {
-  if (handle == RTLD_DEFAULT || handle == RTLD_NEXT) return real_dlsym()(handle, name);
-  return lookup(handle, name, __builtin_return_address(0));
+// The stream's blocks are settled first, as for cudaStreamDestroy (fragless_preload::retire_stream). The
+// CUDA 4.0 ABI (cuStreamDestroy_v2) and the older one (cuStreamDestroy) take the same argument.
+FRAGLESS_EXPORT CUresult cuStreamDestroy_v2(CUstream s) { return destroy_stream(s, real().stream_destroy); }
+FRAGLESS_EXPORT CUresult cuStreamDestroy(CUstream s) {
+  return destroy_stream(s, real().stream_destroy_v1 ? real().stream_destroy_v1 : real().stream_destroy);
 }
 
 }  // extern "C"

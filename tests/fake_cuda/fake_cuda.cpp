@@ -39,6 +39,10 @@
 //  - stream handles: cuStreamDestroy returns at once and the stream's work still completes; its handle value
 //    is given to a later stream only once that work is done (as CUDA may reuse it). cuStreamGetCtx and
 //    cuCtxGetDevice tell a stream's device.
+//  - memory pools: each device's default pool and its current pool (cuDeviceSetMemPool, cuMemSetMemPool: a
+//    pool of that device only), which cuMemAllocAsync allocates from; a pool's statistics (the sizes asked,
+//    used and reserved alike) and their high-water marks, which reset to zero only (CUDA_ERROR_INVALID_VALUE
+//    for any other value) and then follow the pool's use.
 //  - unmaps: fakecuda_refuse_multi_mapping_unmap makes cuMemUnmap refuse a range of several mappings, the
 //    strict reading of "the entire contiguous address range that was mapped to" (counted as
 //    "cuMemUnmap:refused").
@@ -144,7 +148,8 @@ struct MemPool {
   std::map<int, CUmemAccess_flags> access;  // other devices granted access
   cuuint64_t release_threshold = 0;
   int follow_events = 1, opportunistic = 1, internal_dependencies = 1;
-  std::size_t used = 0;
+  // In use (the sizes asked; the double reserves exactly that) and the high-water marks since their reset.
+  std::size_t used = 0, used_high = 0, reserved_high = 0;
 };
 
 struct State {
@@ -187,6 +192,7 @@ struct State {
   std::map<CUdeviceptr, OwnAllocation> own;
   unsigned long long next_buffer_id = 1;
   std::map<CUmemoryPool, MemPool> pools;  // created and default pools
+  std::map<int, CUmemoryPool> current_pools;  // cuDeviceSetMemPool / cuMemSetMemPool, per device
   std::uintptr_t next_pool = 0xB000;
   State() {
     if (const char* v = std::getenv("FAKECUDA_DRIVER_VERSION")) driver_version = std::max(1, std::atoi(v));
@@ -1243,20 +1249,33 @@ std::map<CUdeviceptr, OwnAllocation>::iterator own_containing(State& s, CUdevice
   return va < it->first + it->second.size ? it : s.own.end();
 }
 
+CUmemoryPool default_pool(State& s, int dev);
+
+// cuda.h, cuMemAllocAsync: "allocates from the current mempool of the provided stream's device" (its default
+// pool until cuDeviceSetMemPool or cuMemSetMemPool); cuMemAllocFromPoolAsync from `pool`.
 CUresult alloc_async(CUdeviceptr* p, size_t size, CUmemoryPool pool, CUstream h) {
   NEED_CONTEXT();
   State& s = st();
   FakeStream* fs = stream_of(h);
   if (!p || size == 0 || !fs) return CUDA_ERROR_INVALID_VALUE;
   int dev = ctx_device(fs->ctx);
-  if (pool) {
+  if (!pool) {
+    auto c = s.current_pools.find(dev);
+    pool = c != s.current_pools.end() ? c->second : default_pool(s, dev);
+  }
+  {
     auto it = s.pools.find(pool);
     if (it == s.pools.end()) return CUDA_ERROR_INVALID_VALUE;
     dev = it->second.props.location.id;
     if (it->second.props.maxSize && it->second.used + size > it->second.props.maxSize) return CUDA_ERROR_OUT_OF_MEMORY;
   }
   const CUresult r = own_alloc(s, size, dev, pool, true, p);
-  if (r == CUDA_SUCCESS && pool) s.pools[pool].used += size;
+  if (r == CUDA_SUCCESS) {
+    MemPool& m = s.pools[pool];
+    m.used += size;
+    m.used_high = std::max(m.used_high, m.used);
+    m.reserved_high = std::max(m.reserved_high, m.used);
+  }
   return r;
 }
 
@@ -1382,6 +1401,8 @@ FAKE_API CUresult cuMemPoolDestroy(CUmemoryPool pool) {
   auto it = s.pools.find(pool);
   if (it == s.pools.end() || it->second.is_default) return CUDA_ERROR_INVALID_VALUE;
   s.pools.erase(it);
+  for (auto c = s.current_pools.begin(); c != s.current_pools.end();)  // the device's default pool is current again
+    c = c->second == pool ? s.current_pools.erase(c) : std::next(c);
   for (auto& [va, o] : s.own)
     if (o.pool == pool) o.pool = nullptr;
   return CUDA_SUCCESS;
@@ -1393,6 +1414,56 @@ FAKE_API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool* pool, CUdevice dev) {
   if (dev < 0 || dev >= st().devices) return CUDA_ERROR_INVALID_DEVICE;
   *pool = default_pool(st(), dev);
   return CUDA_SUCCESS;
+}
+
+// cuda.h, cuDeviceSetMemPool: "The memory pool must be local to the specified device"; cuDeviceGetMemPool:
+// "the last pool provided to cuDeviceSetMemPool for this device or the device's default memory pool".
+// cuMemSetMemPool / cuMemGetMemPool (CUDA 13) do the same for a location and allocation type: the double has
+// device memory only (a host location or another type is CUDA_ERROR_NOT_SUPPORTED here).
+namespace {
+CUresult set_current_pool(int dev, CUmemoryPool pool) {
+  State& s = st();
+  auto it = s.pools.find(pool);
+  if (dev < 0 || dev >= s.devices) return CUDA_ERROR_INVALID_DEVICE;
+  if (it == s.pools.end() || it->second.props.location.id != dev) return CUDA_ERROR_INVALID_VALUE;
+  s.current_pools[dev] = pool;
+  return CUDA_SUCCESS;
+}
+CUresult get_current_pool(CUmemoryPool* pool, int dev) {
+  State& s = st();
+  if (!pool) return CUDA_ERROR_INVALID_VALUE;
+  if (dev < 0 || dev >= s.devices) return CUDA_ERROR_INVALID_DEVICE;
+  auto c = s.current_pools.find(dev);
+  *pool = c != s.current_pools.end() ? c->second : default_pool(s, dev);
+  return CUDA_SUCCESS;
+}
+CUresult device_location(const CUmemLocation* location, CUmemAllocationType type) {
+  if (!location) return CUDA_ERROR_INVALID_VALUE;
+  return location->type == CU_MEM_LOCATION_TYPE_DEVICE && type == CU_MEM_ALLOCATION_TYPE_PINNED ? CUDA_SUCCESS
+                                                                                                 : CUDA_ERROR_NOT_SUPPORTED;
+}
+}  // namespace
+
+FAKE_API CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool) {
+  ENTER("cuDeviceSetMemPool");
+  return set_current_pool(dev, pool);
+}
+
+FAKE_API CUresult cuDeviceGetMemPool(CUmemoryPool* pool, CUdevice dev) {
+  ENTER("cuDeviceGetMemPool");
+  return get_current_pool(pool, dev);
+}
+
+FAKE_API CUresult cuMemSetMemPool(CUmemLocation* location, CUmemAllocationType type, CUmemoryPool pool) {
+  ENTER("cuMemSetMemPool");
+  if (CUresult r = device_location(location, type)) return r;
+  return set_current_pool(location->id, pool);
+}
+
+FAKE_API CUresult cuMemGetMemPool(CUmemoryPool* pool, CUmemLocation* location, CUmemAllocationType type) {
+  ENTER("cuMemGetMemPool");
+  if (CUresult r = device_location(location, type)) return r;
+  return get_current_pool(pool, location->id);
 }
 
 FAKE_API CUresult cuMemPoolSetAccess(CUmemoryPool pool, const CUmemAccessDesc* map, size_t count) {
@@ -1429,6 +1500,13 @@ FAKE_API CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute a
     case CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC: p.opportunistic = *static_cast<int*>(value); break;
     case CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES: p.internal_dependencies = *static_cast<int*>(value); break;
     case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: p.release_threshold = *static_cast<cuuint64_t*>(value); break;
+    // cuda.h: a high watermark "can only be reset to zero" (the RESERVED one: "It is illegal to set this
+    // attribute to a non-zero value"); after the reset it tracks the pool from its current use.
+    case CU_MEMPOOL_ATTR_USED_MEM_HIGH:
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH:
+      if (*static_cast<cuuint64_t*>(value) != 0) return CUDA_ERROR_INVALID_VALUE;
+      (attr == CU_MEMPOOL_ATTR_USED_MEM_HIGH ? p.used_high : p.reserved_high) = p.used;
+      break;
     default: return CUDA_ERROR_INVALID_VALUE;
   }
   return CUDA_SUCCESS;
@@ -1446,6 +1524,8 @@ FAKE_API CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute a
     case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: *static_cast<cuuint64_t*>(value) = p.release_threshold; break;
     case CU_MEMPOOL_ATTR_USED_MEM_CURRENT:
     case CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: *static_cast<cuuint64_t*>(value) = p.used; break;
+    case CU_MEMPOOL_ATTR_USED_MEM_HIGH: *static_cast<cuuint64_t*>(value) = p.used_high; break;
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: *static_cast<cuuint64_t*>(value) = p.reserved_high; break;
     default: return CUDA_ERROR_INVALID_VALUE;
   }
   return CUDA_SUCCESS;
@@ -1629,6 +1709,10 @@ CUresult get_proc(const char* symbol, void** pfn, int cuda_version, cuuint64_t f
       {"cuMemPoolGetAccess", since(11020, &cuMemPoolGetAccess, &cuMemPoolGetAccess)},
       {"cuMemPoolSetAttribute", since(11020, &cuMemPoolSetAttribute, &cuMemPoolSetAttribute)},
       {"cuMemPoolGetAttribute", since(11020, &cuMemPoolGetAttribute, &cuMemPoolGetAttribute)},
+      {"cuDeviceSetMemPool", since(11020, &cuDeviceSetMemPool, &cuDeviceSetMemPool)},
+      {"cuDeviceGetMemPool", since(11020, &cuDeviceGetMemPool, &cuDeviceGetMemPool)},
+      {"cuMemSetMemPool", since(13000, &cuMemSetMemPool, &cuMemSetMemPool)},
+      {"cuMemGetMemPool", since(13000, &cuMemGetMemPool, &cuMemGetMemPool)},
       {"cuStreamCreate", any(&cuStreamCreate)},
       {"cuStreamGetCtx", any(&cuStreamGetCtx)},
       {"cuCtxGetDevice", any(&cuCtxGetDevice)},

@@ -17,6 +17,7 @@
 
 #include <cuda.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -43,6 +44,7 @@ struct Api {
   CUresult (*retain)(CUcontext*, CUdevice);
   CUresult (*set_current)(CUcontext);
   CUresult (*stream_create)(CUstream*, unsigned);
+  CUresult (*stream_destroy)(CUstream);
   CUresult (*alloc)(CUdeviceptr*, size_t);
   CUresult (*alloc_pitch)(CUdeviceptr*, size_t*, size_t, size_t, unsigned);
   CUresult (*free)(CUdeviceptr);
@@ -55,6 +57,11 @@ struct Api {
   CUresult (*pool_create)(CUmemoryPool*, const CUmemPoolProps*);
   CUresult (*pool_destroy)(CUmemoryPool);
   CUresult (*pool_set_attribute)(CUmemoryPool, CUmemPool_attribute, void*);
+  CUresult (*pool_get_attribute)(CUmemoryPool, CUmemPool_attribute, void*);
+  CUresult (*device_get_pool)(CUmemoryPool*, CUdevice);
+  CUresult (*device_set_pool)(CUdevice, CUmemoryPool);
+  CUresult (*mem_get_pool)(CUmemoryPool*, CUmemLocation*, CUmemAllocationType);  // CUDA 13
+  CUresult (*mem_set_pool)(CUmemLocation*, CUmemAllocationType, CUmemoryPool);  // CUDA 13
   CUresult (*pool_set_access)(CUmemoryPool, const CUmemAccessDesc*, size_t);
   CUresult (*can_access_peer)(int*, CUdevice, CUdevice);
   CUresult (*mem_get_info)(size_t*, size_t*);
@@ -66,10 +73,11 @@ struct Api {
 };
 
 Api direct() {
-  return {&cuInit, &cuDeviceGet, &cuDevicePrimaryCtxRetain, &cuCtxSetCurrent, &cuStreamCreate, &cuMemAlloc_v2,
+  return {&cuInit, &cuDeviceGet, &cuDevicePrimaryCtxRetain, &cuCtxSetCurrent, &cuStreamCreate, &cuStreamDestroy_v2, &cuMemAlloc_v2,
           &cuMemAllocPitch_v2, &cuMemFree_v2, &cuMemAllocAsync, &cuMemAllocAsync_ptsz, &cuMemFreeAsync,
           &cuMemFreeAsync_ptsz, &cuMemAllocFromPoolAsync, &cuDeviceGetDefaultMemPool, &cuMemPoolCreate,
-          &cuMemPoolDestroy, &cuMemPoolSetAttribute, &cuMemPoolSetAccess, &cuDeviceCanAccessPeer, &cuMemGetInfo_v2,
+          &cuMemPoolDestroy, &cuMemPoolSetAttribute, &cuMemPoolGetAttribute, &cuDeviceGetMemPool, &cuDeviceSetMemPool,
+          &cuMemGetMemPool, &cuMemSetMemPool, &cuMemPoolSetAccess, &cuDeviceCanAccessPeer, &cuMemGetInfo_v2,
           &cuMemGetAddressRange_v2, &cuPointerGetAttribute, &cuPointerGetAttributes, &cuStreamBeginCapture_v2,
           &cuStreamEndCapture};
 }
@@ -83,6 +91,7 @@ Api by_dlsym(void* lib) {
   get(&a.retain, "cuDevicePrimaryCtxRetain");
   get(&a.set_current, "cuCtxSetCurrent");
   get(&a.stream_create, "cuStreamCreate");
+  get(&a.stream_destroy, "cuStreamDestroy_v2");
   get(&a.alloc, "cuMemAlloc_v2");
   get(&a.alloc_pitch, "cuMemAllocPitch_v2");
   get(&a.free, "cuMemFree_v2");
@@ -95,6 +104,11 @@ Api by_dlsym(void* lib) {
   get(&a.pool_create, "cuMemPoolCreate");
   get(&a.pool_destroy, "cuMemPoolDestroy");
   get(&a.pool_set_attribute, "cuMemPoolSetAttribute");
+  get(&a.pool_get_attribute, "cuMemPoolGetAttribute");
+  get(&a.device_get_pool, "cuDeviceGetMemPool");
+  get(&a.device_set_pool, "cuDeviceSetMemPool");
+  get(&a.mem_get_pool, "cuMemGetMemPool");
+  get(&a.mem_set_pool, "cuMemSetMemPool");
   get(&a.pool_set_access, "cuMemPoolSetAccess");
   get(&a.can_access_peer, "cuDeviceCanAccessPeer");
   get(&a.mem_get_info, "cuMemGetInfo_v2");
@@ -117,10 +131,11 @@ Api by_proc_address(void* lib, bool v1) {
   else need(&gp2, dlsym(lib, "cuGetProcAddress_v2"), "cuGetProcAddress_v2");
   const int version = v1 ? 11030 : 12000;
   Api a{};
-  auto get = [&](auto* out, const char* name, cuuint64_t flags = CU_GET_PROC_ADDRESS_DEFAULT) {
+  auto get = [&](auto* out, const char* name, cuuint64_t flags = CU_GET_PROC_ADDRESS_DEFAULT, int since = 0) {
     void* p = nullptr;
     CUdriverProcAddressQueryResult status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
-    const CUresult r = v1 ? gp1(name, &p, version, flags) : gp2(name, &p, version, flags, &status);
+    const int v = std::max(version, since);  // a CUDA 13 call is asked for at 13.0
+    const CUresult r = v1 ? gp1(name, &p, v, flags) : gp2(name, &p, v, flags, &status);
     if (r != CUDA_SUCCESS || (!v1 && status != CU_GET_PROC_ADDRESS_SUCCESS)) p = nullptr;
     need(out, p, name);
   };
@@ -129,6 +144,7 @@ Api by_proc_address(void* lib, bool v1) {
   get(&a.retain, "cuDevicePrimaryCtxRetain");
   get(&a.set_current, "cuCtxSetCurrent");
   get(&a.stream_create, "cuStreamCreate");
+  get(&a.stream_destroy, "cuStreamDestroy");
   get(&a.alloc, "cuMemAlloc");
   get(&a.alloc_pitch, "cuMemAllocPitch");
   get(&a.free, "cuMemFree");
@@ -141,6 +157,11 @@ Api by_proc_address(void* lib, bool v1) {
   get(&a.pool_create, "cuMemPoolCreate");
   get(&a.pool_destroy, "cuMemPoolDestroy");
   get(&a.pool_set_attribute, "cuMemPoolSetAttribute");
+  get(&a.pool_get_attribute, "cuMemPoolGetAttribute");
+  get(&a.device_get_pool, "cuDeviceGetMemPool");
+  get(&a.device_set_pool, "cuDeviceSetMemPool");
+  get(&a.mem_get_pool, "cuMemGetMemPool", CU_GET_PROC_ADDRESS_DEFAULT, 13000);
+  get(&a.mem_set_pool, "cuMemSetMemPool", CU_GET_PROC_ADDRESS_DEFAULT, 13000);
   get(&a.pool_set_access, "cuMemPoolSetAccess");
   get(&a.can_access_peer, "cuDeviceCanAccessPeer");
   get(&a.mem_get_info, "cuMemGetInfo");
@@ -360,6 +381,128 @@ int main(int argc, char** argv) {
   CUdeviceptr after = 0;
   expect(a.alloc(&after, 900 * MiB) == CUDA_SUCCESS && a.free(after) == CUDA_SUCCESS,
          "900 MiB after the capture (the deferred frees went back)");
+
+  // 11. cuStreamDestroy settles the stream first, as cudaStreamDestroy: its work is waited for, and a new
+  //     stream that gets the same handle value is a new stream to fragless.
+  CUstream u = nullptr, u2 = nullptr;
+  CUdeviceptr w = 0, huge = 0;
+  expect(a.stream_create(&u, 0) == CUDA_SUCCESS && a.alloc_async(&w, 64 * MiB, u) == CUDA_SUCCESS && d.fragless(w, 0),
+         "64 MiB on a stream u");
+  expect(d.launch(u, as_ptr(w), 64 * MiB, 5000) == 0 && a.free_async(w, u) == CUDA_SUCCESS,
+         "freed on u while its kernel runs");
+  expect(a.stream_destroy(u) == CUDA_SUCCESS && a.stream_create(&u2, 0) == CUDA_SUCCESS, "u destroyed, a new stream");
+  std::printf("the new stream %s the destroyed one's handle value\n", u2 == u ? "reuses" : "does not reuse");
+  expect(a.alloc_async(&huge, 1000 * MiB, u2) == CUDA_SUCCESS && d.fragless(huge, 0) &&
+             d.launch(u2, as_ptr(huge), 1000 * MiB, 10) == 0 && a.free_async(huge, u2) == CUDA_SUCCESS,
+         "1000 MiB on the new stream (u's cached 64 MiB among them), used");
+  expect(a.stream_destroy(u2) == CUDA_SUCCESS, "the new stream destroyed");
+  expect(d.census().faults == 0, std::string("no block of u handed out before u's work was done (") + d.first_fault() + ")");
+
+  // 12. Pools as XLA's and TensorFlow's async allocator use them. The default pool's statistics (read by
+  //     GpuCudaMallocAsyncAllocator::PrintAllocatorStatistics) count fragless's memory allocated from it,
+  //     through cuMemAllocFromPoolAsync and cuMemAllocAsync (the default pool is the device's current pool);
+  //     a high-water mark resets to zero only, and then follows the pool's use.
+  auto attr = [&](CUmemoryPool p, CUmemPool_attribute at) {
+    cuuint64_t v = ~0ull;
+    return a.pool_get_attribute(p, at, &v) == CUDA_SUCCESS ? v : ~0ull;
+  };
+  auto stats = [&](CUmemoryPool p) {
+    return std::to_string(attr(p, CU_MEMPOOL_ATTR_USED_MEM_CURRENT)) + " used, " +
+           std::to_string(attr(p, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)) + " reserved, highs " +
+           std::to_string(attr(p, CU_MEMPOOL_ATTR_USED_MEM_HIGH)) + " and " +
+           std::to_string(attr(p, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH));
+  };
+  const cuuint64_t used0 = attr(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT);
+  const cuuint64_t reserved0 = attr(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
+  expect(used0 != ~0ull && reserved0 != ~0ull, "the default pool's statistics: " + stats(pool));
+  CUdeviceptr x1 = 0, x2 = 0;
+  expect(a.alloc_pool(&x1, 3 * MiB, pool, s) == CUDA_SUCCESS && d.fragless(x1, 0) &&
+             a.alloc_async(&x2, 5 * MiB, s) == CUDA_SUCCESS && d.fragless(x2, 0),
+         "3 MiB from the default pool, 5 MiB with cuMemAllocAsync: fragless's");
+  expect(attr(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT) == used0 + 8 * MiB &&
+             attr(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) == reserved0 + 8 * MiB &&
+             attr(pool, CU_MEMPOOL_ATTR_USED_MEM_HIGH) >= used0 + 8 * MiB &&
+             attr(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH) >= reserved0 + 8 * MiB,
+         "the pool counts the 8 MiB: " + stats(pool));
+  CUmemoryPool of_x2 = nullptr;
+  expect(a.pointer_attribute(&of_x2, CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, x2 + 64) == CUDA_SUCCESS && of_x2 == pool,
+         "cuPointerGetAttribute: the cuMemAllocAsync block's pool is the default pool");
+  expect(a.free_async(x1, s) == CUDA_SUCCESS && attr(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT) == used0 + 5 * MiB,
+         "3 MiB freed: the pool counts 5 MiB");
+  cuuint64_t reset = 0, one = 1;
+  expect(a.pool_set_attribute(pool, CU_MEMPOOL_ATTR_USED_MEM_HIGH, &reset) == CUDA_SUCCESS &&
+             a.pool_set_attribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, &reset) == CUDA_SUCCESS,
+         "both high-water marks reset");
+  expect(attr(pool, CU_MEMPOOL_ATTR_USED_MEM_HIGH) == used0 + 5 * MiB &&
+             attr(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH) == reserved0 + 5 * MiB,
+         "after the reset the marks are the pool's current use: " + stats(pool));
+  expect(a.pool_set_attribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, &one) == CUDA_ERROR_INVALID_VALUE &&
+             attr(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH) == reserved0 + 5 * MiB,
+         "a high-water mark set to 1: CUDA_ERROR_INVALID_VALUE, the mark unchanged");
+  expect(a.free_async(x2, s) == CUDA_SUCCESS && attr(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT) == used0 &&
+             attr(pool, CU_MEMPOOL_ATTR_USED_MEM_HIGH) == used0 + 5 * MiB,
+         "5 MiB freed: the pool counts none of it, its mark stays");
+
+  //     The device's current pool (cuDeviceGetMemPool / cuDeviceSetMemPool, CUDA 13's cuMemGetMemPool /
+  //     cuMemSetMemPool): cuMemAllocAsync allocates from it, fragless's when it can serve the pool as the
+  //     driver would, else the driver's.
+  CUmemoryPool current = nullptr, lim = nullptr, mine = nullptr;
+  CUmemLocation loc0{CU_MEM_LOCATION_TYPE_DEVICE, 0};
+  expect(a.device_get_pool(&current, dev0) == CUDA_SUCCESS && current == pool, "cuDeviceGetMemPool(0): the default pool");
+  CUmemPoolProps lim_props = limited;
+  CUmemPoolProps mine_props = props;
+  mine_props.location.id = 0;
+  expect(a.pool_create(&lim, &lim_props) == CUDA_SUCCESS && a.pool_create(&mine, &mine_props) == CUDA_SUCCESS,
+         "two pools on device 0: one with a maximum size, one plain");
+  CUdeviceptr y = 0;
+  expect(a.device_set_pool(dev0, lim) == CUDA_SUCCESS && a.device_get_pool(&current, dev0) == CUDA_SUCCESS && current == lim,
+         "cuDeviceSetMemPool(0, the limited pool)");
+  expect(a.alloc_async(&y, 2 * MiB, s) == CUDA_SUCCESS && !d.fragless(y, 0) && d.census().own_allocations == 1 &&
+             attr(lim, CU_MEMPOOL_ATTR_USED_MEM_CURRENT) == 2 * MiB,
+         "cuMemAllocAsync: the driver's, from the limited pool");
+  expect(a.free_async(y, s) == CUDA_SUCCESS && d.census().own_allocations == 0, "its free reached the driver");
+  expect(a.mem_set_pool(&loc0, CU_MEM_ALLOCATION_TYPE_PINNED, mine) == CUDA_SUCCESS &&
+             a.mem_get_pool(&current, &loc0, CU_MEM_ALLOCATION_TYPE_PINNED) == CUDA_SUCCESS && current == mine,
+         "cuMemSetMemPool(device 0, the plain pool)");
+  expect(a.alloc_async(&y, 6 * MiB, s) == CUDA_SUCCESS && d.fragless(y, 0) &&
+             attr(mine, CU_MEMPOOL_ATTR_USED_MEM_CURRENT) == 6 * MiB &&
+             attr(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT) == used0,
+         "cuMemAllocAsync: fragless's, counted in the plain pool, not the default one");
+  expect(a.free_async(y, s) == CUDA_SUCCESS && attr(mine, CU_MEMPOOL_ATTR_USED_MEM_CURRENT) == 0, "freed: the plain pool counts 0");
+  expect(a.device_set_pool(dev0, pool) == CUDA_SUCCESS && a.alloc_async(&y, MiB, s) == CUDA_SUCCESS && d.fragless(y, 0) &&
+             attr(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT) == used0 + MiB && a.free_async(y, s) == CUDA_SUCCESS,
+         "the default pool current again: cuMemAllocAsync fragless's, counted there");
+  expect(a.pool_destroy(lim) == CUDA_SUCCESS && a.pool_destroy(mine) == CUDA_SUCCESS, "the two pools destroyed");
+
+  // 13. CU_POINTER_ATTRIBUTE_BUFFER_ID: one id per fragless allocation, the same from any address inside it,
+  //     never another allocation's (the driver's ids of its own allocations included), a new one for a new
+  //     allocation at the same address.
+  CUdeviceptr b1 = 0, b2 = 0, b3 = 0;
+  unsigned long long id1 = 0, id1_inside = 0, id2 = 0, id2_all = 0, id3 = 0, id_foreign = 0;
+  expect(a.alloc_async(&b1, MiB, s) == CUDA_SUCCESS && a.alloc_async(&b2, MiB, s) == CUDA_SUCCESS && d.fragless(b1, 0) &&
+             d.fragless(b2, 0),
+         "two fragless blocks");
+  expect(a.pointer_attribute(&id1, CU_POINTER_ATTRIBUTE_BUFFER_ID, b1) == CUDA_SUCCESS &&
+             a.pointer_attribute(&id1_inside, CU_POINTER_ATTRIBUTE_BUFFER_ID, b1 + 4096) == CUDA_SUCCESS &&
+             a.pointer_attribute(&id2, CU_POINTER_ATTRIBUTE_BUFFER_ID, b2) == CUDA_SUCCESS,
+         "cuPointerGetAttribute(BUFFER_ID) of both");
+  expect(id1 != 0 && id1 == id1_inside && id2 != 0 && id2 != id1,
+         "one id per block, the same inside it (" + std::to_string(id1) + ", " + std::to_string(id2) + ")");
+  CUpointer_attribute id_attr[1] = {CU_POINTER_ATTRIBUTE_BUFFER_ID};
+  void* id_data[1] = {&id2_all};
+  expect(a.pointer_attributes(1, id_attr, id_data, b2 + 100) == CUDA_SUCCESS && id2_all == id2,
+         "cuPointerGetAttributes gives the same id");
+  CUdeviceptr other_driver = reinterpret_cast<CUdeviceptr>(d.foreign_alloc(0, MiB));
+  expect(a.pointer_attribute(&id_foreign, CU_POINTER_ATTRIBUTE_BUFFER_ID, other_driver) == CUDA_SUCCESS,
+         "a foreign allocation's id");
+  expect(id_foreign != id1 && id_foreign != id2 && a.free(other_driver) == CUDA_SUCCESS,
+         "a foreign allocation: the driver's id (" + std::to_string(id_foreign) + "), another one");
+  expect(a.free_async(b1, s) == CUDA_SUCCESS && a.alloc_async(&b3, MiB, s) == CUDA_SUCCESS &&
+             a.pointer_attribute(&id3, CU_POINTER_ATTRIBUTE_BUFFER_ID, b3) == CUDA_SUCCESS,
+         "b1 freed, a new block");
+  std::printf("the new block %s b1's address\n", b3 == b1 ? "has" : "does not have");
+  expect(id3 != 0 && id3 != id1 && id3 != id2, "the new block's id is a new one (" + std::to_string(id3) + ")");
+  expect(a.free_async(b2, s) == CUDA_SUCCESS && a.free_async(b3, s) == CUDA_SUCCESS, "freed");
 
   const auto census = d.census();
   expect(census.faults == 0, std::string("the double saw no fault (") + d.first_fault() + ")");

@@ -137,9 +137,10 @@
 //     CU_POINTER_ATTRIBUTE_RANGE_START_ADDR/RANGE_SIZE "the mappable address range (e.g. from
 //     cuMemAddressReserve)": for fragless memory the driver would describe fragless's mapping or
 //     reservation, not the block, so the interposer answers the range queries, the device ordinal, memory
-//     type, device pointer, managed flag, pool (none) and context (the device's primary context) for any
-//     address inside a block; the others are the driver's (it sees fragless's mapping). cuPointerGetAttributes
-//     never fails for a non-CUDA pointer (the attributes get their defaults).
+//     type, device pointer, managed flag, pool (the one the block was allocated from, else none), buffer id
+//     (R25) and context (the device's primary context) for any address inside a block; the others are the
+//     driver's (it sees fragless's mapping). cuPointerGetAttributes never fails for a non-CUDA pointer (the
+//     attributes get their defaults).
 //  R23 memory pools (cuda.h, CUmemPoolProps and CUmemPool_attribute): a pool's properties cannot be queried
 //     back, so the interposer knows the pools it saw made (cuMemPoolCreate, cuDeviceGetDefaultMemPool) and the
 //     access cuMemPoolSetAccess granted. It serves a pool's allocations when fragless can honour the pool:
@@ -148,9 +149,29 @@
 //     (peer_access); else, and for pools it does not know, the driver serves them. Not honoured, and said:
 //     the release threshold and the reuse attributes govern the pool's own memory, not fragless's cache
 //     (fragless caches by its policy and releases on empty_cache and out-of-memory; its reuse is stream-ordered
-//     as record_stream, never opportunistic); the pool's statistics (CU_MEMPOOL_ATTR_USED_MEM_CURRENT...) do
-//     not count fragless memory; cuMemAllocFromPoolAsync on a stream of another device than the pool's goes
-//     to the driver (fragless orders a block on its own device's streams only).
+//     as record_stream, never opportunistic); cuMemAllocFromPoolAsync on a stream of another device than the
+//     pool's goes to the driver (fragless orders a block on its own device's streams only).
+//  R24 a device's current pool and a pool's statistics (cuda.h, cuDeviceSetMemPool, cuDeviceGetMemPool,
+//     CUDA 13's cuMemSetMemPool and cuMemGetMemPool, CUmemPool_attribute). cuMemAllocAsync "allocates from the
+//     current mempool of the provided stream's device", the default pool until cuDeviceSetMemPool (or
+//     cuMemSetMemPool for a device location and pinned memory) names another, which "must be local to the
+//     specified device": the interposer follows the current pool and serves cuMemAllocAsync only when it
+//     could serve that pool (R23); the Get calls are the driver's. USED_MEM_CURRENT is "memory from the pool
+//     that is currently in use by the application", RESERVED_MEM_CURRENT "backing memory currently allocated
+//     for the mempool", the HIGH ones their high-water marks "since the last time it was reset", which "can
+//     only be reset to zero" (cuMemPoolSetAttribute: "illegal to set this attribute to a non-zero value").
+//     For a pool the interposer knows, each answer is the driver's plus fragless's part: the sizes asked of
+//     the blocks fragless allocated from the pool and the program has not freed, for both USED and RESERVED
+//     (fragless keeps no memory for any one pool: its cache is the device's, and shows in cuMemGetInfo's
+//     free). Assumed: a reset the driver accepted restarts fragless's high-water marks from its current part,
+//     and the driver's part of a HIGH is added to fragless's, exact while only one of the two serves the pool
+//     (the driver serves a pool fragless serves only during captures), an upper bound otherwise. Known pools
+//     are those R23 lists; a pool the program never made or asked for is the driver's alone.
+//  R25 CU_POINTER_ATTRIBUTE_BUFFER_ID (cuda.h): "a buffer ID which is guaranteed to be unique within the
+//     process". For fragless memory the driver would give the id of fragless's mapping, shared by every block
+//     in it; the interposer gives each block an id of its own when first asked, dropped at the block's free
+//     (through either half), so a new block at the same address gets a new one. Assumed: the driver numbers
+//     its buffers from 1 upwards and never reaches 2^63 in a process; fragless's ids have that bit set.
 //  Events: record_event marks the current end of a stream's queue; query_event says ok once the work
 //  before it is done, else not_ready; synchronize_* wait (each one is a forced sync the engine counts);
 //  stream_wait_event(s, e) makes work queued on s later start after e (cuStreamWaitEvent; the host goes on),
