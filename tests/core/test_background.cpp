@@ -73,6 +73,30 @@ TEST_CASE("background: a free multi-page handle is split into pieces in place", 
   require_consistent(*e);
 }
 
+TEST_CASE("background: after empty_cache, pieces that were used are split into pieces, not pages", "[background]") {
+  // The body of ten pages becomes pieces of 1, 1, 2, 4 and 2 pages; the same request covers them all, and
+  // its free splits the pieces of 2, 4 and 2 pages again: into pages (8 creates), or, once the program has
+  // emptied its cache, into pieces of 1, 1 / 1, 1, 2 / 1, 1 (7 creates), fewer handles for the next
+  // empty_cache to release (Note [Split in the background]).
+  auto second_split_creates = [](bool emptied) {
+    auto e = make_engine(split_spec(BackgroundMode::manual));
+    if (emptied) e->empty_cache();
+    void* p = e->allocate(21 * MiB, kStream, nullptr);
+    REQUIRE(p);
+    e->free(p);
+    e->run_background(1e18);
+    void* q = e->allocate(21 * MiB, kStream, nullptr);
+    CHECK(q == p);
+    e->free(q);
+    const std::uint64_t before = calls(*e, DriverCall::create);
+    e->run_background(1e18);
+    require_consistent(*e);
+    return calls(*e, DriverCall::create) - before;
+  };
+  CHECK(second_split_creates(false) == 8);
+  CHECK(second_split_creates(true) == 7);
+}
+
 TEST_CASE("background: split pages are re-backed one by one, where a whole handle would stay pinned", "[background]") {
   // A 40 MiB block between two live ones is freed; an 8 MiB block takes the start of its range back; then a
   // 34 MiB request fits nowhere and grows the segment. With the range split (its body of 19 pages in pieces

@@ -103,7 +103,7 @@ bool HandleSplitter::take(BackgroundJob* job) {
     job->pages = k;
     job->va = va;
     job->handle = c.handle;
-    job->to_pages = pieces_.count(c.handle) > 0;
+    job->to_pages = !coarse_ && pieces_.count(c.handle) > 0;
     job->stream = b->stream;
     job->busy = carve(b, va, k * page_);
     job->created.clear();

@@ -14,7 +14,12 @@
 // the freed block overlaps), so memory that is used in small parts becomes pages, and memory that is not
 // stays in few handles: fewer creates for the worker, and fewer cuMemRelease calls when empty_cache gives it
 // back (an empty_cache waits for one release per handle). A piece is split into pages, not pieces again, so
-// a repeated step reaches its steady state (no driver call) by its third pass. The worker's split:
+// a repeated step reaches its steady state (no driver call) by its third pass; except once the engine has
+// given its free memory back (empty_cache or an OOM retry: release_free): such a program pays one
+// cuMemRelease per handle each time it does so (mercuryb1's program calls empty_cache 28 times, and pages
+// made its releases 48,417 where expandable's 20 MiB pages made 5,799), so from then on a piece is split
+// into pieces again (any number of pages can still be re-backed, a piece at a time), and a repeated step
+// takes up to log2 of its largest piece more passes to reach its steady state. The worker's split:
 // it takes the range out of the pool (a busy block), waits for the work queued on its stream (R13: the
 // unmap is not stream-ordered), unmaps it, releases the old handle, creates the pieces, maps them at the
 // same addresses and grants access; then the range goes back to its pool, free, with the same address and
@@ -49,6 +54,8 @@ class HandleSplitter {
   std::size_t multi_count() const { return multi_.size(); }
   // Handle h goes back to the driver (its id may come back for another handle).
   void released(PhysHandle h) { pieces_.erase(h); }
+  // The engine gave its free memory back: pieces are split into pieces from now on (Note [Split in the background]).
+  void coarse() { coarse_ = true; }
 
   // Free block b (Block::multi) is back in its pool, [lo, hi) the block the caller freed before it merged
   // with its neighbours: queues the multi-page handles b now covers whole that [lo, hi) overlaps, and clears
@@ -78,6 +85,7 @@ class HandleSplitter {
   std::unordered_set<PhysHandle> queued_;                   // the handles in queue_ or retry_
   std::vector<Candidate> retry_;                            // cancelled: queued again at the next freed()
   std::unordered_set<PhysHandle> pieces_;                   // multi-page pieces of earlier splits (split into pages)
+  bool coarse_ = false;                                     // ...or into pieces, after a release (coarse())
 };
 
 }  // namespace fragless

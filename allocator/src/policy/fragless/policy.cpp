@@ -130,6 +130,7 @@ std::size_t FraglessPolicy::unmap_pages(Segment& seg, std::size_t first, std::si
 
 void FraglessPolicy::release_free(PoolSet* only, bool device_synchronized) {
   lent_.finish(nullptr, 0, 0);
+  splitter_.coarse();  // Note [Split in the background]: releases cost one call per handle
   GrowablePolicy::release_free(only, device_synchronized);
 }
 
