@@ -31,9 +31,10 @@ void put(std::map<std::string, std::int64_t>& m, const std::string& key, const S
 template <class F>
 void each_array(DeviceStats& s, F f) {
   for (StatArray* a : {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes,
-                       &s.reserved_bytes, &s.active_bytes, &s.inactive_split_bytes, &s.requested_bytes})
+                       &s.reserved_bytes, &s.active_bytes, &s.inactive_split_bytes, &s.requested_bytes,
+                       &s.exported_bytes, &s.imported_bytes})
     for (Stat& st : a->by_pool) f(st);
-  for (Stat* st : {&s.oversize_allocations, &s.oversize_segments, &s.live_bytes, &s.exported_bytes, &s.imported_bytes})
+  for (Stat* st : {&s.oversize_allocations, &s.oversize_segments, &s.live_bytes})
     f(*st);
 }
 
@@ -50,6 +51,8 @@ std::map<std::string, std::int64_t> DeviceStats::flatten() const {
   put(m, "active_bytes", active_bytes);
   put(m, "inactive_split_bytes", inactive_split_bytes);
   put(m, "requested_bytes", requested_bytes);
+  put(m, "exported_bytes", exported_bytes);  // fragless's own: sharing across processes
+  put(m, "imported_bytes", imported_bytes);
   put(m, "oversize_allocations", oversize_allocations);
   put(m, "oversize_segments", oversize_segments);
   m["num_alloc_retries"] = num_alloc_retries;
@@ -61,8 +64,6 @@ std::map<std::string, std::int64_t> DeviceStats::flatten() const {
   put(m, "fragless.live_bytes", live_bytes);
   m["fragless.num_forced_syncs"] = num_forced_syncs;
   m["fragless.num_failed_waits"] = num_failed_waits;
-  put(m, "fragless.exported_bytes", exported_bytes);
-  put(m, "fragless.imported_bytes", imported_bytes);
   return m;
 }
 

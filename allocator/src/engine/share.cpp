@@ -72,12 +72,17 @@ struct Header {
   std::uint32_t handles;
   std::int32_t device;
   std::int32_t pid;          // the exporting process
+  std::uint32_t flags;       // kFlagSmallPool
+  std::uint32_t unused;      // 0
   std::uint64_t token;       // random: two shares' descriptions always differ
   std::uint64_t granularity;
   std::uint64_t span;        // sum of the handles' sizes
   std::uint64_t offset;      // the block, inside the span
   std::uint64_t size;
 };
+
+constexpr std::uint32_t kVersion = 2;
+constexpr std::uint32_t kFlagSmallPool = 1;  // the block is in the exporter's small pool (imported_bytes' pool)
 
 // One handle: its size and the identity of the file its descriptor names (fstat), so that a descriptor of
 // other memory in its place is refused.
@@ -156,7 +161,9 @@ std::string parse(const std::string& desc, std::size_t nfds, std::size_t granula
   if (desc.size() < sizeof(Header)) return "the description is " + std::to_string(desc.size()) + " bytes: too short";
   std::memcpy(h, desc.data(), sizeof *h);
   if (std::memcmp(h->magic, kMagic, sizeof kMagic) != 0) return "the description is not a fragless share's";
-  if (h->version != 1) return "the description is version " + std::to_string(h->version) + "; this fragless reads 1";
+  if (h->version != kVersion)
+    return "the description is version " + std::to_string(h->version) + "; this fragless reads " + std::to_string(kVersion);
+  if ((h->flags & ~kFlagSmallPool) != 0 || h->unused != 0) return "the description has unknown flags";
   if (h->handles == 0 || h->handles > kMaxHandles) return "the description names " + std::to_string(h->handles) + " handles";
   if (desc.size() != sizeof(Header) + h->handles * sizeof(HandleEntry))
     return "the description's length does not match its " + std::to_string(h->handles) + " handles";
@@ -214,7 +221,8 @@ Status DeviceEngine::share(void* ptr, SharedBlock* out, AllocError* err) {
   sb.fds[0] = pair[1];
   Header h{};
   std::memcpy(h.magic, kMagic, sizeof kMagic);
-  h.version = 1;
+  h.version = kVersion;
+  h.flags = b->pool->small ? kFlagSmallPool : 0;
   h.handles = static_cast<std::uint32_t>(pieces.size());
   h.device = s.driver->device();
   h.pid = static_cast<std::int32_t>(getpid());
@@ -238,7 +246,7 @@ Status DeviceEngine::share(void* ptr, SharedBlock* out, AllocError* err) {
   State::Export& e = s.exports[b->ptr];
   if (e.span == 0) {
     e.span = h.span;
-    s.stats.exported_bytes.add(static_cast<std::int64_t>(h.span));
+    s.stats.exported_bytes.add(b->pool->small, static_cast<std::int64_t>(h.span));
   }
   e.leases.push_back(pair[0]);
   b->exported = true;
@@ -286,7 +294,7 @@ bool DeviceEngine::State::release_if_unheld(std::unordered_map<DevicePtr, Export
   if (it->second.held()) return false;
   Block* b = active_blocks.get(it->first);
   b->exported = false;
-  stats.exported_bytes.add(-static_cast<std::int64_t>(it->second.span));
+  stats.exported_bytes.add(b->pool->small, -static_cast<std::int64_t>(it->second.span));
   const bool freed_by_owner = it->second.owner_freed;
   exports.erase(it);
   if (freed_by_owner) free_live(b);
@@ -352,8 +360,9 @@ void* DeviceEngine::open_shared(const std::string& desc, const int* fds, std::si
     return refuse(failed, failure);
   }
   const DevicePtr p = va + h.offset;
-  s.imports[p] = State::Import{va, h.span, h.size, lease};
-  s.stats.imported_bytes.add(static_cast<std::int64_t>(h.span));
+  const bool small = (h.flags & kFlagSmallPool) != 0;
+  s.imports[p] = State::Import{va, h.span, h.size, lease, h.pid, small};
+  s.stats.imported_bytes.add(small, static_cast<std::int64_t>(h.span));
   if (size) *size = h.size;
   return reinterpret_cast<void*>(p);
 }
@@ -385,7 +394,7 @@ Status DeviceEngine::close_shared(void* ptr, AllocError* err) {
   s.give_back_mapping(im.va, im.span);
   s.give_back_reservation(im.va, im.span);
   ::close(im.lease);
-  s.stats.imported_bytes.add(-static_cast<std::int64_t>(im.span));
+  s.stats.imported_bytes.add(im.small, -static_cast<std::int64_t>(im.span));
   return Status::ok;
 }
 
@@ -407,21 +416,34 @@ void DeviceEngine::State::close_all_shares() {
 }
 
 std::string DeviceEngine::State::check_sharing() const {
-  std::int64_t exported = 0, imported = 0;
+  StatArray exported, imported;  // recounts, per pool
   for (const auto& [p, e] : exports) {
     const Block* b = active_blocks.get(p);
     if (!b || !b->exported || b->state != BlockState::allocated)
       return "sharing: an exported block is not an allocated block marked exported";
     if (!e.held()) return "sharing: a listed block has no lease and no registration";
-    exported += static_cast<std::int64_t>(e.span);
+    exported.add(b->pool->small, static_cast<std::int64_t>(e.span));
   }
   std::size_t marked = 0;
   active_blocks.for_each([&](DevicePtr, Block* b) { marked += b->exported; });
   if (marked != exports.size()) return "sharing: a block is marked exported but not listed";
-  for (const auto& [p, im] : imports) imported += static_cast<std::int64_t>(im.span);
-  if (exported != stats.exported_bytes.current) return "sharing: exported bytes differ from recount";
-  if (imported != stats.imported_bytes.current) return "sharing: imported bytes differ from recount";
+  for (const auto& [p, im] : imports) imported.add(im.small, static_cast<std::int64_t>(im.span));
+  for (int k : {kAllPools, kSmallPool, kLargePool}) {
+    if (exported.by_pool[k].current != stats.exported_bytes.by_pool[k].current)
+      return "sharing: exported bytes differ from recount";
+    if (imported.by_pool[k].current != stats.imported_bytes.by_pool[k].current)
+      return "sharing: imported bytes differ from recount";
+  }
   return {};
+}
+
+void DeviceEngine::State::describe_hold(const Block& b, BlockInfo* out) const {
+  const Export& e = exports.at(b.ptr);
+  out->held = true;
+  out->owner_freed = e.owner_freed;
+  out->exported_bytes = e.span;
+  out->leases = e.leases.size();
+  out->registrations = e.registrations;
 }
 
 // ---------------------------------------------------------------------------------------------------------
