@@ -186,12 +186,14 @@ TEST_CASE("sharing: forged, mismatched and stale descriptions are refused and ma
   bad[0] = 'X';
   refused(bad, s.fds, "not a fragless share's");
   refused(s.description, {s.fds[0]}, "descriptors came with a description");
+  // A handle's entry: size, device and inode of its descriptor (8 bytes each), then 64 of fabric handle.
+  const std::size_t last = s.description.size() - 88;
   bad = s.description;
-  bad[bad.size() - 24 + 2] ^= 0x40;  // the last handle's size, 4 MiB more
+  bad[last + 2] ^= 0x40;  // the last handle's size, 4 MiB more
   refused(bad, s.fds, "do not add up");
   // Sizes that add up, in a description its lease did not carry.
   bad = s.description;
-  bad[bad.size() - 1] ^= 0x01;  // the last handle's inode
+  bad[last + 23] ^= 0x01;  // the last handle's inode
   refused(bad, s.fds, "not the one its lease carries");
   // The lease of another share.
   std::vector<int> swapped = s.fds;

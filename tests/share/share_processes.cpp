@@ -1,7 +1,9 @@
 // Two real processes share fragless memory through libfragless.so's C ABI on the host driver (memfd-backed
 // handles passed as file descriptors over a Unix socket, SCM_RIGHTS). The program runs itself as the second
 // process (fork and exec: nothing is inherited but the socket), so what the other side sees came through
-// the share alone. FRAGLESS_CONF must ask for driver:host and shareable_handles:True.
+// the share alone. FRAGLESS_CONF must ask for driver:host and shareable_handles:True, or for the cuda driver
+// on the libcuda double with shareable_handles:fabric (FAKECUDA_FABRIC=1: fabric handles, the lease alone
+// travelling as a descriptor).
 //
 //   share_processes SCENARIO          bytes | free_while_held | killed | cycles | stale
 // Exit 0 when every check held; 1 with the failed check on stderr.

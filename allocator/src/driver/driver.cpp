@@ -359,28 +359,49 @@ Status Driver::set_access(DevicePtr va, std::size_t size) {
   return fail_through(do_set_access(va, size));
 }
 
-Status Driver::export_handle(PhysHandle h, int* fd) {
+template <class Call>
+Status Driver::exporting(PhysHandle h, Call call) {
   charge(DriverCall::export_handle);
   {
     std::lock_guard lk(mu_);
     if (const char* r = contract_.check_export(h)) return refuse(r);
   }
   auto lk = impl_lock();
-  return fail_through(do_export_handle(h, fd));
+  return fail_through(call());
 }
 
-Status Driver::import_handle(int fd, std::size_t size, PhysHandle* h) {
+template <class Call>
+Status Driver::importing(std::size_t size, PhysHandle* h, Call call) {
   charge(DriverCall::import_handle, size);
   if (const char* r = contract_.check_create(size)) return refuse(r);
-  if (fd < 0) return refuse("import_handle: not a file descriptor (R19)");
   Status st;
   {
     auto lk = impl_lock();
-    st = fail_through(do_import_handle(fd, size, h));
+    st = fail_through(call());
   }
   std::lock_guard lk(mu_);
   if (st == Status::ok) contract_.created(*h, size);  // mapped whole and released like a created handle (R19)
   return st;
+}
+
+Status Driver::export_handle(PhysHandle h, int* fd) {
+  return exporting(h, [&] { return do_export_handle(h, fd); });
+}
+
+Status Driver::import_handle(int fd, std::size_t size, PhysHandle* h) {
+  if (fd < 0) {
+    charge(DriverCall::import_handle, size);
+    return refuse("import_handle: not a file descriptor (R19)");
+  }
+  return importing(size, h, [&] { return do_import_handle(fd, size, h); });
+}
+
+Status Driver::export_handle(PhysHandle h, FabricHandle* out) {
+  return exporting(h, [&] { return do_export_fabric(h, out); });
+}
+
+Status Driver::import_handle(const FabricHandle& f, std::size_t size, PhysHandle* h) {
+  return importing(size, h, [&] { return do_import_fabric(f, size, h); });
 }
 
 }  // namespace fragless

@@ -26,6 +26,12 @@
 // description (altered on its way, or another share's lease); a lease whose engine end is gone (the
 // exporting process exited: its block may be reused by now); a handle descriptor that names other memory
 // than the description's, or that the driver does not accept at the size described (R19).
+//
+// Fabric handles (shareable_handles:fabric, driver.h R24). Each handle's CUmemFabricHandle travels inside the
+// description (its entry), so the lease is the only descriptor; the lease's copy of the description covers
+// the handles' bytes too (altered bytes are refused as a forged description), and the driver refuses bytes
+// that name no exported memory. The lifetime rule stays the lease's: a fabric share opens only where the
+// lease can go (a process of the same machine); across nodes the lease would need a transport of its own.
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/random.h>
@@ -72,7 +78,7 @@ struct Header {
   std::uint32_t handles;
   std::int32_t device;
   std::int32_t pid;          // the exporting process
-  std::uint32_t flags;       // kFlagSmallPool
+  std::uint32_t flags;       // kFlagSmallPool, kFlagFabric
   std::uint32_t unused;      // 0
   std::uint64_t token;       // random: two shares' descriptions always differ
   std::uint64_t granularity;
@@ -83,12 +89,14 @@ struct Header {
 
 constexpr std::uint32_t kVersion = 2;
 constexpr std::uint32_t kFlagSmallPool = 1;  // the block is in the exporter's small pool (imported_bytes' pool)
+constexpr std::uint32_t kFlagFabric = 2;     // the handles travel as fabric handles (R24), not descriptors
 
 // One handle: its size and the identity of the file its descriptor names (fstat), so that a descriptor of
-// other memory in its place is refused.
+// other memory in its place is refused; or, for fabric handles, the handle itself (no descriptor travels).
 struct HandleEntry {
   std::uint64_t size;
   std::uint64_t dev, ino;
+  FabricHandle fabric;  // zero unless kFlagFabric
 };
 
 // The identity of the file behind fd (0, 0 when there is none).
@@ -163,13 +171,14 @@ std::string parse(const std::string& desc, std::size_t nfds, std::size_t granula
   if (std::memcmp(h->magic, kMagic, sizeof kMagic) != 0) return "the description is not a fragless share's";
   if (h->version != kVersion)
     return "the description is version " + std::to_string(h->version) + "; this fragless reads " + std::to_string(kVersion);
-  if ((h->flags & ~kFlagSmallPool) != 0 || h->unused != 0) return "the description has unknown flags";
+  if ((h->flags & ~(kFlagSmallPool | kFlagFabric)) != 0 || h->unused != 0) return "the description has unknown flags";
+  const bool fabric = (h->flags & kFlagFabric) != 0;
   if (h->handles == 0 || h->handles > kMaxHandles) return "the description names " + std::to_string(h->handles) + " handles";
   if (desc.size() != sizeof(Header) + h->handles * sizeof(HandleEntry))
     return "the description's length does not match its " + std::to_string(h->handles) + " handles";
-  if (nfds != h->handles + 1)
+  if (nfds != (fabric ? 1 : h->handles + 1))
     return std::to_string(nfds) + " descriptors came with a description of " + std::to_string(h->handles) +
-           " handles (the lease and one per handle expected)";
+           (fabric ? " fabric handles (the lease alone expected)" : " handles (the lease and one per handle expected)");
   if (h->granularity != granularity)
     return "exported with granularity " + std::to_string(h->granularity) + ", this device's is " +
            std::to_string(granularity);
@@ -203,15 +212,19 @@ Status DeviceEngine::share(void* ptr, SharedBlock* out, AllocError* err) {
     return Status::invalid_argument;
   }
   const std::vector<Piece> pieces = pieces_under(*s.driver, *b);
+  const bool fabric = s.driver->fabric_handles();
   SharedBlock sb;
   sb.fds.push_back(-1);  // the lease, below
-  for (const Piece& p : pieces) {
+  std::vector<FabricHandle> fabrics(fabric ? pieces.size() : 0);
+  for (std::size_t i = 0; i < pieces.size(); ++i) {
     int fd = -1;
-    if (Status st = s.driver->export_handle(p.handle, &fd); st != Status::ok) {
+    const Status st = fabric ? s.driver->export_handle(pieces[i].handle, &fabrics[i])
+                             : s.driver->export_handle(pieces[i].handle, &fd);
+    if (st != Status::ok) {
       set_error(err, st, "fragless: share of " + hex(ptr) + ": " + s.driver->last_error());
       return st;
     }
-    sb.fds.push_back(fd);
+    if (!fabric) sb.fds.push_back(fd);
   }
   int pair[2];
   if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) != 0) {
@@ -222,7 +235,7 @@ Status DeviceEngine::share(void* ptr, SharedBlock* out, AllocError* err) {
   Header h{};
   std::memcpy(h.magic, kMagic, sizeof kMagic);
   h.version = kVersion;
-  h.flags = b->pool->small ? kFlagSmallPool : 0;
+  h.flags = (b->pool->small ? kFlagSmallPool : 0) | (fabric ? kFlagFabric : 0);
   h.handles = static_cast<std::uint32_t>(pieces.size());
   h.device = s.driver->device();
   h.pid = static_cast<std::int32_t>(getpid());
@@ -233,8 +246,8 @@ Status DeviceEngine::share(void* ptr, SharedBlock* out, AllocError* err) {
   h.size = b->size;
   sb.description.assign(reinterpret_cast<const char*>(&h), sizeof h);
   for (std::size_t i = 0; i < pieces.size(); ++i) {
-    const auto [dev, ino] = identity(sb.fds[i + 1]);
-    const HandleEntry e{pieces[i].size, dev, ino};
+    const auto [dev, ino] = fabric ? std::pair<std::uint64_t, std::uint64_t>{} : identity(sb.fds[i + 1]);
+    const HandleEntry e{pieces[i].size, dev, ino, fabric ? fabrics[i] : FabricHandle{}};
     sb.description.append(reinterpret_cast<const char*>(&e), sizeof e);
   }
   if (send(pair[0], sb.description.data(), sb.description.size(), MSG_NOSIGNAL) !=
@@ -325,7 +338,8 @@ void* DeviceEngine::open_shared(const std::string& desc, const int* fds, std::si
   if (std::string why = parse(desc, nfds, d.granularity(), &h, &handles); !why.empty())
     return refuse(Status::invalid_argument, why);
   if (std::string why = check_lease(fds[0], desc, h.pid); !why.empty()) return refuse(Status::invalid_argument, why);
-  for (std::size_t i = 0; i < handles.size(); ++i)
+  const bool fabric = (h.flags & kFlagFabric) != 0;
+  for (std::size_t i = 0; i < handles.size() && !fabric; ++i)
     if (identity(fds[i + 1]) != std::pair{handles[i].dev, handles[i].ino})
       return refuse(Status::invalid_argument,
                     "descriptor " + std::to_string(i + 1) + " is not the memory the share describes: forged");
@@ -338,7 +352,7 @@ void* DeviceEngine::open_shared(const std::string& desc, const int* fds, std::si
   for (std::size_t i = 0; i < handles.size() && failed == Status::ok; ++i) {
     PhysHandle ph = 0;
     const std::size_t hsize = handles[i].size;
-    failed = d.import_handle(fds[i + 1], hsize, &ph);
+    failed = fabric ? d.import_handle(handles[i].fabric, hsize, &ph) : d.import_handle(fds[i + 1], hsize, &ph);
     if (failed != Status::ok) {
       failure = "handle " + std::to_string(i) + ": " + d.last_error();
       break;
