@@ -421,7 +421,10 @@ long fragless_snapshot(char* buf, size_t len) {
   for (int d = 0; d < a->device_count(); ++d) {
     formats::DeviceState s;
     s.device = d;
-    if (DeviceEngine* e = a->existing(d)) s.segments = e->snapshot();
+    if (DeviceEngine* e = a->existing(d)) {
+      s.segments = e->snapshot();
+      s.imports = e->imports();
+    }
     proc().sinks[static_cast<std::size_t>(d)]->collect(&s);
     devices.push_back(std::move(s));
   }

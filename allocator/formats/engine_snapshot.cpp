@@ -1,6 +1,7 @@
 #include "engine_snapshot.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "pickle.h"
 #include "snapshot_layout.h"
@@ -36,13 +37,15 @@ std::string engine_snapshot_pickle(const std::vector<DeviceState>& devices, cons
       h.expandable = seg.expandable;
       h.pool_first = seg.pool.first;
       h.pool_second = seg.pool.second;
+      h.exported_bytes = seg.exported_bytes;
       layout::begin_segment(w, h);
       for (const auto& b : seg.blocks)
         if (b.state != BlockInfo::unmapped) {  // outside the mapped range: not part of a segment
           const std::vector<Frame>* frames = nullptr;
           if (b.state != BlockInfo::inactive)
             if (auto it = d.block_frames.find(b.address); it != d.block_frames.end() && it->second) frames = it->second.get();
-          layout::block(w, b.address, b.size, b.requested_size, block_state(b.state), frames);
+          const layout::Hold hold{b.owner_freed, b.exported_bytes, b.leases, b.registrations};
+          layout::block(w, b.address, b.size, b.requested_size, block_state(b.state), frames, b.held ? &hold : nullptr);
         }
       layout::end_segment(w);
     }
@@ -75,6 +78,22 @@ std::string engine_snapshot_pickle(const std::vector<DeviceState>& devices, cons
     }
     w.end_list();
   }
+  w.end_list();
+  // fragless: other processes' blocks mapped here (open_shared), in no segment: the viewer ignores the key.
+  w.str("imported");
+  w.begin_list();
+  for (const auto& d : devices)
+    for (const ImportInfo& im : d.imports) {
+      w.begin_dict();
+      const std::pair<const char*, std::uint64_t> fields[] = {
+          {"address", im.address}, {"size", im.size}, {"mapped_address", im.mapped_address},
+          {"mapped_size", im.mapped_size}};
+      w.kv_int("device", d.device);
+      for (const auto& [key, value] : fields) w.kv_uint(key, value);
+      w.kv_int("exporter_pid", im.exporter_pid);
+      w.kv("segment_type", im.small ? "small" : "large");
+      w.end_dict();
+    }
   w.end_list();
   layout::end_snapshot(w, settings, /*converted=*/false);
   return w.finish();

@@ -24,6 +24,7 @@ struct HistoryEntry {
 struct DeviceState {
   int device = 0;
   std::vector<SegmentInfo> segments;
+  std::vector<ImportInfo> imports;  // other processes' blocks mapped here (the snapshot's "imported" list)
   std::vector<HistoryEntry> history;  // oldest first
   // Frames of the allocation of each live block, by address (what the viewer shows for a block).
   std::unordered_map<std::uint64_t, std::shared_ptr<const std::vector<Frame>>> block_frames;

@@ -38,6 +38,7 @@ void begin_segment(PickleWriter& w, const SegmentHeader& s) {
   w.end_tuple();
   w.str("is_expandable");
   w.boolean(s.expandable);
+  if (s.exported_bytes) w.kv_uint("exported_bytes", s.exported_bytes);
   empty_frames(w);
   w.str("blocks");
   w.begin_list();
@@ -49,13 +50,20 @@ void end_segment(PickleWriter& w) {
 }
 
 void block(PickleWriter& w, std::uint64_t address, std::uint64_t size, std::uint64_t requested, const char* state,
-           const std::vector<Frame>* frames) {
+           const std::vector<Frame>* frames, const Hold* hold) {
   w.begin_dict();
   w.kv_uint("address", address);
   w.kv_uint("size", size);
   w.kv_uint("requested_size", requested);
   w.kv("state", state);
   write_frames(w, frames);
+  if (hold) {
+    w.kv_uint("exported_bytes", hold->exported_bytes);
+    w.kv_uint("leases", hold->leases);
+    w.kv_int("registrations", hold->registrations);
+    w.str("owner_freed");
+    w.boolean(hold->owner_freed);
+  }
   w.end_dict();
 }
 

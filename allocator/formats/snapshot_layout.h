@@ -22,13 +22,22 @@ struct SegmentHeader {
   std::uint64_t address = 0, total_size = 0, allocated_size = 0, active_size = 0, requested_size = 0, stream = 0;
   bool small = false, expandable = false;
   std::uint64_t pool_first = 0, pool_second = 0;
+  std::uint64_t exported_bytes = 0;  // fragless: bytes of its blocks' shares (written when not 0)
+};
+
+// fragless's fields of a block held for other processes or NCCL (README "Sharing across processes"), written
+// after PyTorch's own: the viewer reads only the keys it knows.
+struct Hold {
+  bool owner_freed = false;
+  std::uint64_t exported_bytes = 0, leases = 0;
+  std::int64_t registrations = 0;
 };
 
 // Opens a segment dict and its "blocks" list; write its blocks, then end_segment.
 void begin_segment(PickleWriter& w, const SegmentHeader& s);
 void end_segment(PickleWriter& w);
 void block(PickleWriter& w, std::uint64_t address, std::uint64_t size, std::uint64_t requested, const char* state,
-           const std::vector<Frame>* frames = nullptr);
+           const std::vector<Frame>* frames = nullptr, const Hold* hold = nullptr);
 // One device_traces entry; an OOM entry carries the device's free bytes as "device_free". time_us < 0: none.
 void trace_entry(PickleWriter& w, const char* action, std::uint64_t address, std::uint64_t size,
                  std::uint64_t stream, std::int64_t time_us, const std::vector<Frame>* frames = nullptr);

@@ -71,19 +71,19 @@ TEST_CASE("sharing: a block opened by another engine sees its bytes both ways, a
   CHECK(all(q, n, 0x5A));
   fill(q, n, 0xC3);  // and back
   CHECK(all(p, n, 0xC3));
-  CHECK(a->stats().exported_bytes.current >= static_cast<std::int64_t>(n));
-  CHECK(b->stats().imported_bytes.current >= static_cast<std::int64_t>(n));
+  CHECK(a->stats().exported_bytes.all().current >= static_cast<std::int64_t>(n));
+  CHECK(b->stats().imported_bytes.all().current >= static_cast<std::int64_t>(n));
   CHECK(b->stats().reserved_bytes.all().current == 0);  // another process's memory is not reserved here
   require_consistent(*a);
   require_consistent(*b);
   REQUIRE(b->close_shared(q, &err) == Status::ok);
-  CHECK(b->stats().imported_bytes.current == 0);
+  CHECK(b->stats().imported_bytes.all().current == 0);
   CHECK(host_driver_census(b->driver()).mappings == 0);
   CHECK(host_driver_census(b->driver()).reservations == 0);
   s.close_fds();
   REQUIRE(a->free(p) == Status::ok);
   CHECK(a->stats().allocated_bytes.all().current == static_cast<std::int64_t>(round_size(512 * 1024, a->options())));
-  CHECK(a->stats().exported_bytes.current == 0);
+  CHECK(a->stats().exported_bytes.all().current == 0);
   a->free(neighbour);
   require_consistent(*a);
 }
@@ -137,11 +137,11 @@ TEST_CASE("sharing: the owner's free waits for every lease, and nothing is re-ba
   a->empty_cache();
   CHECK(all(q, n, 0x11));
   require_consistent(*a);
-  CHECK(a->stats().exported_bytes.current == static_cast<std::int64_t>(n));
+  CHECK(a->stats().exported_bytes.all().current == static_cast<std::int64_t>(n));
   // The importer closes: the block goes back to the cache, and its memory serves the next request.
   REQUIRE(b->close_shared(q) == Status::ok);
   CHECK(a->reap_shared() == 1);
-  CHECK(a->stats().exported_bytes.current == 0);
+  CHECK(a->stats().exported_bytes.all().current == 0);
   CHECK(a->allocate(4 * MiB, 0, nullptr) != nullptr);
   require_consistent(*a);
 }
@@ -186,12 +186,14 @@ TEST_CASE("sharing: forged, mismatched and stale descriptions are refused and ma
   bad[0] = 'X';
   refused(bad, s.fds, "not a fragless share's");
   refused(s.description, {s.fds[0]}, "descriptors came with a description");
+  // A handle's entry: size, device and inode of its descriptor (8 bytes each), then 64 of fabric handle.
+  const std::size_t last = s.description.size() - 88;
   bad = s.description;
-  bad[bad.size() - 24 + 2] ^= 0x40;  // the last handle's size, 4 MiB more
+  bad[last + 2] ^= 0x40;  // the last handle's size, 4 MiB more
   refused(bad, s.fds, "do not add up");
   // Sizes that add up, in a description its lease did not carry.
   bad = s.description;
-  bad[bad.size() - 1] ^= 0x01;  // the last handle's inode
+  bad[last + 23] ^= 0x01;  // the last handle's inode
   refused(bad, s.fds, "not the one its lease carries");
   // The lease of another share.
   std::vector<int> swapped = s.fds;
@@ -245,8 +247,8 @@ TEST_CASE("sharing: 1,000 share, open and close cycles leak no descriptor, mappi
     a->reap_shared();
   }
   CHECK(a->stats().allocated_bytes.all().current == static_cast<std::int64_t>(round_size(MiB, a->options())));
-  CHECK(a->stats().exported_bytes.current == 0);
-  CHECK(b->stats().imported_bytes.current == 0);
+  CHECK(a->stats().exported_bytes.all().current == 0);
+  CHECK(b->stats().imported_bytes.all().current == 0);
   a->empty_cache();  // the cached handles' descriptors go too (the host driver holds one per handle)
   CHECK(open_fds() == fds0);
   const auto c = host_driver_census(b->driver());
@@ -299,7 +301,7 @@ TEST_CASE("sharing: a driver call that fails while sharing or opening leaks noth
   CHECK_THAT(err.message, Catch::Contains("export_handle: injected failure"));
   CHECK(s.fds.empty());
   CHECK(open_fds() == fds0);
-  CHECK(a->stats().exported_bytes.current == 0);
+  CHECK(a->stats().exported_bytes.all().current == 0);
   require_consistent(*a);
   REQUIRE(a->share(p, &s, &err) == Status::ok);
   for (DriverCall c : {DriverCall::reserve, DriverCall::import_handle, DriverCall::map, DriverCall::set_access}) {
@@ -315,7 +317,7 @@ TEST_CASE("sharing: a driver call that fails while sharing or opening leaks noth
       CHECK(census.handles == 0);
       CHECK(census.mappings == 0);
       CHECK(census.reservations == 0);
-      CHECK(b->stats().imported_bytes.current == 0);
+      CHECK(b->stats().imported_bytes.all().current == 0);
       require_consistent(*b);
     }
   }
@@ -326,4 +328,76 @@ TEST_CASE("sharing: a driver call that fails while sharing or opening leaks noth
   s.close_fds();
   REQUIRE(a->free(p) == Status::ok);
   CHECK(a->stats().allocated_bytes.all().current == 0);
+}
+
+TEST_CASE("sharing: stats count shared bytes per pool, snapshots mark held blocks and list imported ones",
+          "[share]") {
+  const PolicyKind policy = GENERATE(PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless);
+  CAPTURE(name(policy));
+  auto a = make_engine(shareable(policy));
+  auto b = make_engine(shareable(policy));
+  void* small = a->allocate(4096, 0, nullptr);  // the small pool
+  void* large = a->allocate(5 * MiB, 0, nullptr);
+  REQUIRE((small && large));
+  SharedBlock s1, s2;
+  AllocError err;
+  REQUIRE(a->share(small, &s1, &err) == Status::ok);
+  REQUIRE(a->share(large, &s2, &err) == Status::ok);
+  const DeviceStats sa = a->stats();
+  CHECK(sa.exported_bytes.by_pool[kSmallPool].current > 0);
+  CHECK(sa.exported_bytes.by_pool[kLargePool].current >= static_cast<std::int64_t>(5 * MiB));
+  CHECK(sa.exported_bytes.all().current ==
+        sa.exported_bytes.by_pool[kSmallPool].current + sa.exported_bytes.by_pool[kLargePool].current);
+  CHECK(sa.flatten().at("exported_bytes.small_pool.current") == sa.exported_bytes.by_pool[kSmallPool].current);
+  REQUIRE(a->register_range(large, MiB) == Status::ok);
+  std::size_t held = 0, marked_bytes = 0;
+  for (const SegmentInfo& seg : a->snapshot()) {
+    std::size_t in_segment = 0;
+    for (const BlockInfo& bi : seg.blocks) {
+      in_segment += bi.exported_bytes;
+      if (!bi.held) continue;
+      ++held;
+      CHECK(bi.leases == 1);
+      CHECK(bi.registrations == (bi.address == reinterpret_cast<DevicePtr>(large) ? 1 : 0));
+      CHECK(bi.state == BlockInfo::active_allocated);
+      CHECK(bi.exported_bytes >= bi.size);
+    }
+    CHECK(seg.exported_bytes == in_segment);
+    marked_bytes += in_segment;
+  }
+  CHECK(held == 2);
+  CHECK(static_cast<std::int64_t>(marked_bytes) == sa.exported_bytes.all().current);
+  std::size_t size = 0;
+  void* q1 = open_in(*b, s1, &size, &err);
+  void* q2 = open_in(*b, s2, &size, &err);
+  REQUIRE((q1 && q2));
+  const DeviceStats sb = b->stats();
+  CHECK(sb.imported_bytes.by_pool[kSmallPool].current == sa.exported_bytes.by_pool[kSmallPool].current);
+  CHECK(sb.imported_bytes.by_pool[kLargePool].current == sa.exported_bytes.by_pool[kLargePool].current);
+  const std::vector<ImportInfo> ims = b->imports();
+  REQUIRE(ims.size() == 2);
+  for (const ImportInfo& im : ims) {
+    CHECK((im.address == reinterpret_cast<DevicePtr>(q1) || im.address == reinterpret_cast<DevicePtr>(q2)));
+    CHECK(im.small == (im.address == reinterpret_cast<DevicePtr>(q1)));
+    CHECK(im.exporter_pid == getpid());
+    CHECK((im.mapped_address <= im.address && im.address + im.size <= im.mapped_address + im.mapped_size));
+  }
+  CHECK(ims[0].mapped_size + ims[1].mapped_size == static_cast<std::size_t>(sb.imported_bytes.all().current));
+  REQUIRE(b->close_shared(q1, &err) == Status::ok);
+  REQUIRE(b->close_shared(q2, &err) == Status::ok);
+  CHECK(b->imports().empty());
+  CHECK(b->stats().imported_bytes.all().peak == sb.imported_bytes.all().current);
+  s1.close_fds();
+  s2.close_fds();
+  REQUIRE(a->free(large) == Status::ok);
+  for (const SegmentInfo& seg : a->snapshot())
+    for (const BlockInfo& bi : seg.blocks)
+      if (bi.address == reinterpret_cast<DevicePtr>(large)) CHECK((bi.held && bi.owner_freed && bi.leases == 0));
+  REQUIRE(a->deregister_range(large) == Status::ok);
+  a->reap_shared();
+  CHECK(a->stats().exported_bytes.all().current == 0);
+  CHECK(a->stats().exported_bytes.all().peak == sa.exported_bytes.all().current);
+  a->free(small);
+  require_consistent(*a);
+  require_consistent(*b);
 }

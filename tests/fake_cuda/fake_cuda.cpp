@@ -186,6 +186,7 @@ struct State {
   bool initialised = false;
   int driver_version = 13000;
   unsigned last_handle_types = 0;
+  bool fabric = false;  // CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, and an IMEX channel (FAKECUDA_FABRIC=1)
   std::map<CUdeviceptr, std::set<int>> access_of;  // per mapping (by its address): devices granted access
   // The double's own allocations (cuMemAlloc, cuMemAllocPitch, the stream-ordered allocator): each one
   // reservation, handle and mapping of its own, by its address.
@@ -197,6 +198,7 @@ struct State {
   State() {
     if (const char* v = std::getenv("FAKECUDA_DRIVER_VERSION")) driver_version = std::max(1, std::atoi(v));
     if (const char* d = std::getenv("FAKECUDA_DEVICES")) devices = std::max(1, std::atoi(d));
+    if (const char* f = std::getenv("FAKECUDA_FABRIC")) fabric = std::atoi(f) != 0;
     std::vector<std::size_t> caps;
     if (const char* c = std::getenv("FAKECUDA_CAPACITY_MB"))
       for (const char* q = c; *q;) {
@@ -616,6 +618,7 @@ FAKE_API CUresult cuDeviceGetAttribute(int* v, CUdevice_attribute a, CUdevice d)
        a == CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED;
   if (a == CU_DEVICE_ATTRIBUTE_TEXTURE_PITCH_ALIGNMENT) *v = 512;  // kTexturePitchAlignment below
   if (a == CU_DEVICE_ATTRIBUTE_MAX_PITCH) *v = 1 << 21;            // kMaxPitch below
+  if (a == CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED) *v = st().fabric;
   return CUDA_SUCCESS;
 }
 
@@ -791,6 +794,8 @@ FAKE_API CUresult cuMemCreate(CUmemGenericAllocationHandle* h, size_t size, cons
   if (!prop || size == 0 || size % kGranularity || prop->location.id < 0 || prop->location.id >= s.devices)
     return CUDA_ERROR_INVALID_VALUE;
   const int dev = prop->location.id;
+  // R26: the fabric type only on a device that has CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED.
+  if ((prop->requestedHandleTypes & CU_MEM_HANDLE_TYPE_FABRIC) && !s.fabric) return CUDA_ERROR_NOT_SUPPORTED;
   if (s.used[dev] + size > s.capacity[dev]) return CUDA_ERROR_OUT_OF_MEMORY;
   const int fd = memfd_create("fakecuda", MFD_CLOEXEC);
   if (fd < 0 || ftruncate(fd, static_cast<off_t>(size)) != 0) {
@@ -804,8 +809,59 @@ FAKE_API CUresult cuMemCreate(CUmemGenericAllocationHandle* h, size_t size, cons
   return CUDA_SUCCESS;
 }
 
-// R18: only a handle created with the type among its requestedHandleTypes is exported; the double's devices
-// have no fabric (CUDA_ERROR_NOT_SUPPORTED, as a device without CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED).
+// R26: the double's fabric handle names the exporting process, its descriptor of the handle's memfd and that
+// file's identity (device, inode) and size; the rest is zero. An importer opens the memfd through
+// /proc/<pid>/fd/<fd> (the double's stand-in for the fabric: the exporter's handle must still be there), and
+// refuses any handle whose bytes do not name such a file exactly.
+namespace {
+struct FabricBytes {
+  char magic[8];  // "FKCUFAB1"
+  std::int32_t pid, fd;
+  std::uint64_t dev, ino, size;
+  unsigned char zero[64 - 40];
+};
+static_assert(sizeof(FabricBytes) == sizeof(CUmemFabricHandle));
+constexpr char kFabricMagic[8] = {'F', 'K', 'C', 'U', 'F', 'A', 'B', '1'};
+
+CUresult export_fabric(const Handle& h, void* out) {
+  if (!st().fabric) return CUDA_ERROR_NOT_SUPPORTED;
+  if (!(h.types & CU_MEM_HANDLE_TYPE_FABRIC)) return CUDA_ERROR_INVALID_VALUE;  // R18: not created with the type
+  struct stat sb{};
+  if (fstat(h.fd, &sb) != 0) return CUDA_ERROR_INVALID_VALUE;
+  FabricBytes f{};
+  std::memcpy(f.magic, kFabricMagic, sizeof f.magic);
+  f.pid = getpid();
+  f.fd = h.fd;
+  f.dev = sb.st_dev;
+  f.ino = sb.st_ino;
+  f.size = h.size;
+  std::memcpy(out, &f, sizeof f);
+  return CUDA_SUCCESS;
+}
+
+// A descriptor of the memory a fabric handle names, or -1 when the bytes name none (forged, or gone).
+int open_fabric(const void* bytes) {
+  FabricBytes f;
+  std::memcpy(&f, bytes, sizeof f);
+  if (std::memcmp(f.magic, kFabricMagic, sizeof f.magic) != 0 || f.size == 0 || f.size % kGranularity != 0 ||
+      std::any_of(std::begin(f.zero), std::end(f.zero), [](unsigned char c) { return c != 0; }))
+    return -1;
+  char path[64], target[256] = {};
+  std::snprintf(path, sizeof path, "/proc/%d/fd/%d", f.pid, f.fd);
+  if (readlink(path, target, sizeof target - 1) <= 0 || std::strncmp(target, "/memfd:fakecuda", 15) != 0) return -1;
+  const int fd = open(path, O_RDWR | O_CLOEXEC);
+  struct stat sb{};
+  if (fd < 0 || fstat(fd, &sb) != 0 || sb.st_dev != f.dev || sb.st_ino != f.ino ||
+      static_cast<std::uint64_t>(sb.st_size) != f.size) {
+    if (fd >= 0) close(fd);
+    return -1;
+  }
+  return fd;
+}
+}  // namespace
+
+// R18: only a handle created with the type among its requestedHandleTypes is exported (the fabric type also
+// needs the device's CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED: CUDA_ERROR_NOT_SUPPORTED otherwise).
 FAKE_API CUresult cuMemExportToShareableHandle(void* out, CUmemGenericAllocationHandle h, CUmemAllocationHandleType type,
                                                unsigned long long flags) {
   ENTER("cuMemExportToShareableHandle");
@@ -814,7 +870,7 @@ FAKE_API CUresult cuMemExportToShareableHandle(void* out, CUmemGenericAllocation
   State& s = st();
   auto it = s.handles.find(h);
   if (!out || flags != 0 || it == s.handles.end() || it->second.released) return CUDA_ERROR_INVALID_VALUE;
-  if (type == CU_MEM_HANDLE_TYPE_FABRIC) return CUDA_ERROR_NOT_SUPPORTED;
+  if (type == CU_MEM_HANDLE_TYPE_FABRIC) return export_fabric(it->second, out);
   if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || !(it->second.types & type)) return CUDA_ERROR_INVALID_VALUE;
   const int fd = fcntl(it->second.fd, F_DUPFD_CLOEXEC, 0);
   if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -823,13 +879,25 @@ FAKE_API CUresult cuMemExportToShareableHandle(void* out, CUmemGenericAllocation
 }
 
 // R19: osHandle is the descriptor itself, which stays the caller's; it must be a descriptor the double
-// exported (a memfd of its own). The handle's device is the current context's (the importer maps it there).
+// exported (a memfd of its own). R26: for the fabric type, osHandle points to the CUmemFabricHandle, which must
+// name memory the double exported as fabric. The handle's device is the current context's (the importer maps
+// it there).
 FAKE_API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* h, void* os_handle,
                                                  CUmemAllocationHandleType type) {
   ENTER("cuMemImportFromShareableHandle");
   NEED_CONTEXT();
   UNSAFE_DURING_CAPTURE();
   State& s = st();
+  if (h && os_handle && type == CU_MEM_HANDLE_TYPE_FABRIC) {
+    if (!s.fabric) return CUDA_ERROR_NOT_PERMITTED;  // no IMEX channel shared with the exporter
+    const int own = open_fabric(os_handle);
+    if (own < 0) return CUDA_ERROR_INVALID_VALUE;
+    struct stat sb{};
+    fstat(own, &sb);
+    *h = s.next_handle++;
+    s.handles[*h] = {own, static_cast<std::size_t>(sb.st_size), ctx_device(current()), 0, false, 0, true};
+    return CUDA_SUCCESS;
+  }
   if (!h || type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_INVALID_VALUE;
   const int fd = static_cast<int>(reinterpret_cast<std::uintptr_t>(os_handle));
   char link[64], target[256] = {};
@@ -1173,6 +1241,11 @@ FAKE_API CUresult cuDriverGetVersion(int* v) {
 FAKE_API void fakecuda_set_driver_version(int v) {
   std::lock_guard lk(st().mu);
   st().driver_version = v;
+}
+
+FAKE_API void fakecuda_set_fabric(int supported) {
+  std::lock_guard lk(st().mu);
+  st().fabric = supported != 0;
 }
 
 FAKE_API unsigned fakecuda_last_handle_types() {

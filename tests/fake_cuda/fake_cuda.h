@@ -31,6 +31,9 @@ void fakecuda_hold_stream(void* stream, int hold);
 void fakecuda_set_capacity(int device, std::size_t bytes);
 // cuDriverGetVersion's answer (default 13000, or FAKECUDA_DRIVER_VERSION); cuGetProcAddress refuses newer.
 void fakecuda_set_driver_version(int version);
+// Whether devices have CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED and the process an IMEX channel
+// (default off, or FAKECUDA_FABRIC=1): cuMemCreate with the fabric type is CUDA_ERROR_NOT_SUPPORTED without.
+void fakecuda_set_fabric(int supported);
 // requestedHandleTypes of the last cuMemCreate.
 unsigned fakecuda_last_handle_types();
 // A stream of device's primary context, as the CUDA runtime would create it; or an existing handle value

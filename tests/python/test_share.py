@@ -6,6 +6,7 @@ import ctypes
 import multiprocessing as mp
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "torch_plugin", "python"))
@@ -13,6 +14,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ["FRAGLESS_CONF"] = "driver:host,shareable_handles:True,capacity_mb:64"
 import fragless  # noqa: E402
 from checks import check  # noqa: E402
+import viewer_rules  # noqa: E402
 
 MiB = 1 << 20
 N = 3 * MiB + 4096
@@ -26,13 +28,27 @@ def child(q_in, q_out):
     data = ctypes.string_at(ptr, N)
     check(data == b"\x5a" * N, "the exporter's bytes")
     ctypes.memset(ptr + N // 2, 0xC3, N - N // 2)
-    check(fragless.memory_stats()["fragless.imported_bytes.current"] >= N, "imported bytes counted")
+    stats = fragless.memory_stats()
+    check(stats["imported_bytes.all.current"] >= N, "imported bytes counted")
+    check(stats["imported_bytes.large_pool.current"] == stats["imported_bytes.all.current"], "in the large pool")
+    check(stats["imported_bytes.small_pool.current"] == 0 and stats["reserved_bytes.all.current"] == 0,
+          "imported bytes are in no pool of this process's own")
+    imported = fragless.snapshot()["imported"]
+    check(len(imported) == 1, "one imported mapping in the snapshot: %r" % imported)
+    im = imported[0]
+    check(im["address"] == ptr and im["size"] == size and im["exporter_pid"] == os.getppid(), repr(im))
+    check(im["mapped_size"] == stats["imported_bytes.all.current"] and im["segment_type"] == "large", repr(im))
+    check(im["mapped_address"] <= ptr < im["mapped_address"] + im["mapped_size"], repr(im))
+    check(fragless.snapshot()["segments"] == [], "an imported mapping is in no segment")
     q_out.put("written")
     if q_in.get() == "hold":  # stay open until killed
         q_out.put("holding")
         time.sleep(600)
     fragless.close_shared(ptr)
-    check(fragless.memory_stats()["fragless.imported_bytes.current"] == 0, "imported bytes back to 0")
+    stats = fragless.memory_stats()
+    check(stats["imported_bytes.all.current"] == 0, "imported bytes back to 0")
+    check(stats["imported_bytes.all.peak"] >= N, "the peak stays")
+    check(fragless.snapshot()["imported"] == [], "no imported mapping left in the snapshot")
     try:
         fragless.close_shared(ptr)
         check(False, "a second close_shared was accepted")
@@ -53,6 +69,31 @@ def allocated():
     return fragless.memory_stats()["allocated_bytes.all.current"]
 
 
+def held_block(ptr):
+    """The snapshot's block at ptr and its segment; the snapshot must pass the viewer's rules."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "shared.pickle")
+        fragless.dump_snapshot(path)
+        problems = viewer_rules.check(path)
+        check(problems == [], "PyTorch's viewer reads a snapshot with a shared block: %s" % problems)
+    for seg in fragless.snapshot()["segments"]:
+        for b in seg["blocks"]:
+            if b["address"] == ptr:
+                return seg, b
+    check(False, "no block at the shared pointer")
+
+
+def check_exported(ptr, owner_freed):
+    stats = fragless.memory_stats()
+    exported = stats["exported_bytes.all.current"]
+    check(exported >= N and stats["exported_bytes.large_pool.current"] == exported, "exported bytes: %d" % exported)
+    check(stats["exported_bytes.small_pool.current"] == 0, "no exported bytes in the small pool")
+    seg, b = held_block(ptr)
+    check(b["exported_bytes"] == exported and seg["exported_bytes"] == exported, "snapshot: %r" % b)
+    check(b["leases"] >= 1 and b["registrations"] == 0 and b["owner_freed"] == owner_freed, "snapshot: %r" % b)
+    check(b["state"] == "active_allocated", "a held block stays allocated")
+
+
 def run(hold):
     lib = fragless.library()
     ptr = lib.fragless_malloc(N, 0, None)
@@ -64,10 +105,12 @@ def run(hold):
     s = fragless.share(ptr)
     q_in.put(s)
     check(q_out.get(timeout=60) == "written", "the child opened the share")
+    check_exported(ptr, owner_freed=False)
     s.close()
     check(ctypes.string_at(ptr + N // 2, N - N // 2) == b"\xc3" * (N - N // 2), "the child's bytes, here")
     lib.fragless_free(ptr, N, 0, None)
     check(allocated() >= N, "freed while the other process has it: still held")
+    check_exported(ptr, owner_freed=True)
     if hold:
         q_in.put("hold")
         check(q_out.get(timeout=60) == "holding", "the child holds the block")
@@ -81,7 +124,11 @@ def run(hold):
         check(p.exitcode == 0, "the child's exit code: %s" % p.exitcode)
     check(wait_reaped(), "the block went back once the other process let it go")
     check(allocated() == 0, "nothing left allocated: %d" % allocated())
-    check(fragless.memory_stats()["fragless.exported_bytes.current"] == 0, "exported bytes back to 0")
+    stats = fragless.memory_stats()
+    check(stats["exported_bytes.all.current"] == 0, "exported bytes back to 0")
+    check(stats["exported_bytes.all.peak"] >= N, "the peak stays")
+    check(all("exported_bytes" not in b for seg in fragless.snapshot()["segments"] for b in seg["blocks"]),
+          "no block marked exported any more")
 
 
 def refusals():

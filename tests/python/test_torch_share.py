@@ -32,12 +32,12 @@ def receiver(q_in, q_out):
     check(bool((t == 3.0).all()), "the sender's values")
     t.fill_(7.0)
     torch.cuda.synchronize()
-    check(ft.memory_stats()["fragless.imported_bytes.current"] >= t.numel() * 4, "imported bytes counted")
+    check(ft.memory_stats()["imported_bytes.all.current"] >= t.numel() * 4, "imported bytes counted")
     q_out.put("written")
     del t
     import gc
     gc.collect()
-    check(ft.memory_stats()["fragless.imported_bytes.current"] == 0, "the tensor's deletion closed it")
+    check(ft.memory_stats()["imported_bytes.all.current"] == 0, "the tensor's deletion closed it")
     q_out.put("closed")
 
 
@@ -58,8 +58,8 @@ if __name__ == "__main__":
     p.join(60)
     check(p.exitcode == 0, "receiver exit code %s" % p.exitcode)
     for _ in range(5000):
-        if fragless.reap_shared() or ft.memory_stats()["fragless.exported_bytes.current"] == 0:
+        if fragless.reap_shared() or ft.memory_stats()["exported_bytes.all.current"] == 0:
             break
         time.sleep(0.002)
-    check(ft.memory_stats()["fragless.exported_bytes.current"] == 0, "the sender's block went back")
+    check(ft.memory_stats()["exported_bytes.all.current"] == 0, "the sender's block went back")
     print("torch.multiprocessing CUDA tensor exchange under fragless.torch.enable(): OK")

@@ -1,7 +1,9 @@
 // Two real processes share fragless memory through libfragless.so's C ABI on the host driver (memfd-backed
 // handles passed as file descriptors over a Unix socket, SCM_RIGHTS). The program runs itself as the second
 // process (fork and exec: nothing is inherited but the socket), so what the other side sees came through
-// the share alone. FRAGLESS_CONF must ask for driver:host and shareable_handles:True.
+// the share alone. FRAGLESS_CONF must ask for driver:host and shareable_handles:True, or for the cuda driver
+// on the libcuda double with shareable_handles:fabric (FAKECUDA_FABRIC=1: fabric handles, the lease alone
+// travelling as a descriptor).
 //
 //   share_processes SCENARIO          bytes | free_while_held | killed | cycles | stale
 // Exit 0 when every check held; 1 with the failed check on stderr.
@@ -199,7 +201,9 @@ void bytes_exporter(int sock) {
   send_share(sock, p);
   REQUIRE(recv_msg(sock) == "written");
   CHECK(all(p + n / 2, n - n / 2, 0xC3));  // the other process's bytes, here
-  CHECK(stat_of("fragless.exported_bytes.current") >= static_cast<long long>(n));
+  CHECK(stat_of("exported_bytes.all.current") >= static_cast<long long>(n));
+  CHECK(stat_of("exported_bytes.large_pool.current") == stat_of("exported_bytes.all.current"));
+  CHECK(stat_of("exported_bytes.small_pool.current") == 0);
   send_msg(sock, "close");
   REQUIRE(recv_msg(sock) == "closed");
   CHECK(fragless_register_range(p + 4096, MiB) == 0);  // NCCL's registration holds it too
@@ -209,7 +213,8 @@ void bytes_exporter(int sock) {
   CHECK(fragless_reap_shared() == 0);
   CHECK(stat_of("allocated_bytes.all.current") > 0);
   CHECK(fragless_deregister_range(p + 4096) == 0);
-  CHECK(stat_of("fragless.exported_bytes.current") == 0);
+  CHECK(stat_of("exported_bytes.all.current") == 0);
+  CHECK(stat_of("exported_bytes.all.peak") >= static_cast<long long>(n));
   CHECK(stat_of("allocated_bytes.all.current") == 0);
 }
 
@@ -221,12 +226,13 @@ void bytes_child(int sock) {
   CHECK(size >= n);
   CHECK(all(q, n, 0x5A));
   std::memset(q + n / 2, 0xC3, n - n / 2);
-  CHECK(stat_of("fragless.imported_bytes.current") >= static_cast<long long>(n));
+  CHECK(stat_of("imported_bytes.all.current") >= static_cast<long long>(n));
+  CHECK(stat_of("imported_bytes.large_pool.current") == stat_of("imported_bytes.all.current"));
   CHECK(stat_of("reserved_bytes.all.current") == 0);
   send_msg(sock, "written");
   REQUIRE(recv_msg(sock) == "close");
   CHECK(fragless_close_shared(q) == 0);
-  CHECK(stat_of("fragless.imported_bytes.current") == 0);
+  CHECK(stat_of("imported_bytes.all.current") == 0);
   send_msg(sock, "closed");
 }
 
@@ -278,7 +284,7 @@ void killed_exporter(int sock, pid_t child) {
   CHECK(wait_child(child) == 128 + SIGKILL);
   CHECK(reaped());  // the kernel closed the dead process's lease
   CHECK(stat_of("allocated_bytes.all.current") == 0);
-  CHECK(stat_of("fragless.exported_bytes.current") == 0);
+  CHECK(stat_of("exported_bytes.all.current") == 0);
 }
 
 void killed_child(int sock) {
@@ -308,7 +314,7 @@ void cycles_exporter(int sock) {
   reaped();
   REQUIRE(recv_msg(sock).rfind("leaks 0 0 0", 0) == 0);
   CHECK(stat_of("allocated_bytes.all.current") == 0);
-  CHECK(stat_of("fragless.exported_bytes.current") == 0);
+  CHECK(stat_of("exported_bytes.all.current") == 0);
   fragless_empty_cache();
   CHECK(stat_of("reserved_bytes.all.current") == 0);
   CHECK(count_entries("/proc/self/fd") == fds0);
@@ -331,7 +337,7 @@ void cycles_child(int sock) {
   }
   const long long fd_leak = static_cast<long long>(count_entries("/proc/self/fd")) - static_cast<long long>(fds0);
   const long long map_leak = static_cast<long long>(count_mappings()) - static_cast<long long>(maps0);
-  const long long imported = stat_of("fragless.imported_bytes.current");
+  const long long imported = stat_of("imported_bytes.all.current");
   CHECK(fd_leak == 0);
   CHECK(map_leak == 0);
   CHECK(imported == 0);
@@ -352,7 +358,7 @@ void stale_first(int sock, pid_t child) {
   CHECK(fragless_open_shared(0, desc.data(), desc.size(), fds.data(), fds.size(), &size) == nullptr);
   CHECK(std::strstr(fragless_last_error(), "stale") != nullptr);
   CHECK(std::strstr(fragless_last_error(), "nothing was mapped") != nullptr);
-  CHECK(stat_of("fragless.imported_bytes.current") == 0);
+  CHECK(stat_of("imported_bytes.all.current") == 0);
   for (int fd : fds) close(fd);
 }
 

@@ -45,7 +45,8 @@ struct Options {
   std::size_t page_size = 2u << 20;                      // host and sim granularity, bytes
   std::size_t capacity = 0;                              // host/sim physical budget, bytes; 0 = driver default
   bool peer_access = true;                               // cuda: grant peers that can access this device
-  bool shareable_handles = false;                        // cuda: physical memory exportable as POSIX fds
+  bool shareable_handles = false;                        // physical memory exportable (cuda: POSIX fds)
+  bool fabric_handles = false;                           // cuda: ...as fabric handles instead (R26)
   std::string trace;                                     // trace path pattern (%p %d %r); empty = off
   // fragless policy (docs/ARCHITECTURE.md, "Policies").
   HandleShape handle_shape = HandleShape::cells;        // shape of new physical handles

@@ -16,6 +16,9 @@ struct CudaDriverOptions {
   // by default: a shareable handle type can make cuMemCreate fail or cost more where the process does not
   // need it, and fragless memory is not handed to other processes by itself.
   bool shareable_handles = false;
+  // With shareable_handles: CU_MEM_HANDLE_TYPE_FABRIC instead (R26); the driver is refused on a device without
+  // CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED.
+  bool fabric_handles = false;
 };
 
 // The library fragless loads as the driver: FRAGLESS_LIBCUDA when set, else libcuda.so.1 (LD_PRELOAD's driver

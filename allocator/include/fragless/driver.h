@@ -92,9 +92,7 @@
 //     shareable handles are closed and the allocation is released, the allocated memory referenced will be
 //     released": the memory lives while the handle, any exported descriptor or any imported handle does.
 //     The descriptor travels to another process only as a file descriptor does (SCM_RIGHTS over a Unix
-//     socket, or pidfd_getfd): NVIDIA's memMapIPCDrv sample. Fabric handles (CU_MEM_HANDLE_TYPE_FABRIC, 64
-//     bytes that travel as bytes, an IMEX channel needed, "CUDA_ERROR_NOT_PERMITTED" otherwise) are not
-//     used by fragless yet.
+//     socket, or pidfd_getfd): NVIDIA's memMapIPCDrv sample. Fabric handles: R26.
 //  R19 import (cuMemImportFromShareableHandle): for a POSIX file descriptor, osHandle is the descriptor
 //     itself cast to a pointer ((void*)(uintptr_t)fd, as NVIDIA's memMapIPCDrv sample passes it), and the
 //     descriptor stays the caller's. The result is a handle like a created one: mapped whole at offset 0
@@ -105,6 +103,21 @@
 //     are two handles, each released on its own. The import does not say the allocation's size: the
 //     importer is told it (with the descriptor), and a map of another size fails (R5). The host driver
 //     checks the size at the import (a memfd's size); the libcuda double, at both.
+//  R26 fabric handles (cuda.h: CUmemFabricHandle, "an opaque handle representing a memory allocation that can
+//     be exported to processes in same or different nodes"; CU_MEM_HANDLE_TYPE_FABRIC;
+//     CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, "device supports exporting memory to a fabric handle
+//     with cuMemExportToShareableHandle() or requested with cuMemCreate()"). Read strictly: cuMemCreate with
+//     the fabric type among requestedHandleTypes on a device without the attribute fails (cuMemCreate lists
+//     CUDA_ERROR_NOT_SUPPORTED), so fragless asks for the type only where the device reports it and refuses
+//     shareable_handles:fabric elsewhere, naming the attribute. Export follows R18: only a handle created with
+//     the fabric type exports one (a POSIX-only handle refuses, and a fabric-only handle refuses a POSIX
+//     descriptor); the result is the 64 bytes of a CUmemFabricHandle, data that travels as bytes (no
+//     descriptor). Import (cuMemImportFromShareableHandle) takes osHandle as a pointer to those 64 bytes; "If
+//     shHandleType is CU_MEM_HANDLE_TYPE_FABRIC and the importer process has not been granted access to the
+//     same IMEX channel as the exporter process, this API will error as CUDA_ERROR_NOT_PERMITTED" (cuMemCreate:
+//     both sides need an IMEX channel, /dev/nvidia-caps-imex-channels). Bytes that name no exported
+//     allocation (forged) are refused (the stricter reading: CUDA_ERROR_INVALID_VALUE, nothing imported). The
+//     imported handle maps, releases and keeps its memory as R19's does.
 //  LD_PRELOAD's driver half (torch_plugin/preload_driver.cpp) rests on these:
 //  R20 how programs reach the driver. cuda.h maps cuMemAlloc, cuMemAllocPitch, cuMemFree, cuMemGetInfo and
 //     cuMemGetAddressRange to their _v2 symbols (CUDA 3.2's ABI), cuGetProcAddress to cuGetProcAddress_v2
@@ -306,6 +319,11 @@ class DriverContract {
   std::map<DevicePtr, MappingState> mappings_;
 };
 
+// R26: a CUmemFabricHandle's bytes.
+struct FabricHandle {
+  unsigned char data[64] = {};
+};
+
 class Driver {
  public:
   virtual ~Driver() = default;
@@ -329,6 +347,13 @@ class Driver {
   // R19: a new handle (*h) for `size` bytes of memory another process (or this one) exported as descriptor
   // fd, which stays the caller's. Map it whole, release it like a created handle.
   Status import_handle(int fd, std::size_t size, PhysHandle* h);
+  // R26: the same through fabric handles: *out gets h's fabric handle (not_supported when h was not created
+  // with the fabric type), and a fabric handle another process exported imports as a new handle.
+  Status export_handle(PhysHandle h, FabricHandle* out);
+  Status import_handle(const FabricHandle& f, std::size_t size, PhysHandle* h);
+  // Whether this driver's exportable memory is created with the fabric type (shareable_handles:fabric, R26):
+  // shares then carry fabric handles, not descriptors.
+  virtual bool fabric_handles() const { return false; }
   Status record_event(Stream s, Event* e) {
     return event_call(DriverCall::record_event, [&] { return do_record_event(s, e); });
   }
@@ -414,6 +439,15 @@ class Driver {
   virtual Status do_import_handle(int, std::size_t, PhysHandle*) {
     return unsupported("import_handle: this driver cannot share memory");
   }
+  virtual Status do_export_fabric(PhysHandle, FabricHandle*) {
+    return unsupported("export_handle: this driver has no fabric handles (R26)");
+  }
+  virtual Status do_import_fabric(const FabricHandle&, std::size_t, PhysHandle*) {
+    return unsupported("import_handle: this driver has no fabric handles (R26)");
+  }
+  // export_handle and import_handle's checks and counts around `call` (a do_* of either kind).
+  template <class Call> Status exporting(PhysHandle h, Call call);
+  template <class Call> Status importing(std::size_t size, PhysHandle* h, Call call);
   Status unsupported(const char* what);
   Status unmap_each_mapping(DevicePtr va, std::size_t size);  // R15's fallback
 

@@ -44,6 +44,22 @@ struct BlockInfo {
   std::size_t size = 0;
   std::size_t requested_size = 0;
   enum State { active_allocated, active_pending_free, inactive, unmapped } state = inactive;
+  // Held for other processes or NCCL (Note [Sharing], engine/share.cpp): the block stays allocated.
+  bool held = false;
+  bool owner_freed = false;       // its owner freed it; it goes back when the last hold goes
+  std::size_t exported_bytes = 0; // the whole handles under it (exported_bytes stat), 0 when never shared
+  std::size_t leases = 0;         // shares of it not yet closed everywhere
+  int registrations = 0;          // register_range holds
+};
+
+// Another process's block mapped here by open_shared (snapshots): in no segment, counted in imported_bytes.
+struct ImportInfo {
+  DevicePtr address = 0;         // what open_shared returned
+  std::size_t size = 0;          // the block's size
+  DevicePtr mapped_address = 0;  // the whole handles under it, mapped here
+  std::size_t mapped_size = 0;
+  int exporter_pid = 0;
+  bool small = false;            // the exporter's block is in its small pool
 };
 
 struct SegmentInfo {
@@ -54,6 +70,7 @@ struct SegmentInfo {
   bool small = false;
   bool expandable = false;
   PoolId pool{0, 0};
+  std::size_t exported_bytes = 0;  // the exported_bytes of its blocks (BlockInfo)
   std::vector<BlockInfo> blocks;
 };
 
@@ -131,6 +148,7 @@ class DeviceEngine {
   void reset_peak_stats();
   void reset_accumulated_stats();
   std::vector<SegmentInfo> snapshot();
+  std::vector<ImportInfo> imports();  // open_shared mappings not yet closed, by address
   DriverCounters driver_counters();
   void reset_driver_counters();
   // Background work (Options::background). Manual mode: runs it on this thread until `budget_us` of

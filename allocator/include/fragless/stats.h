@@ -41,10 +41,11 @@ struct DeviceStats {
   Stat live_bytes;                  // requested bytes of allocated (not pending) blocks
   std::int64_t num_forced_syncs = 0;  // every stream/event synchronisation the engine forced
   std::int64_t num_failed_waits = 0;  // synchronisations that failed: the memory under them stayed cached
-  // Sharing across processes (engine/share.cpp): bytes of this device's blocks that other processes may hold
-  // open (the whole handles under each exported block, once per block), and bytes of other processes'
-  // memory mapped here by open_shared (in neither allocated nor reserved).
-  Stat exported_bytes, imported_bytes;
+  // Sharing across processes (engine/share.cpp), in PyTorch's key style (exported_bytes.all.current, ...):
+  // bytes of this device's blocks that other processes may hold open (the whole handles under each exported
+  // block, once per block; the pool is the block's), and bytes of other processes' memory mapped here by
+  // open_shared (in neither allocated nor reserved; the pool is the exporter's block's).
+  StatArray exported_bytes, imported_bytes;
 
   // 1 - peak allocated / peak reserved (0 when nothing was reserved).
   double fragmentation_at_peak() const;

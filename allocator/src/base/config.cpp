@@ -156,11 +156,17 @@ constexpr OptionInfo kOptions[] = {
      "memory, as cudaMalloc memory is reachable by peers: one cuMemSetAccess per mapping, with one descriptor per "
      "device. False grants the owning device only (peer copies and NCCL P2P through it then fault).",
      &flag<&Options::peer_access>},
-    {"shareable_handles", "True or False", "False",
+    {"shareable_handles", "True, False or fabric", "False",
      "create physical memory exportable, so that blocks can be shared with other processes (fragless.share): "
      "cuda driver: a POSIX file descriptor handle type (cuMemExportToShareableHandle) where the device "
-     "supports it; host driver: a memfd per handle. Off, sharing is refused.",
-     &flag<&Options::shareable_handles>},
+     "supports it; host driver: a memfd per handle. fabric (cuda driver): fabric handles "
+     "(CU_MEM_HANDLE_TYPE_FABRIC, multi-node NVLink; 64 bytes carried in the share's description), refused "
+     "on a device without CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED. Off, sharing is refused.",
+     [](std::string_view v, Options& o) -> std::string {
+       o.fabric_handles = v == "fabric";
+       if (o.fabric_handles) return o.shareable_handles = true, std::string{};
+       return boolean(v, &o.shareable_handles).empty() ? std::string{} : "True, False or fabric (exactly)";
+     }},
     {"handles", "pages, ends, whole or cells", "cells",
      "fragless policy: the shape of new physical handles (a mapping is always one whole handle). pages: one "
      "handle per page (finest re-backing, most cuMemCreate calls); ends: the body of a growth in handles of "

@@ -36,13 +36,13 @@ constexpr std::pair<const char*, StatArray DeviceStats::*> kArrays[] = {
     {"allocation", &DeviceStats::allocation}, {"segment", &DeviceStats::segment}, {"active", &DeviceStats::active},
     {"inactive_split", &DeviceStats::inactive_split}, {"allocated_bytes", &DeviceStats::allocated_bytes},
     {"reserved_bytes", &DeviceStats::reserved_bytes}, {"active_bytes", &DeviceStats::active_bytes},
-    {"inactive_split_bytes", &DeviceStats::inactive_split_bytes}, {"requested_bytes", &DeviceStats::requested_bytes}};
+    {"inactive_split_bytes", &DeviceStats::inactive_split_bytes}, {"requested_bytes", &DeviceStats::requested_bytes},
+    {"exported_bytes", &DeviceStats::exported_bytes},  // fragless's own: sharing across processes
+    {"imported_bytes", &DeviceStats::imported_bytes}};
 constexpr std::pair<const char*, Stat DeviceStats::*> kStats[] = {
     {"oversize_allocations", &DeviceStats::oversize_allocations},
     {"oversize_segments", &DeviceStats::oversize_segments},
-    {"fragless.live_bytes", &DeviceStats::live_bytes},
-    {"fragless.exported_bytes", &DeviceStats::exported_bytes},
-    {"fragless.imported_bytes", &DeviceStats::imported_bytes}};
+    {"fragless.live_bytes", &DeviceStats::live_bytes}};
 constexpr std::pair<const char*, std::int64_t DeviceStats::*> kCounters[] = {
     {"num_alloc_retries", &DeviceStats::num_alloc_retries}, {"num_ooms", &DeviceStats::num_ooms},
     {"num_sync_all_streams", &DeviceStats::num_sync_all_streams}, {"num_device_alloc", &DeviceStats::num_device_alloc},

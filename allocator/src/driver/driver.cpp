@@ -351,23 +351,44 @@ Status Driver::set_access(DevicePtr va, std::size_t size) {
   return fail_through(do_set_access(va, size));
 }
 
-Status Driver::export_handle(PhysHandle h, int* fd) {
+template <class Call>
+Status Driver::exporting(PhysHandle h, Call call) {
   charge(DriverCall::export_handle);
   {
     std::lock_guard lk(mu_);
     if (const char* r = contract_.check_export(h)) return refuse(r);
   }
   auto lk = impl_lock();
-  return fail_through(do_export_handle(h, fd));
+  return fail_through(call());
+}
+
+template <class Call>
+Status Driver::importing(std::size_t size, PhysHandle* h, Call call) {
+  charge(DriverCall::import_handle, size);
+  if (const char* r = contract_.check_create(size)) return refuse(r);
+  // Mapped whole and released like a created handle (R19).
+  return run_and_record(impl_lock(), mu_, [&] { return fail_through(call()); },
+                        [&] { contract_.created(*h, size); });
+}
+
+Status Driver::export_handle(PhysHandle h, int* fd) {
+  return exporting(h, [&] { return do_export_handle(h, fd); });
 }
 
 Status Driver::import_handle(int fd, std::size_t size, PhysHandle* h) {
-  charge(DriverCall::import_handle, size);
-  if (const char* r = contract_.check_create(size)) return refuse(r);
-  if (fd < 0) return refuse("import_handle: not a file descriptor (R19)");
-  // Mapped whole and released like a created handle (R19).
-  return run_and_record(impl_lock(), mu_, [&] { return fail_through(do_import_handle(fd, size, h)); },
-                        [&] { contract_.created(*h, size); });
+  if (fd < 0) {
+    charge(DriverCall::import_handle, size);
+    return refuse("import_handle: not a file descriptor (R19)");
+  }
+  return importing(size, h, [&] { return do_import_handle(fd, size, h); });
+}
+
+Status Driver::export_handle(PhysHandle h, FabricHandle* out) {
+  return exporting(h, [&] { return do_export_fabric(h, out); });
+}
+
+Status Driver::import_handle(const FabricHandle& f, std::size_t size, PhysHandle* h) {
+  return importing(size, h, [&] { return do_import_fabric(f, size, h); });
 }
 
 }  // namespace fragless

@@ -349,6 +349,15 @@ std::vector<SegmentInfo> DeviceEngine::snapshot() {
   return s_->snapshot();
 }
 
+std::vector<ImportInfo> DeviceEngine::imports() {
+  std::lock_guard lk(s_->mu);
+  std::vector<ImportInfo> out;
+  for (const auto& [p, im] : s_->imports)
+    out.push_back(ImportInfo{p, im.size, im.va, im.span, im.exporter_pid, im.small});
+  std::sort(out.begin(), out.end(), [](const ImportInfo& a, const ImportInfo& b) { return a.address < b.address; });
+  return out;
+}
+
 double DeviceEngine::run_background(double budget_us) { return s_->background.step(budget_us); }
 
 void DeviceEngine::drain_background() { s_->background.drain(); }

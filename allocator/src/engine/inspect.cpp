@@ -176,6 +176,8 @@ std::vector<SegmentInfo> DeviceEngine::State::snapshot() {
       } else {
         bi.state = BlockInfo::inactive;
       }
+      if (b->exported) describe_hold(*b, &bi);
+      cur.exported_bytes += bi.exported_bytes;
       cur.total_size += b->size;
       cur.blocks.push_back(bi);
     }

@@ -26,6 +26,12 @@
 // description (altered on its way, or another share's lease); a lease whose engine end is gone (the
 // exporting process exited: its block may be reused by now); a handle descriptor that names other memory
 // than the description's, or that the driver does not accept at the size described (R19).
+//
+// Fabric handles (shareable_handles:fabric, driver.h R26). Each handle's CUmemFabricHandle travels inside the
+// description (its entry), so the lease is the only descriptor; the lease's copy of the description covers
+// the handles' bytes too (altered bytes are refused as a forged description), and the driver refuses bytes
+// that name no exported memory. The lifetime rule stays the lease's: a fabric share opens only where the
+// lease can go (a process of the same machine); across nodes the lease would need a transport of its own.
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/random.h>
@@ -72,6 +78,8 @@ struct Header {
   std::uint32_t handles;
   std::int32_t device;
   std::int32_t pid;          // the exporting process
+  std::uint32_t flags;       // kFlagSmallPool, kFlagFabric
+  std::uint32_t unused;      // 0
   std::uint64_t token;       // random: two shares' descriptions always differ
   std::uint64_t granularity;
   std::uint64_t span;        // sum of the handles' sizes
@@ -79,11 +87,16 @@ struct Header {
   std::uint64_t size;
 };
 
+constexpr std::uint32_t kVersion = 2;
+constexpr std::uint32_t kFlagSmallPool = 1;  // the block is in the exporter's small pool (imported_bytes' pool)
+constexpr std::uint32_t kFlagFabric = 2;     // the handles travel as fabric handles (R26), not descriptors
+
 // One handle: its size and the identity of the file its descriptor names (fstat), so that a descriptor of
-// other memory in its place is refused.
+// other memory in its place is refused; or, for fabric handles, the handle itself (no descriptor travels).
 struct HandleEntry {
   std::uint64_t size;
   std::uint64_t dev, ino;
+  FabricHandle fabric;  // zero unless kFlagFabric
 };
 
 // The identity of the file behind fd (0, 0 when there is none).
@@ -156,13 +169,16 @@ std::string parse(const std::string& desc, std::size_t nfds, std::size_t granula
   if (desc.size() < sizeof(Header)) return "the description is " + std::to_string(desc.size()) + " bytes: too short";
   std::memcpy(h, desc.data(), sizeof *h);
   if (std::memcmp(h->magic, kMagic, sizeof kMagic) != 0) return "the description is not a fragless share's";
-  if (h->version != 1) return "the description is version " + std::to_string(h->version) + "; this fragless reads 1";
+  if (h->version != kVersion)
+    return "the description is version " + std::to_string(h->version) + "; this fragless reads " + std::to_string(kVersion);
+  if ((h->flags & ~(kFlagSmallPool | kFlagFabric)) != 0 || h->unused != 0) return "the description has unknown flags";
+  const bool fabric = (h->flags & kFlagFabric) != 0;
   if (h->handles == 0 || h->handles > kMaxHandles) return "the description names " + std::to_string(h->handles) + " handles";
   if (desc.size() != sizeof(Header) + h->handles * sizeof(HandleEntry))
     return "the description's length does not match its " + std::to_string(h->handles) + " handles";
-  if (nfds != h->handles + 1)
+  if (nfds != (fabric ? 1 : h->handles + 1))
     return std::to_string(nfds) + " descriptors came with a description of " + std::to_string(h->handles) +
-           " handles (the lease and one per handle expected)";
+           (fabric ? " fabric handles (the lease alone expected)" : " handles (the lease and one per handle expected)");
   if (h->granularity != granularity)
     return "exported with granularity " + std::to_string(h->granularity) + ", this device's is " +
            std::to_string(granularity);
@@ -196,15 +212,19 @@ Status DeviceEngine::share(void* ptr, SharedBlock* out, AllocError* err) {
     return Status::invalid_argument;
   }
   const std::vector<Piece> pieces = pieces_under(*s.driver, *b);
+  const bool fabric = s.driver->fabric_handles();
   SharedBlock sb;
   sb.fds.push_back(-1);  // the lease, below
-  for (const Piece& p : pieces) {
+  std::vector<FabricHandle> fabrics(fabric ? pieces.size() : 0);
+  for (std::size_t i = 0; i < pieces.size(); ++i) {
     int fd = -1;
-    if (Status st = s.driver->export_handle(p.handle, &fd); st != Status::ok) {
+    const Status st = fabric ? s.driver->export_handle(pieces[i].handle, &fabrics[i])
+                             : s.driver->export_handle(pieces[i].handle, &fd);
+    if (st != Status::ok) {
       set_error(err, st, "fragless: share of " + hex(ptr) + ": " + s.driver->last_error());
       return st;
     }
-    sb.fds.push_back(fd);
+    if (!fabric) sb.fds.push_back(fd);
   }
   int pair[2];
   if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) != 0) {
@@ -214,7 +234,8 @@ Status DeviceEngine::share(void* ptr, SharedBlock* out, AllocError* err) {
   sb.fds[0] = pair[1];
   Header h{};
   std::memcpy(h.magic, kMagic, sizeof kMagic);
-  h.version = 1;
+  h.version = kVersion;
+  h.flags = (b->pool->small ? kFlagSmallPool : 0) | (fabric ? kFlagFabric : 0);
   h.handles = static_cast<std::uint32_t>(pieces.size());
   h.device = s.driver->device();
   h.pid = static_cast<std::int32_t>(getpid());
@@ -225,8 +246,8 @@ Status DeviceEngine::share(void* ptr, SharedBlock* out, AllocError* err) {
   h.size = b->size;
   sb.description.assign(reinterpret_cast<const char*>(&h), sizeof h);
   for (std::size_t i = 0; i < pieces.size(); ++i) {
-    const auto [dev, ino] = identity(sb.fds[i + 1]);
-    const HandleEntry e{pieces[i].size, dev, ino};
+    const auto [dev, ino] = fabric ? std::pair<std::uint64_t, std::uint64_t>{} : identity(sb.fds[i + 1]);
+    const HandleEntry e{pieces[i].size, dev, ino, fabric ? fabrics[i] : FabricHandle{}};
     sb.description.append(reinterpret_cast<const char*>(&e), sizeof e);
   }
   if (send(pair[0], sb.description.data(), sb.description.size(), MSG_NOSIGNAL) !=
@@ -238,7 +259,7 @@ Status DeviceEngine::share(void* ptr, SharedBlock* out, AllocError* err) {
   State::Export& e = s.exports[b->ptr];
   if (e.span == 0) {
     e.span = h.span;
-    s.stats.exported_bytes.add(static_cast<std::int64_t>(h.span));
+    s.stats.exported_bytes.add(b->pool->small, static_cast<std::int64_t>(h.span));
   }
   e.leases.push_back(pair[0]);
   b->exported = true;
@@ -286,7 +307,7 @@ bool DeviceEngine::State::release_if_unheld(std::unordered_map<DevicePtr, Export
   if (it->second.held()) return false;
   Block* b = active_blocks.get(it->first);
   b->exported = false;
-  stats.exported_bytes.add(-static_cast<std::int64_t>(it->second.span));
+  stats.exported_bytes.add(b->pool->small, -static_cast<std::int64_t>(it->second.span));
   const bool freed_by_owner = it->second.owner_freed;
   exports.erase(it);
   if (freed_by_owner) free_live(b);
@@ -317,7 +338,8 @@ void* DeviceEngine::open_shared(const std::string& desc, const int* fds, std::si
   if (std::string why = parse(desc, nfds, d.granularity(), &h, &handles); !why.empty())
     return refuse(Status::invalid_argument, why);
   if (std::string why = check_lease(fds[0], desc, h.pid); !why.empty()) return refuse(Status::invalid_argument, why);
-  for (std::size_t i = 0; i < handles.size(); ++i)
+  const bool fabric = (h.flags & kFlagFabric) != 0;
+  for (std::size_t i = 0; i < handles.size() && !fabric; ++i)
     if (identity(fds[i + 1]) != std::pair{handles[i].dev, handles[i].ino})
       return refuse(Status::invalid_argument,
                     "descriptor " + std::to_string(i + 1) + " is not the memory the share describes: forged");
@@ -330,7 +352,7 @@ void* DeviceEngine::open_shared(const std::string& desc, const int* fds, std::si
   for (std::size_t i = 0; i < handles.size() && failed == Status::ok; ++i) {
     PhysHandle ph = 0;
     const std::size_t hsize = handles[i].size;
-    failed = d.import_handle(fds[i + 1], hsize, &ph);
+    failed = fabric ? d.import_handle(handles[i].fabric, hsize, &ph) : d.import_handle(fds[i + 1], hsize, &ph);
     if (failed != Status::ok) {
       failure = "handle " + std::to_string(i) + ": " + d.last_error();
       break;
@@ -352,8 +374,9 @@ void* DeviceEngine::open_shared(const std::string& desc, const int* fds, std::si
     return refuse(failed, failure);
   }
   const DevicePtr p = va + h.offset;
-  s.imports[p] = State::Import{va, h.span, h.size, lease};
-  s.stats.imported_bytes.add(static_cast<std::int64_t>(h.span));
+  const bool small = (h.flags & kFlagSmallPool) != 0;
+  s.imports[p] = State::Import{va, h.span, h.size, lease, h.pid, small};
+  s.stats.imported_bytes.add(small, static_cast<std::int64_t>(h.span));
   if (size) *size = h.size;
   return reinterpret_cast<void*>(p);
 }
@@ -385,7 +408,7 @@ Status DeviceEngine::close_shared(void* ptr, AllocError* err) {
   s.give_back_mapping(im.va, im.span);
   s.give_back_reservation(im.va, im.span);
   ::close(im.lease);
-  s.stats.imported_bytes.add(-static_cast<std::int64_t>(im.span));
+  s.stats.imported_bytes.add(im.small, -static_cast<std::int64_t>(im.span));
   return Status::ok;
 }
 
@@ -407,21 +430,34 @@ void DeviceEngine::State::close_all_shares() {
 }
 
 std::string DeviceEngine::State::check_sharing() const {
-  std::int64_t exported = 0, imported = 0;
+  StatArray exported, imported;  // recounts, per pool
   for (const auto& [p, e] : exports) {
     const Block* b = active_blocks.get(p);
     if (!b || !b->exported || b->state != BlockState::allocated)
       return "sharing: an exported block is not an allocated block marked exported";
     if (!e.held()) return "sharing: a listed block has no lease and no registration";
-    exported += static_cast<std::int64_t>(e.span);
+    exported.add(b->pool->small, static_cast<std::int64_t>(e.span));
   }
   std::size_t marked = 0;
   active_blocks.for_each([&](DevicePtr, Block* b) { marked += b->exported; });
   if (marked != exports.size()) return "sharing: a block is marked exported but not listed";
-  for (const auto& [p, im] : imports) imported += static_cast<std::int64_t>(im.span);
-  if (exported != stats.exported_bytes.current) return "sharing: exported bytes differ from recount";
-  if (imported != stats.imported_bytes.current) return "sharing: imported bytes differ from recount";
+  for (const auto& [p, im] : imports) imported.add(im.small, static_cast<std::int64_t>(im.span));
+  for (int k : {kAllPools, kSmallPool, kLargePool}) {
+    if (exported.by_pool[k].current != stats.exported_bytes.by_pool[k].current)
+      return "sharing: exported bytes differ from recount";
+    if (imported.by_pool[k].current != stats.imported_bytes.by_pool[k].current)
+      return "sharing: imported bytes differ from recount";
+  }
   return {};
+}
+
+void DeviceEngine::State::describe_hold(const Block& b, BlockInfo* out) const {
+  const Export& e = exports.at(b.ptr);
+  out->held = true;
+  out->owner_freed = e.owner_freed;
+  out->exported_bytes = e.span;
+  out->leases = e.leases.size();
+  out->registrations = e.registrations;
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -296,6 +296,8 @@ struct DeviceEngine::State {
     std::size_t span = 0;
     std::size_t size = 0;    // the block's size
     int lease = -1;          // this process's copy of the lease (its close drops the reference)
+    int exporter_pid = 0;
+    bool small = false;      // the exporter's block is in its small pool (the imported_bytes pool)
   };
   std::unordered_map<DevicePtr, Import> imports;
   // The allocated block holding [p, p+size), or nullptr (a linear walk: registrations are rare).
@@ -308,6 +310,7 @@ struct DeviceEngine::State {
   std::size_t reap_exports(int waited_us = 0);
   std::string imported_free_message(void* ptr) const;
   std::string check_sharing() const;
+  void describe_hold(const Block& b, BlockInfo* out) const;  // snapshots: how an exported block is held
   void close_all_shares();  // teardown: every lease and import goes
 };
 

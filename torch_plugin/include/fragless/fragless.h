@@ -58,9 +58,10 @@ FRAGLESS_API void fragless_begin_allocate_to_pool(int device, fragless_pool_id p
 FRAGLESS_API void fragless_end_allocate_to_pool(int device, fragless_pool_id pool); /* set_end_allocate_to_pool_fn */
 FRAGLESS_API void fragless_release_pool(int device, fragless_pool_id pool);         /* set_release_pool */
 
-/* Statistics with torch.cuda.memory_stats() key names, as one JSON object, written into buf (NUL-terminated
- * when len > 0). Returns the length of the full text (call again with a larger buffer when it is >= len),
- * or -1 for an invalid device (see fragless_last_error). */
+/* Statistics with torch.cuda.memory_stats() key names (and fragless's own: fragless.*, and sharing's
+ * exported_bytes.* and imported_bytes.* in PyTorch's key style), as one JSON object, written into buf
+ * (NUL-terminated when len > 0). Returns the length of the full text (call again with a larger buffer when
+ * it is >= len), or -1 for an invalid device (see fragless_last_error). */
 FRAGLESS_API long fragless_memory_stats(int device, char* buf, size_t len);
 FRAGLESS_API int fragless_reset_peak_stats(int device);
 FRAGLESS_API int fragless_reset_accumulated_stats(int device);
@@ -68,7 +69,9 @@ FRAGLESS_API int fragless_reset_accumulated_stats(int device);
  * device. */
 FRAGLESS_API int fragless_mem_get_info(int device, size_t* free_bytes, size_t* total_bytes);
 /* A snapshot in PyTorch's layout (the pickle torch.cuda.memory._dump_snapshot writes): segments of every
- * device and, when history is on, recent events as device_traces. Same buffer protocol; -1 on error. */
+ * device and, when history is on, recent events as device_traces; blocks held for other processes carry
+ * fragless's extra keys and other processes' memory mapped here is listed as "imported" (README "Sharing
+ * across processes"). Same buffer protocol; -1 on error. */
 FRAGLESS_API long fragless_snapshot(char* buf, size_t len);
 /* Keep the last max_entries events per device for snapshots (max_entries 0 turns it off). */
 FRAGLESS_API void fragless_record_history(size_t max_entries);
@@ -90,7 +93,8 @@ FRAGLESS_API int fragless_device_count(void);
 typedef struct fragless_share fragless_share;
 FRAGLESS_API fragless_share* fragless_share_export(void* ptr);
 /* The share's description (*bytes, the return value its length) and its descriptors (*fds, the return value
- * their count: the lease first, then one per physical handle), owned by the share. Send both; descriptors
+ * their count: the lease first, then one per physical handle; the lease alone with
+ * shareable_handles:fabric, whose handles are in the description), owned by the share. Send both; descriptors
  * as descriptors (SCM_RIGHTS). */
 FRAGLESS_API size_t fragless_share_description(const fragless_share* share, const char** bytes);
 FRAGLESS_API size_t fragless_share_fds(const fragless_share* share, const int** fds);

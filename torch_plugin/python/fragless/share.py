@@ -6,7 +6,9 @@
     fragless.close_shared(ptr2)
 
 The allocation stays held in its process, whatever its owner frees, while any copy of the share is open
-anywhere (a process that dies closes its copies). Memory must be created exportable: shareable_handles:True.
+anywhere (a process that dies closes its copies). Memory must be created exportable: shareable_handles:True
+(or :fabric, cuda driver: the handles travel in the description, the lease alone as a descriptor). Both sides'
+memory_stats() count it (exported_bytes.*, imported_bytes.*) and snapshot() shows it (README).
 """
 import ctypes
 import os

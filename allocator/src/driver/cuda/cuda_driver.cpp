@@ -7,6 +7,7 @@
 #include "base/spin_mutex.h"
 
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <vector>
 
@@ -284,6 +285,31 @@ class CudaDriver final : public Driver {
     return check("cuMemExportToShareableHandle",
                  api().memExportToShareableHandle(fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
   }
+  // R26: fabric handles, for memory created with the fabric type (shareable_handles:fabric).
+  bool fabric_handles() const override { return (prop_.requestedHandleTypes & CU_MEM_HANDLE_TYPE_FABRIC) != 0; }
+  Status do_export_fabric(PhysHandle h, FabricHandle* out) override {
+    if (!fabric_handles())
+      return unshareable("export_handle: the handle was not created with the fabric handle type (R26; "
+                         "shareable_handles:fabric creates it)");
+    if (!api().memExportToShareableHandle) return unshareable("export_handle: libcuda has no cuMemExportToShareableHandle");
+    OnDevice on(primary_, true);
+    CUmemFabricHandle f{};
+    const Status st = check("cuMemExportToShareableHandle", api().memExportToShareableHandle(&f, h, CU_MEM_HANDLE_TYPE_FABRIC, 0));
+    if (st == Status::ok) std::memcpy(out->data, f.data, sizeof out->data);
+    return st;
+  }
+  Status do_import_fabric(const FabricHandle& f, std::size_t, PhysHandle* h) override {
+    if (!api().memImportFromShareableHandle) return unshareable("import_handle: libcuda has no cuMemImportFromShareableHandle");
+    OnDevice on(primary_, true);
+    CUmemFabricHandle bytes{};
+    static_assert(sizeof bytes.data == sizeof f.data);
+    std::memcpy(bytes.data, f.data, sizeof bytes.data);
+    CUmemGenericAllocationHandle handle = 0;
+    const Status st = check("cuMemImportFromShareableHandle",
+                            api().memImportFromShareableHandle(&handle, &bytes, CU_MEM_HANDLE_TYPE_FABRIC));
+    if (st == Status::ok) *h = static_cast<PhysHandle>(handle);
+    return st;
+  }
   // R19: the descriptor is passed as the pointer-sized osHandle and stays the caller's.
   Status do_import_handle(int fd, std::size_t, PhysHandle* h) override {
     if (!api().memImportFromShareableHandle) return unshareable("import_handle: libcuda has no cuMemImportFromShareableHandle");
@@ -421,13 +447,18 @@ std::unique_ptr<Driver> make_cuda_driver(const CudaDriverOptions& o, std::string
                 " CUDA devices)");
   CUdevice dev = 0;
   if (CUresult r = a.deviceGet(&dev, o.device); r != CUDA_SUCCESS) return fail("fragless: " + a.describe("cuDeviceGet", r));
-  int vmm = 0, posix_fd = 0, rdma = 0;
+  int vmm = 0, posix_fd = 0, rdma = 0, fabric = 0;
   a.deviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev);
   if (!vmm)
     return fail("fragless: device " + std::to_string(o.device) +
                 " does not support CUDA virtual memory management (cuMemCreate/cuMemMap), which fragless needs");
   a.deviceGetAttribute(&posix_fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev);
   a.deviceGetAttribute(&rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, dev);
+  a.deviceGetAttribute(&fabric, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, dev);
+  if (o.shareable_handles && o.fabric_handles && !fabric)  // R26: CUDA would refuse every cuMemCreate
+    return fail("fragless: shareable_handles:fabric, but device " + std::to_string(o.device) +
+                " does not support fabric handles (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED is 0); use "
+                "shareable_handles:True for POSIX file descriptor handles");
   // The device's primary context (the one the CUDA runtime and PyTorch use), retained for the driver's life.
   CUcontext primary = nullptr;
   if (CUresult r = a.primaryCtxRetain(&primary, dev); r != CUDA_SUCCESS)
@@ -438,9 +469,12 @@ std::unique_ptr<Driver> make_cuda_driver(const CudaDriverOptions& o, std::string
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = dev;
-  // A shareable handle type only when asked for (shareable_handles) and the device has it.
+  // A shareable handle type only when asked for (shareable_handles) and the device has it (R11, R26).
   prop.requestedHandleTypes =
-      o.shareable_handles && posix_fd ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
+      !o.shareable_handles ? CU_MEM_HANDLE_TYPE_NONE
+      : o.fabric_handles   ? CU_MEM_HANDLE_TYPE_FABRIC
+      : posix_fd           ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                           : CU_MEM_HANDLE_TYPE_NONE;
   prop.allocFlags.gpuDirectRDMACapable = rdma ? 1 : 0;
   std::size_t gran = 0;
   if (CUresult r = a.memGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM); r != CUDA_SUCCESS || !gran) {
@@ -473,6 +507,7 @@ std::unique_ptr<Driver> make_cuda_driver_for(const Options& o, int device, std::
   c.device = device;
   c.peer_access = o.peer_access;
   c.shareable_handles = o.shareable_handles;
+  c.fabric_handles = o.fabric_handles;
   return make_cuda_driver(c, error);
 }
 
