@@ -13,6 +13,7 @@ command -v clang++ >/dev/null || { echo "fuzz.sh: clang++ is not installed (apt-
 . "$root/tools/progress.sh"
 quiet_step "fuzz.sh: configure" "$build/configure.log" \
   cmake -S "$root" -B "$build" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG" "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG" \
   -DFRAGLESS_FUZZ=ON -DFRAGLESS_BUILD_TESTS=OFF -DFRAGLESS_BUILD_BENCH=OFF
 quiet_step "fuzz.sh: build" "$build/build.log" cmake --build "$build" -j"$(nproc)"
 corpus="$build/corpus"

@@ -103,21 +103,6 @@
 //     are two handles, each released on its own. The import does not say the allocation's size: the
 //     importer is told it (with the descriptor), and a map of another size fails (R5). The host driver
 //     checks the size at the import (a memfd's size); the libcuda double, at both.
-//  R26 fabric handles (cuda.h: CUmemFabricHandle, "an opaque handle representing a memory allocation that can
-//     be exported to processes in same or different nodes"; CU_MEM_HANDLE_TYPE_FABRIC;
-//     CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, "device supports exporting memory to a fabric handle
-//     with cuMemExportToShareableHandle() or requested with cuMemCreate()"). Read strictly: cuMemCreate with
-//     the fabric type among requestedHandleTypes on a device without the attribute fails (cuMemCreate lists
-//     CUDA_ERROR_NOT_SUPPORTED), so fragless asks for the type only where the device reports it and refuses
-//     shareable_handles:fabric elsewhere, naming the attribute. Export follows R18: only a handle created with
-//     the fabric type exports one (a POSIX-only handle refuses, and a fabric-only handle refuses a POSIX
-//     descriptor); the result is the 64 bytes of a CUmemFabricHandle, data that travels as bytes (no
-//     descriptor). Import (cuMemImportFromShareableHandle) takes osHandle as a pointer to those 64 bytes; "If
-//     shHandleType is CU_MEM_HANDLE_TYPE_FABRIC and the importer process has not been granted access to the
-//     same IMEX channel as the exporter process, this API will error as CUDA_ERROR_NOT_PERMITTED" (cuMemCreate:
-//     both sides need an IMEX channel, /dev/nvidia-caps-imex-channels). Bytes that name no exported
-//     allocation (forged) are refused (the stricter reading: CUDA_ERROR_INVALID_VALUE, nothing imported). The
-//     imported handle maps, releases and keeps its memory as R19's does.
 //  LD_PRELOAD's driver half (torch_plugin/preload_driver.cpp) rests on these:
 //  R20 how programs reach the driver. cuda.h maps cuMemAlloc, cuMemAllocPitch, cuMemFree, cuMemGetInfo and
 //     cuMemGetAddressRange to their _v2 symbols (CUDA 3.2's ABI), cuGetProcAddress to cuGetProcAddress_v2
@@ -185,6 +170,22 @@
 //     in it; the interposer gives each block an id of its own when first asked, dropped at the block's free
 //     (through either half), so a new block at the same address gets a new one. Assumed: the driver numbers
 //     its buffers from 1 upwards and never reaches 2^63 in a process; fragless's ids have that bit set.
+//  Sharing, continued:
+//  R26 fabric handles (cuda.h: CUmemFabricHandle, "an opaque handle representing a memory allocation that can
+//     be exported to processes in same or different nodes"; CU_MEM_HANDLE_TYPE_FABRIC;
+//     CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, "device supports exporting memory to a fabric handle
+//     with cuMemExportToShareableHandle() or requested with cuMemCreate()"). Read strictly: cuMemCreate with
+//     the fabric type among requestedHandleTypes on a device without the attribute fails (cuMemCreate lists
+//     CUDA_ERROR_NOT_SUPPORTED), so fragless asks for the type only where the device reports it and refuses
+//     shareable_handles:fabric elsewhere, naming the attribute. Export follows R18: only a handle created with
+//     the fabric type exports one (a POSIX-only handle refuses, and a fabric-only handle refuses a POSIX
+//     descriptor); the result is the 64 bytes of a CUmemFabricHandle, data that travels as bytes (no
+//     descriptor). Import (cuMemImportFromShareableHandle) takes osHandle as a pointer to those 64 bytes; "If
+//     shHandleType is CU_MEM_HANDLE_TYPE_FABRIC and the importer process has not been granted access to the
+//     same IMEX channel as the exporter process, this API will error as CUDA_ERROR_NOT_PERMITTED" (cuMemCreate:
+//     both sides need an IMEX channel, /dev/nvidia-caps-imex-channels). Bytes that name no exported
+//     allocation (forged) are refused (the stricter reading: CUDA_ERROR_INVALID_VALUE, nothing imported). The
+//     imported handle maps, releases and keeps its memory as R19's does.
 //  Events: record_event marks the current end of a stream's queue; query_event says ok once the work
 //  before it is done, else not_ready; synchronize_* wait (each one is a forced sync the engine counts);
 //  stream_wait_event(s, e) makes work queued on s later start after e (cuStreamWaitEvent; the host goes on),
