@@ -26,6 +26,42 @@ CUresult cuStreamDestroy(CUstream);
 CUresult cuGetProcAddress(const char*, void**, int, cuuint64_t);
 }
 
+// Note [One list of entry points]: every driver entry point the interposer defines is named once, here:
+// X(symbol, base, since, until, streams). `symbol` is exported (torch_plugin/preload.map; a test checks the
+// library's dynamic symbols against that file and this list against both) and handed out by dlsym on a
+// handle of the driver; cuGetProcAddress(base, version, flags) hands it out for since <= version < until and
+// the default-stream semantics of the flags (`streams`: legacy, per-thread or either). R20.
+#define FRAGLESS_DRIVER_ENTRY_POINTS(X)                                                          \
+  X(cuMemAlloc_v2, "cuMemAlloc", 3020, kAnyVersion, kEitherStream)                               \
+  X(cuMemAllocPitch_v2, "cuMemAllocPitch", 3020, kAnyVersion, kEitherStream)                     \
+  X(cuMemFree_v2, "cuMemFree", 3020, kAnyVersion, kEitherStream)                                 \
+  X(cuMemGetInfo_v2, "cuMemGetInfo", 3020, kAnyVersion, kEitherStream)                           \
+  X(cuMemGetAddressRange_v2, "cuMemGetAddressRange", 3020, kAnyVersion, kEitherStream)           \
+  X(cuPointerGetAttribute, "cuPointerGetAttribute", 4000, kAnyVersion, kEitherStream)            \
+  X(cuPointerGetAttributes, "cuPointerGetAttributes", 7000, kAnyVersion, kEitherStream)          \
+  X(cuMemAllocAsync, "cuMemAllocAsync", 11020, kAnyVersion, kLegacyStream)                       \
+  X(cuMemAllocAsync_ptsz, "cuMemAllocAsync", 11020, kAnyVersion, kPerThreadStream)               \
+  X(cuMemAllocFromPoolAsync, "cuMemAllocFromPoolAsync", 11020, kAnyVersion, kLegacyStream)       \
+  X(cuMemAllocFromPoolAsync_ptsz, "cuMemAllocFromPoolAsync", 11020, kAnyVersion, kPerThreadStream) \
+  X(cuMemFreeAsync, "cuMemFreeAsync", 11020, kAnyVersion, kLegacyStream)                         \
+  X(cuMemFreeAsync_ptsz, "cuMemFreeAsync", 11020, kAnyVersion, kPerThreadStream)                 \
+  X(cuMemPoolCreate, "cuMemPoolCreate", 11020, kAnyVersion, kEitherStream)                       \
+  X(cuMemPoolDestroy, "cuMemPoolDestroy", 11020, kAnyVersion, kEitherStream)                     \
+  X(cuDeviceGetDefaultMemPool, "cuDeviceGetDefaultMemPool", 11020, kAnyVersion, kEitherStream)   \
+  X(cuMemPoolSetAccess, "cuMemPoolSetAccess", 11020, kAnyVersion, kEitherStream)                 \
+  X(cuMemPoolGetAttribute, "cuMemPoolGetAttribute", 11020, kAnyVersion, kEitherStream)           \
+  X(cuMemPoolSetAttribute, "cuMemPoolSetAttribute", 11020, kAnyVersion, kEitherStream)           \
+  X(cuDeviceSetMemPool, "cuDeviceSetMemPool", 11020, kAnyVersion, kEitherStream)                 \
+  X(cuMemSetMemPool, "cuMemSetMemPool", 13000, kAnyVersion, kEitherStream)                       \
+  X(cuStreamBeginCapture_v2, "cuStreamBeginCapture", 10010, kAnyVersion, kLegacyStream)          \
+  X(cuStreamBeginCapture_v2_ptsz, "cuStreamBeginCapture", 10010, kAnyVersion, kPerThreadStream)  \
+  X(cuStreamEndCapture, "cuStreamEndCapture", 10000, kAnyVersion, kLegacyStream)                 \
+  X(cuStreamEndCapture_ptsz, "cuStreamEndCapture", 10000, kAnyVersion, kPerThreadStream)         \
+  X(cuStreamDestroy, "cuStreamDestroy", 0, 4000, kEitherStream)                                  \
+  X(cuStreamDestroy_v2, "cuStreamDestroy", 4000, kAnyVersion, kEitherStream)                     \
+  X(cuGetProcAddress, "cuGetProcAddress", 0, 12000, kEitherStream)                               \
+  X(cuGetProcAddress_v2, "cuGetProcAddress", 12000, kAnyVersion, kEitherStream)
+
 namespace fragless_preload::cu {
 
 // ---- The real driver (preload_driver_lookup.cpp) ------------------------------------------------------------

@@ -114,14 +114,18 @@ namespace {
 
 using namespace fragless_preload::cu;
 
-// An interposed entry point as cuGetProcAddress names it: the base name, the oldest CUDA version whose ABI
-// the interposer's entry point has (an older version gets the driver's own), and the entry points for legacy
-// and per-thread default-stream semantics.
-struct Proc {
-  const char* name;
-  int since;
-  void* legacy;
-  void* ptsz;
+// The interposed entry points (Note [One list of entry points], preload_driver.h): the exported name, the
+// base name cuGetProcAddress is asked for, the CUDA versions whose ABI the entry point has (an older or
+// newer version gets the driver's own), and the default-stream semantics it has.
+constexpr int kAnyVersion = 1 << 30;
+constexpr unsigned kLegacyStream = 1, kPerThreadStream = 2, kEitherStream = kLegacyStream | kPerThreadStream;
+
+struct EntryPoint {
+  const char* symbol;
+  const char* base;
+  int since, until;
+  unsigned streams;
+  void* fn;
 };
 
 template <typename F>
@@ -129,90 +133,30 @@ void* fn(F f) {
   return reinterpret_cast<void*>(f);
 }
 
-const Proc* proc(const char* name) {
-  static const Proc table[] = {
-      {"cuMemAlloc", 3020, fn(&cuMemAlloc_v2), fn(&cuMemAlloc_v2)},
-      {"cuMemAllocPitch", 3020, fn(&cuMemAllocPitch_v2), fn(&cuMemAllocPitch_v2)},
-      {"cuMemFree", 3020, fn(&cuMemFree_v2), fn(&cuMemFree_v2)},
-      {"cuMemGetInfo", 3020, fn(&cuMemGetInfo_v2), fn(&cuMemGetInfo_v2)},
-      {"cuMemGetAddressRange", 3020, fn(&cuMemGetAddressRange_v2), fn(&cuMemGetAddressRange_v2)},
-      {"cuPointerGetAttribute", 4000, fn(&cuPointerGetAttribute), fn(&cuPointerGetAttribute)},
-      {"cuPointerGetAttributes", 7000, fn(&cuPointerGetAttributes), fn(&cuPointerGetAttributes)},
-      {"cuMemAllocAsync", 11020, fn(&cuMemAllocAsync), fn(&cuMemAllocAsync_ptsz)},
-      {"cuMemAllocFromPoolAsync", 11020, fn(&cuMemAllocFromPoolAsync), fn(&cuMemAllocFromPoolAsync_ptsz)},
-      {"cuMemFreeAsync", 11020, fn(&cuMemFreeAsync), fn(&cuMemFreeAsync_ptsz)},
-      {"cuMemPoolCreate", 11020, fn(&cuMemPoolCreate), fn(&cuMemPoolCreate)},
-      {"cuMemPoolDestroy", 11020, fn(&cuMemPoolDestroy), fn(&cuMemPoolDestroy)},
-      {"cuDeviceGetDefaultMemPool", 11020, fn(&cuDeviceGetDefaultMemPool), fn(&cuDeviceGetDefaultMemPool)},
-      {"cuMemPoolSetAccess", 11020, fn(&cuMemPoolSetAccess), fn(&cuMemPoolSetAccess)},
-      {"cuMemPoolGetAttribute", 11020, fn(&cuMemPoolGetAttribute), fn(&cuMemPoolGetAttribute)},
-      {"cuMemPoolSetAttribute", 11020, fn(&cuMemPoolSetAttribute), fn(&cuMemPoolSetAttribute)},
-      {"cuDeviceSetMemPool", 11020, fn(&cuDeviceSetMemPool), fn(&cuDeviceSetMemPool)},
-      {"cuMemSetMemPool", 13000, fn(&cuMemSetMemPool), fn(&cuMemSetMemPool)},
-      {"cuStreamBeginCapture", 10010, fn(&cuStreamBeginCapture_v2), fn(&cuStreamBeginCapture_v2_ptsz)},
-      {"cuStreamEndCapture", 10000, fn(&cuStreamEndCapture), fn(&cuStreamEndCapture_ptsz)},
-      {"cuStreamDestroy", 4000, fn(&cuStreamDestroy_v2), fn(&cuStreamDestroy_v2)},
-      {"cuGetProcAddress", 12000, fn(&cuGetProcAddress_v2), fn(&cuGetProcAddress_v2)},
-  };
-  if (!name || name[0] != 'c' || name[1] != 'u') return nullptr;
-  for (const Proc& p : table)
-    if (std::strcmp(p.name, name) == 0) return &p;
-  return nullptr;
-}
+#define FRAGLESS_ENTRY_POINT(symbol, base, since, until, streams) {#symbol, base, since, until, streams, fn(&symbol)},
+const EntryPoint kEntryPoints[] = {FRAGLESS_DRIVER_ENTRY_POINTS(FRAGLESS_ENTRY_POINT)};
+#undef FRAGLESS_ENTRY_POINT
+
+bool driver_name(const char* name) { return name && name[0] == 'c' && name[1] == 'u'; }
 
 // What cuGetProcAddress hands out for `symbol` once the driver found it: the interposed entry point for the
 // version and flags asked, or the driver's own. CU_GET_PROC_ADDRESS_DEFAULT is the legacy stream at the ABI
 // (R20: cuda.h's inline wrapper adds the per-thread flag for code built for per-thread streams).
 void substitute(const char* symbol, void** pfn, int version, cuuint64_t flags) {
-  const Proc* p = proc(symbol);
-  if (!p || !pfn || !*pfn) return;
-  if (std::strcmp(symbol, "cuGetProcAddress") == 0) {  // both ABIs, by version
-    *pfn = version >= 12000 ? fn(&cuGetProcAddress_v2) : fn(&cuGetProcAddress);
-    return;
-  }
-  if (version < p->since) return;
-  *pfn = flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM ? p->ptsz : p->legacy;
+  if (!driver_name(symbol) || !pfn || !*pfn) return;
+  const unsigned stream = flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM ? kPerThreadStream : kLegacyStream;
+  for (const EntryPoint& e : kEntryPoints)
+    if (std::strcmp(e.base, symbol) == 0 && version >= e.since && version < e.until && (e.streams & stream)) {
+      *pfn = e.fn;
+      return;
+    }
 }
 
 // The interposed entry point exported under `name` (a driver's exported symbol name), or nullptr.
 void* exported(const char* name) {
-  static const struct {
-    const char* name;
-    void* fn;
-  } table[] = {
-      {"cuMemAlloc_v2", fn(&cuMemAlloc_v2)},
-      {"cuMemAllocPitch_v2", fn(&cuMemAllocPitch_v2)},
-      {"cuMemFree_v2", fn(&cuMemFree_v2)},
-      {"cuMemGetInfo_v2", fn(&cuMemGetInfo_v2)},
-      {"cuMemGetAddressRange_v2", fn(&cuMemGetAddressRange_v2)},
-      {"cuPointerGetAttribute", fn(&cuPointerGetAttribute)},
-      {"cuPointerGetAttributes", fn(&cuPointerGetAttributes)},
-      {"cuMemAllocAsync", fn(&cuMemAllocAsync)},
-      {"cuMemAllocAsync_ptsz", fn(&cuMemAllocAsync_ptsz)},
-      {"cuMemAllocFromPoolAsync", fn(&cuMemAllocFromPoolAsync)},
-      {"cuMemAllocFromPoolAsync_ptsz", fn(&cuMemAllocFromPoolAsync_ptsz)},
-      {"cuMemFreeAsync", fn(&cuMemFreeAsync)},
-      {"cuMemFreeAsync_ptsz", fn(&cuMemFreeAsync_ptsz)},
-      {"cuMemPoolCreate", fn(&cuMemPoolCreate)},
-      {"cuMemPoolDestroy", fn(&cuMemPoolDestroy)},
-      {"cuDeviceGetDefaultMemPool", fn(&cuDeviceGetDefaultMemPool)},
-      {"cuMemPoolSetAccess", fn(&cuMemPoolSetAccess)},
-      {"cuMemPoolGetAttribute", fn(&cuMemPoolGetAttribute)},
-      {"cuMemPoolSetAttribute", fn(&cuMemPoolSetAttribute)},
-      {"cuDeviceSetMemPool", fn(&cuDeviceSetMemPool)},
-      {"cuMemSetMemPool", fn(&cuMemSetMemPool)},
-      {"cuStreamBeginCapture_v2", fn(&cuStreamBeginCapture_v2)},
-      {"cuStreamBeginCapture_v2_ptsz", fn(&cuStreamBeginCapture_v2_ptsz)},
-      {"cuStreamEndCapture", fn(&cuStreamEndCapture)},
-      {"cuStreamEndCapture_ptsz", fn(&cuStreamEndCapture_ptsz)},
-      {"cuStreamDestroy", fn(&cuStreamDestroy)},
-      {"cuStreamDestroy_v2", fn(&cuStreamDestroy_v2)},
-      {"cuGetProcAddress", fn(&cuGetProcAddress)},
-      {"cuGetProcAddress_v2", fn(&cuGetProcAddress_v2)},
-  };
-  if (!name || name[0] != 'c' || name[1] != 'u') return nullptr;
-  for (const auto& e : table)
-    if (std::strcmp(e.name, name) == 0) return e.fn;
+  if (!driver_name(name)) return nullptr;
+  for (const EntryPoint& e : kEntryPoints)
+    if (std::strcmp(e.symbol, name) == 0) return e.fn;
   return nullptr;
 }
 
