@@ -1049,6 +1049,11 @@ FAKE_API CUresult cuStreamDestroy_v2(CUstream h) {
   return CUDA_SUCCESS;
 }
 
+// The ABI before CUDA 4.0, which libcuda still exports beside cuStreamDestroy_v2 (cuda.h declares it under
+// __CUDA_API_VERSION_INTERNAL): the same call.
+#undef cuStreamDestroy
+FAKE_API CUresult cuStreamDestroy(CUstream h) { return cuStreamDestroy_v2(h); }
+
 FAKE_API CUresult cuStreamGetCtx(CUstream h, CUcontext* out) {
   ENTER("cuStreamGetCtx");
   NEED_CONTEXT();
@@ -1702,6 +1707,7 @@ struct ProcEntry {
   int since;
   void* legacy;
   void* ptsz;
+  void* before = nullptr;  // the older ABI's entry point, for a version below `since`
 };
 template <typename F>
 ProcEntry any(F f) {
@@ -1789,7 +1795,8 @@ CUresult get_proc(const char* symbol, void** pfn, int cuda_version, cuuint64_t f
       {"cuStreamCreate", any(&cuStreamCreate)},
       {"cuStreamGetCtx", any(&cuStreamGetCtx)},
       {"cuCtxGetDevice", any(&cuCtxGetDevice)},
-      {"cuStreamDestroy", any(&cuStreamDestroy_v2)},
+      {"cuStreamDestroy", {4000, reinterpret_cast<void*>(&cuStreamDestroy_v2), reinterpret_cast<void*>(&cuStreamDestroy_v2),
+                           reinterpret_cast<void*>(&cuStreamDestroy)}},
       {"cuEventCreate", any(&cuEventCreate)},
       {"cuEventRecord", any(&cuEventRecord)},
       {"cuEventQuery", any(&cuEventQuery)},
@@ -1804,6 +1811,12 @@ CUresult get_proc(const char* symbol, void** pfn, int cuda_version, cuuint64_t f
       {"cuThreadExchangeStreamCaptureMode", any(&cuThreadExchangeStreamCaptureMode)},
   };
   auto it = table.find(symbol ? symbol : "");
+  if (it != table.end() && cuda_version < it->second.since && it->second.before) {
+    if (!pfn) return CUDA_ERROR_INVALID_VALUE;
+    *pfn = it->second.before;
+    if (status) *status = CU_GET_PROC_ADDRESS_SUCCESS;
+    return CUDA_SUCCESS;
+  }
   if (it == table.end() || cuda_version < it->second.since) {
     if (pfn) *pfn = nullptr;
     if (status)

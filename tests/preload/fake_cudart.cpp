@@ -64,7 +64,6 @@ struct Driver {
   int (*set_current)(void*) = nullptr;
   int (*ctx_synchronize)() = nullptr;
   int (*stream_create)(void**, unsigned) = nullptr;
-  int (*stream_destroy)(void*) = nullptr;
   int (*is_capturing)(void*, int*) = nullptr;
   int (*begin_capture)(void*, int) = nullptr;
   int (*end_capture)(void*, void**) = nullptr;
@@ -78,6 +77,7 @@ struct Driver {
   int (*mem_get_info)(size_t*, size_t*) = nullptr;
   int (*mem_alloc_pitch)(void**, size_t*, size_t, size_t, unsigned) = nullptr;
   int (*pointer_attributes)(unsigned, int*, void**, void*) = nullptr;
+  int (*stream_destroy)(void*) = nullptr;
   Driver() {
     const char* path = std::getenv("FRAGLESS_LIBCUDA");
     if (!path || !*path || !(lib = dlopen(path, RTLD_NOW | RTLD_LOCAL))) return;
@@ -86,7 +86,6 @@ struct Driver {
     load(&set_current, "cuCtxSetCurrent");
     load(&ctx_synchronize, "cuCtxSynchronize");
     load(&stream_create, "cuStreamCreate");
-    load(&stream_destroy, "cuStreamDestroy_v2");
     load(&is_capturing, "cuStreamIsCapturing");
     load(&begin_capture, "cuStreamBeginCapture_v2");
     load(&end_capture, "cuStreamEndCapture");
@@ -104,6 +103,7 @@ struct Driver {
     proc(&mem_get_info, "cuMemGetInfo");
     proc(&mem_alloc_pitch, "cuMemAllocPitch");
     proc(&pointer_attributes, "cuPointerGetAttributes");
+    proc(&stream_destroy, "cuStreamDestroy");  // so an interposed cudaStreamDestroy reaches cuStreamDestroy too
   }
 };
 Driver& drv() {

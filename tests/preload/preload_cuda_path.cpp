@@ -38,6 +38,7 @@ struct PointerAttributes {  // cudaPointerAttributes
 };
 cudaError_t cudaPointerGetAttributes(PointerAttributes*, const void*);
 void* fakecudart_foreign_alloc(size_t);
+unsigned long fakecudart_calls(const char*);
 }
 
 using namespace fakecuda_program;
@@ -153,7 +154,13 @@ int main(int argc, char** argv) {
   expect(cudaMallocAsync(&w, 64 * MiB, t) == 0 && w, "64 MiB on t");
   d.launch(t, w, 64 * MiB, 5000);
   expect(cudaFreeAsync(w, t) == 0, "freed on t while its kernel runs");
+  //    The runtime's cudaStreamDestroy goes on to the driver's cuStreamDestroy, which the interposer settles
+  //    too: the second retirement of the same stream is a no-op (one synchronisation of t, not two).
+  const unsigned long syncs = d.calls("cuStreamSynchronize");
   expect(cudaStreamDestroy(t) == 0, "t destroyed");
+  expect(d.calls("cuStreamSynchronize") == syncs + 1,
+         "t synchronised once, though both cudaStreamDestroy and cuStreamDestroy settle it (" +
+             std::to_string(d.calls("cuStreamSynchronize") - syncs) + ")");
   cudaStream_t t2 = nullptr;
   expect(cudaStreamCreate(&t2) == 0, "a new stream");
   std::printf("the new stream %s the destroyed one's handle value\n", t2 == t ? "reuses" : "does not reuse");

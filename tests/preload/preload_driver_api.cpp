@@ -28,6 +28,10 @@
 #include "../fake_cuda/program.h"
 
 #undef cuGetProcAddress
+#undef cuStreamDestroy
+
+// The ABI before CUDA 4.0, which libcuda still exports (cuda.h declares it under __CUDA_API_VERSION_INTERNAL).
+extern "C" CUresult cuStreamDestroy(CUstream);
 
 // The per-thread default-stream entry points (cuda.h declares them only for code built for per-thread streams).
 extern "C" CUresult cuMemAllocAsync_ptsz(CUdeviceptr*, size_t, CUstream);
@@ -45,6 +49,7 @@ struct Api {
   CUresult (*set_current)(CUcontext);
   CUresult (*stream_create)(CUstream*, unsigned);
   CUresult (*stream_destroy)(CUstream);
+  CUresult (*stream_destroy_v1)(CUstream);  // the ABI before CUDA 4.0
   CUresult (*alloc)(CUdeviceptr*, size_t);
   CUresult (*alloc_pitch)(CUdeviceptr*, size_t*, size_t, size_t, unsigned);
   CUresult (*free)(CUdeviceptr);
@@ -73,7 +78,7 @@ struct Api {
 };
 
 Api direct() {
-  return {&cuInit, &cuDeviceGet, &cuDevicePrimaryCtxRetain, &cuCtxSetCurrent, &cuStreamCreate, &cuStreamDestroy_v2, &cuMemAlloc_v2,
+  return {&cuInit, &cuDeviceGet, &cuDevicePrimaryCtxRetain, &cuCtxSetCurrent, &cuStreamCreate, &cuStreamDestroy_v2, &cuStreamDestroy, &cuMemAlloc_v2,
           &cuMemAllocPitch_v2, &cuMemFree_v2, &cuMemAllocAsync, &cuMemAllocAsync_ptsz, &cuMemFreeAsync,
           &cuMemFreeAsync_ptsz, &cuMemAllocFromPoolAsync, &cuDeviceGetDefaultMemPool, &cuMemPoolCreate,
           &cuMemPoolDestroy, &cuMemPoolSetAttribute, &cuMemPoolGetAttribute, &cuDeviceGetMemPool, &cuDeviceSetMemPool,
@@ -92,6 +97,7 @@ Api by_dlsym(void* lib) {
   get(&a.set_current, "cuCtxSetCurrent");
   get(&a.stream_create, "cuStreamCreate");
   get(&a.stream_destroy, "cuStreamDestroy_v2");
+  get(&a.stream_destroy_v1, "cuStreamDestroy");
   get(&a.alloc, "cuMemAlloc_v2");
   get(&a.alloc_pitch, "cuMemAllocPitch_v2");
   get(&a.free, "cuMemFree_v2");
@@ -131,10 +137,10 @@ Api by_proc_address(void* lib, bool v1) {
   else need(&gp2, dlsym(lib, "cuGetProcAddress_v2"), "cuGetProcAddress_v2");
   const int version = v1 ? 11030 : 12000;
   Api a{};
-  auto get = [&](auto* out, const char* name, cuuint64_t flags = CU_GET_PROC_ADDRESS_DEFAULT, int since = 0) {
+  auto get = [&](auto* out, const char* name, cuuint64_t flags = CU_GET_PROC_ADDRESS_DEFAULT, int since = 0, int at = 0) {
     void* p = nullptr;
     CUdriverProcAddressQueryResult status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
-    const int v = std::max(version, since);  // a CUDA 13 call is asked for at 13.0
+    const int v = at ? at : std::max(version, since);  // a CUDA 13 call is asked for at 13.0
     const CUresult r = v1 ? gp1(name, &p, v, flags) : gp2(name, &p, v, flags, &status);
     if (r != CUDA_SUCCESS || (!v1 && status != CU_GET_PROC_ADDRESS_SUCCESS)) p = nullptr;
     need(out, p, name);
@@ -145,6 +151,7 @@ Api by_proc_address(void* lib, bool v1) {
   get(&a.set_current, "cuCtxSetCurrent");
   get(&a.stream_create, "cuStreamCreate");
   get(&a.stream_destroy, "cuStreamDestroy");
+  get(&a.stream_destroy_v1, "cuStreamDestroy", CU_GET_PROC_ADDRESS_DEFAULT, 0, 3020);  // asked at CUDA 3.2
   get(&a.alloc, "cuMemAlloc");
   get(&a.alloc_pitch, "cuMemAllocPitch");
   get(&a.free, "cuMemFree");
@@ -383,20 +390,25 @@ int main(int argc, char** argv) {
          "900 MiB after the capture (the deferred frees went back)");
 
   // 11. cuStreamDestroy settles the stream first, as cudaStreamDestroy: its work is waited for, and a new
-  //     stream that gets the same handle value is a new stream to fragless.
-  CUstream u = nullptr, u2 = nullptr;
-  CUdeviceptr w = 0, huge = 0;
-  expect(a.stream_create(&u, 0) == CUDA_SUCCESS && a.alloc_async(&w, 64 * MiB, u) == CUDA_SUCCESS && d.fragless(w, 0),
-         "64 MiB on a stream u");
-  expect(d.launch(u, as_ptr(w), 64 * MiB, 5000) == 0 && a.free_async(w, u) == CUDA_SUCCESS,
-         "freed on u while its kernel runs");
-  expect(a.stream_destroy(u) == CUDA_SUCCESS && a.stream_create(&u2, 0) == CUDA_SUCCESS, "u destroyed, a new stream");
-  std::printf("the new stream %s the destroyed one's handle value\n", u2 == u ? "reuses" : "does not reuse");
-  expect(a.alloc_async(&huge, 1000 * MiB, u2) == CUDA_SUCCESS && d.fragless(huge, 0) &&
-             d.launch(u2, as_ptr(huge), 1000 * MiB, 10) == 0 && a.free_async(huge, u2) == CUDA_SUCCESS,
-         "1000 MiB on the new stream (u's cached 64 MiB among them), used");
-  expect(a.stream_destroy(u2) == CUDA_SUCCESS, "the new stream destroyed");
-  expect(d.census().faults == 0, std::string("no block of u handed out before u's work was done (") + d.first_fault() + ")");
+  //     stream that gets the same handle value is a new stream to fragless. Through both ABIs: CUDA 4.0's
+  //     cuStreamDestroy_v2 and the older cuStreamDestroy libcuda still exports.
+  for (auto destroy : {a.stream_destroy, a.stream_destroy_v1}) {
+    const std::string abi = destroy == a.stream_destroy ? "cuStreamDestroy_v2" : "cuStreamDestroy (before CUDA 4.0)";
+    CUstream u = nullptr, u2 = nullptr;
+    CUdeviceptr w = 0, huge = 0;
+    expect(a.stream_create(&u, 0) == CUDA_SUCCESS && a.alloc_async(&w, 64 * MiB, u) == CUDA_SUCCESS && d.fragless(w, 0),
+           "64 MiB on a stream u");
+    expect(d.launch(u, as_ptr(w), 64 * MiB, 5000) == 0 && a.free_async(w, u) == CUDA_SUCCESS,
+           "freed on u while its kernel runs");
+    expect(destroy(u) == CUDA_SUCCESS && a.stream_create(&u2, 0) == CUDA_SUCCESS, "u destroyed with " + abi + ", a new stream");
+    std::printf("the new stream %s the destroyed one's handle value\n", u2 == u ? "reuses" : "does not reuse");
+    expect(a.alloc_async(&huge, 1000 * MiB, u2) == CUDA_SUCCESS && d.fragless(huge, 0) &&
+               d.launch(u2, as_ptr(huge), 1000 * MiB, 10) == 0 && a.free_async(huge, u2) == CUDA_SUCCESS,
+           "1000 MiB on the new stream (u's cached 64 MiB among them), used");
+    expect(destroy(u2) == CUDA_SUCCESS, "the new stream destroyed");
+    expect(d.census().faults == 0,
+           "no block of u handed out before u's work was done (" + abi + "; " + d.first_fault() + ")");
+  }
 
   // 12. Pools as XLA's and TensorFlow's async allocator use them. The default pool's statistics (read by
   //     GpuCudaMallocAsyncAllocator::PrintAllocatorStatistics) count fragless's memory allocated from it,
