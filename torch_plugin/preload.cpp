@@ -14,9 +14,10 @@
 //  - cudaFreeAsync is stream-ordered: the block is reused by its own stream at once and by other streams
 //    only after the work queued on the freeing stream before the free is done (record_stream semantics).
 //  - cudaMallocAsync allocates on the stream's device (cudaStreamGetDevice, CUDA 12.8+; before that the
-//    stream's context, through the driver). On a capturing stream both calls go to the runtime: memory
-//    allocated in a capture belongs to the graph (a free of fragless memory on a capturing stream waits
-//    behind the fence instead).
+//    stream's context, through the driver), and only while fragless can serve that device's current memory
+//    pool (cudaDeviceSetMemPool), whose statistics then count the block: the driver half's rule (R24). On
+//    a capturing stream both calls go to the runtime: memory allocated in a capture belongs to the graph (a
+//    free of fragless memory on a capturing stream waits behind the fence instead).
 //  - cudaStreamBeginCapture / EndCapture (and their _ptsz and ToGraph forms) tell the device's engine that
 //    a capture is under way: it then records no event, synchronises nothing and releases nothing (Note
 //    [Capture rules], engine_state.h).
@@ -239,6 +240,13 @@ cudaError_t allocate(void** out, size_t size, cudaStream_t stream, bool async, b
     ++g_counts.fallbacks;
     return async ? real_malloc_async(out, size, stream, ptsz) : real().malloc(out, size);
   }
+  // R24 (driver.h): cudaMallocAsync allocates from the device's current pool, as cuMemAllocAsync does: the
+  // same rule, through the same code (the driver half's).
+  fragless_preload::cu::KnownPool* pool = nullptr;
+  if (async && size != 0 && !(pool = fragless_preload::current_pool_served(dev))) {
+    ++g_counts.fallbacks;
+    return real_malloc_async(out, size, stream, ptsz);
+  }
   ++g_counts.mallocs;
   if (size == 0) {
     *out = nullptr;
@@ -256,6 +264,7 @@ cudaError_t allocate(void** out, size_t size, cudaStream_t stream, bool async, b
     return kMemoryAllocation;
   }
   *out = p;
+  if (pool) fragless_preload::count_in(dev, p, pool, size);
   return kSuccess;
 }
 

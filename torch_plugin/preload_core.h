@@ -5,6 +5,7 @@
 #pragma once
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 
 #include "fragless/allocator.h"
 
@@ -25,6 +26,18 @@ void free_behind_fence(int device, void* p);
 // key) at once and by other streams only after the work queued on s before the free is done. False: the
 // engine refused the pointer.
 bool free_on_stream(int device, void* p, fragless::Stream s);
+
+namespace cu {
+struct KnownPool;  // a pool the driver half knows (preload_driver.h)
+}
+
+// R24 (driver.h): cudaMallocAsync and cuMemAllocAsync allocate from the current memory pool of `device`. That
+// pool when fragless can serve it as the driver would (the block is then counted in it with count_in), else
+// nullptr, said once on stderr: the call goes to the runtime or the driver. The driver half's, for both halves.
+cu::KnownPool* current_pool_served(int device);
+
+// Block p (`asked` bytes) of `device` was allocated from pool k: the pool's statistics count it until its free.
+void count_in(int device, const void* p, cu::KnownPool* k, std::uint64_t asked);
 
 // Every free of fragless memory, from either half, tells the driver half first (preload_driver.cpp): what it
 // keeps about the block (a pool's statistics, a buffer id) goes with it.

@@ -169,7 +169,7 @@ CUresult alloc_sync(CUdeviceptr* out, size_t size) {
   return serve(e, dev, size, 0, out);
 }
 
-std::atomic<bool> g_said_pool{false}, g_said_stream{false}, g_said_current{false};
+std::atomic<bool> g_said_pool{false}, g_said_stream{false};
 
 CUresult alloc_async(CUdeviceptr* out, size_t size, CUstream s, bool ptsz) {
   auto forward = [&] {
@@ -182,16 +182,10 @@ CUresult alloc_async(CUdeviceptr* out, size_t size, CUstream s, bool ptsz) {
   const int dev = stream_device(s);
   fragless::DeviceEngine* e = engine_for(dev);
   if (!e) return forward();
-  KnownPool* k = current_pool(dev);
-  if (!k || !k->servable.load(std::memory_order_relaxed)) {
-    say_once(g_said_current,
-             "cuMemAllocAsync on a device whose current memory pool fragless cannot serve as the driver would "
-             "(unknown to it, or with a shareable handle type, a maximum size, a usage, or access for a peer it "
-             "does not grant): its allocations go to the driver");
-    return forward();
-  }
+  KnownPool* k = fragless_preload::current_pool_served(dev);
+  if (!k) return forward();
   const CUresult r = serve(e, dev, size, stream_key(s, ptsz), out);
-  if (r == CUDA_SUCCESS) count_in(dev, *out, k, size);
+  if (r == CUDA_SUCCESS) fragless_preload::count_in(dev, reinterpret_cast<void*>(*out), k, size);
   return r;
 }
 
@@ -217,7 +211,7 @@ CUresult alloc_from_pool(CUdeviceptr* out, size_t size, CUmemoryPool pool, CUstr
   fragless::DeviceEngine* e = engine_for(dev);
   if (!e) return forward();
   const CUresult r = serve(e, dev, size, stream_key(s, ptsz), out);
-  if (r == CUDA_SUCCESS) count_in(dev, *out, k, size);
+  if (r == CUDA_SUCCESS) fragless_preload::count_in(dev, reinterpret_cast<void*>(*out), k, size);
   return r;
 }
 

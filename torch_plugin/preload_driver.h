@@ -153,10 +153,6 @@ struct KnownPool {
 };
 
 KnownPool* find_pool(CUmemoryPool p);
-// The pool cuMemAllocAsync on `device` allocates from, if the interposer knows it (nullptr otherwise).
-KnownPool* current_pool(int device);
-// Block p (asked bytes) of `device` was allocated from pool k (R24).
-void count_in(int device, CUdeviceptr p, KnownPool* k, std::uint64_t asked);
 // The buffer id of the block at `base` on `device` (0: none can be kept; R25).
 unsigned long long buffer_id(int device, CUdeviceptr base);
 // The pool the block at `base` was allocated from (nullptr: none, or not from a pool).

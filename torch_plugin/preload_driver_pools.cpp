@@ -91,18 +91,6 @@ DeviceBook* book(int device) {
   return device >= 0 && device < kMaxDevices ? &books[device] : nullptr;
 }
 
-// Block p (asked bytes) was allocated from pool k.
-void count_in(int device, CUdeviceptr p, KnownPool* k, std::uint64_t asked) {
-  DeviceBook* b = book(device);
-  if (!b) return;
-  const std::uint64_t now = k->used.fetch_add(asked, std::memory_order_relaxed) + asked;
-  raise_to(k->used_high, now);
-  raise_to(k->reserved_high, now);
-  std::lock_guard lk(b->mu);
-  b->live[p] = Entry{k, asked, 0};
-  b->entries.store(b->live.size(), std::memory_order_release);
-}
-
 // R25: fragless's ids have the top bit set; the driver's count its allocations from 1.
 constexpr unsigned long long kFraglessBufferIds = 1ull << 63;
 
@@ -232,7 +220,30 @@ FRAGLESS_EXPORT CUresult cuMemSetMemPool(CUmemLocation* location, CUmemAllocatio
 
 }  // extern "C"
 
-// ---- What either half's free tells this one (preload_core.h) ------------------------------------------------
+// ---- What either half's allocation and free tell this one (preload_core.h) -----------------------------------
+
+fragless_preload::cu::KnownPool* fragless_preload::current_pool_served(int device) {
+  static std::atomic<bool> said{false};
+  KnownPool* k = current_pool(device);
+  if (k && k->servable.load(std::memory_order_relaxed)) return k;
+  say_once(said,
+           "cudaMallocAsync or cuMemAllocAsync on a device whose current memory pool fragless cannot serve as the "
+           "driver would (unknown to it, or with a shareable handle type, a maximum size, a usage, or access for a "
+           "peer it does not grant): its allocations go to the runtime or the driver");
+  return nullptr;
+}
+
+void fragless_preload::count_in(int device, const void* p, cu::KnownPool* k, std::uint64_t asked) {
+  DeviceBook* b = book(device);
+  if (!b) return;
+  const std::uint64_t now = k->used.fetch_add(asked, std::memory_order_relaxed) + asked;
+  raise_to(k->used_high, now);
+  raise_to(k->reserved_high, now);
+  std::lock_guard lk(b->mu);
+  b->live[reinterpret_cast<CUdeviceptr>(p)] = Entry{k, asked, 0};
+  b->entries.store(b->live.size(), std::memory_order_release);
+}
+
 
 void fragless_preload::forget(int device, const void* p) {
   DeviceBook* b = book(device);

@@ -2,8 +2,8 @@
 // counted calls. fakecudart_calls(name) says how many calls reached it, i.e. were not interposed.
 // With a libcuda double named (FRAGLESS_LIBCUDA), what the real runtime does through the driver goes to it:
 // each device's primary context is retained on its first use and made current on the calling thread
-// (cudaSetDevice initialises the device, as CUDA 12's does); streams, stream capture, cudaStreamGetDevice and
-// cudaDeviceSynchronize (cuCtxSynchronize) are the double's. Built with FAKECUDART_BEFORE_12_8 it has no
+// (cudaSetDevice initialises the device, as CUDA 12's does); streams, stream capture, cudaStreamGetDevice,
+// cudaDeviceSynchronize (cuCtxSynchronize) and the memory pools are the double's. Built with FAKECUDART_BEFORE_12_8 it has no
 // cudaStreamGetDevice, as runtimes before CUDA 12.8.
 #include <dlfcn.h>
 
@@ -78,6 +78,14 @@ struct Driver {
   int (*mem_alloc_pitch)(void**, size_t*, size_t, size_t, unsigned) = nullptr;
   int (*pointer_attributes)(unsigned, int*, void**, void*) = nullptr;
   int (*stream_destroy)(void*) = nullptr;
+  // The pool calls (a pool, a device, a CUmemPool_attribute, a CUmemPoolProps: the runtime's types are the
+  // driver's).
+  int (*default_pool)(void**, int) = nullptr;
+  int (*device_set_pool)(int, void*) = nullptr;
+  int (*device_get_pool)(void**, int) = nullptr;
+  int (*pool_create)(void**, const void*) = nullptr;
+  int (*pool_destroy)(void*) = nullptr;
+  int (*pool_get_attribute)(void*, int, void*) = nullptr;
   Driver() {
     const char* path = std::getenv("FRAGLESS_LIBCUDA");
     if (!path || !*path || !(lib = dlopen(path, RTLD_NOW | RTLD_LOCAL))) return;
@@ -104,6 +112,12 @@ struct Driver {
     proc(&mem_alloc_pitch, "cuMemAllocPitch");
     proc(&pointer_attributes, "cuPointerGetAttributes");
     proc(&stream_destroy, "cuStreamDestroy");  // so an interposed cudaStreamDestroy reaches cuStreamDestroy too
+    proc(&default_pool, "cuDeviceGetDefaultMemPool");
+    proc(&device_set_pool, "cuDeviceSetMemPool");
+    proc(&device_get_pool, "cuDeviceGetMemPool");
+    proc(&pool_create, "cuMemPoolCreate");
+    proc(&pool_destroy, "cuMemPoolDestroy");
+    proc(&pool_get_attribute, "cuMemPoolGetAttribute");
   }
 };
 Driver& drv() {
@@ -268,6 +282,23 @@ API cudaError_t cudaIpcGetMemHandle(void* handle, void*) {
   count("cudaIpcGetMemHandle");
   std::memset(handle, 0, 64);
   return 1;  // cudaErrorInvalidValue
+}
+// The stream-ordered allocator's pools are the driver's (cudaDeviceSetMemPool is cuDeviceSetMemPool...);
+// without a double they fail.
+namespace {
+template <typename F, typename... Args>
+cudaError_t through(F Driver::*fn, Args... args) {
+  if (!make_current(t_device) || !(drv().*fn)) return 1;
+  return runtime_error((drv().*fn)(args...));
+}
+}  // namespace
+API cudaError_t cudaDeviceGetDefaultMemPool(void** pool, int device) { return through(&Driver::default_pool, pool, device); }
+API cudaError_t cudaDeviceSetMemPool(int device, void* pool) { return through(&Driver::device_set_pool, device, pool); }
+API cudaError_t cudaDeviceGetMemPool(void** pool, int device) { return through(&Driver::device_get_pool, pool, device); }
+API cudaError_t cudaMemPoolCreate(void** pool, const void* props) { return through(&Driver::pool_create, pool, props); }
+API cudaError_t cudaMemPoolDestroy(void* pool) { return through(&Driver::pool_destroy, pool); }
+API cudaError_t cudaMemPoolGetAttribute(void* pool, int attr, void* value) {
+  return through(&Driver::pool_get_attribute, pool, attr, value);
 }
 // Test controls: which device a stream belongs to, and whether it is capturing.
 API void fakecudart_set_stream(cudaStream_t s, int device, int is_capturing) {

@@ -2,6 +2,7 @@
 // double (fake_cudart.cpp, which goes to the libcuda double for contexts, streams, captures and device
 // synchronisation). Run only under the interposer, with FRAGLESS_LIBCUDA naming the double; each check
 // says what it proves; exits non-zero on any failure.
+#include <cuda.h>  // the pool properties and attributes (the runtime's are the driver's)
 #include <dlfcn.h>
 
 #include <cstdint>
@@ -39,6 +40,13 @@ struct PointerAttributes {  // cudaPointerAttributes
 cudaError_t cudaPointerGetAttributes(PointerAttributes*, const void*);
 void* fakecudart_foreign_alloc(size_t);
 unsigned long fakecudart_calls(const char*);
+typedef void* cudaMemPool_t;
+cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t*, int);
+cudaError_t cudaDeviceSetMemPool(int, cudaMemPool_t);
+cudaError_t cudaDeviceGetMemPool(cudaMemPool_t*, int);
+cudaError_t cudaMemPoolCreate(cudaMemPool_t*, const CUmemPoolProps*);
+cudaError_t cudaMemPoolDestroy(cudaMemPool_t);
+cudaError_t cudaMemPoolGetAttribute(cudaMemPool_t, int, void*);
 }
 
 using namespace fakecuda_program;
@@ -195,6 +203,45 @@ int main(int argc, char** argv) {
                                                     std::to_string(free_b / MiB) + " MiB, cached " +
                                                     std::to_string((re - al) / MiB) + " MiB)");
   expect(cudaSetDevice(0) == 0, "cudaSetDevice(0)");
+
+  // 9. cudaMallocAsync allocates from the device's current pool (cudaDeviceSetMemPool), as cuMemAllocAsync
+  //    does (driver.h R24; the driver half's code): fragless's while fragless can serve that pool, counted in
+  //    the pool's statistics (cudaMemPoolGetAttribute, which the runtime takes from the driver); the
+  //    runtime's when the pool has a maximum size.
+  cudaStream_t q = nullptr;
+  expect(cudaStreamCreate(&q) == 0, "a stream on device 0");
+  auto used = [](cudaMemPool_t pool) {
+    cuuint64_t v = ~0ull;
+    return cudaMemPoolGetAttribute(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &v) == 0 ? v : ~0ull;
+  };
+  cudaMemPool_t def = nullptr, plain = nullptr, lim = nullptr, current = nullptr;
+  expect(cudaDeviceGetDefaultMemPool(&def, 0) == 0 && def, "cudaDeviceGetDefaultMemPool(0)");
+  const cuuint64_t used0 = used(def);
+  void* x = nullptr;
+  expect(cudaMallocAsync(&x, 3 * MiB, q) == 0 && d.device_of(x) == 0, "cudaMallocAsync on the default pool: fragless's");
+  expect(used(def) == used0 + 3 * MiB,
+         "the default pool counts its 3 MiB (" + std::to_string(used(def)) + " bytes, " + std::to_string(used0) + " before)");
+  expect(cudaFreeAsync(x, q) == 0 && used(def) == used0, "freed: counted no more");
+  CUmemPoolProps props{};
+  props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+  props.location = {CU_MEM_LOCATION_TYPE_DEVICE, 0};
+  CUmemPoolProps limited = props;
+  limited.maxSize = 64 * MiB;
+  expect(cudaMemPoolCreate(&plain, &props) == 0 && cudaMemPoolCreate(&lim, &limited) == 0,
+         "two pools on device 0: one plain, one with a maximum size");
+  const unsigned long runtime_allocs = fakecudart_calls("cudaMallocAsync");
+  expect(cudaDeviceSetMemPool(0, lim) == 0 && cudaDeviceGetMemPool(&current, 0) == 0 && current == lim,
+         "cudaDeviceSetMemPool(0, the limited pool)");
+  expect(cudaMallocAsync(&x, 2 * MiB, q) == 0 && d.device_of(x) < 0 && fakecudart_calls("cudaMallocAsync") == runtime_allocs + 1,
+         "cudaMallocAsync: the runtime's (fragless cannot serve a pool with a maximum size)");
+  expect(cudaFreeAsync(x, q) == 0, "its free reached the runtime");
+  expect(cudaDeviceSetMemPool(0, plain) == 0 && cudaMallocAsync(&x, 6 * MiB, q) == 0 && d.device_of(x) == 0 &&
+             used(plain) == 6 * MiB && used(def) == used0,
+         "the plain pool current: cudaMallocAsync fragless's, counted there, not in the default pool");
+  expect(cudaFreeAsync(x, q) == 0 && used(plain) == 0, "freed: the plain pool counts 0");
+  expect(cudaDeviceSetMemPool(0, def) == 0 && cudaMemPoolDestroy(plain) == 0 && cudaMemPoolDestroy(lim) == 0 &&
+             cudaStreamDestroy(q) == 0,
+         "the default pool current again, the pools and the stream destroyed");
 
   const auto census = d.census();
   expect(census.faults == 0, std::string("the double saw no fault (") + d.first_fault() + ")");

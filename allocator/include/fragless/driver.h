@@ -153,8 +153,9 @@
 //     CUDA 13's cuMemSetMemPool and cuMemGetMemPool, CUmemPool_attribute). cuMemAllocAsync "allocates from the
 //     current mempool of the provided stream's device", the default pool until cuDeviceSetMemPool (or
 //     cuMemSetMemPool for a device location and pinned memory) names another, which "must be local to the
-//     specified device": the interposer follows the current pool and serves cuMemAllocAsync only when it
-//     could serve that pool (R23); the Get calls are the driver's. USED_MEM_CURRENT is "memory from the pool
+//     specified device": the interposer follows the current pool and serves cuMemAllocAsync, and the
+//     runtime's cudaMallocAsync (which allocates from the same current pool, cudaDeviceSetMemPool being
+//     cuDeviceSetMemPool), only when it could serve that pool (R23); the Get calls are the driver's. USED_MEM_CURRENT is "memory from the pool
 //     that is currently in use by the application", RESERVED_MEM_CURRENT "backing memory currently allocated
 //     for the mempool", the HIGH ones their high-water marks "since the last time it was reset", which "can
 //     only be reset to zero" (cuMemPoolSetAttribute: "illegal to set this attribute to a non-zero value").
