@@ -269,6 +269,20 @@ API cudaError_t cudaIpcGetMemHandle(void* handle, void*) {
   std::memset(handle, 0, 64);
   return 1;  // cudaErrorInvalidValue
 }
+// The runtime's own handles are none here: every open fails as an unknown handle does, and a close of a
+// pointer no open returned fails (cudaErrorInvalidResourceHandle, cudaErrorInvalidValue).
+struct FakeIpcHandle {  // cudaIpcMemHandle_t
+  char reserved[64];
+};
+API cudaError_t cudaIpcOpenMemHandle(void** p, FakeIpcHandle, unsigned) {
+  count("cudaIpcOpenMemHandle");
+  *p = nullptr;
+  return 400;
+}
+API cudaError_t cudaIpcCloseMemHandle(void*) {
+  count("cudaIpcCloseMemHandle");
+  return 1;
+}
 // Test controls: which device a stream belongs to, and whether it is capturing.
 API void fakecudart_set_stream(cudaStream_t s, int device, int is_capturing) {
   std::lock_guard lk(mu);
