@@ -25,8 +25,8 @@
 //    handle value is a new stream to fragless.
 //  - Per-thread default streams (cudaStreamPerThread; stream 0 of the _ptsz variants, which code built with
 //    --default-stream per-thread calls) are keyed by thread (driver.h, R16).
-//  - cudaIpcGetMemHandle goes to the runtime; when it refuses fragless memory (cuMemCreate memory has no
-//    legacy IPC handle) fragless says why on stderr.
+//  - cudaIpcGetMemHandle, cudaIpcOpenMemHandle and cudaIpcCloseMemHandle share fragless memory between two
+//    interposed processes through fragless's own sharing (preload_ipc.cpp, Note [Legacy IPC handles]).
 //  - Looking up who owns a pointer uses the engines that exist: it never creates one, nor a context. No
 //    engine or context exists for a device before the program uses it; no process-wide lock is taken per call.
 // A statically linked CUDA runtime cannot be interposed (its calls never reach the dynamic linker).
@@ -90,7 +90,6 @@ struct Real {
       next<decltype(begin_capture_to_graph_ptsz)>("cudaStreamBeginCaptureToGraph_ptsz");
   cudaError_t (*end_capture)(cudaStream_t, cudaGraph_t*) = next<decltype(end_capture)>("cudaStreamEndCapture");
   cudaError_t (*end_capture_ptsz)(cudaStream_t, cudaGraph_t*) = next<decltype(end_capture_ptsz)>("cudaStreamEndCapture_ptsz");
-  cudaError_t (*ipc_get_mem_handle)(void*, void*) = next<decltype(ipc_get_mem_handle)>("cudaIpcGetMemHandle");
 };
 
 const Real& real() {
@@ -361,6 +360,7 @@ int owner(const void* p) {
 // or 256 MiB are pending or when an allocation would otherwise fail.
 void free_behind_fence(int device, void* p) {
   forget(device, p);
+  forget_export(device, p);
   Interposer& i = ip();
   std::size_t size = 0;
   i.alloc->device(device)->base_allocation(p, &size);
@@ -375,10 +375,19 @@ void free_behind_fence(int device, void* p) {
   if (due) i.drain(device);
 }
 
+bool free_pending(int device, const void* p) {
+  DevicePending& d = ip().of(device);
+  std::lock_guard lk(d.mu);
+  for (const Pending& q : d.list)
+    if (q.ptr == p) return true;
+  return false;
+}
+
 bool drain(int device) { return ip().drain(device); }
 
 bool free_on_stream(int device, void* p, fragless::Stream s) {
   forget(device, p);
+  forget_export(device, p);
   fragless::DeviceEngine* e = ip().alloc->device(device);
   e->record_stream(p, s);  // a no-op when s is the allocation stream
   return e->free(p) == fragless::Status::ok;
@@ -491,20 +500,6 @@ FRAGLESS_EXPORT cudaError_t cudaStreamDestroy(cudaStream_t s) {
   const auto v = reinterpret_cast<std::uintptr_t>(s);
   if (ip().ready.load(std::memory_order_acquire) && v > kStreamPerThread) fragless_preload::retire_stream(v, device_of(s));
   return real().stream_destroy ? real().stream_destroy(s) : kInvalidValue;
-}
-
-// fragless memory comes from cuMemCreate, which has no legacy IPC handle: the runtime refuses it. The call
-// still goes to the runtime (other memory may be shareable); when it fails on fragless memory, say why.
-FRAGLESS_EXPORT cudaError_t cudaIpcGetMemHandle(void* handle, void* p) {
-  const cudaError_t r = real().ipc_get_mem_handle ? real().ipc_get_mem_handle(handle, p) : kInvalidValue;
-  static std::atomic<bool> said{false};
-  if (r != kSuccess && owner(p) >= 0 && !said.exchange(true))
-    std::fprintf(stderr,
-                 "fragless (LD_PRELOAD): cudaIpcGetMemHandle cannot share %p: fragless memory comes from cuMemCreate, "
-                 "which has no legacy CUDA IPC handle (torch.multiprocessing sharing of CUDA tensors needs the "
-                 "runtime's own allocator); the runtime's error is returned\n",
-                 p);
-  return r;
 }
 
 // The device whose engine owns p, or -1 (for tests and curious users).

@@ -43,6 +43,15 @@ void count_in(int device, const void* p, cu::KnownPool* k, std::uint64_t asked);
 // keeps about the block (a pool's statistics, a buffer id) goes with it.
 void forget(int device, const void* p);
 
+// Every free of fragless memory also drops the legacy IPC export of the allocation at p, if it has one
+// (preload_ipc.cpp, Note [Legacy IPC handles]): its handle is refused from then on, and the processes that
+// opened it keep the memory until they close it.
+void forget_export(int device, const void* p);
+
+// Whether p (an allocation of `device`'s engine) was freed by cudaFree or cuMemFree and waits for the fence:
+// still allocated in the engine, but no longer the program's. A walk of the pending frees (not for hot paths).
+bool free_pending(int device, const void* p);
+
 // Runs the fence for `device` now and gives its deferred frees back; false when it could not run (a capture
 // is under way, or the synchronisation failed: the frees stay deferred).
 bool drain(int device);

@@ -41,6 +41,28 @@ class BackgroundClock {
   double last_ = -1, worker_ = 0;  // the previous event's time; the worker's clock (µs)
 };
 
+// Note [Frees an empty_cache completes]
+// A block freed while record_stream'd uses were pending is `free_requested` at the free and `free` (back to
+// the cache) when its events completed. An empty_cache waits for every pending event, so the blocks it
+// completes go back to the cache inside it, before its release, and are released with everything else;
+// but the recorder writes the empty_cache record when the call begins, so their `free` records follow it.
+// Replayed in file order they would go back to the cache after the release and stay cached, and the
+// replay would reserve less afterwards than the recorded run did. So at an empty_cache the replay first
+// frees the blocks whose `free` records follow it directly (the device's next records, each a free of a
+// block with a free_requested pending): the frees the call completed, in the order it completed them.
+// Returns the addresses freed; their `free` records are then skipped.
+std::vector<std::uint64_t> completed_by_empty_cache(const formats::Trace& t, std::size_t at, int device,
+                                                    const std::unordered_set<std::uint64_t>& requested) {
+  std::vector<std::uint64_t> out;
+  for (std::size_t j = at + 1; j < t.events.size(); ++j) {
+    const formats::Event& ev = t.events[j];
+    if (ev.device != device) continue;
+    if (ev.op != formats::Op::free || !requested.count(ev.address)) break;
+    out.push_back(ev.address);
+  }
+  return out;
+}
+
 }  // namespace
 
 ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, std::uint64_t capacity) {
@@ -76,6 +98,9 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
   std::unordered_map<std::uint64_t, void*> ptrs;  // trace address -> replayed block
   ptrs.reserve(t.events.size() / 2 + t.seed.size());
   std::unordered_set<std::uint64_t> failed;  // trace addresses whose allocation ran out of memory
+  // Note [Frees an empty_cache completes]: blocks with a free_requested and no `free` yet; blocks freed at
+  // an empty_cache whose `free` record is still to come.
+  std::unordered_set<std::uint64_t> requested, completed_early;
   const auto t0 = std::chrono::steady_clock::now();
   // The cache shape before the window is the recorded allocator's own state: for the classic policy (the
   // allocator that made these snapshots) each segment PyTorch held is created (a 2 MiB segment holds small
@@ -136,6 +161,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
       unreported = 0;
     }
     if (ev.device != device) continue;
+    if (ev.op == formats::Op::free_requested) requested.insert(ev.address);  // Note [Frees an empty_cache completes]
     if (ev.op != formats::Op::alloc && ev.op != formats::Op::free && ev.op != formats::Op::empty_cache) continue;
     ++r.events;
     // Time-weighted integrals: trace time where recorded, else one unit per event.
@@ -165,6 +191,8 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
         break;
       }
       case formats::Op::free: {
+        requested.erase(ev.address);
+        if (completed_early.erase(ev.address)) break;  // freed at the empty_cache it follows
         auto it = ptrs.find(ev.address);
         if (it == ptrs.end()) {
           if (failed.erase(ev.address)) continue;  // its allocation failed with OOM
@@ -175,7 +203,15 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
         ptrs.erase(it);
         break;
       }
-      case formats::Op::empty_cache: e.empty_cache(); break;
+      case formats::Op::empty_cache:
+        for (std::uint64_t a : completed_by_empty_cache(t, index - 1, device, requested))
+          if (auto it = ptrs.find(a); it != ptrs.end()) {
+            e.free(it->second);
+            ptrs.erase(it);
+            completed_early.insert(a);
+          }
+        e.empty_cache();
+        break;
       default: break;  // what the recorded allocator did (segments, pages, OOMs): not an instruction to us
     }
     u = e.usage();

@@ -300,6 +300,20 @@ API cudaError_t cudaMemPoolDestroy(void* pool) { return through(&Driver::pool_de
 API cudaError_t cudaMemPoolGetAttribute(void* pool, int attr, void* value) {
   return through(&Driver::pool_get_attribute, pool, attr, value);
 }
+// The runtime's own handles are none here: every open fails as an unknown handle does, and a close of a
+// pointer no open returned fails (cudaErrorInvalidResourceHandle, cudaErrorInvalidValue).
+struct FakeIpcHandle {  // cudaIpcMemHandle_t
+  char reserved[64];
+};
+API cudaError_t cudaIpcOpenMemHandle(void** p, FakeIpcHandle, unsigned) {
+  count("cudaIpcOpenMemHandle");
+  *p = nullptr;
+  return 400;
+}
+API cudaError_t cudaIpcCloseMemHandle(void*) {
+  count("cudaIpcCloseMemHandle");
+  return 1;
+}
 // Test controls: which device a stream belongs to, and whether it is capturing.
 API void fakecudart_set_stream(cudaStream_t s, int device, int is_capturing) {
   std::lock_guard lk(mu);

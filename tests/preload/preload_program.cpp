@@ -136,12 +136,17 @@ int main(int argc, char** argv) {
     expect(fakecudart_calls("cudaMallocAsync") == rt_async + 1, "went to the runtime");
     expect(device_of && device_of(g) == -1, "is not fragless's");
     expect(cudaFreeAsync(g, cap) == 0 && fakecudart_calls("cudaFreeAsync") >= 1, "and its free too");
-    // IPC of fragless memory is refused by the runtime, and said so.
+    // IPC of fragless memory needs shareable_handles:True (not set here): refused by fragless, said so on
+    // stderr, with the runtime's error for memory it cannot export; a foreign pointer goes to the runtime.
     void* ours = nullptr;
     expect(cudaMalloc(&ours, 1 << 20) == 0, "allocation");
     unsigned char handle[64];
-    expect(cudaIpcGetMemHandle(handle, ours) != 0, "cudaIpcGetMemHandle of fragless memory fails");
-    expect(fakecudart_calls("cudaIpcGetMemHandle") == 1, "after reaching the runtime");
+    expect(cudaIpcGetMemHandle(handle, ours) == 1, "cudaIpcGetMemHandle of unshareable fragless memory: cudaErrorInvalidValue");
+    expect(fakecudart_calls("cudaIpcGetMemHandle") == 0, "without reaching the runtime");
+    void* theirs = fakecudart_foreign_alloc(64);
+    cudaIpcGetMemHandle(handle, theirs);
+    expect(fakecudart_calls("cudaIpcGetMemHandle") == 1, "a foreign pointer's handle is the runtime's");
+    std::free(theirs);
     expect(cudaFree(ours) == 0, "free");
   }
   return failures ? 1 : 0;

@@ -21,68 +21,27 @@
 #include <thread>
 #include <vector>
 
+#include "fd_message.h"
 #include "fragless/fragless.h"
+#include "process_checks.h"
 
 namespace {
 
 constexpr std::size_t MiB = 1 << 20;
-int g_failures = 0;
-const char* g_role = "exporter";
-
-// Each evaluates its condition once (it may receive a message).
-bool check(bool ok, const char* what, int line) {
-  if (!ok) {
-    std::fprintf(stderr, "[%s] FAILED line %d: %s (last error: %s)\n", g_role, line, what, fragless_last_error());
-    ++g_failures;
-  }
-  return ok;
-}
-#define CHECK(cond) check(static_cast<bool>(cond), #cond, __LINE__)
-#define REQUIRE(cond)                                          \
-  do {                                                         \
-    if (!check(static_cast<bool>(cond), #cond, __LINE__)) std::exit(1); \
-  } while (0)
-
 // ---- messages: a payload and descriptors (SCM_RIGHTS) ----
 
 void send_msg(int sock, const std::string& payload, const int* fds = nullptr, std::size_t nfds = 0) {
-  iovec iov{const_cast<char*>(payload.data()), payload.size()};
-  msghdr m{};
-  m.msg_iov = &iov;
-  m.msg_iovlen = 1;
-  std::vector<char> ctl(CMSG_SPACE(sizeof(int) * (nfds ? nfds : 1)));
-  if (nfds) {
-    m.msg_control = ctl.data();
-    m.msg_controllen = CMSG_SPACE(sizeof(int) * nfds);
-    cmsghdr* c = CMSG_FIRSTHDR(&m);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
-    std::memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
-  }
-  REQUIRE(sendmsg(sock, &m, MSG_NOSIGNAL) == static_cast<ssize_t>(payload.size()));
+  REQUIRE(fragless_fd::send_message(sock, payload.data(), payload.size(), fds, nfds) == static_cast<ssize_t>(payload.size()));
 }
 
 std::string recv_msg(int sock, std::vector<int>* fds = nullptr) {
   std::string buf(1 << 16, '\0');
-  iovec iov{buf.data(), buf.size()};
-  std::vector<char> ctl(CMSG_SPACE(sizeof(int) * 4096));
-  msghdr m{};
-  m.msg_iov = &iov;
-  m.msg_iovlen = 1;
-  m.msg_control = ctl.data();
-  m.msg_controllen = ctl.size();
-  const ssize_t n = recvmsg(sock, &m, MSG_CMSG_CLOEXEC);
+  std::vector<int> got;
+  const ssize_t n = fragless_fd::recv_message(sock, buf.data(), buf.size(), &got, 4096);
+  if (!fds) for (int fd : got) close(fd);
+  else fds->insert(fds->end(), got.begin(), got.end());
   REQUIRE(n >= 0);
   buf.resize(static_cast<std::size_t>(n));
-  for (cmsghdr* c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c))
-    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
-      const std::size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      std::vector<int> got(k);
-      std::memcpy(got.data(), CMSG_DATA(c), k * sizeof(int));
-      if (fds) fds->insert(fds->end(), got.begin(), got.end());
-      else for (int fd : got) close(fd);
-    }
   return buf;
 }
 
@@ -380,15 +339,16 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   const std::string scenario = argv[1];
+  process_checks::detail = fragless_last_error;
   if (argc == 4 && std::string(argv[2]) == "child") {
-    g_role = "child";
+    process_checks::role = "child";
     const int sock = std::atoi(argv[3]);
     if (scenario == "bytes") bytes_child(sock);
     else if (scenario == "free_while_held") free_while_held_child(sock);
     else if (scenario == "killed") killed_child(sock);
     else if (scenario == "cycles") cycles_child(sock);
     else if (scenario == "stale") stale_child(sock);
-    return g_failures ? 1 : 0;
+    return process_checks::failures ? 1 : 0;
   }
   int sock = -1;
   const pid_t child = spawn("/proc/self/exe", scenario.c_str(), &sock);
@@ -402,6 +362,6 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (scenario != "killed" && scenario != "stale") CHECK(wait_child(child) == 0);
-  if (!g_failures) std::printf("%s: every check held in both processes\n", scenario.c_str());
-  return g_failures ? 1 : 0;
+  if (!process_checks::failures) std::printf("%s: every check held in both processes\n", scenario.c_str());
+  return process_checks::failures ? 1 : 0;
 }

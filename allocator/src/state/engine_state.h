@@ -13,6 +13,7 @@
 //  I5  Stats equal a recount from the block lists; reserved equals physical bytes held from the driver.
 //  I6  Every allocated or pending block is in `active_blocks` under its address, and nothing else is.
 #pragma once
+#include <algorithm>
 #include <deque>
 #include <map>
 #include <memory>
@@ -197,6 +198,11 @@ struct DeviceEngine::State {
   bool stream_idle(Stream s);
 
   std::vector<std::unique_ptr<Segment>> segments;
+  // Whether seg is one of the segments now. A pointer kept across a release may point at a segment that is
+  // gone, or at a new one the heap placed at the same address (Note [Strips die with their segment]).
+  bool has_segment(const Segment* seg) const {
+    return std::any_of(segments.begin(), segments.end(), [&](const auto& p) { return p.get() == seg; });
+  }
   BlockMap active_blocks;
   std::map<Stream, std::deque<std::pair<Event, Block*>>> pending_events;
   std::size_t pending_event_count = 0;

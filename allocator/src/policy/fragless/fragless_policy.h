@@ -76,6 +76,16 @@
 // the event, which counts as a forced synchronisation. Until its old mapping is gone a lent range is
 // `unmapped` to the engine and no other request maps it.
 //
+// Note [Strips die with their segment]
+// A strip (Stripped, Note [Refills]) names its segment by the Segment object's address. A release that
+// drops a segment frees that object, and the heap may place the next new segment at the same address: a
+// strip left behind would then count as a strip of the new segment, and a growth there would be a refill
+// (new memory) where it should re-back (reclaim). Whether it is depends on where malloc put the object,
+// that is on the heap's history, not on the requests: the same requests made different decisions
+// natively, under valgrind and with glibc's per-thread cache off, and a replay of a recorded run reserved
+// a different peak than the run. So a release forgets the strips of the segments it dropped
+// (after_release): a new segment has no history.
+//
 // In a steady state (the same step again) every request hits the cache, so no driver call and no
 // synchronisation happen at all; the driver is only touched when the working set changes shape.
 #pragma once
@@ -125,9 +135,11 @@ class FraglessPolicy final : public GrowablePolicy {
   bool multi_page(const Segment& seg, std::size_t first, std::size_t n) const override {
     return splitter_.any_multi(seg, first, n);
   }
-  // After a release (empty_cache, OOM retry): every idle handle goes back to the driver.
+  // After a release (empty_cache, OOM retry): every idle handle goes back to the driver, and the strips of
+  // the segments the release dropped are forgotten (Note [Strips die with their segment]).
   void after_release() override {
     pool_.release_idle([&](PhysHandle h, std::size_t pages) { release_handle(h, pages); });
+    std::erase_if(stripped_, [&](const Stripped& s) { return !s_.has_segment(s.seg); });
   }
 
  private:

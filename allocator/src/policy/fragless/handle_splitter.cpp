@@ -54,10 +54,6 @@ bool HandleSplitter::freed(Block* b, DevicePtr lo_va, DevicePtr hi_va) {
   return queued;
 }
 
-bool HandleSplitter::segment_alive(const Segment* seg) const {
-  return std::any_of(s_.segments.begin(), s_.segments.end(), [&](const auto& p) { return p.get() == seg; });
-}
-
 // The free block of seg holding [va, va + len): `hint` if it still does (a recycled block object that holds
 // the range is the right block all the same), else found by walking the segment.
 Block* HandleSplitter::covering(Segment& seg, Block* hint, DevicePtr va, std::size_t len) const {
@@ -88,7 +84,7 @@ bool HandleSplitter::take(BackgroundJob* job) {
     const Candidate c = queue_.front();
     queue_.pop_front();
     queued_.erase(c.handle);
-    if (!segment_alive(c.seg)) continue;
+    if (!s_.has_segment(c.seg)) continue;
     Segment& seg = *c.seg;
     if (c.first >= seg.pages.size() || seg.pages[c.first].handle != c.handle || seg.pages[c.first].offset != 0)
       continue;

@@ -72,7 +72,6 @@ class HandleSplitter {
  private:
   static std::vector<std::size_t> piece_sizes(std::size_t pages);  // what a split of `pages` creates
   struct Candidate { Segment* seg; std::size_t first; PhysHandle handle; Block* block; };
-  bool segment_alive(const Segment* seg) const;
   Block* covering(Segment& seg, Block* hint, DevicePtr va, std::size_t len) const;
   Block* carve(Block* b, DevicePtr va, std::size_t len);  // b's [va, va + len) becomes a busy block
   void release_busy(Block* busy, bool mapped, bool multi = false);  // busy back to free (mapped) or unmapped

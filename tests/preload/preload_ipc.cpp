@@ -1,0 +1,230 @@
+// Legacy CUDA IPC on fragless memory under LD_PRELOAD (preload_ipc.cpp, Note [Legacy IPC handles]): two real
+// processes, both interposed, linked against the runtime double. The program runs itself as the exporter
+// (fork and exec: it inherits the environment and one socket, on which the 64-byte handles travel as a
+// program would send them); this process imports. FRAGLESS_CONF must ask for shareable handles: the host
+// driver with shareable_handles:True, or the cuda driver on the libcuda double with shareable_handles:True
+// or fabric (FAKECUDA_FABRIC=1). Both keep memory in host pages: both sides read and write it directly.
+//
+//   preload_ipc SCENARIO     bytes | free_while_held | forged
+// Exit 0 when every check held; 1 with the failed checks on stderr.
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "process_checks.h"
+
+extern "C" {
+typedef int cudaError_t;
+struct IpcHandle {  // cudaIpcMemHandle_t
+  unsigned char reserved[64];
+};
+cudaError_t cudaMalloc(void**, size_t);
+cudaError_t cudaFree(void*);
+cudaError_t cudaIpcGetMemHandle(IpcHandle*, void*);
+cudaError_t cudaIpcOpenMemHandle(void**, IpcHandle, unsigned);
+cudaError_t cudaIpcCloseMemHandle(void*);
+void* fakecudart_foreign_alloc(size_t);
+unsigned long fakecudart_calls(const char*);
+}
+
+namespace {
+
+constexpr std::size_t MiB = 1 << 20, kSize = 4 * MiB;
+constexpr cudaError_t kInvalidHandle = 400;
+void send_bytes(int sock, const void* p, std::size_t n) { REQUIRE(send(sock, p, n, MSG_NOSIGNAL) == static_cast<ssize_t>(n)); }
+void say(int sock, const char* word) { send_bytes(sock, word, std::strlen(word)); }
+std::string hear(int sock) {
+  char buf[128];
+  const ssize_t n = recv(sock, buf, sizeof buf, 0);
+  REQUIRE(n >= 0);
+  return std::string(buf, static_cast<std::size_t>(n));
+}
+
+unsigned char pattern(std::size_t i, unsigned salt) { return static_cast<unsigned char>((i * 131 + salt) & 0xff); }
+bool holds(const void* p, std::size_t from, std::size_t n, unsigned salt) {
+  const auto* b = static_cast<const unsigned char*>(p);
+  for (std::size_t i = from; i < from + n; ++i)
+    if (b[i] != pattern(i, salt)) return false;
+  return true;
+}
+void fill(void* p, std::size_t from, std::size_t n, unsigned salt) {
+  auto* b = static_cast<unsigned char*>(p);
+  for (std::size_t i = from; i < from + n; ++i) b[i] = pattern(i, salt);
+}
+
+// ---- The exporter (the child) ---------------------------------------------------------------------------
+
+int exporter(int sock) {
+  process_checks::role = "exporter";
+  void* p = nullptr;
+  REQUIRE(cudaMalloc(&p, kSize) == 0 && p);
+  fill(p, 0, kSize, 1);
+  IpcHandle h{}, again{}, inner{};
+  REQUIRE(cudaIpcGetMemHandle(&h, p) == 0);
+  CHECK(cudaIpcGetMemHandle(&again, p) == 0 && std::memcmp(&h, &again, sizeof h) == 0);  // asked twice: one handle
+  // A pointer inside the allocation names the whole allocation (the importer gets its base).
+  CHECK(cudaIpcGetMemHandle(&inner, static_cast<char*>(p) + 4096) == 0 && std::memcmp(&h, &inner, sizeof h) == 0);
+  // Memory of another allocator: the runtime's handle (the double has none and fails), not fragless's.
+  const unsigned long rt = fakecudart_calls("cudaIpcGetMemHandle");
+  void* foreign = fakecudart_foreign_alloc(64);
+  CHECK(cudaIpcGetMemHandle(&again, foreign) != 0);
+  std::free(foreign);
+  CHECK(fakecudart_calls("cudaIpcGetMemHandle") == rt + 1);
+  // A child made by fork inherits neither the listener nor the exports (its copies are closed); this
+  // process goes on serving the handle, as every scenario then checks.
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) _exit(0);
+  int status = 0;
+  CHECK(waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  send_bytes(sock, &h, sizeof h);
+  bool freed = false;
+  for (;;) {
+    const std::string cmd = hear(sock);
+    if (cmd == "check") {  // the importer wrote its pattern at 1 MiB
+      say(sock, holds(p, MiB, MiB, 2) && holds(p, 0, MiB, 1) ? "ok" : "bad");
+    } else if (cmd == "free") {  // freed while the importer holds it; then as much memory as there is, rewritten
+      CHECK(cudaFree(p) == 0);
+      freed = true;
+      IpcHandle late{};
+      CHECK(cudaIpcGetMemHandle(&late, p) == 1);  // freed (waiting for the fence): cudaErrorInvalidValue
+      std::vector<void*> more;
+      for (void* q = nullptr; more.size() < 64 && cudaMalloc(&q, MiB) == 0 && q; q = nullptr) {
+        std::memset(q, 0xEE, MiB);
+        more.push_back(q);
+      }
+      CHECK(!more.empty());
+      for (void* q : more) CHECK(cudaFree(q) == 0);
+      say(sock, "freed");
+    } else {  // "exit", or the importer gone
+      if (!freed) CHECK(cudaFree(p) == 0);
+      return process_checks::failures ? 1 : 0;
+    }
+  }
+}
+
+// ---- The importer (this process) ------------------------------------------------------------------------
+
+int scenario_bytes(int sock) {
+  IpcHandle h{};
+  REQUIRE(recv(sock, &h, sizeof h, 0) == static_cast<ssize_t>(sizeof h));
+  void* p = nullptr;
+  REQUIRE(cudaIpcOpenMemHandle(&p, h, 1) == 0 && p);
+  CHECK(holds(p, 0, kSize, 1));  // what the exporter wrote, from the allocation's base
+  void* q = nullptr;
+  CHECK(cudaIpcOpenMemHandle(&q, h, 2) == 1);  // flags other than cudaIpcMemLazyEnablePeerAccess: invalid value
+  CHECK(cudaIpcOpenMemHandle(&q, h, 1) == 0 && q == p);  // opened again: the same pointer, one more reference
+  fill(p, MiB, MiB, 2);
+  say(sock, "check");
+  CHECK(hear(sock) == "ok");  // the exporter reads what this process wrote
+  const unsigned long rt_close = fakecudart_calls("cudaIpcCloseMemHandle");
+  CHECK(cudaIpcCloseMemHandle(p) == 0);
+  CHECK(holds(p, 0, MiB, 1));  // one reference left: still mapped
+  CHECK(cudaIpcCloseMemHandle(p) == 0);
+  CHECK(fakecudart_calls("cudaIpcCloseMemHandle") == rt_close);
+  CHECK(cudaIpcCloseMemHandle(p) != 0);  // closed: no longer fragless's, so the runtime's (which refuses it)
+  CHECK(fakecudart_calls("cudaIpcCloseMemHandle") == rt_close + 1);
+  // A handle fragless did not make goes to the runtime.
+  const unsigned long rt_open = fakecudart_calls("cudaIpcOpenMemHandle");
+  IpcHandle foreign{};
+  CHECK(cudaIpcOpenMemHandle(&q, foreign, 1) == kInvalidHandle);
+  CHECK(fakecudart_calls("cudaIpcOpenMemHandle") == rt_open + 1);
+  say(sock, "exit");
+  return 0;
+}
+
+int scenario_free_while_held(int sock) {
+  IpcHandle h{};
+  REQUIRE(recv(sock, &h, sizeof h, 0) == static_cast<ssize_t>(sizeof h));
+  void* p = nullptr;
+  REQUIRE(cudaIpcOpenMemHandle(&p, h, 1) == 0 && p);
+  say(sock, "free");
+  CHECK(hear(sock) == "freed");
+  CHECK(holds(p, 0, kSize, 1));  // the exporter freed it and allocated all it could: nothing was lost here
+  void* q = nullptr;
+  CHECK(cudaIpcOpenMemHandle(&q, h, 1) == 0 && q == p);  // still open here: a reference, no new fetch
+  CHECK(cudaIpcCloseMemHandle(q) == 0);
+  CHECK(cudaIpcCloseMemHandle(p) == 0);
+  // Opened anew after the exporter's free: refused, the allocation is gone.
+  q = reinterpret_cast<void*>(1);
+  CHECK(cudaIpcOpenMemHandle(&q, h, 1) == kInvalidHandle && q == nullptr);
+  say(sock, "exit");
+  return 0;
+}
+
+int scenario_forged(int sock, pid_t child) {
+  IpcHandle h{};
+  REQUIRE(recv(sock, &h, sizeof h, 0) == static_cast<ssize_t>(sizeof h));
+  auto refused = [&](IpcHandle bad) {
+    void* q = reinterpret_cast<void*>(1);
+    return cudaIpcOpenMemHandle(&q, bad, 1) == kInvalidHandle && q == nullptr;
+  };
+  const unsigned long rt_open = fakecudart_calls("cudaIpcOpenMemHandle");
+  IpcHandle bad = h;
+  bad.reserved[32] ^= 1;  // the nonce
+  CHECK(refused(bad));
+  bad = h;
+  bad.reserved[24] ^= 1;  // the share id
+  CHECK(refused(bad));
+  bad = h;
+  bad.reserved[16] ^= 1;  // the token: no such socket
+  CHECK(refused(bad));
+  bad = h;
+  bad.reserved[8] ^= 1;  // the version
+  CHECK(refused(bad));
+  bad = h;
+  bad.reserved[60] = 7;  // the unused bytes
+  CHECK(refused(bad));
+  CHECK(fakecudart_calls("cudaIpcOpenMemHandle") == rt_open);  // fragless's magic: none went to the runtime
+  void* p = nullptr;
+  CHECK(cudaIpcOpenMemHandle(&p, h, 1) == 0 && p && holds(p, 0, kSize, 1));  // the genuine one still opens
+  CHECK(cudaIpcCloseMemHandle(p) == 0);
+  say(sock, "exit");
+  int status = 0;
+  CHECK(waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  CHECK(refused(h));  // its exporter exited: stale
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  process_checks::role = "importer";
+  if (argc == 3 && std::strcmp(argv[1], "--export") == 0) return exporter(std::atoi(argv[2]));
+  const std::string s = argc == 2 ? argv[1] : "";
+  const bool help = s == "--help" || s == "-h";
+  if (help || (s != "bytes" && s != "free_while_held" && s != "forged")) {
+    std::fprintf(help ? stdout : stderr,
+                 "usage: %s bytes|free_while_held|forged\n"
+                 "Two processes, both under LD_PRELOAD=libfragless_preload.so with FRAGLESS_CONF asking for\n"
+                 "shareable handles (driver:host, or the libcuda double), share fragless memory through cudaIpcGetMemHandle,\n"
+                 "cudaIpcOpenMemHandle and cudaIpcCloseMemHandle; exit 0 when every check held in both.\n",
+                 argv[0]);
+    return help ? 0 : 2;
+  }
+  int pair[2];
+  REQUIRE(socketpair(AF_UNIX, SOCK_SEQPACKET, 0, pair) == 0);
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    close(pair[0]);
+    const std::string fd = std::to_string(pair[1]);
+    execl("/proc/self/exe", argv[0], "--export", fd.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  close(pair[1]);
+  if (s == "bytes") scenario_bytes(pair[0]);
+  else if (s == "free_while_held") scenario_free_while_held(pair[0]);
+  else scenario_forged(pair[0], child);
+  close(pair[0]);
+  int status = 0;
+  if (s != "forged") CHECK(waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  if (process_checks::failures == 0) std::printf("%s: every check held\n", s.c_str());
+  return process_checks::failures ? 1 : 0;
+}

@@ -1,0 +1,520 @@
+// libfragless_preload.so, legacy CUDA IPC on fragless memory: cudaIpcGetMemHandle, cudaIpcOpenMemHandle,
+// cudaIpcCloseMemHandle. Memory from cuMemCreate has no legacy IPC handle, so the runtime refuses fragless
+// memory; when both processes run under the interposer, these calls share it through fragless's own sharing
+// (DeviceEngine::share / open_shared, Note [Sharing] in engine/share.cpp), which needs shareable_handles:True.
+//
+// Note [Legacy IPC handles]
+// cudaIpcGetMemHandle(&h, p) on fragless memory (p anywhere inside an allocation: the handle names the whole
+// allocation, and cudaIpcOpenMemHandle returns its base, as CUDA's handle names the whole cudaMalloc
+// allocation) exports a share of the allocation once and fills the 64 opaque bytes with: a magic and a
+// version, the exporter's pid and a per-process random token (which together name its socket), the share's
+// id and a random 128-bit nonce. Asked again for the same allocation it gives the same handle (CUDA's call may
+// be repeated on an allocation harmlessly). Other pointers go to the runtime. As with CUDA's own handle, the
+// 64 bytes are the capability: a process of the machine that has them may open the memory.
+//
+// The exporter serves its shares on a Unix socket in the abstract namespace, "fragless-ipc-<pid>-<token>",
+// answered by a listener thread started with the first export. A request names a share id and its nonce;
+// the answer is the share's description and descriptors (SCM_RIGHTS), or a refusal saying why. The thread
+// takes the exports' lock only to look a share up and duplicate its descriptors, never across a blocking
+// call, and never takes an engine's lock. It stops at exit (an atexit handler wakes and joins it). A child
+// made by fork does not inherit the listener nor the exports (their descriptors, copies of the leases, are
+// closed in the child, so they do not hold the parent's blocks): the parent keeps serving its handles, and
+// the child's first export starts a listener of its own, under its own pid.
+//
+// cudaIpcOpenMemHandle recognises fragless's handles by their magic (any other handle goes to the runtime),
+// asks the exporter, and maps the share with open_shared on the current device. The same handle opened again
+// on the same device returns the same pointer and counts a reference (CUDA's rule for a handle the current
+// context opened already); cudaIpcCloseMemHandle drops one, and the last unmaps (close_shared). The
+// importer's records are not reset in a fork child (CUDA cannot be used there anyway).
+//
+// Lifetime. cudaFree of an exported allocation drops the exporter's copy of the share at once (so its handle
+// is refused from then on: stale), and the engine holds the block for every process that has it open, through
+// the leases, until the last closes it: a free while another process holds the memory loses nothing (CUDA
+// calls that case undefined). A handle whose exporter exited is refused (nobody answers, and open_shared
+// refuses a lease whose engine end is gone).
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <new>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "fragless/allocator.h"
+#include "fragless/share.h"
+#include "fd_message.h"
+#include "preload_core.h"
+
+extern "C" {
+typedef int cudaError_t;
+}
+
+namespace {
+
+// cudaError_t values: cudaErrorInvalidValue, cudaErrorMemoryAllocation, cudaErrorMapBufferObjectFailed,
+// cudaErrorInvalidResourceHandle.
+constexpr cudaError_t kSuccess = 0, kInvalidValue = 1, kMemoryAllocation = 2, kMapFailed = 205,
+                      kInvalidHandle = 400;
+
+constexpr char kMagic[8] = {'F', 'R', 'G', 'L', 'I', 'P', 'C', '1'};
+constexpr std::uint32_t kVersion = 1;
+
+// The 64 bytes of a cudaIpcMemHandle_t that fragless fills.
+struct Handle {
+  char magic[8];
+  std::uint32_t version;
+  std::int32_t pid;           // the exporter
+  std::uint64_t token;        // the exporter's random token: with pid, names its socket
+  std::uint64_t id;           // the share, in the exporter
+  std::uint8_t nonce[16];     // random per share: a forged or reused id is refused
+  std::uint8_t unused[16];    // 0
+};
+static_assert(sizeof(Handle) == 64, "cudaIpcMemHandle_t is 64 bytes");
+
+// A request: the share's id and nonce. The answer: a Reply, then the description in pieces of at most
+// kPiece bytes, then the descriptors, at most kFdsPerMessage a message (SCM_RIGHTS carries at most 253).
+struct Request {
+  std::uint64_t id;
+  std::uint8_t nonce[16];
+};
+struct Reply {
+  std::uint32_t status;  // 0: the share follows; else why not, in `why`
+  std::uint32_t fds;
+  std::uint64_t description;  // bytes
+  char why[200];
+};
+constexpr std::size_t kPiece = 32 << 10, kFdsPerMessage = fragless_fd::kMaxFds;
+
+template <typename F>
+F next(const char* name) {
+  return reinterpret_cast<F>(dlsym(RTLD_NEXT, name));
+}
+
+struct Real {
+  cudaError_t (*get)(void*, void*) = next<decltype(get)>("cudaIpcGetMemHandle");
+  cudaError_t (*open)(void**, Handle, unsigned) = next<decltype(open)>("cudaIpcOpenMemHandle");
+  cudaError_t (*close)(void*) = next<decltype(close)>("cudaIpcCloseMemHandle");
+  cudaError_t (*get_device)(int*) = next<decltype(get_device)>("cudaGetDevice");
+};
+const Real& real() {
+  static const Real r;
+  return r;
+}
+
+std::string socket_name(std::int32_t pid, std::uint64_t token) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "fragless-ipc-%d-%016llx", static_cast<int>(pid), static_cast<unsigned long long>(token));
+  return buf;
+}
+
+sockaddr_un abstract_address(const std::string& name, socklen_t* len) {
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::memcpy(a.sun_path + 1, name.data(), name.size());  // sun_path[0] == 0: the abstract namespace
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return a;
+}
+
+bool random_bytes(void* p, std::size_t n) { return getrandom(p, n, 0) == static_cast<ssize_t>(n); }
+
+bool send_part(int sock, const void* data, std::size_t n, const int* fds, std::size_t nfds) {
+  return fragless_fd::send_message(sock, data, n, fds, nfds) == static_cast<ssize_t>(n ? n : 1);
+}
+
+void close_all(std::vector<int>* fds) {
+  for (int fd : *fds) ::close(fd);
+  fds->clear();
+}
+
+// ---- The exporter -----------------------------------------------------------------------------------------
+
+struct Export {
+  int device;
+  void* base;
+  std::uint8_t nonce[16];
+  fragless::SharedBlock share;
+};
+
+struct Exporter {
+  std::mutex mu;  // guards everything below; never held across a blocking call
+  std::map<std::uint64_t, Export> exports;                 // by id
+  std::map<std::pair<int, void*>, std::uint64_t> by_block;  // (device, base) -> id
+  std::uint64_t next_id = 1;
+  std::int32_t pid = 0;      // the process the listener serves (0: none started)
+  std::uint64_t token = 0;
+  int listen_fd = -1, wake[2] = {-1, -1};
+  std::thread thread;
+  std::atomic<int> count{0};  // exports.size(), read without the lock by every free
+
+  // Starts the listener if this process has none. False (and *why) when it could not.
+  bool listening(std::string* why);
+  void serve();
+  void answer(int conn);
+  void stop();
+  void forget(int device, const void* p);
+  void after_fork_in_child();
+};
+
+Exporter& exporter() {
+  static Exporter* e = new Exporter();  // never destroyed: frees may come from static destructors
+  return *e;
+}
+
+bool Exporter::listening(std::string* why) {
+  if (pid == getpid()) return true;
+  std::uint64_t t = 0;
+  if (!random_bytes(&t, sizeof t)) {
+    *why = std::string("getrandom: ") + std::strerror(errno);
+    return false;
+  }
+  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  socklen_t len = 0;
+  const sockaddr_un a = abstract_address(socket_name(getpid(), t), &len);
+  if (fd < 0 || bind(fd, reinterpret_cast<const sockaddr*>(&a), len) != 0 || listen(fd, 64) != 0 ||
+      pipe2(wake, O_CLOEXEC) != 0) {
+    *why = "the exporter's socket: " + std::string(std::strerror(errno));
+    if (fd >= 0) ::close(fd);
+    return false;
+  }
+  listen_fd = fd;
+  token = t;
+  pid = getpid();
+  thread = std::thread([this] { serve(); });
+  static const bool registered = [] {
+    std::atexit([] { exporter().stop(); });
+    pthread_atfork([] { exporter().mu.lock(); }, [] { exporter().mu.unlock(); },
+                   [] { exporter().after_fork_in_child(); });
+    return true;
+  }();
+  (void)registered;
+  return true;
+}
+
+void Exporter::serve() {
+  for (;;) {
+    pollfd p[2] = {{listen_fd, POLLIN, 0}, {wake[0], POLLIN, 0}};
+    if (poll(p, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      std::fprintf(stderr, "fragless (LD_PRELOAD): the IPC listener stops: poll: %s\n", std::strerror(errno));
+      return;
+    }
+    if (p[1].revents) return;  // stop()
+    const int conn = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (conn < 0) {
+      if (errno != EINTR && errno != ECONNABORTED) poll(nullptr, 0, 10);  // out of descriptors: no busy loop
+      continue;
+    }
+    timeval tv{5, 0};  // a client that stops reading cannot keep the listener (nor the exit) waiting
+    setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    answer(conn);
+    ::close(conn);
+  }
+}
+
+void Exporter::answer(int conn) {
+  Request rq{};
+  std::vector<int> none;
+  Reply r{};
+  auto refuse = [&](const std::string& why) {
+    r.status = 1;
+    std::snprintf(r.why, sizeof r.why, "%s", why.c_str());
+    send_part(conn, &r, sizeof r, nullptr, 0);
+  };
+  if (fragless_fd::recv_message(conn, &rq, sizeof rq, &none) != static_cast<ssize_t>(sizeof rq)) {
+    close_all(&none);
+    return refuse("the request is not a fragless IPC request");
+  }
+  close_all(&none);
+  std::string description;
+  std::vector<int> fds;  // duplicates, so that a free meanwhile cannot close them under the reply
+  {
+    std::lock_guard lk(mu);
+    auto it = exports.find(rq.id);
+    if (it == exports.end())
+      return refuse("share " + std::to_string(rq.id) + " is not exported (its allocation was freed, or the handle is forged)");
+    unsigned diff = 0;
+    for (int i = 0; i < 16; ++i) diff |= it->second.nonce[i] ^ rq.nonce[i];
+    if (diff) return refuse("the handle's nonce does not match share " + std::to_string(rq.id) + ": forged");
+    description = it->second.share.description;
+    for (int fd : it->second.share.fds) {
+      const int d = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+      if (d < 0) {
+        close_all(&fds);
+        return refuse(std::string("the exporter could not duplicate a descriptor: ") + std::strerror(errno));
+      }
+      fds.push_back(d);
+    }
+  }
+  r.fds = static_cast<std::uint32_t>(fds.size());
+  r.description = description.size();
+  bool ok = send_part(conn, &r, sizeof r, nullptr, 0);
+  for (std::size_t at = 0; ok && at < description.size(); at += kPiece)
+    ok = send_part(conn, description.data() + at, std::min(kPiece, description.size() - at), nullptr, 0);
+  for (std::size_t at = 0; ok && at < fds.size(); at += kFdsPerMessage)
+    ok = send_part(conn, nullptr, 0, fds.data() + at, std::min(kFdsPerMessage, fds.size() - at));
+  close_all(&fds);
+}
+
+// At exit: the listener is woken and joined, and its socket closed, so that a handle asked for from now on
+// is refused at once (nobody serves it) rather than left waiting.
+void Exporter::stop() {
+  if (pid != getpid() || !thread.joinable()) return;
+  const char b = 1;
+  if (write(wake[1], &b, 1) == 1) thread.join();
+  else thread.detach();
+  ::close(std::exchange(listen_fd, -1));
+}
+
+void Exporter::forget(int device, const void* p) {
+  if (count.load(std::memory_order_acquire) == 0) return;
+  std::lock_guard lk(mu);
+  auto it = by_block.find({device, const_cast<void*>(p)});
+  if (it == by_block.end()) return;
+  exports.erase(it->second);  // closes the exporter's copy of the share's descriptors
+  by_block.erase(it);
+  count.store(static_cast<int>(exports.size()), std::memory_order_release);
+}
+
+// The child of a fork (single-threaded; mu is held, taken before the fork): the parent's listener and
+// exports are the parent's. Their descriptors are closed here (copies of the leases would hold the parent's
+// blocks); the thread object is the parent's thread, which does not exist here, and is left unjoined.
+void Exporter::after_fork_in_child() {
+  for (auto& [id, e] : exports) e.share.close_fds();
+  exports.clear();
+  by_block.clear();
+  count.store(0);
+  for (int* fd : {&listen_fd, &wake[0], &wake[1]})
+    if (*fd >= 0) ::close(std::exchange(*fd, -1));
+  if (thread.joinable()) new (&thread) std::thread();  // forget the parent's thread (no handle to join here)
+  pid = 0;
+  mu.unlock();
+}
+
+// The device whose engine holds p (its first byte or any inside it) and the allocation's base; -1 if none.
+int containing(const void* p, void** base) {
+  fragless::Allocator* a = fragless_preload::allocator();
+  if (!a || !p) return -1;
+  for (int d = 0; d < a->device_count(); ++d)
+    if (fragless::DeviceEngine* e = a->existing(d))
+      if ((*base = e->allocation_containing(const_cast<void*>(p), nullptr))) return d;
+  return -1;
+}
+
+cudaError_t get_handle(Handle* h, void* p) {
+  void* base = nullptr;
+  const int dev = fragless_preload::recursing() ? -1 : containing(p, &base);
+  if (dev < 0) return real().get ? real().get(h, p) : kInvalidValue;
+  fragless_preload::Inside inside;
+  fragless::Allocator* a = fragless_preload::allocator();
+  if (fragless_preload::free_pending(dev, base)) {
+    std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: its allocation was freed (cudaFree); "
+                 "nothing was exported\n", p);
+    return kInvalidValue;
+  }
+  if (!a->options().shareable_handles) {
+    std::fprintf(stderr,
+                 "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: fragless memory has a CUDA IPC handle only when "
+                 "it is created shareable: set shareable_handles:True in FRAGLESS_CONF (in the exporting process); "
+                 "cudaErrorInvalidValue returned, as the runtime does for memory it cannot export\n",
+                 p);
+    return kInvalidValue;
+  }
+  Exporter& x = exporter();
+  std::lock_guard lk(x.mu);
+  std::string why;
+  if (!x.listening(&why)) {
+    std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: %s; nothing was exported\n", p, why.c_str());
+    return kMemoryAllocation;
+  }
+  auto known = x.by_block.find({dev, base});
+  if (known == x.by_block.end()) {
+    Export e{dev, base, {}, {}};
+    fragless::AllocError err;
+    if (!random_bytes(e.nonce, sizeof e.nonce)) {
+      std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: getrandom: %s\n", p, std::strerror(errno));
+      return kMemoryAllocation;
+    }
+    if (a->device(dev)->share(base, &e.share, &err) != fragless::Status::ok) {
+      std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: %s\n", p, err.message.c_str());
+      return err.status == fragless::Status::invalid_argument ? kInvalidValue : kMapFailed;
+    }
+    const std::uint64_t id = x.next_id++;
+    x.exports.emplace(id, std::move(e));
+    known = x.by_block.emplace(std::pair{dev, base}, id).first;
+    x.count.store(static_cast<int>(x.exports.size()), std::memory_order_release);
+  }
+  const Export& e = x.exports.at(known->second);
+  Handle out{};
+  std::memcpy(out.magic, kMagic, sizeof kMagic);
+  out.version = kVersion;
+  out.pid = x.pid;
+  out.token = x.token;
+  out.id = known->second;
+  std::memcpy(out.nonce, e.nonce, sizeof out.nonce);
+  std::memcpy(h, &out, sizeof out);
+  return kSuccess;
+}
+
+// ---- The importer -----------------------------------------------------------------------------------------
+
+struct Opened {
+  void* ptr;
+  int device;
+  int refs;
+};
+
+struct Importer {
+  std::mutex mu;  // guards both maps; held across an open, so that one handle is mapped once
+  std::map<std::tuple<int, std::int32_t, std::uint64_t, std::uint64_t>, Opened> by_handle;  // device, pid, token, id
+  std::map<void*, decltype(by_handle)::key_type> by_ptr;
+};
+
+Importer& importer() {
+  static Importer* i = new Importer();
+  return *i;
+}
+
+// Asks the exporter named by h for its share: the description and descriptors, or why not.
+std::string fetch(const Handle& h, std::string* description, std::vector<int>* fds) {
+  const std::string name = socket_name(h.pid, h.token);
+  const int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (sock < 0) return std::string("socket: ") + std::strerror(errno);
+  timeval tv{10, 0};
+  setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  socklen_t len = 0;
+  const sockaddr_un a = abstract_address(name, &len);
+  std::string why;
+  Request rq{h.id, {}};
+  std::memcpy(rq.nonce, h.nonce, sizeof rq.nonce);
+  Reply r{};
+  if (connect(sock, reinterpret_cast<const sockaddr*>(&a), len) != 0)
+    why = "nobody serves it (" + std::string(std::strerror(errno)) + "): the exporting process " + std::to_string(h.pid) +
+          " exited, or the handle is forged: stale";
+  else if (!send_part(sock, &rq, sizeof rq, nullptr, 0) || fragless_fd::recv_message(sock, &r, sizeof r, fds) != static_cast<ssize_t>(sizeof r))
+    why = "the exporter did not answer";
+  else if (r.status != 0)
+    why = "the exporter refused it: " + std::string(r.why, strnlen(r.why, sizeof r.why));
+  else if (r.description > (std::uint64_t{1} << 30) || r.fds > (1u << 21))
+    why = "the exporter's answer is malformed";
+  description->resize(why.empty() ? r.description : 0);
+  for (std::size_t at = 0; why.empty() && at < description->size();) {
+    const ssize_t n = fragless_fd::recv_message(sock, description->data() + at, std::min(kPiece, description->size() - at), fds);
+    if (n <= 0) why = "the exporter's answer ended early";
+    else at += static_cast<std::size_t>(n);
+  }
+  while (why.empty() && fds->size() < r.fds) {
+    char byte;
+    if (fragless_fd::recv_message(sock, &byte, 1, fds) != 1) why = "the exporter's answer ended early";
+  }
+  if (why.empty() && fds->size() != r.fds) why = "the exporter sent other descriptors than it announced";
+  ::close(sock);
+  if (!why.empty()) close_all(fds);
+  return why;
+}
+
+cudaError_t open_handle(void** out, const Handle& h, unsigned flags) {
+  if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0)
+    return real().open ? real().open(out, h, flags) : kInvalidValue;  // not fragless's: the runtime's
+  auto refuse = [&](cudaError_t code, const std::string& why) {
+    std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcOpenMemHandle refused a fragless handle (process %d, share %llu): %s; "
+                 "nothing was mapped\n", static_cast<int>(h.pid), static_cast<unsigned long long>(h.id), why.c_str());
+    *out = nullptr;
+    return code;
+  };
+  if (flags & ~1u)  // cudaIpcMemLazyEnablePeerAccess is the only flag
+    return refuse(kInvalidValue, "flags " + std::to_string(flags) + " are not cudaIpcMemLazyEnablePeerAccess (1)");
+  if (h.version != kVersion)
+    return refuse(kInvalidHandle, "it is version " + std::to_string(h.version) + ", this fragless reads " + std::to_string(kVersion));
+  for (std::uint8_t b : h.unused)
+    if (b) return refuse(kInvalidHandle, "its reserved bytes are not zero: forged");
+  fragless::Allocator* a = fragless_preload::allocator();
+  if (!a) return refuse(kInvalidValue, "fragless is off in this process (see the error above)");
+  int dev = 0;
+  if (real().get_device) real().get_device(&dev);
+  fragless_preload::Inside inside;
+  fragless::DeviceEngine* e = a->device(dev);
+  if (!e) return refuse(kInvalidValue, "device " + std::to_string(dev) + " has no fragless engine");
+  Importer& im = importer();
+  std::lock_guard lk(im.mu);
+  const auto key = std::tuple{dev, h.pid, h.token, h.id};
+  if (auto it = im.by_handle.find(key); it != im.by_handle.end()) {
+    ++it->second.refs;  // opened already in this process, on this device: the same pointer, one more reference
+    *out = it->second.ptr;
+    return kSuccess;
+  }
+  std::string description;
+  std::vector<int> fds;
+  if (std::string why = fetch(h, &description, &fds); !why.empty()) return refuse(kInvalidHandle, why);
+  fragless::AllocError err;
+  void* p = e->open_shared(description, fds.data(), fds.size(), nullptr, &err);
+  close_all(&fds);  // open_shared keeps what it needs
+  if (!p) return refuse(err.status == fragless::Status::invalid_argument ? kInvalidHandle : kMapFailed, err.message);
+  im.by_handle.emplace(key, Opened{p, dev, 1});
+  im.by_ptr.emplace(p, key);
+  *out = p;
+  return kSuccess;
+}
+
+cudaError_t close_handle(void* p) {
+  Importer& im = importer();
+  std::unique_lock lk(im.mu);
+  auto at = im.by_ptr.find(p);
+  if (at == im.by_ptr.end()) {
+    lk.unlock();
+    return real().close ? real().close(p) : kInvalidValue;  // not opened by fragless: the runtime's
+  }
+  Opened& o = im.by_handle.at(at->second);
+  if (--o.refs > 0) return kSuccess;
+  fragless_preload::Inside inside;
+  fragless::AllocError err;
+  if (fragless_preload::allocator()->device(o.device)->close_shared(p, &err) != fragless::Status::ok) {
+    ++o.refs;  // still mapped (Note [Failed waits]): the reference stays
+    std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcCloseMemHandle of %p: %s\n", p, err.message.c_str());
+    return kInvalidValue;
+  }
+  im.by_handle.erase(at->second);
+  im.by_ptr.erase(at);
+  return kSuccess;
+}
+
+}  // namespace
+
+void fragless_preload::forget_export(int device, const void* p) { exporter().forget(device, p); }
+
+extern "C" {
+
+#define FRAGLESS_EXPORT __attribute__((visibility("default")))
+
+FRAGLESS_EXPORT cudaError_t cudaIpcGetMemHandle(void* handle, void* p) {
+  if (!handle) return kInvalidValue;
+  return get_handle(static_cast<Handle*>(handle), p);
+}
+
+FRAGLESS_EXPORT cudaError_t cudaIpcOpenMemHandle(void** p, Handle handle, unsigned flags) {
+  if (!p) return kInvalidValue;
+  return open_handle(p, handle, flags);
+}
+
+FRAGLESS_EXPORT cudaError_t cudaIpcCloseMemHandle(void* p) { return close_handle(p); }
+
+}  // extern "C"
