@@ -171,7 +171,12 @@ struct Interposer {
       return false;
     }
     ++g_counts.fences;
-    for (const Pending& p : batch) alloc->device(device)->free(p.ptr);
+    for (const Pending& p : batch) {
+      alloc->device(device)->free(p.ptr);
+      // A query between the program's free and this one (a buffer id asked for the block) kept the block
+      // in the driver half's book again: it goes now, so a new block at this address gets a new id (R25).
+      fragless_preload::forget(device, p.ptr);
+    }
     return true;
   }
 };

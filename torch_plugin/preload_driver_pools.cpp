@@ -17,10 +17,14 @@ KnownPool g_pools[kMaxPools];
 std::atomic<int> g_pool_count{0};
 std::mutex g_pools_mu;
 
+// A destroyed pool's slot: its handle value may come back for a new pool, which must not inherit the old
+// one's statistics; the slot is taken again only once no fragless block of the old pool is live.
+const CUmemoryPool kDestroyed = reinterpret_cast<CUmemoryPool>(~std::uintptr_t{0});
+
 KnownPool* find_pool(CUmemoryPool p) {
   const int n = g_pool_count.load(std::memory_order_acquire);
-  for (int i = 0; i < n; ++i)
-    if (g_pools[i].pool.load(std::memory_order_relaxed) == p) return &g_pools[i];
+  for (int i = 0; i < n; ++i)  // acquire: a slot's device and servable are written before its handle
+    if (g_pools[i].pool.load(std::memory_order_acquire) == p) return &g_pools[i];
   return nullptr;
 }
 
@@ -28,17 +32,33 @@ void remember_pool(CUmemoryPool p, int device, bool servable) {
   std::lock_guard lk(g_pools_mu);
   const int n = g_pool_count.load(std::memory_order_acquire);
   KnownPool* k = nullptr;
-  for (int i = 0; i < n && !k; ++i)
-    if (g_pools[i].pool.load(std::memory_order_relaxed) == p || g_pools[i].pool.load(std::memory_order_relaxed) == nullptr)
-      k = &g_pools[i];
+  for (int i = 0; i < n && !k; ++i) {
+    const CUmemoryPool q = g_pools[i].pool.load(std::memory_order_relaxed);
+    if (q == p || (q == kDestroyed && g_pools[i].used.load(std::memory_order_relaxed) == 0)) k = &g_pools[i];
+  }
   if (!k) {
     if (n == kMaxPools) return;  // unknown pools are forwarded
     k = &g_pools[n];
-    g_pool_count.store(n + 1, std::memory_order_release);
+  }
+  if (k->pool.load(std::memory_order_relaxed) != p) {  // a new slot, or a destroyed one taken again
+    k->pool.store(nullptr, std::memory_order_release);
+    k->used_high.store(0, std::memory_order_relaxed);
+    k->reserved_high.store(0, std::memory_order_relaxed);
   }
   k->device.store(device, std::memory_order_relaxed);
   k->servable.store(servable, std::memory_order_relaxed);
   k->pool.store(p, std::memory_order_release);
+  if (k == &g_pools[n]) g_pool_count.store(n + 1, std::memory_order_release);  // published once filled in
+}
+
+// The pool is gone: its slot keeps counting the fragless blocks still live from it (their frees find it by
+// address, not by handle) but answers to no handle.
+void forget_pool(CUmemoryPool p) {
+  std::lock_guard lk(g_pools_mu);
+  if (KnownPool* k = find_pool(p)) {
+    k->servable.store(false, std::memory_order_relaxed);
+    k->pool.store(kDestroyed, std::memory_order_release);
+  }
 }
 
 // Each device's default pool (once seen) and its current pool (cuDeviceSetMemPool, cuMemSetMemPool; nullptr
@@ -52,14 +72,25 @@ void remember_default_pool(CUmemoryPool p, int device) {
   g_default_pools[device].store(p, std::memory_order_release);
 }
 
+// A device without memory pools (the driver has no cuDeviceGetDefaultMemPool, or says the device does not
+// support it): there is no pool to follow or count, and fragless serves the stream-ordered calls as it did
+// before it followed pools, where the driver's own would fail.
+KnownPool g_no_pools;
+
 // The pool cuMemAllocAsync on `device` allocates from, if the interposer knows it (nullptr otherwise).
 KnownPool* current_pool(int device) {
   if (device < 0 || device >= kMaxDevices) return nullptr;
   if (CUmemoryPool p = g_current_pools[device].load(std::memory_order_acquire)) return find_pool(p);
   CUmemoryPool p = g_default_pools[device].load(std::memory_order_acquire);
   CUdevice d = -1;
-  if (!p && real().default_pool && real().device_get(&d, device) == CUDA_SUCCESS && real().default_pool(&p, d) == CUDA_SUCCESS)
-    remember_default_pool(p, device);
+  if (!p && real().device_get(&d, device) == CUDA_SUCCESS) {
+    const CUresult r = real().default_pool ? real().default_pool(&p, d) : CUDA_ERROR_NOT_SUPPORTED;
+    if (r == CUDA_SUCCESS) remember_default_pool(p, device);
+    if (r == CUDA_ERROR_NOT_SUPPORTED) {
+      g_no_pools.servable.store(true, std::memory_order_relaxed);
+      return &g_no_pools;
+    }
+  }
   return p ? find_pool(p) : nullptr;
 }
 
@@ -174,7 +205,7 @@ FRAGLESS_EXPORT CUresult cuMemPoolSetAccess(CUmemoryPool pool, const CUmemAccess
 
 FRAGLESS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool) {
   const CUresult r = real().pool_destroy(pool);
-  if (r == CUDA_SUCCESS && find_pool(pool)) remember_pool(pool, -1, false);  // fragless's blocks live on until freed
+  if (r == CUDA_SUCCESS) forget_pool(pool);  // fragless's blocks live on until freed
   return r;
 }
 
