@@ -44,6 +44,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -142,6 +143,35 @@ bool send_part(int sock, const void* data, std::size_t n, const int* fds, std::s
 void close_all(std::vector<int>* fds) {
   for (int fd : *fds) ::close(fd);
   fds->clear();
+}
+
+// Deadlines. A peer on the other end of a socket may be slow, stalled or hostile: each side gives a whole
+// exchange one deadline (not one per message), so that nobody can keep it waiting longer by trickling.
+using Clock = std::chrono::steady_clock;
+constexpr std::chrono::seconds kFetchDeadline{10};
+
+// Waits until sock has a message to read (or its peer is gone) before the deadline; false when time ran out.
+bool readable_by(int sock, Clock::time_point deadline) {
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) return false;
+    pollfd p{sock, POLLIN, 0};
+    const int n = poll(&p, 1, static_cast<int>(std::min<long long>(left, 1 << 30)));
+    if (n > 0) return true;  // readable, or hung up or failed: the read that follows says which
+    if (n < 0 && errno != EINTR) return false;
+  }
+}
+
+// Receives one message of exactly n bytes and exactly nfds descriptors (appended to *fds) before the
+// deadline. False otherwise (the descriptors that came are appended all the same, for the caller to close).
+bool recv_exactly_by(int sock, Clock::time_point deadline, void* data, std::size_t n, std::vector<int>* fds,
+                     std::size_t nfds) {
+  const std::size_t had = fds->size();
+  char byte;
+  return readable_by(sock, deadline) &&
+         fragless_fd::recv_message(sock, n ? data : &byte, n ? n : 1, fds, nfds ? nfds : 1) ==
+             static_cast<ssize_t>(n ? n : 1) &&
+         fds->size() - had == nfds;
 }
 
 // ---- The exporter -----------------------------------------------------------------------------------------
@@ -383,7 +413,7 @@ struct Opened {
 };
 
 struct Importer {
-  std::mutex mu;  // guards both maps; held across an open, so that one handle is mapped once
+  std::mutex mu;  // guards both maps; never held across a fetch, an open_shared or a close_shared
   std::map<std::tuple<int, std::int32_t, std::uint64_t, std::uint64_t>, Opened> by_handle;  // device, pid, token, id
   std::map<void*, decltype(by_handle)::key_type> by_ptr;
 };
@@ -393,13 +423,14 @@ Importer& importer() {
   return *i;
 }
 
-// Asks the exporter named by h for its share: the description and descriptors, or why not.
+// Asks the exporter named by h for its share: the description and descriptors, or why not. The whole
+// exchange has one deadline (kFetchDeadline), and every message must be exactly the size announced.
 std::string fetch(const Handle& h, std::string* description, std::vector<int>* fds) {
+  const Clock::time_point deadline = Clock::now() + kFetchDeadline;
   const std::string name = socket_name(h.pid, h.token);
   const int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
   if (sock < 0) return std::string("socket: ") + std::strerror(errno);
-  timeval tv{10, 0};
-  setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  timeval tv{static_cast<time_t>(kFetchDeadline.count()), 0};  // connect and send: within the deadline too
   setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   socklen_t len = 0;
   const sockaddr_un a = abstract_address(name, &len);
@@ -407,26 +438,35 @@ std::string fetch(const Handle& h, std::string* description, std::vector<int>* f
   Request rq{h.id, {}};
   std::memcpy(rq.nonce, h.nonce, sizeof rq.nonce);
   Reply r{};
+  const std::string late = "the exporter did not answer in full within " + std::to_string(kFetchDeadline.count()) +
+                           " s, or its answer is malformed";
   if (connect(sock, reinterpret_cast<const sockaddr*>(&a), len) != 0)
     why = "nobody serves it (" + std::string(std::strerror(errno)) + "): the exporting process " + std::to_string(h.pid) +
           " exited, or the handle is forged: stale";
-  else if (!send_part(sock, &rq, sizeof rq, nullptr, 0) || fragless_fd::recv_message(sock, &r, sizeof r, fds) != static_cast<ssize_t>(sizeof r))
-    why = "the exporter did not answer";
+  else if (!send_part(sock, &rq, sizeof rq, nullptr, 0) || !recv_exactly_by(sock, deadline, &r, sizeof r, fds, 0))
+    why = late;
   else if (r.status != 0)
     why = "the exporter refused it: " + std::string(r.why, strnlen(r.why, sizeof r.why));
   else if (r.description > (std::uint64_t{1} << 30) || r.fds > (1u << 21))
     why = "the exporter's answer is malformed";
-  description->resize(why.empty() ? r.description : 0);
-  for (std::size_t at = 0; why.empty() && at < description->size();) {
-    const ssize_t n = fragless_fd::recv_message(sock, description->data() + at, std::min(kPiece, description->size() - at), fds);
-    if (n <= 0) why = "the exporter's answer ended early";
-    else at += static_cast<std::size_t>(n);
+  description->clear();  // grown as the pieces come, not as announced
+  for (std::uint64_t rest = why.empty() ? r.description : 0; rest > 0;) {
+    const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(kPiece, rest)), at = description->size();
+    description->resize(at + n);
+    if (!recv_exactly_by(sock, deadline, description->data() + at, n, fds, 0)) {
+      why = late;
+      break;
+    }
+    rest -= n;
   }
-  while (why.empty() && fds->size() < r.fds) {
-    char byte;
-    if (fragless_fd::recv_message(sock, &byte, 1, fds) != 1) why = "the exporter's answer ended early";
+  for (std::size_t rest = why.empty() ? r.fds : 0; rest > 0;) {
+    const std::size_t n = std::min(kFdsPerMessage, rest);
+    if (!recv_exactly_by(sock, deadline, nullptr, 0, fds, n)) {
+      why = late;
+      break;
+    }
+    rest -= n;
   }
-  if (why.empty() && fds->size() != r.fds) why = "the exporter sent other descriptors than it announced";
   ::close(sock);
   if (!why.empty()) close_all(fds);
   return why;
@@ -455,13 +495,17 @@ cudaError_t open_handle(void** out, const Handle& h, unsigned flags) {
   fragless::DeviceEngine* e = a->device(dev);
   if (!e) return refuse(kInvalidValue, "device " + std::to_string(dev) + " has no fragless engine");
   Importer& im = importer();
-  std::lock_guard lk(im.mu);
   const auto key = std::tuple{dev, h.pid, h.token, h.id};
-  if (auto it = im.by_handle.find(key); it != im.by_handle.end()) {
+  auto opened_already = [&] {  // under im.mu
+    auto it = im.by_handle.find(key);
+    if (it == im.by_handle.end()) return false;
     ++it->second.refs;  // opened already in this process, on this device: the same pointer, one more reference
     *out = it->second.ptr;
-    return kSuccess;
-  }
+    return true;
+  };
+  if (std::lock_guard lk(im.mu); opened_already()) return kSuccess;
+  // Fetched and mapped without the lock (a slow exporter keeps nobody else waiting); a thread that opened the
+  // same handle meanwhile wins, and this mapping is dropped.
   std::string description;
   std::vector<int> fds;
   if (std::string why = fetch(h, &description, &fds); !why.empty()) return refuse(kInvalidHandle, why);
@@ -469,9 +513,18 @@ cudaError_t open_handle(void** out, const Handle& h, unsigned flags) {
   void* p = e->open_shared(description, fds.data(), fds.size(), nullptr, &err);
   close_all(&fds);  // open_shared keeps what it needs
   if (!p) return refuse(err.status == fragless::Status::invalid_argument ? kInvalidHandle : kMapFailed, err.message);
-  im.by_handle.emplace(key, Opened{p, dev, 1});
-  im.by_ptr.emplace(p, key);
-  *out = p;
+  {
+    std::lock_guard lk(im.mu);
+    if (!opened_already()) {
+      im.by_handle.emplace(key, Opened{p, dev, 1});
+      im.by_ptr.emplace(p, key);
+      *out = p;
+      return kSuccess;
+    }
+  }
+  if (e->close_shared(p, &err) != fragless::Status::ok)
+    std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcOpenMemHandle: the second mapping of a handle two threads "
+                 "opened at once stays mapped: %s\n", err.message.c_str());
   return kSuccess;
 }
 
@@ -483,18 +536,19 @@ cudaError_t close_handle(void* p) {
     lk.unlock();
     return real().close ? real().close(p) : kInvalidValue;  // not opened by fragless: the runtime's
   }
-  Opened& o = im.by_handle.at(at->second);
-  if (--o.refs > 0) return kSuccess;
+  const auto key = at->second;
+  Opened o = im.by_handle.at(key);
+  if (--im.by_handle.at(key).refs > 0) return kSuccess;
+  im.by_handle.erase(key);  // the last reference: unmapped without the lock (close_shared synchronises)
+  im.by_ptr.erase(at);
+  lk.unlock();
   fragless_preload::Inside inside;
   fragless::AllocError err;
-  if (fragless_preload::allocator()->device(o.device)->close_shared(p, &err) != fragless::Status::ok) {
-    ++o.refs;  // still mapped (Note [Failed waits]): the reference stays
-    std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcCloseMemHandle of %p: %s\n", p, err.message.c_str());
-    return kInvalidValue;
-  }
-  im.by_handle.erase(at->second);
-  im.by_ptr.erase(at);
-  return kSuccess;
+  if (fragless_preload::allocator()->device(o.device)->close_shared(p, &err) == fragless::Status::ok) return kSuccess;
+  std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcCloseMemHandle of %p: %s\n", p, err.message.c_str());
+  lk.lock();  // still mapped (Note [Failed waits]): the reference stays, unless the handle was opened anew meanwhile
+  if (im.by_handle.emplace(key, o).second) im.by_ptr.emplace(p, key);
+  return kInvalidValue;
 }
 
 }  // namespace

@@ -5,16 +5,21 @@
 // driver with shareable_handles:True, or the cuda driver on the libcuda double with shareable_handles:True
 // or fabric (FAKECUDA_FABRIC=1). Both keep memory in host pages: both sides read and write it directly.
 //
-//   preload_ipc SCENARIO     bytes | free_while_held | forged
+//   preload_ipc SCENARIO     bytes | free_while_held | forged | stall
 // Exit 0 when every check held; 1 with the failed checks on stderr.
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "process_checks.h"
@@ -192,6 +197,99 @@ int scenario_forged(int sock, pid_t child) {
   return 0;
 }
 
+// ---- A hostile exporter (stall) -----------------------------------------------------------------------
+
+// fragless's handle and its answer, as preload_ipc.cpp lays them out.
+struct FakeHandle {
+  char magic[8];
+  std::uint32_t version;
+  std::int32_t pid;
+  std::uint64_t token, id;
+  std::uint8_t nonce[16], unused[16];
+};
+struct FakeReply {
+  std::uint32_t status, fds;
+  std::uint64_t description;
+  char why[200];
+};
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Binds the socket a fragless exporter of this pid and token would serve, and listens.
+int fake_listener(std::uint64_t token) {
+  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  char name[64];
+  std::snprintf(name, sizeof name, "fragless-ipc-%d-%016llx", static_cast<int>(getpid()), static_cast<unsigned long long>(token));
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::memcpy(a.sun_path + 1, name, std::strlen(name));
+  const socklen_t len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + std::strlen(name));
+  REQUIRE(fd >= 0 && bind(fd, reinterpret_cast<const sockaddr*>(&a), len) == 0 && listen(fd, 8) == 0);
+  return fd;
+}
+
+FakeHandle fake_handle(std::uint64_t token) {
+  FakeHandle h{};
+  std::memcpy(h.magic, "FRGLIPC1", 8);
+  h.version = 1;
+  h.pid = getpid();
+  h.token = token;
+  h.id = 1;
+  return h;
+}
+
+// An exporter that answers well-formed pieces, one every 2 s, for 16 s: within any per-message timeout, never
+// within a whole-exchange one. The open must fail within fragless's deadline (10 s) and, meanwhile, must keep
+// no other open waiting.
+int scenario_stall(int sock) {
+  IpcHandle genuine{};
+  REQUIRE(recv(sock, &genuine, sizeof genuine, 0) == static_cast<ssize_t>(sizeof genuine));
+  const std::uint64_t token = 0x5747a11;
+  const int lfd = fake_listener(token);
+  std::thread trickler([lfd] {
+    const int conn = accept(lfd, nullptr, nullptr);
+    if (conn < 0) return;
+    char request[64];
+    (void)recv(conn, request, sizeof request, 0);
+    constexpr std::size_t kPiece = 32 << 10, kPieces = 8;
+    FakeReply r{};
+    r.description = kPiece * kPieces;
+    std::vector<char> piece(kPiece, 'x');
+    bool ok = send(conn, &r, sizeof r, MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof r);
+    for (std::size_t i = 0; ok && i < kPieces; ++i) {
+      std::this_thread::sleep_for(std::chrono::seconds(2));
+      ok = send(conn, piece.data(), kPiece, MSG_NOSIGNAL) == static_cast<ssize_t>(kPiece);
+    }
+    close(conn);
+  });
+  const FakeHandle fake = fake_handle(token);
+  IpcHandle h{};
+  std::memcpy(&h, &fake, sizeof h);
+  cudaError_t stalled_rc = 0;
+  void* stalled = reinterpret_cast<void*>(1);
+  double stalled_s = 0;
+  std::thread opener([&] {
+    const auto t = Clock::now();
+    stalled_rc = cudaIpcOpenMemHandle(&stalled, h, 1);
+    stalled_s = seconds_since(t);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the opener is waiting on the trickler
+  const auto t = Clock::now();
+  void* p = nullptr;
+  CHECK(cudaIpcOpenMemHandle(&p, genuine, 1) == 0 && p && holds(p, 0, kSize, 1));
+  const double genuine_s = seconds_since(t);
+  CHECK(genuine_s < 3);  // not behind the stalled open
+  CHECK(p && cudaIpcCloseMemHandle(p) == 0);
+  opener.join();
+  CHECK(stalled_rc == kInvalidHandle && stalled == nullptr);
+  CHECK(stalled_s < 13);  // the whole fetch's deadline (10 s), not the trickler's 16 s
+  std::fprintf(stderr, "stall: the genuine open took %.1f s, the stalled one failed after %.1f s\n", genuine_s, stalled_s);
+  trickler.join();
+  close(lfd);
+  say(sock, "exit");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -199,9 +297,9 @@ int main(int argc, char** argv) {
   if (argc == 3 && std::strcmp(argv[1], "--export") == 0) return exporter(std::atoi(argv[2]));
   const std::string s = argc == 2 ? argv[1] : "";
   const bool help = s == "--help" || s == "-h";
-  if (help || (s != "bytes" && s != "free_while_held" && s != "forged")) {
+  if (help || (s != "bytes" && s != "free_while_held" && s != "forged" && s != "stall")) {
     std::fprintf(help ? stdout : stderr,
-                 "usage: %s bytes|free_while_held|forged\n"
+                 "usage: %s bytes|free_while_held|forged|stall\n"
                  "Two processes, both under LD_PRELOAD=libfragless_preload.so with FRAGLESS_CONF asking for\n"
                  "shareable handles (driver:host, or the libcuda double), share fragless memory through cudaIpcGetMemHandle,\n"
                  "cudaIpcOpenMemHandle and cudaIpcCloseMemHandle; exit 0 when every check held in both.\n",
@@ -221,6 +319,7 @@ int main(int argc, char** argv) {
   close(pair[1]);
   if (s == "bytes") scenario_bytes(pair[0]);
   else if (s == "free_while_held") scenario_free_while_held(pair[0]);
+  else if (s == "stall") scenario_stall(pair[0]);
   else scenario_forged(pair[0], child);
   close(pair[0]);
   int status = 0;
