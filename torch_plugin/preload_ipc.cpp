@@ -369,38 +369,53 @@ cudaError_t get_handle(Handle* h, void* p) {
     return kInvalidValue;
   }
   Exporter& x = exporter();
+  // A handle names the pid and token of the listener, the share's id and its nonce.
+  auto fill = [&](std::uint64_t id, const Export& e) {  // under x.mu
+    Handle out{};
+    std::memcpy(out.magic, kMagic, sizeof kMagic);
+    out.version = kVersion;
+    out.pid = x.pid;
+    out.token = x.token;
+    out.id = id;
+    std::memcpy(out.nonce, e.nonce, sizeof out.nonce);
+    std::memcpy(h, &out, sizeof out);
+  };
+  auto exported_already = [&] {  // under x.mu
+    auto known = x.by_block.find({dev, base});
+    if (x.pid != getpid() || known == x.by_block.end()) return false;
+    fill(known->second, x.exports.at(known->second));
+    return true;
+  };
+  if (std::lock_guard lk(x.mu); exported_already()) return kSuccess;
+  // Shared without x.mu (share takes the engine's lock and calls the driver; the listener and every free of an
+  // exported allocation wait on x.mu): a thread that exported the same allocation meanwhile wins, and this
+  // share is dropped. The lock order is x.mu, then an engine's lock, never the reverse.
+  Export e{dev, base, {}, {}};
+  fragless::AllocError err;
+  if (!random_bytes(e.nonce, sizeof e.nonce)) {
+    std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: getrandom: %s\n", p, std::strerror(errno));
+    return kMemoryAllocation;
+  }
+  if (a->device(dev)->share(base, &e.share, &err) != fragless::Status::ok) {
+    std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: %s\n", p, err.message.c_str());
+    return err.status == fragless::Status::invalid_argument ? kInvalidValue : kMapFailed;
+  }
   std::lock_guard lk(x.mu);
   std::string why;
   if (!x.listening(&why)) {
     std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: %s; nothing was exported\n", p, why.c_str());
     return kMemoryAllocation;
   }
-  auto known = x.by_block.find({dev, base});
-  if (known == x.by_block.end()) {
-    Export e{dev, base, {}, {}};
-    fragless::AllocError err;
-    if (!random_bytes(e.nonce, sizeof e.nonce)) {
-      std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: getrandom: %s\n", p, std::strerror(errno));
-      return kMemoryAllocation;
-    }
-    if (a->device(dev)->share(base, &e.share, &err) != fragless::Status::ok) {
-      std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: %s\n", p, err.message.c_str());
-      return err.status == fragless::Status::invalid_argument ? kInvalidValue : kMapFailed;
-    }
-    const std::uint64_t id = x.next_id++;
-    x.exports.emplace(id, std::move(e));
-    known = x.by_block.emplace(std::pair{dev, base}, id).first;
-    x.count.store(static_cast<int>(x.exports.size()), std::memory_order_release);
+  if (exported_already()) return kSuccess;  // e, the duplicate, is dropped
+  if (a->device(dev)->allocation_containing(base, nullptr) != base || fragless_preload::free_pending(dev, base)) {
+    std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: its allocation was freed meanwhile; "
+                 "nothing was exported\n", p);  // its free found no export to forget: e is dropped here
+    return kInvalidValue;
   }
-  const Export& e = x.exports.at(known->second);
-  Handle out{};
-  std::memcpy(out.magic, kMagic, sizeof kMagic);
-  out.version = kVersion;
-  out.pid = x.pid;
-  out.token = x.token;
-  out.id = known->second;
-  std::memcpy(out.nonce, e.nonce, sizeof out.nonce);
-  std::memcpy(h, &out, sizeof out);
+  const std::uint64_t id = x.next_id++;
+  fill(id, x.exports.emplace(id, std::move(e)).first->second);
+  x.by_block.emplace(std::pair{dev, base}, id);
+  x.count.store(static_cast<int>(x.exports.size()), std::memory_order_release);
   return kSuccess;
 }
 

@@ -75,6 +75,19 @@ int exporter(int sock) {
   CHECK(cudaIpcGetMemHandle(&again, p) == 0 && std::memcmp(&h, &again, sizeof h) == 0);  // asked twice: one handle
   // A pointer inside the allocation names the whole allocation (the importer gets its base).
   CHECK(cudaIpcGetMemHandle(&inner, static_cast<char*>(p) + 4096) == 0 && std::memcmp(&h, &inner, sizeof h) == 0);
+  // Threads asking at once for a fresh allocation's handle (each shares it outside the exports' lock; one
+  // share wins, the others are dropped): one handle for all.
+  void* fresh = nullptr;
+  REQUIRE(cudaMalloc(&fresh, MiB) == 0 && fresh);
+  std::vector<IpcHandle> at_once(8);
+  std::vector<std::thread> askers;
+  std::vector<cudaError_t> rcs(at_once.size(), -1);
+  for (std::size_t i = 0; i < at_once.size(); ++i)
+    askers.emplace_back([&, i] { rcs[i] = cudaIpcGetMemHandle(&at_once[i], fresh); });
+  for (auto& t : askers) t.join();
+  for (std::size_t i = 0; i < at_once.size(); ++i)
+    CHECK(rcs[i] == 0 && std::memcmp(&at_once[i], &at_once[0], sizeof at_once[0]) == 0);
+  CHECK(cudaFree(fresh) == 0);
   // Memory of another allocator: the runtime's handle (the double has none and fails), not fragless's.
   const unsigned long rt = fakecudart_calls("cudaIpcGetMemHandle");
   void* foreign = fakecudart_foreign_alloc(64);
