@@ -39,6 +39,7 @@
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <sys/types.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -54,6 +55,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <tuple>
 #include <utility>
@@ -148,27 +150,38 @@ void close_all(std::vector<int>* fds) {
 // Deadlines. A peer on the other end of a socket may be slow, stalled or hostile: each side gives a whole
 // exchange one deadline (not one per message), so that nobody can keep it waiting longer by trickling.
 using Clock = std::chrono::steady_clock;
-constexpr std::chrono::seconds kFetchDeadline{10};
+constexpr std::chrono::seconds kFetchDeadline{10}, kAnswerDeadline{3};
 
-// Waits until sock has a message to read (or its peer is gone) before the deadline; false when time ran out.
-bool readable_by(int sock, Clock::time_point deadline) {
+// Waits until sock is ready for `events` (or its peer is gone) before the deadline; false when time ran out,
+// or when stop_fd (when there is one) became readable.
+bool ready_by(int sock, short events, Clock::time_point deadline, int stop_fd = -1) {
   for (;;) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     if (left <= 0) return false;
-    pollfd p{sock, POLLIN, 0};
-    const int n = poll(&p, 1, static_cast<int>(std::min<long long>(left, 1 << 30)));
-    if (n > 0) return true;  // readable, or hung up or failed: the read that follows says which
+    pollfd p[2] = {{sock, events, 0}, {stop_fd, POLLIN, 0}};
+    const int n = poll(p, stop_fd >= 0 ? 2 : 1, static_cast<int>(std::min<long long>(left, 1 << 30)));
+    if (n > 0) return !(stop_fd >= 0 && p[1].revents);  // else ready, or hung up or failed: the call that follows says
     if (n < 0 && errno != EINTR) return false;
+  }
+}
+
+// Sends one message before the deadline on a non-blocking socket (send_part's rules).
+bool send_by(int sock, Clock::time_point deadline, int stop_fd, const void* data, std::size_t n, const int* fds,
+             std::size_t nfds) {
+  for (;;) {
+    if (send_part(sock, data, n, fds, nfds)) return true;
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return false;
+    if (!ready_by(sock, POLLOUT, deadline, stop_fd)) return false;
   }
 }
 
 // Receives one message of exactly n bytes and exactly nfds descriptors (appended to *fds) before the
 // deadline. False otherwise (the descriptors that came are appended all the same, for the caller to close).
 bool recv_exactly_by(int sock, Clock::time_point deadline, void* data, std::size_t n, std::vector<int>* fds,
-                     std::size_t nfds) {
+                     std::size_t nfds, int stop_fd = -1) {
   const std::size_t had = fds->size();
   char byte;
-  return readable_by(sock, deadline) &&
+  return ready_by(sock, POLLIN, deadline, stop_fd) &&
          fragless_fd::recv_message(sock, n ? data : &byte, n ? n : 1, fds, nfds ? nfds : 1) ==
              static_cast<ssize_t>(n ? n : 1) &&
          fds->size() - had == nfds;
@@ -196,8 +209,8 @@ struct Exporter {
 
   // Starts the listener if this process has none. False (and *why) when it could not.
   bool listening(std::string* why);
-  void serve();
-  void answer(int conn);
+  void serve(int lfd, int stop_fd);
+  void answer(int conn, int stop_fd);
   void stop();
   void forget(int device, const void* p);
   void after_fork_in_child();
@@ -216,18 +229,28 @@ bool Exporter::listening(std::string* why) {
     return false;
   }
   const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  int w[2] = {-1, -1};
   socklen_t len = 0;
   const sockaddr_un a = abstract_address(socket_name(getpid(), t), &len);
   if (fd < 0 || bind(fd, reinterpret_cast<const sockaddr*>(&a), len) != 0 || listen(fd, 64) != 0 ||
-      pipe2(wake, O_CLOEXEC) != 0) {
+      pipe2(w, O_CLOEXEC) != 0) {
     *why = "the exporter's socket: " + std::string(std::strerror(errno));
     if (fd >= 0) ::close(fd);
     return false;
   }
+  // The thread first: nothing is committed (and no exception leaves the C entry point) when it cannot start.
+  try {
+    thread = std::thread([this, fd, r = w[0]] { serve(fd, r); });
+  } catch (const std::exception& e) {
+    *why = std::string("the exporter's listener thread could not start: ") + e.what();
+    for (int d : {fd, w[0], w[1]}) ::close(d);
+    return false;
+  }
   listen_fd = fd;
+  wake[0] = w[0];
+  wake[1] = w[1];
   token = t;
   pid = getpid();
-  thread = std::thread([this] { serve(); });
   static const bool registered = [] {
     std::atexit([] { exporter().stop(); });
     pthread_atfork([] { exporter().mu.lock(); }, [] { exporter().mu.unlock(); },
@@ -238,38 +261,48 @@ bool Exporter::listening(std::string* why) {
   return true;
 }
 
-void Exporter::serve() {
+void Exporter::serve(int lfd, int stop_fd) {
   for (;;) {
-    pollfd p[2] = {{listen_fd, POLLIN, 0}, {wake[0], POLLIN, 0}};
+    pollfd p[2] = {{lfd, POLLIN, 0}, {stop_fd, POLLIN, 0}};
     if (poll(p, 2, -1) < 0) {
       if (errno == EINTR) continue;
       std::fprintf(stderr, "fragless (LD_PRELOAD): the IPC listener stops: poll: %s\n", std::strerror(errno));
       return;
     }
     if (p[1].revents) return;  // stop()
-    const int conn = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+    const int conn = accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (conn < 0) {
       if (errno != EINTR && errno != ECONNABORTED) poll(nullptr, 0, 10);  // out of descriptors: no busy loop
       continue;
     }
-    timeval tv{5, 0};  // a client that stops reading cannot keep the listener (nor the exit) waiting
-    setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-    setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    answer(conn);
+    // An abstract socket has no permissions: the peer's credentials decide. Its user or root only.
+    ucred peer{};
+    socklen_t n = sizeof peer;
+    if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &peer, &n) == 0 && (peer.uid == geteuid() || peer.uid == 0)) {
+      answer(conn, stop_fd);
+    } else {
+      Reply r{1, 0, 0, {}};
+      std::snprintf(r.why, sizeof r.why, "the exporter serves its own user and root only, not user %u",
+                    static_cast<unsigned>(peer.uid));
+      send_part(conn, &r, sizeof r, nullptr, 0);  // non-blocking: at most once
+    }
     ::close(conn);
   }
 }
 
-void Exporter::answer(int conn) {
+// One deadline for the whole connection (kAnswerDeadline), and stop() (the exit) ends it at once: a peer that
+// stalls or stops reading keeps the other importers and the exit waiting that long at most.
+void Exporter::answer(int conn, int stop_fd) {
+  const Clock::time_point deadline = Clock::now() + kAnswerDeadline;
   Request rq{};
   std::vector<int> none;
   Reply r{};
   auto refuse = [&](const std::string& why) {
     r.status = 1;
     std::snprintf(r.why, sizeof r.why, "%s", why.c_str());
-    send_part(conn, &r, sizeof r, nullptr, 0);
+    send_by(conn, deadline, stop_fd, &r, sizeof r, nullptr, 0);
   };
-  if (fragless_fd::recv_message(conn, &rq, sizeof rq, &none) != static_cast<ssize_t>(sizeof rq)) {
+  if (!recv_exactly_by(conn, deadline, &rq, sizeof rq, &none, 0, stop_fd)) {
     close_all(&none);
     return refuse("the request is not a fragless IPC request");
   }
@@ -296,15 +329,15 @@ void Exporter::answer(int conn) {
   }
   r.fds = static_cast<std::uint32_t>(fds.size());
   r.description = description.size();
-  bool ok = send_part(conn, &r, sizeof r, nullptr, 0);
+  bool ok = send_by(conn, deadline, stop_fd, &r, sizeof r, nullptr, 0);
   for (std::size_t at = 0; ok && at < description.size(); at += kPiece)
-    ok = send_part(conn, description.data() + at, std::min(kPiece, description.size() - at), nullptr, 0);
+    ok = send_by(conn, deadline, stop_fd, description.data() + at, std::min(kPiece, description.size() - at), nullptr, 0);
   for (std::size_t at = 0; ok && at < fds.size(); at += kFdsPerMessage)
-    ok = send_part(conn, nullptr, 0, fds.data() + at, std::min(kFdsPerMessage, fds.size() - at));
+    ok = send_by(conn, deadline, stop_fd, nullptr, 0, fds.data() + at, std::min(kFdsPerMessage, fds.size() - at));
   close_all(&fds);
 }
 
-// At exit: the listener is woken and joined, and its socket closed, so that a handle asked for from now on
+// At exit: the listener is woken (in a connection too: it polls the wake pipe there) and joined, and its socket closed, so that a handle asked for from now on
 // is refused at once (nobody serves it) rather than left waiting.
 void Exporter::stop() {
   if (pid != getpid() || !thread.joinable()) return;

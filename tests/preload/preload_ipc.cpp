@@ -5,7 +5,7 @@
 // driver with shareable_handles:True, or the cuda driver on the libcuda double with shareable_handles:True
 // or fabric (FAKECUDA_FABRIC=1). Both keep memory in host pages: both sides read and write it directly.
 //
-//   preload_ipc SCENARIO     bytes | free_while_held | forged | stall
+//   preload_ipc SCENARIO     bytes | free_while_held | forged | stall | peers
 // Exit 0 when every check held; 1 with the failed checks on stderr.
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -303,6 +303,67 @@ int scenario_stall(int sock) {
   return 0;
 }
 
+// Connects to the exporter that made h, as an importer would (without asking anything yet).
+int connect_to_exporter(const IpcHandle& h) {
+  FakeHandle f{};
+  std::memcpy(&f, &h, sizeof f);
+  char name[64];
+  std::snprintf(name, sizeof name, "fragless-ipc-%d-%016llx", static_cast<int>(f.pid), static_cast<unsigned long long>(f.token));
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::memcpy(a.sun_path + 1, name, std::strlen(name));
+  const socklen_t len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + std::strlen(name));
+  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0 && connect(fd, reinterpret_cast<const sockaddr*>(&a), len) == 0);
+  return fd;
+}
+
+// The exporter's listener against its peers: another user is refused; a peer that connects and stalls keeps
+// another importer waiting less than the listener's deadline per connection (3 s), and the exit not at all.
+int scenario_peers(int sock, pid_t exporter_pid) {
+  IpcHandle h{};
+  REQUIRE(recv(sock, &h, sizeof h, 0) == static_cast<ssize_t>(sizeof h));
+  if (geteuid() == 0) {  // another user asks with the genuine handle: refused (an abstract socket has no permissions)
+    const pid_t other = fork();
+    REQUIRE(other >= 0);
+    if (other == 0) {
+      if (setgid(65534) != 0 || setuid(65534) != 0) _exit(2);
+      const int c = connect_to_exporter(h);
+      FakeHandle f{};
+      std::memcpy(&f, &h, sizeof f);
+      unsigned char request[24];
+      std::memcpy(request, &f.id, 8);
+      std::memcpy(request + 8, f.nonce, 16);
+      FakeReply r{};
+      r.status = 99;
+      (void)send(c, request, sizeof request, MSG_NOSIGNAL);  // the refusal may come (and the socket close) first
+      const ssize_t n = recv(c, &r, sizeof r, 0);
+      _exit(n == static_cast<ssize_t>(sizeof r) && r.status == 0 ? 1 : 0);  // 1: served
+    }
+    int status = -1;
+    CHECK(waitpid(other, &status, 0) == other && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  }
+  const int staller = connect_to_exporter(h);  // and says nothing
+  auto t = Clock::now();
+  void* p = nullptr;
+  CHECK(cudaIpcOpenMemHandle(&p, h, 1) == 0 && p && holds(p, 0, kSize, 1));
+  const double behind_s = seconds_since(t);
+  CHECK(behind_s < 4.5);
+  CHECK(p && cudaIpcCloseMemHandle(p) == 0);
+  const int staller2 = connect_to_exporter(h);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the listener is in staller2's connection
+  t = Clock::now();
+  say(sock, "exit");
+  int status = 0;
+  CHECK(waitpid(exporter_pid, &status, 0) == exporter_pid && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  const double exit_s = seconds_since(t);
+  CHECK(exit_s < 1.5);
+  std::fprintf(stderr, "peers: an open behind a stalled peer took %.1f s, the exit %.1f s\n", behind_s, exit_s);
+  close(staller);
+  close(staller2);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -310,9 +371,9 @@ int main(int argc, char** argv) {
   if (argc == 3 && std::strcmp(argv[1], "--export") == 0) return exporter(std::atoi(argv[2]));
   const std::string s = argc == 2 ? argv[1] : "";
   const bool help = s == "--help" || s == "-h";
-  if (help || (s != "bytes" && s != "free_while_held" && s != "forged" && s != "stall")) {
+  if (help || (s != "bytes" && s != "free_while_held" && s != "forged" && s != "stall" && s != "peers")) {
     std::fprintf(help ? stdout : stderr,
-                 "usage: %s bytes|free_while_held|forged|stall\n"
+                 "usage: %s bytes|free_while_held|forged|stall|peers\n"
                  "Two processes, both under LD_PRELOAD=libfragless_preload.so with FRAGLESS_CONF asking for\n"
                  "shareable handles (driver:host, or the libcuda double), share fragless memory through cudaIpcGetMemHandle,\n"
                  "cudaIpcOpenMemHandle and cudaIpcCloseMemHandle; exit 0 when every check held in both.\n",
@@ -333,10 +394,11 @@ int main(int argc, char** argv) {
   if (s == "bytes") scenario_bytes(pair[0]);
   else if (s == "free_while_held") scenario_free_while_held(pair[0]);
   else if (s == "stall") scenario_stall(pair[0]);
+  else if (s == "peers") scenario_peers(pair[0], child);
   else scenario_forged(pair[0], child);
   close(pair[0]);
   int status = 0;
-  if (s != "forged") CHECK(waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  if (s != "forged" && s != "peers") CHECK(waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0);
   if (process_checks::failures == 0) std::printf("%s: every check held\n", s.c_str());
   return process_checks::failures ? 1 : 0;
 }
