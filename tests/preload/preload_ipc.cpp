@@ -7,6 +7,8 @@
 //
 //   preload_ipc SCENARIO     bytes | free_while_held | forged | stall | peers
 // Exit 0 when every check held; 1 with the failed checks on stderr.
+#include <dirent.h>
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -65,13 +67,30 @@ void fill(void* p, std::size_t from, std::size_t n, unsigned salt) {
 
 // ---- The exporter (the child) ---------------------------------------------------------------------------
 
+// How many descriptors of this process, other than 0, 1, 2 and `keep`, an exec would pass on (no FD_CLOEXEC).
+int inheritable_fds(int keep) {
+  DIR* d = opendir("/proc/self/fd");
+  REQUIRE(d);
+  int n = 0;
+  while (const dirent* e = readdir(d)) {
+    const int fd = std::atoi(e->d_name);
+    if (e->d_name[0] == '.' || fd <= 2 || fd == keep || fd == dirfd(d)) continue;
+    const int flags = fcntl(fd, F_GETFD);
+    if (flags >= 0 && !(flags & FD_CLOEXEC)) ++n;
+  }
+  closedir(d);
+  return n;
+}
+
 int exporter(int sock) {
   process_checks::role = "exporter";
   void* p = nullptr;
   REQUIRE(cudaMalloc(&p, kSize) == 0 && p);
   fill(p, 0, kSize, 1);
   IpcHandle h{}, again{}, inner{};
+  const int inheritable = inheritable_fds(sock);  // the test's own (its runner's) may be there
   REQUIRE(cudaIpcGetMemHandle(&h, p) == 0);
+  CHECK(inheritable_fds(sock) == inheritable);  // what fragless keeps for an export does not leak into an exec
   CHECK(cudaIpcGetMemHandle(&again, p) == 0 && std::memcmp(&h, &again, sizeof h) == 0);  // asked twice: one handle
   // A pointer inside the allocation names the whole allocation (the importer gets its base).
   CHECK(cudaIpcGetMemHandle(&inner, static_cast<char*>(p) + 4096) == 0 && std::memcmp(&h, &inner, sizeof h) == 0);
