@@ -13,19 +13,33 @@
 // 64 bytes are the capability: a process of the machine that has them may open the memory.
 //
 // The exporter serves its shares on a Unix socket in the abstract namespace, "fragless-ipc-<pid>-<token>",
-// answered by a listener thread started with the first export. A request names a share id and its nonce;
-// the answer is the share's description and descriptors (SCM_RIGHTS), or a refusal saying why. The thread
-// takes the exports' lock only to look a share up and duplicate its descriptors, never across a blocking
-// call, and never takes an engine's lock. It stops at exit (an atexit handler wakes and joins it). A child
+// answered by a listener thread started with the first export (started before anything is committed: when it
+// cannot start, the socket is closed and the call fails with cudaErrorMemoryAllocation). An abstract socket
+// has no permissions, so the listener reads the peer's credentials (SO_PEERCRED) and answers its own user
+// and root only. A request names a share id and its nonce; the answer is the share's description and
+// descriptors (SCM_RIGHTS), or a refusal saying why. Each connection has one deadline (kAnswerDeadline, 3 s)
+// for the whole exchange, and the wake pipe ends it at once at exit, so that a peer that stalls keeps the
+// other importers that long at most and the exit not at all. It stops at exit (an atexit handler wakes and
+// joins it). The descriptors kept for an export are close-on-exec (share() sets it on the driver's). A child
 // made by fork does not inherit the listener nor the exports (their descriptors, copies of the leases, are
 // closed in the child, so they do not hold the parent's blocks): the parent keeps serving its handles, and
 // the child's first export starts a listener of its own, under its own pid.
 //
 // cudaIpcOpenMemHandle recognises fragless's handles by their magic (any other handle goes to the runtime),
-// asks the exporter, and maps the share with open_shared on the current device. The same handle opened again
+// asks the exporter, and maps the share with open_shared on the current device. The fetch has one deadline
+// for the whole exchange (kFetchDeadline, 10 s: a peer that trickles cannot stretch it), every message of the
+// answer must be exactly the size announced. The same handle opened again
 // on the same device returns the same pointer and counts a reference (CUDA's rule for a handle the current
 // context opened already); cudaIpcCloseMemHandle drops one, and the last unmaps (close_shared). The
 // importer's records are not reset in a fork child (CUDA cannot be used there anyway).
+//
+// Locks. The importer's lock guards its records only: it is not held across a fetch, an open_shared or a
+// close_shared (which synchronises the device). Two threads opening one handle at once both fetch and map;
+// the first to record it wins and the other's mapping is dropped. The exporter's lock (x.mu) is not held
+// across share() either: cudaIpcGetMemHandle shares first, then records the share unless another thread's
+// won meanwhile or the allocation was freed (its free found nothing to forget). Where both are held the order
+// is the exports' lock, then an engine's lock (the allocation check), never the reverse; the listener and
+// forget (every free while an export exists) take the exports' lock only, never across a blocking call.
 //
 // Lifetime. cudaFree of an exported allocation drops the exporter's copy of the share at once (so its handle
 // is refused from then on: stale), and the engine holds the block for every process that has it open, through
