@@ -13,19 +13,33 @@
 // 64 bytes are the capability: a process of the machine that has them may open the memory.
 //
 // The exporter serves its shares on a Unix socket in the abstract namespace, "fragless-ipc-<pid>-<token>",
-// answered by a listener thread started with the first export. A request names a share id and its nonce;
-// the answer is the share's description and descriptors (SCM_RIGHTS), or a refusal saying why. The thread
-// takes the exports' lock only to look a share up and duplicate its descriptors, never across a blocking
-// call, and never takes an engine's lock. It stops at exit (an atexit handler wakes and joins it). A child
+// answered by a listener thread started with the first export (started before anything is committed: when it
+// cannot start, the socket is closed and the call fails with cudaErrorMemoryAllocation). An abstract socket
+// has no permissions, so the listener reads the peer's credentials (SO_PEERCRED) and answers its own user
+// and root only. A request names a share id and its nonce; the answer is the share's description and
+// descriptors (SCM_RIGHTS), or a refusal saying why. Each connection has one deadline (kAnswerDeadline, 3 s)
+// for the whole exchange, and the wake pipe ends it at once at exit, so that a peer that stalls keeps the
+// other importers that long at most and the exit not at all. It stops at exit (an atexit handler wakes and
+// joins it). The descriptors kept for an export are close-on-exec (share() sets it on the driver's). A child
 // made by fork does not inherit the listener nor the exports (their descriptors, copies of the leases, are
 // closed in the child, so they do not hold the parent's blocks): the parent keeps serving its handles, and
 // the child's first export starts a listener of its own, under its own pid.
 //
 // cudaIpcOpenMemHandle recognises fragless's handles by their magic (any other handle goes to the runtime),
-// asks the exporter, and maps the share with open_shared on the current device. The same handle opened again
+// asks the exporter, and maps the share with open_shared on the current device. The fetch has one deadline
+// for the whole exchange (kFetchDeadline, 10 s: a peer that trickles cannot stretch it), every message of the
+// answer must be exactly the size announced. The same handle opened again
 // on the same device returns the same pointer and counts a reference (CUDA's rule for a handle the current
 // context opened already); cudaIpcCloseMemHandle drops one, and the last unmaps (close_shared). The
 // importer's records are not reset in a fork child (CUDA cannot be used there anyway).
+//
+// Locks. The importer's lock guards its records only: it is not held across a fetch, an open_shared or a
+// close_shared (which synchronises the device). Two threads opening one handle at once both fetch and map;
+// the first to record it wins and the other's mapping is dropped. The exporter's lock (x.mu) is not held
+// across share() either: cudaIpcGetMemHandle shares first, then records the share unless another thread's
+// won meanwhile or the allocation was freed (its free found nothing to forget). Where both are held the order
+// is the exports' lock, then an engine's lock (the allocation check), never the reverse; the listener and
+// forget (every free while an export exists) take the exports' lock only, never across a blocking call.
 //
 // Lifetime. cudaFree of an exported allocation drops the exporter's copy of the share at once (so its handle
 // is refused from then on: stale), and the engine holds the block for every process that has it open, through
@@ -39,11 +53,13 @@
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <sys/types.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -53,6 +69,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <tuple>
 #include <utility>
@@ -144,6 +161,46 @@ void close_all(std::vector<int>* fds) {
   fds->clear();
 }
 
+// Deadlines. A peer on the other end of a socket may be slow, stalled or hostile: each side gives a whole
+// exchange one deadline (not one per message), so that nobody can keep it waiting longer by trickling.
+using Clock = std::chrono::steady_clock;
+constexpr std::chrono::seconds kFetchDeadline{10}, kAnswerDeadline{3};
+
+// Waits until sock is ready for `events` (or its peer is gone) before the deadline; false when time ran out,
+// or when stop_fd (when there is one) became readable.
+bool ready_by(int sock, short events, Clock::time_point deadline, int stop_fd = -1) {
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) return false;
+    pollfd p[2] = {{sock, events, 0}, {stop_fd, POLLIN, 0}};
+    const int n = poll(p, stop_fd >= 0 ? 2 : 1, static_cast<int>(std::min<long long>(left, 1 << 30)));
+    if (n > 0) return !(stop_fd >= 0 && p[1].revents);  // else ready, or hung up or failed: the call that follows says
+    if (n < 0 && errno != EINTR) return false;
+  }
+}
+
+// Sends one message before the deadline on a non-blocking socket (send_part's rules).
+bool send_by(int sock, Clock::time_point deadline, int stop_fd, const void* data, std::size_t n, const int* fds,
+             std::size_t nfds) {
+  for (;;) {
+    if (send_part(sock, data, n, fds, nfds)) return true;
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return false;
+    if (!ready_by(sock, POLLOUT, deadline, stop_fd)) return false;
+  }
+}
+
+// Receives one message of exactly n bytes and exactly nfds descriptors (appended to *fds) before the
+// deadline. False otherwise (the descriptors that came are appended all the same, for the caller to close).
+bool recv_exactly_by(int sock, Clock::time_point deadline, void* data, std::size_t n, std::vector<int>* fds,
+                     std::size_t nfds, int stop_fd = -1) {
+  const std::size_t had = fds->size();
+  char byte;
+  return ready_by(sock, POLLIN, deadline, stop_fd) &&
+         fragless_fd::recv_message(sock, n ? data : &byte, n ? n : 1, fds, nfds ? nfds : 1) ==
+             static_cast<ssize_t>(n ? n : 1) &&
+         fds->size() - had == nfds;
+}
+
 // ---- The exporter -----------------------------------------------------------------------------------------
 
 struct Export {
@@ -166,8 +223,8 @@ struct Exporter {
 
   // Starts the listener if this process has none. False (and *why) when it could not.
   bool listening(std::string* why);
-  void serve();
-  void answer(int conn);
+  void serve(int lfd, int stop_fd);
+  void answer(int conn, int stop_fd);
   void stop();
   void forget(int device, const void* p);
   void after_fork_in_child();
@@ -186,18 +243,28 @@ bool Exporter::listening(std::string* why) {
     return false;
   }
   const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  int w[2] = {-1, -1};
   socklen_t len = 0;
   const sockaddr_un a = abstract_address(socket_name(getpid(), t), &len);
   if (fd < 0 || bind(fd, reinterpret_cast<const sockaddr*>(&a), len) != 0 || listen(fd, 64) != 0 ||
-      pipe2(wake, O_CLOEXEC) != 0) {
+      pipe2(w, O_CLOEXEC) != 0) {
     *why = "the exporter's socket: " + std::string(std::strerror(errno));
     if (fd >= 0) ::close(fd);
     return false;
   }
+  // The thread first: nothing is committed (and no exception leaves the C entry point) when it cannot start.
+  try {
+    thread = std::thread([this, fd, r = w[0]] { serve(fd, r); });
+  } catch (const std::exception& e) {
+    *why = std::string("the exporter's listener thread could not start: ") + e.what();
+    for (int d : {fd, w[0], w[1]}) ::close(d);
+    return false;
+  }
   listen_fd = fd;
+  wake[0] = w[0];
+  wake[1] = w[1];
   token = t;
   pid = getpid();
-  thread = std::thread([this] { serve(); });
   static const bool registered = [] {
     std::atexit([] { exporter().stop(); });
     pthread_atfork([] { exporter().mu.lock(); }, [] { exporter().mu.unlock(); },
@@ -208,38 +275,48 @@ bool Exporter::listening(std::string* why) {
   return true;
 }
 
-void Exporter::serve() {
+void Exporter::serve(int lfd, int stop_fd) {
   for (;;) {
-    pollfd p[2] = {{listen_fd, POLLIN, 0}, {wake[0], POLLIN, 0}};
+    pollfd p[2] = {{lfd, POLLIN, 0}, {stop_fd, POLLIN, 0}};
     if (poll(p, 2, -1) < 0) {
       if (errno == EINTR) continue;
       std::fprintf(stderr, "fragless (LD_PRELOAD): the IPC listener stops: poll: %s\n", std::strerror(errno));
       return;
     }
     if (p[1].revents) return;  // stop()
-    const int conn = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+    const int conn = accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (conn < 0) {
       if (errno != EINTR && errno != ECONNABORTED) poll(nullptr, 0, 10);  // out of descriptors: no busy loop
       continue;
     }
-    timeval tv{5, 0};  // a client that stops reading cannot keep the listener (nor the exit) waiting
-    setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-    setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    answer(conn);
+    // An abstract socket has no permissions: the peer's credentials decide. Its user or root only.
+    ucred peer{};
+    socklen_t n = sizeof peer;
+    if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &peer, &n) == 0 && (peer.uid == geteuid() || peer.uid == 0)) {
+      answer(conn, stop_fd);
+    } else {
+      Reply r{1, 0, 0, {}};
+      std::snprintf(r.why, sizeof r.why, "the exporter serves its own user and root only, not user %u",
+                    static_cast<unsigned>(peer.uid));
+      send_part(conn, &r, sizeof r, nullptr, 0);  // non-blocking: at most once
+    }
     ::close(conn);
   }
 }
 
-void Exporter::answer(int conn) {
+// One deadline for the whole connection (kAnswerDeadline), and stop() (the exit) ends it at once: a peer that
+// stalls or stops reading keeps the other importers and the exit waiting that long at most.
+void Exporter::answer(int conn, int stop_fd) {
+  const Clock::time_point deadline = Clock::now() + kAnswerDeadline;
   Request rq{};
   std::vector<int> none;
   Reply r{};
   auto refuse = [&](const std::string& why) {
     r.status = 1;
     std::snprintf(r.why, sizeof r.why, "%s", why.c_str());
-    send_part(conn, &r, sizeof r, nullptr, 0);
+    send_by(conn, deadline, stop_fd, &r, sizeof r, nullptr, 0);
   };
-  if (fragless_fd::recv_message(conn, &rq, sizeof rq, &none) != static_cast<ssize_t>(sizeof rq)) {
+  if (!recv_exactly_by(conn, deadline, &rq, sizeof rq, &none, 0, stop_fd)) {
     close_all(&none);
     return refuse("the request is not a fragless IPC request");
   }
@@ -266,15 +343,15 @@ void Exporter::answer(int conn) {
   }
   r.fds = static_cast<std::uint32_t>(fds.size());
   r.description = description.size();
-  bool ok = send_part(conn, &r, sizeof r, nullptr, 0);
+  bool ok = send_by(conn, deadline, stop_fd, &r, sizeof r, nullptr, 0);
   for (std::size_t at = 0; ok && at < description.size(); at += kPiece)
-    ok = send_part(conn, description.data() + at, std::min(kPiece, description.size() - at), nullptr, 0);
+    ok = send_by(conn, deadline, stop_fd, description.data() + at, std::min(kPiece, description.size() - at), nullptr, 0);
   for (std::size_t at = 0; ok && at < fds.size(); at += kFdsPerMessage)
-    ok = send_part(conn, nullptr, 0, fds.data() + at, std::min(kFdsPerMessage, fds.size() - at));
+    ok = send_by(conn, deadline, stop_fd, nullptr, 0, fds.data() + at, std::min(kFdsPerMessage, fds.size() - at));
   close_all(&fds);
 }
 
-// At exit: the listener is woken and joined, and its socket closed, so that a handle asked for from now on
+// At exit: the listener is woken (in a connection too: it polls the wake pipe there) and joined, and its socket closed, so that a handle asked for from now on
 // is refused at once (nobody serves it) rather than left waiting.
 void Exporter::stop() {
   if (pid != getpid() || !thread.joinable()) return;
@@ -339,38 +416,53 @@ cudaError_t get_handle(Handle* h, void* p) {
     return kInvalidValue;
   }
   Exporter& x = exporter();
+  // A handle names the pid and token of the listener, the share's id and its nonce.
+  auto fill = [&](std::uint64_t id, const Export& e) {  // under x.mu
+    Handle out{};
+    std::memcpy(out.magic, kMagic, sizeof kMagic);
+    out.version = kVersion;
+    out.pid = x.pid;
+    out.token = x.token;
+    out.id = id;
+    std::memcpy(out.nonce, e.nonce, sizeof out.nonce);
+    std::memcpy(h, &out, sizeof out);
+  };
+  auto exported_already = [&] {  // under x.mu
+    auto known = x.by_block.find({dev, base});
+    if (x.pid != getpid() || known == x.by_block.end()) return false;
+    fill(known->second, x.exports.at(known->second));
+    return true;
+  };
+  if (std::lock_guard lk(x.mu); exported_already()) return kSuccess;
+  // Shared without x.mu (share takes the engine's lock and calls the driver; the listener and every free of an
+  // exported allocation wait on x.mu): a thread that exported the same allocation meanwhile wins, and this
+  // share is dropped. The lock order is x.mu, then an engine's lock, never the reverse.
+  Export e{dev, base, {}, {}};
+  fragless::AllocError err;
+  if (!random_bytes(e.nonce, sizeof e.nonce)) {
+    std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: getrandom: %s\n", p, std::strerror(errno));
+    return kMemoryAllocation;
+  }
+  if (a->device(dev)->share(base, &e.share, &err) != fragless::Status::ok) {
+    std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: %s\n", p, err.message.c_str());
+    return err.status == fragless::Status::invalid_argument ? kInvalidValue : kMapFailed;
+  }
   std::lock_guard lk(x.mu);
   std::string why;
   if (!x.listening(&why)) {
     std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: %s; nothing was exported\n", p, why.c_str());
     return kMemoryAllocation;
   }
-  auto known = x.by_block.find({dev, base});
-  if (known == x.by_block.end()) {
-    Export e{dev, base, {}, {}};
-    fragless::AllocError err;
-    if (!random_bytes(e.nonce, sizeof e.nonce)) {
-      std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: getrandom: %s\n", p, std::strerror(errno));
-      return kMemoryAllocation;
-    }
-    if (a->device(dev)->share(base, &e.share, &err) != fragless::Status::ok) {
-      std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: %s\n", p, err.message.c_str());
-      return err.status == fragless::Status::invalid_argument ? kInvalidValue : kMapFailed;
-    }
-    const std::uint64_t id = x.next_id++;
-    x.exports.emplace(id, std::move(e));
-    known = x.by_block.emplace(std::pair{dev, base}, id).first;
-    x.count.store(static_cast<int>(x.exports.size()), std::memory_order_release);
+  if (exported_already()) return kSuccess;  // e, the duplicate, is dropped
+  if (a->device(dev)->allocation_containing(base, nullptr) != base || fragless_preload::free_pending(dev, base)) {
+    std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: its allocation was freed meanwhile; "
+                 "nothing was exported\n", p);  // its free found no export to forget: e is dropped here
+    return kInvalidValue;
   }
-  const Export& e = x.exports.at(known->second);
-  Handle out{};
-  std::memcpy(out.magic, kMagic, sizeof kMagic);
-  out.version = kVersion;
-  out.pid = x.pid;
-  out.token = x.token;
-  out.id = known->second;
-  std::memcpy(out.nonce, e.nonce, sizeof out.nonce);
-  std::memcpy(h, &out, sizeof out);
+  const std::uint64_t id = x.next_id++;
+  fill(id, x.exports.emplace(id, std::move(e)).first->second);
+  x.by_block.emplace(std::pair{dev, base}, id);
+  x.count.store(static_cast<int>(x.exports.size()), std::memory_order_release);
   return kSuccess;
 }
 
@@ -383,7 +475,7 @@ struct Opened {
 };
 
 struct Importer {
-  std::mutex mu;  // guards both maps; held across an open, so that one handle is mapped once
+  std::mutex mu;  // guards both maps; never held across a fetch, an open_shared or a close_shared
   std::map<std::tuple<int, std::int32_t, std::uint64_t, std::uint64_t>, Opened> by_handle;  // device, pid, token, id
   std::map<void*, decltype(by_handle)::key_type> by_ptr;
 };
@@ -393,13 +485,14 @@ Importer& importer() {
   return *i;
 }
 
-// Asks the exporter named by h for its share: the description and descriptors, or why not.
+// Asks the exporter named by h for its share: the description and descriptors, or why not. The whole
+// exchange has one deadline (kFetchDeadline), and every message must be exactly the size announced.
 std::string fetch(const Handle& h, std::string* description, std::vector<int>* fds) {
+  const Clock::time_point deadline = Clock::now() + kFetchDeadline;
   const std::string name = socket_name(h.pid, h.token);
   const int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
   if (sock < 0) return std::string("socket: ") + std::strerror(errno);
-  timeval tv{10, 0};
-  setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  timeval tv{static_cast<time_t>(kFetchDeadline.count()), 0};  // connect and send: within the deadline too
   setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   socklen_t len = 0;
   const sockaddr_un a = abstract_address(name, &len);
@@ -407,26 +500,35 @@ std::string fetch(const Handle& h, std::string* description, std::vector<int>* f
   Request rq{h.id, {}};
   std::memcpy(rq.nonce, h.nonce, sizeof rq.nonce);
   Reply r{};
+  const std::string late = "the exporter did not answer in full within " + std::to_string(kFetchDeadline.count()) +
+                           " s, or its answer is malformed";
   if (connect(sock, reinterpret_cast<const sockaddr*>(&a), len) != 0)
     why = "nobody serves it (" + std::string(std::strerror(errno)) + "): the exporting process " + std::to_string(h.pid) +
           " exited, or the handle is forged: stale";
-  else if (!send_part(sock, &rq, sizeof rq, nullptr, 0) || fragless_fd::recv_message(sock, &r, sizeof r, fds) != static_cast<ssize_t>(sizeof r))
-    why = "the exporter did not answer";
+  else if (!send_part(sock, &rq, sizeof rq, nullptr, 0) || !recv_exactly_by(sock, deadline, &r, sizeof r, fds, 0))
+    why = late;
   else if (r.status != 0)
     why = "the exporter refused it: " + std::string(r.why, strnlen(r.why, sizeof r.why));
   else if (r.description > (std::uint64_t{1} << 30) || r.fds > (1u << 21))
     why = "the exporter's answer is malformed";
-  description->resize(why.empty() ? r.description : 0);
-  for (std::size_t at = 0; why.empty() && at < description->size();) {
-    const ssize_t n = fragless_fd::recv_message(sock, description->data() + at, std::min(kPiece, description->size() - at), fds);
-    if (n <= 0) why = "the exporter's answer ended early";
-    else at += static_cast<std::size_t>(n);
+  description->clear();  // grown as the pieces come, not as announced
+  for (std::uint64_t rest = why.empty() ? r.description : 0; rest > 0;) {
+    const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(kPiece, rest)), at = description->size();
+    description->resize(at + n);
+    if (!recv_exactly_by(sock, deadline, description->data() + at, n, fds, 0)) {
+      why = late;
+      break;
+    }
+    rest -= n;
   }
-  while (why.empty() && fds->size() < r.fds) {
-    char byte;
-    if (fragless_fd::recv_message(sock, &byte, 1, fds) != 1) why = "the exporter's answer ended early";
+  for (std::size_t rest = why.empty() ? r.fds : 0; rest > 0;) {
+    const std::size_t n = std::min(kFdsPerMessage, rest);
+    if (!recv_exactly_by(sock, deadline, nullptr, 0, fds, n)) {
+      why = late;
+      break;
+    }
+    rest -= n;
   }
-  if (why.empty() && fds->size() != r.fds) why = "the exporter sent other descriptors than it announced";
   ::close(sock);
   if (!why.empty()) close_all(fds);
   return why;
@@ -455,13 +557,17 @@ cudaError_t open_handle(void** out, const Handle& h, unsigned flags) {
   fragless::DeviceEngine* e = a->device(dev);
   if (!e) return refuse(kInvalidValue, "device " + std::to_string(dev) + " has no fragless engine");
   Importer& im = importer();
-  std::lock_guard lk(im.mu);
   const auto key = std::tuple{dev, h.pid, h.token, h.id};
-  if (auto it = im.by_handle.find(key); it != im.by_handle.end()) {
+  auto opened_already = [&] {  // under im.mu
+    auto it = im.by_handle.find(key);
+    if (it == im.by_handle.end()) return false;
     ++it->second.refs;  // opened already in this process, on this device: the same pointer, one more reference
     *out = it->second.ptr;
-    return kSuccess;
-  }
+    return true;
+  };
+  if (std::lock_guard lk(im.mu); opened_already()) return kSuccess;
+  // Fetched and mapped without the lock (a slow exporter keeps nobody else waiting); a thread that opened the
+  // same handle meanwhile wins, and this mapping is dropped.
   std::string description;
   std::vector<int> fds;
   if (std::string why = fetch(h, &description, &fds); !why.empty()) return refuse(kInvalidHandle, why);
@@ -469,9 +575,18 @@ cudaError_t open_handle(void** out, const Handle& h, unsigned flags) {
   void* p = e->open_shared(description, fds.data(), fds.size(), nullptr, &err);
   close_all(&fds);  // open_shared keeps what it needs
   if (!p) return refuse(err.status == fragless::Status::invalid_argument ? kInvalidHandle : kMapFailed, err.message);
-  im.by_handle.emplace(key, Opened{p, dev, 1});
-  im.by_ptr.emplace(p, key);
-  *out = p;
+  {
+    std::lock_guard lk(im.mu);
+    if (!opened_already()) {
+      im.by_handle.emplace(key, Opened{p, dev, 1});
+      im.by_ptr.emplace(p, key);
+      *out = p;
+      return kSuccess;
+    }
+  }
+  if (e->close_shared(p, &err) != fragless::Status::ok)
+    std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcOpenMemHandle: the second mapping of a handle two threads "
+                 "opened at once stays mapped: %s\n", err.message.c_str());
   return kSuccess;
 }
 
@@ -483,18 +598,19 @@ cudaError_t close_handle(void* p) {
     lk.unlock();
     return real().close ? real().close(p) : kInvalidValue;  // not opened by fragless: the runtime's
   }
-  Opened& o = im.by_handle.at(at->second);
-  if (--o.refs > 0) return kSuccess;
+  const auto key = at->second;
+  Opened o = im.by_handle.at(key);
+  if (--im.by_handle.at(key).refs > 0) return kSuccess;
+  im.by_handle.erase(key);  // the last reference: unmapped without the lock (close_shared synchronises)
+  im.by_ptr.erase(at);
+  lk.unlock();
   fragless_preload::Inside inside;
   fragless::AllocError err;
-  if (fragless_preload::allocator()->device(o.device)->close_shared(p, &err) != fragless::Status::ok) {
-    ++o.refs;  // still mapped (Note [Failed waits]): the reference stays
-    std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcCloseMemHandle of %p: %s\n", p, err.message.c_str());
-    return kInvalidValue;
-  }
-  im.by_handle.erase(at->second);
-  im.by_ptr.erase(at);
-  return kSuccess;
+  if (fragless_preload::allocator()->device(o.device)->close_shared(p, &err) == fragless::Status::ok) return kSuccess;
+  std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcCloseMemHandle of %p: %s\n", p, err.message.c_str());
+  lk.lock();  // still mapped (Note [Failed waits]): the reference stays, unless the handle was opened anew meanwhile
+  if (im.by_handle.emplace(key, o).second) im.by_ptr.emplace(p, key);
+  return kInvalidValue;
 }
 
 }  // namespace

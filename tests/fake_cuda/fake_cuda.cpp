@@ -872,7 +872,7 @@ FAKE_API CUresult cuMemExportToShareableHandle(void* out, CUmemGenericAllocation
   if (!out || flags != 0 || it == s.handles.end() || it->second.released) return CUDA_ERROR_INVALID_VALUE;
   if (type == CU_MEM_HANDLE_TYPE_FABRIC) return export_fabric(it->second, out);
   if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || !(it->second.types & type)) return CUDA_ERROR_INVALID_VALUE;
-  const int fd = fcntl(it->second.fd, F_DUPFD_CLOEXEC, 0);
+  const int fd = fcntl(it->second.fd, F_DUPFD, 0);  // CUDA does not document close-on-exec: none here
   if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
   *static_cast<int*>(out) = fd;
   return CUDA_SUCCESS;

@@ -5,16 +5,23 @@
 // driver with shareable_handles:True, or the cuda driver on the libcuda double with shareable_handles:True
 // or fabric (FAKECUDA_FABRIC=1). Both keep memory in host pages: both sides read and write it directly.
 //
-//   preload_ipc SCENARIO     bytes | free_while_held | forged
+//   preload_ipc SCENARIO     bytes | free_while_held | forged | stall | peers
 // Exit 0 when every check held; 1 with the failed checks on stderr.
+#include <dirent.h>
+#include <fcntl.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "process_checks.h"
@@ -60,16 +67,46 @@ void fill(void* p, std::size_t from, std::size_t n, unsigned salt) {
 
 // ---- The exporter (the child) ---------------------------------------------------------------------------
 
+// How many descriptors of this process, other than 0, 1, 2 and `keep`, an exec would pass on (no FD_CLOEXEC).
+int inheritable_fds(int keep) {
+  DIR* d = opendir("/proc/self/fd");
+  REQUIRE(d);
+  int n = 0;
+  while (const dirent* e = readdir(d)) {
+    const int fd = std::atoi(e->d_name);
+    if (e->d_name[0] == '.' || fd <= 2 || fd == keep || fd == dirfd(d)) continue;
+    const int flags = fcntl(fd, F_GETFD);
+    if (flags >= 0 && !(flags & FD_CLOEXEC)) ++n;
+  }
+  closedir(d);
+  return n;
+}
+
 int exporter(int sock) {
   process_checks::role = "exporter";
   void* p = nullptr;
   REQUIRE(cudaMalloc(&p, kSize) == 0 && p);
   fill(p, 0, kSize, 1);
   IpcHandle h{}, again{}, inner{};
+  const int inheritable = inheritable_fds(sock);  // the test's own (its runner's) may be there
   REQUIRE(cudaIpcGetMemHandle(&h, p) == 0);
+  CHECK(inheritable_fds(sock) == inheritable);  // what fragless keeps for an export does not leak into an exec
   CHECK(cudaIpcGetMemHandle(&again, p) == 0 && std::memcmp(&h, &again, sizeof h) == 0);  // asked twice: one handle
   // A pointer inside the allocation names the whole allocation (the importer gets its base).
   CHECK(cudaIpcGetMemHandle(&inner, static_cast<char*>(p) + 4096) == 0 && std::memcmp(&h, &inner, sizeof h) == 0);
+  // Threads asking at once for a fresh allocation's handle (each shares it outside the exports' lock; one
+  // share wins, the others are dropped): one handle for all.
+  void* fresh = nullptr;
+  REQUIRE(cudaMalloc(&fresh, MiB) == 0 && fresh);
+  std::vector<IpcHandle> at_once(8);
+  std::vector<std::thread> askers;
+  std::vector<cudaError_t> rcs(at_once.size(), -1);
+  for (std::size_t i = 0; i < at_once.size(); ++i)
+    askers.emplace_back([&, i] { rcs[i] = cudaIpcGetMemHandle(&at_once[i], fresh); });
+  for (auto& t : askers) t.join();
+  for (std::size_t i = 0; i < at_once.size(); ++i)
+    CHECK(rcs[i] == 0 && std::memcmp(&at_once[i], &at_once[0], sizeof at_once[0]) == 0);
+  CHECK(cudaFree(fresh) == 0);
   // Memory of another allocator: the runtime's handle (the double has none and fails), not fragless's.
   const unsigned long rt = fakecudart_calls("cudaIpcGetMemHandle");
   void* foreign = fakecudart_foreign_alloc(64);
@@ -192,6 +229,160 @@ int scenario_forged(int sock, pid_t child) {
   return 0;
 }
 
+// ---- A hostile exporter (stall) -----------------------------------------------------------------------
+
+// fragless's handle and its answer, as preload_ipc.cpp lays them out.
+struct FakeHandle {
+  char magic[8];
+  std::uint32_t version;
+  std::int32_t pid;
+  std::uint64_t token, id;
+  std::uint8_t nonce[16], unused[16];
+};
+struct FakeReply {
+  std::uint32_t status, fds;
+  std::uint64_t description;
+  char why[200];
+};
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Binds the socket a fragless exporter of this pid and token would serve, and listens.
+int fake_listener(std::uint64_t token) {
+  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  char name[64];
+  std::snprintf(name, sizeof name, "fragless-ipc-%d-%016llx", static_cast<int>(getpid()), static_cast<unsigned long long>(token));
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::memcpy(a.sun_path + 1, name, std::strlen(name));
+  const socklen_t len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + std::strlen(name));
+  REQUIRE(fd >= 0 && bind(fd, reinterpret_cast<const sockaddr*>(&a), len) == 0 && listen(fd, 8) == 0);
+  return fd;
+}
+
+FakeHandle fake_handle(std::uint64_t token) {
+  FakeHandle h{};
+  std::memcpy(h.magic, "FRGLIPC1", 8);
+  h.version = 1;
+  h.pid = getpid();
+  h.token = token;
+  h.id = 1;
+  return h;
+}
+
+// An exporter that answers well-formed pieces, one every 2 s, for 16 s: within any per-message timeout, never
+// within a whole-exchange one. The open must fail within fragless's deadline (10 s) and, meanwhile, must keep
+// no other open waiting.
+int scenario_stall(int sock) {
+  IpcHandle genuine{};
+  REQUIRE(recv(sock, &genuine, sizeof genuine, 0) == static_cast<ssize_t>(sizeof genuine));
+  const std::uint64_t token = 0x5747a11;
+  const int lfd = fake_listener(token);
+  std::thread trickler([lfd] {
+    const int conn = accept(lfd, nullptr, nullptr);
+    if (conn < 0) return;
+    char request[64];
+    (void)recv(conn, request, sizeof request, 0);
+    constexpr std::size_t kPiece = 32 << 10, kPieces = 8;
+    FakeReply r{};
+    r.description = kPiece * kPieces;
+    std::vector<char> piece(kPiece, 'x');
+    bool ok = send(conn, &r, sizeof r, MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof r);
+    for (std::size_t i = 0; ok && i < kPieces; ++i) {
+      std::this_thread::sleep_for(std::chrono::seconds(2));
+      ok = send(conn, piece.data(), kPiece, MSG_NOSIGNAL) == static_cast<ssize_t>(kPiece);
+    }
+    close(conn);
+  });
+  const FakeHandle fake = fake_handle(token);
+  IpcHandle h{};
+  std::memcpy(&h, &fake, sizeof h);
+  cudaError_t stalled_rc = 0;
+  void* stalled = reinterpret_cast<void*>(1);
+  double stalled_s = 0;
+  std::thread opener([&] {
+    const auto t = Clock::now();
+    stalled_rc = cudaIpcOpenMemHandle(&stalled, h, 1);
+    stalled_s = seconds_since(t);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the opener is waiting on the trickler
+  const auto t = Clock::now();
+  void* p = nullptr;
+  CHECK(cudaIpcOpenMemHandle(&p, genuine, 1) == 0 && p && holds(p, 0, kSize, 1));
+  const double genuine_s = seconds_since(t);
+  CHECK(genuine_s < 3);  // not behind the stalled open
+  CHECK(p && cudaIpcCloseMemHandle(p) == 0);
+  opener.join();
+  CHECK(stalled_rc == kInvalidHandle && stalled == nullptr);
+  CHECK(stalled_s < 13);  // the whole fetch's deadline (10 s), not the trickler's 16 s
+  std::fprintf(stderr, "stall: the genuine open took %.1f s, the stalled one failed after %.1f s\n", genuine_s, stalled_s);
+  trickler.join();
+  close(lfd);
+  say(sock, "exit");
+  return 0;
+}
+
+// Connects to the exporter that made h, as an importer would (without asking anything yet).
+int connect_to_exporter(const IpcHandle& h) {
+  FakeHandle f{};
+  std::memcpy(&f, &h, sizeof f);
+  char name[64];
+  std::snprintf(name, sizeof name, "fragless-ipc-%d-%016llx", static_cast<int>(f.pid), static_cast<unsigned long long>(f.token));
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::memcpy(a.sun_path + 1, name, std::strlen(name));
+  const socklen_t len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + std::strlen(name));
+  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0 && connect(fd, reinterpret_cast<const sockaddr*>(&a), len) == 0);
+  return fd;
+}
+
+// The exporter's listener against its peers: another user is refused; a peer that connects and stalls keeps
+// another importer waiting less than the listener's deadline per connection (3 s), and the exit not at all.
+int scenario_peers(int sock, pid_t exporter_pid) {
+  IpcHandle h{};
+  REQUIRE(recv(sock, &h, sizeof h, 0) == static_cast<ssize_t>(sizeof h));
+  if (geteuid() == 0) {  // another user asks with the genuine handle: refused (an abstract socket has no permissions)
+    const pid_t other = fork();
+    REQUIRE(other >= 0);
+    if (other == 0) {
+      if (setgid(65534) != 0 || setuid(65534) != 0) _exit(2);
+      const int c = connect_to_exporter(h);
+      FakeHandle f{};
+      std::memcpy(&f, &h, sizeof f);
+      unsigned char request[24];
+      std::memcpy(request, &f.id, 8);
+      std::memcpy(request + 8, f.nonce, 16);
+      FakeReply r{};
+      r.status = 99;
+      (void)send(c, request, sizeof request, MSG_NOSIGNAL);  // the refusal may come (and the socket close) first
+      const ssize_t n = recv(c, &r, sizeof r, 0);
+      _exit(n == static_cast<ssize_t>(sizeof r) && r.status == 0 ? 1 : 0);  // 1: served
+    }
+    int status = -1;
+    CHECK(waitpid(other, &status, 0) == other && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  }
+  const int staller = connect_to_exporter(h);  // and says nothing
+  auto t = Clock::now();
+  void* p = nullptr;
+  CHECK(cudaIpcOpenMemHandle(&p, h, 1) == 0 && p && holds(p, 0, kSize, 1));
+  const double behind_s = seconds_since(t);
+  CHECK(behind_s < 4.5);
+  CHECK(p && cudaIpcCloseMemHandle(p) == 0);
+  const int staller2 = connect_to_exporter(h);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the listener is in staller2's connection
+  t = Clock::now();
+  say(sock, "exit");
+  int status = 0;
+  CHECK(waitpid(exporter_pid, &status, 0) == exporter_pid && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  const double exit_s = seconds_since(t);
+  CHECK(exit_s < 1.5);
+  std::fprintf(stderr, "peers: an open behind a stalled peer took %.1f s, the exit %.1f s\n", behind_s, exit_s);
+  close(staller);
+  close(staller2);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -199,9 +390,9 @@ int main(int argc, char** argv) {
   if (argc == 3 && std::strcmp(argv[1], "--export") == 0) return exporter(std::atoi(argv[2]));
   const std::string s = argc == 2 ? argv[1] : "";
   const bool help = s == "--help" || s == "-h";
-  if (help || (s != "bytes" && s != "free_while_held" && s != "forged")) {
+  if (help || (s != "bytes" && s != "free_while_held" && s != "forged" && s != "stall" && s != "peers")) {
     std::fprintf(help ? stdout : stderr,
-                 "usage: %s bytes|free_while_held|forged\n"
+                 "usage: %s bytes|free_while_held|forged|stall|peers\n"
                  "Two processes, both under LD_PRELOAD=libfragless_preload.so with FRAGLESS_CONF asking for\n"
                  "shareable handles (driver:host, or the libcuda double), share fragless memory through cudaIpcGetMemHandle,\n"
                  "cudaIpcOpenMemHandle and cudaIpcCloseMemHandle; exit 0 when every check held in both.\n",
@@ -221,10 +412,12 @@ int main(int argc, char** argv) {
   close(pair[1]);
   if (s == "bytes") scenario_bytes(pair[0]);
   else if (s == "free_while_held") scenario_free_while_held(pair[0]);
+  else if (s == "stall") scenario_stall(pair[0]);
+  else if (s == "peers") scenario_peers(pair[0], child);
   else scenario_forged(pair[0], child);
   close(pair[0]);
   int status = 0;
-  if (s != "forged") CHECK(waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  if (s != "forged" && s != "peers") CHECK(waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0);
   if (process_checks::failures == 0) std::printf("%s: every check held\n", s.c_str());
   return process_checks::failures ? 1 : 0;
 }

@@ -224,7 +224,9 @@ Status DeviceEngine::share(void* ptr, SharedBlock* out, AllocError* err) {
       set_error(err, st, "fragless: share of " + hex(ptr) + ": " + s.driver->last_error());
       return st;
     }
-    if (!fabric) sb.fds.push_back(fd);
+    if (fabric) continue;
+    sb.fds.push_back(fd);
+    fcntl(fd, F_SETFD, FD_CLOEXEC);  // kept for the share: never passed on to a program this process execs
   }
   int pair[2];
   if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) != 0) {
