@@ -268,6 +268,45 @@ TEST_CASE("fragless: a small request takes a large-pool remnant no large request
   }
 }
 
+// Note [The small pool keeps a cell]. Below 256 MiB of live bytes a large-pool cell is one page.
+TEST_CASE("fragless: the small pool keeps up to a cell of free pages, taken past a cell or when the device is full",
+          "[fragless]") {
+  const bool full = GENERATE(false, true);
+  CAPTURE(full);
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  if (full) spec.capacity = 4 * MiB;  // the small pool's two pages fill the device
+  auto e = make_engine(spec);
+  auto small_reserved = [&] { return e->stats().reserved_bytes.by_pool[kSmallPool].current; };
+  std::vector<void*> s;
+  for (int i = 0; i < 4; ++i) s.push_back(e->allocate(1 * MiB, 0, nullptr));  // two small pages
+  for (void* p : s) REQUIRE(p);
+  REQUIRE(small_reserved() == static_cast<std::int64_t>(4 * MiB));
+  REQUIRE(e->free(s[0]) == Status::ok);
+  REQUIRE(e->free(s[1]) == Status::ok);  // one whole small page free: no more than a cell
+  auto creates = [&] { return e->driver_counters()[DriverCall::create]; };
+  const auto c0 = creates();
+  void* l1 = e->allocate(2 * MiB, 0, nullptr);
+  REQUIRE(l1);
+  if (full) {  // creating would exceed the device: the kept page goes under the request, with no retry
+    CHECK(creates() == c0);
+    CHECK(small_reserved() == static_cast<std::int64_t>(2 * MiB));
+    CHECK(e->stats().num_alloc_retries == 0);
+    require_consistent(*e);
+    return;
+  }
+  CHECK(creates() == c0 + 1);  // the page was created; the small pool kept its free page
+  CHECK(small_reserved() == static_cast<std::int64_t>(4 * MiB));
+  require_consistent(*e);
+  REQUIRE(e->free(s[2]) == Status::ok);
+  REQUIRE(e->free(s[3]) == Status::ok);  // two free small pages: more than a cell, so both may move
+  void* l2 = e->allocate(4 * MiB, 0, nullptr);
+  REQUIRE(l2);
+  CHECK(creates() == c0 + 1);
+  CHECK(small_reserved() == 0);
+  require_consistent(*e);
+}
+
 TEST_CASE("fragless: a repeated chain of doubling activations re-backs completely (two passes)", "[fragless]") {
   // One 300 MiB tensor live; twice, a chain 350 -> 437.5 -> ... -> 7000 MiB, each allocated before the
   // previous one is freed, then a second 7000 MiB before the first goes, then 1400 MiB; all freed. The

@@ -28,8 +28,7 @@ std::vector<std::size_t> FraglessPolicy::shape(std::size_t missing, std::size_t 
   const auto live = static_cast<double>(std::max<std::int64_t>(0, s_.stats.live_bytes.current));
   const auto slack = static_cast<std::size_t>(live * s_.opts.reserve_slack) / page_;
   if (s_.opts.handle_shape == HandleShape::cells)  // Note [Cells]
-    return cells(missing, room, at, small ? std::max<std::size_t>(1, kSmallBuffer / page_) : std::clamp<std::size_t>(slack, 1, chunk),
-                 frontier);
+    return cells(missing, room, at, cell_pages(small), frontier);
   std::size_t extra = std::min(room, std::max(missing, std::min(chunk, missing + slack))) - missing;
   if (extra && !can_create(missing + extra)) extra = 0;
   if (s_.opts.handle_shape == HandleShape::whole || missing < 2) return {missing + extra};
@@ -44,6 +43,15 @@ std::vector<std::size_t> FraglessPolicy::shape(std::size_t missing, std::size_t 
   }
   sizes.push_back(1 + extra);
   return sizes;
+}
+
+// A cell of Note [Cells], in pages: one small buffer (2 MiB) in the small pool; in the large pool
+// reserve_slack of live bytes, at least a page and at most chunk_size.
+std::size_t FraglessPolicy::cell_pages(bool small) const {
+  if (small) return std::max<std::size_t>(1, kSmallBuffer / page_);
+  const std::size_t chunk = std::max<std::size_t>(1, s_.opts.chunk_size / page_);
+  const auto live = static_cast<double>(std::max<std::int64_t>(0, s_.stats.live_bytes.current));
+  return std::clamp<std::size_t>(static_cast<std::size_t>(live * s_.opts.reserve_slack) / page_, 1, chunk);
 }
 
 // Note [Cells]

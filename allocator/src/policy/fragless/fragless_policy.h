@@ -26,9 +26,25 @@
 // fits the room, and no whole handle under a free block of a default pool on the requesting stream, or, with
 // lend_across_streams, on another stream that has no unfinished work (Note [Lending across streams]) (holes
 // and free segment tails alike), outside the run being grown. A growth in which a hole's unmap failed (a
-// driver error) is exempt. One exception ends cycles (Note
-// [Refills]): a growth into pages that reclaims stripped twice within the last kRefillWindow growths
-// creates its memory.
+// driver error) is exempt. Two exceptions: one ends cycles (Note [Refills]): a growth into pages that
+// reclaims stripped twice within the last kRefillWindow growths creates its memory; and a large-pool
+// growth that could create all it needs leaves the small pool's free pages alone while they are no more
+// than one cell (Note [The small pool keeps a cell]).
+//
+// Note [The small pool keeps a cell]
+// A page of the small pool that re-backing moves under a large request is missing the next time small
+// requests need it, and the small pool's growth then creates it again, on the caller's path: one
+// cuMemCreate (about 190 µs on an A100) for every page moved, where expandable segments, which never move
+// a page, create none. So a large-pool growth that could create everything it still needs (within the
+// device's free memory and the memory fraction) takes no small-pool page while the small pool's free whole
+// pages, among the holes it may take (the requesting stream's, or other idle streams'), are no more than one
+// large-pool cell (cell_pages: reserve_slack of live bytes, at least a page, at most chunk_size_mb). What
+// this withholds from re-backing is bounded by a cell, as the free tail a growth at a segment's end leaves
+// is. Beyond a cell the small pool holds memory it does not need, and every free small page may be taken as
+// before; when creating would exceed the device, too (a small page is never kept at the price of an
+// out-of-memory). Measured in docs/RESULTS.md ("Driver time on the allocation path"): on the Wedsonlin
+// traces a large share of the path's creates were small-pool pages created again after re-backing took
+// them.
 //
 // Note [Refills]
 // A repeated step can make re-backing cycle: a miss at R takes memory from hole H, the next step's miss at
@@ -105,9 +121,11 @@ namespace fragless {
 // One growth of the fragless policy (one map_pages call), passed to each of its steps.
 struct Growth {
   Stream stream = 0;                  // the segment's: the stream of the request
+  bool small = false;                 // the segment's pool
   DevicePtr run_lo = 0, run_hi = 0;   // the run being grown: reclaim must not take pages from it
   std::size_t planned = 0;            // pages taken for the request so far
   bool unmap_failed = false;          // an unmap of a hole failed (the driver's fault, Note [Complete re-backing])
+  bool keep_small = false;            // the small pool's free pages are left alone (Note [The small pool keeps a cell])
   std::map<Stream, bool> idle;        // whether a stream had no unfinished work when first asked
 };
 
@@ -169,7 +187,8 @@ class FraglessPolicy final : public GrowablePolicy {
 
   // reclaim.cpp
   bool reclaimable(const Block* b, const Growth& g, std::size_t* lo, std::size_t* hi) const;
-  std::vector<Candidate> candidates(Growth& g, Stream stream, bool other_streams, bool idle_only = false);
+  std::vector<Candidate> candidates(Growth& g, Stream stream, bool other_streams, bool idle_only = false,
+                                    bool keep_small = true);
   std::size_t reclaimable_pages(Growth& g);
   void reclaim(Growth& g, bool other_streams, std::size_t need, std::size_t room, bool busy_too = false);
   void audit_creation(Growth& g, const Segment& target, std::size_t missing, std::size_t room);
@@ -182,6 +201,7 @@ class FraglessPolicy final : public GrowablePolicy {
   Status create(Growth& g, std::size_t missing, std::size_t room, std::size_t at, bool small, bool frontier,
                 std::vector<PhysHandle>* created);
   void add_created(Growth& g, PhysHandle h, std::size_t pages, std::vector<PhysHandle>* created);
+  std::size_t cell_pages(bool small) const;
 
   std::size_t page_ = s_.driver->granularity();
   HandlePool pool_;

@@ -50,13 +50,17 @@ Status FraglessPolicy::map_pages(Segment& seg, std::size_t first, std::size_t* n
   room = lent_.room_before(seg, first, need, room);
   Growth g;
   g.stream = seg.stream;
+  g.small = seg.small;
   g.run_lo = run.lo;
   g.run_hi = run.hi;
   take_idle(g, need, room);
   const bool refill = g.planned < need && refills(seg, first, need - g.planned);
   if (g.planned < need && !refill && !s_.capturing()) {
     // Touch nothing when even everything together cannot succeed: the retry chain takes over.
-    if (g.planned + reclaimable_pages(g) + creatable_pages() < need) return fail_request(Status::out_of_memory, {});
+    const std::size_t creatable = creatable_pages();
+    if (g.planned + reclaimable_pages(g) + creatable < need) return fail_request(Status::out_of_memory, {});
+    // Note [The small pool keeps a cell]: only where all that is missing could be created instead.
+    g.keep_small = !seg.small && creatable >= need - g.planned && s_.capacity_allows((need - g.planned) * page_);
     reclaim(g, /*other_streams=*/false, need, room);  // Note [Complete re-backing]
     // Holes of other streams that have no unfinished work, with no wait (Note [Lending across streams]).
     if (g.planned < need && lend_across()) reclaim(g, /*other_streams=*/true, need, room);

@@ -23,7 +23,7 @@ bool FraglessPolicy::reclaimable(const Block* b, const Growth& g, std::size_t* l
 // the run being grown, with the whole mappings inside them.
 // With `idle_only`, other streams' holes only where the stream has no unfinished work.
 std::vector<FraglessPolicy::Candidate> FraglessPolicy::candidates(Growth& g, Stream stream, bool other_streams,
-                                                                  bool idle_only) {
+                                                                  bool idle_only, bool keep_small) {
   std::vector<Candidate> cands;
   for (const BlockPool* bp : {&s_.default_pools.large, &s_.default_pools.small})
     for (Block* b : bp->blocks) {
@@ -32,13 +32,18 @@ std::vector<FraglessPolicy::Candidate> FraglessPolicy::candidates(Growth& g, Str
       std::size_t lo, hi;
       if (reclaimable(b, g, &lo, &hi)) cands.push_back({b, lo, hi});
     }
+  if (keep_small && g.keep_small) {  // Note [The small pool keeps a cell]
+    std::size_t small = 0;
+    for (const Candidate& c : cands) small += c.b->segment->small ? c.hi - c.lo : 0;
+    if (small <= cell_pages(false)) std::erase_if(cands, [](const Candidate& c) { return c.b->segment->small; });
+  }
   return cands;
 }
 
 std::size_t FraglessPolicy::reclaimable_pages(Growth& g) {
   std::size_t n = 0;
   for (bool other : {false, true})  // stream 0 and every other stream: each block once
-    for (const Candidate& c : candidates(g, 0, other)) n += c.hi - c.lo;
+    for (const Candidate& c : candidates(g, 0, other, false, /*keep_small=*/false)) n += c.hi - c.lo;
   return n;
 }
 
@@ -98,25 +103,40 @@ void FraglessPolicy::audit_creation(Growth& g, const Segment& target, std::size_
     audit_ = "fragless: created memory while an idle handle fitted the request (Note [Complete re-backing])";
     return;
   }
-  for (const auto& seg : s_.segments) {
-    if (!seg->growable || seg->owner != &s_.default_pools) continue;
-    if (seg->stream != target.stream && (!lend_across() || !idle(g, seg->stream))) continue;  // would need a wait
-    for (Block* b = seg->first; b; b = b->next) {
+  // Pages of whole handles under free blocks of seg that fit the room.
+  auto fitting = [&](const Segment& seg) {
+    std::size_t n = 0;
+    for (Block* b = seg.first; b; b = b->next) {
       if (!b->reusable()) continue;
       std::size_t lo, hi;
       if (!whole_pages(b, &lo, &hi)) continue;
       if (b->ptr < g.run_hi && b->ptr + b->size > g.run_lo) {  // the run's own part is not for taking
         if (b->ptr < g.run_lo) continue;
-        lo = std::max(lo, (g.run_hi - seg->base + page_ - 1) / page_);
+        lo = std::max(lo, (g.run_hi - seg.base + page_ - 1) / page_);
       }
       for (std::size_t i = lo; i < hi; ++i) {
-        const std::size_t start = mapping_start(*seg, i), len = pool_.pages(seg->pages[i].handle);
-        if (start >= lo && start + len <= hi && len <= room) {
-          audit_ = "fragless: created " + std::to_string(missing) + " pages while a free block on the stream "
-                   "held a whole handle that fitted (Note [Complete re-backing])";
-          return;
-        }
+        const std::size_t start = mapping_start(seg, i), len = pool_.pages(seg.pages[i].handle);
+        n += start >= lo && start + len <= hi && len <= room;
       }
+    }
+    return n;
+  };
+  auto eligible = [&](const Segment& seg) {
+    return seg.growable && seg.owner == &s_.default_pools &&
+           (seg.stream == target.stream || (lend_across() && idle(g, seg.stream)));  // else it would need a wait
+  };
+  // Note [The small pool keeps a cell]: the small pool's free pages, on the stream and on other streams.
+  std::size_t small_pages[2] = {0, 0};
+  if (g.keep_small)
+    for (const auto& seg : s_.segments)
+      if (seg->small && eligible(*seg)) small_pages[seg->stream != target.stream] += fitting(*seg);
+  for (const auto& seg : s_.segments) {
+    if (!eligible(*seg)) continue;
+    if (g.keep_small && seg->small && small_pages[seg->stream != target.stream] <= cell_pages(false)) continue;
+    if (fitting(*seg)) {
+      audit_ = "fragless: created " + std::to_string(missing) + " pages while a free block on the stream "
+               "held a whole handle that fitted (Note [Complete re-backing])";
+      return;
     }
   }
 }
