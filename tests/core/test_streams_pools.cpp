@@ -268,6 +268,38 @@ TEST_CASE("fragless: a small request takes a large-pool remnant no large request
   }
 }
 
+// Note [Cells]: a growth into a gap between mapped pages creates what it misses as one handle.
+TEST_CASE("fragless (handles:cells): a growth into a gap creates one handle, one at the end ends on a cell",
+          "[fragless]") {
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  spec.base.background = BackgroundMode::off;  // no split: the handles stay as the growths made them
+  auto e = make_engine(spec);
+  auto creates = [&] { return e->driver_counters()[DriverCall::create]; };
+  auto at = [](void* p) { return reinterpret_cast<DevicePtr>(p); };
+  void* x = e->allocate(6 * MiB, 0, nullptr);
+  void* h = e->allocate(6 * MiB, 0, nullptr);
+  void* y = e->allocate(6 * MiB, 0, nullptr);
+  REQUIRE((x && h && y));
+  REQUIRE(at(h) == at(x) + 6 * MiB);
+  // Below 256 MiB of live bytes a cell is one page: a growth at the end is its body, then its last page.
+  const auto c0 = creates();
+  REQUIRE(e->free(h) == Status::ok);
+  void* z = e->allocate(8 * MiB, 0, nullptr);  // fits no free block: grows at the end, re-backing h's pages
+  REQUIRE(z);
+  CHECK(at(z) == at(y) + 6 * MiB);
+  CHECK(creates() == c0 + 1);  // h's three pages moved under z; one page was missing
+  require_consistent(*e);
+  // h's address range is now a gap between mapped pages: a 6 MiB request grows into it, and nothing held
+  // is free, so its three pages are created, in one handle.
+  void* w = e->allocate(6 * MiB, 0, nullptr);
+  REQUIRE(w);
+  CHECK(at(w) == at(h));
+  CHECK(creates() == c0 + 2);
+  require_consistent(*e);
+  for (void* p : {x, y, z, w}) REQUIRE(e->free(p) == Status::ok);
+}
+
 // Note [The small pool keeps a cell]. Below 256 MiB of live bytes a large-pool cell is one page.
 TEST_CASE("fragless: the small pool keeps up to a cell of free pages, taken past a cell or when the device is full",
           "[fragless]") {

@@ -58,13 +58,19 @@ std::size_t FraglessPolicy::cell_pages(bool small) const {
 // handles:cells creates new memory the way expandable segments do, in cells of the segment (in the large
 // pool chunk_size_mb, expandable's 20 MiB page, but no more than reserve_slack of live bytes, so a small
 // job's free tail stays small; in the small pool one 2 MiB page), so a growth makes no more cuMemCreate
-// calls than the cells it touches and leaves a free tail no longer than a cell: a handle never crosses a
-// cell boundary, a growth at the end of what its segment maps ends on one (the rest of the last cell is
-// free space after the request, as in expandable's last page; a growth into a gap between mapped pages
-// creates only what it needs, leaving no free tail between live blocks), and the cells that lie wholly inside the request are one handle (of at most
-// handle_max_mb): only the request uses them, so nothing else pins them, and a large request costs one
-// call, not one per cell. Once free, every multi-page handle is split into pieces in the background (Note
-// [Split in the background]), so re-backing then moves that memory page by page.
+// calls than the cells it touches and leaves a free tail no longer than a cell: at the end of what its
+// segment maps, a handle never crosses a cell boundary and a growth ends on one (the rest of the last cell
+// is free space after the request, as in expandable's last page), and the cells that lie wholly inside the
+// request are one handle (of at most handle_max_mb): only the request uses them, so nothing else pins them,
+// and a large request costs one call, not one per cell. A growth into a gap between mapped pages (a hole
+// whose memory re-backing moved elsewhere) creates only what it misses, leaving no free tail between live
+// blocks, and with no tail to bound it is not cut at cell boundaries either: its pages are one handle (of
+// at most handle_max_mb), one call where cutting cost up to three (the rest of a cell, the body, the last
+// page). Only its last page can be shared with a later neighbour, which pins the handle until both are
+// freed; measured against cutting, over every input of docs/RESULTS.md's driver table the allocation
+// path's driver time fell by 3% (transformer-infer's by 15%) for the same peaks within 14 MiB. Once free,
+// every multi-page handle is split into pieces in the background (Note [Split in the background]), so
+// re-backing then moves that memory page by page.
 std::vector<std::size_t> FraglessPolicy::cells(std::size_t missing, std::size_t room, std::size_t at,
                                                std::size_t chunk, bool frontier) {
   // Only a growth at the end of what the segment maps rounds up to a cell's end: one inside a gap (a hole
@@ -73,6 +79,10 @@ std::vector<std::size_t> FraglessPolicy::cells(std::size_t missing, std::size_t 
   if (end > at + missing && !can_create(end - at)) end = at + missing;
   const std::size_t body_max = std::max<std::size_t>(1, s_.opts.handle_max / page_);
   std::vector<std::size_t> sizes;
+  if (!frontier) {  // a gap: what it misses, in handles of at most handle_max
+    for (std::size_t left = missing; left > 0; left -= sizes.back()) sizes.push_back(std::min(left, body_max));
+    return sizes;
+  }
   // The cells covered whole by the request's pages but its last (a neighbour may share the last page).
   const std::size_t body_lo = (at + chunk - 1) / chunk * chunk, body_hi = (at + missing - 1) / chunk * chunk;
   if (body_hi <= body_lo) {  // no whole cell: one handle per cell touched
