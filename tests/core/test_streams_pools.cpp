@@ -300,6 +300,34 @@ TEST_CASE("fragless (handles:cells): a growth into a gap creates one handle, one
   for (void* p : {x, y, z, w}) REQUIRE(e->free(p) == Status::ok);
 }
 
+TEST_CASE("fragless (handles:cells): a growth at the end that covers no whole cell is one handle to its cell's end",
+          "[fragless]") {
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  spec.base.background = BackgroundMode::manual;  // splits run when the test says
+  spec.base.reserve_slack = 1.0;                  // a cell is chunk_size_mb (ten pages) once 20 MiB are live
+  auto e = make_engine(spec);
+  auto creates = [&] { return e->driver_counters()[DriverCall::create]; };
+  auto at = [](void* p) { return reinterpret_cast<DevicePtr>(p); };
+  void* other = e->allocate(40 * MiB, 1, nullptr);  // live bytes on another stream: cells of ten pages
+  void* a = e->allocate(6 * MiB, 0, nullptr);       // stream 0's large segment: pages [0, 10), one handle
+  REQUIRE((other && a));
+  REQUIRE(e->free(a) == Status::ok);
+  CHECK(e->run_background(1e18) > 0);  // the free handle becomes pieces of 1, 1, 2, 4 and 2 pages
+  // A small request grows the small pool with the top piece: the large segment's pages now end at page 8.
+  void* s = e->allocate(512 * KiB, 0, nullptr);
+  REQUIRE(s);
+  require_consistent(*e);
+  // 24 MiB: the free pages [0, 8) and four more, [8, 12), which cover no whole cell: one handle, [8, 20).
+  const auto c0 = creates();
+  void* b = e->allocate(24 * MiB, 0, nullptr);
+  REQUIRE(b);
+  CHECK(at(b) == at(a));
+  CHECK(creates() == c0 + 1);
+  require_consistent(*e);
+  for (void* p : {other, s, b}) REQUIRE(e->free(p) == Status::ok);
+}
+
 // Note [The small pool keeps a cell]. Below 256 MiB of live bytes a large-pool cell is one page.
 TEST_CASE("fragless: the small pool keeps up to a cell of free pages, taken past a cell or when the device is full",
           "[fragless]") {

@@ -55,22 +55,27 @@ std::size_t FraglessPolicy::cell_pages(bool small) const {
 }
 
 // Note [Cells]
-// handles:cells creates new memory the way expandable segments do, in cells of the segment (in the large
-// pool chunk_size_mb, expandable's 20 MiB page, but no more than reserve_slack of live bytes, so a small
-// job's free tail stays small; in the small pool one 2 MiB page), so a growth makes no more cuMemCreate
-// calls than the cells it touches and leaves a free tail no longer than a cell: at the end of what its
-// segment maps, a handle never crosses a cell boundary and a growth ends on one (the rest of the last cell
-// is free space after the request, as in expandable's last page), and the cells that lie wholly inside the
-// request are one handle (of at most handle_max_mb): only the request uses them, so nothing else pins them,
-// and a large request costs one call, not one per cell. A growth into a gap between mapped pages (a hole
-// whose memory re-backing moved elsewhere) creates only what it misses, leaving no free tail between live
-// blocks, and with no tail to bound it is not cut at cell boundaries either: its pages are one handle (of
-// at most handle_max_mb), one call where cutting cost up to three (the rest of a cell, the body, the last
-// page). Only its last page can be shared with a later neighbour, which pins the handle until both are
-// freed; measured against cutting, over every input of docs/RESULTS.md's driver table the allocation
-// path's driver time fell by 3% (transformer-infer's by 15%) for the same peaks within 14 MiB. Once free,
-// every multi-page handle is split into pieces in the background (Note [Split in the background]), so
-// re-backing then moves that memory page by page.
+// handles:cells creates new memory the way expandable segments do, in cells of the segment (in the large pool
+// chunk_size_mb, expandable's 20 MiB page, but no more than reserve_slack of live bytes, so a small job's free tail
+// stays small; in the small pool one 2 MiB page), so a growth makes no more cuMemCreate calls than the cells it
+// touches and leaves a free tail no longer than a cell: at the end of what its segment maps, a growth ends on a
+// cell boundary (the rest of the last cell is free space after the request, as in expandable's last page); the
+// cells that lie wholly inside the request are one handle (of at most handle_max_mb): only the request uses them,
+// so nothing else pins them, and a large request costs one call, not one per cell; the rest of a cell begun
+// earlier, below them, is a handle of its own, and so is the last cell. A growth that covers no whole cell (a
+// request of about a cell or less) is one handle from its first page to the end of its last cell, across the cell
+// boundary it may cross: cut there, its lower part would be pinned by the request alone, as the whole is, and the
+// cut cost a create on every growth that starts where re-backing left the end of the mapped pages mid-cell
+// (measured against cutting, over every input of the driver table in docs/RESULTS.md: the path's driver time fell
+// by a further 0.5%, transformer-infer's by 14%, and no input's peak rose by more than 2 MiB). A growth into a gap
+// between mapped pages (a hole whose memory re-backing moved elsewhere) creates only what it misses, leaving no
+// free tail between live blocks, and with no tail to bound it is not cut at cell boundaries either: its pages are
+// one handle (of at most handle_max_mb), one call where cutting cost up to three (the rest of a cell, the body, the
+// last page). Only its last page can be shared with a later neighbour, which pins the handle until both are freed;
+// measured against cutting, over every input of docs/RESULTS.md's driver table the allocation path's driver time
+// fell by 3% (transformer-infer's by 15%) for the same peaks within 14 MiB. Once free, every multi-page handle is
+// split into pieces in the background (Note [Split in the background]), so re-backing then moves that memory page
+// by page.
 std::vector<std::size_t> FraglessPolicy::cells(std::size_t missing, std::size_t room, std::size_t at,
                                                std::size_t chunk, bool frontier) {
   // Only a growth at the end of what the segment maps rounds up to a cell's end: one inside a gap (a hole
@@ -85,12 +90,8 @@ std::vector<std::size_t> FraglessPolicy::cells(std::size_t missing, std::size_t 
   }
   // The cells covered whole by the request's pages but its last (a neighbour may share the last page).
   const std::size_t body_lo = (at + chunk - 1) / chunk * chunk, body_hi = (at + missing - 1) / chunk * chunk;
-  if (body_hi <= body_lo) {  // no whole cell: one handle per cell touched
-    for (std::size_t p = at; p < end;) {
-      const std::size_t next = std::min(end, (p / chunk + 1) * chunk);
-      sizes.push_back(next - p);
-      p = next;
-    }
+  if (body_hi <= body_lo) {  // no whole cell: the request and the rest of its last cell, in one handle
+    for (std::size_t left = end - at; left > 0; left -= sizes.back()) sizes.push_back(std::min(left, body_max));
     return sizes;
   }
   if (body_lo > at) sizes.push_back(body_lo - at);  // the rest of a cell begun earlier
