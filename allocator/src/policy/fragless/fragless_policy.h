@@ -100,7 +100,9 @@
 // that is on the heap's history, not on the requests: the same requests made different decisions
 // natively, under valgrind and with glibc's per-thread cache off, and a replay of a recorded run reserved
 // a different peak than the run. So a release forgets the strips of the segments it dropped
-// (after_release): a new segment has no history.
+// (after_release): a new segment has no history. The splitter's queue names segments the same way, and a
+// release forgets those entries too (HandleSplitter::forget_dropped); check() fails while a queued split
+// names a segment that is gone.
 //
 // In a steady state (the same step again) every request hits the cache, so no driver call and no
 // synchronisation happen at all; the driver is only touched when the working set changes shape.
@@ -153,11 +155,12 @@ class FraglessPolicy final : public GrowablePolicy {
   bool multi_page(const Segment& seg, std::size_t first, std::size_t n) const override {
     return splitter_.any_multi(seg, first, n);
   }
-  // After a release (empty_cache, OOM retry): every idle handle goes back to the driver, and the strips of
-  // the segments the release dropped are forgotten (Note [Strips die with their segment]).
+  // After a release (empty_cache, OOM retry): every idle handle goes back to the driver, and the strips and
+  // queued splits of the segments the release dropped are forgotten (Note [Strips die with their segment]).
   void after_release() override {
     pool_.release_idle([&](PhysHandle h, std::size_t pages) { release_handle(h, pages); });
     std::erase_if(stripped_, [&](const Stripped& s) { return !s_.has_segment(s.seg); });
+    splitter_.forget_dropped();
   }
 
  private:

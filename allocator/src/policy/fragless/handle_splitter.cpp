@@ -54,6 +54,16 @@ bool HandleSplitter::freed(Block* b, DevicePtr lo_va, DevicePtr hi_va) {
   return queued;
 }
 
+void HandleSplitter::forget_dropped() {
+  auto gone = [&](const Candidate& c) {
+    if (s_.has_segment(c.seg)) return false;
+    queued_.erase(c.handle);
+    return true;
+  };
+  std::erase_if(queue_, gone);
+  std::erase_if(retry_, gone);
+}
+
 // The free block of seg holding [va, va + len): `hint` if it still does (a recycled block object that holds
 // the range is the right block all the same), else found by walking the segment.
 Block* HandleSplitter::covering(Segment& seg, Block* hint, DevicePtr va, std::size_t len) const {
@@ -221,6 +231,9 @@ void HandleSplitter::finish(BackgroundJob& job) {
 }
 
 std::string HandleSplitter::check() const {
+  auto gone = [&](const Candidate& c) { return !s_.has_segment(c.seg); };
+  if (std::any_of(queue_.begin(), queue_.end(), gone) || std::any_of(retry_.begin(), retry_.end(), gone))
+    return "fragless splitter: a queued split names a segment that is gone";
   for (const auto& [seg, first] : multi_) {
     if (first >= seg->pages.size() || !seg->pages[first].valid() || seg->pages[first].offset != 0)
       return "fragless splitter: a recorded multi-page mapping is not mapped";

@@ -56,6 +56,9 @@ class HandleSplitter {
   void released(PhysHandle h) { pieces_.erase(h); }
   // The engine gave its free memory back: pieces are split into pieces from now on (Note [Split in the background]).
   void coarse() { coarse_ = true; }
+  // After a release: the queued splits of the segments it dropped go, before a new segment can be given the
+  // same address (Note [Strips die with their segment], fragless_policy.h).
+  void forget_dropped();
 
   // Free block b (Block::multi) is back in its pool, [lo, hi) the block the caller freed before it merged
   // with its neighbours: queues the multi-page handles b now covers whole that [lo, hi) overlaps, and clears
