@@ -18,7 +18,8 @@ int usage(const char* msg) {
   std::fprintf(msg ? stderr : stdout,
                "usage: fragless-replay [--policy classic,expandable,fragless] [--capacity-gib N] [--json]\n"
                "                       [--conf KEY:VALUE,...] [--jobs N] [--costs PROBE.json]\n"
-               "                       [--plot FILE.png [--plot-x time|event|auto]] [--seqlen-file CSV] INPUT...\n"
+               "                       [--plot FILE.png [--plot-x time|event|auto]] [--seqlen-file CSV]\n"
+               "                       [--peak-detail] INPUT...\n"
                "       fragless-replay --fit [--fit-step GIB] [options] INPUT...\n"
                "       fragless-replay --max-batch | --max-of KEY --capacity-gib N [options] workload:...\n"
                "  INPUT: a fragless native trace, PyTorch memory snapshot pickle or RMM log CSV (detected from\n"
@@ -39,6 +40,9 @@ int usage(const char* msg) {
                "         no OOM on that device, and its ratios to classic and expandable; --max-of KEY searches\n"
                "         another numeric workload key (max_seq, micro, tokens, max_batch, ...) the same way\n"
                "  --jobs: replays run at once (default: the number of cores)\n"
+               "  --peak-detail: what reserved memory held when it first reached its peak: allocated blocks,\n"
+               "         free blocks (in whole pages, which could be moved, and in pages shared with a live\n"
+               "         block), idle handles, the small pool's part (a line under each row; at_peak in --json)\n"
                "  --costs: the driver's call costs measured by fragless-gpu-probe (its JSON, or the GPU check's\n"
                "         gpu_check.json, which holds it) instead of the A100 model: a line through the medians\n"
                "         per handle size for each VMM call\n"
@@ -111,6 +115,7 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
     if (a == "--json") cl.json = true;
     else if (a == "-h" || a == "--help") return usage(nullptr);
     else if (a == "--fit") cl.fit = true;
+    else if (a == "--peak-detail") cl.peak_detail = true;
     else if (a == "--max-batch") {
       if (!cl.max_key.empty() && cl.max_key != "batch") return usage("--max-batch and --max-of name different keys");
       cl.max_key = "batch";
@@ -176,6 +181,8 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
       return usage(("--conf policy:" + std::string(policy_name(*conf_policy)) + " and --policy name different policies").c_str());
     cl.policies = {*conf_policy};
   }
+  if (cl.peak_detail && (cl.fit || !cl.max_key.empty()))
+    return usage("--peak-detail describes one replay's peak: not with --fit, --max-batch or --max-of");
   if (cl.fit && !cl.max_key.empty()) return usage("--fit finds a capacity and --max-of a value: ask one at a time");
   if (cl.fit && cl.capacity) return usage("--fit searches the capacity: drop --capacity-gib");
   if (fit_step_given && !cl.fit) return usage("--fit-step applies to --fit");

@@ -17,6 +17,7 @@ struct CommandLine {
   std::uint64_t capacity = 0;           // --capacity-gib in bytes; 0 = unlimited
   std::uint64_t fit_step = 1ull << 28;  // --fit-step in bytes
   bool json = false, fit = false;
+  bool peak_detail = false;             // --peak-detail
   unsigned jobs = 1;                    // --jobs; default the number of cores
   PlotX plot_x = PlotX::auto_;
   std::string plot, seqlen_file, costs_file;

@@ -66,6 +66,18 @@ Json result_json(const ReplayResult& r) {
   o["replay_seconds"] = fixed(r.replay_seconds, 6);
   o["events_per_second"] = fixed(r.events_per_second, 0);
   o["pytorch_recorded_peak_reserved_bytes"] = or_null(r.pytorch_recorded_peak_reserved, [](std::uint64_t b) { return b; });
+  if (const auto& p = r.at_peak)  // --peak-detail only
+    o["at_peak"] = {{"event", p->event},
+                    {"reserved_bytes", p->reserved},
+                    {"live_bytes", p->live},
+                    {"allocated_bytes", p->allocated},
+                    {"free_bytes", p->free},
+                    {"free_blocks", p->free_blocks},
+                    {"free_in_whole_pages_bytes", p->free_in_whole_pages},
+                    {"free_in_partial_pages_bytes", p->free_in_partial_pages},
+                    {"idle_bytes", p->idle},
+                    {"small_pool_reserved_bytes", p->small_reserved},
+                    {"small_pool_free_bytes", p->small_free}};
   return o;
 }
 

@@ -75,6 +75,7 @@ int main(int argc, char** argv) {
   ro.capacity = cl.capacity;
   ro.curve_points = cl.plot.empty() ? 0 : 2000;
   ro.base = cl.base;
+  ro.peak_detail = cl.peak_detail;
   if (!cl.max_key.empty()) return run_max(cl, ro, seqlens);
   std::vector<formats::Trace> traces;
   if (!load_inputs(cl.inputs, seqlens, &traces)) return 2;

@@ -102,6 +102,36 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
   // an empty_cache whose `free` record is still to come.
   std::unordered_set<std::uint64_t> requested, completed_early;
   const auto t0 = std::chrono::steady_clock::now();
+  // --peak-detail: each new peak of reserved memory is looked at, so the first moment of the peak is kept.
+  std::int64_t detailed = -1;
+  auto detail_peak = [&](std::uint64_t event, const DeviceEngine::Usage& at) {
+    if (!opt.peak_detail || at.reserved <= detailed) return;
+    detailed = at.reserved;
+    ReplayResult::PeakDetail d;
+    d.event = event;
+    d.reserved = at.reserved;
+    d.live = at.live;
+    const std::uint64_t page = opt.base.page_size ? opt.base.page_size : std::uint64_t{2} << 20;
+    for (const SegmentInfo& sg : e.snapshot())
+      for (const BlockInfo& b : sg.blocks) {
+        if (b.state == BlockInfo::unmapped) continue;
+        const auto size = static_cast<std::int64_t>(b.size);
+        if (b.state != BlockInfo::inactive) {
+          d.allocated += size;
+          continue;
+        }
+        const std::uint64_t lo = (b.address + page - 1) / page * page, hi = (b.address + b.size) / page * page;
+        const auto whole = static_cast<std::int64_t>(hi > lo ? hi - lo : 0);
+        d.free += size;
+        ++d.free_blocks;
+        d.free_in_whole_pages += whole;
+        d.free_in_partial_pages += size - whole;
+        if (sg.small) d.small_free += size;
+      }
+    d.idle = d.reserved - d.allocated - d.free;
+    d.small_reserved = e.stats().reserved_bytes.by_pool[kSmallPool].current;
+    r.at_peak = d;
+  };
   // The cache shape before the window is the recorded allocator's own state: for the classic policy (the
   // allocator that made these snapshots) each segment PyTorch held is created (a 2 MiB segment holds small
   // blocks) and freed, then the live blocks are allocated into that cache. The other policies start from
@@ -129,6 +159,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
     const DeviceEngine::Usage at = e.usage();
     r.window_start = {0, 0, at.live, at.allocated, at.reserved};
     r.pre_window = at.reserved > 0;
+    detail_peak(0, at);
   }
   e.reset_driver_counters();  // the window's driver calls only
   const auto seed_syncs = e.stats().num_forced_syncs;
@@ -215,6 +246,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
       default: break;  // what the recorded allocator did (segments, pages, OOMs): not an instruction to us
     }
     u = e.usage();
+    detail_peak(r.events, u);
   }
   if (opt.progress) opt.progress->fetch_add(unreported, std::memory_order_relaxed);
   const auto t1 = std::chrono::steady_clock::now();

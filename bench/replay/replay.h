@@ -41,6 +41,21 @@ struct ReplayResult {
   // PyTorch held), present before the first event. A plot draws it as already there (--plot).
   bool pre_window = false;
   Point window_start{0, 0, 0, 0, 0};
+  // With ReplayOptions::peak_detail: what reserved memory held at the moment it peaked (the first time it
+  // reached its peak), from the engine's segments. reserved = allocated + free + idle, and free =
+  // free_in_whole_pages + free_in_partial_pages: a whole page of a free block could be unmapped and moved,
+  // a partial one shares its page with a live block.
+  struct PeakDetail {
+    std::uint64_t event = 0;                      // events replayed when it was reached (0: the window's start)
+    std::int64_t reserved = 0, live = 0;
+    std::int64_t allocated = 0;                   // blocks in use (live bytes rounded up, and pending frees)
+    std::int64_t free = 0;                        // free blocks of mapped memory
+    std::uint64_t free_blocks = 0;
+    std::int64_t free_in_whole_pages = 0, free_in_partial_pages = 0;
+    std::int64_t idle = 0;                        // held but mapped nowhere (the fragless policy's idle handles)
+    std::int64_t small_reserved = 0, small_free = 0;  // the small pool's part of reserved and of free
+  };
+  std::optional<PeakDetail> at_peak;
 };
 
 // Device capacity of a replay without one: large enough that no trace recorded on a real GPU runs out.
@@ -57,6 +72,9 @@ struct ReplayOptions {
   bool stop_at_first_oom = false;
   // The driver cost model (fragless-replay --costs FILE: measured on a real driver); null = the A100 model.
   const CostModel* costs = nullptr;
+  // Fill ReplayResult::at_peak (fragless-replay --peak-detail): a look at the segments each time reserved
+  // memory reaches a new peak, so slower.
+  bool peak_detail = false;
 };
 
 // capacity 0 = unlimited. An OOM is a result: counted, the allocation (and its free) skipped.

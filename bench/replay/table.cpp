@@ -56,6 +56,13 @@ void print_replay_table(const std::vector<ReplayResult>& results) {
                 100 * r.time_weighted_fragmentation, r.ooms, r.driver[DriverCall::create], r.driver[DriverCall::map],
                 r.driver[DriverCall::unmap], r.forced_syncs, r.alloc_path_driver_us() / 1000,
                 r.background_driver_us() / 1000, r.events_per_second / 1e6, pyt);
+    if (const auto& p = r.at_peak)  // --peak-detail
+      std::printf("  at its peak (event %" PRIu64 "): %.1f MiB reserved = %.1f allocated (%.1f live) + %.1f free in "
+                  "%" PRIu64 " blocks (%.1f in whole pages, %.1f in partial pages) + %.1f idle; small pool %.1f "
+                  "reserved, %.1f free\n",
+                  p->event, mib(p->reserved), mib(p->allocated), mib(p->live), mib(p->free), p->free_blocks,
+                  mib(p->free_in_whole_pages), mib(p->free_in_partial_pages), mib(p->idle), mib(p->small_reserved),
+                  mib(p->small_free));
   }
   std::printf("%s\n", kLegend);
 }

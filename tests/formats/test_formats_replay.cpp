@@ -255,6 +255,68 @@ TEST_CASE("workloads: the generator's peak live is within 25% of the real Wedson
   }
 }
 
+TEST_CASE("replay --peak-detail: what reserved held at its peak adds up, and names the partial pages", "[replay]") {
+  // Three 3 MiB blocks, the second freed, then 2 MiB, which fits its hole. Classic and expandable reach
+  // their peak at the first block, a 20 MiB segment or page with 17 MiB free from 3 MiB on: 1 MiB of it in
+  // the page the block ends in, 16 MiB in whole pages. fragless creates pages as the blocks come and peaks
+  // at the third, five pages for 9 MiB: 1 MiB free, in the last page.
+  formats::Trace t;
+  t.source = "peak-detail";
+  t.has_time = true;
+  std::uint64_t time = 0;
+  auto ev = [&](formats::Op op, std::uint64_t addr, std::uint64_t size) {
+    formats::Event e;
+    e.op = op;
+    e.address = addr;
+    e.size = size;
+    e.time_us = static_cast<std::int64_t>(time++);
+    t.events.push_back(e);
+  };
+  for (std::uint64_t i = 0; i < 3; ++i) ev(formats::Op::alloc, 0x1000 + i, 3u << 20);
+  ev(formats::Op::free, 0x1001, 3u << 20);
+  ev(formats::Op::alloc, 0x2000, 2u << 20);
+  for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless}) {
+    replay::ReplayOptions o;
+    o.peak_detail = true;
+    const auto r = replay::replay(t, 0, p, o);
+    REQUIRE(r.error.empty());
+    INFO(policy_name(p));
+    REQUIRE(r.at_peak);
+    const auto& d = *r.at_peak;
+    CHECK(d.reserved == r.peak_reserved);
+    CHECK(d.reserved == d.allocated + d.free + d.idle);
+    CHECK(d.free == d.free_in_whole_pages + d.free_in_partial_pages);
+    CHECK(d.idle >= 0);
+    CHECK(d.allocated >= d.live);
+    const std::int64_t M = 1 << 20;
+    const bool f = p == PolicyKind::fragless;
+    CHECK(d.event == (f ? 3u : 1u));
+    CHECK(d.allocated == (f ? 9 : 3) * M);
+    CHECK(d.free_blocks == 1);
+    CHECK(d.free_in_partial_pages == 1 * M);
+    CHECK(d.free_in_whole_pages == (f ? 0 : 16 * M));
+    CHECK(d.idle == 0);
+  }
+  // Without it, nothing is looked at.
+  CHECK_FALSE(replay::replay(t, 0, PolicyKind::fragless, 0).at_peak);
+  // The identities hold on a random workload too, for every policy.
+  formats::Trace w;
+  std::string err;
+  REQUIRE(replay::make_workload("workload:random:ops=2000,steps=2,live_gib=1", &w, &err));
+  for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless}) {
+    replay::ReplayOptions o;
+    o.peak_detail = true;
+    const auto r = replay::replay(w, 0, p, o);
+    REQUIRE(r.error.empty());
+    INFO(policy_name(p));
+    REQUIRE(r.at_peak);
+    CHECK(r.at_peak->reserved == r.peak_reserved);
+    CHECK(r.at_peak->reserved == r.at_peak->allocated + r.at_peak->free + r.at_peak->idle);
+    CHECK(r.at_peak->free == r.at_peak->free_in_whole_pages + r.at_peak->free_in_partial_pages);
+    CHECK(r.at_peak->free_blocks > 0);
+  }
+}
+
 TEST_CASE("steady state: repeating the same step makes no driver call and forces no sync after warm-up", "[replay]") {
   // The same fixed-length step 3, 6 and 12 times: every driver call and forced synchronisation must
   // happen in the first steps, so the totals are equal. The calls a caller waits for (the allocation path)

@@ -139,6 +139,7 @@ check_error "--max-of on a trace" "this input is a trace" "$bin/fragless-replay"
 check_error "--max-batch needs a capacity" "need the device's size" "$bin/fragless-replay" --max-batch "$small"
 check_error "--fit with a capacity" "drop --capacity-gib" "$bin/fragless-replay" --fit --capacity-gib 8 "$small"
 check_error "--fit-step without --fit" "--fit-step applies to --fit" "$bin/fragless-replay" --fit-step 1 "$small"
+check_error "--peak-detail with --fit" "--peak-detail describes one replay" "$bin/fragless-replay" --fit --peak-detail "$small"
 check_error "--plot-x with a bad axis" "expected time, event or auto" "$bin/fragless-replay" --plot-x days "$small"
 check_error "--fit-step too fine" "--fit-step needs" "$bin/fragless-replay" --fit --fit-step 0 "$small"
 check_exit 1 "a capacity too small for the smallest batch" "does not fit at its smallest batch=1" \
@@ -164,6 +165,10 @@ check_count "... and no other policy" '"policy":"(expandable|fragless)"' 0 "$bin
 check_count "--conf expandable_segments:True replays expandable alone" '"policy":"[a-z]*"' 1 \
   "$bin/fragless-replay" --json --conf expandable_segments:True "$tiny"
 check_output "... and that is expandable" '"policy":"expandable"' "$bin/fragless-replay" --json --conf expandable_segments:True "$tiny"
+check_count "--peak-detail: at_peak in each --json result" '"at_peak":\{"event":' 3 "$bin/fragless-replay" --json --peak-detail "$tiny"
+check_count "... and not without it" '"at_peak"' 0 "$bin/fragless-replay" --json "$tiny"
+check_count "--peak-detail: a line under each row of the table" '^  at its peak \(event [0-9]+\): .* MiB reserved = ' 3 \
+  "$bin/fragless-replay" --peak-detail "$tiny"
 check_error "--conf policy and --policy disagree" "name different policies" \
   "$bin/fragless-replay" --conf policy:classic --policy fragless "$work/o.fgt"
 for key in driver:host capacity_mb:64 trace:x.fgt peer_access:False shareable_handles:True on_oom:throw; do
