@@ -41,6 +41,24 @@ std::uint64_t calls(DeviceEngine& e, DriverCall c) { return e.driver_counters()[
 
 }  // namespace
 
+TEST_CASE("background: a queued split follows its handle when re-backing moves it", "[background]") {
+  auto e = make_engine(split_spec(BackgroundMode::manual));
+  void* a = e->allocate(30 * MiB, kStream, nullptr);  // a body of 14 pages, the last page alone
+  void* c = e->allocate(2 * MiB, kStream, nullptr);
+  REQUIRE((a && c));
+  e->free(a);  // the body is queued for a split, which has not run yet
+  // 32 MiB fit no free block: the growth takes a's handles (the body among them) and creates one page.
+  void* b = e->allocate(32 * MiB, kStream, nullptr);
+  REQUIRE(b);
+  require_consistent(*e);
+  e->free(b);
+  const auto before = e->driver_counters().background(DriverCall::create);
+  CHECK(e->run_background(1e18) > 0);
+  CHECK(e->driver_counters().background(DriverCall::create) - before == 5);  // 14 pages: 1, 1, 2, 4, 6
+  require_consistent(*e);
+  e->free(c);
+}
+
 TEST_CASE("background: a free multi-page handle is split into pieces in place", "[background]") {
   auto e = make_engine(split_spec(BackgroundMode::manual));
   void* p = e->allocate(21 * MiB, kStream, nullptr);  // 11 pages: a body of 10, the last page alone

@@ -37,14 +37,18 @@
 // cuMemCreate (about 190 µs on an A100) for every page moved, where expandable segments, which never move
 // a page, create none. So a large-pool growth that could create everything it still needs (within the
 // device's free memory and the memory fraction) takes no small-pool page while the small pool's free whole
-// pages, among the holes it may take (the requesting stream's, or other idle streams'), are no more than one
-// large-pool cell (cell_pages: reserve_slack of live bytes, at least a page, at most chunk_size_mb). What
-// this withholds from re-backing is bounded by a cell, as the free tail a growth at a segment's end leaves
-// is. Beyond a cell the small pool holds memory it does not need, and every free small page may be taken as
-// before; when creating would exceed the device, too (a small page is never kept at the price of an
-// out-of-memory). Measured in docs/RESULTS.md ("Driver time on the allocation path"): on the Wedsonlin
-// traces a large share of the path's creates were small-pool pages created again after re-backing took
-// them.
+// pages, among the holes it may take, are no more than one cell (small_keep: the larger of a large-pool cell,
+// reserve_slack of live bytes between a page and chunk_size_mb, and a small buffer). The rule applies to the
+// requesting stream's holes and to other idle streams' holes apart, as reclaim takes them, so what it withholds
+// from re-backing is bounded by two cells, as the free tail a growth at a segment's end leaves is by one.
+// Beyond that the small pool holds memory it does not need, and every free small page may be taken as before;
+// when creating would exceed the device, too (a small page is never kept at the price of an out-of-memory: the
+// last resort takes the kept pages first). If the driver refuses a create that its free memory said would fit
+// (memory another process took meanwhile, or physical memory too fragmented), the request goes through the
+// out-of-memory retry, which releases the free cached memory, the kept pages with it. Measured in
+// docs/RESULTS.md ("Driver time on the allocation path", at 349e87f): on the Wedsonlin 128 training trace most of
+// the path's extra creates were small-pool pages created again after re-backing took them (144 creates on the
+// path became 97, expandable's count); some peaks rose by up to 22 MiB (serving), none above a peer's.
 //
 // Note [Refills]
 // A repeated step can make re-backing cycle: a miss at R takes memory from hole H, the next step's miss at
@@ -100,9 +104,8 @@
 // that is on the heap's history, not on the requests: the same requests made different decisions
 // natively, under valgrind and with glibc's per-thread cache off, and a replay of a recorded run reserved
 // a different peak than the run. So a release forgets the strips of the segments it dropped
-// (after_release): a new segment has no history. The splitter's queue names segments the same way, and a
-// release forgets those entries too (HandleSplitter::forget_dropped); check() fails while a queued split
-// names a segment that is gone.
+// (after_release): a new segment has no history. (The splitter's queue names handles, not segments: a
+// handle of a dropped segment was unmapped, so its queued split is dropped when its turn comes.)
 //
 // In a steady state (the same step again) every request hits the cache, so no driver call and no
 // synchronisation happen at all; the driver is only touched when the working set changes shape.
@@ -155,12 +158,11 @@ class FraglessPolicy final : public GrowablePolicy {
   bool multi_page(const Segment& seg, std::size_t first, std::size_t n) const override {
     return splitter_.any_multi(seg, first, n);
   }
-  // After a release (empty_cache, OOM retry): every idle handle goes back to the driver, and the strips and
-  // queued splits of the segments the release dropped are forgotten (Note [Strips die with their segment]).
+  // After a release (empty_cache, OOM retry): every idle handle goes back to the driver, and the strips of
+  // the segments the release dropped are forgotten (Note [Strips die with their segment]).
   void after_release() override {
     pool_.release_idle([&](PhysHandle h, std::size_t pages) { release_handle(h, pages); });
     std::erase_if(stripped_, [&](const Stripped& s) { return !s_.has_segment(s.seg); });
-    splitter_.forget_dropped();
   }
 
  private:
@@ -205,6 +207,8 @@ class FraglessPolicy final : public GrowablePolicy {
                 std::vector<PhysHandle>* created);
   void add_created(Growth& g, PhysHandle h, std::size_t pages, std::vector<PhysHandle>* created);
   std::size_t cell_pages(bool small) const;
+  // Note [The small pool keeps a cell]: at most this many free small-pool pages are kept from a large growth.
+  std::size_t small_keep() const { return std::max(cell_pages(false), cell_pages(true)); }
 
   std::size_t page_ = s_.driver->granularity();
   HandlePool pool_;

@@ -10,12 +10,16 @@ namespace fragless {
 
 // ---- Where multi-page handles are mapped ----
 
-void HandleSplitter::mapped(const Segment& seg, std::size_t first, PhysHandle h) {
-  if (pool_.pages(h) > 1) multi_.emplace(&seg, first);
+void HandleSplitter::mapped(Segment& seg, std::size_t first, PhysHandle h) {
+  if (pool_.pages(h) < 2) return;
+  multi_.emplace(&seg, first);
+  where_[h] = {&seg, first};
 }
 
 void HandleSplitter::unmapped(const Segment& seg, std::size_t first, PhysHandle h) {
-  if (pool_.pages(h) > 1) multi_.erase({&seg, first});
+  if (pool_.pages(h) < 2) return;
+  multi_.erase({&seg, first});
+  where_.erase(h);  // a queued split of h waits for h to be mapped again, wherever that is
 }
 
 bool HandleSplitter::any_multi(const Segment& seg, std::size_t first, std::size_t n) const {
@@ -42,7 +46,7 @@ bool HandleSplitter::freed(Block* b, DevicePtr lo_va, DevicePtr hi_va) {
     if (va < b->ptr || va_end > b->ptr + b->size) continue;  // a live neighbour still uses part of it
     if (va_end <= lo_va || va >= hi_va) continue;              // untouched since it was created: left whole
     if (seg.owner != &s_.default_pools || !queued_.insert(h).second) continue;
-    queue_.push_back({b->segment, start, h, b});
+    queue_.push_back({h, b});
     queued = true;
   }
   if (!overlaps) b->multi = false;
@@ -52,16 +56,6 @@ bool HandleSplitter::freed(Block* b, DevicePtr lo_va, DevicePtr hi_va) {
     queued = true;
   }
   return queued;
-}
-
-void HandleSplitter::forget_dropped() {
-  auto gone = [&](const Candidate& c) {
-    if (s_.has_segment(c.seg)) return false;
-    queued_.erase(c.handle);
-    return true;
-  };
-  std::erase_if(queue_, gone);
-  std::erase_if(retry_, gone);
 }
 
 // The free block of seg holding [va, va + len): `hint` if it still does (a recycled block object that holds
@@ -94,18 +88,16 @@ bool HandleSplitter::take(BackgroundJob* job) {
     const Candidate c = queue_.front();
     queue_.pop_front();
     queued_.erase(c.handle);
-    if (!s_.has_segment(c.seg)) continue;
-    Segment& seg = *c.seg;
-    if (c.first >= seg.pages.size() || seg.pages[c.first].handle != c.handle || seg.pages[c.first].offset != 0)
-      continue;
-    const std::size_t k = pool_.pages(c.handle);
-    if (k < 2) continue;
-    const DevicePtr va = seg.base + c.first * page_;
+    const auto w = where_.find(c.handle);
+    if (w == where_.end()) continue;  // idle, or gone: queued again when it is freed where it is mapped next
+    Segment& seg = *w->second.first;
+    const std::size_t first = w->second.second, k = pool_.pages(c.handle);
+    const DevicePtr va = seg.base + first * page_;
     Block* b = covering(seg, c.block, va, k * page_);
     if (!b) continue;  // reused, or merged into a range with a live block
     job->kind = BackgroundJob::Kind::split;
     job->segment = &seg;
-    job->first = c.first;
+    job->first = first;
     job->pages = k;
     job->va = va;
     job->handle = c.handle;
@@ -195,12 +187,13 @@ void HandleSplitter::finish(BackgroundJob& job) {
   Segment& seg = *job.segment;
   const std::size_t bytes = job.pages * page_;
   if (job.outcome == Outcome::cancelled) {
-    if (queued_.insert(job.handle).second) retry_.push_back({&seg, job.first, job.handle, nullptr});
+    if (queued_.insert(job.handle).second) retry_.push_back({job.handle, nullptr});
     job.busy->state = BlockState::free;
     s_.pool_insert(s_.merge_free(job.busy));
     return;
   }
   multi_.erase({&seg, job.first});
+  where_.erase(job.handle);
   if (job.release_failed) s_.deferred_handles.push_back(job.handle);
   emit(s_, TraceAction::phys_release, 0, 0, bytes, bytes);
   if (job.outcome == Outcome::done) {
@@ -231,9 +224,12 @@ void HandleSplitter::finish(BackgroundJob& job) {
 }
 
 std::string HandleSplitter::check() const {
-  auto gone = [&](const Candidate& c) { return !s_.has_segment(c.seg); };
-  if (std::any_of(queue_.begin(), queue_.end(), gone) || std::any_of(retry_.begin(), retry_.end(), gone))
-    return "fragless splitter: a queued split names a segment that is gone";
+  if (where_.size() != multi_.size()) return "fragless splitter: multi-page mappings miscounted by handle";
+  for (const auto& [h, at] : where_) {
+    const auto& [seg, first] = at;
+    if (!multi_.count({seg, first}) || !s_.has_segment(seg) || seg->pages[first].handle != h)
+      return "fragless splitter: a multi-page handle is not where the splitter has it";
+  }
   for (const auto& [seg, first] : multi_) {
     if (first >= seg->pages.size() || !seg->pages[first].valid() || seg->pages[first].offset != 0)
       return "fragless splitter: a recorded multi-page mapping is not mapped";

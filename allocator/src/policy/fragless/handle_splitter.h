@@ -1,39 +1,41 @@
 // The fragless policy's background job: a free mapping of several pages becomes pages.
 //
 // Note [Split in the background]
-// Re-backing moves whole handles (Note [Whole handles]), so it moves memory as finely as the handles are
-// small: one 2 MiB handle per page moves the finest, but costs a cuMemCreate per page while memory first
-// grows, when the caller waits for every one (docs/RESULTS.md, "Handle shapes"). So a growth creates its
-// memory in large handles (nothing held could be re-backed at that moment anyway), and once such a handle
-// is free (no live block overlaps it), the background worker replaces it in place by pieces of 1, 1, 2, 4,
-// ... pages from the bottom up (each piece no larger than all below it together, the last one what is left:
-// piece_sizes), so k pages cost about log2(k) + 2 creates instead of k. Re-backing takes pieces from the top
-// of a hole down while they fit the room, so a hole gives a request any number of pages up to its size; an
-// allocation that lands in the hole from the bottom pins at most the one piece its end falls in. A piece that
-// a later allocation covered is split again when that allocation is freed (freed() queues only the handles
-// the freed block overlaps), so memory that is used in small parts becomes pages, and memory that is not
-// stays in few handles: fewer creates for the worker, and fewer cuMemRelease calls when empty_cache gives it
-// back (an empty_cache waits for one release per handle). A piece is split into pages, not pieces again, so
-// a repeated step reaches its steady state (no driver call) by its third pass; except once the engine has
-// given its free memory back (empty_cache or an OOM retry: release_free): such a program pays one
-// cuMemRelease per handle each time it does so (mercuryb1's program calls empty_cache 28 times, and pages
-// made its releases 48,417 where expandable's 20 MiB pages made 5,799), so from then on a piece is split
-// into pieces again (any number of pages can still be re-backed, a piece at a time), and a repeated step
-// takes up to log2 of its largest piece more passes to reach its steady state. The worker's split:
-// it takes the range out of the pool (a busy block), waits for the work queued on its stream (R13: the
-// unmap is not stream-ordered), unmaps it, releases the old handle, creates the pieces, maps them at the
-// same addresses and grants access; then the range goes back to its pool, free, with the same address and
-// size. The old handle is released before the pieces are created, so a split never holds more memory than
-// it started with. A split that cannot finish (a create refused, an abort) gives the range back: unmapped,
-// its memory released, as an empty_cache would.
+// Re-backing moves whole handles (Note [Whole handles]), so it moves memory as finely as the handles are small: one
+// 2 MiB handle per page moves the finest, but costs a cuMemCreate per page while memory first grows, when the
+// caller waits for every one (docs/RESULTS.md, "Handle shapes"). So a growth creates its memory in large handles
+// (nothing held could be re-backed at that moment anyway), and once such a handle is free (no live block overlaps
+// it), the background worker replaces it in place by pieces of 1, 1, 2, 4, ... pages from the bottom up (each piece
+// no larger than all below it together, the last one what is left: piece_sizes), so k pages cost about log2(k) + 2
+// creates instead of k. Re-backing takes pieces from the top of a hole down while they fit the room, so a hole
+// gives a request any number of pages up to its size; an allocation that lands in the hole from the bottom pins at
+// most the one piece its end falls in. A piece that a later allocation covered is split again when that allocation
+// is freed (freed() queues only the handles the freed block overlaps), so memory that is used in small parts
+// becomes pages, and memory that is not stays in few handles: fewer creates for the worker, and fewer cuMemRelease
+// calls when empty_cache gives it back (an empty_cache waits for one release per handle). A piece is split into
+// pages, not pieces again, so a repeated step reaches its steady state (no driver call) after a few passes (the
+// fixed-length transformer step of the steady-state test: its allocation path by the third, the worker by the
+// fifth); except once the engine has given its free memory back (empty_cache or an OOM retry: release_free): such a
+// program pays one cuMemRelease per handle each time it does so (mercuryb1's program calls empty_cache 28 times,
+// and pages made its releases 48,417 where expandable's 20 MiB pages made 5,799), so from then on a piece is split
+// into pieces again (any number of pages can still be re-backed, a piece at a time), and a repeated step takes up
+// to log2 of its largest piece more passes to reach its steady state. The worker's split: it takes the range out of
+// the pool (a busy block), waits for the work queued on its stream (R13: the unmap is not stream-ordered), unmaps
+// it, releases the old handle, creates the pieces, maps them at the same addresses and grants access; then the
+// range goes back to its pool, free, with the same address and size. The old handle is released before the pieces
+// are created, so a split never holds more memory than it started with. A split that cannot finish (a create
+// refused, an abort) gives the range back: unmapped, its memory released, as an empty_cache would.
 //
-// A handle that a live block still overlaps stays as it is until that block is freed: partly live, it
-// can be re-backed only whole, and only once free. Private pools are never split (graphs hold their
-// addresses, and may be replaying over them).
+// A handle that a live block still overlaps stays as it is until that block is freed: partly live, it can be
+// re-backed only whole, and only once free. Private pools are never split (graphs hold their addresses, and may be
+// replaying over them). A queued split names its handle, not a place: when re-backing moves a queued handle before
+// its turn, the split follows it (where_) and keeps its turn, and runs there if the handle is free then; a handle
+// that went idle meanwhile is queued again when it is freed where it is mapped next.
 #pragma once
 #include <atomic>
 #include <deque>
 #include <set>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 
@@ -47,18 +49,18 @@ class HandleSplitter {
   HandleSplitter(DeviceEngine::State& s, HandlePool& pool, std::size_t page) : s_(s), pool_(pool), page_(page) {}
 
   // Bookkeeping of where multi-page handles are mapped (device lock held).
-  void mapped(const Segment& seg, std::size_t first, PhysHandle h);
+  void mapped(Segment& seg, std::size_t first, PhysHandle h);
   void unmapped(const Segment& seg, std::size_t first, PhysHandle h);
   // Whether pages [first, first + n) of seg include a multi-page mapping.
   bool any_multi(const Segment& seg, std::size_t first, std::size_t n) const;
   std::size_t multi_count() const { return multi_.size(); }
   // Handle h goes back to the driver (its id may come back for another handle).
-  void released(PhysHandle h) { pieces_.erase(h); }
+  void released(PhysHandle h) {
+    pieces_.erase(h);
+    where_.erase(h);
+  }
   // The engine gave its free memory back: pieces are split into pieces from now on (Note [Split in the background]).
   void coarse() { coarse_ = true; }
-  // After a release: the queued splits of the segments it dropped go, before a new segment can be given the
-  // same address (Note [Strips die with their segment], fragless_policy.h).
-  void forget_dropped();
 
   // Free block b (Block::multi) is back in its pool, [lo, hi) the block the caller freed before it merged
   // with its neighbours: queues the multi-page handles b now covers whole that [lo, hi) overlaps, and clears
@@ -74,7 +76,9 @@ class HandleSplitter {
 
  private:
   static std::vector<std::size_t> piece_sizes(std::size_t pages);  // what a split of `pages` creates
-  struct Candidate { Segment* seg; std::size_t first; PhysHandle handle; Block* block; };
+  // A queued split names its handle, not a place: re-backing may move a queued handle, and its split follows
+  // it there (where_), keeping its turn. `block` is a hint for finding the free block over it.
+  struct Candidate { PhysHandle handle; Block* block; };
   Block* covering(Segment& seg, Block* hint, DevicePtr va, std::size_t len) const;
   Block* carve(Block* b, DevicePtr va, std::size_t len);  // b's [va, va + len) becomes a busy block
   void release_busy(Block* busy, bool mapped, bool multi = false);  // busy back to free (mapped) or unmapped
@@ -83,6 +87,7 @@ class HandleSplitter {
   HandlePool& pool_;
   std::size_t page_;
   std::set<std::pair<const Segment*, std::size_t>> multi_;  // (segment, first page) of multi-page mappings
+  std::unordered_map<PhysHandle, std::pair<Segment*, std::size_t>> where_;  // the same, by handle
   std::deque<Candidate> queue_;                             // free multi-page handles to split, oldest first
   std::unordered_set<PhysHandle> queued_;                   // the handles in queue_ or retry_
   std::vector<Candidate> retry_;                            // cancelled: queued again at the next freed()
