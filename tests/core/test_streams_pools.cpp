@@ -328,6 +328,27 @@ TEST_CASE("fragless (handles:cells): a growth at the end that covers no whole ce
   for (void* p : {other, s, b}) REQUIRE(e->free(p) == Status::ok);
 }
 
+TEST_CASE("fragless (handles:cells): no handle is larger than handle_max_mb, whatever the cell", "[fragless]") {
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  spec.base.background = BackgroundMode::off;
+  spec.base.chunk_size = 64 * MiB;  // cells of 32 pages once 64 MiB are live...
+  spec.base.handle_max = 8 * MiB;   // ...but handles of at most four
+  spec.base.reserve_slack = 1.0;
+  auto e = make_engine(spec);
+  void* other = e->allocate(128 * MiB, 1, nullptr);
+  REQUIRE(other);
+  const auto c0 = e->driver_counters()[DriverCall::create];
+  // 50 pages at the start of stream 0's segment: the whole cell [0, 32) and the last cell [32, 64), each in
+  // handles of four pages.
+  void* p = e->allocate(100 * MiB, 0, nullptr);
+  REQUIRE(p);
+  CHECK(e->driver_counters()[DriverCall::create] - c0 == 16);
+  CHECK(reserved(*e) == static_cast<std::int64_t>(256 * MiB));
+  require_consistent(*e);
+  for (void* q : {other, p}) REQUIRE(e->free(q) == Status::ok);
+}
+
 // Note [The small pool keeps a cell]. Below 256 MiB of live bytes a large-pool cell is one page.
 TEST_CASE("fragless: the small pool keeps up to a cell of free pages, taken past a cell or when the device is full",
           "[fragless]") {
@@ -337,6 +358,7 @@ TEST_CASE("fragless: the small pool keeps up to a cell of free pages, taken past
   spec.policy = PolicyKind::fragless;
   if (full) spec.capacity = 4 * MiB;  // the small pool's two pages fill the device
   auto e = make_engine(spec);
+  require_consistent(*e);  // checks from here on audit every creation (Note [Auditing creations])
   auto small_reserved = [&] { return e->stats().reserved_bytes.by_pool[kSmallPool].current; };
   std::vector<void*> s;
   for (int i = 0; i < 4; ++i) s.push_back(e->allocate(1 * MiB, 0, nullptr));  // two small pages

@@ -17,6 +17,11 @@ std::size_t FraglessPolicy::creatable_pages() {
   return free_b / page_;
 }
 
+// Appends `pages` to sizes as handles of at most `most` pages each.
+static void push_capped(std::vector<std::size_t>& sizes, std::size_t pages, std::size_t most) {
+  for (; pages > 0; pages -= sizes.back()) sizes.push_back(std::min(pages, most));
+}
+
 // The handles a growth of `missing` pages, the first at segment page `at`, creates (Note [Whole
 // handles]). With `ends` and `whole`, the last one may be rounded up to chunk_size, but by no more than
 // reserve_slack of live bytes and never past the room: fewer cuMemCreate calls at a bounded cost in idle
@@ -36,12 +41,8 @@ std::vector<std::size_t> FraglessPolicy::shape(std::size_t missing, std::size_t 
   // with the slack: a live block that later straddles a body handle pins less than handle_max of it.
   const std::size_t body_max = std::max<std::size_t>(1, s_.opts.handle_max / page_);
   std::vector<std::size_t> sizes;
-  for (std::size_t left = missing - 1; left > 0;) {
-    const std::size_t k = std::min(left, body_max);
-    sizes.push_back(k);
-    left -= k;
-  }
-  sizes.push_back(1 + extra);
+  push_capped(sizes, missing - 1, body_max);
+  push_capped(sizes, 1 + extra, body_max);
   return sizes;
 }
 
@@ -64,18 +65,19 @@ std::size_t FraglessPolicy::cell_pages(bool small) const {
 // so nothing else pins them, and a large request costs one call, not one per cell; the rest of a cell begun
 // earlier, below them, is a handle of its own, and so is the last cell. A growth that covers no whole cell (a
 // request of about a cell or less) is one handle from its first page to the end of its last cell, across the cell
-// boundary it may cross: cut there, its lower part would be pinned by the request alone, as the whole is, and the
-// cut cost a create on every growth that starts where re-backing left the end of the mapped pages mid-cell
-// (measured against cutting, over every input of the driver table in docs/RESULTS.md: the path's driver time fell
-// by a further 0.5%, transformer-infer's by 14%, and no input's peak rose by more than 2 MiB). A growth into a gap
-// between mapped pages (a hole whose memory re-backing moved elsewhere) creates only what it misses, leaving no
-// free tail between live blocks, and with no tail to bound it is not cut at cell boundaries either: its pages are
-// one handle (of at most handle_max_mb), one call where cutting cost up to three (the rest of a cell, the body, the
-// last page). Only its last page can be shared with a later neighbour, which pins the handle until both are freed;
-// measured against cutting, over every input of docs/RESULTS.md's driver table the allocation path's driver time
-// fell by 3% (transformer-infer's by 15%) for the same peaks within 14 MiB. Once free, every multi-page handle is
-// split into pieces in the background (Note [Split in the background]), so re-backing then moves that memory page
-// by page.
+// boundary it may cross: cut there, its lower part would be pinned by the request alone while it lives, as the
+// whole is (once the request is freed, a block left in the tail pins the whole handle, where the cut left the lower
+// part free to move), and the cut cost a create on every growth that starts where re-backing left the end of the
+// mapped pages mid-cell (measured against cutting at ad92272, over every input of the driver table in
+// docs/RESULTS.md: the path's driver time fell by a further 0.5%, transformer-infer's by 14%, and no input's peak
+// rose by more than 2 MiB). A growth into a gap between mapped pages (a hole whose memory re-backing moved
+// elsewhere) creates only what it misses, leaving no free tail between live blocks, and with no tail to bound it is
+// not cut at cell boundaries either: its pages are one handle (of at most handle_max_mb), one call where cutting
+// cost up to three (the rest of a cell, the body, the last page). Only its last page can be shared with a later
+// neighbour, which pins the handle until both are freed; measured against cutting at 6a8cbb6, over every input
+// of docs/RESULTS.md's driver table the allocation path's driver time fell by 3% (transformer-infer's by 15%) for the
+// same peaks within 14 MiB. Once free, every multi-page handle is split into pieces in the background (Note [Split
+// in the background]), so re-backing then moves that memory page by page.
 std::vector<std::size_t> FraglessPolicy::cells(std::size_t missing, std::size_t room, std::size_t at,
                                                std::size_t chunk, bool frontier) {
   // Only a growth at the end of what the segment maps rounds up to a cell's end: one inside a gap (a hole
@@ -85,22 +87,18 @@ std::vector<std::size_t> FraglessPolicy::cells(std::size_t missing, std::size_t 
   const std::size_t body_max = std::max<std::size_t>(1, s_.opts.handle_max / page_);
   std::vector<std::size_t> sizes;
   if (!frontier) {  // a gap: what it misses, in handles of at most handle_max
-    for (std::size_t left = missing; left > 0; left -= sizes.back()) sizes.push_back(std::min(left, body_max));
+    push_capped(sizes, missing, body_max);
     return sizes;
   }
   // The cells covered whole by the request's pages but its last (a neighbour may share the last page).
   const std::size_t body_lo = (at + chunk - 1) / chunk * chunk, body_hi = (at + missing - 1) / chunk * chunk;
   if (body_hi <= body_lo) {  // no whole cell: the request and the rest of its last cell, in one handle
-    for (std::size_t left = end - at; left > 0; left -= sizes.back()) sizes.push_back(std::min(left, body_max));
+    push_capped(sizes, end - at, body_max);
     return sizes;
   }
-  if (body_lo > at) sizes.push_back(body_lo - at);  // the rest of a cell begun earlier
-  for (std::size_t p = body_lo; p < body_hi;) {
-    const std::size_t k = std::min(body_hi - p, body_max);
-    sizes.push_back(k);
-    p += k;
-  }
-  sizes.push_back(end - body_hi);  // the last cell: the request's last page and the free space after it
+  push_capped(sizes, body_lo - at, body_max);       // the rest of a cell begun earlier
+  push_capped(sizes, body_hi - body_lo, body_max);  // the whole cells
+  push_capped(sizes, end - body_hi, body_max);      // the last cell: the request's last page and the tail after it
   return sizes;
 }
 

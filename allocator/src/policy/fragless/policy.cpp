@@ -66,9 +66,16 @@ Status FraglessPolicy::map_pages(Segment& seg, std::size_t first, std::size_t* n
     if (g.planned < need && lend_across()) reclaim(g, /*other_streams=*/true, need, room);
   }
   // Holes of busy streams (lent in device order), or of every other stream without lending across
-  // streams (after a host wait): the last resort, when creating would exceed the device.
-  if (g.planned < need && !can_create(need - g.planned) && !s_.capturing())
-    reclaim(g, /*other_streams=*/true, need, room, /*busy_too=*/true);
+  // streams (after a host wait): the last resort, when creating would exceed the device. The small pool's
+  // kept pages come before it (the device's free memory may have changed since it was asked).
+  if (g.planned < need && !can_create(need - g.planned) && !s_.capturing()) {
+    if (g.keep_small) {
+      g.keep_small = false;
+      reclaim(g, /*other_streams=*/false, need, room);
+      if (g.planned < need && lend_across()) reclaim(g, /*other_streams=*/true, need, room);
+    }
+    if (g.planned < need && !can_create(need - g.planned)) reclaim(g, /*other_streams=*/true, need, room, /*busy_too=*/true);
+  }
   std::vector<PhysHandle> created;
   if (g.planned < need) {
     // (During a capture creating is the only way: holes are not taken, Note [Capture rules].)

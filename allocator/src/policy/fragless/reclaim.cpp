@@ -35,7 +35,7 @@ std::vector<FraglessPolicy::Candidate> FraglessPolicy::candidates(Growth& g, Str
   if (keep_small && g.keep_small) {  // Note [The small pool keeps a cell]
     std::size_t small = 0;
     for (const Candidate& c : cands) small += c.b->segment->small ? c.hi - c.lo : 0;
-    if (small <= cell_pages(false)) std::erase_if(cands, [](const Candidate& c) { return c.b->segment->small; });
+    if (small <= small_keep()) std::erase_if(cands, [](const Candidate& c) { return c.b->segment->small; });
   }
   return cands;
 }
@@ -103,6 +103,11 @@ void FraglessPolicy::audit_creation(Growth& g, const Segment& target, std::size_
     audit_ = "fragless: created memory while an idle handle fitted the request (Note [Complete re-backing])";
     return;
   }
+  if (g.keep_small && (target.small || !can_create(missing))) {
+    audit_ = "fragless: kept the small pool's free pages from a growth that could not create (Note [The small "
+             "pool keeps a cell])";
+    return;
+  }
   // Pages of whole handles under free blocks of seg that fit the room.
   auto fitting = [&](const Segment& seg) {
     std::size_t n = 0;
@@ -132,7 +137,7 @@ void FraglessPolicy::audit_creation(Growth& g, const Segment& target, std::size_
       if (seg->small && eligible(*seg)) small_pages[seg->stream != target.stream] += fitting(*seg);
   for (const auto& seg : s_.segments) {
     if (!eligible(*seg)) continue;
-    if (g.keep_small && seg->small && small_pages[seg->stream != target.stream] <= cell_pages(false)) continue;
+    if (g.keep_small && seg->small && small_pages[seg->stream != target.stream] <= small_keep()) continue;
     if (fitting(*seg)) {
       audit_ = "fragless: created " + std::to_string(missing) + " pages while a free block on the stream "
                "held a whole handle that fitted (Note [Complete re-backing])";
