@@ -41,6 +41,25 @@ std::uint64_t calls(DeviceEngine& e, DriverCall c) { return e.driver_counters()[
 
 }  // namespace
 
+TEST_CASE("background: the largest queued handle is split first", "[background]") {
+  auto e = make_engine(split_spec(BackgroundMode::manual));
+  void* small = e->allocate(8 * MiB, kStream, nullptr);  // a body of 3 pages, the last page alone
+  void* keep1 = e->allocate(2 * MiB, kStream, nullptr);
+  void* large = e->allocate(22 * MiB, kStream, nullptr);  // a body of 10 pages
+  void* keep2 = e->allocate(2 * MiB, kStream, nullptr);
+  REQUIRE((small && keep1 && large && keep2));
+  e->free(small);  // queued first
+  e->free(large);
+  const auto before = e->driver_counters().background(DriverCall::create);
+  CHECK(e->run_background(1) > 0);  // one job
+  // The 10-page body went first: pieces of 1, 1, 2, 4 and 2 pages (the 3-page body would make three).
+  CHECK(e->driver_counters().background(DriverCall::create) - before == 5);
+  CHECK(e->run_background(1e18) > 0);  // then the other
+  CHECK(e->driver_counters().background(DriverCall::create) - before == 8);
+  require_consistent(*e);
+  for (void* p : {keep1, keep2}) e->free(p);
+}
+
 TEST_CASE("background: a queued split follows its handle when re-backing moves it", "[background]") {
   auto e = make_engine(split_spec(BackgroundMode::manual));
   void* a = e->allocate(30 * MiB, kStream, nullptr);  // a body of 14 pages, the last page alone

@@ -46,12 +46,15 @@ bool HandleSplitter::freed(Block* b, DevicePtr lo_va, DevicePtr hi_va) {
     if (va < b->ptr || va_end > b->ptr + b->size) continue;  // a live neighbour still uses part of it
     if (va_end <= lo_va || va >= hi_va) continue;              // untouched since it was created: left whole
     if (seg.owner != &s_.default_pools || !queued_.insert(h).second) continue;
-    queue_.push_back({h, b});
+    queue_[pool_.pages(h)].push_back({h, b});
     queued = true;
   }
   if (!overlaps) b->multi = false;
   if (!retry_.empty()) {  // new activity: what was cancelled gets another chance
-    queue_.insert(queue_.end(), retry_.begin(), retry_.end());
+    for (const Candidate& c : retry_) {
+      if (where_.count(c.handle)) queue_[pool_.pages(c.handle)].push_back(c);
+      else queued_.erase(c.handle);  // idle, or gone: queued again when it is freed where it is mapped next
+    }
     retry_.clear();
     queued = true;
   }
@@ -84,9 +87,11 @@ Block* HandleSplitter::carve(Block* b, DevicePtr va, std::size_t len) {
 }
 
 bool HandleSplitter::take(BackgroundJob* job) {
-  while (!queue_.empty()) {
-    const Candidate c = queue_.front();
-    queue_.pop_front();
+  while (!queue_.empty()) {  // the largest first, the oldest among equals (Note [Split in the background])
+    auto largest = queue_.begin();
+    const Candidate c = largest->second.front();
+    largest->second.pop_front();
+    if (largest->second.empty()) queue_.erase(largest);
     queued_.erase(c.handle);
     const auto w = where_.find(c.handle);
     if (w == where_.end()) continue;  // idle, or gone: queued again when it is freed where it is mapped next

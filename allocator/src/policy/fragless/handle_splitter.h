@@ -30,10 +30,17 @@
 // re-backed only whole, and only once free. Private pools are never split (graphs hold their addresses, and may be
 // replaying over them). A queued split names its handle, not a place: when re-backing moves a queued handle before
 // its turn, the split follows it (where_) and keeps its turn, and runs there if the handle is free then; a handle
-// that went idle meanwhile is queued again when it is freed where it is mapped next.
+// that went idle meanwhile is queued again when it is freed where it is mapped next. The largest queued handle goes
+// first (the oldest among equals): a split of k pages costs about log2(k) + 2 creates and makes k pages movable,
+// and when the worker is behind (the replay's `random` and `unet3d` workloads keep it busy for nearly all the
+// compute time between their events), what it has split by the peak is what re-backing can move there. Measured
+// at 3486302 against oldest-first, over the inputs of docs/RESULTS.md's driver table: `random` 6.73% → 3.38% over
+// live, `unet3d` 1.71% → 1.01%, no peak up by more than 4 MiB, the path's driver time +0.7% (2,713 → 2,732 ms).
 #pragma once
 #include <atomic>
 #include <deque>
+#include <functional>
+#include <map>
 #include <set>
 #include <unordered_map>
 #include <unordered_set>
@@ -88,7 +95,8 @@ class HandleSplitter {
   std::size_t page_;
   std::set<std::pair<const Segment*, std::size_t>> multi_;  // (segment, first page) of multi-page mappings
   std::unordered_map<PhysHandle, std::pair<Segment*, std::size_t>> where_;  // the same, by handle
-  std::deque<Candidate> queue_;                             // free multi-page handles to split, oldest first
+  // Free multi-page handles to split, by pages, the largest first; oldest first among equals.
+  std::map<std::size_t, std::deque<Candidate>, std::greater<>> queue_;
   std::unordered_set<PhysHandle> queued_;                   // the handles in queue_ or retry_
   std::vector<Candidate> retry_;                            // cancelled: queued again at the next freed()
   std::unordered_set<PhysHandle> pieces_;                   // multi-page pieces of earlier splits (split into pages)
