@@ -349,6 +349,30 @@ TEST_CASE("fragless (handles:cells): no handle is larger than handle_max_mb, wha
   for (void* q : {other, p}) REQUIRE(e->free(q) == Status::ok);
 }
 
+// Note [The small pool keeps a cell]: the rule applies to the requesting stream's holes and to other idle
+// streams' holes apart, so at most a cell of each is kept.
+TEST_CASE("fragless: the small pool keeps a cell on the requesting stream and a cell on other streams",
+          "[fragless]") {
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  auto e = make_engine(spec);
+  require_consistent(*e);  // audit every creation from here on
+  auto small_reserved = [&] { return e->stats().reserved_bytes.by_pool[kSmallPool].current; };
+  void* a = e->allocate(1 * MiB, 0, nullptr);  // a small page on stream 0
+  void* b = e->allocate(1 * MiB, 1, nullptr);  // and one on stream 1
+  REQUIRE((a && b));
+  REQUIRE(e->free(a) == Status::ok);
+  REQUIRE(e->free(b) == Status::ok);  // one free small page on each stream; stream 1 has no work queued
+  REQUIRE(small_reserved() == static_cast<std::int64_t>(4 * MiB));
+  const auto c0 = e->driver_counters()[DriverCall::create];
+  void* c = e->allocate(4 * MiB, 0, nullptr);
+  REQUIRE(c);
+  CHECK(e->driver_counters()[DriverCall::create] > c0);       // created, though two free pages were held
+  CHECK(small_reserved() == static_cast<std::int64_t>(4 * MiB));  // both kept: one cell per group
+  require_consistent(*e);
+  REQUIRE(e->free(c) == Status::ok);
+}
+
 // Note [The small pool keeps a cell]. Below 256 MiB of live bytes a large-pool cell is one page.
 TEST_CASE("fragless: the small pool keeps up to a cell of free pages, taken past a cell or when the device is full",
           "[fragless]") {
