@@ -6,6 +6,7 @@
 #include <unordered_set>
 
 #include "fragless/engine.h"
+#include "fragless/rounding.h"
 #include "fragless/sim_driver.h"
 
 namespace fragless::replay {
@@ -91,6 +92,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
   so.top_down = true;
   auto drv = make_sim_driver(so);
   if (opt.costs) drv->set_cost_model(*opt.costs);
+  const std::uint64_t page = drv->granularity();
   DeviceEngine e(o, std::move(drv));
   // Checked at the start too, which also has the policy audit each creation from here on (the fragless
   // policy's Note [Auditing creations]); the broken rule is reported at the end.
@@ -111,7 +113,6 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
     d.event = event;
     d.reserved = at.reserved;
     d.live = at.live;
-    const std::uint64_t page = opt.base.page_size ? opt.base.page_size : std::uint64_t{2} << 20;
     for (const SegmentInfo& sg : e.snapshot())
       for (const BlockInfo& b : sg.blocks) {
         if (b.state == BlockInfo::unmapped) continue;
@@ -120,7 +121,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
           d.allocated += size;
           continue;
         }
-        const std::uint64_t lo = (b.address + page - 1) / page * page, hi = (b.address + b.size) / page * page;
+        const std::uint64_t lo = round_up(b.address, page), hi = (b.address + b.size) / page * page;
         const auto whole = static_cast<std::int64_t>(hi > lo ? hi - lo : 0);
         d.free += size;
         ++d.free_blocks;

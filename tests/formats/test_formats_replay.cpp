@@ -255,6 +255,22 @@ TEST_CASE("workloads: the generator's peak live is within 25% of the real Wedson
   }
 }
 
+// Replays t under policy p with --peak-detail and checks that what reserved held at its peak adds up.
+static replay::ReplayResult::PeakDetail peak_detail_of(const formats::Trace& t, PolicyKind p) {
+  replay::ReplayOptions o;
+  o.peak_detail = true;
+  const auto r = replay::replay(t, 0, p, o);
+  REQUIRE(r.error.empty());
+  REQUIRE(r.at_peak);
+  const auto& d = *r.at_peak;
+  CHECK(d.reserved == r.peak_reserved);
+  CHECK(d.reserved == d.allocated + d.free + d.idle);
+  CHECK(d.free == d.free_in_whole_pages + d.free_in_partial_pages);
+  CHECK(d.idle >= 0);
+  CHECK(d.allocated >= d.live);
+  return d;
+}
+
 TEST_CASE("replay --peak-detail: what reserved held at its peak adds up, and names the partial pages", "[replay]") {
   // Three 3 MiB blocks, the second freed, then 2 MiB, which fits its hole. Classic and expandable reach
   // their peak at the first block, a 20 MiB segment or page with 17 MiB free from 3 MiB on: 1 MiB of it in
@@ -276,18 +292,8 @@ TEST_CASE("replay --peak-detail: what reserved held at its peak adds up, and nam
   ev(formats::Op::free, 0x1001, 3u << 20);
   ev(formats::Op::alloc, 0x2000, 2u << 20);
   for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless}) {
-    replay::ReplayOptions o;
-    o.peak_detail = true;
-    const auto r = replay::replay(t, 0, p, o);
-    REQUIRE(r.error.empty());
     INFO(policy_name(p));
-    REQUIRE(r.at_peak);
-    const auto& d = *r.at_peak;
-    CHECK(d.reserved == r.peak_reserved);
-    CHECK(d.reserved == d.allocated + d.free + d.idle);
-    CHECK(d.free == d.free_in_whole_pages + d.free_in_partial_pages);
-    CHECK(d.idle >= 0);
-    CHECK(d.allocated >= d.live);
+    const auto d = peak_detail_of(t, p);
     const std::int64_t M = 1 << 20;
     const bool f = p == PolicyKind::fragless;
     CHECK(d.event == (f ? 3u : 1u));
@@ -304,16 +310,8 @@ TEST_CASE("replay --peak-detail: what reserved held at its peak adds up, and nam
   std::string err;
   REQUIRE(replay::make_workload("workload:random:ops=2000,steps=2,live_gib=1", &w, &err));
   for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless}) {
-    replay::ReplayOptions o;
-    o.peak_detail = true;
-    const auto r = replay::replay(w, 0, p, o);
-    REQUIRE(r.error.empty());
     INFO(policy_name(p));
-    REQUIRE(r.at_peak);
-    CHECK(r.at_peak->reserved == r.peak_reserved);
-    CHECK(r.at_peak->reserved == r.at_peak->allocated + r.at_peak->free + r.at_peak->idle);
-    CHECK(r.at_peak->free == r.at_peak->free_in_whole_pages + r.at_peak->free_in_partial_pages);
-    CHECK(r.at_peak->free_blocks > 0);
+    CHECK(peak_detail_of(w, p).free_blocks > 0);
   }
 }
 

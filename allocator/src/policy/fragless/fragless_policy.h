@@ -192,8 +192,7 @@ class FraglessPolicy final : public GrowablePolicy {
 
   // reclaim.cpp
   bool reclaimable(const Block* b, const Growth& g, std::size_t* lo, std::size_t* hi) const;
-  std::vector<Candidate> candidates(Growth& g, Stream stream, bool other_streams, bool idle_only = false,
-                                    bool keep_small = true);
+  std::vector<Candidate> candidates(Growth& g, Stream stream, bool other_streams, bool idle_only = false);
   std::size_t reclaimable_pages(Growth& g);
   void reclaim(Growth& g, bool other_streams, std::size_t need, std::size_t room, bool busy_too = false);
   void audit_creation(Growth& g, const Segment& target, std::size_t missing, std::size_t room);

@@ -23,7 +23,7 @@ bool FraglessPolicy::reclaimable(const Block* b, const Growth& g, std::size_t* l
 // the run being grown, with the whole mappings inside them.
 // With `idle_only`, other streams' holes only where the stream has no unfinished work.
 std::vector<FraglessPolicy::Candidate> FraglessPolicy::candidates(Growth& g, Stream stream, bool other_streams,
-                                                                  bool idle_only, bool keep_small) {
+                                                                  bool idle_only) {
   std::vector<Candidate> cands;
   for (const BlockPool* bp : {&s_.default_pools.large, &s_.default_pools.small})
     for (Block* b : bp->blocks) {
@@ -32,7 +32,7 @@ std::vector<FraglessPolicy::Candidate> FraglessPolicy::candidates(Growth& g, Str
       std::size_t lo, hi;
       if (reclaimable(b, g, &lo, &hi)) cands.push_back({b, lo, hi});
     }
-  if (keep_small && g.keep_small) {  // Note [The small pool keeps a cell]
+  if (g.keep_small) {  // Note [The small pool keeps a cell]
     std::size_t small = 0;
     for (const Candidate& c : cands) small += c.b->segment->small ? c.hi - c.lo : 0;
     if (small <= small_keep()) std::erase_if(cands, [](const Candidate& c) { return c.b->segment->small; });
@@ -43,7 +43,7 @@ std::vector<FraglessPolicy::Candidate> FraglessPolicy::candidates(Growth& g, Str
 std::size_t FraglessPolicy::reclaimable_pages(Growth& g) {
   std::size_t n = 0;
   for (bool other : {false, true})  // stream 0 and every other stream: each block once
-    for (const Candidate& c : candidates(g, 0, other, false, /*keep_small=*/false)) n += c.hi - c.lo;
+    for (const Candidate& c : candidates(g, 0, other)) n += c.hi - c.lo;  // before keep_small is decided: all
   return n;
 }
 
