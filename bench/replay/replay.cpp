@@ -89,6 +89,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
   SimDriverOptions so;
   so.device = device;
   so.capacity = capacity ? capacity : kUnlimitedCapacity;
+  so.page_size = o.page_size;  // --conf page_size_mb
   so.top_down = true;
   auto drv = make_sim_driver(so);
   if (opt.costs) drv->set_cost_model(*opt.costs);

@@ -303,6 +303,16 @@ TEST_CASE("replay --peak-detail: what reserved held at its peak adds up, and nam
     CHECK(d.free_in_whole_pages == (f ? 0 : 16 * M));
     CHECK(d.idle == 0);
   }
+  {  // --conf page_size_mb:4: fragless maps 4 MiB pages, three for 9 MiB, 3 MiB of the last free
+    replay::ReplayOptions o;
+    o.peak_detail = true;
+    o.base.page_size = 4u << 20;
+    const auto r = replay::replay(t, 0, PolicyKind::fragless, o);
+    REQUIRE(r.error.empty());
+    CHECK(r.peak_reserved == 12 << 20);
+    REQUIRE(r.at_peak);
+    CHECK(r.at_peak->free_in_partial_pages == 3 << 20);
+  }
   // Without it, nothing is looked at.
   CHECK_FALSE(replay::replay(t, 0, PolicyKind::fragless, 0).at_peak);
   // The identities hold on a random workload too, for every policy.
