@@ -44,16 +44,26 @@ bool HandleSplitter::freed(Block* b, DevicePtr lo_va, DevicePtr hi_va) {
     overlaps = true;
     const DevicePtr va = seg.base + start * page_, va_end = seg.base + end * page_;
     if (va < b->ptr || va_end > b->ptr + b->size) continue;  // a live neighbour still uses part of it
-    if (va_end <= lo_va || va >= hi_va) continue;              // untouched since it was created: left whole
-    if (seg.owner != &s_.default_pools || !queued_.insert(h).second) continue;
-    queue_[pool_.pages(h)].push_back({h, b});
+    if (seg.owner != &s_.default_pools) continue;
+    if (queued_.count(h)) {  // already queued: b is where its split will look first
+      hints_[h] = b;
+      continue;
+    }
+    if (va_end <= lo_va || va >= hi_va) continue;  // untouched since it was created: left whole
+    queued_.insert(h);
+    hints_[h] = b;
+    queue_[pool_.pages(h)].push_back(h);
     queued = true;
   }
   if (!overlaps) b->multi = false;
   if (!retry_.empty()) {  // new activity: what was cancelled gets another chance
-    for (const Candidate& c : retry_) {
-      if (where_.count(c.handle)) queue_[pool_.pages(c.handle)].push_back(c);
-      else queued_.erase(c.handle);  // idle, or gone: queued again when it is freed where it is mapped next
+    for (PhysHandle h : retry_) {
+      if (where_.count(h)) {
+        queue_[pool_.pages(h)].push_back(h);
+      } else {  // idle, or gone: queued again when it is freed where it is mapped next
+        queued_.erase(h);
+        hints_.erase(h);
+      }
     }
     retry_.clear();
     queued = true;
@@ -61,17 +71,17 @@ bool HandleSplitter::freed(Block* b, DevicePtr lo_va, DevicePtr hi_va) {
   return queued;
 }
 
-// The free block of seg holding [va, va + len): `hint` if it still does (a recycled block object that holds
-// the range is the right block all the same), else found by walking the segment.
+// The free block of seg holding [va, va + len), found by walking seg's blocks by address from `hint`. A block
+// object is never given back to the heap (a deleted one is reset, its segment null, and reused), so the hint
+// is safe to read however stale: while its segment is still seg it is one of seg's blocks, wherever it is now,
+// and the walk from it is short (the hint was the block over the handle when it was queued); otherwise the
+// walk starts at the segment's first block.
 Block* HandleSplitter::covering(Segment& seg, Block* hint, DevicePtr va, std::size_t len) const {
-  auto holds = [&](const Block* b) {
-    return b->segment == &seg && b->state == BlockState::free && b->in_size_set && b->ptr <= va &&
-           va + len <= b->ptr + b->size;
-  };
-  if (hint && holds(hint)) return hint;
-  for (Block* b = seg.first; b; b = b->next)
-    if (b->ptr + b->size > va) return holds(b) ? b : nullptr;
-  return nullptr;
+  Block* b = hint && hint->segment == &seg ? hint : seg.first;
+  while (b && b->ptr > va) b = b->prev;
+  while (b && b->ptr + b->size <= va) b = b->next;
+  const bool holds = b && b->state == BlockState::free && b->in_size_set && va + len <= b->ptr + b->size;
+  return holds ? b : nullptr;
 }
 
 Block* HandleSplitter::carve(Block* b, DevicePtr va, std::size_t len) {
@@ -89,24 +99,29 @@ Block* HandleSplitter::carve(Block* b, DevicePtr va, std::size_t len) {
 bool HandleSplitter::take(BackgroundJob* job) {
   while (!queue_.empty()) {  // the largest first, the oldest among equals (Note [Split in the background])
     auto largest = queue_.begin();
-    const Candidate c = largest->second.front();
+    const PhysHandle h = largest->second.front();
     largest->second.pop_front();
     if (largest->second.empty()) queue_.erase(largest);
-    queued_.erase(c.handle);
-    const auto w = where_.find(c.handle);
+    queued_.erase(h);
+    Block* hint = nullptr;
+    if (auto it = hints_.find(h); it != hints_.end()) {
+      hint = it->second;
+      hints_.erase(it);
+    }
+    const auto w = where_.find(h);
     if (w == where_.end()) continue;  // idle, or gone: queued again when it is freed where it is mapped next
     Segment& seg = *w->second.first;
-    const std::size_t first = w->second.second, k = pool_.pages(c.handle);
+    const std::size_t first = w->second.second, k = pool_.pages(h);
     const DevicePtr va = seg.base + first * page_;
-    Block* b = covering(seg, c.block, va, k * page_);
+    Block* b = covering(seg, hint, va, k * page_);
     if (!b) continue;  // reused, or merged into a range with a live block
     job->kind = BackgroundJob::Kind::split;
     job->segment = &seg;
     job->first = first;
     job->pages = k;
     job->va = va;
-    job->handle = c.handle;
-    job->to_pages = !coarse_ && pieces_.count(c.handle) > 0;
+    job->handle = h;
+    job->to_pages = !coarse_ && pieces_.count(h) > 0;
     job->stream = b->stream;
     job->busy = carve(b, va, k * page_);
     job->created.clear();
@@ -192,9 +207,11 @@ void HandleSplitter::finish(BackgroundJob& job) {
   Segment& seg = *job.segment;
   const std::size_t bytes = job.pages * page_;
   if (job.outcome == Outcome::cancelled) {
-    if (queued_.insert(job.handle).second) retry_.push_back({job.handle, nullptr});
     job.busy->state = BlockState::free;
-    s_.pool_insert(s_.merge_free(job.busy));
+    Block* back = s_.merge_free(job.busy);
+    s_.pool_insert(back);
+    if (queued_.insert(job.handle).second) retry_.push_back(job.handle);
+    hints_[job.handle] = back;
     return;
   }
   multi_.erase({&seg, job.first});
@@ -230,6 +247,8 @@ void HandleSplitter::finish(BackgroundJob& job) {
 
 std::string HandleSplitter::check() const {
   if (where_.size() != multi_.size()) return "fragless splitter: multi-page mappings miscounted by handle";
+  for (const auto& hint : hints_)
+    if (!queued_.count(hint.first)) return "fragless splitter: a hint kept for a handle that is not queued";
   for (const auto& [h, at] : where_) {
     const auto& [seg, first] = at;
     if (!multi_.count({seg, first}) || !s_.has_segment(seg) || seg->pages[first].handle != h)

@@ -65,6 +65,7 @@ class HandleSplitter {
   void released(PhysHandle h) {
     pieces_.erase(h);
     where_.erase(h);
+    hints_.erase(h);
   }
   // The engine gave its free memory back: pieces are split into pieces from now on (Note [Split in the background]).
   void coarse() { coarse_ = true; }
@@ -84,8 +85,8 @@ class HandleSplitter {
  private:
   static std::vector<std::size_t> piece_sizes(std::size_t pages);  // what a split of `pages` creates
   // A queued split names its handle, not a place: re-backing may move a queued handle, and its split follows
-  // it there (where_), keeping its turn. `block` is a hint for finding the free block over it.
-  struct Candidate { PhysHandle handle; Block* block; };
+  // it there (where_), keeping its turn. hints_ keeps, per queued handle, the free block last seen over it (each
+  // freed() that finds the handle under its block renews it), where covering() starts looking.
   Block* covering(Segment& seg, Block* hint, DevicePtr va, std::size_t len) const;
   Block* carve(Block* b, DevicePtr va, std::size_t len);  // b's [va, va + len) becomes a busy block
   void release_busy(Block* busy, bool mapped, bool multi = false);  // busy back to free (mapped) or unmapped
@@ -96,9 +97,10 @@ class HandleSplitter {
   std::set<std::pair<const Segment*, std::size_t>> multi_;  // (segment, first page) of multi-page mappings
   std::unordered_map<PhysHandle, std::pair<Segment*, std::size_t>> where_;  // the same, by handle
   // Free multi-page handles to split, by pages, the largest first; oldest first among equals.
-  std::map<std::size_t, std::deque<Candidate>, std::greater<>> queue_;
+  std::map<std::size_t, std::deque<PhysHandle>, std::greater<>> queue_;
   std::unordered_set<PhysHandle> queued_;                   // the handles in queue_ or retry_
-  std::vector<Candidate> retry_;                            // cancelled: queued again at the next freed()
+  std::unordered_map<PhysHandle, Block*> hints_;            // for some of them: the free block last seen over it
+  std::vector<PhysHandle> retry_;                           // cancelled: queued again at the next freed()
   std::unordered_set<PhysHandle> pieces_;                   // multi-page pieces of earlier splits (split into pages)
   bool coarse_ = false;                                     // ...or into pieces, after a release (coarse())
 };
