@@ -222,15 +222,22 @@ int device_of(cudaStream_t s) {
   return current_device();
 }
 
-// The real runtime's stream-ordered allocation (per-thread default stream variant where asked).
+// The real runtime's stream-ordered allocation (per-thread default stream variant where asked), and its
+// cudaMalloc: what it does through the driver comes back through the driver half, forwarded (Note [No
+// recursion], Forwarding).
 cudaError_t real_malloc_async(void** out, size_t size, cudaStream_t stream, bool ptsz) {
+  fragless_preload::Forwarding forwarding;
   auto f = ptsz && real().malloc_async_ptsz ? real().malloc_async_ptsz : real().malloc_async;
   return f ? f(out, size, stream) : kInvalidValue;
+}
+cudaError_t real_malloc(void** out, size_t size) {
+  fragless_preload::Forwarding forwarding;
+  return real().malloc(out, size);
 }
 
 cudaError_t allocate(void** out, size_t size, cudaStream_t stream, bool async, bool ptsz = false) {
   if (!out) return kInvalidValue;
-  if (fragless_preload::recursing()) return async ? real_malloc_async(out, size, stream, ptsz) : real().malloc(out, size);
+  if (fragless_preload::recursing()) return async ? real_malloc_async(out, size, stream, ptsz) : real_malloc(out, size);
   fragless_preload::Inside inside;
   // Allocations on a capturing stream become graph-owned memory: only the runtime can serve them.
   if (async && capturing(stream, ptsz)) {
@@ -242,7 +249,7 @@ cudaError_t allocate(void** out, size_t size, cudaStream_t stream, bool async, b
   fragless::DeviceEngine* e = a ? a->device(dev) : nullptr;
   if (!e) {
     ++g_counts.fallbacks;
-    return async ? real_malloc_async(out, size, stream, ptsz) : real().malloc(out, size);
+    return async ? real_malloc_async(out, size, stream, ptsz) : real_malloc(out, size);
   }
   // R24 (driver.h): cudaMallocAsync allocates from the device's current pool, as cuMemAllocAsync does: the
   // same rule, through the same code (the driver half's).
@@ -335,13 +342,15 @@ Counters& counters() {
 fragless::Allocator* allocator() { return ip().get(); }
 
 namespace {
-thread_local int t_inside = 0;
+thread_local int t_inside = 0, t_forwarding = 0;
 }
 Inside::Inside() { ++t_inside; }
 Inside::~Inside() { --t_inside; }
+Forwarding::Forwarding() { ++t_forwarding; }
+Forwarding::~Forwarding() { --t_forwarding; }
 bool recursing() {
   if (t_inside == 0) return false;
-  ++counters().recursions;
+  if (t_forwarding == 0) ++counters().recursions;
   return true;
 }
 

@@ -73,17 +73,28 @@ bool& cached_counted();
 // Note [No recursion] (preload_driver_lookup.cpp): a thread inside fragless (allocating or freeing for an
 // interposed call) that comes back into an interposed entry point is counted and forwarded to the driver or
 // runtime, never served (fragless's engine lock is held). Inside marks the scope; recursing() tells and counts.
+// Forwarding marks a call the runtime half hands on to the real runtime from inside (an allocation fragless
+// does not serve: a capture, a pool with a maximum size, a device without an engine): the runtime implements
+// it with the driver (cudaMallocAsync is cuMemAllocAsync, cudaMalloc is cuMemAlloc), so it comes back through
+// the driver half, which forwards it to the driver as it should, and does not count it.
 struct Inside {
   Inside();
   ~Inside();
   Inside(const Inside&) = delete;
   Inside& operator=(const Inside&) = delete;
 };
+struct Forwarding {
+  Forwarding();
+  ~Forwarding();
+  Forwarding(const Forwarding&) = delete;
+  Forwarding& operator=(const Forwarding&) = delete;
+};
 bool recursing();
 
 struct Counters {
   std::atomic<unsigned long> mallocs{0}, frees{0}, forwarded_frees{0}, fences{0}, fallbacks{0};
-  // The driver half: allocations served and pointers forwarded, calls that would have recursed.
+  // The driver half: allocations served and pointers forwarded, calls that would have recursed (a call the
+  // runtime half forwarded, coming back, is not one).
   std::atomic<unsigned long> driver_mallocs{0}, driver_forwarded{0}, recursions{0};
 };
 Counters& counters();

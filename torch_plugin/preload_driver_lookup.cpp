@@ -11,7 +11,9 @@
 // and looks up cuGetProcAddress with dlsym on that handle; the dlsym below answers lookups made from this
 // library with the real driver's symbols, so every call fragless makes goes to the real driver. As a second line, a thread
 // that is inside fragless (allocating or freeing for an interposed call) and comes back into an interposed
-// entry point is counted (counters().recursions; the tests require none) and forwarded.
+// entry point is counted (counters().recursions; the tests require none) and forwarded. One such return is
+// expected and not counted: an allocation the runtime half hands on to the real runtime (Forwarding in
+// preload_core.h), which the runtime makes with the driver's cuMemAllocAsync or cuMemAlloc, interposed here.
 
 namespace fragless_preload::cu {
 

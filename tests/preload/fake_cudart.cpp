@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <set>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -44,13 +45,37 @@ API cudaError_t cudaFree(void* p) {
   std::free(p);
   return 0;
 }
-API cudaError_t cudaMallocAsync(void** p, size_t size, cudaStream_t) {
-  count("cudaMallocAsync");
-  *p = std::malloc(size ? size : 1);
-  return *p ? 0 : 2;
+namespace {
+// Below: with a libcuda double, the stream-ordered calls on the double's streams are the driver's.
+bool through_driver(cudaStream_t s);
+int driver_alloc_async(void** p, size_t size, cudaStream_t s);
+int driver_free_async(void* p, cudaStream_t s);
+std::set<void*>& host_async() {  // what cudaMallocAsync gave from host memory
+  static auto* m = new std::set<void*>();
+  return *m;
 }
-API cudaError_t cudaFreeAsync(void* p, cudaStream_t) {
+}  // namespace
+// With a libcuda double, on a stream of the double's, the driver's cuMemAllocAsync and cuMemFreeAsync, as
+// CUDA's runtime implements them (an interposer of the driver sees them: what the runtime half forwards comes
+// back through the driver half); else (no double, or a stream only this double knows, fakecudart_set_stream)
+// host memory.
+API cudaError_t cudaMallocAsync(void** p, size_t size, cudaStream_t s) {
+  count("cudaMallocAsync");
+  if (through_driver(s)) return driver_alloc_async(p, size, s);
+  *p = std::malloc(size ? size : 1);
+  if (!*p) return 2;
+  std::lock_guard lk(mu);
+  host_async().insert(*p);
+  return 0;
+}
+API cudaError_t cudaFreeAsync(void* p, cudaStream_t s) {
   count("cudaFreeAsync");
+  bool host = !through_driver(nullptr);
+  {
+    std::lock_guard lk(mu);
+    host = host_async().erase(p) > 0 || host;
+  }
+  if (!host) return driver_free_async(p, s);
   std::free(p);
   return 0;
 }
@@ -86,6 +111,8 @@ struct Driver {
   int (*pool_create)(void**, const void*) = nullptr;
   int (*pool_destroy)(void*) = nullptr;
   int (*pool_get_attribute)(void*, int, void*) = nullptr;
+  int (*mem_alloc_async)(void**, size_t, void*) = nullptr;
+  int (*mem_free_async)(void*, void*) = nullptr;
   Driver() {
     const char* path = std::getenv("FRAGLESS_LIBCUDA");
     if (!path || !*path || !(lib = dlopen(path, RTLD_NOW | RTLD_LOCAL))) return;
@@ -118,6 +145,8 @@ struct Driver {
     proc(&pool_create, "cuMemPoolCreate");
     proc(&pool_destroy, "cuMemPoolDestroy");
     proc(&pool_get_attribute, "cuMemPoolGetAttribute");
+    proc(&mem_alloc_async, "cuMemAllocAsync");
+    proc(&mem_free_async, "cuMemFreeAsync");
   }
 };
 Driver& drv() {
@@ -138,6 +167,20 @@ bool make_current(int device) {
 }
 // cudaError_t for a CUresult: 0 stays 0, anything else is reported as it is (tests only ask "failed?").
 int runtime_error(int cu) { return cu; }
+std::map<cudaStream_t, int>& stream_devices();
+bool through_driver(cudaStream_t s) {
+  if (!drv().lib || !drv().mem_alloc_async || !drv().mem_free_async) return false;
+  std::lock_guard lk(mu);
+  return !s || !stream_devices().count(s);
+}
+int driver_alloc_async(void** p, size_t size, cudaStream_t s) {
+  if (!make_current(t_device)) return 1;
+  return runtime_error(drv().mem_alloc_async(p, size, s));
+}
+int driver_free_async(void* p, cudaStream_t s) {
+  if (!make_current(t_device)) return 1;
+  return runtime_error(drv().mem_free_async(p, s));
+}
 void* per_thread(cudaStream_t s) { return s ? s : reinterpret_cast<void*>(std::uintptr_t{0x2}); }  // _ptsz 0
 std::map<cudaStream_t, int>& stream_devices() {
   static auto* m = new std::map<cudaStream_t, int>();

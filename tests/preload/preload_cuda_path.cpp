@@ -235,6 +235,14 @@ int main(int argc, char** argv) {
   expect(cudaMallocAsync(&x, 2 * MiB, q) == 0 && d.device_of(x) < 0 && fakecudart_calls("cudaMallocAsync") == runtime_allocs + 1,
          "cudaMallocAsync: the runtime's (fragless cannot serve a pool with a maximum size)");
   expect(cudaFreeAsync(x, q) == 0, "its free reached the runtime");
+  // The runtime implements cudaMallocAsync with cuMemAllocAsync (the runtime double too), so what the runtime
+  // half forwarded came back through the driver half: forwarded on to the driver, and not a recursion (Note [No
+  // recursion]).
+  if (d.driver_counters) {
+    unsigned long dc[3] = {};
+    d.driver_counters(dc);
+    expect(dc[2] == 0, "no call counted as a recursion (" + std::to_string(dc[2]) + ")");
+  }
   expect(cudaDeviceSetMemPool(0, plain) == 0 && cudaMallocAsync(&x, 6 * MiB, q) == 0 && d.device_of(x) == 0 &&
              used(plain) == 6 * MiB && used(def) == used0,
          "the plain pool current: cudaMallocAsync fragless's, counted there, not in the default pool");
