@@ -26,7 +26,10 @@
 // the child's first export starts a listener of its own, under its own pid.
 //
 // cudaIpcOpenMemHandle recognises fragless's handles by their magic (any other handle goes to the runtime),
-// asks the exporter, and maps the share with open_shared on the current device. The fetch has one deadline
+// asks the exporter, and maps the share with open_shared on the current device. It asks only once the kernel
+// has said who listens on the socket (SO_PEERCRED): the process the handle names, of this user or root. An
+// abstract name is free again when its process exits, so a process that took it (it may have read the name
+// in /proc/net/unix) is refused before the request, and its nonce, is sent. The fetch has one deadline
 // for the whole exchange (kFetchDeadline, 10 s: a peer that trickles cannot stretch it), every message of the
 // answer must be exactly the size announced. The same handle opened again
 // on the same device returns the same pointer and counts a reference (CUDA's rule for a handle the current
@@ -485,6 +488,22 @@ Importer& importer() {
   return *i;
 }
 
+// Why the listener at the other end of `sock` is not the exporter process `pid` (empty when it is). The
+// socket's name is no proof: an abstract name is free again once its process exits, and any process may then
+// take it, so the kernel's word is asked (SO_PEERCRED: who listened). The exporter is of this user (its
+// listener answers only its own user and root) or root, and it is the process the handle names; the kernel
+// reports pid 0 for a listener in a pid namespace it cannot name here, and then the user alone is checked.
+std::string not_the_exporter(int sock, std::int32_t pid) {
+  ucred peer{};
+  socklen_t n = sizeof peer;
+  if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &peer, &n) != 0)
+    return std::string("who serves its exporter's socket cannot be told (SO_PEERCRED: ") + std::strerror(errno) + ")";
+  if ((peer.uid == geteuid() || peer.uid == 0) && (peer.pid == 0 || peer.pid == pid)) return {};
+  return "process " + std::to_string(peer.pid) + " of user " + std::to_string(peer.uid) +
+         " serves its exporter's socket, not the exporting process " + std::to_string(pid) +
+         " (which exited, and another process took its socket's name): stale; nothing was sent to it";
+}
+
 // Asks the exporter named by h for its share: the description and descriptors, or why not. The whole
 // exchange has one deadline (kFetchDeadline), and every message must be exactly the size announced.
 std::string fetch(const Handle& h, std::string* description, std::vector<int>* fds) {
@@ -505,6 +524,8 @@ std::string fetch(const Handle& h, std::string* description, std::vector<int>* f
   if (connect(sock, reinterpret_cast<const sockaddr*>(&a), len) != 0)
     why = "nobody serves it (" + std::string(std::strerror(errno)) + "): the exporting process " + std::to_string(h.pid) +
           " exited, or the handle is forged: stale";
+  else if (std::string who = not_the_exporter(sock, h.pid); !who.empty())
+    why = who;  // asked nothing: the request (its nonce) goes to the exporter only
   else if (!send_part(sock, &rq, sizeof rq, nullptr, 0) || !recv_exactly_by(sock, deadline, &r, sizeof r, fds, 0))
     why = late;
   else if (r.status != 0)
@@ -538,8 +559,9 @@ cudaError_t open_handle(void** out, const Handle& h, unsigned flags) {
   if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0)
     return real().open ? real().open(out, h, flags) : kInvalidValue;  // not fragless's: the runtime's
   auto refuse = [&](cudaError_t code, const std::string& why) {
-    std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcOpenMemHandle refused a fragless handle (process %d, share %llu): %s; "
-                 "nothing was mapped\n", static_cast<int>(h.pid), static_cast<unsigned long long>(h.id), why.c_str());
+    const bool said = why.size() >= 18 && why.compare(why.size() - 18, 18, "nothing was mapped") == 0;
+    std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcOpenMemHandle refused a fragless handle (process %d, share %llu): %s%s\n",
+                 static_cast<int>(h.pid), static_cast<unsigned long long>(h.id), why.c_str(), said ? "" : "; nothing was mapped");
     *out = nullptr;
     return code;
   };

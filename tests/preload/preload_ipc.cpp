@@ -5,7 +5,7 @@
 // driver with shareable_handles:True, or the cuda driver on the libcuda double with shareable_handles:True
 // or fabric (FAKECUDA_FABRIC=1). Both keep memory in host pages: both sides read and write it directly.
 //
-//   preload_ipc SCENARIO     bytes | free_while_held | forged | stall | peers
+//   preload_ipc SCENARIO     bytes | free_while_held | forged | stall | peers | squatter
 // Exit 0 when every check held; 1 with the failed checks on stderr.
 #include <dirent.h>
 #include <fcntl.h>
@@ -337,6 +337,47 @@ int connect_to_exporter(const IpcHandle& h) {
   return fd;
 }
 
+// ---- A squatter ---------------------------------------------------------------------------------------
+
+// The exporter exits; this process (another process of the same user) binds the socket name the dead
+// exporter served, taken from the handle, and answers as an exporter would. The open must be refused before
+// anything is sent (the squatter never learns the nonce).
+int scenario_squatter(int sock, pid_t child) {
+  IpcHandle h{};
+  REQUIRE(recv(sock, &h, sizeof h, 0) == static_cast<ssize_t>(sizeof h));
+  FakeHandle named{};
+  std::memcpy(&named, &h, sizeof named);
+  REQUIRE(named.pid == child);
+  say(sock, "exit");
+  int status = 0;
+  CHECK(waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  const int lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  char name[64];
+  std::snprintf(name, sizeof name, "fragless-ipc-%d-%016llx", static_cast<int>(named.pid),
+                static_cast<unsigned long long>(named.token));
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::memcpy(a.sun_path + 1, name, std::strlen(name));
+  const socklen_t len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + std::strlen(name));
+  REQUIRE(lfd >= 0 && bind(lfd, reinterpret_cast<const sockaddr*>(&a), len) == 0 && listen(lfd, 8) == 0);
+  ssize_t heard = -1;
+  std::thread squatter([&] {
+    const int conn = accept(lfd, nullptr, nullptr);
+    if (conn < 0) return;
+    char request[256];
+    heard = recv(conn, request, sizeof request, 0);  // 0: the importer hung up without a word
+    FakeReply r{};  // "here is your share": an empty description, no descriptors
+    (void)send(conn, &r, sizeof r, MSG_NOSIGNAL);
+    close(conn);
+  });
+  void* q = reinterpret_cast<void*>(1);
+  CHECK(cudaIpcOpenMemHandle(&q, h, 1) == kInvalidHandle && q == nullptr);
+  squatter.join();
+  close(lfd);
+  CHECK(heard == 0);  // nothing was sent to it: not the request, not the nonce
+  return 0;
+}
+
 // The exporter's listener against its peers: another user is refused; a peer that connects and stalls keeps
 // another importer waiting less than the listener's deadline per connection (3 s), and the exit not at all.
 int scenario_peers(int sock, pid_t exporter_pid) {
@@ -390,9 +431,9 @@ int main(int argc, char** argv) {
   if (argc == 3 && std::strcmp(argv[1], "--export") == 0) return exporter(std::atoi(argv[2]));
   const std::string s = argc == 2 ? argv[1] : "";
   const bool help = s == "--help" || s == "-h";
-  if (help || (s != "bytes" && s != "free_while_held" && s != "forged" && s != "stall" && s != "peers")) {
+  if (help || (s != "bytes" && s != "free_while_held" && s != "forged" && s != "stall" && s != "peers" && s != "squatter")) {
     std::fprintf(help ? stdout : stderr,
-                 "usage: %s bytes|free_while_held|forged|stall|peers\n"
+                 "usage: %s bytes|free_while_held|forged|stall|peers|squatter\n"
                  "Two processes, both under LD_PRELOAD=libfragless_preload.so with FRAGLESS_CONF asking for\n"
                  "shareable handles (driver:host, or the libcuda double), share fragless memory through cudaIpcGetMemHandle,\n"
                  "cudaIpcOpenMemHandle and cudaIpcCloseMemHandle; exit 0 when every check held in both.\n",
@@ -414,10 +455,11 @@ int main(int argc, char** argv) {
   else if (s == "free_while_held") scenario_free_while_held(pair[0]);
   else if (s == "stall") scenario_stall(pair[0]);
   else if (s == "peers") scenario_peers(pair[0], child);
+  else if (s == "squatter") scenario_squatter(pair[0], child);
   else scenario_forged(pair[0], child);
   close(pair[0]);
   int status = 0;
-  if (s != "forged" && s != "peers") CHECK(waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  if (s != "forged" && s != "peers" && s != "squatter") CHECK(waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0);
   if (process_checks::failures == 0) std::printf("%s: every check held\n", s.c_str());
   return process_checks::failures ? 1 : 0;
 }
