@@ -21,27 +21,14 @@
 #include "fragless/sim_driver.h"
 #include "fragless/tracer.h"
 #include "replay.h"
+#include "size_mix.h"
 #include "workload.h"
 
 using namespace fragless;
 
 namespace {
 
-// A training-like mix: many small tensors (biases, norms), activations of 1–40 MiB, all multiples of 512 B.
-std::vector<std::size_t> size_mix() {
-  std::mt19937_64 rng(42);
-  std::vector<std::size_t> sizes;
-  for (int i = 0; i < 1024; ++i) {
-    const int k = static_cast<int>(rng() % 10);
-    std::size_t s;
-    if (k < 4) s = 512 * (1 + rng() % 64);               // up to 32 KiB
-    else if (k < 6) s = 4096 * (1 + rng() % 256);        // up to 1 MiB
-    else if (k < 9) s = (1u << 20) * (1 + rng() % 16);   // 1–16 MiB
-    else s = (1u << 20) * (16 + rng() % 24);             // 16–40 MiB
-    sizes.push_back(s);
-  }
-  return sizes;
-}
+using bench::size_mix;
 
 std::unique_ptr<DeviceEngine> engine(PolicyKind p) {
   Options o;
