@@ -1,6 +1,7 @@
 // The fragless policy's reclaim (fragless_policy.h): whole handles taken from under free blocks for the
 // growth in progress, and the audit of Note [Complete re-backing].
 #include <algorithm>
+#include <limits>
 #include <set>
 
 #include "policy/fragless/fragless_policy.h"
@@ -25,9 +26,27 @@ bool FraglessPolicy::reclaimable(const Block* b, const Growth& g, std::size_t* l
 std::vector<FraglessPolicy::Candidate> FraglessPolicy::candidates(Growth& g, Stream stream, bool other_streams,
                                                                   bool idle_only) {
   std::vector<Candidate> cands;
+  // The pools' free blocks are ordered by stream, then size: the walk skips the streams outside the group,
+  // and each stream's blocks smaller than a page (they hold no whole page), without looking at them.
+  Block key;
   for (const BlockPool* bp : {&s_.default_pools.large, &s_.default_pools.small})
-    for (Block* b : bp->blocks) {
-      if (!b->segment->growable || (b->stream == stream) == other_streams) continue;
+    for (auto it = bp->blocks.begin(); it != bp->blocks.end();) {
+      Block* b = *it;
+      if ((b->stream == stream) == other_streams) {  // on to the next stream
+        if (b->stream == std::numeric_limits<Stream>::max()) break;
+        key.stream = b->stream + 1;
+        key.size = 0;
+        it = bp->blocks.lower_bound(&key);
+        continue;
+      }
+      if (b->size < page_) {  // on to this stream's blocks of a page or more
+        key.stream = b->stream;
+        key.size = page_;
+        it = bp->blocks.lower_bound(&key);
+        continue;
+      }
+      ++it;
+      if (!b->segment->growable) continue;
       if (idle_only && other_streams && !idle(g, b->stream)) continue;
       std::size_t lo, hi;
       if (reclaimable(b, g, &lo, &hi)) cands.push_back({b, lo, hi});
