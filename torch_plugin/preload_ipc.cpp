@@ -490,18 +490,25 @@ Importer& importer() {
 
 // Why the listener at the other end of `sock` is not the exporter process `pid` (empty when it is). The
 // socket's name is no proof: an abstract name is free again once its process exits, and any process may then
-// take it, so the kernel's word is asked (SO_PEERCRED: who listened). The exporter is of this user (its
-// listener answers only its own user and root) or root, and it is the process the handle names; the kernel
-// reports pid 0 for a listener in a pid namespace it cannot name here, and then the user alone is checked.
+// take it, so the kernel's word is asked (SO_PEERCRED: who listened). It must be the process the handle names.
+// Its user is checked as the exporter checks its peers' (its listener answers its own user and root): this
+// process's user or root; a root importer takes an exporter of any user, as that exporter answers root. The
+// kernel reports pid 0 for a listener in a pid namespace it cannot name here; then the user alone is checked,
+// and must be this process's or root.
 std::string not_the_exporter(int sock, std::int32_t pid) {
   ucred peer{};
   socklen_t n = sizeof peer;
   if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &peer, &n) != 0)
     return std::string("who serves its exporter's socket cannot be told (SO_PEERCRED: ") + std::strerror(errno) + ")";
-  if ((peer.uid == geteuid() || peer.uid == 0) && (peer.pid == 0 || peer.pid == pid)) return {};
-  return "process " + std::to_string(peer.pid) + " of user " + std::to_string(peer.uid) +
-         " serves its exporter's socket, not the exporting process " + std::to_string(pid) +
-         " (which exited, and another process took its socket's name): stale; nothing was sent to it";
+  const bool same_user = peer.uid == geteuid() || peer.uid == 0;
+  if (peer.pid != 0 && peer.pid != pid)
+    return "process " + std::to_string(peer.pid) + " serves its exporter's socket, not the exporting process " +
+           std::to_string(pid) + " (which exited, and another process took its socket's name): stale; nothing was "
+           "sent to it";
+  if (!same_user && (peer.pid == 0 || geteuid() != 0))
+    return "the process serving its exporter's socket runs as user " + std::to_string(peer.uid) +
+           ", neither this process's user (" + std::to_string(geteuid()) + ") nor root: nothing was sent to it";
+  return {};
 }
 
 // Asks the exporter named by h for its share: the description and descriptors, or why not. The whole

@@ -40,11 +40,6 @@ API cudaError_t cudaMalloc(void** p, size_t size) {
   *p = std::malloc(size ? size : 1);
   return *p ? 0 : 2;
 }
-API cudaError_t cudaFree(void* p) {
-  count("cudaFree");
-  std::free(p);
-  return 0;
-}
 namespace {
 // Below: with a libcuda double, the stream-ordered calls on the double's streams are the driver's.
 bool through_driver(cudaStream_t s);
@@ -55,6 +50,15 @@ std::set<void*>& host_async() {  // what cudaMallocAsync gave from host memory
   return *m;
 }
 }  // namespace
+API cudaError_t cudaFree(void* p) {
+  count("cudaFree");
+  {
+    std::lock_guard lk(mu);
+    host_async().erase(p);  // memory of cudaMallocAsync may be freed with cudaFree too
+  }
+  std::free(p);
+  return 0;
+}
 // With a libcuda double, on a stream of the double's, the driver's cuMemAllocAsync and cuMemFreeAsync, as
 // CUDA's runtime implements them (an interposer of the driver sees them: what the runtime half forwards comes
 // back through the driver half); else (no double, or a stream only this double knows, fakecudart_set_stream)

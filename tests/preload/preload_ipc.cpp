@@ -5,7 +5,9 @@
 // driver with shareable_handles:True, or the cuda driver on the libcuda double with shareable_handles:True
 // or fabric (FAKECUDA_FABRIC=1). Both keep memory in host pages: both sides read and write it directly.
 //
-//   preload_ipc SCENARIO     bytes | free_while_held | forged | stall | peers | squatter
+//   preload_ipc SCENARIO     bytes | free_while_held | forged | stall | peers | squatter | other_user
+// (other_user: the exporter runs as another user than this root importer, which it answers; without root it
+// says SKIPPED and exits 77.)
 // Exit 0 when every check held; 1 with the failed checks on stderr.
 #include <dirent.h>
 #include <fcntl.h>
@@ -431,14 +433,19 @@ int main(int argc, char** argv) {
   if (argc == 3 && std::strcmp(argv[1], "--export") == 0) return exporter(std::atoi(argv[2]));
   const std::string s = argc == 2 ? argv[1] : "";
   const bool help = s == "--help" || s == "-h";
-  if (help || (s != "bytes" && s != "free_while_held" && s != "forged" && s != "stall" && s != "peers" && s != "squatter")) {
+  if (help || (s != "bytes" && s != "free_while_held" && s != "forged" && s != "stall" && s != "peers" && s != "squatter" &&
+                s != "other_user")) {
     std::fprintf(help ? stdout : stderr,
-                 "usage: %s bytes|free_while_held|forged|stall|peers|squatter\n"
+                 "usage: %s bytes|free_while_held|forged|stall|peers|squatter|other_user\n"
                  "Two processes, both under LD_PRELOAD=libfragless_preload.so with FRAGLESS_CONF asking for\n"
                  "shareable handles (driver:host, or the libcuda double), share fragless memory through cudaIpcGetMemHandle,\n"
                  "cudaIpcOpenMemHandle and cudaIpcCloseMemHandle; exit 0 when every check held in both.\n",
                  argv[0]);
     return help ? 0 : 2;
+  }
+  if (s == "other_user" && geteuid() != 0) {
+    std::printf("SKIPPED: other_user needs root, to run the exporter as another user\n");
+    return 77;
   }
   int pair[2];
   REQUIRE(socketpair(AF_UNIX, SOCK_SEQPACKET, 0, pair) == 0);
@@ -446,12 +453,14 @@ int main(int argc, char** argv) {
   REQUIRE(child >= 0);
   if (child == 0) {
     close(pair[0]);
+    // other_user: the exporter is user 65534 (nobody); this importer is root, which every exporter answers.
+    if (s == "other_user" && (setgid(65534) != 0 || setuid(65534) != 0)) _exit(126);
     const std::string fd = std::to_string(pair[1]);
     execl("/proc/self/exe", argv[0], "--export", fd.c_str(), static_cast<char*>(nullptr));
     _exit(127);
   }
   close(pair[1]);
-  if (s == "bytes") scenario_bytes(pair[0]);
+  if (s == "bytes" || s == "other_user") scenario_bytes(pair[0]);
   else if (s == "free_while_held") scenario_free_while_held(pair[0]);
   else if (s == "stall") scenario_stall(pair[0]);
   else if (s == "peers") scenario_peers(pair[0], child);
