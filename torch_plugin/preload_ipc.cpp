@@ -27,7 +27,8 @@
 //
 // cudaIpcOpenMemHandle recognises fragless's handles by their magic (any other handle goes to the runtime),
 // asks the exporter, and maps the share with open_shared on the current device. It asks only once the kernel
-// has said who listens on the socket (SO_PEERCRED): the process the handle names, of this user or root. An
+// has said who listens on the socket (SO_PEERCRED): the process the handle names, of this user or root (of
+// any user when this process is root, which every exporter answers). An
 // abstract name is free again when its process exits, so a process that took it (it may have read the name
 // in /proc/net/unix) is refused before the request, and its nonce, is sent. The fetch has one deadline
 // for the whole exchange (kFetchDeadline, 10 s: a peer that trickles cannot stretch it), every message of the
