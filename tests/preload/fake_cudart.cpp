@@ -117,6 +117,10 @@ struct Driver {
   int (*pool_get_attribute)(void*, int, void*) = nullptr;
   int (*mem_alloc_async)(void**, size_t, void*) = nullptr;
   int (*mem_free_async)(void*, void*) = nullptr;
+  // The same with the per-thread default stream (CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM), as the
+  // runtime's _ptsz entry points take them.
+  int (*mem_alloc_async_ptsz)(void**, size_t, void*) = nullptr;
+  int (*mem_free_async_ptsz)(void*, void*) = nullptr;
   Driver() {
     const char* path = std::getenv("FRAGLESS_LIBCUDA");
     if (!path || !*path || !(lib = dlopen(path, RTLD_NOW | RTLD_LOCAL))) return;
@@ -151,6 +155,13 @@ struct Driver {
     proc(&pool_get_attribute, "cuMemPoolGetAttribute");
     proc(&mem_alloc_async, "cuMemAllocAsync");
     proc(&mem_free_async, "cuMemFreeAsync");
+    auto proc_ptsz = [&](auto* fn, const char* name) {
+      void* p = nullptr;
+      if (get_proc && get_proc(name, &p, 12000, 2 /* PER_THREAD_DEFAULT_STREAM */, nullptr) == 0)
+        *fn = reinterpret_cast<std::remove_pointer_t<decltype(fn)>>(p);
+    };
+    proc_ptsz(&mem_alloc_async_ptsz, "cuMemAllocAsync");
+    proc_ptsz(&mem_free_async_ptsz, "cuMemFreeAsync");
   }
 };
 Driver& drv() {
@@ -314,13 +325,25 @@ API cudaError_t cudaStreamEndCapture(cudaStream_t s, void** graph) {
 API cudaError_t cudaStreamEndCapture_ptsz(cudaStream_t s, void** graph) {
   return cudaStreamEndCapture(static_cast<cudaStream_t>(per_thread(s)), graph);
 }
-API cudaError_t cudaMallocAsync_ptsz(void** p, size_t size, cudaStream_t) {
+// As cudaMallocAsync and cudaFreeAsync, through the driver's per-thread default stream entry points.
+API cudaError_t cudaMallocAsync_ptsz(void** p, size_t size, cudaStream_t s) {
   count("cudaMallocAsync_ptsz");
+  if (through_driver(s) && drv().mem_alloc_async_ptsz && make_current(t_device))
+    return runtime_error(drv().mem_alloc_async_ptsz(p, size, s));
   *p = std::malloc(size ? size : 1);
-  return *p ? 0 : 2;
+  if (!*p) return 2;
+  std::lock_guard lk(mu);
+  host_async().insert(*p);
+  return 0;
 }
-API cudaError_t cudaFreeAsync_ptsz(void* p, cudaStream_t) {
+API cudaError_t cudaFreeAsync_ptsz(void* p, cudaStream_t s) {
   count("cudaFreeAsync_ptsz");
+  bool host = !through_driver(nullptr) || !drv().mem_free_async_ptsz;
+  {
+    std::lock_guard lk(mu);
+    host = host_async().erase(p) > 0 || host;
+  }
+  if (!host) return make_current(t_device) ? runtime_error(drv().mem_free_async_ptsz(p, s)) : 1;
   std::free(p);
   return 0;
 }

@@ -235,6 +235,8 @@ int main(int argc, char** argv) {
   expect(cudaMallocAsync(&x, 2 * MiB, q) == 0 && d.device_of(x) < 0 && fakecudart_calls("cudaMallocAsync") == runtime_allocs + 1,
          "cudaMallocAsync: the runtime's (fragless cannot serve a pool with a maximum size)");
   expect(cudaFreeAsync(x, q) == 0, "its free reached the runtime");
+  expect(cudaMallocAsync_ptsz(&x, 2 * MiB, q) == 0 && d.device_of(x) < 0 && cudaFreeAsync_ptsz(x, q) == 0,
+         "cudaMallocAsync_ptsz too: the runtime's, freed there");
   // The runtime implements cudaMallocAsync with cuMemAllocAsync (the runtime double too), so what the runtime
   // half forwarded came back through the driver half: forwarded on to the driver, and not a recursion (Note [No
   // recursion]).
