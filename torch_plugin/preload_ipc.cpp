@@ -140,6 +140,10 @@ const Real& real() {
   return r;
 }
 
+// The users a process of this library deals with over the sockets (an abstract socket has no permissions): its
+// own and root. The exporter's listener answers only them; the importer asks only them (unless it is root).
+bool own_user_or_root(uid_t uid) { return uid == geteuid() || uid == 0; }
+
 std::string socket_name(std::int32_t pid, std::uint64_t token) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "fragless-ipc-%d-%016llx", static_cast<int>(pid), static_cast<unsigned long long>(token));
@@ -296,7 +300,7 @@ void Exporter::serve(int lfd, int stop_fd) {
     // An abstract socket has no permissions: the peer's credentials decide. Its user or root only.
     ucred peer{};
     socklen_t n = sizeof peer;
-    if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &peer, &n) == 0 && (peer.uid == geteuid() || peer.uid == 0)) {
+    if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &peer, &n) == 0 && own_user_or_root(peer.uid)) {
       answer(conn, stop_fd);
     } else {
       Reply r{1, 0, 0, {}};
@@ -501,12 +505,11 @@ std::string not_the_exporter(int sock, std::int32_t pid) {
   socklen_t n = sizeof peer;
   if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &peer, &n) != 0)
     return std::string("who serves its exporter's socket cannot be told (SO_PEERCRED: ") + std::strerror(errno) + ")";
-  const bool same_user = peer.uid == geteuid() || peer.uid == 0;
   if (peer.pid != 0 && peer.pid != pid)
     return "process " + std::to_string(peer.pid) + " serves its exporter's socket, not the exporting process " +
            std::to_string(pid) + " (which exited, and another process took its socket's name): stale; nothing was "
            "sent to it";
-  if (!same_user && (peer.pid == 0 || geteuid() != 0))
+  if (!own_user_or_root(peer.uid) && (peer.pid == 0 || geteuid() != 0))
     return "the process serving its exporter's socket runs as user " + std::to_string(peer.uid) +
            ", neither this process's user (" + std::to_string(geteuid()) + ") nor root: nothing was sent to it";
   return {};
@@ -566,10 +569,11 @@ std::string fetch(const Handle& h, std::string* description, std::vector<int>* f
 cudaError_t open_handle(void** out, const Handle& h, unsigned flags) {
   if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0)
     return real().open ? real().open(out, h, flags) : kInvalidValue;  // not fragless's: the runtime's
-  auto refuse = [&](cudaError_t code, const std::string& why) {
-    const bool said = why.size() >= 18 && why.compare(why.size() - 18, 18, "nothing was mapped") == 0;
+  // `mapped_said`: the reason (open_shared's message) says already that nothing was mapped.
+  auto refuse = [&](cudaError_t code, const std::string& why, bool mapped_said = false) {
     std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcOpenMemHandle refused a fragless handle (process %d, share %llu): %s%s\n",
-                 static_cast<int>(h.pid), static_cast<unsigned long long>(h.id), why.c_str(), said ? "" : "; nothing was mapped");
+                 static_cast<int>(h.pid), static_cast<unsigned long long>(h.id), why.c_str(),
+                 mapped_said ? "" : "; nothing was mapped");
     *out = nullptr;
     return code;
   };
@@ -604,7 +608,7 @@ cudaError_t open_handle(void** out, const Handle& h, unsigned flags) {
   fragless::AllocError err;
   void* p = e->open_shared(description, fds.data(), fds.size(), nullptr, &err);
   close_all(&fds);  // open_shared keeps what it needs
-  if (!p) return refuse(err.status == fragless::Status::invalid_argument ? kInvalidHandle : kMapFailed, err.message);
+  if (!p) return refuse(err.status == fragless::Status::invalid_argument ? kInvalidHandle : kMapFailed, err.message, true);
   {
     std::lock_guard lk(im.mu);
     if (!opened_already()) {
