@@ -257,8 +257,7 @@ void fault(const std::string& what) {
   if (s.fault_count++ == 0) s.first_fault = what;
 }
 
-// Counts the call and returns the injected error, or CUDA_SUCCESS. Caller holds st().mu.
-// Counts a call named by a string literal (caller holds the lock).
+// Counts a call named by a string literal (caller holds st().mu).
 void count_call(const char* fn) {
   State& s = st();
   unsigned long*& count = s.calls_by_literal[fn];
@@ -266,6 +265,7 @@ void count_call(const char* fn) {
   ++*count;
 }
 
+// Counts the call and returns the injected error, or CUDA_SUCCESS. Caller holds st().mu.
 CUresult enter(const char* fn) {
   State& s = st();
   count_call(fn);

@@ -41,13 +41,40 @@ API cudaError_t cudaMalloc(void** p, size_t size) {
   return *p ? 0 : 2;
 }
 namespace {
-// Below: with a libcuda double, the stream-ordered calls on the double's streams are the driver's.
-bool through_driver(cudaStream_t s);
-int driver_alloc_async(void** p, size_t size, cudaStream_t s);
-int driver_free_async(void* p, cudaStream_t s);
+using AllocAsync = int (*)(void**, size_t, void*);
+using FreeAsync = int (*)(void*, void*);
+// Below: the driver's stream-ordered calls, default or per-thread-default stream (nullptr without a double).
+AllocAsync driver_alloc_async(bool ptsz);
+FreeAsync driver_free_async(bool ptsz);
+bool double_stream(cudaStream_t s);  // a stream the libcuda double knows (not one set with fakecudart_set_stream)
+bool make_current(int device);
+extern thread_local int t_device;
 std::set<void*>& host_async() {  // what cudaMallocAsync gave from host memory
   static auto* m = new std::set<void*>();
   return *m;
+}
+// With a libcuda double, on a stream of the double's, the driver's cuMemAllocAsync and cuMemFreeAsync (or their
+// per-thread default stream variants), as CUDA's runtime implements them (an interposer of the driver sees them:
+// what the runtime half forwards comes back through the driver half); else (no double, or a stream only this
+// double knows, fakecudart_set_stream) host memory.
+cudaError_t malloc_async(void** p, size_t size, cudaStream_t s, bool ptsz) {
+  if (AllocAsync f = driver_alloc_async(ptsz); f && double_stream(s)) return make_current(t_device) ? f(p, size, s) : 1;
+  *p = std::malloc(size ? size : 1);
+  if (!*p) return 2;
+  std::lock_guard lk(mu);
+  host_async().insert(*p);
+  return 0;
+}
+cudaError_t free_async(void* p, cudaStream_t s, bool ptsz) {
+  bool host;
+  {
+    std::lock_guard lk(mu);
+    host = host_async().erase(p) > 0;
+  }
+  FreeAsync f = driver_free_async(ptsz);
+  if (!host && f) return make_current(t_device) ? f(p, s) : 1;
+  std::free(p);
+  return 0;
 }
 }  // namespace
 API cudaError_t cudaFree(void* p) {
@@ -59,29 +86,13 @@ API cudaError_t cudaFree(void* p) {
   std::free(p);
   return 0;
 }
-// With a libcuda double, on a stream of the double's, the driver's cuMemAllocAsync and cuMemFreeAsync, as
-// CUDA's runtime implements them (an interposer of the driver sees them: what the runtime half forwards comes
-// back through the driver half); else (no double, or a stream only this double knows, fakecudart_set_stream)
-// host memory.
 API cudaError_t cudaMallocAsync(void** p, size_t size, cudaStream_t s) {
   count("cudaMallocAsync");
-  if (through_driver(s)) return driver_alloc_async(p, size, s);
-  *p = std::malloc(size ? size : 1);
-  if (!*p) return 2;
-  std::lock_guard lk(mu);
-  host_async().insert(*p);
-  return 0;
+  return malloc_async(p, size, s, false);
 }
 API cudaError_t cudaFreeAsync(void* p, cudaStream_t s) {
   count("cudaFreeAsync");
-  bool host = !through_driver(nullptr);
-  {
-    std::lock_guard lk(mu);
-    host = host_async().erase(p) > 0 || host;
-  }
-  if (!host) return driver_free_async(p, s);
-  std::free(p);
-  return 0;
+  return free_async(p, s, false);
 }
 namespace {
 thread_local int t_device = 0;  // the runtime's current device, per thread
@@ -183,19 +194,12 @@ bool make_current(int device) {
 // cudaError_t for a CUresult: 0 stays 0, anything else is reported as it is (tests only ask "failed?").
 int runtime_error(int cu) { return cu; }
 std::map<cudaStream_t, int>& stream_devices();
-bool through_driver(cudaStream_t s) {
-  if (!drv().lib || !drv().mem_alloc_async || !drv().mem_free_async) return false;
+bool double_stream(cudaStream_t s) {
   std::lock_guard lk(mu);
-  return !s || !stream_devices().count(s);
+  return !stream_devices().count(s);
 }
-int driver_alloc_async(void** p, size_t size, cudaStream_t s) {
-  if (!make_current(t_device)) return 1;
-  return runtime_error(drv().mem_alloc_async(p, size, s));
-}
-int driver_free_async(void* p, cudaStream_t s) {
-  if (!make_current(t_device)) return 1;
-  return runtime_error(drv().mem_free_async(p, s));
-}
+AllocAsync driver_alloc_async(bool ptsz) { return ptsz ? drv().mem_alloc_async_ptsz : drv().mem_alloc_async; }
+FreeAsync driver_free_async(bool ptsz) { return ptsz ? drv().mem_free_async_ptsz : drv().mem_free_async; }
 void* per_thread(cudaStream_t s) { return s ? s : reinterpret_cast<void*>(std::uintptr_t{0x2}); }  // _ptsz 0
 std::map<cudaStream_t, int>& stream_devices() {
   static auto* m = new std::map<cudaStream_t, int>();
@@ -325,27 +329,13 @@ API cudaError_t cudaStreamEndCapture(cudaStream_t s, void** graph) {
 API cudaError_t cudaStreamEndCapture_ptsz(cudaStream_t s, void** graph) {
   return cudaStreamEndCapture(static_cast<cudaStream_t>(per_thread(s)), graph);
 }
-// As cudaMallocAsync and cudaFreeAsync, through the driver's per-thread default stream entry points.
 API cudaError_t cudaMallocAsync_ptsz(void** p, size_t size, cudaStream_t s) {
   count("cudaMallocAsync_ptsz");
-  if (through_driver(s) && drv().mem_alloc_async_ptsz && make_current(t_device))
-    return runtime_error(drv().mem_alloc_async_ptsz(p, size, s));
-  *p = std::malloc(size ? size : 1);
-  if (!*p) return 2;
-  std::lock_guard lk(mu);
-  host_async().insert(*p);
-  return 0;
+  return malloc_async(p, size, s, true);
 }
 API cudaError_t cudaFreeAsync_ptsz(void* p, cudaStream_t s) {
   count("cudaFreeAsync_ptsz");
-  bool host = !through_driver(nullptr) || !drv().mem_free_async_ptsz;
-  {
-    std::lock_guard lk(mu);
-    host = host_async().erase(p) > 0 || host;
-  }
-  if (!host) return make_current(t_device) ? runtime_error(drv().mem_free_async_ptsz(p, s)) : 1;
-  std::free(p);
-  return 0;
+  return free_async(p, s, true);
 }
 // Fails for every pointer, as it does for memory from cuMemCreate (no legacy IPC handle).
 API cudaError_t cudaIpcGetMemHandle(void* handle, void*) {
