@@ -21,7 +21,7 @@
 #include "fragless/sim_driver.h"
 #include "fragless/tracer.h"
 #include "replay.h"
-#include "size_mix.h"
+#include "bench_common.h"
 #include "workload.h"
 
 using namespace fragless;
@@ -30,14 +30,7 @@ namespace {
 
 using bench::size_mix;
 
-std::unique_ptr<DeviceEngine> engine(PolicyKind p) {
-  Options o;
-  o.policy = p;
-  o.driver = DriverKind::sim;
-  SimDriverOptions so;
-  so.capacity = 64ull << 30;
-  return std::make_unique<DeviceEngine>(o, make_sim_driver(so));
-}
+std::unique_ptr<DeviceEngine> engine(PolicyKind p) { return bench::sim_engine(p); }
 
 DeviceEngine* shared_engine(PolicyKind p) {
   static std::unique_ptr<DeviceEngine> engines[3];

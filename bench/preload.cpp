@@ -19,7 +19,7 @@
 
 #include "fragless/engine.h"
 #include "fragless/sim_driver.h"
-#include "size_mix.h"
+#include "bench_common.h"
 
 extern "C" {
 typedef int cudaError_t;
@@ -120,14 +120,7 @@ BENCHMARK(BM_DriverHalfPair)->Threads(1)->Threads(2)->UseRealTime();
 
 // The floor: the same pairs on a fragless engine of this process (the sim driver), one stream per thread.
 void BM_EnginePair(benchmark::State& state) {
-  static std::unique_ptr<DeviceEngine> e = [] {
-    Options o;
-    o.policy = PolicyKind::fragless;
-    o.driver = DriverKind::sim;
-    SimDriverOptions so;
-    so.capacity = 64ull << 30;
-    return std::make_unique<DeviceEngine>(o, make_sim_driver(so));
-  }();
+  static std::unique_ptr<DeviceEngine> e = bench::sim_engine(PolicyKind::fragless);
   const Stream stream = static_cast<Stream>(state.thread_index() + 1);
   pairs(
       state, [&](void** p, std::size_t n) { return (*p = e->allocate(n, stream, nullptr)) != nullptr; },

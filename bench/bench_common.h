@@ -1,12 +1,17 @@
-// The size mix of the cache-hit benchmarks (bench/micro.cpp, bench/preload.cpp): many small tensors (biases,
-// norms), activations of 1–40 MiB, all multiples of 512 B; the same draws every run.
+// What the benchmark programs share (bench/micro.cpp, bench/preload.cpp): the size mix of the cache-hit pairs
+// and the engine they run on.
 #pragma once
 #include <cstddef>
+#include <memory>
 #include <random>
 #include <vector>
 
+#include "fragless/engine.h"
+#include "fragless/sim_driver.h"
+
 namespace fragless::bench {
 
+// Many small tensors (biases, norms), activations of 1–40 MiB, all multiples of 512 B; the same draws every run.
 inline std::vector<std::size_t> size_mix() {
   std::mt19937_64 rng(42);
   std::vector<std::size_t> sizes;
@@ -20,6 +25,16 @@ inline std::vector<std::size_t> size_mix() {
     sizes.push_back(s);
   }
   return sizes;
+}
+
+// A device engine of `policy` on the sim driver, 64 GiB.
+inline std::unique_ptr<DeviceEngine> sim_engine(PolicyKind policy) {
+  Options o;
+  o.policy = policy;
+  o.driver = DriverKind::sim;
+  SimDriverOptions so;
+  so.capacity = 64ull << 30;
+  return std::make_unique<DeviceEngine>(o, make_sim_driver(so));
 }
 
 }  // namespace fragless::bench
