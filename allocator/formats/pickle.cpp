@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <unordered_map>
 
 namespace fragless::formats {
 
@@ -149,14 +150,98 @@ class Unpickler {
     t->items = std::move(items);
     return t;
   }
+  // Writers number the memo densely from 0 (Python's pickler and TorchScript's alike), so the memo is a
+  // vector; an index past its end (a hand-edited or optimised pickle) goes to a map. Either way each put
+  // costs one slot, whatever index the input names.
   void memo_put(std::uint64_t idx) {
-    if (idx > (1u << 26)) fail("memo index too large");
-    if (memo_.size() <= idx) memo_.resize(idx + 1);
-    memo_[idx] = top();
+    if (idx < memo_.size()) memo_[idx] = top();
+    else if (idx == memo_.size()) memo_.push_back(top());
+    else sparse_memo_[idx] = top();
   }
   PyRef memo_get(std::uint64_t idx) {
-    if (idx >= memo_.size() || !memo_[idx]) fail("memo index " + std::to_string(idx) + " not defined");
-    return memo_[idx];
+    if (idx < memo_.size() && memo_[idx]) return memo_[idx];
+    if (auto it = sparse_memo_.find(idx); it != sparse_memo_.end()) return it->second;
+    fail("memo index " + std::to_string(idx) + " not defined");
+  }
+  // The decimal argument of PUT and GET (protocol 0).
+  std::uint64_t memo_index_text() {
+    const std::string t(line());
+    char* end = nullptr;
+    errno = 0;
+    const unsigned long long v = std::strtoull(t.c_str(), &end, 10);
+    if (t.empty() || t[0] < '0' || t[0] > '9' || errno || end != t.c_str() + t.size()) fail("bad memo index '" + t + "'");
+    return v;
+  }
+  // UNICODE's argument: Python's raw-unicode-escape (code points below 256 as single bytes, \uXXXX and
+  // \UXXXXXXXX for the rest, and for '\\' and the newline) → UTF-8.
+  std::string raw_unicode_escape(std::string_view in) {
+    std::string out;
+    for (std::size_t i = 0; i < in.size(); ++i) {
+      std::uint32_t cp = static_cast<std::uint8_t>(in[i]);
+      if (in[i] == '\\' && i + 1 < in.size() && (in[i + 1] == 'u' || in[i + 1] == 'U')) {
+        const std::size_t n = in[i + 1] == 'u' ? 4 : 8;
+        if (i + 2 + n > in.size()) fail("truncated \\u escape in a UNICODE string");
+        cp = 0;
+        for (std::size_t k = i + 2; k < i + 2 + n; ++k) {
+          const int d = hex_digit(in[k]);
+          if (d < 0) fail("bad \\u escape in a UNICODE string");
+          cp = cp << 4 | static_cast<std::uint32_t>(d);
+        }
+        if (cp > 0x10ffff) fail("\\U escape past U+10FFFF in a UNICODE string");
+        i += 1 + n;
+      }
+      append_utf8(out, cp);
+    }
+    return out;
+  }
+  static int hex_digit(char c) {
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+  }
+  static void append_utf8(std::string& out, std::uint32_t cp) {
+    if (cp < 0x80) {
+      out.push_back(static_cast<char>(cp));
+    } else if (cp < 0x800) {
+      out.push_back(static_cast<char>(0xc0 | cp >> 6));
+      out.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+    } else if (cp < 0x10000) {
+      out.push_back(static_cast<char>(0xe0 | cp >> 12));
+      out.push_back(static_cast<char>(0x80 | (cp >> 6 & 0x3f)));
+      out.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+    } else {
+      out.push_back(static_cast<char>(0xf0 | cp >> 18));
+      out.push_back(static_cast<char>(0x80 | (cp >> 12 & 0x3f)));
+      out.push_back(static_cast<char>(0x80 | (cp >> 6 & 0x3f)));
+      out.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+    }
+  }
+  // STRING's argument (protocol 0 from Python 2): a quoted literal with backslash escapes → its bytes.
+  std::string quoted_string(std::string_view in) {
+    if (in.size() < 2 || (in.front() != '\'' && in.front() != '"') || in.back() != in.front())
+      fail("STRING argument is not a quoted literal");
+    in = in.substr(1, in.size() - 2);
+    std::string out;
+    for (std::size_t i = 0; i < in.size(); ++i) {
+      if (in[i] != '\\' || i + 1 == in.size()) {
+        out.push_back(in[i]);
+        continue;
+      }
+      const char c = in[++i];
+      switch (c) {
+        case 'n': out.push_back('\n'); break;
+        case 't': out.push_back('\t'); break;
+        case 'r': out.push_back('\r'); break;
+        case '0': out.push_back('\0'); break;
+        case 'x': {
+          const int hi = i + 2 < in.size() ? hex_digit(in[i + 1]) : -1, lo = hi < 0 ? -1 : hex_digit(in[i + 2]);
+          if (lo < 0) fail("bad \\x escape in a STRING");
+          out.push_back(static_cast<char>(hi << 4 | lo));
+          i += 2;
+          break;
+        }
+        default: out.push_back(c); break;  // \\, \', \"
+      }
+    }
+    return out;
   }
 
   PyRef loop() {
@@ -164,7 +249,11 @@ class Unpickler {
       op_pos_ = pos_;
       const std::uint8_t op = byte();
       switch (op) {
-        case 0x80: if (byte() > 5) fail("unsupported pickle protocol"); break;  // PROTO
+        case 0x80: {                                                             // PROTO
+          const int v = byte();
+          if (v > 5) fail("unsupported pickle protocol " + std::to_string(v) + " (this reader knows 0 to 5)");
+          break;
+        }
         case 0x95: le(8); break;                                                 // FRAME (length is advisory)
         case '.': {                                                              // STOP
           auto v = pop();
@@ -228,10 +317,10 @@ class Unpickler {
         case 0x8c: { const auto n = byte(); push(make_str(take(n))); break; }    // SHORT_BINUNICODE
         case 'X': push(make_str(take(le(4)))); break;                            // BINUNICODE
         case 0x8d: push(make_str(take(le(8)))); break;                           // BINUNICODE8
-        case 'V': push(make_str(line())); break;                                 // UNICODE (raw-escaped)
+        case 'V': push(make_str(raw_unicode_escape(line()))); break;             // UNICODE (raw-unicode-escape)
         case 'U': { const auto n = byte(); push(make_str(take(n))); break; }     // SHORT_BINSTRING
         case 'T': push(make_str(take(le(4)))); break;                            // BINSTRING
-        case 'S': push(make_str(line())); break;                                 // STRING (quoted repr)
+        case 'S': push(make_str(quoted_string(line()))); break;                  // STRING (quoted repr)
         case 'C': { const auto n = byte(); push(make_str(take(n), PyValue::Type::bytes)); break; }
         case 'B': push(make_str(take(le(4)), PyValue::Type::bytes)); break;
         case 0x8e: case 0x96: push(make_str(take(le(8)), PyValue::Type::bytes)); break;  // BINBYTES8 / BYTEARRAY8
@@ -254,10 +343,10 @@ class Unpickler {
         case 0x94: memo_put(memo_.size()); break;                                // MEMOIZE
         case 'q': memo_put(byte()); break;                                       // BINPUT
         case 'r': memo_put(le(4)); break;                                        // LONG_BINPUT
-        case 'p': memo_put(std::strtoull(std::string(line()).c_str(), nullptr, 10)); break;  // PUT
+        case 'p': memo_put(memo_index_text()); break;                            // PUT
         case 'h': push(memo_get(byte())); break;                                 // BINGET
         case 'j': push(memo_get(le(4))); break;                                  // LONG_BINGET
-        case 'g': push(memo_get(std::strtoull(std::string(line()).c_str(), nullptr, 10))); break;  // GET
+        case 'g': push(memo_get(memo_index_text())); break;                      // GET
         case 'c': fail("refused GLOBAL: the file asks to import a Python object; only data is accepted");
         case 0x93: fail("refused STACK_GLOBAL: the file asks to import a Python object; only data is accepted");
         case 'R': fail("refused REDUCE: the file asks to call a Python object; only data is accepted");
@@ -284,6 +373,7 @@ class Unpickler {
   std::vector<PyRef> stack_;
   std::vector<std::size_t> marks_;
   std::vector<PyRef> memo_;
+  std::unordered_map<std::uint64_t, PyRef> sparse_memo_;
   PickleArena* arena_ = nullptr;
 };
 

@@ -4,7 +4,8 @@
 // and frames. Every opcode that could build an object or run code (GLOBAL, STACK_GLOBAL, REDUCE, BUILD,
 // INST, OBJ, NEWOBJ, NEWOBJ_EX, EXT*, PERSID, BINPERSID, buffers) is refused with an error naming it and
 // its offset: nothing from the input is ever executed or looked up. Bounded: nesting depth, declared
-// lengths (checked against the bytes left) and integer widths are limited.
+// lengths (checked against the bytes left) and integer widths are limited, and the memo grows by one slot
+// per put whatever index the input names.
 #pragma once
 #include <cstdint>
 #include <memory>

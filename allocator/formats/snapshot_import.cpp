@@ -1,4 +1,27 @@
 // PyTorch memory snapshot (torch.cuda.memory._dump_snapshot) → Trace.
+//
+// Note [Snapshot versions]
+// Every shape PyTorch has written since 2.0 is read, and each field the trace model needs is checked: a
+// missing or mistyped one is an error that names the segment, block or trace entry and the key.
+//  - The top level is a dict (segments, device_traces; allocator_settings and external_annotations from
+//    2.1) or a bare list of segments (torch.cuda.memory_snapshot()). device_traces holds one list per device
+//    the process saw (also empty ones); it is absent from the list form and from some hand-made dumps.
+//  - Pickles come from Python's pickle (_dump_snapshot: protocol 4, or 5 under Python 3.14) or from
+//    TorchScript's pickler (torch/csrc/cuda/memory_snapshot.cpp, _memory_snapshot_pickled: protocol 2, every
+//    string memoised); pickle.cpp reads both.
+//  - Blocks: 'address' from 2.1, else the segment's address plus the sizes of the blocks before it.
+//    'requested_size' when written, else (the oldest dumps) the newest 'history' entry's 'real_size' (history
+//    lists are newest first, as torch/cuda/_memory_viz.py reads them), else the block size.
+//  - Trace entries: 'time_us' from 2.2; an oom names the free device memory 'device_free', not 'addr';
+//    'frames', 'cpp_frames' (2.0), 'compile_context' and 'user_metadata' (2.4+) are counted as dropped.
+//  - A free is free_completed. A device whose trace has free_requested entries and not one free_completed was
+//    recorded with _record_memory_history(skip_actions=["free_completed"]): its free_requested entries are
+//    the frees (the block's return to the cache is what was skipped), said in a warning. A trace that
+//    allocates again at an address it has not freed lost its frees altogether: a warning says so.
+//  - Without history (recording off, or the legacy _record_memory_history(True), which keeps one entry)
+//    there are no alloc entries: the blocks live at the dump still load (as the seed), and a warning says
+//    that there is nothing to replay and how to record a trace. Actions of a newer PyTorch are skipped, and
+//    a warning names them.
 #include <algorithm>
 #include <cstdint>
 #include <map>
@@ -19,230 +42,352 @@ int Trace::devices() const {
 
 namespace {
 
-std::int64_t num(const PyValue* v, std::int64_t fallback = 0) { return v && v->is_number() ? v->as_int() : fallback; }
-std::string str(const PyValue* v) { return v && v->type == PyValue::Type::str ? v->s : std::string(); }
+// More devices than any machine has: a larger index is a corrupt file, refused before anything is sized by it.
+constexpr std::int64_t kMaxDevices = 4096;
 
-LoadResult fail(const std::string& name, const std::string& what) {
-  LoadResult r;
-  r.error = name + ": " + what;
-  return r;
+struct Bad {
+  std::string what;
+};
+[[noreturn]] void bad(std::string what) { throw Bad{std::move(what)}; }
+
+const char* type_name(const PyValue& v) {
+  switch (v.type) {
+    case PyValue::Type::none: return "None";
+    case PyValue::Type::boolean: return "a bool";
+    case PyValue::Type::integer: return "an int";
+    case PyValue::Type::real: return "a float";
+    case PyValue::Type::str: return "a str";
+    case PyValue::Type::bytes: return "bytes";
+    case PyValue::Type::list: return "a list";
+    case PyValue::Type::tuple: return "a tuple";
+    case PyValue::Type::dict: return "a dict";
+    case PyValue::Type::set: return "a set";
+  }
+  return "?";
 }
 
-}  // namespace
+// A dict's value under `key`; None counts as absent.
+const PyValue* field(const PyValue& d, const char* key) {
+  const PyValue* v = d.get(key);
+  return v && v->type != PyValue::Type::none ? v : nullptr;
+}
 
-LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string& name) {
-  PickleResult pr = read_pickle(bytes);
-  if (!pr.value) return fail(name, pr.error);
-  const PyValue* root = pr.value.get();
+// What an integer field may hold: sizes and device indices are in [0, 2^63) (PyTorch writes them as int64);
+// addresses are any 64-bit value (fragless writes them unsigned), never negative; streams are handles,
+// any 64-bit pattern.
+enum class Int { size, address, handle };
+
+std::uint64_t integer(const PyValue& v, Int kind, const std::string& where, const char* key) {
+  if (v.type != PyValue::Type::integer)
+    bad(where + ": '" + key + "' is " + type_name(v) + ", not an int");
+  if ((kind == Int::size && (v.wide || v.i < 0)) || (kind == Int::address && !v.wide && v.i < 0))
+    bad(where + ": '" + key + "' is " + v.int_text() + (kind == Int::size ? ", outside [0, 2^63)" : ", negative"));
+  return v.as_uint();
+}
+std::uint64_t need(const PyValue& d, const char* key, Int kind, const std::string& where) {
+  const PyValue* v = field(d, key);
+  if (!v) bad(where + ": no '" + std::string(key) + "'");
+  return integer(*v, kind, where, key);
+}
+std::uint64_t opt(const PyValue& d, const char* key, Int kind, const std::string& where, std::uint64_t fallback) {
+  const PyValue* v = field(d, key);
+  return v ? integer(*v, kind, where, key) : fallback;
+}
+std::string text(const PyValue& d, const char* key, const std::string& where) {
+  const PyValue* v = field(d, key);
+  if (!v) bad(where + ": no '" + std::string(key) + "'");
+  if (v->type != PyValue::Type::str) bad(where + ": '" + key + "' is " + type_name(*v) + ", not a str");
+  return v->s;
+}
+const PyValue* list_or_null(const PyValue& d, const char* key, const std::string& where) {
+  const PyValue* v = field(d, key);
+  if (v && v->type != PyValue::Type::list) bad(where + ": '" + key + "' is " + type_name(*v) + ", not a list");
+  return v;
+}
+std::size_t device_index(std::uint64_t d, const std::string& where) {
+  if (d >= static_cast<std::uint64_t>(kMaxDevices))
+    bad(where + ": device " + std::to_string(d) + " is out of range (at most " + std::to_string(kMaxDevices) + " devices)");
+  return static_cast<std::size_t>(d);
+}
+
+bool has_frames(const PyValue& v) {
+  const PyValue* f = v.get("frames");
+  if (f && f->type == PyValue::Type::list && !f->items.empty()) return true;
+  const PyValue* c = v.get("cpp_frames");  // 2.0: C++ frames as one string
+  return c && c->type == PyValue::Type::str && !c->s.empty();
+}
+
+// Segments (classic) and mapped ranges (expandable) at dump time: address -> (size, expandable, stream).
+struct DumpSeg {
+  std::uint64_t size;
+  bool expandable;
+  std::uint64_t stream;
+  std::size_t freed_at = SIZE_MAX;
+};
+// A block allocated at dump time: (requested, stream, block size).
+using LiveBlock = std::tuple<std::uint64_t, std::uint64_t, std::uint64_t>;
+
+struct Device {
+  std::uint64_t reserved_end = 0;
+  std::map<std::uint64_t, LiveBlock> live_at_dump;
+  std::map<std::uint64_t, DumpSeg> segments_at_dump;
+};
+
+struct Counts {
+  std::size_t framed_blocks = 0, framed_segments = 0, framed_events = 0, context_events = 0, metadata_events = 0;
+  std::size_t entries = 0, allocs = 0, live_blocks = 0;
+  std::map<std::string, std::size_t> unknown_actions;
+  std::vector<std::string> notes;  // warnings
+};
+
+void read_segment(const PyValue& seg, const std::string& where, std::vector<Device>& devs, Counts& c) {
+  if (seg.type != PyValue::Type::dict) bad(where + " is " + type_name(seg) + ", not a dict");
+  const std::size_t dev = device_index(opt(seg, "device", Int::size, where, 0), where);
+  if (dev >= devs.size()) devs.resize(dev + 1);
+  Device& d = devs[dev];
+  const std::uint64_t address = need(seg, "address", Int::address, where);
+  const std::uint64_t total = need(seg, "total_size", Int::size, where);
+  if (address + total < address) bad(where + ": address + total_size is past 2^64");
+  const std::uint64_t stream = opt(seg, "stream", Int::handle, where, 0);
+  d.reserved_end += total;
+  const PyValue* ex = seg.get("is_expandable");
+  d.segments_at_dump[address] = {total, ex && ex->type == PyValue::Type::boolean && ex->i != 0, stream};
+  c.framed_segments += has_frames(seg);
+  const PyValue* blocks = list_or_null(seg, "blocks", where);
+  if (!blocks) return;
+  std::uint64_t at = address;
+  std::size_t index = 0;
+  for (const auto& bp : blocks->items) {
+    const PyValue& b = *bp;
+    const std::string bw = where + ".blocks[" + std::to_string(index++) + "]";
+    if (b.type != PyValue::Type::dict) bad(bw + " is " + type_name(b) + ", not a dict");
+    const std::uint64_t size = need(b, "size", Int::size, bw);
+    const std::uint64_t baddr = opt(b, "address", Int::address, bw, at);
+    const PyValue* history = list_or_null(b, "history", bw);
+    bool framed = has_frames(b);
+    if (history)
+      for (const auto& h : history->items) framed |= h->type == PyValue::Type::dict && has_frames(*h);
+    c.framed_blocks += framed;
+    if (text(b, "state", bw) == "active_allocated") {
+      std::uint64_t requested = size;
+      if (field(b, "requested_size")) {
+        requested = need(b, "requested_size", Int::size, bw);
+      } else if (history && !history->items.empty() && history->items[0]->type == PyValue::Type::dict) {
+        requested = opt(*history->items[0], "real_size", Int::size, bw + ".history[0]", size);
+      }
+      d.live_at_dump[baddr] = {requested, stream, size};
+      ++c.live_blocks;
+    }
+    if (baddr + size < baddr) bad(bw + ": address + size is past 2^64");
+    at = baddr + size;
+  }
+}
+
+// One device's trace entries → events appended to t.events.
+void read_trace(const PyValue& list, std::size_t dev, const std::string& where, Trace& t, Counts& c) {
+  if (list.type != PyValue::Type::list) bad(where + " is " + type_name(list) + ", not a list");
+  // skip_actions=["free_completed"]: the free_requested entries are the frees.
+  bool any_completed = false, any_requested = false;
+  for (const auto& ep : list.items)
+    if (ep->type == PyValue::Type::dict)
+      if (const PyValue* a = ep->get("action"); a && a->type == PyValue::Type::str) {
+        any_completed |= a->s == "free_completed";
+        any_requested |= a->s == "free_requested";
+      }
+  const bool requested_frees = any_requested && !any_completed;
+  std::size_t taken = 0, reallocated = 0;
+  std::set<std::uint64_t> allocated_in_window;
+  std::size_t index = 0;
+  for (const auto& ep : list.items) {
+    const PyValue& e = *ep;
+    const std::string ew = where + "[" + std::to_string(index++) + "]";
+    if (e.type != PyValue::Type::dict) bad(ew + " is " + type_name(e) + ", not a dict");
+    const std::string action = text(e, "action", ew);
+    ++c.entries;
+    c.framed_events += has_frames(e);
+    if (const PyValue* x = e.get("compile_context"); x && x->type == PyValue::Type::str && !x->s.empty() && x->s != "N/A")
+      ++c.context_events;
+    if (const PyValue* m = e.get("user_metadata"); m && m->type == PyValue::Type::str && !m->s.empty()) ++c.metadata_events;
+    static const std::set<std::string> known = {"alloc", "free_requested", "free_completed", "segment_alloc",
+                                                "segment_free", "segment_map", "segment_unmap", "snapshot", "oom"};
+    if (!known.count(action)) {  // an action of a newer PyTorch: nothing to replay
+      ++c.unknown_actions[action];
+      continue;
+    }
+    const std::string aw = ew + " ('" + action + "')";
+    Event ev;
+    ev.device = static_cast<std::int32_t>(dev);
+    ev.stream = opt(e, "stream", Int::handle, aw, 0);
+    ev.size = need(e, "size", Int::size, aw);
+    if (action == "oom")  // the free device memory, under its own key (older hand-made dumps: 'addr')
+      ev.address = field(e, "device_free") ? need(e, "device_free", Int::size, aw) : opt(e, "addr", Int::size, aw, 0);
+    else
+      ev.address = need(e, "addr", Int::address, aw);
+    if (const PyValue* tu = field(e, "time_us")) {
+      if (tu->type != PyValue::Type::integer) bad(aw + ": 'time_us' is " + std::string(type_name(*tu)) + ", not an int");
+      ev.time_us = tu->as_int();
+      t.has_time = true;
+    }
+    if (action != "oom" && action != "snapshot" && ev.address + ev.size < ev.address)
+      bad(aw + ": addr + size is past 2^64");
+    if (action == "alloc") {
+      ev.op = Op::alloc;
+      reallocated += !allocated_in_window.insert(ev.address).second;
+      ++c.allocs;
+    } else if (action == "free_completed" || (action == "free_requested" && requested_frees)) {
+      ev.op = Op::free;
+      taken += action == "free_requested";
+      if (!allocated_in_window.count(ev.address)) {  // allocated before the window: seed it
+        Event s = ev;
+        s.op = Op::alloc;
+        t.seed.push_back(s);
+      }
+      allocated_in_window.erase(ev.address);
+    } else if (action == "free_requested") {
+      ev.op = Op::free_requested;
+    } else if (action == "segment_alloc" || action == "segment_map") {
+      ev.op = action == "segment_alloc" ? Op::segment_alloc : Op::segment_map;
+    } else if (action == "segment_free" || action == "segment_unmap") {
+      ev.op = action == "segment_free" ? Op::segment_free : Op::segment_unmap;
+    } else if (action == "oom") {
+      ev.op = Op::oom;
+    } else {
+      ev.op = Op::snapshot;
+    }
+    t.events.push_back(ev);
+  }
+  if (taken)
+    c.notes.push_back("device " + std::to_string(dev) + "'s trace has " + std::to_string(taken) +
+                      " free_requested entries and no free_completed (recorded with skip_actions=[\"free_completed\"]?): "
+                      "the free_requested entries are taken as the frees");
+  if (reallocated)  // a window records every entry after its first: only skip_actions loses a free
+    c.notes.push_back("device " + std::to_string(dev) + ": " + std::to_string(reallocated) + " allocation" +
+                      (reallocated == 1 ? "" : "s") + " at an address the trace has not freed: the frees are missing "
+                      "(recorded with skip_actions?), so the replay holds memory the program had freed");
+}
+
+// A burst of consecutive segment_free entries is what torch.cuda.empty_cache() (or PyTorch's own
+// release-everything OOM retry) leaves in a snapshot: the program asked for its cache to be emptied, so
+// every replayed policy gets the same empty_cache call there. A lone segment_free (garbage collection, an
+// oversize release) is PyTorch's own decision and is not replayed.
+void add_empty_cache_calls(Trace& t, std::size_t first_event) {
+  std::vector<Event> with_calls;
+  with_calls.reserve(t.events.size() - first_event + 16);
+  for (std::size_t i = first_event; i < t.events.size(); ++i) {
+    const Event& ev = t.events[i];
+    if (ev.op == Op::segment_free && (i == first_event || t.events[i - 1].op != Op::segment_free) &&
+        i + 1 < t.events.size() && t.events[i + 1].op == Op::segment_free) {
+      Event call = ev;
+      call.op = Op::empty_cache;
+      call.address = call.size = 0;
+      with_calls.push_back(call);
+    }
+    with_calls.push_back(ev);
+  }
+  t.events.resize(first_event);
+  t.events.insert(t.events.end(), with_calls.begin(), with_calls.end());
+}
+
+// What the allocator held before the window: the dump's segments and mapped ranges rolled back through the
+// window's segment events (undo a map: cut the range out; an unmap: add it back, merged with the ranges it
+// touches; an alloc: drop the segment; a free: add it). Classic segments are segment_alloc entries, mapped
+// ranges segment_map ones.
+void add_pre_segments(Trace& t, std::size_t first_event, std::size_t dev, const std::map<std::uint64_t, DumpSeg>& at_dump) {
+  std::map<std::uint64_t, DumpSeg> held = at_dump;
+  for (std::size_t i = t.events.size(); i-- > first_event;) {
+    const Event& ev = t.events[i];
+    const std::uint64_t a = ev.address, b = ev.address + ev.size;
+    if (ev.op == Op::segment_alloc) {
+      held.erase(a);
+    } else if (ev.op == Op::segment_free) {
+      held[a] = {ev.size, false, ev.stream, i};
+    } else if (ev.op == Op::segment_map) {
+      auto it = held.upper_bound(a);
+      if (it == held.begin()) continue;
+      --it;
+      const std::uint64_t s0 = it->first;
+      const DumpSeg d = it->second;
+      if (!d.expandable || s0 + d.size < b) continue;  // not a range this dump holds: nothing to undo
+      held.erase(it);
+      if (a > s0) held[s0] = {a - s0, true, d.stream};
+      if (b < s0 + d.size) held[b] = {s0 + d.size - b, true, d.stream};
+    } else if (ev.op == Op::segment_unmap) {
+      std::uint64_t lo = a, hi = b;
+      auto next = held.find(b);
+      if (next != held.end() && next->second.expandable) hi += next->second.size, held.erase(next);
+      auto it = held.lower_bound(a);
+      if (it != held.begin()) {
+        auto prev = std::prev(it);
+        if (prev->second.expandable && prev->first + prev->second.size == a) lo = prev->first, held.erase(prev);
+      }
+      held[lo] = {hi - lo, true, ev.stream};
+    }
+  }
+  // Classic segments the window frees first, in the order it frees them (the replay recreates them in this
+  // order), then the rest by address.
+  std::vector<std::pair<std::uint64_t, DumpSeg>> order(held.begin(), held.end());
+  std::stable_sort(order.begin(), order.end(), [](const auto& x, const auto& y) { return x.second.freed_at < y.second.freed_at; });
+  for (const auto& [addr, d] : order) {
+    Event s;
+    s.op = d.expandable ? Op::segment_map : Op::segment_alloc;
+    s.device = static_cast<std::int32_t>(dev);
+    s.address = addr;
+    s.size = d.size;
+    s.stream = d.stream;
+    t.pre_segments.push_back(s);
+  }
+}
+
+LoadResult import(const PyValue& root, const std::string& name) {
   const PyValue* segments = nullptr;
   const PyValue* traces = nullptr;
-  if (root->type == PyValue::Type::list) {
-    segments = root;  // old memory_snapshot() output: a list of segments
-  } else if (root->type == PyValue::Type::dict) {
-    segments = root->get("segments");
-    traces = root->get("device_traces");
+  if (root.type == PyValue::Type::list) {
+    segments = &root;  // old memory_snapshot() output: a list of segments
+  } else if (root.type == PyValue::Type::dict) {
+    segments = root.get("segments");
+    if (!segments || segments->type != PyValue::Type::list)
+      bad(std::string("not a PyTorch memory snapshot (") +
+          (segments ? std::string("'segments' is ") + type_name(*segments) + ", not a list" : "no 'segments' list") + ")");
+    traces = list_or_null(root, "device_traces", "the snapshot");
   } else {
-    return fail(name, "not a PyTorch memory snapshot (top level is neither a dict nor a list)");
+    bad(std::string("not a PyTorch memory snapshot (the top level is ") + type_name(root) + ", neither a dict nor a list)");
   }
-  if (!segments || segments->type != PyValue::Type::list)
-    return fail(name, "not a PyTorch memory snapshot (no 'segments' list)");
+  if (traces && traces->items.size() > static_cast<std::size_t>(kMaxDevices))
+    bad("'device_traces' has " + std::to_string(traces->items.size()) + " lists, more than " + std::to_string(kMaxDevices) +
+        " devices");
   LoadResult r;
-  r.ok = true;
   Trace& t = r.trace;
   t.source = name;
-  const std::size_t ndev = traces && traces->type == PyValue::Type::list ? traces->items.size() : 1;
-  std::vector<std::uint64_t> reserved_end(std::max<std::size_t>(ndev, 1), 0);
-  // Blocks live at dump time, per device: address -> (requested, stream, block size).
-  std::vector<std::map<std::uint64_t, std::tuple<std::uint64_t, std::uint64_t, std::uint64_t>>> live_at_dump(reserved_end.size());
-  std::size_t framed_blocks = 0, framed_segments = 0, framed_events = 0, context_events = 0, metadata_events = 0;
-  auto has_frames = [](const PyValue* v) {
-    const PyValue* f = v ? v->get("frames") : nullptr;
-    return f && f->type == PyValue::Type::list && !f->items.empty();
-  };
-  // Segments (classic) and mapped ranges (expandable) at dump time, per device: address -> (size, expandable, stream).
-  struct DumpSeg { std::uint64_t size; bool expandable; std::uint64_t stream; std::size_t freed_at = SIZE_MAX; };
-  std::vector<std::map<std::uint64_t, DumpSeg>> segments_at_dump(reserved_end.size());
-  for (const auto& sp : segments->items) {
-    const PyValue* seg = sp.get();
-    if (seg->type != PyValue::Type::dict) return fail(name, "segment entry is not a dict");
-    const auto dev = static_cast<std::size_t>(std::max<std::int64_t>(0, num(seg->get("device"))));
-    if (dev >= reserved_end.size()) {
-      reserved_end.resize(dev + 1, 0);
-      live_at_dump.resize(dev + 1);
-      segments_at_dump.resize(dev + 1);
-    }
-    reserved_end[dev] += static_cast<std::uint64_t>(num(seg->get("total_size")));
-    {
-      const PyValue* ex = seg->get("is_expandable");
-      segments_at_dump[dev][static_cast<std::uint64_t>(num(seg->get("address")))] = {
-          static_cast<std::uint64_t>(num(seg->get("total_size"))), ex && ex->type == PyValue::Type::boolean && ex->i != 0,
-          static_cast<std::uint64_t>(num(seg->get("stream")))};
-    }
-    framed_segments += has_frames(seg);
-    const PyValue* blocks = seg->get("blocks");
-    if (!blocks || blocks->type != PyValue::Type::list) continue;
-    std::uint64_t addr = static_cast<std::uint64_t>(num(seg->get("address")));
-    for (const auto& bp : blocks->items) {
-      const PyValue* b = bp.get();
-      const auto size = static_cast<std::uint64_t>(num(b->get("size")));
-      const std::uint64_t baddr = b->get("address") ? static_cast<std::uint64_t>(num(b->get("address"))) : addr;
-      framed_blocks += has_frames(b);
-      if (str(b->get("state")) == "active_allocated")
-        live_at_dump[dev][baddr] = {static_cast<std::uint64_t>(num(b->get("requested_size"), static_cast<std::int64_t>(size))),
-                                    static_cast<std::uint64_t>(num(seg->get("stream"))), size};
-      addr = baddr + size;
-    }
-  }
-  t.recorded_peak_reserved.assign(reserved_end.size(), std::nullopt);
+  Counts c;
+  std::vector<Device> devs(std::max<std::size_t>(traces ? traces->items.size() : 0, 1));
+  for (std::size_t i = 0; i < segments->items.size(); ++i)
+    read_segment(*segments->items[i], "segments[" + std::to_string(i) + "]", devs, c);
   // Written by fragless-trace convert: the segments are reconstructed, so they say nothing about what an
   // allocator reserved.
   bool converted = false;
-  if (root->type == PyValue::Type::dict)
-    if (const PyValue* st = root->get("allocator_settings"))
-      if (const PyValue* c = st->get("fragless_converted")) converted = c->type == PyValue::Type::boolean && c->i;
-  for (std::size_t dev = 0; traces && dev < traces->items.size(); ++dev) {
-    const PyValue* list = traces->items[dev].get();
-    if (list->type != PyValue::Type::list) return fail(name, "device_traces[" + std::to_string(dev) + "] is not a list");
-    std::set<std::uint64_t> allocated_in_window;
+  if (root.type == PyValue::Type::dict)
+    if (const PyValue* st = root.get("allocator_settings"))
+      if (const PyValue* cv = st->get("fragless_converted")) converted = cv->type == PyValue::Type::boolean && cv->i;
+  t.recorded_peak_reserved.assign(devs.size(), std::nullopt);
+  for (std::size_t dev = 0; dev < devs.size(); ++dev) {
     const std::size_t first_event = t.events.size();
-    std::int64_t seg_delta = 0, running = 0, peak = 0;
-    std::vector<std::int64_t> deltas;
-    std::size_t index = 0;
-    for (const auto& ep : list->items) {
-      const PyValue* e = ep.get();
-      ++index;
-      if (e->type != PyValue::Type::dict) return fail(name, "trace entry " + std::to_string(index) + " is not a dict");
-      const std::string action = str(e->get("action"));
-      framed_events += has_frames(e);
-      if (const PyValue* c = e->get("compile_context"); c && c->type == PyValue::Type::str && !c->s.empty() && c->s != "N/A")
-        ++context_events;
-      if (const PyValue* m = e->get("user_metadata"); m && m->type == PyValue::Type::str && !m->s.empty()) ++metadata_events;
-      Event ev;
-      ev.device = static_cast<std::int32_t>(dev);
-      ev.stream = static_cast<std::uint64_t>(num(e->get("stream")));
-      ev.address = static_cast<std::uint64_t>(num(e->get("addr")));
-      ev.size = static_cast<std::uint64_t>(num(e->get("size")));
-      if (const PyValue* tu = e->get("time_us"); tu && tu->is_number()) {
-        ev.time_us = tu->as_int();
-        t.has_time = true;
-      }
-      if (action == "alloc") {
-        ev.op = Op::alloc;
-        allocated_in_window.insert(ev.address);
-      } else if (action == "free_completed") {
-        ev.op = Op::free;
-        if (!allocated_in_window.count(ev.address)) {  // allocated before the window: seed it
-          Event s = ev;
-          s.op = Op::alloc;
-          t.seed.push_back(s);
-        }
-        allocated_in_window.erase(ev.address);
-      } else if (action == "segment_alloc" || action == "segment_map") {
-        ev.op = action == "segment_alloc" ? Op::segment_alloc : Op::segment_map;
-        deltas.push_back(static_cast<std::int64_t>(ev.size));
-        seg_delta += static_cast<std::int64_t>(ev.size);
-      } else if (action == "segment_free" || action == "segment_unmap") {
-        ev.op = action == "segment_free" ? Op::segment_free : Op::segment_unmap;
-        deltas.push_back(-static_cast<std::int64_t>(ev.size));
-        seg_delta -= static_cast<std::int64_t>(ev.size);
-      } else if (action == "free_requested") {
-        ev.op = Op::free_requested;
-      } else if (action == "oom") {
-        ev.op = Op::oom;
-        ev.address = static_cast<std::uint64_t>(num(e->get("device_free"), num(e->get("addr"))));
-      } else if (action == "snapshot") {
-        ev.op = Op::snapshot;
-      } else {
-        continue;  // an action of a newer PyTorch: nothing to replay
-      }
-      t.events.push_back(ev);
-    }
-    // A burst of consecutive segment_free entries is what torch.cuda.empty_cache() (or PyTorch's own
-    // release-everything OOM retry) leaves in a snapshot: the program asked for its cache to be emptied, so
-    // every replayed policy gets the same empty_cache call there. A lone segment_free (garbage
-    // collection, an oversize release) is PyTorch's own decision and is not replayed.
-    {
-      std::vector<Event> with_calls;
-      with_calls.reserve(t.events.size() - first_event + 16);
-      for (std::size_t i = first_event; i < t.events.size(); ++i) {
-        const Event& ev = t.events[i];
-        if (ev.op == Op::segment_free && (i == first_event || t.events[i - 1].op != Op::segment_free) &&
-            i + 1 < t.events.size() && t.events[i + 1].op == Op::segment_free) {
-          Event call = ev;
-          call.op = Op::empty_cache;
-          call.address = call.size = 0;
-          with_calls.push_back(call);
-        }
-        with_calls.push_back(ev);
-      }
-      t.events.resize(first_event);
-      t.events.insert(t.events.end(), with_calls.begin(), with_calls.end());
-    }
-    // What the allocator held before the window: the dump's segments and mapped ranges rolled back through
-    // the window's segment events (undo a map: cut the range out; an unmap: add it back, merged with the
-    // ranges it touches; an alloc: drop the segment; a free: add it). Classic segments are segment_alloc
-    // entries, mapped ranges segment_map ones.
-    if (!converted) {
-      std::map<std::uint64_t, DumpSeg> held = segments_at_dump[dev];
-      for (std::size_t i = t.events.size(); i-- > first_event;) {
-        const Event& ev = t.events[i];
-        const std::uint64_t a = ev.address, b = ev.address + ev.size;
-        if (ev.op == Op::segment_alloc) {
-          held.erase(a);
-        } else if (ev.op == Op::segment_free) {
-          held[a] = {ev.size, false, ev.stream, i};
-        } else if (ev.op == Op::segment_map) {
-          auto it = held.upper_bound(a);
-          if (it == held.begin()) continue;
-          --it;
-          const std::uint64_t s0 = it->first;
-          const DumpSeg d = it->second;
-          if (!d.expandable || s0 + d.size < b) continue;  // not a range this dump holds: nothing to undo
-          held.erase(it);
-          if (a > s0) held[s0] = {a - s0, true, d.stream};
-          if (b < s0 + d.size) held[b] = {s0 + d.size - b, true, d.stream};
-        } else if (ev.op == Op::segment_unmap) {
-          std::uint64_t lo = a, hi = b;
-          auto next = held.find(b);
-          if (next != held.end() && next->second.expandable) hi += next->second.size, held.erase(next);
-          auto it = held.lower_bound(a);
-          if (it != held.begin()) {
-            auto prev = std::prev(it);
-            if (prev->second.expandable && prev->first + prev->second.size == a) lo = prev->first, held.erase(prev);
-          }
-          held[lo] = {hi - lo, true, ev.stream};
-        }
-      }
-      // Classic segments the window frees first, in the order it frees them (the replay recreates them in
-      // this order), then the rest by address.
-      std::vector<std::pair<std::uint64_t, DumpSeg>> order(held.begin(), held.end());
-      std::stable_sort(order.begin(), order.end(), [](const auto& x, const auto& y) { return x.second.freed_at < y.second.freed_at; });
-      for (const auto& [addr, d] : order) {
-        Event s;
-        s.op = d.expandable ? Op::segment_map : Op::segment_alloc;
-        s.device = static_cast<std::int32_t>(dev);
-        s.address = addr;
-        s.size = d.size;
-        s.stream = d.stream;
-        t.pre_segments.push_back(s);
-      }
-    }
+    if (traces && dev < traces->items.size())
+      read_trace(*traces->items[dev], dev, "device_traces[" + std::to_string(dev) + "]", t, c);
+    add_empty_cache_calls(t, first_event);
+    if (!converted) add_pre_segments(t, first_event, dev, devs[dev].segments_at_dump);
     // A block the window allocated and the dump still holds: the dump tells its size after rounding (the
     // trace entry holds the size asked for).
-    {
-      std::set<std::uint64_t> settled;
-      for (std::size_t i = t.events.size(); i-- > first_event;) {
-        Event& ev = t.events[i];
-        if ((ev.op != Op::alloc && ev.op != Op::free) || !settled.insert(ev.address).second) continue;
-        if (ev.op == Op::alloc)
-          if (auto it = live_at_dump[dev].find(ev.address); it != live_at_dump[dev].end()) ev.block_size = std::get<2>(it->second);
-      }
+    const auto& live = devs[dev].live_at_dump;
+    std::set<std::uint64_t> settled, allocated_ever;
+    for (std::size_t i = t.events.size(); i-- > first_event;) {
+      Event& ev = t.events[i];
+      if (ev.op == Op::alloc) allocated_ever.insert(ev.address);
+      if ((ev.op != Op::alloc && ev.op != Op::free) || !settled.insert(ev.address).second) continue;
+      if (ev.op == Op::alloc)
+        if (auto it = live.find(ev.address); it != live.end()) ev.block_size = std::get<2>(it->second);
     }
     // Blocks live at dump time that the window never allocated were live throughout: seed them too.
-    std::set<std::uint64_t> allocated_ever;
-    for (const auto& ev : t.events)
-      if (ev.device == static_cast<std::int32_t>(dev) && ev.op == Op::alloc) allocated_ever.insert(ev.address);
-    for (const auto& [addr, rs] : live_at_dump[dev])
+    for (const auto& [addr, rs] : live)
       if (!allocated_ever.count(addr)) {
         Event s;
         s.device = static_cast<std::int32_t>(dev);
@@ -253,24 +398,72 @@ LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string
         t.seed.push_back(s);
       }
     // PyTorch's reserved over the window: the dump's reserved rolled back through the segment events.
-    running = static_cast<std::int64_t>(reserved_end[dev]) - seg_delta;
+    std::int64_t running = static_cast<std::int64_t>(devs[dev].reserved_end), peak = 0;
+    for (std::size_t i = first_event; i < t.events.size(); ++i) {
+      const Event& ev = t.events[i];
+      if (ev.op == Op::segment_alloc || ev.op == Op::segment_map) running -= static_cast<std::int64_t>(ev.size);
+      if (ev.op == Op::segment_free || ev.op == Op::segment_unmap) running += static_cast<std::int64_t>(ev.size);
+    }
     peak = running;
-    for (auto d : deltas) peak = std::max(peak, running += d);
+    for (std::size_t i = first_event; i < t.events.size(); ++i) {
+      const Event& ev = t.events[i];
+      if (ev.op == Op::segment_alloc || ev.op == Op::segment_map) running += static_cast<std::int64_t>(ev.size);
+      if (ev.op == Op::segment_free || ev.op == Op::segment_unmap) running -= static_cast<std::int64_t>(ev.size);
+      peak = std::max(peak, running);
+    }
     if (!converted) t.recorded_peak_reserved[dev] = static_cast<std::uint64_t>(std::max<std::int64_t>(peak, 0));
   }
-  {
-    std::vector<std::string> lost;
-    if (framed_events || framed_blocks || framed_segments)
-      lost.push_back("stack frames (" + std::to_string(framed_events) + " events, " + std::to_string(framed_blocks) +
-                     " blocks, " + std::to_string(framed_segments) + " segments)");
-    if (context_events) lost.push_back("compile_context of " + std::to_string(context_events) + " events");
-    if (metadata_events) lost.push_back("user_metadata of " + std::to_string(metadata_events) + " events");
-    if (root->type == PyValue::Type::dict)
-      if (const PyValue* a = root->get("external_annotations"); a && a->type == PyValue::Type::list && !a->items.empty())
-        lost.push_back(std::to_string(a->items.size()) + " external_annotations");
-    for (std::size_t i = 0; i < lost.size(); ++i) r.dropped += (i ? ", " : "") + lost[i];
+  if (!c.allocs) {
+    const std::string held = std::to_string(c.live_blocks) + " block" + (c.live_blocks == 1 ? "" : "s") + " live at the dump";
+    std::string why;
+    if (root.type == PyValue::Type::list)
+      why = "a list of segments (torch.cuda.memory_snapshot()) records no history";
+    else if (!traces)
+      why = "the snapshot has no 'device_traces'";
+    else if (!c.entries)
+      why = "its device_traces are empty (history was not recorded)";
+    else
+      why = "its device_traces hold " + std::to_string(c.entries) + " entr" + (c.entries == 1 ? "y" : "ies") +
+            " and no 'alloc' (history kept only the last entries: the legacy _record_memory_history(True) keeps one)";
+    c.notes.push_back("no allocation history to replay: " + why + "; only the " + held +
+                      " are known. Call torch.cuda.memory._record_memory_history(max_entries=100000) before the "
+                      "work, then dump the snapshot");
   }
+  if (!c.unknown_actions.empty()) {
+    std::string list;
+    for (const auto& [a, n] : c.unknown_actions) list += (list.empty() ? "'" : ", '") + a + "' (" + std::to_string(n) + ")";
+    c.notes.push_back("trace entries of actions this reader does not know were skipped: " + list);
+  }
+  for (std::size_t i = 0; i < c.notes.size(); ++i) r.warning += (i ? "; " : name + ": ") + c.notes[i];
+  std::vector<std::string> lost;
+  if (c.framed_events || c.framed_blocks || c.framed_segments)
+    lost.push_back("stack frames (" + std::to_string(c.framed_events) + " events, " + std::to_string(c.framed_blocks) +
+                   " blocks, " + std::to_string(c.framed_segments) + " segments)");
+  if (c.context_events) lost.push_back("compile_context of " + std::to_string(c.context_events) + " events");
+  if (c.metadata_events) lost.push_back("user_metadata of " + std::to_string(c.metadata_events) + " events");
+  if (root.type == PyValue::Type::dict)
+    if (const PyValue* a = root.get("external_annotations"); a && a->type == PyValue::Type::list && !a->items.empty())
+      lost.push_back(std::to_string(a->items.size()) + " external_annotations");
+  for (std::size_t i = 0; i < lost.size(); ++i) r.dropped += (i ? ", " : "") + lost[i];
+  r.ok = true;
   return r;
+}
+
+}  // namespace
+
+LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string& name) {
+  PickleResult pr = read_pickle(bytes);
+  LoadResult r;
+  if (!pr.value) {
+    r.error = name + ": " + pr.error;
+    return r;
+  }
+  try {
+    return import(*pr.value, name);
+  } catch (const Bad& b) {
+    r.error = name + ": " + b.what;
+    return r;
+  }
 }
 
 }  // namespace fragless::formats
