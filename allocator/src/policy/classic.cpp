@@ -28,6 +28,11 @@ class ClassicPolicy final : public Policy {
       p.status = Status::out_of_memory;
       return nullptr;
     }
+    PageTable table;  // the segment's one page
+    if (!table.allocate(1)) {
+      p.status = Status::out_of_memory;
+      return nullptr;
+    }
     Driver& d = *s_.driver;
     DevicePtr va = 0;
     PhysHandle h = 0;
@@ -50,7 +55,8 @@ class ClassicPolicy final : public Policy {
     }
     Block* b = s_.add_segment(p, va, va_size, va_size, BlockState::free);
     b->segment->mapped_bytes = va_size;
-    b->segment->pages.push_back(PageRef{h, 0});
+    table[0] = PageRef{h, 0};
+    b->segment->pages.swap(table);
     s_.add_reserved(p.pool->small, static_cast<std::int64_t>(va_size));
     s_.stats.segment.add(p.pool->small, 1);
     if (va_size >= s_.opts.max_split_size) s_.stats.oversize_segments.add(1);

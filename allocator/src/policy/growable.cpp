@@ -19,6 +19,11 @@ Segment* GrowablePolicy::new_segment(AllocParams& p) {
   const std::size_t page = page_size(p.pool->small);
   const std::size_t total = s_.device_total ? s_.device_total : (std::size_t{1} << 36);
   const std::size_t va_size = round_up(total + total / 8, page);
+  PageTable table;
+  if (!table.allocate(va_size / page)) {  // host memory for the page table: an out-of-memory like any other
+    p.status = Status::out_of_memory;
+    return nullptr;
+  }
   DevicePtr va = 0;
   if (Status st = s_.driver->reserve(va_size, &va); st != Status::ok) {
     p.status = st;
@@ -27,7 +32,7 @@ Segment* GrowablePolicy::new_segment(AllocParams& p) {
   Block* b = s_.add_segment(p, va, va_size, page, BlockState::unmapped);
   Segment* seg = b->segment;
   seg->growable = true;
-  seg->pages.resize(va_size / page);
+  seg->pages.swap(table);
   s_.unmapped_insert(b);
   return seg;
 }

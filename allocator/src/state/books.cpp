@@ -3,12 +3,48 @@
 // refuses), reserved bytes, and the stream questions the request path asks (forced syncs, idle streams).
 #include <algorithm>
 #include <cinttypes>
+#include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <type_traits>
+
+#include <sys/mman.h>
 
 #include "fragless/engine.h"
 #include "state/engine_state.h"
 
 namespace fragless {
+
+// ---------------------------------------------------------------------------------------------------------
+// Page tables
+
+// All-zero bytes are an invalid PageRef, and mmap's pages are zero: the entries need no constructor run.
+static_assert(std::is_trivially_destructible_v<PageRef> && std::is_trivially_copyable_v<PageRef>);
+
+bool PageTable::allocate(std::size_t n) {
+  if (p_ || n == 0 || n > SIZE_MAX / sizeof(PageRef)) return false;
+  constexpr std::size_t kMapFrom = 64 * 1024;  // bytes: below this, calloc (one page of it is touched anyway)
+  const std::size_t bytes = n * sizeof(PageRef);
+  void* m = nullptr;
+  if (bytes < kMapFrom) {
+    m = std::calloc(n, sizeof(PageRef));
+  } else if (void* v = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+             v != MAP_FAILED) {
+    m = v;
+    mapped_ = true;
+  }
+  if (!m) return false;
+  p_ = static_cast<PageRef*>(m);
+  n_ = n;
+  bytes_ = bytes;
+  return true;
+}
+
+PageTable::~PageTable() {
+  if (!p_) return;
+  if (mapped_) munmap(p_, bytes_);
+  else std::free(p_);
+}
 
 // ---------------------------------------------------------------------------------------------------------
 // State basics

@@ -20,6 +20,7 @@
 #include <mutex>
 #include <set>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "fragless/engine.h"
@@ -123,6 +124,36 @@ struct PageRef {
   bool valid() const { return handle != 0; }
 };
 
+// A segment's page table: one PageRef per page (a classic segment is one page), all invalid at first. A
+// growable segment reserves 9/8 of the device's memory and most of its pages are never mapped, so a large
+// table is anonymous memory from mmap, which the kernel fills with zeros (invalid entries) page by page on
+// first touch: entries never touched cost neither memory nor the time to clear them (a std::vector writes
+// every one: 9 MiB per segment on the replay's 1 TiB device, 720 KiB on an 80 GB GPU). A small one comes
+// from calloc.
+class PageTable {
+ public:
+  PageTable() = default;
+  ~PageTable();
+  PageTable(const PageTable&) = delete;
+  PageTable& operator=(const PageTable&) = delete;
+  void swap(PageTable& o) noexcept {
+    std::swap(p_, o.p_);
+    std::swap(n_, o.n_);
+    std::swap(bytes_, o.bytes_);
+    std::swap(mapped_, o.mapped_);
+  }
+  // n invalid entries, once, on an empty table; false when the memory could not be had.
+  bool allocate(std::size_t n);
+  std::size_t size() const { return n_; }
+  PageRef& operator[](std::size_t i) { return p_[i]; }
+  const PageRef& operator[](std::size_t i) const { return p_[i]; }
+
+ private:
+  PageRef* p_ = nullptr;
+  std::size_t n_ = 0, bytes_ = 0;
+  bool mapped_ = false;  // from mmap, else from calloc
+};
+
 struct Segment {
   DevicePtr base = 0;
   std::size_t va_size = 0;      // reserved address space
@@ -133,7 +164,7 @@ struct Segment {
   Stream stream = 0;
   PoolSet* owner = nullptr;
   Block* first = nullptr;
-  std::vector<PageRef> pages;   // one entry per page; invalid = unmapped
+  PageTable pages;              // growable: one entry per page; invalid = unmapped
   std::size_t requested_va = 0; // classic: the cudaMalloc size (va_size may be rounded to granularity)
 };
 
