@@ -21,7 +21,7 @@ constexpr std::uint32_t kMaxDepth = 512;
 
 class Unpickler {
  public:
-  explicit Unpickler(std::string_view d) : d_(d) {}
+  Unpickler(std::string_view d, const ReadOptions& o) : d_(d), opts_(o) {}
 
   PickleResult run() {
     PickleResult r;
@@ -141,8 +141,20 @@ class Unpickler {
     for (std::size_t i = 0; i < kv.size(); i += 2) {
       add_child(*dict, kv[i]);
       add_child(*dict, kv[i + 1]);
+      if (!opts_.count_only.empty()) count_only(*kv[i], *kv[i + 1]);
       dict->entries.emplace_back(std::move(kv[i]), std::move(kv[i + 1]));
     }
+  }
+  // ReadOptions::count_only: the list under such a key keeps its length and drops its items. (A list shared
+  // through the memo is dropped once, where a dict first takes it under such a key; its length stays.)
+  void count_only(const PyValue& key, PyValue& value) {
+    if (key.type != PyValue::Type::str || value.type != PyValue::Type::list || value.items.empty()) return;
+    for (std::string_view k : opts_.count_only)
+      if (key.s == k) {
+        value.dropped = value.items.size();
+        std::vector<PyRef>().swap(value.items);
+        return;
+      }
   }
   PyRef tuple(std::vector<PyRef> items) {
     auto t = make(PyValue::Type::tuple);
@@ -369,6 +381,7 @@ class Unpickler {
   }
 
   std::string_view d_;
+  const ReadOptions& opts_;
   std::size_t pos_ = 0, op_pos_ = 0;
   std::vector<PyRef> stack_;
   std::vector<std::size_t> marks_;
@@ -379,6 +392,8 @@ class Unpickler {
 
 }  // namespace
 
-PickleResult read_pickle(std::string_view data) { return Unpickler(data).run(); }
+PickleResult read_pickle(std::string_view data, const ReadOptions& options) {
+  return Unpickler(data, options).run();
+}
 
 }  // namespace fragless::formats

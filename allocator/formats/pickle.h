@@ -28,6 +28,9 @@ struct PyValue {
   std::vector<PyRef> items;                     // list, tuple, set
   std::vector<std::pair<PyRef, PyRef>> entries; // dict, insertion order
   std::uint32_t depth = 1;
+  // A list read with ReadOptions::count_only under its key: its items were dropped once its dict took it,
+  // and this is how many there were (items is then empty).
+  std::size_t dropped = 0;
 
   // Dict lookup by string key (nullptr if absent or not a dict).
   const PyValue* get(std::string_view key) const;
@@ -58,7 +61,14 @@ struct PickleResult {
   std::shared_ptr<PickleArena> arena = std::make_shared<PickleArena>();  // declared last: destroyed first
 };
 
-PickleResult read_pickle(std::string_view data);
+struct ReadOptions {
+  // Dict keys whose list values are only counted: a list set under one of them keeps its length
+  // (PyValue::dropped) and lets go of its items as soon as the dict holds it, so a reader that needs only
+  // how many there were (a snapshot's stack frames, hundreds of bytes per trace entry) does not keep them.
+  std::vector<std::string_view> count_only;
+};
+
+PickleResult read_pickle(std::string_view data, const ReadOptions& options = {});
 
 }  // namespace fragless::formats
 

@@ -112,7 +112,7 @@ std::size_t device_index(std::uint64_t d, const std::string& where) {
 
 bool has_frames(const PyValue& v) {
   const PyValue* f = v.get("frames");
-  if (f && f->type == PyValue::Type::list && !f->items.empty()) return true;
+  if (f && f->type == PyValue::Type::list && (!f->items.empty() || f->dropped > 0)) return true;
   const PyValue* c = v.get("cpp_frames");  // 2.0: C++ frames as one string
   return c && c->type == PyValue::Type::str && !c->s.empty();
 }
@@ -452,7 +452,11 @@ LoadResult import(const PyValue& root, const std::string& name) {
 }  // namespace
 
 LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string& name) {
-  PickleResult pr = read_pickle(bytes);
+  // Stack frames are only counted (the trace model does not keep them): their lists are not held, which
+  // halves the memory a snapshot with frames takes while it is read.
+  ReadOptions options;
+  options.count_only = {"frames"};
+  PickleResult pr = read_pickle(bytes, options);
   LoadResult r;
   if (!pr.value) {
     r.error = name + ": " + pr.error;

@@ -560,6 +560,29 @@ TEST_CASE("pickle: memo indices past the written ones are read as Python reads t
   CHECK(bad.error.find("bad memo index 'x'") != std::string::npos);
 }
 
+TEST_CASE("pickle: lists under a count-only key keep their length and drop their items", "[formats]") {
+  // {'frames': L, 'again': L, 'keep': [7, 8]} with L = [1, 2, 3] memoised and fetched back for 'again'.
+  const std::string p = bin("\x80\x02}q\x00(X\x06\x00\x00\x00" "frames]q\x01(K\x01K\x02K\x03" "e"
+                            "X\x05\x00\x00\x00" "againh\x01X\x04\x00\x00\x00" "keep](K\x07K\x08" "eu.");
+  auto whole = read_pickle(p);
+  INFO(whole.error);
+  REQUIRE(whole.value);
+  CHECK(whole.value->get("frames")->items.size() == 3);
+  CHECK(whole.value->get("frames")->dropped == 0);
+  ReadOptions o;
+  o.count_only = {"frames"};
+  auto counted = read_pickle(p, o);
+  INFO(counted.error);
+  REQUIRE(counted.value);
+  const PyValue* f = counted.value->get("frames");
+  REQUIRE(f);
+  CHECK(f->items.empty());
+  CHECK(f->dropped == 3);
+  CHECK(counted.value->get("again") == f);  // the same list, through the memo: its length stays
+  CHECK(counted.value->get("keep")->items.size() == 2);
+  CHECK(counted.value->get("keep")->dropped == 0);
+}
+
 TEST_CASE("pickle: protocol 0 and 1 strings decoded as Python writes them", "[formats]") {
   // pickle.dumps({'k': 'a\nb\\é€😀 x'}, 0): raw-unicode-escape, latin-1 bytes for code points below 256.
   const std::string p0 = std::string("(dp0\nVk\np1\nVa\\u000ab\\u005c\xe9\\u20ac\\U0001f600 x\np2\ns.");
