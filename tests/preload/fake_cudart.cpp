@@ -35,8 +35,15 @@ void count(const char* n) {
 }
 }  // namespace
 
+namespace {
+bool driver_malloc(void** p, size_t size, cudaError_t* r);  // below: the driver's cuMemAlloc, with a double
+bool driver_free(void* p, cudaError_t* r);                   // cuMemFree of what driver_malloc gave
+}  // namespace
+// With a libcuda double, the driver's cuMemAlloc on the current device, as CUDA's runtime implements it (an
+// interposer of the driver sees it); else host memory.
 API cudaError_t cudaMalloc(void** p, size_t size) {
   count("cudaMalloc");
+  if (cudaError_t r = 0; size && driver_malloc(p, size, &r)) return r;
   *p = std::malloc(size ? size : 1);
   return *p ? 0 : 2;
 }
@@ -79,6 +86,7 @@ cudaError_t free_async(void* p, cudaStream_t s, bool ptsz) {
 }  // namespace
 API cudaError_t cudaFree(void* p) {
   count("cudaFree");
+  if (cudaError_t r = 0; driver_free(p, &r)) return r;
   {
     std::lock_guard lk(mu);
     host_async().erase(p);  // memory of cudaMallocAsync may be freed with cudaFree too
@@ -126,6 +134,8 @@ struct Driver {
   int (*pool_create)(void**, const void*) = nullptr;
   int (*pool_destroy)(void*) = nullptr;
   int (*pool_get_attribute)(void*, int, void*) = nullptr;
+  int (*mem_alloc)(void**, size_t) = nullptr;  // cuMemAlloc and cuMemFree (their _v2, at version 12000)
+  int (*mem_free)(void*) = nullptr;
   int (*mem_alloc_async)(void**, size_t, void*) = nullptr;
   int (*mem_free_async)(void*, void*) = nullptr;
   // The same with the per-thread default stream (CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM), as the
@@ -164,6 +174,8 @@ struct Driver {
     proc(&pool_create, "cuMemPoolCreate");
     proc(&pool_destroy, "cuMemPoolDestroy");
     proc(&pool_get_attribute, "cuMemPoolGetAttribute");
+    proc(&mem_alloc, "cuMemAlloc");
+    proc(&mem_free, "cuMemFree");
     proc(&mem_alloc_async, "cuMemAllocAsync");
     proc(&mem_free_async, "cuMemFreeAsync");
     auto proc_ptsz = [&](auto* fn, const char* name) {
@@ -197,6 +209,27 @@ std::map<cudaStream_t, int>& stream_devices();
 bool double_stream(cudaStream_t s) {
   std::lock_guard lk(mu);
   return !stream_devices().count(s);
+}
+std::set<void*>& driver_sync() {  // what cudaMalloc took from the driver
+  static auto* m = new std::set<void*>();
+  return *m;
+}
+bool driver_malloc(void** p, size_t size, cudaError_t* r) {
+  if (!drv().mem_alloc || !make_current(t_device)) return false;
+  *r = drv().mem_alloc(p, size);
+  if (*r == 0) {
+    std::lock_guard lk(mu);
+    driver_sync().insert(*p);
+  }
+  return true;
+}
+bool driver_free(void* p, cudaError_t* r) {
+  {
+    std::lock_guard lk(mu);
+    if (!driver_sync().erase(p)) return false;
+  }
+  *r = drv().mem_free ? drv().mem_free(p) : 1;
+  return true;
 }
 AllocAsync driver_alloc_async(bool ptsz) { return ptsz ? drv().mem_alloc_async_ptsz : drv().mem_alloc_async; }
 FreeAsync driver_free_async(bool ptsz) { return ptsz ? drv().mem_free_async_ptsz : drv().mem_free_async; }

@@ -259,6 +259,47 @@ int main(int argc, char** argv) {
   // The runtime double holds devices 0 and 1 (used by the program); fragless one engine each, no other.
   expect(census.context_retains == 4, "context retains: the runtime's two and fragless's two (" +
                                           std::to_string(census.context_retains) + ")");
+
+  // 10. A device whose engine cannot be made (its context retain fails for fragless; the double holds a third
+  //     device for this, FAKECUDA_DEVICES=3): cudaMalloc there is the runtime's, which CUDA's runtime (and the
+  //     runtime double) implements with cuMemAlloc, so the call comes back through the driver half; it is
+  //     forwarded to the driver, not served and not counted as a recursion (Note [No recursion]); the pointer
+  //     is the driver's, and its cudaFree reaches the runtime and the driver.
+  expect(cudaSetDevice(2) == 0, "cudaSetDevice(2): the runtime retains device 2's primary context");
+  unsigned long rc0[5] = {}, dc0[3] = {};
+  d.counters(rc0);
+  if (d.driver_counters) d.driver_counters(dc0);
+  const long own0 = d.census().own_allocations;
+  const unsigned long rt_mallocs = fakecudart_calls("cudaMalloc"), rt_frees = fakecudart_calls("cudaFree");
+  const unsigned long drv_allocs = d.calls("cuMemAlloc"), drv_frees = d.calls("cuMemFree");
+  d.fail("cuDevicePrimaryCtxRetain", 1, 2);  // fragless's retain for device 2 fails (CUDA_ERROR_OUT_OF_MEMORY)
+  void* forwarded = nullptr;
+  expect(cudaMalloc(&forwarded, 3 * MiB) == 0 && forwarded, "cudaMalloc on device 2, whose engine cannot be made");
+  d.fail("cuDevicePrimaryCtxRetain", 0, 0);
+  expect(d.device_of(forwarded) < 0, "the pointer is not fragless's");
+  expect(fakecudart_calls("cudaMalloc") == rt_mallocs + 1 && d.calls("cuMemAlloc") == drv_allocs + 1 &&
+             d.census().own_allocations == own0 + 1,
+         "the runtime's cudaMalloc made it, with the driver's cuMemAlloc (one each)");
+  unsigned long rc1[5] = {}, dc1[3] = {};
+  d.counters(rc1);
+  if (d.driver_counters) d.driver_counters(dc1);
+  expect(rc1[4] == rc0[4] + 1 && rc1[0] == rc0[0], "counted as a fallback, not as an allocation fragless served");
+  expect(dc1[0] == dc0[0] && dc1[2] == dc0[2],
+         "the driver half served nothing and counted no recursion (" + std::to_string(dc1[2] - dc0[2]) + ")");
+  expect(cudaFree(forwarded) == 0 && fakecudart_calls("cudaFree") == rt_frees + 1 &&
+             d.calls("cuMemFree") == drv_frees + 1 && d.census().own_allocations == own0,
+         "its cudaFree went to the runtime and the driver's cuMemFree");
+  d.counters(rc1);
+  expect(rc1[2] == rc0[2] + 1, "counted as a forwarded free");
+  if (d.driver_counters) {
+    d.driver_counters(dc1);
+    expect(dc1[2] == dc0[2], "and still no recursion");
+  }
+  void* again = nullptr;
+  expect(cudaMalloc(&again, MiB) == 0 && d.device_of(again) < 0 && cudaFree(again) == 0,
+         "device 2 stays the runtime's (its engine's failure is kept, not retried on every call)");
+  const auto after = d.census();
+  expect(after.faults == 0 && after.own_allocations == own0, "no fault, and nothing of the driver's left live");
   std::printf("%d failure(s)\n", failures);
   return failures ? 1 : 0;
 }
