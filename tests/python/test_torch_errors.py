@@ -1,8 +1,9 @@
 """fragless.torch.enable() fails at once, with the message that says what is wrong, rather than at the first
 memory call: a bad key or value raises ValueError naming it (as written); where libcuda cannot be loaded
 (FRAGLESS_LIBCUDA points nowhere here) it raises RuntimeError saying so and naming driver:host for CPU
-use, within a second; and then enable("driver:host") works. Exits 77 (skipped) without PyTorch. Run with
-FRAGLESS_LIBRARY set."""
+use, within a second; and then enable("driver:host") works, saying that it does not use the environment's
+FRAGLESS_CONF; enable() again with other settings raises RuntimeError naming the ones in effect. Exits 77
+(skipped) without PyTorch. Run with FRAGLESS_LIBRARY set."""
 import os
 import time
 import warnings
@@ -39,8 +40,38 @@ check(time.monotonic() - start < 5, "enable() took %.1f s to fail" % (time.monot
 print("enable() without libcuda: RuntimeError at once: %s" % msg[:160])
 check(ft._enabled is None)  # nothing was installed by the failed calls
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    ft.enable("driver:host,capacity_mb:256")
+# A key given twice is refused, as any other mistake is (the first value would be silently dropped).
+try:
+    ft.enable("driver:host,policy:classic,policy:fragless")
+    raise AssertionError("enable() took a key given twice")
+except ValueError as e:
+    check("'policy' is given more than once" in str(e), str(e))
+
+# An explicit conf replaces the environment's FRAGLESS_CONF: enable() says so rather than dropping its keys.
+os.environ["FRAGLESS_CONF"] = "policy:classic"
+conf = "driver:host,capacity_mb:256"
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    first = ft.enable(conf)
+said = [str(w.message) for w in caught if "FRAGLESS_CONF='policy:classic'" in str(w.message)]
+check(len(said) == 1 and "not used" in said[0], [str(w.message) for w in caught])
+check(os.environ["FRAGLESS_CONF"] == conf, os.environ["FRAGLESS_CONF"])
 check(fragless.memory_stats(0)["reserved_bytes.all.current"] == 0)
-print("enable('driver:host') then works: checks passed")
+print("enable('driver:host') then works, warning that the environment's FRAGLESS_CONF is not used: %s" % said[0][:120])
+
+# Called again: the same settings (however spelled, or none: the environment's, which enable() set) return
+# what the first call returned; other settings are an error naming the ones in effect.
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    check(ft.enable(conf) is first)
+    check(ft.enable(" capacity_mb:256, driver:host") is first)
+    check(ft.enable() is first)
+check(not caught, [str(w.message) for w in caught])
+for other in ("driver:host,capacity_mb:512", "driver:host"):
+    try:
+        ft.enable(other)
+        raise AssertionError("enable(%r) after enable(%r) did not raise" % (other, conf))
+    except RuntimeError as e:
+        check("already enabled" in str(e) and repr(conf) in str(e) and repr(other) in str(e), str(e))
+        print("enable(%r) again: RuntimeError: %s" % (other, str(e)[:140]))
+print("checks passed")

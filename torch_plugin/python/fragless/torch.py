@@ -17,8 +17,9 @@ loops, Hugging Face Trainer, Lightning, accelerate) works unchanged:
 
 Both torch.cuda.NAME and torch.cuda.memory.NAME are replaced; a name imported before enable() ran
 (`from torch.cuda import memory_allocated`) keeps PyTorch's function. On a PyTorch without CUDA (a CPU build)
-enable() installs no allocator, says so with a warning, and still replaces the API: it then reports
-fragless's own devices (the host driver, say), which is how the API is tested without a GPU.
+or without CUDAPluggableAllocator (Debian's 1.13) enable() installs no allocator, says so with a warning,
+and still replaces the API: it then reports fragless's own devices (the host driver, say), which is how the
+API is tested without a GPU. enable() configures a process once: again with other settings it raises.
 """
 import collections
 import ctypes
@@ -47,31 +48,63 @@ _HOOKS = [  # (setter on torch._C._CUDAPluggableAllocator, exported function)
 ]
 
 _enabled = None
+_enabled_conf = None  # the FRAGLESS_CONF string in effect once enable() has succeeded
 _api_installed = False
 _originals = {}
 
 
+def _canonical(conf):
+    """A configuration string's items, whitespace dropped and sorted, so that two spellings of the same
+    settings compare equal ("a:1, b:2" and "b:2,a:1"); a key may be given once, so this is the set it sets."""
+    text = "".join((conf or "").split())
+    items, depth, cur = [], 0, ""
+    for c in text:
+        depth += {"[": 1, "]": -1}.get(c, 0)
+        if c == "," and depth == 0:
+            items.append(cur)
+            cur = ""
+        else:
+            cur += c
+    items.append(cur)
+    return sorted(i for i in items if i)
+
+
 def enable(conf=None):
     """Make fragless PyTorch's CUDA allocator and let torch.cuda's memory API answer from it. `conf` is a
-    FRAGLESS_CONF string (else the environment's). Must run before the first CUDA allocation; raises
-    RuntimeError saying so otherwise. Everything that would fail later fails here: a bad `conf` raises
-    ValueError naming the key; a driver that cannot start (no libcuda on a machine without a GPU) raises
-    RuntimeError saying so, and naming driver:host for CPU use. Returns the
-    torch.cuda.memory.CUDAPluggableAllocator, or None on a PyTorch without CUDA."""
-    global _enabled
+    FRAGLESS_CONF string (else the environment's; given, it replaces the environment's, with a warning when
+    FRAGLESS_CONF held other settings). Must run before the first CUDA allocation; raises RuntimeError saying
+    so otherwise. Everything that would fail later fails here: a bad `conf` raises ValueError naming the key;
+    a driver that cannot start (no libcuda on a machine without a GPU) raises RuntimeError saying so, and
+    naming driver:host for CPU use. Called again, it returns what the first call returned when `conf` is the
+    one in effect (or None), and raises RuntimeError naming the one in effect when it differs: the allocator
+    of a process cannot be reconfigured. Returns the torch.cuda.memory.CUDAPluggableAllocator, or None on a
+    PyTorch without CUDAPluggableAllocator (before 2.0) or without CUDA."""
+    global _enabled, _enabled_conf
     if _enabled is not None:
-        return _enabled
+        asked = os.environ.get("FRAGLESS_CONF", "") if conf is None else conf
+        if _canonical(asked) != _canonical(_enabled_conf):
+            raise RuntimeError("fragless.torch.enable(%r): fragless is already enabled in this process with %r, "
+                               "and its configuration cannot change once it is PyTorch's allocator; call enable() "
+                               "once, at the top of the script%s" % (
+                                   asked, _enabled_conf, "" if conf is not None else
+                                   " (FRAGLESS_CONF was changed after the first enable())"))
+        return _enabled or None
     try:
         import torch
     except ImportError as e:
         raise ImportError("fragless.torch.enable() needs PyTorch (>= 2.1); it is not importable here: %s" % e)
     lib = _f.library()
+    env = os.environ.get("FRAGLESS_CONF")
     if conf is None:
-        conf = os.environ.get("FRAGLESS_CONF", "")
+        conf = env or ""
     try:
         _f.check_config(conf)
     except ValueError as e:
         raise ValueError("fragless.torch.enable(%r): %s" % (conf, e)) from None
+    if env and _canonical(env) != _canonical(conf):
+        warnings.warn("fragless.torch.enable(%r): FRAGLESS_CONF=%r is also set in the environment; its settings "
+                      "are not used (the string given to enable() replaces it, in this process and the ones it "
+                      "starts)" % (conf, env), RuntimeWarning, stacklevel=2)
     os.environ["FRAGLESS_CONF"] = conf
     _check_driver(conf)
     path = _f.library_path()
@@ -83,7 +116,7 @@ def enable(conf=None):
                       RuntimeWarning, stacklevel=2)
         _install_api(torch)
         _install_oom_error(torch)
-        _enabled = False
+        _enabled, _enabled_conf = False, conf
         return None
     alloc = pluggable(path, "fragless_malloc", "fragless_free")
     backend = alloc.allocator()
@@ -100,7 +133,7 @@ def enable(conf=None):
     _install_oom_error(torch)
     from . import torch_share  # torch.multiprocessing sends fragless's CUDA tensors through fragless.share
     torch_share.install(torch)
-    _enabled = alloc
+    _enabled, _enabled_conf = alloc, conf
     return alloc
 
 
