@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
+#include <cstring>
 #include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <unordered_map>
 
@@ -177,9 +179,66 @@ void print_summary(const json& s) {
   }
 }
 
+// The devices a trace has events or blocks on, ascending.
+std::vector<int> devices_of(const Trace& t) {
+  std::set<int> d;
+  for (const auto& e : t.events) d.insert(e.device);
+  for (const auto& e : t.seed) d.insert(e.device);
+  for (const auto& e : t.pre_segments) d.insert(e.device);
+  return {d.begin(), d.end()};
+}
+
+std::string list(const std::vector<int>& v) {
+  std::string s;
+  for (int x : v) s += (s.empty() ? "" : ", ") + std::to_string(x);
+  return s;
+}
+
+// What converting `t` to format `f` loses besides what its reader dropped: events the target has no entry for
+// (an RMM log keeps allocations and frees of one device; a snapshot has no empty_cache call nor physical
+// handle). One item per kind, with its count.
+std::vector<std::string> events_not_kept(const Trace& t, Format f, int device) {
+  if (f == Format::native) return {};  // the native format holds every kind of event
+  std::uint64_t by_op[12] = {};
+  for (const auto& e : t.events) {
+    if (f == Format::rmm_csv && e.device != device) continue;  // other devices: said on their own line
+    const bool kept = f == Format::rmm_csv ? e.op == Op::alloc || e.op == Op::free
+                                           : e.op != Op::empty_cache && e.op != Op::phys_create && e.op != Op::phys_release;
+    if (!kept) ++by_op[static_cast<int>(e.op)];
+  }
+  std::string counts;
+  for (int op = 0; op < 12; ++op)
+    if (by_op[op]) counts += (counts.empty() ? "" : ", ") + std::to_string(by_op[op]) + " " + op_name(static_cast<Op>(op));
+  if (counts.empty()) return {};
+  return {counts + (f == Format::rmm_csv ? " events (an RMM log has allocate and free rows only)"
+                                         : " events (a PyTorch snapshot has no such entries)")};
+}
+
+// A validator for --device: an integer >= 0, said in those words.
+CLI::Validator device_index() {
+  return CLI::Validator(
+      [](std::string& v) -> std::string {
+        std::size_t used = 0;
+        long n = -1;
+        try {
+          n = std::stol(v, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (v.empty() || used != v.size() || n < 0 || n > 65535)
+          return "'" + v + "' is not a device index (an integer from 0 to 65535)";
+        return {};
+      },
+      "DEVICE");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  // An unknown command is named as such (CLI11 would report its arguments as unexpected).
+  if (argc > 1 && argv[1][0] != '-' && std::strcmp(argv[1], "info") != 0 && std::strcmp(argv[1], "convert") != 0 &&
+      std::strcmp(argv[1], "summary") != 0)
+    return fail(std::string("unknown command '") + argv[1] + "' (commands: info, convert, summary; --help for more)");
   CLI::App app{"fragless-trace: inspect, convert and summarise allocation traces "
                "(fragless native, RMM log CSV, PyTorch memory snapshot pickle; detected from content)"};
   app.require_subcommand(1);
@@ -194,7 +253,9 @@ int main(int argc, char** argv) {
   convert->add_option("input", in, "trace file")->required();
   convert->add_option("output", out, "output file (.fgt native, .csv RMM, .pickle PyTorch snapshot)")->required();
   convert->add_option("--to", to, "native, rmm or snapshot")->check(CLI::IsMember({"native", "rmm", "csv", "snapshot", "pickle"}));
-  convert->add_option("--device", device, "device to write (RMM logs hold one device)")->check(CLI::NonNegativeNumber);
+  auto* device_opt = convert->add_option("--device", device, "device to write to an RMM log (which holds one device; "
+                                                            "default: the trace's first)")
+                         ->check(device_index());
 
   std::string sum_file;
   bool as_json = false;
@@ -245,22 +306,37 @@ int main(int argc, char** argv) {
     if (!to.empty()) parse_format(to, &f);
     else if (!format_from_extension(out, &f))
       return fail("cannot tell the output format from '" + out + "'; use --to native|rmm|snapshot");
+    if (device_opt->count() && f != Format::rmm_csv)
+      return fail(std::string("--device chooses the device of an RMM log; a ") + format_name(f) +
+                  " file holds every device of the trace");
     Trace t;
     std::string dropped;
     if (!load(in, &t, &err, nullptr, &dropped)) return fail(err);
+    const std::vector<int> devices = devices_of(t);
+    if (f == Format::rmm_csv) {
+      if (device_opt->count() && std::find(devices.begin(), devices.end(), device) == devices.end())
+        return fail(in + " has no device " + std::to_string(device) + " (its devices: " +
+                    (devices.empty() ? std::string("none, it has no events") : list(devices)) + ")");
+      if (!device_opt->count() && !devices.empty()) device = devices.front();
+    }
+    std::vector<std::string> lost;
     if (!dropped.empty())
-      std::fprintf(stderr,
-                   "fragless-trace: note: not kept in %s: %s (the fragless trace model holds allocation events, "
-                   "segments and blocks, not their context)\n",
-                   out.c_str(), dropped.c_str());
+      lost.push_back(dropped + " (the fragless trace model holds allocation events, segments and blocks, not their "
+                               "context)");
+    for (auto& item : events_not_kept(t, f, device)) lost.push_back(item);
+    if (!lost.empty()) {
+      std::string text;
+      for (const auto& item : lost) text += (text.empty() ? "" : "; ") + item;
+      std::fprintf(stderr, "fragless-trace: note: not kept in %s: %s\n", out.c_str(), text.c_str());
+    }
     if (f == Format::rmm_csv && !t.has_time)
       std::fprintf(stderr,
                    "fragless-trace: note: %s has no timestamps; the RMM log's times count its events (one microsecond "
                    "each, in order), so a replay weighs them as it weighs the original's\n",
                    in.c_str());
-    if (f == Format::rmm_csv && t.devices() > 1)
-      std::fprintf(stderr, "fragless-trace: %s has %d devices; an RMM log holds one: writing device %d (--device)\n",
-                   in.c_str(), t.devices(), device);
+    if (f == Format::rmm_csv && devices.size() > 1)
+      std::fprintf(stderr, "fragless-trace: %s has devices %s; an RMM log holds one: writing device %d (--device)\n",
+                   in.c_str(), list(devices).c_str(), device);
     std::string bytes;
     switch (f) {
       case Format::native: bytes = trace_to_native(t); break;

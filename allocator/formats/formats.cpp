@@ -1,4 +1,5 @@
 // Format names, detection from content, loading from files, atomic writes.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -92,15 +93,29 @@ LoadResult trace_from_bytes(const std::string& bytes, const std::string& name) {
 }
 
 LoadResult load_trace(const std::string& path) {
+  LoadResult r;
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+    r.error = path + ": is a directory (expected a trace file)";
+    return r;
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) {
-    LoadResult r;
     r.error = path + ": cannot open (" + std::strerror(errno) + ")";
     return r;
   }
   std::ostringstream ss;
   ss << in.rdbuf();
-  return trace_from_bytes(ss.str(), path);
+  if (in.bad()) {
+    r.error = path + ": cannot read (" + std::strerror(errno) + ")";
+    return r;
+  }
+  const std::string bytes = ss.str();
+  if (bytes.empty()) {
+    r.error = path + ": is empty (expected a fragless native trace, a PyTorch memory snapshot pickle or an RMM log CSV)";
+    return r;
+  }
+  return trace_from_bytes(bytes, path);
 }
 
 bool write_file(const std::string& path, const std::string& bytes, std::string* error) {

@@ -100,7 +100,7 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
   const bool has_stream = col.count("Stream"), has_time = col.count("Time");
   Trace& t = r.trace;
   t.source = name;
-  std::map<std::uint64_t, bool> live;
+  std::map<std::uint64_t, std::size_t> live;  // address -> the line that allocated it
   while (std::getline(in, line)) {
     ++lineno;
     if (line.empty() || line == "\r") continue;
@@ -120,14 +120,19 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
       if (e.time_us == -2) return fail("bad time '" + f[col["Time"]] + "' (expected HH:MM:SS.ffffff or microseconds)");
       t.has_time |= e.time_us >= 0;
     }
+    const std::string address = [&] {
+      char b[32];
+      std::snprintf(b, sizeof b, "0x%" PRIx64, e.address);
+      return std::string(b);
+    }();
     if (e.op == Op::alloc) {
-      live[e.address] = true;
+      // As the native reader: a log records every call, so a second allocate of a live address means the
+      // log is corrupt (or rows were lost), and replaying it would hold memory the program never held.
+      if (const auto [it, inserted] = live.emplace(e.address, lineno); !inserted)
+        return fail("address " + address + " allocated again without a free (allocated at line " +
+                    std::to_string(it->second) + ")");
     } else if (!live.erase(e.address)) {
-      return fail("free of address 0x" + [&] {
-        char b[32];
-        std::snprintf(b, sizeof b, "%" PRIx64, e.address);
-        return std::string(b);
-      }() + " that was never allocated in this log");
+      return fail("free of address " + address + " that was never allocated in this log");
     }
     t.events.push_back(e);
   }

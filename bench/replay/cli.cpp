@@ -1,9 +1,14 @@
 // The command line of fragless-replay (cli.h).
 #include "cli.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <sstream>
 #include <thread>
 
@@ -78,7 +83,10 @@ constexpr const char* kConfRefused[][2] = {
 
 // Applies one --conf string over *base; a policy it selects goes to *policy. False with *error naming the
 // key it refuses.
-bool apply_conf(const std::string& text, Options* base, std::optional<PolicyKind>* policy, std::string* error) {
+// *given: the keys of the --conf options before this one; a key given again is an error, as it is within one
+// string (parse_config), not a silent replacement.
+bool apply_conf(const std::string& text, Options* base, std::optional<PolicyKind>* policy,
+                std::vector<std::string>* given, std::string* error) {
   const auto cr = parse_config(text, *base);
   if (!cr.ok) {
     *error = cr.error;
@@ -86,6 +94,11 @@ bool apply_conf(const std::string& text, Options* base, std::optional<PolicyKind
   }
   bool policy_key = false, expandable_key = false;
   for (const auto& k : cr.keys) {
+    if (std::find(given->begin(), given->end(), k) != given->end()) {
+      *error = "--conf " + k + ": the key is given again by a second --conf (give each key once)";
+      return false;
+    }
+    given->push_back(k);
     for (const auto& [key, why] : kConfRefused)
       if (k == key) {
         *error = "--conf " + k + ": not a replay setting (" + why + ")";
@@ -100,6 +113,47 @@ bool apply_conf(const std::string& text, Options* base, std::optional<PolicyKind
   return true;
 }
 
+// Whether an input draws sequence lengths from --seqlen-file: a transformer workload without seqlen=.
+bool takes_seqlen_file(const std::string& input) {
+  if (input.rfind("workload:", 0) != 0) return false;
+  const std::string rest = input.substr(9);
+  const auto colon = rest.find(':');
+  const std::string name = rest.substr(0, colon);
+  if (name != "transformer-train" && name != "transformer-infer" && name != "ckpt-accum") return false;
+  if (colon == std::string::npos) return true;
+  std::stringstream kv(rest.substr(colon + 1));
+  std::string item;
+  while (std::getline(kv, item, ','))
+    if (item.rfind("seqlen=", 0) == 0) return false;
+  return true;
+}
+
+// --plot FILE: its folder must exist and take a new file, checked before any replay runs (gnuplot would
+// otherwise fail only at the end, and say little).
+bool plot_path_ok(const std::string& path, std::string* error) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (path.empty() || path.back() == '/' || fs::is_directory(path, ec)) {
+    *error = "--plot " + path + ": is a directory; --plot takes a file name (FILE.png, or FILE.gp for the script)";
+    return false;
+  }
+  const fs::path parent = fs::path(path).parent_path();
+  const std::string dir = parent.empty() ? "." : parent.string();
+  if (!fs::exists(dir, ec)) {
+    *error = "--plot " + path + ": the folder " + dir + " does not exist";
+    return false;
+  }
+  if (!fs::is_directory(dir, ec)) {
+    *error = "--plot " + path + ": " + dir + " is not a folder";
+    return false;
+  }
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+    *error = "--plot " + path + ": cannot write in the folder " + dir + " (" + std::strerror(errno) + ")";
+    return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 bool plot_is_script(const std::string& path) { return path.size() > 3 && path.compare(path.size() - 3, 3, ".gp") == 0; }
@@ -109,6 +163,7 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
   cl.jobs = std::max(1u, std::thread::hardware_concurrency());
   bool fit_step_given = false, policy_given = false;
   std::optional<PolicyKind> conf_policy;
+  std::vector<std::string> conf_keys;  // every key of every --conf so far
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     const bool has_value = i + 1 < argc;
@@ -149,7 +204,9 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
     } else if (a == "--capacity-gib" && has_value) {
       char* end = nullptr;
       const double g = std::strtod(argv[++i], &end);
-      if (*end || !(g > 0) || g > 1e6) return usage("--capacity-gib needs a positive number");
+      if (*end || !(g > 0) || g > 1e6)
+        return usage(("--capacity-gib needs a number of GiB greater than 0 and at most 1000000, not '" +
+                      std::string(argv[i]) + "'").c_str());
       cl.capacity = static_cast<std::uint64_t>(g * (1ull << 30));
     } else if (a == "--plot" && has_value) {
       cl.plot = argv[++i];
@@ -165,7 +222,7 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
       cl.costs_file = argv[++i];
     } else if (a == "--conf" && has_value) {
       std::string err;
-      if (!apply_conf(argv[++i], &cl.base, &conf_policy, &err)) return usage(err.c_str());
+      if (!apply_conf(argv[++i], &cl.base, &conf_policy, &conf_keys, &err)) return usage(err.c_str());
     } else if (a == "--policy" || a == "--capacity-gib" || a == "--plot" || a == "--seqlen-file" || a == "--conf" ||
                a == "--max-of" || a == "--fit-step" || a == "--jobs" || a == "--plot-x" || a == "--costs") {
       return usage(("missing value after " + a).c_str());
@@ -193,6 +250,13 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
       std::string err;
       if (!workload_key_range(in, cl.max_key, &lo, &hi, &err)) return std::fprintf(stderr, "fragless-replay: %s\n", err.c_str()), 2;
     }
+  if (!cl.seqlen_file.empty() && std::none_of(cl.inputs.begin(), cl.inputs.end(), takes_seqlen_file))
+    return usage("--seqlen-file: no input draws its lengths from it (it applies to workload:transformer-train, "
+                 "transformer-infer and ckpt-accum without a seqlen= key)");
+  if (!cl.plot.empty()) {
+    std::string err;
+    if (!plot_path_ok(cl.plot, &err)) return usage(err.c_str());
+  }
   if (!cl.plot.empty() && !plot_is_script(cl.plot) && std::system("command -v gnuplot >/dev/null 2>&1") != 0)
     return usage("--plot needs gnuplot on the PATH (Debian: apt-get install gnuplot-nox)");
   return std::nullopt;

@@ -80,5 +80,7 @@ int main(int argc, char** argv) {
   std::vector<formats::Trace> traces;
   if (!load_inputs(cl.inputs, seqlens, &traces)) return 2;
   const std::vector<Task> tasks = replay_tasks(traces, cl.policies);
+  // Every input was skipped (each said why above): an empty table would read as an answer.
+  if (tasks.empty()) return fail("nothing to replay: no input has an allocation event");
   return cl.fit ? run_fit(traces, tasks, cl, ro) : run_replays(traces, tasks, cl, ro);
 }

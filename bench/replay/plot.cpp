@@ -1,4 +1,6 @@
 // The --plot of fragless-replay (output.h).
+#include <sys/wait.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <utility>
@@ -126,15 +128,19 @@ bool draw_plot(const std::string& path, const std::vector<ReplayResult>& results
     }
     return true;
   }
-  std::FILE* g = popen("gnuplot 2>&1", "w");
+  std::FILE* g = popen("gnuplot 1>&2", "w");
   if (!g) {
     *error = "--plot: cannot start gnuplot";
     return false;
   }
   std::fwrite(script.data(), 1, script.size(), g);
-  const int rc = pclose(g);
-  if (rc != 0) {
-    *error = "--plot: gnuplot failed (exit " + std::to_string(rc) + ") drawing " + path;
+  const int status = pclose(g);
+  if (status != 0) {  // pclose gives a wait status: say gnuplot's exit code, or the signal that ended it
+    const std::string how = status == -1          ? "could not be waited for"
+                            : WIFEXITED(status)   ? "exited with code " + std::to_string(WEXITSTATUS(status))
+                            : WIFSIGNALED(status) ? "was killed by signal " + std::to_string(WTERMSIG(status))
+                                                  : "ended with status " + std::to_string(status);
+    *error = "--plot: gnuplot " + how + " drawing " + path + " (its own message is above it on stderr)";
     return false;
   }
   return true;

@@ -11,8 +11,8 @@ namespace {
 // The table's columns, in one line under it.
 constexpr const char* kLegend =
     "columns: events = alloc, free and empty_cache events replayed on the device; live, reserv = peaks (MiB); "
-    "overhead = reserved over live at the reserved peak; frag@pk = fragmentation at that peak; tw-frag = "
-    "time-weighted fragmentation; OOMs = allocations that did not fit --capacity-gib; create, map, unmap = driver "
+    "overhead = peak reserved / peak live - 1; frag@pk = 1 - peak allocated / peak reserved (each peak taken on "
+    "its own, not at one moment); tw-frag = 1 - time integral of allocated / that of reserved; OOMs = allocations that did not fit --capacity-gib; create, map, unmap = driver "
     "calls; syncs = synchronisations forced; path ms, bg ms = the calls' modelled time (A100 costs, or --costs) "
     "inside allocation and free calls, and done by the background worker; "
     "Mev/s = replay speed; pytorch MiB = PyTorch's own peak reserved, where the snapshot tells it";
@@ -21,6 +21,18 @@ constexpr const char* kLegend =
 void pytorch_cell(const ReplayResult& r, char (&cell)[32]) {
   if (r.pytorch_recorded_peak_reserved)
     std::snprintf(cell, sizeof cell, "%.1f", mib(static_cast<std::int64_t>(*r.pytorch_recorded_peak_reserved)));
+}
+
+// The line under a --fit or --max-of table that says how its answers were checked: only of the searches
+// that found one (a search without an answer, `none` in the table, was checked for nothing).
+std::string checked_answers(std::size_t searches, int failed, const char* neighbour) {
+  const std::size_t found = searches - std::min(searches, static_cast<std::size_t>(std::max(0, failed)));
+  if (found == 0) return "no search found an answer, so none was checked (the reasons are on stderr)";
+  const std::string of = " found (of " + std::to_string(searches) + " searches)";
+  const std::string which = found == searches ? "every answer"
+                            : found == 1      ? "the one answer" + of
+                                              : "each of the " + std::to_string(found) + " answers" + of;
+  return which + " was replayed with 0 OOMs, " + neighbour + " with at least 1";
 }
 
 }  // namespace
@@ -97,7 +109,8 @@ void print_fit_table(const std::vector<formats::Trace>& traces, const std::vecto
                 vs, mib(f.at.peak_reserved), f.recorded_ooms, f.replays, pyt);
   }
   std::printf("fit: %zu searches, %d replays, step %.4g GiB, %.2f s\n", found.size(), fits.replays, gib(step), fits.seconds);
-  std::printf("OOMs: the ones the trace itself recorded; every answer was replayed with 0 OOMs, one step below with at least 1\n");
+  std::printf("OOMs: the ones the trace itself recorded; %s\n",
+              checked_answers(found.size(), fits.failed, "one step below").c_str());
 }
 
 void print_max_table(const std::vector<std::string>& inputs, const std::vector<MaxTask>& tasks,
@@ -132,8 +145,8 @@ void print_max_table(const std::vector<std::string>& inputs, const std::vector<M
                 gib(capacity), policy_name(tasks[k].policy), key.c_str(), f.max_value, vc, ve, mib(f.at.peak_live),
                 mib(f.at.peak_reserved), f.replays);
   }
-  std::printf("max: %zu searches, %d replays, %.2f s; every answer was replayed with 0 OOMs, one above it with at least 1\n",
-              found.size(), search.replays, search.seconds);
+  std::printf("max: %zu searches, %d replays, %.2f s; %s\n", found.size(), search.replays, search.seconds,
+              checked_answers(found.size(), search.failed, "one above it").c_str());
 }
 
 }  // namespace fragless::replay

@@ -7,6 +7,8 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <random>
@@ -116,19 +118,12 @@ std::string transformer_keys() {
   return names;
 }
 
-bool parse(const std::string& spec, Config* c, std::string* error) {
-  std::string rest = spec.substr(std::string("workload:").size());
-  const auto colon = rest.find(':');
-  c->name = rest.substr(0, colon);
-  if (c->name != "transformer-train" && c->name != "transformer-infer") {
-    std::string names = "transformer-train, transformer-infer, ckpt-accum";
-    for (const auto& n : zoo_names()) names += ", " + n;
-    *error = "unknown workload '" + c->name + "' (expected one of " + names + ")";
-    return false;
-  }
-  if (colon == std::string::npos) return true;
-  std::stringstream kv(rest.substr(colon + 1));
+// Applies `options` (key=value,...) over *c. A key given twice in one spec is an error naming it: a later
+// value silently replacing an earlier one hides a typo.
+bool apply_options(const std::string& options, Config* c, std::string* error) {
+  std::stringstream kv(options);
   std::string item;
+  std::vector<std::string> given;
   while (std::getline(kv, item, ',')) {
     const auto eq = item.find('=');
     if (eq == std::string::npos) {
@@ -136,6 +131,11 @@ bool parse(const std::string& spec, Config* c, std::string* error) {
       return false;
     }
     const std::string k = item.substr(0, eq), v = item.substr(eq + 1);
+    if (std::find(given.begin(), given.end(), k) != given.end()) {
+      *error = "workload option " + k + " is given twice in '" + options + "': give each key once";
+      return false;
+    }
+    given.push_back(k);
     if (const IntKey* ik = int_key(k)) {
       char* end = nullptr;
       errno = 0;
@@ -174,6 +174,31 @@ bool parse(const std::string& spec, Config* c, std::string* error) {
     }
   }
   return true;
+}
+
+bool known_name(const std::string& name, std::string* error) {
+  if (name == "transformer-train" || name == "transformer-infer" || name == "ckpt-accum" || is_zoo_workload(name))
+    return true;
+  std::string names = "transformer-train, transformer-infer, ckpt-accum";
+  for (const auto& n : zoo_names()) names += ", " + n;
+  *error = "unknown workload '" + name + "' (expected one of " + names + ")";
+  return false;
+}
+
+// ckpt-accum: transformer training with activation checkpointing and gradient accumulation over
+// variable-length micro-batches (the optimizer steps every 4 micro-batches); any transformer key applies,
+// and a key the spec gives replaces the default below.
+constexpr const char* kCkptAccum = "ckpt=1,accum=4,steps=12,layers=12,d_model=2048,heads=16,d_ff=8192,batch=4";
+
+// A transformer workload's spec (transformer-train, transformer-infer or ckpt-accum) into *c.
+bool parse(const std::string& spec, Config* c, std::string* error) {
+  const std::string rest = spec.substr(std::string("workload:").size());
+  const auto colon = rest.find(':');
+  const std::string name = rest.substr(0, colon);
+  if (!known_name(name, error)) return false;
+  c->name = name == "ckpt-accum" ? "transformer-train" : name;
+  if (name == "ckpt-accum" && !apply_options(kCkptAccum, c, error)) return false;
+  return colon == std::string::npos || apply_options(rest.substr(colon + 1), c, error);
 }
 
 class SeqLen {
@@ -373,10 +398,6 @@ void infer(const Config& c, SeqLen& lens, Emitter& em) {
 
 }  // namespace
 
-// ckpt-accum: transformer training with activation checkpointing and gradient accumulation over
-// variable-length micro-batches (the optimizer steps every 4 micro-batches); any transformer key applies.
-constexpr const char* kCkptAccum = "ckpt=1,accum=4,steps=12,layers=12,d_model=2048,heads=16,d_ff=8192,batch=4";
-
 bool make_workload(const std::string& spec, formats::Trace* out, std::string* error,
                    const std::vector<int>* lengths) {
   if (spec.rfind("workload:", 0) != 0) {
@@ -387,13 +408,6 @@ bool make_workload(const std::string& spec, formats::Trace* out, std::string* er
   const auto colon = rest.find(':');
   const std::string name = rest.substr(0, colon), options = colon == std::string::npos ? "" : rest.substr(colon + 1);
   if (is_zoo_workload(name)) return make_zoo_workload(name, options, out, error);
-  if (name == "ckpt-accum") {
-    if (!make_workload("workload:transformer-train:" + std::string(kCkptAccum) + (options.empty() ? "" : "," + options),
-                       out, error, lengths))
-      return false;
-    out->source = spec;
-    return true;
-  }
   Config c;
   if (!parse(spec, &c, error)) return false;
   c.lengths = lengths;
@@ -428,6 +442,25 @@ std::string transformer_help() {
   return out + "\n";
 }
 
+namespace {
+
+// The text after "workload:NAME:" (empty when there is none).
+std::string options_of(const std::string& spec) {
+  const auto colon = spec.find(':', 9);
+  return colon == std::string::npos ? std::string() : spec.substr(colon + 1);
+}
+
+// Whether the spec sets `key` itself (key=value among its options).
+bool spec_sets(const std::string& spec, const std::string& key) {
+  std::stringstream kv(options_of(spec));
+  std::string item;
+  while (std::getline(kv, item, ','))
+    if (item.substr(0, item.find('=')) == key) return true;
+  return false;
+}
+
+}  // namespace
+
 bool workload_key_range(const std::string& spec, const std::string& key, long long* lo, long long* hi,
                         std::string* error) {
   if (spec.rfind("workload:", 0) != 0) {
@@ -436,6 +469,12 @@ bool workload_key_range(const std::string& spec, const std::string& key, long lo
   }
   const std::string rest = spec.substr(9);
   const std::string name = rest.substr(0, rest.find(':'));
+  if (!known_name(name, error)) return false;
+  auto settable = [&]() {
+    if (!spec_sets(spec, key)) return true;
+    *error = spec + ": sets " + key + ", the key the search varies: leave " + key + "= out of the spec";
+    return false;
+  };
   if (is_zoo_workload(name)) {
     double l = 0, h = 0;
     if (!zoo_key_range(name, key, &l, &h, error)) return false;
@@ -446,28 +485,25 @@ bool workload_key_range(const std::string& spec, const std::string& key, long lo
                std::to_string(h) + "]: no integer range to search";
       return false;
     }
-    return true;
-  }
-  if (name != "transformer-train" && name != "transformer-infer" && name != "ckpt-accum") {
-    Config c;
-    return parse(spec, &c, error);  // names the workloads
+    return settable();
   }
   if (const IntKey* ik = int_key(key)) {
     *lo = ik->least;
     *hi = ik->most;
-    return true;
+    return settable();
   }
   if (key == "seed") {
     *lo = 0;
     *hi = 1000000000000000LL;
-    return true;
+    return settable();
   }
   std::string names;
   for (const auto& k : kIntKeys) names += std::string(k.name) + ", ";
   if (key == "seqlen" || key == "dtype" || key == "padding")
     *error = "workload " + name + ": key '" + key + "' is not numeric (numeric keys: " + names + "seed)";
   else
-    *error = "workload " + name + ": unknown key '" + key + "' (numeric keys: " + names + "seed)";
+    *error = "workload " + name + " has no key '" + key + "' to search; --max-of KEY searches one of its numeric keys: " +
+             names + "seed";
   return false;
 }
 
@@ -478,9 +514,14 @@ std::string workload_with(const std::string& spec, const std::string& key, long 
 }
 
 bool read_seqlen_file(const std::string& path, std::vector<int>* out, std::string* error) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    *error = path + ": is a directory (--seqlen-file takes a CSV file)";
+    return false;
+  }
   std::ifstream in(path);
   if (!in) {
-    *error = path + ": cannot open";
+    *error = path + ": cannot open (" + std::strerror(errno) + ")";
     return false;
   }
   auto split = [](const std::string& line) {
@@ -496,7 +537,7 @@ bool read_seqlen_file(const std::string& path, std::vector<int>* out, std::strin
   };
   std::string line;
   if (!std::getline(in, line)) {
-    *error = path + ": empty file (expected a CSV header)";
+    *error = path + ": is empty (expected a CSV header naming a sequence-length column)";
     return false;
   }
   const auto header = split(line);
@@ -505,49 +546,64 @@ bool read_seqlen_file(const std::string& path, std::vector<int>* out, std::strin
       if (header[i] == name) return static_cast<int>(i);
     return -1;
   };
-  std::vector<int> cols;
-  for (const char* n : {"seqlen", "length", "tokens", "total_tokens", "num_total_tokens"})
-    if (cols.empty() && col(n) >= 0) cols = {col(n)};
-  const std::pair<const char*, const char*> pairs[] = {
+  constexpr const char* kSingle[] = {"seqlen", "length", "tokens", "total_tokens", "num_total_tokens"};
+  constexpr std::pair<const char*, const char*> kPairs[] = {
       {"ContextTokens", "GeneratedTokens"}, {"num_prefill_tokens", "num_decode_tokens"}, {"input_length", "output_length"}};
-  for (auto [a, b] : pairs)
+  std::vector<int> cols;
+  for (const char* n : kSingle)
+    if (cols.empty() && col(n) >= 0) cols = {col(n)};
+  for (auto [a, b] : kPairs)
     if (cols.empty() && col(a) >= 0 && col(b) >= 0) cols = {col(a), col(b)};
-  std::vector<std::vector<std::string>> rows;
-  while (std::getline(in, line))
-    if (!line.empty() && line != "\r") rows.push_back(split(line));
-  auto integer = [](const std::string& v, long* n) {
-    char* end = nullptr;
-    *n = std::strtol(v.c_str(), &end, 10);
-    return !v.empty() && !*end && *n >= 0;
-  };
-  if (cols.empty() && !rows.empty())
-    for (std::size_t i = 0; i < header.size() && cols.empty(); ++i) {
-      long n;
-      if (i < rows[0].size() && integer(rows[0][i], &n)) cols = {static_cast<int>(i)};
-    }
   if (cols.empty()) {
-    *error = path + ": no sequence-length column (seqlen, length, tokens, total_tokens, num_total_tokens, a "
-                    "prompt/output pair, or any integer column)";
+    std::string found, single, pairs;
+    for (const auto& h : header) found += std::string(found.empty() ? "" : ", ") + "'" + h + "'";
+    for (const char* n : kSingle) single += std::string(single.empty() ? "" : ", ") + n;
+    for (auto [a, b] : kPairs) pairs += std::string(pairs.empty() ? "" : ", ") + a + " and " + b;
+    *error = path + ": no sequence-length column: the header has " + found + "; accepted: one of the columns " +
+             single + ", or a prompt/output pair (" + pairs + "), whose sum is the length";
     return false;
   }
+  constexpr long kMaxLength = 10'000'000;
+  auto integer = [](const std::string& v, long* n) {
+    char* end = nullptr;
+    errno = 0;
+    *n = std::strtol(v.c_str(), &end, 10);
+    return !v.empty() && !*end && errno == 0;
+  };
   out->clear();
-  for (std::size_t r = 0; r < rows.size(); ++r) {
+  std::size_t lineno = 1;
+  while (std::getline(in, line)) {
+    ++lineno;
+    if (line.empty() || line == "\r") continue;
+    const auto row = split(line);
     long total = 0;
     for (int c : cols) {
+      const auto i = static_cast<std::size_t>(c);
+      if (i >= row.size()) {
+        *error = path + ":" + std::to_string(lineno) + ": the row ends before column " + header[i];
+        return false;
+      }
+      const std::string& cell = row[i];
       long n = 0;
-      if (static_cast<std::size_t>(c) >= rows[r].size() || !integer(rows[r][static_cast<std::size_t>(c)], &n) ||
-          n > 10'000'000) {
-        *error = path + ":" + std::to_string(r + 2) + ": '" +
-                 (static_cast<std::size_t>(c) < rows[r].size() ? rows[r][static_cast<std::size_t>(c)] : std::string()) +
-                 "' in column " + header[static_cast<std::size_t>(c)] + " is not a sequence length";
+      if (!integer(cell, &n) || n < 0 || n > kMaxLength) {
+        *error = path + ":" + std::to_string(lineno) + ": '" + cell + "' in column " + header[i] +
+                 " is not a sequence length (an integer in [" + (cols.size() == 1 ? "1" : "0") + ", " +
+                 std::to_string(kMaxLength) + "]" + (cols.size() == 1 ? "" : ", the pair's sum at least 1") + ")";
         return false;
       }
       total += n;
     }
-    if (total > 0) out->push_back(static_cast<int>(total));
+    if (total < 1 || total > kMaxLength) {  // a single column's 0, or a pair's sum out of range
+      std::string what = header[static_cast<std::size_t>(cols[0])];
+      if (cols.size() == 2) what += " + " + header[static_cast<std::size_t>(cols[1])];
+      *error = path + ":" + std::to_string(lineno) + ": " + what + " = " + std::to_string(total) +
+               " is not a sequence length (a length is an integer in [1, " + std::to_string(kMaxLength) + "])";
+      return false;
+    }
+    out->push_back(static_cast<int>(total));
   }
   if (out->empty()) {
-    *error = path + ": no sequence lengths";
+    *error = path + ": no sequence lengths (the header has no rows under it)";
     return false;
   }
   return true;

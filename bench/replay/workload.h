@@ -21,15 +21,16 @@ std::string transformer_help();
 
 // For a search over one key of a workload (fragless-replay --max-of): the integer range the key accepts.
 // False with *error when the spec is not a workload, or the key is unknown or not numeric (seqlen, dtype,
-// padding), naming the numeric keys.
+// padding), naming the numeric keys, or the spec sets the key itself.
 bool workload_key_range(const std::string& spec, const std::string& key, long long* lo, long long* hi,
                         std::string* error);
-// The spec with key set to value (a later key=value overrides an earlier one).
+// The spec with key=value added (workload_key_range has checked that the spec does not set key itself).
 std::string workload_with(const std::string& spec, const std::string& key, long long value);
 
 // Sequence lengths from a CSV with a header: the column seqlen, length, tokens, total_tokens or
 // num_total_tokens; else the sum of a prompt/output pair (ContextTokens + GeneratedTokens,
-// num_prefill_tokens + num_decode_tokens, input_length + output_length); else the first integer column.
+// num_prefill_tokens + num_decode_tokens, input_length + output_length). A header with none of them, a
+// length outside [1, 10^7] or a cell that is not an integer is an error naming the file and the line.
 bool read_seqlen_file(const std::string& path, std::vector<int>* out, std::string* error);
 
 }  // namespace fragless::replay

@@ -156,7 +156,20 @@ TEST_CASE("fit and max: bad questions are clear errors", "[fit][bad-input]") {
   CHECK_THAT(m.error, Catch::Contains("key 'dtype' is not numeric"));
   CHECK_THAT(m.error, Catch::Contains("batch"));
   m = max_value("workload:unet2d", "width", PolicyKind::fragless, 80 * kGiB, so);
-  CHECK_THAT(m.error, Catch::Contains("unknown key 'width'"));
+  CHECK_THAT(m.error, Catch::Contains("workload unet2d has no key 'width' to search"));
+  CHECK_THAT(m.error, Catch::Contains("--max-of KEY searches one of its keys: dims, base, res, levels"));
+  CHECK_THAT(m.error, !Catch::Contains("jitter"));  // [0, 0.9]: no whole values to search between
+  // --max-batch on a workload without a batch key: said so, with the keys --max-of could search instead.
+  m = max_value("workload:moe", "batch", PolicyKind::fragless, 80 * kGiB, so);
+  CHECK_THAT(m.error, Catch::Contains("workload moe has no key 'batch' to search (--max-batch searches batch)"));
+  CHECK_THAT(m.error, Catch::Contains("layers, experts"));
+  m = max_value("workload:transformer-infer", "width", PolicyKind::fragless, 80 * kGiB, so);
+  CHECK_THAT(m.error, Catch::Contains("has no key 'width' to search; --max-of KEY searches one of its numeric keys: layers"));
+  // A spec that sets the key the search varies: the search would replace its value, so it is refused.
+  m = max_value("workload:transformer-infer:layers=2,batch=16", "batch", PolicyKind::fragless, 80 * kGiB, so);
+  CHECK_THAT(m.error, Catch::Contains("sets batch, the key the search varies: leave batch= out of the spec"));
+  m = max_value("workload:unet2d:res=256,batch=2", "batch", PolicyKind::fragless, 80 * kGiB, so);
+  CHECK_THAT(m.error, Catch::Contains("sets batch, the key the search varies"));
   m = max_value("trace.pickle", "batch", PolicyKind::fragless, 80 * kGiB, so);
   CHECK_THAT(m.error, Catch::Contains("this input is a trace"));
   m = max_value("workload:unet2d", "batch", PolicyKind::fragless, 0, so);

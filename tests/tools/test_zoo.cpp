@@ -5,11 +5,18 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <random>
 #include <set>
 #include <sstream>
+#include <unistd.h>
 
+#include "fragless/config.h"
 #include "replay.h"
+#include "trace_model.h"
 #include "seed.h"
 #include "workload.h"
 #include "zoo.h"
@@ -158,4 +165,126 @@ TEST_CASE("zoo: every generator repeats a step whose shapes change", "[zoo]") {
     CHECK(sizes[1] != sizes[2]);
     CHECK(sizes[0] != sizes[2]);
   }
+}
+
+// The inputs the tools read, beyond the zoo's: a key given twice is an error naming it everywhere (workload
+// specs, FRAGLESS_CONF), sequence-length files name what they lack, the RMM reader refuses a second
+// allocation of a live address as the native reader does, and a directory or an empty file is named as such.
+TEST_CASE("workload specs: a key given twice is an error naming it", "[zoo][bad-input]") {
+  formats::Trace t;
+  std::string err;
+  CHECK_FALSE(replay::make_zoo_workload("moe", "layers=2,experts=4,layers=3", &t, &err));
+  CHECK_THAT(err, Catch::Contains("workload moe: key layers is given twice"));
+  err.clear();
+  CHECK_FALSE(replay::make_workload("workload:transformer-train:batch=2,batch=3", &t, &err));
+  CHECK_THAT(err, Catch::Contains("workload option batch is given twice in 'batch=2,batch=3'"));
+  err.clear();
+  CHECK_FALSE(replay::make_workload("workload:ckpt-accum:steps=2,steps=3", &t, &err));
+  CHECK_THAT(err, Catch::Contains("steps is given twice"));
+  // ckpt-accum's own defaults are not the spec's: a key the spec gives replaces its default.
+  formats::Trace two, three;
+  err.clear();
+  REQUIRE(replay::make_workload("workload:ckpt-accum:steps=2,layers=2", &two, &err));
+  REQUIRE(replay::make_workload("workload:ckpt-accum:steps=3,layers=2", &three, &err));
+  CHECK(two.events.size() < three.events.size());
+}
+
+namespace {
+
+// A file under a fresh temporary folder, removed with it.
+struct TempDir {
+  std::filesystem::path dir;
+  TempDir() {
+    char tmpl[] = "/tmp/fragless-inputs-XXXXXX";
+    dir = ::mkdtemp(tmpl);
+  }
+  ~TempDir() { std::filesystem::remove_all(dir); }
+  std::string file(const std::string& name, const std::string& text) const {
+    std::ofstream(dir / name) << text;
+    return (dir / name).string();
+  }
+};
+
+std::string seqlen_error(const TempDir& d, const std::string& text) {
+  std::vector<int> lengths;
+  std::string err;
+  CHECK_FALSE(replay::read_seqlen_file(d.file("lengths.csv", text), &lengths, &err));
+  return err;
+}
+
+}  // namespace
+
+TEST_CASE("sequence-length files: the columns they take, and lengths out of range, named", "[zoo][bad-input]") {
+  TempDir d;
+  std::vector<int> lengths;
+  std::string err;
+  REQUIRE(replay::read_seqlen_file(d.file("ok.csv", "id,length\n1,100\n2,2000\n"), &lengths, &err));
+  CHECK(lengths == std::vector<int>{100, 2000});
+  REQUIRE(replay::read_seqlen_file(d.file("pair.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\nx,10,0\ny,5,7\n"),
+                                   &lengths, &err));
+  CHECK(lengths == std::vector<int>{10, 12});
+  // No recognised column: an error naming the columns found and the accepted ones (no guess at "len").
+  err = seqlen_error(d, "id,len\n1,100\n");
+  CHECK_THAT(err, Catch::Contains("no sequence-length column: the header has 'id', 'len'"));
+  CHECK_THAT(err, Catch::Contains("seqlen, length, tokens, total_tokens, num_total_tokens"));
+  CHECK_THAT(err, Catch::Contains("ContextTokens and GeneratedTokens"));
+  // Out of range: the range is stated, with the line.
+  CHECK_THAT(seqlen_error(d, "seqlen\n100\n20000000\n"), Catch::Contains(":3: '20000000' in column seqlen is not a "
+                                                                            "sequence length (an integer in [1, 10000000])"));
+  CHECK_THAT(seqlen_error(d, "seqlen\n0\n"), Catch::Contains(":2: seqlen = 0 is not a sequence length (a length is an "
+                                                               "integer in [1, 10000000])"));
+  CHECK_THAT(seqlen_error(d, "seqlen\n-4\n"), Catch::Contains("'-4' in column seqlen"));
+  CHECK_THAT(seqlen_error(d, "input_length,output_length\n0,0\n"),
+             Catch::Contains("input_length + output_length = 0 is not a sequence length"));
+  CHECK_THAT(seqlen_error(d, "seqlen\n"), Catch::Contains("no sequence lengths"));
+  CHECK_THAT(seqlen_error(d, ""), Catch::Contains("is empty"));
+  CHECK_FALSE(replay::read_seqlen_file(d.dir.string(), &lengths, &err));
+  CHECK_THAT(err, Catch::Contains("is a directory"));
+}
+
+TEST_CASE("FRAGLESS_CONF: a key given twice, an empty key and -0", "[config][bad-input]") {
+  auto r = parse_config("policy:classic,policy:fragless");
+  CHECK_FALSE(r.ok);
+  CHECK_THAT(r.error, Catch::Contains("key 'policy' is given more than once"));
+  r = parse_config("handles:pages, handles :pages");
+  CHECK_FALSE(r.ok);
+  CHECK_THAT(r.error, Catch::Contains("key 'handles' is given more than once"));
+  r = parse_config("roundup_power2_divisions:4,driver:host,roundup_power2_divisions:[256:1,>:8]");
+  CHECK_FALSE(r.ok);
+  CHECK_THAT(r.error, Catch::Contains("'roundup_power2_divisions' is given more than once"));
+  // expandable_segments and policy are two keys: both may be given, once each.
+  r = parse_config("expandable_segments:True,policy:classic");
+  REQUIRE(r.ok);
+  CHECK(r.options.policy == PolicyKind::classic);
+  r = parse_config(":fragless");
+  CHECK_FALSE(r.ok);
+  CHECK_THAT(r.error, Catch::Contains("an empty key before ':' (value 'fragless')"));
+  r = parse_config("policy:classic,:x");
+  CHECK_FALSE(r.ok);
+  CHECK_THAT(r.error, Catch::Contains("an empty key"));
+  r = parse_config("[256:1]");
+  CHECK_FALSE(r.ok);
+  CHECK_THAT(r.error, Catch::Contains("expected a key, found '['"));
+  r = parse_config("per_process_memory_fraction:-0,reserve_slack:-0.0");
+  REQUIRE(r.ok);
+  CHECK_FALSE(std::signbit(r.options.per_process_memory_fraction));
+  CHECK_FALSE(std::signbit(r.options.reserve_slack));
+}
+
+TEST_CASE("trace readers: a second allocation of a live address, a directory, an empty file", "[formats][bad-input]") {
+  const std::string head = "Thread,Time,Action,Pointer,Size,Stream\n";
+  auto r = formats::trace_from_rmm_csv(head + "1,1,allocate,0x10,5,0\n1,2,allocate,0x20,5,0\n1,3,allocate,0x10,7,0\n",
+                                       "log.csv");
+  CHECK_FALSE(r.ok);
+  CHECK(r.error == "log.csv:4: address 0x10 allocated again without a free (allocated at line 2)");
+  // Freed in between, the address may come back.
+  r = formats::trace_from_rmm_csv(head + "1,1,allocate,0x10,5,0\n1,2,free,0x10,5,0\n1,3,allocate,0x10,7,0\n", "log.csv");
+  CHECK(r.ok);
+  TempDir d;
+  r = formats::load_trace(d.dir.string());
+  CHECK_FALSE(r.ok);
+  CHECK_THAT(r.error, Catch::EndsWith(": is a directory (expected a trace file)"));
+  r = formats::load_trace(d.file("empty.fgt", ""));
+  CHECK_FALSE(r.ok);
+  CHECK_THAT(r.error, Catch::Contains("empty.fgt: is empty (expected a fragless native trace"));
 }

@@ -106,8 +106,18 @@ check_output "by default fragless forces no sync on this workload" '"forced_sync
   "$bin/fragless-replay" --policy fragless --json "workload:transformer-infer"
 check_output "--conf changes a fragless setting" '"forced_syncs":[1-9][0-9]*' \
   "$bin/fragless-replay" --policy fragless --json --conf lend_pages:False "workload:transformer-infer"
-printf 'len\n100\n2000\n700\n' >"$work/lens.csv"
+printf 'length\n100\n2000\n700\n' >"$work/lens.csv"
 check "--seqlen-file drives the workload" "$bin/fragless-replay" --seqlen-file "$work/lens.csv" "workload:transformer-train:steps=2,layers=2"
+# A header without a recognised column is an error naming what it has and what is accepted (no guess at the
+# first integer column); a length out of range names the range.
+printf 'len\n100\n2000\n700\n' >"$work/len.csv"
+check_error "--seqlen-file without a recognised column names the columns" "the header has 'len'; accepted: one of the columns seqlen, length" \
+  "$bin/fragless-replay" --seqlen-file "$work/len.csv" "workload:transformer-train:steps=2,layers=2"
+printf 'seqlen\n100\n20000000\n' >"$work/long.csv"
+check_error "--seqlen-file: a length out of range states the range" "long.csv:3: '20000000' in column seqlen is not a sequence length (an integer in [1, 10000000])" \
+  "$bin/fragless-replay" --seqlen-file "$work/long.csv" "workload:transformer-train:steps=2,layers=2"
+check_error "--seqlen-file that no input uses is an error" "--seqlen-file: no input draws its lengths from it" \
+  "$bin/fragless-replay" --seqlen-file "$work/lens.csv" "workload:moe" "workload:transformer-train:seqlen=fixed:64"
 
 # Bad input: exit code 2, the file and the position named.
 head -c 100 "$work/o.fgt" >"$work/cut.fgt"
@@ -125,6 +135,69 @@ check_error "bad output extension" "use --to" "$bin/fragless-trace" convert "$wo
 check_error "unknown policy" "unknown policy 'best'" "$bin/fragless-replay" --policy best "$work/o.fgt"
 check_error "bad workload" "unknown workload 'gpt'" "$bin/fragless-replay" workload:gpt
 check_error "bad --conf value" "bad value '7' for key 'reserve_slack'" "$bin/fragless-replay" --conf reserve_slack:7 "$work/o.fgt"
+# A directory or an empty file as a trace is named as such (not "unknown trace format").
+: >"$work/empty.fgt"
+check_error "an empty trace file is named empty" "empty.fgt: is empty" "$bin/fragless-trace" info "$work/empty.fgt"
+check_error "... to the replay too" "empty.fgt: is empty" "$bin/fragless-replay" "$work/empty.fgt"
+check_error "a directory as a trace is named a directory" "$work: is a directory" "$bin/fragless-trace" summary "$work"
+check_error "... to the replay too" "$work: is a directory" "$bin/fragless-replay" "$work"
+# Inputs that hold no allocation at all: each is named, and the run fails rather than print an empty table.
+printf 'Thread,Time,Action,Pointer,Size,Stream\n' >"$work/none.csv"
+check_error "no input with an allocation: nothing to replay" "nothing to replay" "$bin/fragless-replay" "$work/none.csv"
+check_output "... while one that has some still replays" "oracle.csv" "$bin/fragless-replay" "$work/none.csv" "$work/oracle.csv"
+# The RMM reader refuses a second allocate of a live address, as the native reader does.
+printf 'Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x10,5,0\n1,1,allocate,0x20,5,0\n1,2,allocate,0x10,5,0\n' >"$work/twice.csv"
+check_error "RMM log: an address allocated twice names file, line and address" \
+  "twice.csv:4: address 0x10 allocated again without a free (allocated at line 2)" "$bin/fragless-trace" info "$work/twice.csv"
+# fragless-trace: a bad --device and an unknown command are said plainly.
+check_error "--device x: a device index, an integer" "'x' is not a device index (an integer from 0 to 65535)" \
+  "$bin/fragless-trace" convert --device x "$work/o.fgt" "$work/x.csv"
+check_error "an unknown command is named" "unknown command 'frobnicate' (commands: info, convert, summary" \
+  "$bin/fragless-trace" frobnicate "$work/o.fgt"
+check_error "convert --device N of a device the trace lacks names the ones it has" "has no device 3 (its devices: 0)" \
+  "$bin/fragless-trace" convert --device 3 "$work/o.fgt" "$work/x.csv"
+check_error "convert --device with a target that holds every device" "--device chooses the device of an RMM log" \
+  "$bin/fragless-trace" convert --device 0 "$work/o.fgt" "$work/x.pickle"
+# Replay options: the range of --capacity-gib, a --plot into a folder that is not there, gnuplot's exit code.
+check_error "--capacity-gib out of range names the range" "greater than 0 and at most 1000000, not '1e30'" \
+  "$bin/fragless-replay" --capacity-gib 1e30 "$work/o.fgt"
+check_error "--plot into a missing folder names the folder" "the folder $work/none/deeper does not exist" \
+  "$bin/fragless-replay" --plot "$work/none/deeper/x.png" "$work/o.fgt"
+check_error "--plot naming a folder" "is a directory; --plot takes a file name" "$bin/fragless-replay" --plot "$work" "$work/o.fgt"
+mkdir -p "$work/fakebin"
+printf '#!/bin/sh\ncat >/dev/null\necho "fake gnuplot: cannot draw" >&2\nexit 3\n' >"$work/fakebin/gnuplot"
+chmod +x "$work/fakebin/gnuplot"
+check_error "a failing gnuplot: its exit code, not the wait status" "--plot: gnuplot exited with code 3 drawing" \
+  env PATH="$work/fakebin:$PATH" "$bin/fragless-replay" --plot "$work/x.png" "$work/o.fgt"
+cp "$work/err" "$work/gnuplot.err"  # (check's own run truncates $work/err)
+check "... and its own message reaches stderr" grep -q "fake gnuplot: cannot draw" "$work/gnuplot.err"
+# A key given twice is an error naming it: in a workload spec, a zoo spec, --conf and FRAGLESS_CONF.
+check_error "a workload key given twice" "workload option batch is given twice" \
+  "$bin/fragless-replay" "workload:transformer-train:batch=2,batch=3"
+check_error "a zoo key given twice" "workload moe: key layers is given twice" "$bin/fragless-replay" "workload:moe:layers=2,layers=3"
+check_error "a --conf key given twice" "key 'policy' is given more than once" \
+  "$bin/fragless-replay" --conf "policy:classic,policy:fragless" "$work/o.fgt"
+check_error "a key repeated across --conf options" "--conf handles: the key is given again by a second --conf" \
+  "$bin/fragless-replay" --conf handles:pages --conf handles:ends "$work/o.fgt"
+check_error "fragless-config: a key given twice" "key 'policy' is given more than once" \
+  "$bin/fragless-config" "policy:classic,policy:fragless"
+check_error "fragless-config: a second string is not ignored" "one configuration string at a time, got 2" \
+  "$bin/fragless-config" policy:classic driver:host
+check_error "fragless-config: an empty key is named empty" "an empty key before ':' (value 'fragless')" "$bin/fragless-config" ":fragless"
+# fragless-config prints every key, the ones the string set and the defaults of the others.
+check "fragless-config shows what it was given" "$bin/fragless-config" "handles:pages,background:False,trace:run-%p.fgt,peer_access:False"
+cp "$work/out" "$work/echo"
+for line in "handles: pages" "background: False" "trace: run-%p.fgt" "peer_access: False" "policy: fragless (default)" \
+            "capacity_mb: the device's memory (default)"; do
+  check "... the line '$line'" grep -qxF "$line" "$work/echo"
+done
+"$bin/fragless-config" --table | grep -c '^| `' >"$work/keys"
+check "... one line per key of the table" test "$(wc -l <"$work/echo")" -eq "$(cat "$work/keys")"
+check_output "fragless-config: the host driver's default capacity" "^capacity_mb: 4096 \(default of the host driver\)$" \
+  "$bin/fragless-config" "driver:host"
+check_output "fragless-config: the sim driver's default capacity" "^capacity_mb: 81920 \(default of the sim driver\)$" \
+  "$bin/fragless-config" "driver:sim"
+check_output "fragless-config: -0 is 0" "^per_process_memory_fraction: 0$" "$bin/fragless-config" "per_process_memory_fraction:-0"
 
 # What fits: --fit and --max-batch / --max-of, their JSON, and their errors.
 check_count "--fit --json gives min_capacity_bytes per policy" '"min_capacity_bytes":[0-9]+' 3 \
@@ -144,6 +217,20 @@ check_error "--plot-x with a bad axis" "expected time, event or auto" "$bin/frag
 check_error "--fit-step too fine" "--fit-step needs" "$bin/fragless-replay" --fit --fit-step 0 "$small"
 check_exit 1 "a capacity too small for the smallest batch" "does not fit at its smallest batch=1" \
   "$bin/fragless-replay" --max-batch --capacity-gib 0.01 "$small"
+# The line under the table says how the answers were checked only of the answers found.
+if grep -q "no search found an answer, so none was checked" "$work/out" && ! grep -q "every answer was replayed" "$work/out"
+then pass "... and its summary claims no checked answer"; else fail "... and its summary claims no checked answer"; fi
+check_output "--max-batch: a summary of the answers found when one search has none" \
+  "the one answer found \(of 2 searches\) was replayed with 0 OOMs, one above it with at least 1" \
+  sh -c '"$0" --policy fragless --max-batch --capacity-gib 0.5 "$1" "$2"; [ $? -eq 1 ]' "$bin/fragless-replay" \
+  "workload:transformer-infer:layers=2,steps=2" "workload:transformer-infer:layers=24,steps=2"
+check_error "--max-batch on a workload without batch says so and suggests --max-of" \
+  "workload moe has no key 'batch' to search (--max-batch searches batch); --max-of KEY searches one of its keys: layers" \
+  "$bin/fragless-replay" --max-batch --capacity-gib 8 "workload:moe"
+check_error "--max-batch on a spec that sets batch" "sets batch, the key the search varies" \
+  "$bin/fragless-replay" --max-batch --capacity-gib 8 "$small,batch=4"
+check_output "--help: random's live_gib is only a cap" "random: .*live_gib is" "$bin/fragless-replay" --help
+check_output "... not a target" "only a cap \(an allocation that would pass it is skipped\), not a target" "$bin/fragless-replay" --help
 check_exit 1 "a search that cannot converge" "cannot converge" \
   "$bin/fragless-replay" --policy classic --max-of seed --capacity-gib 8 "workload:transformer-infer:layers=2,steps=2"
 check_output "--help exits 0 and documents --fit" "--fit" "$bin/fragless-replay" --help
@@ -192,6 +279,10 @@ check_error "a zoo key's error gives its range" "is not a number in [" "$bin/fra
 check "the replay's table" "$bin/fragless-replay" "$work/o.fgt"
 tail -n 1 "$work/out" >"$work/last"  # read before check's run truncates $work/out (a process substitution raced it)
 check "... ends with a legend" grep -q "^columns: events = alloc, free and empty_cache" "$work/last"
+# The legend says what is computed (docs/ARCHITECTURE.md, "Fragmentation — one set of definitions").
+check "... whose overhead is peak reserved over peak live" grep -qF "overhead = peak reserved / peak live - 1;" "$work/last"
+check "... and frag@pk one minus peak allocated over peak reserved" \
+  grep -qF "frag@pk = 1 - peak allocated / peak reserved (each peak taken on its own" "$work/last"
 check_output "info says what its event count counts" "events of every kind \(4 of them allocs, frees and empty_cache calls" \
   "$bin/fragless-trace" info "$work/o.fgt"
 # A plot draws what the window began with as already present: a snapshot whose first event frees a block
@@ -223,4 +314,30 @@ check "the converted log replays" "$bin/fragless-replay" --json --policy classic
 grep -o '"time_weighted_fragmentation":[0-9.e+-]*' "$work/out" >"$work/twf.got"
 check "... with the same time-weighted fragmentation" diff "$work/twf.want" "$work/twf.got"
 check "... which is not 0" grep -qv '"time_weighted_fragmentation":0.000000$' "$work/twf.want"
+# empty_cache calls (a burst of segment_free in a snapshot): the native format keeps them; a conversion to a
+# format that cannot hold them says how many it leaves out.
+cat >"$work/ec.py" <<'PY'
+import pickle, sys
+MiB, A = 1 << 20, 0x7f0000000000
+def e(action, addr, size, t):
+    return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": t}
+trace = [e("segment_alloc", A, 20 * MiB, 1), e("segment_alloc", A + 20 * MiB, 20 * MiB, 2),
+         e("alloc", A, 8 * MiB, 3), e("alloc", A + 20 * MiB, 8 * MiB, 4),
+         e("free_completed", A, 8 * MiB, 5), e("free_completed", A + 20 * MiB, 8 * MiB, 6),
+         e("segment_free", A, 20 * MiB, 7), e("segment_free", A + 20 * MiB, 20 * MiB, 8), e("alloc", A, 8 * MiB, 9)]
+pickle.dump({"segments": [], "device_traces": [trace]}, open(sys.argv[1], "wb"), protocol=4)
+PY
+check "a snapshot whose cache was emptied" python3 "$work/ec.py" "$work/ec.pickle"
+check "converted to native" "$bin/fragless-trace" convert "$work/ec.pickle" "$work/ec.fgt"
+cp "$work/err" "$work/ec.err"
+check_count "... with no note (the native format holds empty_cache)" "not kept" 0 cat "$work/ec.err"
+check_output "... which keeps the empty_cache call" "empty_cache 1 " "$bin/fragless-trace" info "$work/ec.fgt"
+check "converted to an RMM log" "$bin/fragless-trace" convert "$work/ec.fgt" "$work/ec.csv"
+cp "$work/err" "$work/ec.err"
+check "... saying the empty_cache call is not kept" \
+  grep -qE "not kept in .*ec\.csv: .*1 empty_cache events \(an RMM log has allocate and free rows only\)" "$work/ec.err"
+check "converted to a snapshot" "$bin/fragless-trace" convert "$work/ec.fgt" "$work/ec2.pickle"
+cp "$work/err" "$work/ec.err"
+check "... saying the same" grep -qE "not kept in .*ec2\.pickle: 1 empty_cache events \(a PyTorch snapshot has no such entries\)" \
+  "$work/ec.err"
 finish

@@ -69,7 +69,7 @@ std::string fraction(std::string_view v, bool open, double* out) {
   double d = 0;
   if (!parse_double(v, &d) || !(open ? d > 0.0 && d < 1.0 : d >= 0.0 && d <= 1.0))
     return open ? "a number in (0, 1)" : "a number in [0, 1]";
-  *out = d;
+  *out = d + 0.0;  // "-0" is zero: stored as +0, so nothing prints it as -0
   return {};
 }
 
@@ -306,11 +306,21 @@ class Parser {
       const std::size_t key_at = i_;
       const std::string key = toks_[i_++];
       if (key == "," ) continue;
+      if (key == ":")  // ":fragless", "policy:classic,:x": the tokenizer drops nothing but whitespace before ':'
+        return fail("FRAGLESS_CONF: an empty key before ':'" +
+                    (i_ < toks_.size() && toks_[i_] != "," ? " (value '" + written_[i_] + "')" : std::string()) +
+                    ": every item is key:value (accepted keys: " + accepted_keys() + ")");
+      if (key == "[" || key == "]")
+        return fail("FRAGLESS_CONF: expected a key, found '" + key +
+                    "' (a list [...] is the value of roundup_power2_divisions only)");
       if (!expect(":", key_at)) return fail();
       const OptionInfo* row = row_of(key);
       if (!row) return unknown_key(written_[key_at]), fail();
       if (written_[key_at] != key)  // PyTorch would read "max_split _size_mb" as a key: say what was typed
         return fail("FRAGLESS_CONF: key '" + written_[key_at] + "' has spaces inside (write '" + key + "')");
+      // A key given twice would take its last value and silently drop the first: refused, as a typo is.
+      if (std::find(keys.begin(), keys.end(), key) != keys.end())
+        return fail("FRAGLESS_CONF: key '" + key + "' is given more than once (each key may be given once)");
       keys.push_back(key);
       if (i_ >= toks_.size()) return fail("FRAGLESS_CONF: key '" + key + "' has no value");
       if (!row->parse) {  // the list-valued key
