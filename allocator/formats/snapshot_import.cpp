@@ -9,7 +9,9 @@
 //  - Pickles come from Python's pickle (_dump_snapshot: protocol 4, or 5 under Python 3.14) or from
 //    TorchScript's pickler (torch/csrc/cuda/memory_snapshot.cpp, _memory_snapshot_pickled: protocol 2, every
 //    string memoised); pickle.cpp reads both.
-//  - Blocks: 'address' from 2.1, else the segment's address plus the sizes of the blocks before it.
+//  - Blocks: 'address' from 2.1, else the segment's address plus the sizes of the blocks before it. Live at
+//    the dump are those in state active_allocated and active_pending_free (freed by the program, their
+//    memory held until other streams' work on them completes).
 //    'requested_size' when written, else (the oldest dumps) the newest 'history' entry's 'real_size' (history
 //    lists are newest first, as torch/cuda/_memory_viz.py reads them), else the block size.
 //  - Trace entries: 'time_us' from 2.2; an oom names the free device memory 'device_free', not 'addr';
@@ -44,6 +46,9 @@ namespace {
 
 // More devices than any machine has: a larger index is a corrupt file, refused before anything is sized by it.
 constexpr std::int64_t kMaxDevices = 4096;
+// More memory than any device has (4 EiB): a device's segments adding up to more are a corrupt file, and the
+// reserved-bytes arithmetic below stays far from overflow.
+constexpr std::uint64_t kMaxReserved = std::uint64_t{1} << 62;
 
 struct Bad {
   std::string what;
@@ -135,7 +140,7 @@ struct Device {
 
 struct Counts {
   std::size_t framed_blocks = 0, framed_segments = 0, framed_events = 0, context_events = 0, metadata_events = 0;
-  std::size_t entries = 0, allocs = 0, live_blocks = 0;
+  std::size_t entries = 0, allocs = 0, frees = 0, live_blocks = 0;
   std::map<std::string, std::size_t> unknown_actions;
   std::vector<std::string> notes;  // warnings
 };
@@ -149,6 +154,8 @@ void read_segment(const PyValue& seg, const std::string& where, std::vector<Devi
   const std::uint64_t total = need(seg, "total_size", Int::size, where);
   if (address + total < address) bad(where + ": address + total_size is past 2^64");
   const std::uint64_t stream = opt(seg, "stream", Int::handle, where, 0);
+  if (d.reserved_end > kMaxReserved - std::min(total, kMaxReserved))
+    bad(where + ": the device's segments add up to more than 2^62 bytes");
   d.reserved_end += total;
   const PyValue* ex = seg.get("is_expandable");
   d.segments_at_dump[address] = {total, ex && ex->type == PyValue::Type::boolean && ex->i != 0, stream};
@@ -168,7 +175,9 @@ void read_segment(const PyValue& seg, const std::string& where, std::vector<Devi
     if (history)
       for (const auto& h : history->items) framed |= h->type == PyValue::Type::dict && has_frames(*h);
     c.framed_blocks += framed;
-    if (text(b, "state", bw) == "active_allocated") {
+    // A block the program freed whose free waits for work of other streams (record_stream) still holds its
+    // memory at the dump: PyTorch writes it as active_pending_free, and it is live like an allocated one.
+    if (const std::string state = text(b, "state", bw); state == "active_allocated" || state == "active_pending_free") {
       std::uint64_t requested = size;
       if (field(b, "requested_size")) {
         requested = need(b, "requested_size", Int::size, bw);
@@ -236,6 +245,7 @@ void read_trace(const PyValue& list, std::size_t dev, const std::string& where, 
       ++c.allocs;
     } else if (action == "free_completed" || (action == "free_requested" && requested_frees)) {
       ev.op = Op::free;
+      ++c.frees;
       taken += action == "free_requested";
       if (!allocated_in_window.count(ev.address)) {  // allocated before the window: seed it
         Event s = ev;
@@ -398,20 +408,23 @@ LoadResult import(const PyValue& root, const std::string& name) {
         t.seed.push_back(s);
       }
     // PyTorch's reserved over the window: the dump's reserved rolled back through the segment events.
-    std::int64_t running = static_cast<std::int64_t>(devs[dev].reserved_end), peak = 0;
+    // In 128 bits: each event's size is below 2^63, and a hostile trace may hold many.
+    __int128 running = static_cast<__int128>(devs[dev].reserved_end), peak = 0;
     for (std::size_t i = first_event; i < t.events.size(); ++i) {
       const Event& ev = t.events[i];
-      if (ev.op == Op::segment_alloc || ev.op == Op::segment_map) running -= static_cast<std::int64_t>(ev.size);
-      if (ev.op == Op::segment_free || ev.op == Op::segment_unmap) running += static_cast<std::int64_t>(ev.size);
+      if (ev.op == Op::segment_alloc || ev.op == Op::segment_map) running -= static_cast<__int128>(ev.size);
+      if (ev.op == Op::segment_free || ev.op == Op::segment_unmap) running += static_cast<__int128>(ev.size);
     }
     peak = running;
     for (std::size_t i = first_event; i < t.events.size(); ++i) {
       const Event& ev = t.events[i];
-      if (ev.op == Op::segment_alloc || ev.op == Op::segment_map) running += static_cast<std::int64_t>(ev.size);
-      if (ev.op == Op::segment_free || ev.op == Op::segment_unmap) running -= static_cast<std::int64_t>(ev.size);
+      if (ev.op == Op::segment_alloc || ev.op == Op::segment_map) running += static_cast<__int128>(ev.size);
+      if (ev.op == Op::segment_free || ev.op == Op::segment_unmap) running -= static_cast<__int128>(ev.size);
       peak = std::max(peak, running);
     }
-    if (!converted) t.recorded_peak_reserved[dev] = static_cast<std::uint64_t>(std::max<std::int64_t>(peak, 0));
+    if (!converted)
+      t.recorded_peak_reserved[dev] =
+          static_cast<std::uint64_t>(std::clamp<__int128>(peak, 0, static_cast<__int128>(UINT64_MAX)));
   }
   if (!c.allocs) {
     const std::string held = std::to_string(c.live_blocks) + " block" + (c.live_blocks == 1 ? "" : "s") + " live at the dump";
@@ -422,6 +435,9 @@ LoadResult import(const PyValue& root, const std::string& name) {
       why = "the snapshot has no 'device_traces'";
     else if (!c.entries)
       why = "its device_traces are empty (history was not recorded)";
+    else if (c.frees > 1)  // the legacy history keeps one entry; more frees and no alloc: allocs were skipped
+      why = "its device_traces hold " + std::to_string(c.frees) + " free" + (c.frees == 1 ? "" : "s") +
+            " and no 'alloc' (recorded with _record_memory_history(skip_actions=[\"alloc\"])?)";
     else
       why = "its device_traces hold " + std::to_string(c.entries) + " entr" + (c.entries == 1 ? "y" : "ies") +
             " and no 'alloc' (history kept only the last entries: the legacy _record_memory_history(True) keeps one)";
@@ -452,8 +468,9 @@ LoadResult import(const PyValue& root, const std::string& name) {
 }  // namespace
 
 LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string& name) {
-  // Stack frames are only counted (the trace model does not keep them): their lists are not held, which
-  // halves the memory a snapshot with frames takes while it is read.
+  // Stack frames are only counted (the trace model does not keep them): a frame list's references are let go
+  // once read (the frame dicts themselves stay, shared through the memo), about 16 bytes per frame of every
+  // trace entry.
   ReadOptions options;
   options.count_only = {"frames"};
   PickleResult pr = read_pickle(bytes, options);

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -388,6 +389,62 @@ TEST_CASE("snapshot versions: without history the blocks live at the dump load, 
     CHECK(seeded >= static_cast<std::uint64_t>(8 * MiB + 2 * MiB + 3 * MiB / 2 + 100));
     CHECK(r.trace.pre_segments.size() == 2);
   }
+}
+
+TEST_CASE("snapshot versions: a block pending its free at the dump (active_pending_free) holds its memory",
+          "[formats][snapshot-versions]") {
+  // P (allocated before the window, never freed in it) freed by the program while another stream still used it:
+  // PyTorch writes it as active_pending_free, and its memory is still held, so it is seeded like a live block.
+  Py s = snapshot(Shape::v2_1);
+  Py& blocks = s.at("segments").items[0].at("blocks");
+  blocks.items[3].set("state", S("active_pending_free"));
+  auto r = load(python_pickle(s));
+  INFO(r.error);
+  REQUIRE(r.ok);
+  bool seeded = false;
+  for (const auto& e : r.trace.seed) seeded |= e.address == static_cast<std::uint64_t>(kBase + 14 * MiB) && e.size == 3 * MiB / 2;
+  CHECK(seeded);
+  blocks.items[3].set("state", S("inactive"));  // and one really returned to the cache is not
+  r = load(python_pickle(s));
+  REQUIRE(r.ok);
+  seeded = false;
+  for (const auto& e : r.trace.seed) seeded |= e.address == static_cast<std::uint64_t>(kBase + 14 * MiB);
+  CHECK_FALSE(seeded);
+}
+
+TEST_CASE("snapshot versions: sizes past any device are refused, and huge segment events do not overflow",
+          "[formats][snapshot-versions][bad-input]") {
+  Py s = snapshot(Shape::v2_3);
+  s.at("segments").items[0].set("total_size", I(std::int64_t{1} << 62));
+  auto r = load(python_pickle(s));
+  CHECK_FALSE(r.ok);
+  CHECK(r.error.find("segments add up to more than 2^62 bytes") != std::string::npos);
+  // Segment frees each below 2^63 whose sum is not: the recorded peak is computed without overflow.
+  Py t = snapshot(Shape::v2_3);
+  Py& list = t.at("device_traces").items[0];
+  for (int n = 0; n < 4; ++n)
+    list.items.push_back(D({{"action", S("segment_free")}, {"addr", I(kBase + 64 * MiB)},
+                            {"size", I(std::numeric_limits<std::int64_t>::max())}, {"stream", I(0)},
+                            {"time_us", I(1800000000000000 + n)}}));
+  r = load(python_pickle(t));
+  INFO(r.error);
+  REQUIRE(r.ok);
+  REQUIRE(!r.trace.recorded_peak_reserved.empty());
+  REQUIRE(r.trace.recorded_peak_reserved[0].has_value());
+  CHECK(*r.trace.recorded_peak_reserved[0] > 0);
+}
+
+TEST_CASE("snapshot versions: frees and no allocation name skip_actions", "[formats][snapshot-versions]") {
+  Py s = snapshot(Shape::v2_3);
+  Py kept = L();
+  for (const Py& e : s.at("device_traces").items[0].items)
+    if (e.kv[0].second.s != "alloc") kept.items.push_back(e);
+  s.at("device_traces").items[0] = kept;
+  auto r = load(python_pickle(s));
+  INFO(r.error);
+  REQUIRE(r.ok);
+  CHECK(r.warning.find("no 'alloc' (recorded with _record_memory_history(skip_actions=[\"alloc\"])?)") !=
+        std::string::npos);
 }
 
 TEST_CASE("snapshot versions: skip_actions leaves free_completed or free_requested alone, and both free",
