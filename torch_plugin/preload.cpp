@@ -350,7 +350,7 @@ Forwarding::Forwarding() { ++t_forwarding; }
 Forwarding::~Forwarding() { --t_forwarding; }
 bool recursing() {
   if (t_inside == 0) return false;
-  if (t_forwarding == 0) ++counters().recursions;
+  ++(t_forwarding == 0 ? counters().recursions : counters().handed_on);
   return true;
 }
 
@@ -561,5 +561,9 @@ FRAGLESS_EXPORT void fragless_preload_driver_counters(unsigned long out[3]) {
   out[1] = g_counts.driver_forwarded;
   out[2] = g_counts.recursions;
 }
+
+// Calls that came back through the driver half from a runtime call fragless forwarded (a cudaMalloc it does
+// not serve is the runtime's cuMemAlloc), handed on to the driver: what shows they took that way.
+FRAGLESS_EXPORT unsigned long fragless_preload_handed_on() { return g_counts.handed_on; }
 
 }  // extern "C"

@@ -96,6 +96,9 @@ struct Counters {
   // The driver half: allocations served and pointers forwarded, calls that would have recursed (a call the
   // runtime half forwarded, coming back, is not one).
   std::atomic<unsigned long> driver_mallocs{0}, driver_forwarded{0}, recursions{0};
+  // Calls that came back through an interposed entry point from a call the runtime half forwarded (Forwarding),
+  // handed on to the driver.
+  std::atomic<unsigned long> handed_on{0};
 };
 Counters& counters();
 

@@ -272,6 +272,11 @@ int main(int argc, char** argv) {
   const long own0 = d.census().own_allocations;
   const unsigned long rt_mallocs = fakecudart_calls("cudaMalloc"), rt_frees = fakecudart_calls("cudaFree");
   const unsigned long drv_allocs = d.calls("cuMemAlloc"), drv_frees = d.calls("cuMemFree");
+  expect(d.driver_counters != nullptr, "the interposer has its driver half's counters");
+  using HandedOn = unsigned long (*)();
+  const auto handed_on = reinterpret_cast<HandedOn>(dlsym(RTLD_DEFAULT, "fragless_preload_handed_on"));
+  expect(handed_on != nullptr, "the interposer exports fragless_preload_handed_on");
+  const unsigned long handed0 = handed_on ? handed_on() : 0;
   d.fail("cuDevicePrimaryCtxRetain", 1, 2);  // fragless's retain for device 2 fails (CUDA_ERROR_OUT_OF_MEMORY)
   void* forwarded = nullptr;
   expect(cudaMalloc(&forwarded, 3 * MiB) == 0 && forwarded, "cudaMalloc on device 2, whose engine cannot be made");
@@ -286,15 +291,15 @@ int main(int argc, char** argv) {
   expect(rc1[4] == rc0[4] + 1 && rc1[0] == rc0[0], "counted as a fallback, not as an allocation fragless served");
   expect(dc1[0] == dc0[0] && dc1[2] == dc0[2],
          "the driver half served nothing and counted no recursion (" + std::to_string(dc1[2] - dc0[2]) + ")");
+  expect(handed_on && handed_on() == handed0 + 1,
+         "the runtime's cuMemAlloc came back through the driver half once, and was handed on to the driver");
   expect(cudaFree(forwarded) == 0 && fakecudart_calls("cudaFree") == rt_frees + 1 &&
              d.calls("cuMemFree") == drv_frees + 1 && d.census().own_allocations == own0,
          "its cudaFree went to the runtime and the driver's cuMemFree");
   d.counters(rc1);
   expect(rc1[2] == rc0[2] + 1, "counted as a forwarded free");
-  if (d.driver_counters) {
-    d.driver_counters(dc1);
-    expect(dc1[2] == dc0[2], "and still no recursion");
-  }
+  if (d.driver_counters) d.driver_counters(dc1);
+  expect(dc1[2] == dc0[2], "and still no recursion");
   void* again = nullptr;
   expect(cudaMalloc(&again, MiB) == 0 && d.device_of(again) < 0 && cudaFree(again) == 0,
          "device 2 stays the runtime's (its engine's failure is kept, not retried on every call)");
