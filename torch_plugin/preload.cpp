@@ -111,6 +111,21 @@ struct DevicePending {
   std::size_t bytes = 0;
 };
 
+// A bad FRAGLESS_CONF is named when the library loads, the moment the string is given, even in a program
+// that never calls CUDA; the allocator itself is still made at the first call that needs it (which then
+// forwards everything, without naming the error again).
+bool& conf_reported_at_load() {
+  static bool reported = false;
+  return reported;
+}
+__attribute__((constructor)) void check_conf_at_load() {
+  const auto conf = fragless::config_from_environment();  // reads constant tables only: safe before main
+  if (conf.ok) return;
+  std::fprintf(stderr, "fragless (LD_PRELOAD): %s; fragless is off: every CUDA call goes to the CUDA runtime\n",
+               conf.error.c_str());
+  conf_reported_at_load() = true;
+}
+
 struct Interposer {
   std::atomic<fragless::Allocator*> ready{nullptr};  // set once the allocator exists: one load per call
   std::mutex create_mu;                               // guards creation only
@@ -132,7 +147,8 @@ struct Interposer {
     if (conf.ok) alloc = fragless::Allocator::create(conf.options, -1, &err, /*eager=*/false);
     else err = conf.error;
     if (!alloc) {
-      std::fprintf(stderr, "fragless (LD_PRELOAD): %s; forwarding every call to the CUDA runtime\n", err.c_str());
+      if (conf.ok || !conf_reported_at_load())  // a bad FRAGLESS_CONF was named when the library loaded
+        std::fprintf(stderr, "fragless (LD_PRELOAD): %s; forwarding every call to the CUDA runtime\n", err.c_str());
       return nullptr;
     }
     pending = std::make_unique<DevicePending[]>(static_cast<std::size_t>(alloc->device_count()));
