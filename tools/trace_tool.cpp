@@ -196,22 +196,21 @@ std::string list(const std::vector<int>& v) {
 
 // What converting `t` to format `f` loses besides what its reader dropped: events the target has no entry for
 // (an RMM log keeps allocations and frees of one device; a snapshot has no empty_cache call nor physical
-// handle). One item per kind, with its count.
-std::vector<std::string> events_not_kept(const Trace& t, Format f, int device) {
+// handle), counted per kind; empty when nothing is lost.
+std::string events_not_kept(const Trace& t, Format f, int device) {
   if (f == Format::native) return {};  // the native format holds every kind of event
-  std::uint64_t by_op[12] = {};
+  std::map<Op, std::uint64_t> lost;
   for (const auto& e : t.events) {
     if (f == Format::rmm_csv && e.device != device) continue;  // other devices: said on their own line
     const bool kept = f == Format::rmm_csv ? e.op == Op::alloc || e.op == Op::free
                                            : e.op != Op::empty_cache && e.op != Op::phys_create && e.op != Op::phys_release;
-    if (!kept) ++by_op[static_cast<int>(e.op)];
+    if (!kept) ++lost[e.op];
   }
+  if (lost.empty()) return {};
   std::string counts;
-  for (int op = 0; op < 12; ++op)
-    if (by_op[op]) counts += (counts.empty() ? "" : ", ") + std::to_string(by_op[op]) + " " + op_name(static_cast<Op>(op));
-  if (counts.empty()) return {};
-  return {counts + (f == Format::rmm_csv ? " events (an RMM log has allocate and free rows only)"
-                                         : " events (a PyTorch snapshot has no such entries)")};
+  for (const auto& [op, n] : lost) counts += (counts.empty() ? "" : ", ") + std::to_string(n) + " " + op_name(op);
+  return counts + (f == Format::rmm_csv ? " events (an RMM log has allocate and free rows only)"
+                                        : " events (a PyTorch snapshot has no such entries)");
 }
 
 // A validator for --device: an integer >= 0, said in those words.
@@ -323,7 +322,7 @@ int main(int argc, char** argv) {
     if (!dropped.empty())
       lost.push_back(dropped + " (the fragless trace model holds allocation events, segments and blocks, not their "
                                "context)");
-    for (auto& item : events_not_kept(t, f, device)) lost.push_back(item);
+    if (std::string events = events_not_kept(t, f, device); !events.empty()) lost.push_back(events);
     if (!lost.empty()) {
       std::string text;
       for (const auto& item : lost) text += (text.empty() ? "" : "; ") + item;

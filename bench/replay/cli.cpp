@@ -113,21 +113,6 @@ bool apply_conf(const std::string& text, Options* base, std::optional<PolicyKind
   return true;
 }
 
-// Whether an input draws sequence lengths from --seqlen-file: a transformer workload without seqlen=.
-bool takes_seqlen_file(const std::string& input) {
-  if (input.rfind("workload:", 0) != 0) return false;
-  const std::string rest = input.substr(9);
-  const auto colon = rest.find(':');
-  const std::string name = rest.substr(0, colon);
-  if (name != "transformer-train" && name != "transformer-infer" && name != "ckpt-accum") return false;
-  if (colon == std::string::npos) return true;
-  std::stringstream kv(rest.substr(colon + 1));
-  std::string item;
-  while (std::getline(kv, item, ','))
-    if (item.rfind("seqlen=", 0) == 0) return false;
-  return true;
-}
-
 // --plot FILE: its folder must exist and take a new file, checked before any replay runs (gnuplot would
 // otherwise fail only at the end, and say little).
 bool plot_path_ok(const std::string& path, std::string* error) {
@@ -250,7 +235,7 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
       std::string err;
       if (!workload_key_range(in, cl.max_key, &lo, &hi, &err)) return std::fprintf(stderr, "fragless-replay: %s\n", err.c_str()), 2;
     }
-  if (!cl.seqlen_file.empty() && std::none_of(cl.inputs.begin(), cl.inputs.end(), takes_seqlen_file))
+  if (!cl.seqlen_file.empty() && std::none_of(cl.inputs.begin(), cl.inputs.end(), draws_seqlen_file))
     return usage("--seqlen-file: no input draws its lengths from it (it applies to workload:transformer-train, "
                  "transformer-infer and ckpt-accum without a seqlen= key)");
   if (!cl.plot.empty()) {

@@ -507,6 +507,13 @@ bool workload_key_range(const std::string& spec, const std::string& key, long lo
   return false;
 }
 
+bool draws_seqlen_file(const std::string& input) {
+  if (input.rfind("workload:", 0) != 0) return false;
+  const std::string name = input.substr(9, input.find(':', 9) - 9);
+  return (name == "transformer-train" || name == "transformer-infer" || name == "ckpt-accum") &&
+         !spec_sets(input, "seqlen");
+}
+
 std::string workload_with(const std::string& spec, const std::string& key, long long value) {
   const bool has_options = spec.find(':', 9) != std::string::npos;
   const char* sep = !has_options ? ":" : spec.back() == ':' || spec.back() == ',' ? "" : ",";

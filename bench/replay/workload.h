@@ -24,6 +24,9 @@ std::string transformer_help();
 // padding), naming the numeric keys, or the spec sets the key itself.
 bool workload_key_range(const std::string& spec, const std::string& key, long long* lo, long long* hi,
                         std::string* error);
+// Whether the input draws its sequence lengths from --seqlen-file: a transformer workload (transformer-train,
+// transformer-infer, ckpt-accum) whose spec does not set seqlen.
+bool draws_seqlen_file(const std::string& input);
 // The spec with key=value added (workload_key_range has checked that the spec does not set key itself).
 std::string workload_with(const std::string& spec, const std::string& key, long long value);
 

@@ -242,29 +242,25 @@ TEST_CASE("sequence-length files: the columns they take, and lengths out of rang
   CHECK_THAT(err, Catch::Contains("is a directory"));
 }
 
+// The error of a FRAGLESS_CONF string that must be refused.
+static std::string conf_error(const std::string& text) {
+  const auto r = parse_config(text);
+  CHECK_FALSE(r.ok);
+  return r.error;
+}
+
 TEST_CASE("FRAGLESS_CONF: a key given twice, an empty key and -0", "[config][bad-input]") {
-  auto r = parse_config("policy:classic,policy:fragless");
-  CHECK_FALSE(r.ok);
-  CHECK_THAT(r.error, Catch::Contains("key 'policy' is given more than once"));
-  r = parse_config("handles:pages, handles :pages");
-  CHECK_FALSE(r.ok);
-  CHECK_THAT(r.error, Catch::Contains("key 'handles' is given more than once"));
-  r = parse_config("roundup_power2_divisions:4,driver:host,roundup_power2_divisions:[256:1,>:8]");
-  CHECK_FALSE(r.ok);
-  CHECK_THAT(r.error, Catch::Contains("'roundup_power2_divisions' is given more than once"));
+  CHECK_THAT(conf_error("policy:classic,policy:fragless"), Catch::Contains("key 'policy' is given more than once"));
+  CHECK_THAT(conf_error("handles:pages, handles :pages"), Catch::Contains("key 'handles' is given more than once"));
+  CHECK_THAT(conf_error("roundup_power2_divisions:4,driver:host,roundup_power2_divisions:[256:1,>:8]"),
+             Catch::Contains("'roundup_power2_divisions' is given more than once"));
   // expandable_segments and policy are two keys: both may be given, once each.
-  r = parse_config("expandable_segments:True,policy:classic");
+  auto r = parse_config("expandable_segments:True,policy:classic");
   REQUIRE(r.ok);
   CHECK(r.options.policy == PolicyKind::classic);
-  r = parse_config(":fragless");
-  CHECK_FALSE(r.ok);
-  CHECK_THAT(r.error, Catch::Contains("an empty key before ':' (value 'fragless')"));
-  r = parse_config("policy:classic,:x");
-  CHECK_FALSE(r.ok);
-  CHECK_THAT(r.error, Catch::Contains("an empty key"));
-  r = parse_config("[256:1]");
-  CHECK_FALSE(r.ok);
-  CHECK_THAT(r.error, Catch::Contains("expected a key, found '['"));
+  CHECK_THAT(conf_error(":fragless"), Catch::Contains("an empty key before ':' (value 'fragless')"));
+  CHECK_THAT(conf_error("policy:classic,:x"), Catch::Contains("an empty key"));
+  CHECK_THAT(conf_error("[256:1]"), Catch::Contains("expected a key, found '['"));
   r = parse_config("per_process_memory_fraction:-0,reserve_slack:-0.0");
   REQUIRE(r.ok);
   CHECK_FALSE(std::signbit(r.options.per_process_memory_fraction));
