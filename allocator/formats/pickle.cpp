@@ -1,5 +1,6 @@
 #include "pickle.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -74,10 +75,32 @@ class Unpickler {
       arena_->containers.push_back(v);
     return v;
   }
-  PyRef make_int(std::int64_t i) {
+  // Integers are immutable once read, so equal ones may share one value: a snapshot repeats the same few
+  // sizes, streams and devices, and each block's address in its alloc and free entries (Python's pickler
+  // memoises containers and strings, never integers). A small direct-mapped cache finds most repeats
+  // in a bounded table; a miss just makes a new value.
+  PyRef make_int(std::int64_t i, bool wide = false) {
+    const auto h = static_cast<std::uint64_t>(i) * 0x9e3779b97f4a7c15ULL;
+    PyRef& slot = int_cache_[(h >> 52) ^ (wide ? 1u : 0u)];
+    if (slot && slot->i == i && slot->wide == wide) return slot;
     auto v = make(PyValue::Type::integer);
     v->i = i;
+    v->wide = wide;
+    slot = v;
     return v;
+  }
+  // True, False and None are immutable singletons in Python; one value each here too.
+  PyRef make_bool(bool b) {
+    PyRef& slot = b ? true_ : false_;
+    if (!slot) {
+      slot = make(PyValue::Type::boolean);
+      slot->i = b;
+    }
+    return slot;
+  }
+  PyRef make_none() {
+    if (!none_) none_ = make(PyValue::Type::none);
+    return none_;
   }
   PyRef make_str(std::string_view s, PyValue::Type t = PyValue::Type::str) {
     auto v = make(t);
@@ -97,9 +120,7 @@ class Unpickler {
     std::uint64_t v = 0;
     for (std::size_t i = b.size(); i-- > 0;) v = v << 8 | static_cast<std::uint8_t>(b[i]);
     if (b.size() < 8 && negative) v |= ~std::uint64_t{0} << (8 * b.size());
-    PyRef r = make_int(static_cast<std::int64_t>(v));
-    r->wide = !negative && (v >> 63);  // eight bytes with the top bit set, from a positive number
-    return r;
+    return make_int(static_cast<std::int64_t>(v), !negative && (v >> 63));  // wide: a positive number with the top bit set
   }
 
   void push(PyRef v) { stack_.push_back(std::move(v)); }
@@ -138,6 +159,10 @@ class Unpickler {
   void set_items(PyRef& dict, std::vector<PyRef> kv) {
     if (dict->type != PyValue::Type::dict) fail("SETITEM(S) on something that is not a dict");
     if (kv.size() % 2) fail("SETITEMS with an odd number of values");
+    // Room for the batch at once (a dict's pairs usually come in one SETITEMS), growing geometrically so that
+    // protocol 0's one SETITEM per pair stays linear.
+    if (const std::size_t need = dict->entries.size() + kv.size() / 2; need > dict->entries.capacity())
+      dict->entries.reserve(std::max(need, 2 * dict->entries.capacity()));
     for (std::size_t i = 0; i < kv.size(); i += 2) {
       add_child(*dict, kv[i]);
       add_child(*dict, kv[i + 1]);
@@ -276,13 +301,8 @@ class Unpickler {
         case '0': pop(); break;                                                  // POP
         case '1': pop_mark(); break;                                             // POP_MARK
         case '2': push(top()); break;                                            // DUP
-        case 'N': push(make(PyValue::Type::none)); break;
-        case 0x88: case 0x89: {                                                  // NEWTRUE / NEWFALSE
-          auto v = make(PyValue::Type::boolean);
-          v->i = op == 0x88;
-          push(v);
-          break;
-        }
+        case 'N': push(make_none()); break;
+        case 0x88: case 0x89: push(make_bool(op == 0x88)); break;               // NEWTRUE / NEWFALSE
         case 'K': push(make_int(byte())); break;                                 // BININT1
         case 'M': push(make_int(static_cast<std::int64_t>(le(2)))); break;      // BININT2
         case 'J': push(make_int(static_cast<std::int32_t>(le(4)))); break;      // BININT
@@ -291,7 +311,7 @@ class Unpickler {
         case 'I': case 'L': {                                                    // INT / LONG (text)
           std::string t(line());
           if (!t.empty() && t.back() == 'L') t.pop_back();
-          if (t == "01" || t == "00") { auto v = make(PyValue::Type::boolean); v->i = t == "01"; push(v); break; }
+          if (t == "01" || t == "00") { push(make_bool(t == "01")); break; }
           char* end = nullptr;
           errno = 0;
           const long long v = std::strtoll(t.c_str(), &end, 10);
@@ -299,9 +319,7 @@ class Unpickler {
             errno = 0;
             const unsigned long long u = std::strtoull(t.c_str(), &end, 10);
             if (errno || end != t.c_str() + t.size()) fail("integer literal outside [-2^63, 2^64)");
-            PyRef r = make_int(static_cast<std::int64_t>(u));
-            r->wide = true;
-            push(r);
+            push(make_int(static_cast<std::int64_t>(u), true));
             break;
           }
           if (t.empty() || errno || end != t.c_str() + t.size()) fail("bad integer literal (or outside [-2^63, 2^64))");
@@ -388,6 +406,8 @@ class Unpickler {
   std::vector<PyRef> memo_;
   std::unordered_map<std::uint64_t, PyRef> sparse_memo_;
   PickleArena* arena_ = nullptr;
+  std::vector<PyRef> int_cache_ = std::vector<PyRef>(4096);
+  PyRef true_, false_, none_;
 };
 
 }  // namespace

@@ -19,15 +19,18 @@ namespace fragless::formats {
 struct PyValue;
 using PyRef = std::shared_ptr<PyValue>;
 
+// One value per object read; a snapshot holds several per trace entry, so the small fields come first, packed
+// (112 bytes with a 64-bit libstdc++). Integers, True, False and None may be shared between parents: nothing changes a value once read
+// but a list under a ReadOptions::count_only key.
 struct PyValue {
-  enum class Type { none, boolean, integer, real, str, bytes, list, tuple, dict, set } type = Type::none;
-  std::int64_t i = 0;
+  enum class Type : std::uint8_t { none, boolean, integer, real, str, bytes, list, tuple, dict, set } type = Type::none;
   bool wide = false;  // an integer in [2^63, 2^64): its value is static_cast<std::uint64_t>(i)
+  std::uint32_t depth = 1;
+  std::int64_t i = 0;
   double f = 0;
   std::string s;                                // str (UTF-8) and bytes
   std::vector<PyRef> items;                     // list, tuple, set
   std::vector<std::pair<PyRef, PyRef>> entries; // dict, insertion order
-  std::uint32_t depth = 1;
   // A list read with ReadOptions::count_only under its key: its items were dropped once its dict took it,
   // and this is how many there were (items is then empty).
   std::size_t dropped = 0;

@@ -47,6 +47,30 @@ TEST_CASE("pickle: reads data and refuses anything that could run code", "[forma
   CHECK(a->items[1]->f == 2.5);
   CHECK(a->items[2]->s == "x");
 
+  // Equal integers share one value (a snapshot repeats sizes, streams and addresses; Python's pickler never
+  // memoises ints), and sharing never confuses -1 with 2^64 - 1, which have the same 64 bits: [7, 7, -1,
+  // 2**64 - 1, -1, 2**64 - 1, True, True] at protocol 2.
+  {
+    const std::string ints = str({0x80, 2, ']', '(', 'K', 7, 'K', 7, 'J', 0xff, 0xff, 0xff, 0xff, 0x8a, 9, 0xff, 0xff, 0xff,
+                                  0xff, 0xff, 0xff, 0xff, 0xff, 0, 'J', 0xff, 0xff, 0xff, 0xff, 0x8a, 9, 0xff, 0xff, 0xff,
+                                  0xff, 0xff, 0xff, 0xff, 0xff, 0, 0x88, 0x88, 'e', '.'});
+    auto ri = read_pickle(ints);
+    INFO(ri.error);
+    REQUIRE(ri.value);
+    const auto& it = ri.value->items;
+    REQUIRE(it.size() == 8);
+    CHECK(it[0].get() == it[1].get());
+    CHECK(it[0]->i == 7);
+    CHECK((it[2]->i == -1 && !it[2]->wide));
+    CHECK((it[3]->i == -1 && it[3]->wide));
+    CHECK(it[3]->int_text() == "18446744073709551615");
+    CHECK(it[2].get() != it[3].get());
+    CHECK(it[2].get() == it[4].get());
+    CHECK(it[3].get() == it[5].get());
+    CHECK(it[6].get() == it[7].get());
+    CHECK(it[6]->type == PyValue::Type::boolean);
+  }
+
   const std::pair<std::string, const char*> hostile[] = {
       {str({0x80, 2, 'c', 'o', 's', '\n', 's', 'y', 's', 't', 'e', 'm', '\n', '.'}), "GLOBAL"},
       {str({0x80, 4, 0x8c, 1, 'o', 0x8c, 1, 's', 0x93, '.'}), "STACK_GLOBAL"},
