@@ -111,3 +111,42 @@ TEST_CASE("integrity: 100,000 random operations on real memory corrupt nothing",
   CHECK(corrupt == 0);
   require_consistent(*e);
 }
+
+// A segment's page table (state/engine_state.h): entries are made in chunks on first write, reads never make
+// one, and what is written is read back, in the last (partial) chunk too.
+#include "state/engine_state.h"
+
+TEST_CASE("page table: only writes make chunks and entries hold what was written", "[integrity]") {
+  // A growable segment's table on the replay's 1 TiB device: 9/8 TiB of 2 MiB pages, and one entry more,
+  // so that the last chunk holds a single entry.
+  const std::size_t n = (std::size_t{9} << 40) / 8 / (2u << 20) + 1;
+  PageTable t;
+  REQUIRE(t.allocate(n));
+  CHECK_FALSE(t.allocate(n));  // once
+  CHECK(t.size() == n);
+  const PageTable& ro = t;
+  for (std::size_t i = 0; i < n; i += 997) CHECK_FALSE(ro[i].valid());
+  CHECK(t.chunks_made() == 0);
+  t.slot(5) = PageRef{42, 0};
+  t.slot(PageTable::kChunk - 1) = PageRef{43, 4096};
+  CHECK(t.chunks_made() == 1);
+  t.slot(n - 1) = PageRef{44, 8192};
+  CHECK(t.chunks_made() == 2);
+  CHECK(ro[5].handle == 42);
+  CHECK((ro[PageTable::kChunk - 1].handle == 43 && ro[PageTable::kChunk - 1].offset == 4096));
+  CHECK((ro[n - 1].handle == 44 && ro[n - 1].offset == 8192));
+  CHECK_FALSE(ro[4].valid());
+  CHECK_FALSE(ro[PageTable::kChunk].valid());
+  CHECK_FALSE(ro[n - 2].valid());
+  CHECK(t.chunks_made() == 2);
+  PageTable other;
+  other.swap(t);
+  CHECK(other[n - 1].handle == 44);
+  CHECK(t.size() == 0);
+  // A classic segment's table is one entry.
+  PageTable one;
+  REQUIRE(one.allocate(1));
+  one.slot(0) = PageRef{7, 0};
+  CHECK((one[0].handle == 7 && one.chunks_made() == 1));
+  CHECK_FALSE(PageTable().allocate(0));
+}

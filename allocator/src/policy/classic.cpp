@@ -55,7 +55,7 @@ class ClassicPolicy final : public Policy {
     }
     Block* b = s_.add_segment(p, va, va_size, va_size, BlockState::free);
     b->segment->mapped_bytes = va_size;
-    table[0] = PageRef{h, 0};
+    table.slot(0) = PageRef{h, 0};
     b->segment->pages.swap(table);
     s_.add_reserved(p.pool->small, static_cast<std::int64_t>(va_size));
     s_.stats.segment.add(p.pool->small, 1);

@@ -31,12 +31,12 @@ class ExpandablePolicy final : public GrowablePolicy {
         s_.give_back_handle(h);
         break;
       }
-      seg.pages[first + done] = PageRef{h, 0};
+      seg.pages.slot(first + done) = PageRef{h, 0};
     }
     if (st == Status::ok) st = d.set_access(seg.base + first * page, n * page);
     if (st != Status::ok) {  // undo: nothing of this call stays mapped
       for (std::size_t i = 0; i < done; ++i) {
-        PageRef& r = seg.pages[first + i];
+        PageRef& r = seg.pages.slot(first + i);
         s_.give_back_mapping(seg.base + (first + i) * page, page);
         s_.give_back_handle(r.handle);
         r = PageRef{};
@@ -52,7 +52,7 @@ class ExpandablePolicy final : public GrowablePolicy {
     Driver& d = *s_.driver;
     std::size_t done = 0;
     for (; done < n; ++done) {
-      PageRef& r = seg.pages[first + done];
+      PageRef& r = seg.pages.slot(first + done);
       if (d.unmap(seg.base + (first + done) * page, page) != Status::ok) break;
       s_.give_back_handle(r.handle);
       r = PageRef{};

@@ -6,9 +6,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <new>
 #include <type_traits>
-
-#include <sys/mman.h>
 
 #include "fragless/engine.h"
 #include "state/engine_state.h"
@@ -18,32 +17,38 @@ namespace fragless {
 // ---------------------------------------------------------------------------------------------------------
 // Page tables
 
-// All-zero bytes are an invalid PageRef, and mmap's pages are zero: the entries need no constructor run.
+// All-zero bytes are an invalid PageRef: calloc's chunks need no constructor run.
 static_assert(std::is_trivially_destructible_v<PageRef> && std::is_trivially_copyable_v<PageRef>);
 
+const PageRef PageTable::kInvalid{};
+
 bool PageTable::allocate(std::size_t n) {
-  if (p_ || n == 0 || n > SIZE_MAX / sizeof(PageRef)) return false;
-  constexpr std::size_t kMapFrom = 64 * 1024;  // bytes: below this, calloc (one page of it is touched anyway)
-  const std::size_t bytes = n * sizeof(PageRef);
-  void* m = nullptr;
-  if (bytes < kMapFrom) {
-    m = std::calloc(n, sizeof(PageRef));
-  } else if (void* v = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-             v != MAP_FAILED) {
-    m = v;
-    mapped_ = true;
-  }
-  if (!m) return false;
-  p_ = static_cast<PageRef*>(m);
+  if (chunks_ || n == 0 || n > SIZE_MAX / sizeof(PageRef)) return false;
+  const std::size_t count = (n + kChunk - 1) >> kChunkShift;
+  chunks_ = static_cast<PageRef**>(std::calloc(count, sizeof(PageRef*)));
+  if (!chunks_) return false;
   n_ = n;
-  bytes_ = bytes;
   return true;
 }
 
+PageRef* PageTable::new_chunk(std::size_t k) {
+  // The last chunk holds only the entries left (a classic segment's table is one entry).
+  const std::size_t entries = std::min(kChunk, n_ - (k << kChunkShift));
+  auto* c = static_cast<PageRef*>(std::calloc(entries, sizeof(PageRef)));
+  if (!c) throw std::bad_alloc();
+  return c;
+}
+
+std::size_t PageTable::chunks_made() const {
+  std::size_t made = 0;
+  for (std::size_t k = 0; chunks_ && k < (n_ + kChunk - 1) >> kChunkShift; ++k) made += chunks_[k] != nullptr;
+  return made;
+}
+
 PageTable::~PageTable() {
-  if (!p_) return;
-  if (mapped_) munmap(p_, bytes_);
-  else std::free(p_);
+  if (!chunks_) return;
+  for (std::size_t k = 0; k < (n_ + kChunk - 1) >> kChunkShift; ++k) std::free(chunks_[k]);
+  std::free(chunks_);
 }
 
 // ---------------------------------------------------------------------------------------------------------

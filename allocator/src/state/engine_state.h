@@ -125,33 +125,44 @@ struct PageRef {
 };
 
 // A segment's page table: one PageRef per page (a classic segment is one page), all invalid at first. A
-// growable segment reserves 9/8 of the device's memory and most of its pages are never mapped, so a large
-// table is anonymous memory from mmap, which the kernel fills with zeros (invalid entries) page by page on
-// first touch: entries never touched cost neither memory nor the time to clear them (a std::vector writes
-// every one: 9 MiB per segment on the replay's 1 TiB device, 720 KiB on an 80 GB GPU). A small one comes
-// from calloc.
+// growable segment reserves 9/8 of the device's memory and most of its pages are never mapped, so the table
+// is in chunks of kChunk entries (8 KiB), each made, zero-filled, the first time an entry in it is written:
+// a segment costs host memory only for the stretches it has mapped, and making one costs two small
+// allocations, where one array would cost 9 MiB per segment on the replay's 1 TiB device (720 KiB on an 80
+// GB GPU) or, left to the kernel's first-touch zero-fill, an mmap and munmap per segment. Reading an entry
+// never makes its chunk: one in a chunk not yet made is an invalid PageRef. Writing goes through slot().
 class PageTable {
  public:
+  static constexpr std::size_t kChunkShift = 9, kChunk = std::size_t{1} << kChunkShift;
   PageTable() = default;
   ~PageTable();
   PageTable(const PageTable&) = delete;
   PageTable& operator=(const PageTable&) = delete;
   void swap(PageTable& o) noexcept {
-    std::swap(p_, o.p_);
+    std::swap(chunks_, o.chunks_);
     std::swap(n_, o.n_);
-    std::swap(bytes_, o.bytes_);
-    std::swap(mapped_, o.mapped_);
   }
   // n invalid entries, once, on an empty table; false when the memory could not be had.
   bool allocate(std::size_t n);
   std::size_t size() const { return n_; }
-  PageRef& operator[](std::size_t i) { return p_[i]; }
-  const PageRef& operator[](std::size_t i) const { return p_[i]; }
+  const PageRef& operator[](std::size_t i) const {
+    const PageRef* c = chunks_[i >> kChunkShift];
+    return c ? c[i & (kChunk - 1)] : kInvalid;
+  }
+  // Entry i for writing; makes its chunk if needed (std::bad_alloc if the host has no 8 KiB left).
+  PageRef& slot(std::size_t i) {
+    PageRef*& c = chunks_[i >> kChunkShift];
+    if (!c) c = new_chunk(i >> kChunkShift);
+    return c[i & (kChunk - 1)];
+  }
+  // Chunks made (tests: reading never makes one).
+  std::size_t chunks_made() const;
 
  private:
-  PageRef* p_ = nullptr;
-  std::size_t n_ = 0, bytes_ = 0;
-  bool mapped_ = false;  // from mmap, else from calloc
+  PageRef* new_chunk(std::size_t k);
+  static const PageRef kInvalid;
+  PageRef** chunks_ = nullptr;
+  std::size_t n_ = 0;
 };
 
 struct Segment {

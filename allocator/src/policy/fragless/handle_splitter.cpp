@@ -223,7 +223,7 @@ void HandleSplitter::finish(BackgroundJob& job) {
     pieces_.erase(job.handle);
     bool multi = false;
     for (std::size_t i = 0, at = job.first; i < job.created.size(); at += job.sizes[i], ++i) {
-      for (std::size_t j = 0; j < job.sizes[i]; ++j) seg.pages[at + j] = PageRef{job.created[i], j * page_};
+      for (std::size_t j = 0; j < job.sizes[i]; ++j) seg.pages.slot(at + j) = PageRef{job.created[i], j * page_};
       mapped(seg, at, job.created[i]);
       if (job.sizes[i] > 1) {
         multi = true;
@@ -237,7 +237,7 @@ void HandleSplitter::finish(BackgroundJob& job) {
   // Gave back: the range is unmapped and its memory released (or deferred), as by a release.
   pool_.remove_mapped(job.handle);
   pieces_.erase(job.handle);
-  for (std::size_t i = 0; i < job.pages; ++i) seg.pages[job.first + i] = PageRef{};
+  for (std::size_t i = 0; i < job.pages; ++i) seg.pages.slot(job.first + i) = PageRef{};
   seg.mapped_bytes -= bytes;
   s_.add_reserved(seg.small, -static_cast<std::int64_t>(bytes));
   ++s_.stats.num_device_free;

@@ -97,7 +97,7 @@ Status FraglessPolicy::map_pages(Segment& seg, std::size_t first, std::size_t* n
     const PhysHandle h = order[mapped];
     const std::size_t k = pool_.pages(h);
     if ((st = d.map(seg.base + at * page_, k * page_, h, 0)) != Status::ok) break;
-    for (std::size_t i = 0; i < k; ++i) seg.pages[at + i] = PageRef{h, i * page_};
+    for (std::size_t i = 0; i < k; ++i) seg.pages.slot(at + i) = PageRef{h, i * page_};
     pool_.mark_mapped(h);
     splitter_.mapped(seg, at, h);
     at += k;
@@ -220,7 +220,7 @@ Status FraglessPolicy::fail_request(Status st, const std::vector<PhysHandle>& cr
 // Unmapped pages [first, first + n) of seg: their handles go to the growth `to_request`, or idle when null.
 void FraglessPolicy::give_back(Segment& seg, std::size_t first, std::size_t n, Growth* to_request) {
   for (std::size_t i = first; i < first + n; ++i) {
-    PageRef& r = seg.pages[i];
+    PageRef& r = seg.pages.slot(i);
     if (r.offset == 0) {
       splitter_.unmapped(seg, i, r.handle);
       to_request ? pool_.unmapped_to_taken(r.handle) : pool_.unmapped_to_idle(r.handle);
