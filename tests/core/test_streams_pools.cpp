@@ -349,6 +349,37 @@ TEST_CASE("fragless (handles:cells): no handle is larger than handle_max_mb, wha
   for (void* q : {other, p}) REQUIRE(e->free(q) == Status::ok);
 }
 
+// Note [Cells]: near the limit no handle is larger than a cell. The same 100 MiB growth makes its body of 48
+// pages in two handles (32 + 16, handle_max_mb 64) while most of the device could still be created, and in
+// twelve cells of four pages once less than half of it could.
+TEST_CASE("fragless (handles:cells): near the device's limit no handle is larger than a cell", "[fragless]") {
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  spec.capacity = 1024 * MiB;
+  spec.base.background = BackgroundMode::off;
+  spec.base.chunk_size = 8 * MiB;  // cells of four pages once 8 MiB are live
+  spec.base.reserve_slack = 1.0;
+  auto e = make_engine(spec);
+  auto creates = [&] { return e->driver_counters()[DriverCall::create]; };
+  void* other = e->allocate(16 * MiB, 1, nullptr);
+  REQUIRE(other);
+  // Far from the limit: pages [0, 48) of stream 0's segment in handles of at most 32 pages, and the last cell
+  // [48, 52) in one.
+  auto c0 = creates();
+  void* far = e->allocate(100 * MiB, 0, nullptr);
+  REQUIRE(far);
+  CHECK(creates() - c0 == 3);
+  // 500 MiB more on stream 2: then less than 512 MiB of the device could still be created.
+  void* fill = e->allocate(500 * MiB, 2, nullptr);
+  REQUIRE(fill);
+  c0 = creates();
+  void* near = e->allocate(100 * MiB, 3, nullptr);
+  REQUIRE(near);
+  CHECK(creates() - c0 == 13);
+  require_consistent(*e);
+  for (void* q : {other, far, fill, near}) REQUIRE(e->free(q) == Status::ok);
+}
+
 // Note [The small pool keeps a cell]: the rule applies to the requesting stream's holes and to other idle
 // streams' holes apart, so at most a cell of each is kept.
 TEST_CASE("fragless: the small pool keeps a cell on the requesting stream and a cell on other streams",

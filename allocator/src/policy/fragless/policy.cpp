@@ -57,8 +57,10 @@ Status FraglessPolicy::map_pages(Segment& seg, std::size_t first, std::size_t* n
   const bool refill = g.planned < need && refills(seg, first, need - g.planned);
   if (g.planned < need && !refill && !s_.capturing()) {
     // Touch nothing when even everything together cannot succeed: the retry chain takes over.
+    // (The recount of what could be reclaimed walks the free blocks: only when creating alone falls short.)
     const std::size_t creatable = creatable_pages();
-    if (g.planned + reclaimable_pages(g) + creatable < need) return fail_request(Status::out_of_memory, {});
+    if (g.planned + creatable < need && g.planned + reclaimable_pages(g) + creatable < need)
+      return fail_request(Status::out_of_memory, {});
     // Note [The small pool keeps a cell]: only where all that is missing could be created instead.
     g.keep_small = !seg.small && creatable >= need - g.planned && s_.capacity_allows((need - g.planned) * page_);
     reclaim(g, /*other_streams=*/false, need, room);  // Note [Complete re-backing]
