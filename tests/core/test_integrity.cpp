@@ -139,6 +139,12 @@ TEST_CASE("page table: only writes make chunks and entries hold what was written
   CHECK_FALSE(ro[PageTable::kChunk].valid());
   CHECK_FALSE(ro[n - 2].valid());
   CHECK(t.chunks_made() == 2);
+  // prepare() makes the chunks of a range ahead of the driver work it records (here two, one already made).
+  REQUIRE(t.prepare(PageTable::kChunk - 2, 4));
+  CHECK(t.chunks_made() == 3);
+  CHECK(t.prepare(7, 0));
+  CHECK(t.chunks_made() == 3);
+  CHECK_FALSE(ro[PageTable::kChunk].valid());
   PageTable other;
   other.swap(t);
   CHECK(other[n - 1].handle == 44);
@@ -148,5 +154,8 @@ TEST_CASE("page table: only writes make chunks and entries hold what was written
   REQUIRE(one.allocate(1));
   one.slot(0) = PageRef{7, 0};
   CHECK((one[0].handle == 7 && one.chunks_made() == 1));
+  PageTable made;  // a one-chunk table is made whole by allocate(), before any driver call
+  REQUIRE(made.allocate(3));
+  CHECK(made.chunks_made() == 1);
   CHECK_FALSE(PageTable().allocate(0));
 }

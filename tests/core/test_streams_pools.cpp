@@ -349,10 +349,10 @@ TEST_CASE("fragless (handles:cells): no handle is larger than handle_max_mb, wha
   for (void* q : {other, p}) REQUIRE(e->free(q) == Status::ok);
 }
 
-// Note [Cells]: near the limit no handle is larger than a cell. The same 100 MiB growth makes its body of 48
-// pages in two handles (32 + 16, handle_max_mb 64) while most of the device could still be created, and in
-// twelve cells of four pages once less than half of it could.
-TEST_CASE("fragless (handles:cells): near the device's limit no handle is larger than a cell", "[fragless]") {
+// Note [Cells]: near the limit no handle is larger than chunk_size_mb. The same 100 MiB growth makes its body
+// of 48 pages in two handles (32 + 16, handle_max_mb 64) while most of the device could still be created, and
+// in twelve of four pages (chunk_size_mb 8) once less than half of it could.
+TEST_CASE("fragless (handles:cells): near the device's limit no handle is larger than chunk_size_mb", "[fragless]") {
   EngineSpec spec;
   spec.policy = PolicyKind::fragless;
   spec.capacity = 1024 * MiB;

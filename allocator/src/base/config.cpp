@@ -186,7 +186,7 @@ constexpr OptionInfo kOptions[] = {
      "fragless policy (handles ends or cells): the body of a growth is created in handles of at most this much; "
      "a live block that straddles a handle pins less than this of it, and one background split replaces at "
      "most this much. Near the limit (a growth that would leave less than half of the process's memory still "
-     "creatable) no handle is larger than a cell.",
+     "creatable) no handle is larger than chunk_size_mb.",
      &mib_field<&Options::handle_max, 1, std::size_t{1} << 20>},
     {"chunk_size_mb", "integer >= 1 (MiB)", "20",
      "fragless policy: with handles ends or whole, a growth's new handle may be rounded up to this much, mapped "

@@ -19,7 +19,7 @@ class ExpandablePolicy final : public GrowablePolicy {
 
   Status map_pages(Segment& seg, std::size_t first, std::size_t* n_io, std::size_t, const Run&) override {
     const std::size_t page = seg.page_size, n = *n_io;
-    if (!s_.capacity_allows(n * page)) return Status::out_of_memory;
+    if (!s_.capacity_allows(n * page) || !seg.pages.prepare(first, n)) return Status::out_of_memory;
     Driver& d = *s_.driver;
     std::size_t done = 0;
     Status st = Status::ok;

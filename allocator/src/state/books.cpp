@@ -28,15 +28,26 @@ bool PageTable::allocate(std::size_t n) {
   chunks_ = static_cast<PageRef**>(std::calloc(count, sizeof(PageRef*)));
   if (!chunks_) return false;
   n_ = n;
+  if (count == 1 && !(chunks_[0] = new_chunk(0))) {  // a one-chunk table is made whole now
+    std::free(chunks_);
+    chunks_ = nullptr;
+    n_ = 0;
+    return false;
+  }
   return true;
 }
 
-PageRef* PageTable::new_chunk(std::size_t k) {
+PageRef* PageTable::new_chunk(std::size_t k) noexcept {
   // The last chunk holds only the entries left (a classic segment's table is one entry).
   const std::size_t entries = std::min(kChunk, n_ - (k << kChunkShift));
-  auto* c = static_cast<PageRef*>(std::calloc(entries, sizeof(PageRef)));
-  if (!c) throw std::bad_alloc();
-  return c;
+  return static_cast<PageRef*>(std::calloc(entries, sizeof(PageRef)));
+}
+
+bool PageTable::prepare(std::size_t first, std::size_t n) noexcept {
+  if (n == 0) return true;
+  for (std::size_t k = first >> kChunkShift; k <= (first + n - 1) >> kChunkShift; ++k)
+    if (!chunks_[k] && !(chunks_[k] = new_chunk(k))) return false;
+  return true;
 }
 
 std::size_t PageTable::chunks_made() const {

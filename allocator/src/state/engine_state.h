@@ -13,6 +13,7 @@
 //  I5  Stats equal a recount from the block lists; reserved equals physical bytes held from the driver.
 //  I6  Every allocated or pending block is in `active_blocks` under its address, and nothing else is.
 #pragma once
+#include <new>
 #include <algorithm>
 #include <deque>
 #include <map>
@@ -149,17 +150,23 @@ class PageTable {
     const PageRef* c = chunks_[i >> kChunkShift];
     return c ? c[i & (kChunk - 1)] : kInvalid;
   }
-  // Entry i for writing; makes its chunk if needed (std::bad_alloc if the host has no 8 KiB left).
+  // Makes the chunks of entries [first, first + n) now; false when the host memory could not be had. Called
+  // before the driver work whose result the entries record, so that running out of host memory is an
+  // out-of-memory like any other, with nothing done (a one-chunk table, a classic segment's, is made whole by
+  // allocate()).
+  bool prepare(std::size_t first, std::size_t n) noexcept;
+  // Entry i for writing; makes its chunk if needed (std::bad_alloc if the host has no 8 KiB left: callers
+  // prepare() first).
   PageRef& slot(std::size_t i) {
     PageRef*& c = chunks_[i >> kChunkShift];
-    if (!c) c = new_chunk(i >> kChunkShift);
+    if (!c && !(c = new_chunk(i >> kChunkShift))) throw std::bad_alloc();
     return c[i & (kChunk - 1)];
   }
   // Chunks made (tests: reading never makes one).
   std::size_t chunks_made() const;
 
  private:
-  PageRef* new_chunk(std::size_t k);
+  PageRef* new_chunk(std::size_t k) noexcept;  // nullptr when calloc fails
   static const PageRef kInvalid;
   PageRef** chunks_ = nullptr;
   std::size_t n_ = 0;

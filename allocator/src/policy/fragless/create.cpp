@@ -91,15 +91,16 @@ std::size_t FraglessPolicy::cell_pages(bool small) const {
 // same peaks within 14 MiB. Once free, every multi-page handle is split into pieces in the background (Note [Split
 // in the background]), so re-backing then moves that memory page by page.
 //
-// Near the limit no handle is larger than a cell: once a growth would leave less than half of what the process may
-// hold (the device, or per_process_memory_fraction of it) still creatable, its body is created in handles of at most
-// a cell too. A handle of handle_max_mb that a smaller block reuses before its split pins the rest of it until that
-// block goes, and an out-of-memory retry cannot give that back (it is mapped, and a mapping is unmapped whole): far
-// from the limit that costs reserved memory, near it an allocation. With unlimited memory (the replay's default
-// device) nothing changes. Measured with `fragless-replay --fit --fit-step 0.0625` (docs/RESULTS.md, "What fits"):
-// three `random` variants that needed more device than expandable segments no longer do (the worst, 4 streams and a
-// 16 GiB live cap, from 17.62 to 17.06 GiB, expandable 17.06), the dev traces' fits are unchanged and the largest
-// moe token count grows on every device size; `serving` needs 1/16 GiB more (12.81 against 12.75).
+// Near the limit no handle is larger than chunk_size_mb (expandable's page): once a growth would leave less than
+// half of what the process may hold (the device, or per_process_memory_fraction of it) still creatable, its body is
+// created in handles of at most that. A handle of handle_max_mb that a smaller block reuses before its split pins the
+// rest of it until that block goes, and an out-of-memory retry cannot give that back (it is mapped, and a mapping is
+// unmapped whole): far from the limit that costs reserved memory, near it an allocation. Not the cell: a small job's
+// cell is a page, and on a GPU that others half fill a large tensor would be created page by page. With unlimited
+// memory (the replay's default device) nothing changes. Measured with `fragless-replay --fit --fit-step 0.0625`
+// (docs/RESULTS.md, "What fits"): three `random` variants need less device (the worst, 2 streams and a 16 GiB live
+// cap, from 17.62 to 17.06 GiB, as expandable), the dev traces' fits are unchanged, the largest moe token count
+// grows on every device size; `serving` needs 1/16 GiB more (12.81 against 12.75).
 std::vector<std::size_t> FraglessPolicy::cells(std::size_t missing, std::size_t room, std::size_t at,
                                                std::size_t chunk, bool frontier) {
   // Only a growth at the end of what the segment maps rounds up to a cell's end: one inside a gap (a hole
@@ -107,7 +108,10 @@ std::vector<std::size_t> FraglessPolicy::cells(std::size_t missing, std::size_t 
   std::size_t end = frontier ? std::min(at + room, (at + missing + chunk - 1) / chunk * chunk) : at + missing;
   if (end > at + missing && !can_create(end - at)) end = at + missing;
   std::size_t body_max = std::max<std::size_t>(1, s_.opts.handle_max / page_);
-  if (body_max > chunk && memory_tight(end - at)) body_max = chunk;  // near the limit: cells at most
+  // Near the limit: no handle larger than expandable's page (chunk_size_mb), nor than a cell where cells are larger.
+  if (const std::size_t near = std::max(chunk, std::max<std::size_t>(1, s_.opts.chunk_size / page_));
+      body_max > near && memory_tight(end - at))
+    body_max = near;
   std::vector<std::size_t> sizes;
   if (!frontier) {  // a gap: what it misses, in handles of at most handle_max
     push_capped(sizes, missing, body_max);

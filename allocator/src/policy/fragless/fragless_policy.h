@@ -200,7 +200,7 @@ class FraglessPolicy final : public GrowablePolicy {
   // create.cpp
   std::size_t creatable_pages();
   // Whether creating `pages` more leaves less than half of what this process may hold still creatable
-  // (Note [Cells]: near the limit, no handle is larger than a cell).
+  // (Note [Cells]: near the limit, no handle is larger than chunk_size_mb).
   bool memory_tight(std::size_t pages);
   bool can_create(std::size_t pages) { return s_.capacity_allows(pages * page_) && creatable_pages() >= pages; }
   std::vector<std::size_t> shape(std::size_t missing, std::size_t room, std::size_t at, bool small, bool frontier);
