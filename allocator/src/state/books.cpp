@@ -24,11 +24,13 @@ const PageRef PageTable::kInvalid{};
 
 bool PageTable::allocate(std::size_t n) {
   if (chunks_ || n == 0 || n > SIZE_MAX / sizeof(PageRef)) return false;
-  const std::size_t count = (n + kChunk - 1) >> kChunkShift;
-  chunks_ = static_cast<PageRef**>(std::calloc(count, sizeof(PageRef*)));
-  if (!chunks_) return false;
   n_ = n;
-  if (count == 1 && !(chunks_[0] = new_chunk(0))) {  // a one-chunk table is made whole now
+  chunks_ = static_cast<PageRef**>(std::calloc(chunk_count(), sizeof(PageRef*)));
+  if (!chunks_) {
+    n_ = 0;
+    return false;
+  }
+  if (chunk_count() == 1 && !prepare(0, n)) {  // a one-chunk table is made whole now
     std::free(chunks_);
     chunks_ = nullptr;
     n_ = 0;
@@ -52,13 +54,13 @@ bool PageTable::prepare(std::size_t first, std::size_t n) noexcept {
 
 std::size_t PageTable::chunks_made() const {
   std::size_t made = 0;
-  for (std::size_t k = 0; chunks_ && k < (n_ + kChunk - 1) >> kChunkShift; ++k) made += chunks_[k] != nullptr;
+  for (std::size_t k = 0; chunks_ && k < chunk_count(); ++k) made += chunks_[k] != nullptr;
   return made;
 }
 
 PageTable::~PageTable() {
   if (!chunks_) return;
-  for (std::size_t k = 0; k < (n_ + kChunk - 1) >> kChunkShift; ++k) std::free(chunks_[k]);
+  for (std::size_t k = 0; k < chunk_count(); ++k) std::free(chunks_[k]);
   std::free(chunks_);
 }
 

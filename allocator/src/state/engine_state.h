@@ -13,12 +13,12 @@
 //  I5  Stats equal a recount from the block lists; reserved equals physical bytes held from the driver.
 //  I6  Every allocated or pending block is in `active_blocks` under its address, and nothing else is.
 #pragma once
-#include <new>
 #include <algorithm>
 #include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <set>
 #include <unordered_map>
 #include <utility>
@@ -166,6 +166,7 @@ class PageTable {
   std::size_t chunks_made() const;
 
  private:
+  std::size_t chunk_count() const { return (n_ + kChunk - 1) >> kChunkShift; }
   PageRef* new_chunk(std::size_t k) noexcept;  // nullptr when calloc fails
   static const PageRef kInvalid;
   PageRef** chunks_ = nullptr;

@@ -8,20 +8,20 @@
 namespace fragless {
 
 // Pages that could still be created within the device's free memory and the memory fraction.
-std::size_t FraglessPolicy::creatable_pages() {
+std::size_t FraglessPolicy::creatable_pages(std::size_t* limit_pages) {
   std::size_t free_b = 0, total_b = 0;
   s_.driver->memory_info(&free_b, &total_b);
   if (s_.allowed_memory_maximum)
     free_b = std::min(free_b, s_.allowed_memory_maximum > s_.total_reserved
                                   ? s_.allowed_memory_maximum - s_.total_reserved : 0);
+  if (limit_pages)
+    *limit_pages = (s_.allowed_memory_maximum ? std::min(total_b, s_.allowed_memory_maximum) : total_b) / page_;
   return free_b / page_;
 }
 
 bool FraglessPolicy::memory_tight(std::size_t pages) {
-  std::size_t free_b = 0, total_b = 0;
-  s_.driver->memory_info(&free_b, &total_b);
-  const std::size_t limit = s_.allowed_memory_maximum ? std::min(total_b, s_.allowed_memory_maximum) : total_b;
-  return creatable_pages() < pages + limit / page_ / 2;
+  std::size_t limit = 0;
+  return creatable_pages(&limit) < pages + limit / 2;
 }
 
 // Appends `pages` to sizes as handles of at most `most` pages each.
@@ -109,7 +109,7 @@ std::vector<std::size_t> FraglessPolicy::cells(std::size_t missing, std::size_t 
   if (end > at + missing && !can_create(end - at)) end = at + missing;
   std::size_t body_max = std::max<std::size_t>(1, s_.opts.handle_max / page_);
   // Near the limit: no handle larger than expandable's page (chunk_size_mb), nor than a cell where cells are larger.
-  if (const std::size_t near = std::max(chunk, std::max<std::size_t>(1, s_.opts.chunk_size / page_));
+  if (const std::size_t near = std::max(chunk, s_.opts.chunk_size / page_);
       body_max > near && memory_tight(end - at))
     body_max = near;
   std::vector<std::size_t> sizes;

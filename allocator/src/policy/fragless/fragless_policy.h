@@ -198,7 +198,8 @@ class FraglessPolicy final : public GrowablePolicy {
   void audit_creation(Growth& g, const Segment& target, std::size_t missing, std::size_t room);
 
   // create.cpp
-  std::size_t creatable_pages();
+  // With limit_pages: also what the process may hold at most (the device, or per_process_memory_fraction of it).
+  std::size_t creatable_pages(std::size_t* limit_pages = nullptr);
   // Whether creating `pages` more leaves less than half of what this process may hold still creatable
   // (Note [Cells]: near the limit, no handle is larger than chunk_size_mb).
   bool memory_tight(std::size_t pages);

@@ -93,10 +93,10 @@ Status FraglessPolicy::map_pages(Segment& seg, std::size_t first, std::size_t* n
   // Map every taken handle whole, in order, from `first`; then one set_access over them all (R6).
   Driver& d = *s_.driver;
   const std::vector<PhysHandle>& order = pool_.taken();
-  std::size_t at = first, mapped = 0, total = 0;
-  for (PhysHandle h : order) total += pool_.pages(h);
-  // The page table's entries first (host memory): running out of it fails the request before any mapping.
-  Status st = seg.pages.prepare(first, total) ? Status::ok : Status::out_of_memory;
+  std::size_t at = first, mapped = 0;
+  // The page table's entries first (host memory; g.planned pages are taken): running out of it fails the
+  // request before any mapping.
+  Status st = seg.pages.prepare(first, g.planned) ? Status::ok : Status::out_of_memory;
   for (; st == Status::ok && mapped < order.size(); ++mapped) {
     const PhysHandle h = order[mapped];
     const std::size_t k = pool_.pages(h);
