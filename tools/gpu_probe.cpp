@@ -367,6 +367,18 @@ class Probe {
     return stat_of(t);
   }
 
+  // cuMemGetInfo, which fragless asks before some growths (Note [Asking for free memory]).
+  Stat mem_get_info(int reps) {
+    std::vector<double> t;
+    for (int i = 0; i < reps; ++i) {
+      std::size_t f = 0, total = 0;
+      const double t0 = now_us();
+      if (!ok("cuMemGetInfo", cu_.memGetInfo(&f, &total))) return {};
+      t.push_back(now_us() - t0);
+    }
+    return stat_of(t);
+  }
+
   Stat idle_sync(int reps) {
     CUstream s = nullptr;
     std::vector<double> t;
@@ -488,6 +500,7 @@ int main(int argc, char** argv) {
   int w_unmap, w_release, w_access;
   p.waits_for_kernel(kernel, gmin, &w_unmap, &w_release, &w_access);
   const Stat ev = p.events(quick ? 200 : 2000), sync = p.idle_sync(quick ? 200 : 2000);
+  const Stat info = p.mem_get_info(quick ? 200 : 2000);
   CUcontext popped = nullptr;
   cu.ctxPopCurrent(&popped);
   cu.primaryCtxRelease(dev);
@@ -522,7 +535,8 @@ int main(int argc, char** argv) {
     j += std::string(first ? "" : ",") + "\"" + std::to_string(n) + "\":" + json_stat(s);
     first = false;
   }
-  j += "},\"event_record_query_us\":" + json_stat(ev) + ",\"stream_synchronize_idle_us\":" + json_stat(sync);
+  j += "},\"event_record_query_us\":" + json_stat(ev) + ",\"stream_synchronize_idle_us\":" + json_stat(sync) +
+       ",\"mem_get_info_us\":" + json_stat(info);
   j += ",\"semantics\":{\"map_nonzero_offset\":" + json_bool(nonzero_offset) +
        ",\"map_partial_handle\":" + json_bool(partial) + ",\"unmap_several_mappings\":" + json_bool(unmap_several) +
        ",\"coherent_two_addresses\":" + json_bool(coherent) + ",\"unmap_waits_for_kernel\":" + json_bool(w_unmap) +
@@ -556,7 +570,8 @@ int main(int argc, char** argv) {
     std::printf("\n");
   }
   for (auto& [n, s] : adjacent) std::printf("cuMemSetAccess over %d adjacent mappings: %.1f us median\n", n, s.median);
-  std::printf("cuEventRecord+cuEventQuery %.2f us, idle cuStreamSynchronize %.2f us (medians)\n", ev.median, sync.median);
+  std::printf("cuEventRecord+cuEventQuery %.2f us, idle cuStreamSynchronize %.2f us, cuMemGetInfo %.2f us (medians)\n",
+              ev.median, sync.median, info.median);
   std::printf("map at a non-zero offset: %s; part of a handle: %s; one unmap over adjacent mappings: %s; one handle "
               "at two addresses coherent: %s\n", json_bool(nonzero_offset).c_str(), json_bool(partial).c_str(),
               json_bool(unmap_several).c_str(), json_bool(coherent).c_str());

@@ -92,6 +92,11 @@ bool load_costs(const std::string& path, CostModel* out, std::string* error) {
     m.us[static_cast<int>(DriverCall::synchronize_event)] = sync;
     ++measured;
   }
+  double info = 0;
+  if (median_of("mem_get_info_us", &info)) {  // probes before 2026-12-03 did not time it: the A100 model's stays
+    m.us[static_cast<int>(DriverCall::memory_info)] = info;
+    ++measured;
+  }
   if (measured == 0) return fail("the probe measured no call (costs_us is empty)");
   *out = m;
   return true;

@@ -50,7 +50,8 @@ Json result_json(const ReplayResult& r) {
   o["ooms"] = r.ooms;
   o["driver_calls"] = {{"reserve", d[DriverCall::reserve]}, {"create", d[DriverCall::create]},
                        {"map", d[DriverCall::map]},         {"set_access", d[DriverCall::set_access]},
-                       {"unmap", d[DriverCall::unmap]},     {"release", d[DriverCall::release]}};
+                       {"unmap", d[DriverCall::unmap]},     {"release", d[DriverCall::release]},
+                       {"memory_info", d[DriverCall::memory_info]}};
   o["forced_syncs"] = r.forced_syncs;
   o["modelled_driver_us"] = fixed(d.modelled_us, 2);
   o["alloc_path_driver_us"] = fixed(r.alloc_path_driver_us(), 2);

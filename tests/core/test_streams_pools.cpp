@@ -380,6 +380,82 @@ TEST_CASE("fragless (handles:cells): near the device's limit no handle is larger
   for (void* q : {other, far, fill, near}) REQUIRE(e->free(q) == Status::ok);
 }
 
+// Note [Asking for free memory]: far from the limit a growth knows the device's free memory without asking the
+// driver (at most once per 64 growths); near it, every growth asks.
+TEST_CASE("fragless asks the driver for free memory rarely far from the limit and always near it", "[fragless]") {
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  spec.capacity = 4096 * MiB;
+  spec.base.background = BackgroundMode::off;
+  auto e = make_engine(spec);
+  auto asks = [&] { return e->driver_counters()[DriverCall::memory_info]; };
+  const auto growths = [&] { return e->driver_counters()[DriverCall::set_access]; };  // one per growth
+  std::vector<void*> live;
+  // 200 allocations of 3 MiB, 600 MiB in all, most of them growths that create: 3.4 GiB or more stays free,
+  // far from what each misses and from half the device.
+  auto a0 = asks();
+  auto g0 = growths();
+  for (int i = 0; i < 200; ++i) {
+    live.push_back(e->allocate(3 * MiB, 0, nullptr));
+    REQUIRE(live.back());
+  }
+  REQUIRE(growths() - g0 >= 100);
+  CHECK(asks() - a0 >= 1);
+  CHECK(asks() - a0 <= 200 / 64 + 1);
+  // 3000 MiB more: less than an eighth of the device is free above what a growth misses, and every growth asks.
+  live.push_back(e->allocate(3000 * MiB, 1, nullptr));
+  REQUIRE(live.back());
+  a0 = asks();
+  g0 = growths();
+  for (int i = 0; i < 40; ++i) {  // cells are 20 MiB now: a growth about every seventh
+    live.push_back(e->allocate(3 * MiB, 0, nullptr));
+    REQUIRE(live.back());
+  }
+  CHECK(growths() - g0 >= 4);
+  CHECK(asks() - a0 == growths() - g0);
+  require_consistent(*e);
+  for (void* q : live) REQUIRE(e->free(q) == Status::ok);
+}
+
+// Note [Asking for free memory]: another user of the device takes memory unseen, so the growth's known answer is
+// too high and the driver refuses its create. The growth then asks and takes the last resort with the driver's
+// answer: a busy stream's hole lent in device order, no synchronisation and no release, where the out-of-memory
+// path would have synchronised that stream to give its cached memory back.
+TEST_CASE("fragless: a create refused on a free-memory answer known without asking asks and lends", "[fragless]") {
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  spec.capacity = 1024 * MiB;
+  spec.base.background = BackgroundMode::off;
+  auto e = make_engine(spec);
+  TestEvents* ev = test_events_of(e->driver());
+  REQUIRE(ev);
+  constexpr Stream A = 1, B = 2;
+  void* x = e->allocate(16 * MiB, A, nullptr);
+  void* other = e->allocate(4 * MiB, A, nullptr);
+  REQUIRE((x && other));
+  REQUIRE(e->free(x) == Status::ok);
+  ev->hold(A);  // A has unfinished work: its hole is lent only as the last resort, in device order
+  std::size_t free_b = 0, total_b = 0;
+  e->driver().memory_info(&free_b, &total_b);
+  PhysHandle theirs = 0;
+  REQUIRE(e->driver().create(free_b - 4 * MiB, &theirs) == Status::ok);  // unseen by the engine
+  const auto before = e->driver_counters();
+  const auto syncs = e->stats().num_forced_syncs, retries = e->stats().num_alloc_retries;
+  void* y = e->allocate(16 * MiB, B, nullptr);
+  REQUIRE(y);
+  const auto after = e->driver_counters();
+  CHECK(after[DriverCall::memory_info] - before[DriverCall::memory_info] == 1);  // asked once, after the refusal
+  CHECK(after[DriverCall::stream_wait_event] - before[DriverCall::stream_wait_event] == 1);  // lent in device order
+  CHECK(after[DriverCall::release] == before[DriverCall::release]);  // nothing given back to the driver
+  CHECK(e->stats().num_forced_syncs == syncs);
+  CHECK(e->stats().num_alloc_retries == retries);
+  require_consistent(*e);
+  ev->complete(A);
+  REQUIRE(e->driver().release(theirs) == Status::ok);
+  REQUIRE(e->free(y) == Status::ok);
+  REQUIRE(e->free(other) == Status::ok);
+}
+
 // Note [The small pool keeps a cell]: the rule applies to the requesting stream's holes and to other idle
 // streams' holes apart, so at most a cell of each is kept.
 TEST_CASE("fragless: the small pool keeps a cell on the requesting stream and a cell on other streams",

@@ -9,6 +9,7 @@
 #include <map>
 #include <string>
 
+#include "costs.h"
 #include "pickle.h"
 #include "seed.h"
 #include "replay.h"
@@ -466,4 +467,30 @@ TEST_CASE("pickle: differential test against CPython, protocols 2-5, random data
     CHECK(canon(*r.value) == text);
   }
   CHECK(n == 200);
+}
+
+// fragless-replay --costs: what a probe of a real driver measured replaces the A100 model's figures, call by
+// call; what it did not measure (a probe from before cuMemGetInfo was timed) keeps the model's.
+TEST_CASE("replay --costs: a probe's medians replace the model's and what it lacks keeps the model's", "[replay]") {
+  const auto path = std::filesystem::temp_directory_path() / ("fragless-costs-" + std::to_string(getpid()) + ".json");
+  auto load = [&](const std::string& text, CostModel* m, std::string* err) {
+    std::ofstream(path) << text;
+    return replay::load_costs(path.string(), m, err);
+  };
+  const CostModel a100 = CostModel::a100();
+  const auto at = [](const CostModel& m, DriverCall c) { return m.us[static_cast<int>(c)]; };
+  const std::string head = R"({"schema":"fragless-gpu-probe/1","costs_us":{"cuMemCreate":{"2097152":{"median":100},)"
+                           R"("20971520":{"median":190}}})";
+  CostModel m;
+  std::string err;
+  REQUIRE(load(head + R"(,"mem_get_info_us":{"median":3.5}})", &m, &err));
+  CHECK(at(m, DriverCall::create) == Approx(90));  // the line through (2 MiB, 100) and (20 MiB, 190)
+  CHECK(m.per_mib[static_cast<int>(DriverCall::create)] == Approx(5));
+  CHECK(at(m, DriverCall::memory_info) == Approx(3.5));
+  CHECK(at(m, DriverCall::map) == at(a100, DriverCall::map));
+  REQUIRE(load(head + "}", &m, &err));  // an older probe: no cuMemGetInfo timing
+  CHECK(at(m, DriverCall::memory_info) == at(a100, DriverCall::memory_info));
+  CHECK_FALSE(load(R"({"schema":"fragless-gpu-probe/1","costs_us":{}})", &m, &err));
+  CHECK(err.find("measured no call") != std::string::npos);
+  std::filesystem::remove(path);
 }

@@ -49,7 +49,7 @@ for c in calls:
 for n in ("1", "8", "64"):
     st = probe["set_access_adjacent_us"][n]
     check(st["n"] > 0 and st["median"] >= 0, (n, st))
-for k in ("event_record_query_us", "stream_synchronize_idle_us"):
+for k in ("event_record_query_us", "stream_synchronize_idle_us", "mem_get_info_us"):
     check(probe[k]["n"] > 0, k)
 sem = probe["semantics"]
 for k in ("map_nonzero_offset", "map_partial_handle", "unmap_several_mappings", "coherent_two_addresses",

@@ -222,7 +222,7 @@ const char* status_name(Status s);
 enum class DriverCall : int {
   reserve, free_reservation, create, release, map, unmap, set_access,
   record_event, query_event, synchronize_event, synchronize_stream, release_event, stream_wait_event,
-  synchronize_device, export_handle, import_handle, count_
+  synchronize_device, export_handle, import_handle, memory_info, count_
 };
 inline constexpr int kDriverCallCount = static_cast<int>(DriverCall::count_);
 const char* driver_call_name(DriverCall c);
@@ -234,8 +234,8 @@ inline bool is_per_thread_stream(Stream s) { return (s >> 60) == 0xF; }
 
 // Modelled cost of one call, in microseconds: us + per_mib × the call's size in MiB (calls with a size:
 // reserve, free_reservation, create, map, unmap, set_access). Defaults: published A100 figures at 2 MiB
-// (kvcached bench_vmm), no size term. `fragless-replay --costs FILE` fits both terms from a probe of a real
-// driver (tools/gpu_probe.cpp).
+// (kvcached bench_vmm), no size term; a memory query (cuMemGetInfo) 10 µs (published figures, driver.cpp).
+// `fragless-replay --costs FILE` fits both terms from a probe of a real driver (tools/gpu_probe.cpp).
 struct CostModel {
   std::array<double, kDriverCallCount> us{};
   std::array<double, kDriverCallCount> per_mib{};
@@ -382,8 +382,12 @@ class Driver {
     return contract_.mapping_size(va);
   }
 
-  // Free and total physical memory as the device sees it (cudaMemGetInfo).
-  virtual void memory_info(std::size_t* free_bytes, std::size_t* total_bytes) = 0;
+  // Free and total physical memory as the device sees it (cuMemGetInfo): a driver call like the others,
+  // counted and charged (DriverCall::memory_info), so a policy that asks it on every growth pays for it.
+  void memory_info(std::size_t* free_bytes, std::size_t* total_bytes) {
+    charge(DriverCall::memory_info);
+    do_memory_info(free_bytes, total_bytes);
+  }
   // Text of the last failure, for error messages ("cuMemCreate: CUDA_ERROR_OUT_OF_MEMORY (out of memory)",
   // or the contract rule a call broke).
   // The last failure of a call made by the calling thread (threads do not see each other's errors).
@@ -399,6 +403,8 @@ class Driver {
   Driver(int device, std::size_t granularity)
       : device_(device), granularity_(granularity), contract_(granularity) {}
   virtual std::string do_last_error() const = 0;
+  // memory_info's answer (a driver that is not concurrent_calls() takes impl_lock() here itself).
+  virtual void do_memory_info(std::size_t* free_bytes, std::size_t* total_bytes) = 0;
   // Whether do_* may run on two threads at once (libcuda is thread-safe). When false, the base class runs
   // them one at a time, and the driver takes impl_lock() in memory_info and anything else it shares.
   virtual bool concurrent_calls() const { return false; }

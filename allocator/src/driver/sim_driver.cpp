@@ -14,7 +14,7 @@ class SimDriver final : public Driver {
   const char* name() const override { return "sim"; }
   TestEvents& events() { return events_; }
 
-  void memory_info(std::size_t* free_bytes, std::size_t* total_bytes) override {
+  void do_memory_info(std::size_t* free_bytes, std::size_t* total_bytes) override {
     auto lk = impl_lock();
     *free_bytes = capacity_ - used_;
     *total_bytes = capacity_;

@@ -312,13 +312,12 @@ Block* DeviceEngine::State::fail_allocation(AllocParams& p, AllocError* err) {
     ++stats.num_ooms;
     emit(*this, TraceAction::oom, p.stream, free_b, p.requested, p.rounded);
   }
-  set_error(err, p.status, oom_message(p, driver_msg));
+  set_error(err, p.status, oom_message(p, driver_msg, free_b, total_b));
   return nullptr;
 }
 
-std::string DeviceEngine::State::oom_message(const AllocParams& p, const std::string& driver_error) {
-  std::size_t free_b = 0, total_b = 0;
-  driver->memory_info(&free_b, &total_b);
+std::string DeviceEngine::State::oom_message(const AllocParams& p, const std::string& driver_error,
+                                            std::size_t free_b, std::size_t total_b) {
   std::size_t largest = 0, total_free = 0;
   for (PoolSet* ps : {&default_pools}) {
     for (BlockPool* bp : {&ps->small, &ps->large})

@@ -310,7 +310,9 @@ struct DeviceEngine::State {
 
   PoolSet& pool_set_for(Stream s);
   bool capacity_allows(std::size_t extra_bytes) const;
-  std::string oom_message(const AllocParams& p, const std::string& driver_error);
+  // free_b, total_b: the device's memory as the driver answered just now (cuMemGetInfo, asked once).
+  std::string oom_message(const AllocParams& p, const std::string& driver_error, std::size_t free_b,
+                          std::size_t total_b);
   void add_reserved(bool small, std::int64_t bytes);
   Block* take_large_remnant(AllocParams& p);
 

@@ -218,7 +218,7 @@ class CudaDriver final : public Driver {
   const char* name() const override { return "cuda"; }
   bool concurrent_calls() const override { return true; }  // libcuda is thread-safe; so are the pools here
 
-  void memory_info(std::size_t* free_bytes, std::size_t* total_bytes) override {
+  void do_memory_info(std::size_t* free_bytes, std::size_t* total_bytes) override {
     OnDevice on(primary_, true);
     std::size_t f = 0, t = 0;
     if (api().memGetInfo(&f, &t) != CUDA_SUCCESS) f = t = 0;

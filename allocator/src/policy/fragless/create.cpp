@@ -7,10 +7,56 @@
 
 namespace fragless {
 
-// Pages that could still be created within the device's free memory and the memory fraction.
-std::size_t FraglessPolicy::creatable_pages(std::size_t* limit_pages) {
-  std::size_t free_b = 0, total_b = 0;
-  s_.driver->memory_info(&free_b, &total_b);
+// Note [Asking for free memory]
+// A growth decides from the device's free memory whether it could create what it misses (the last resort
+// of Note [Lending across streams], Note [The small pool keeps a cell]) and whether it is near the limit
+// (Note [Cells]). Asking the driver (cuMemGetInfo) is a call of about 10 µs; asked at every decision it was
+// 2 to 4 calls per growth (on the nothanmin forward trace 2,263 calls, 23 ms of the allocation path), where
+// the peers ask nothing: they create and handle the failure. So a growth asks at most once, and usually not
+// at all: fragless knows what it changed since the driver last answered (its reserved bytes, every create
+// and release of its own), so the free memory now is that answer less what fragless has added since.
+// Other users of the device (other processes, NCCL's and cuBLAS's own allocations) change it unseen, so the
+// driver is asked again where a wrong answer would change a decision: when the known answer is within an
+// eighth of the device of what the growth misses, or of where memory_tight turns (half of what the process
+// may hold, above what it misses); after kAskEvery growths that used the known answer (growths that idle
+// handles or holes serve need no answer and count nothing); and after any create the driver refused.
+// An answer that is too high by more than that eighth can still mislead memory_tight until the next ask
+// (handles of up to handle_max_mb near the limit, for at most kAskEvery growths); one that is too low costs
+// an ask. A too high answer that leads to a create the driver refuses costs that call: the growth keeps
+// what it has, asks, and takes the last resort's steps with the driver's answer (lending a busy stream's
+// hole in device order, where the out-of-memory path would synchronise), once. With the sim driver, which
+// has no other users, the known answer is the driver's: the replay's decisions are the same as when every
+// decision asked (docs/RESULTS.md, "Driver time on the allocation path").
+void FraglessPolicy::device_free(Growth& g) {
+  KnownFree& k = known_free_;
+  const std::size_t missing = (g.need > g.planned ? g.need - g.planned : 0) * page_;
+  if (k.valid && k.uses < kAskEvery) {
+    // What fragless added since it asked comes out of the free memory; what it gave back goes into it.
+    const std::size_t held = s_.total_reserved;
+    const std::size_t known = held >= k.reserved ? (k.free > held - k.reserved ? k.free - (held - k.reserved) : 0)
+                                                 : std::min(k.total, k.free + (k.reserved - held));
+    const std::size_t margin = k.total / 8;
+    const std::size_t limit = s_.allowed_memory_maximum ? std::min(k.total, s_.allowed_memory_maximum) : k.total;
+    const std::size_t tight_at = missing + limit / 2;  // where memory_tight turns
+    if (known >= missing + margin && (known >= tight_at + margin || known + margin <= tight_at)) {
+      ++k.uses;
+      g.free_bytes = known;
+      g.total_bytes = k.total;
+      g.asked = g.known = true;
+      return;
+    }
+  }
+  s_.driver->memory_info(&g.free_bytes, &g.total_bytes);
+  g.asked = true;
+  k = KnownFree{true, g.free_bytes, g.total_bytes, s_.total_reserved, 0};
+}
+
+// Pages that could still be created within the device's free memory and the memory fraction, as the
+// growth knows them (device_free).
+std::size_t FraglessPolicy::creatable_pages(Growth& g, std::size_t* limit_pages) {
+  if (!g.asked) device_free(g);
+  std::size_t free_b = g.free_bytes;
+  const std::size_t total_b = g.total_bytes;
   if (s_.allowed_memory_maximum)
     free_b = std::min(free_b, s_.allowed_memory_maximum > s_.total_reserved
                                   ? s_.allowed_memory_maximum - s_.total_reserved : 0);
@@ -19,9 +65,9 @@ std::size_t FraglessPolicy::creatable_pages(std::size_t* limit_pages) {
   return free_b / page_;
 }
 
-bool FraglessPolicy::memory_tight(std::size_t pages) {
+bool FraglessPolicy::memory_tight(Growth& g, std::size_t pages) {
   std::size_t limit = 0;
-  return creatable_pages(&limit) < pages + limit / 2;
+  return creatable_pages(g, &limit) < pages + limit / 2;
 }
 
 // Appends `pages` to sizes as handles of at most `most` pages each.
@@ -33,16 +79,16 @@ static void push_capped(std::vector<std::size_t>& sizes, std::size_t pages, std:
 // handles]). With `ends` and `whole`, the last one may be rounded up to chunk_size, but by no more than
 // reserve_slack of live bytes and never past the room: fewer cuMemCreate calls at a bounded cost in idle
 // memory.
-std::vector<std::size_t> FraglessPolicy::shape(std::size_t missing, std::size_t room, std::size_t at, bool small,
+std::vector<std::size_t> FraglessPolicy::shape(Growth& g, std::size_t missing, std::size_t room, std::size_t at, bool small,
                                                bool frontier) {
   if (s_.opts.handle_shape == HandleShape::pages) return std::vector<std::size_t>(missing, 1);
   const std::size_t chunk = std::max<std::size_t>(1, s_.opts.chunk_size / page_);
   const auto live = static_cast<double>(std::max<std::int64_t>(0, s_.stats.live_bytes.current));
   const auto slack = static_cast<std::size_t>(live * s_.opts.reserve_slack) / page_;
   if (s_.opts.handle_shape == HandleShape::cells)  // Note [Cells]
-    return cells(missing, room, at, cell_pages(small), frontier);
+    return cells(g, missing, room, at, cell_pages(small), frontier);
   std::size_t extra = std::min(room, std::max(missing, std::min(chunk, missing + slack))) - missing;
-  if (extra && !can_create(missing + extra)) extra = 0;
+  if (extra && !can_create(g, missing + extra)) extra = 0;
   if (s_.opts.handle_shape == HandleShape::whole || missing < 2) return {missing + extra};
   // The body in handles of at most handle_max pages, then the last page (which a neighbour may share)
   // with the slack: a live block that later straddles a body handle pins less than handle_max of it.
@@ -101,16 +147,16 @@ std::size_t FraglessPolicy::cell_pages(bool small) const {
 // (docs/RESULTS.md, "What fits"): three `random` variants need less device (the worst, 2 streams and a 16 GiB live
 // cap, from 17.62 to 17.06 GiB, as expandable), the dev traces' fits are unchanged, the largest moe token count
 // grows on every device size; `serving` needs 1/16 GiB more (12.81 against 12.75).
-std::vector<std::size_t> FraglessPolicy::cells(std::size_t missing, std::size_t room, std::size_t at,
+std::vector<std::size_t> FraglessPolicy::cells(Growth& g, std::size_t missing, std::size_t room, std::size_t at,
                                                std::size_t chunk, bool frontier) {
   // Only a growth at the end of what the segment maps rounds up to a cell's end: one inside a gap (a hole
   // re-backed elsewhere) would leave its free tail between live blocks.
   std::size_t end = frontier ? std::min(at + room, (at + missing + chunk - 1) / chunk * chunk) : at + missing;
-  if (end > at + missing && !can_create(end - at)) end = at + missing;
+  if (end > at + missing && !can_create(g, end - at)) end = at + missing;
   std::size_t body_max = std::max<std::size_t>(1, s_.opts.handle_max / page_);
   // Near the limit: no handle larger than expandable's page (chunk_size_mb), nor than a cell where cells are larger.
   if (const std::size_t near = std::max(chunk, s_.opts.chunk_size / page_);
-      body_max > near && memory_tight(end - at))
+      body_max > near && memory_tight(g, end - at))
     body_max = near;
   std::vector<std::size_t> sizes;
   if (!frontier) {  // a gap: what it misses, in handles of at most handle_max
@@ -132,7 +178,7 @@ std::vector<std::size_t> FraglessPolicy::cells(std::size_t missing, std::size_t 
 // piece is created page by page (the last resort when physical memory is too fragmented for a large one).
 Status FraglessPolicy::create(Growth& g, std::size_t missing, std::size_t room, std::size_t at, bool small,
                               bool frontier, std::vector<PhysHandle>* created) {
-  for (std::size_t pages : shape(missing, room, at, small, frontier)) {
+  for (std::size_t pages : shape(g, missing, room, at, small, frontier)) {
     if (!s_.capacity_allows(pages * page_)) return Status::out_of_memory;
     PhysHandle h = 0;
     Status st = s_.driver->create(pages * page_, &h);
@@ -140,7 +186,11 @@ Status FraglessPolicy::create(Growth& g, std::size_t missing, std::size_t room, 
       add_created(g, h, pages, created);
       continue;
     }
-    if (st != Status::out_of_memory || pages == 1) return st;
+    forget_device_free();  // the driver refused what its free memory seemed to allow: ask it next time
+    g.refused = true;
+    // Refused on an answer known without asking: the growth asks and plans again (map_pages), before any
+    // page by page.
+    if (st != Status::out_of_memory || pages == 1 || g.known) return st;
     for (std::size_t i = 0; i < pages; ++i) {
       if ((st = s_.driver->create(page_, &h)) != Status::ok) return st;
       add_created(g, h, 1, created);
@@ -152,6 +202,7 @@ Status FraglessPolicy::create(Growth& g, std::size_t missing, std::size_t room, 
 void FraglessPolicy::add_created(Growth& g, PhysHandle h, std::size_t pages, std::vector<PhysHandle>* created) {
   pool_.add_taken(h, pages);
   g.planned += pages;
+  g.free_bytes -= std::min(g.free_bytes, pages * page_);  // what the driver would now answer
   created->push_back(h);
   s_.add_reserved(false, static_cast<std::int64_t>(pages * page_));
   emit(s_, TraceAction::phys_create, 0, 0, pages * page_, pages * page_);

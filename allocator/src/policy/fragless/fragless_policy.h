@@ -132,6 +132,13 @@ struct Growth {
   bool unmap_failed = false;          // an unmap of a hole failed (the driver's fault, Note [Complete re-backing])
   bool keep_small = false;            // the small pool's free pages are left alone (Note [The small pool keeps a cell])
   std::map<Stream, bool> idle;        // whether a stream had no unfinished work when first asked
+  std::size_t need = 0;               // pages the growth maps
+  // The device's free and total memory as this growth sees it (Note [Asking for free memory]): known once
+  // first needed, less what the growth has created since.
+  bool asked = false;
+  bool known = false;                 // ... known without asking the driver
+  bool refused = false;               // the driver refused a create of this growth
+  std::size_t free_bytes = 0, total_bytes = 0;
 };
 
 class FraglessPolicy final : public GrowablePolicy {
@@ -199,13 +206,22 @@ class FraglessPolicy final : public GrowablePolicy {
 
   // create.cpp
   // With limit_pages: also what the process may hold at most (the device, or per_process_memory_fraction of it).
-  std::size_t creatable_pages(std::size_t* limit_pages = nullptr);
+  // The device's free memory for a growth: from the driver, or known without asking (Note [Asking for free
+  // memory]).
+  void device_free(Growth& g);
+  // Forgets what device_free knew: the next growth asks the driver (after a create the driver refused).
+  void forget_device_free() { known_free_.valid = false; }
+  std::size_t creatable_pages(Growth& g, std::size_t* limit_pages = nullptr);
   // Whether creating `pages` more leaves less than half of what this process may hold still creatable
   // (Note [Cells]: near the limit, no handle is larger than chunk_size_mb).
-  bool memory_tight(std::size_t pages);
-  bool can_create(std::size_t pages) { return s_.capacity_allows(pages * page_) && creatable_pages() >= pages; }
-  std::vector<std::size_t> shape(std::size_t missing, std::size_t room, std::size_t at, bool small, bool frontier);
-  std::vector<std::size_t> cells(std::size_t missing, std::size_t room, std::size_t at, std::size_t chunk, bool frontier);
+  bool memory_tight(Growth& g, std::size_t pages);
+  bool can_create(Growth& g, std::size_t pages) {
+    return s_.capacity_allows(pages * page_) && creatable_pages(g) >= pages;
+  }
+  std::vector<std::size_t> shape(Growth& g, std::size_t missing, std::size_t room, std::size_t at, bool small,
+                                 bool frontier);
+  std::vector<std::size_t> cells(Growth& g, std::size_t missing, std::size_t room, std::size_t at, std::size_t chunk,
+                                 bool frontier);
   Status create(Growth& g, std::size_t missing, std::size_t room, std::size_t at, bool small, bool frontier,
                 std::vector<PhysHandle>* created);
   void add_created(Growth& g, PhysHandle h, std::size_t pages, std::vector<PhysHandle>* created);
@@ -219,6 +235,15 @@ class FraglessPolicy final : public GrowablePolicy {
   std::uint64_t tick_ = 0;         // growths so far
   std::deque<Stripped> stripped_;  // ranges reclaims took memory from, within kRefillWindow growths
   LentRanges lent_{s_, page_};    // lent ranges still mapped at their old address
+  // What the driver last answered about free memory (Note [Asking for free memory]).
+  struct KnownFree {
+    bool valid = false;
+    std::size_t free = 0, total = 0;
+    std::size_t reserved = 0;  // what fragless held when it asked
+    unsigned uses = 0;         // growths answered without asking since
+  };
+  static constexpr unsigned kAskEvery = 64;  // growths
+  KnownFree known_free_;
   std::string audit_;              // a broken Note [Complete re-backing], for check()
   mutable bool audit_on_ = false;  // check() has been called: audit every creation (Note [Auditing creations])
 };

@@ -53,12 +53,13 @@ Status FraglessPolicy::map_pages(Segment& seg, std::size_t first, std::size_t* n
   g.small = seg.small;
   g.run_lo = run.lo;
   g.run_hi = run.hi;
+  g.need = need;
   take_idle(g, need, room);
   const bool refill = g.planned < need && refills(seg, first, need - g.planned);
   if (g.planned < need && !refill && !s_.capturing()) {
     // Touch nothing when even everything together cannot succeed: the retry chain takes over.
     // (The recount of what could be reclaimed walks the free blocks: only when creating alone falls short.)
-    const std::size_t creatable = creatable_pages();
+    const std::size_t creatable = creatable_pages(g);
     if (g.planned + creatable < need && g.planned + reclaimable_pages(g) + creatable < need)
       return fail_request(Status::out_of_memory, {});
     // Note [The small pool keeps a cell]: only where all that is missing could be created instead.
@@ -67,27 +68,35 @@ Status FraglessPolicy::map_pages(Segment& seg, std::size_t first, std::size_t* n
     // Holes of other streams that have no unfinished work, with no wait (Note [Lending across streams]).
     if (g.planned < need && lend_across()) reclaim(g, /*other_streams=*/true, need, room);
   }
-  // Holes of busy streams (lent in device order), or of every other stream without lending across
-  // streams (after a host wait): the last resort, when creating would exceed the device. The small pool's
-  // kept pages come before it (the device's free memory may have changed since it was asked).
-  if (g.planned < need && !can_create(need - g.planned) && !s_.capturing()) {
-    if (g.keep_small) {
-      g.keep_small = false;
-      reclaim(g, /*other_streams=*/false, need, room);
-      if (g.planned < need && lend_across()) reclaim(g, /*other_streams=*/true, need, room);
-    }
-    if (g.planned < need && !can_create(need - g.planned)) reclaim(g, /*other_streams=*/true, need, room, /*busy_too=*/true);
-  }
   std::vector<PhysHandle> created;
-  if (g.planned < need) {
+  for (bool again = false;; again = true) {
+    // Holes of busy streams (lent in device order), or of every other stream without lending across
+    // streams (after a host wait): the last resort, when creating would exceed the device. The small pool's
+    // kept pages come before it (the device's free memory may have changed since it was asked).
+    if (g.planned < need && !can_create(g, need - g.planned) && !s_.capturing()) {
+      if (g.keep_small) {
+        g.keep_small = false;
+        reclaim(g, /*other_streams=*/false, need, room);
+        if (g.planned < need && lend_across()) reclaim(g, /*other_streams=*/true, need, room);
+      }
+      if (g.planned < need && !can_create(g, need - g.planned))
+        reclaim(g, /*other_streams=*/true, need, room, /*busy_too=*/true);
+    }
+    if (g.planned >= need) break;
     // (During a capture creating is the only way: holes are not taken, Note [Capture rules].)
     if (audit_on_ && !refill && !s_.capturing() && !g.unmap_failed)
       audit_creation(g, seg, need - g.planned, room - g.planned);
     // A refill creates exactly what it misses: the memory it puts back is what the cycle moved.
-    if (Status st = create(g, need - g.planned, refill ? need - g.planned : room - g.planned, first + g.planned,
-                           seg.small, first + room == seg.pages.size(), &created);
-        st != Status::ok)
-      return fail_request(st, created);
+    const Status st = create(g, need - g.planned, refill ? need - g.planned : room - g.planned, first + g.planned,
+                             seg.small, first + room == seg.pages.size(), &created);
+    if (st == Status::ok) break;
+    // The driver refused what an answer known without asking allowed (Note [Asking for free memory]): the
+    // growth keeps what it has, asks, and takes the last resort's steps with the driver's answer, once.
+    if (st == Status::out_of_memory && g.known && g.refused && !again) {
+      g.asked = g.known = false;
+      continue;
+    }
+    return fail_request(st, created);
   }
 
   // Map every taken handle whole, in order, from `first`; then one set_access over them all (R6).

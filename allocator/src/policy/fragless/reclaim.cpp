@@ -122,7 +122,7 @@ void FraglessPolicy::audit_creation(Growth& g, const Segment& target, std::size_
     audit_ = "fragless: created memory while an idle handle fitted the request (Note [Complete re-backing])";
     return;
   }
-  if (g.keep_small && (target.small || !can_create(missing))) {
+  if (g.keep_small && (target.small || !can_create(g, missing))) {
     audit_ = "fragless: kept the small pool's free pages from a growth that could not create (Note [The small "
              "pool keeps a cell])";
     return;
