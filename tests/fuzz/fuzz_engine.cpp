@@ -1,6 +1,7 @@
 // libFuzzer: operation sequences over the engine (every policy, sim driver with a small capacity):
-// allocate, free, record_stream, empty_cache, memory fraction, private pools; the invariant checker
-// after every operation.
+// allocate, free, record_stream, empty_cache, memory fraction, and another user of the device taking and
+// giving back memory the engine does not see (Note [Asking for free memory]); the invariant checker after
+// every operation.
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -19,10 +20,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   so.capacity = 256u << 20;
   DeviceEngine e(o, make_sim_driver(so));
   std::vector<void*> live;
+  std::vector<PhysHandle> theirs;  // another user's memory, created through the same driver
   std::size_t i = 1;
   auto byte = [&]() -> std::uint32_t { return i < size ? data[i++] : 0; };
   while (i < size) {
-    const std::uint32_t op = byte() % 8;
+    const std::uint32_t op = byte() % 10;
     switch (op) {
       case 0:
       case 1:
@@ -47,10 +49,23 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         break;
       case 6: e.empty_cache(); break;
       case 7: (void)e.set_memory_fraction((byte() % 11) / 10.0); break;
+      case 8: {  // another user takes 2 to 64 MiB, if the device has it
+        PhysHandle h = 0;
+        if (e.driver().create((byte() % 32 + 1) * (2u << 20), &h) == Status::ok) theirs.push_back(h);
+        break;
+      }
+      case 9:
+        if (!theirs.empty()) {
+          const std::size_t k = byte() % theirs.size();
+          if (e.driver().release(theirs[k]) != Status::ok) __builtin_trap();
+          theirs.erase(theirs.begin() + static_cast<long>(k));
+        }
+        break;
     }
     if (!e.check_invariants().empty()) __builtin_trap();
   }
   for (void* p : live) e.free(p);
+  for (PhysHandle h : theirs) e.driver().release(h);
   e.empty_cache();
   if (!e.check_invariants().empty()) __builtin_trap();
   return 0;
