@@ -190,8 +190,11 @@ MaxResult max_value(const std::string& spec, const std::string& key, PolicyKind 
     p.point = v;
     formats::Trace t;
     std::string err;
-    if (!make_workload(workload_with(spec, key, v), &t, &err, lengths)) {
-      p.result.error = err;
+    bool too_large = false;
+    if (!make_workload(workload_with(spec, key, v), &t, &err, lengths, &too_large)) {
+      p.result.error = too_large ? where + ": at " + key + "=" + std::to_string(v) + " " + err +
+                                       ": the search cannot converge"
+                                 : err;
       return p;
     }
     if (t.events.size() > kMaxSearchEvents) {

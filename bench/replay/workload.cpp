@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <new>
 #include <map>
 #include <random>
 #include <sstream>
@@ -50,6 +51,7 @@ class Emitter {
     e.op = formats::Op::alloc;
     e.address = addr;
     e.size = std::max<std::uint64_t>(bytes, 1);
+    if (t_->events.size() + t_->seed.size() >= kMaxWorkloadEvents) throw TooManyEvents{};
     (seed ? t_->seed : t_->events).push_back(e);
     if (!seed) clock_.stamp(t_->model_time_us);
     return addr;
@@ -65,6 +67,7 @@ class Emitter {
     e.op = formats::Op::free;
     e.address = addr;
     e.size = std::max<std::uint64_t>(bytes, 1);
+    if (t_->events.size() + t_->seed.size() >= kMaxWorkloadEvents) throw TooManyEvents{};
     t_->events.push_back(e);
     clock_.stamp(t_->model_time_us);
   }
@@ -399,7 +402,7 @@ void infer(const Config& c, SeqLen& lens, Emitter& em) {
 }  // namespace
 
 bool make_workload(const std::string& spec, formats::Trace* out, std::string* error,
-                   const std::vector<int>* lengths) {
+                   const std::vector<int>* lengths, bool* too_large) {
   if (spec.rfind("workload:", 0) != 0) {
     *error = "a workload spec starts with 'workload:'";
     return false;
@@ -407,7 +410,8 @@ bool make_workload(const std::string& spec, formats::Trace* out, std::string* er
   const std::string rest = spec.substr(9);
   const auto colon = rest.find(':');
   const std::string name = rest.substr(0, colon), options = colon == std::string::npos ? "" : rest.substr(colon + 1);
-  if (is_zoo_workload(name)) return make_zoo_workload(name, options, out, error);
+  if (too_large) *too_large = false;
+  if (is_zoo_workload(name)) return make_zoo_workload(name, options, out, error, too_large);
   Config c;
   if (!parse(spec, &c, error)) return false;
   c.lengths = lengths;
@@ -416,8 +420,28 @@ bool make_workload(const std::string& spec, formats::Trace* out, std::string* er
   *out = formats::Trace{};
   out->source = spec;
   Emitter em(out, c.dtype, c.tf32 != 0);
-  if (c.name == "transformer-train") train(c, lens, em); else infer(c, lens, em);
+  try {
+    if (c.name == "transformer-train") train(c, lens, em); else infer(c, lens, em);
+  } catch (const TooManyEvents&) {
+    *out = formats::Trace{};
+    *error = workload_too_large(spec, false);
+    if (too_large) *too_large = true;
+    return false;
+  } catch (const std::bad_alloc&) {
+    *out = formats::Trace{};
+    *error = workload_too_large(spec, true);
+    if (too_large) *too_large = true;
+    return false;
+  }
   return true;
+}
+
+std::string workload_too_large(const std::string& spec, bool out_of_memory) {
+  if (out_of_memory)
+    return spec + ": the host ran out of memory while generating its events; give smaller keys (steps, layers, "
+                  "batch, ...)";
+  return spec + ": more than " + std::to_string(kMaxWorkloadEvents) +
+         " allocation events (gigabytes of host memory to hold them); give smaller keys (steps, layers, batch, ...)";
 }
 
 std::string transformer_help() {

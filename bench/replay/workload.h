@@ -13,8 +13,16 @@ namespace fragless::replay {
 // *error on a bad spec, naming the key and what it accepts.
 // `lengths`, when given and the spec names no seqlen, replaces the fitted distribution: sequence lengths
 // are drawn from it uniformly (a user's own data, see read_seqlen_file).
+// A workload larger than kMaxWorkloadEvents events (about 64 bytes each, twice that while the vector grows),
+// or one the host has no memory for, is an error naming the spec, not a crash (*too_large set, if given).
 bool make_workload(const std::string& spec, formats::Trace* out, std::string* error,
-                   const std::vector<int>* lengths = nullptr);
+                   const std::vector<int>* lengths = nullptr, bool* too_large = nullptr);
+
+inline constexpr std::size_t kMaxWorkloadEvents = 20'000'000;
+// Thrown by the generators' emitters past kMaxWorkloadEvents; make_workload turns it into its error.
+struct TooManyEvents {};
+// The error for a spec whose generation stopped: too many events, or no host memory left.
+std::string workload_too_large(const std::string& spec, bool out_of_memory);
 
 // The transformer workloads' keys for --help: each with its default and the values it accepts.
 std::string transformer_help();

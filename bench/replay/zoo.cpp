@@ -4,11 +4,13 @@
 #include "zoo.h"
 
 #include "compute_model.h"
+#include "workload.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <new>
 #include <random>
 #include <sstream>
 #include <unordered_map>
@@ -42,6 +44,7 @@ class Emit {
     e.address = addr;
     e.size = std::max<u64>(bytes, 1);
     e.stream = stream;
+    if (t_->events.size() + t_->seed.size() >= kMaxWorkloadEvents) throw TooManyEvents{};
     (seed ? t_->seed : t_->events).push_back(e);
     if (!seed) clock_.stamp(t_->model_time_us);
     live_[addr] = {e.size, stream, 0};
@@ -64,6 +67,7 @@ class Emit {
     e.address = addr;
     e.size = it->second.bytes;
     e.stream = it->second.stream;
+    if (t_->events.size() + t_->seed.size() >= kMaxWorkloadEvents) throw TooManyEvents{};
     t_->events.push_back(e);
     clock_.stamp(t_->model_time_us);
     live_.erase(it);
@@ -592,7 +596,7 @@ bool zoo_key_range(const std::string& name, const std::string& key, double* lo, 
 }
 
 bool make_zoo_workload(const std::string& name, const std::string& options, formats::Trace* out,
-                       std::string* error) {
+                       std::string* error, bool* too_large) {
   const Generator* gen = find_generator(name);
   if (!gen) {
     *error = "unknown workload '" + name + "'";
@@ -638,7 +642,19 @@ bool make_zoo_workload(const std::string& name, const std::string& options, form
   *out = formats::Trace{};
   out->source = "workload:" + name + (options.empty() ? "" : ":" + options);
   Emit em(out, static_cast<u64>(values["seed"]));
-  gen->run(values, em);
+  try {
+    gen->run(values, em);
+  } catch (const TooManyEvents&) {
+    *error = workload_too_large(out->source, false);
+    *out = formats::Trace{};
+    if (too_large) *too_large = true;
+    return false;
+  } catch (const std::bad_alloc&) {
+    *error = workload_too_large(out->source, true);
+    *out = formats::Trace{};
+    if (too_large) *too_large = true;
+    return false;
+  }
   return true;
 }
 

@@ -18,6 +18,8 @@ std::string zoo_help();
 // range on a bad option.
 // The accepted range of one key of a generator; false with *error (naming the keys) on an unknown key.
 bool zoo_key_range(const std::string& name, const std::string& key, double* lo, double* hi, std::string* error);
-bool make_zoo_workload(const std::string& name, const std::string& options, formats::Trace* out, std::string* error);
+// *too_large (if given): generation stopped past kMaxWorkloadEvents or out of host memory (workload.h).
+bool make_zoo_workload(const std::string& name, const std::string& options, formats::Trace* out, std::string* error,
+                       bool* too_large = nullptr);
 
 }  // namespace fragless::replay

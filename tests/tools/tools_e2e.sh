@@ -231,6 +231,9 @@ check_error "--max-batch on a spec that sets batch" "sets batch, the key the sea
   "$bin/fragless-replay" --max-batch --capacity-gib 8 "$small,batch=4"
 check_output "--help: random's live_gib is only a cap" "random: .*live_gib is" "$bin/fragless-replay" --help
 check_output "... not a target" "only a cap \(an allocation that would pass it is skipped\), not a target" "$bin/fragless-replay" --help
+# A workload past 20 million events is refused with the spec named (it crashed with std::bad_alloc before).
+check_error "a workload too large to generate" "workload:transformer-train:layers=1000000: more than 20000000 allocation events" \
+  "$bin/fragless-replay" --policy classic "workload:transformer-train:layers=1000000"
 check_exit 1 "a search that cannot converge" "cannot converge" \
   "$bin/fragless-replay" --policy classic --max-of seed --capacity-gib 8 "workload:transformer-infer:layers=2,steps=2"
 check_output "--help exits 0 and documents --fit" "--fit" "$bin/fragless-replay" --help
