@@ -420,20 +420,9 @@ bool make_workload(const std::string& spec, formats::Trace* out, std::string* er
   *out = formats::Trace{};
   out->source = spec;
   Emitter em(out, c.dtype, c.tf32 != 0);
-  try {
+  return generate_bounded(spec, out, error, too_large, [&] {
     if (c.name == "transformer-train") train(c, lens, em); else infer(c, lens, em);
-  } catch (const TooManyEvents&) {
-    *out = formats::Trace{};
-    *error = workload_too_large(spec, false);
-    if (too_large) *too_large = true;
-    return false;
-  } catch (const std::bad_alloc&) {
-    *out = formats::Trace{};
-    *error = workload_too_large(spec, true);
-    if (too_large) *too_large = true;
-    return false;
-  }
-  return true;
+  });
 }
 
 std::string workload_too_large(const std::string& spec, bool out_of_memory) {

@@ -1,6 +1,7 @@
 // Built-in workloads: the allocation sequence of decoder-only transformer training and inference steps
 // over batches of variable-length sequences, so the replay runs with no input file at all.
 #pragma once
+#include <new>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,23 @@ inline constexpr std::size_t kMaxWorkloadEvents = 20'000'000;
 struct TooManyEvents {};
 // The error for a spec whose generation stopped: too many events, or no host memory left.
 std::string workload_too_large(const std::string& spec, bool out_of_memory);
+// Runs a generator that fills *out; a stop (TooManyEvents, std::bad_alloc) empties *out and is false with
+// *error naming spec and *too_large set (if given).
+template <class Run>
+bool generate_bounded(const std::string& spec, formats::Trace* out, std::string* error, bool* too_large, Run&& run) {
+  bool oom = false;
+  try {
+    run();
+    return true;
+  } catch (const TooManyEvents&) {
+  } catch (const std::bad_alloc&) {
+    oom = true;
+  }
+  *out = formats::Trace{};
+  *error = workload_too_large(spec, oom);
+  if (too_large) *too_large = true;
+  return false;
+}
 
 // The transformer workloads' keys for --help: each with its default and the values it accepts.
 std::string transformer_help();

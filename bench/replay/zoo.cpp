@@ -642,20 +642,8 @@ bool make_zoo_workload(const std::string& name, const std::string& options, form
   *out = formats::Trace{};
   out->source = "workload:" + name + (options.empty() ? "" : ":" + options);
   Emit em(out, static_cast<u64>(values["seed"]));
-  try {
-    gen->run(values, em);
-  } catch (const TooManyEvents&) {
-    *error = workload_too_large(out->source, false);
-    *out = formats::Trace{};
-    if (too_large) *too_large = true;
-    return false;
-  } catch (const std::bad_alloc&) {
-    *error = workload_too_large(out->source, true);
-    *out = formats::Trace{};
-    if (too_large) *too_large = true;
-    return false;
-  }
-  return true;
+  const std::string spec = out->source;
+  return generate_bounded(spec, out, error, too_large, [&] { gen->run(values, em); });
 }
 
 }  // namespace fragless::replay
