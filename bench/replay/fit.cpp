@@ -197,12 +197,6 @@ MaxResult max_value(const std::string& spec, const std::string& key, PolicyKind 
                                  : err;
       return p;
     }
-    if (t.events.size() > kMaxSearchEvents) {
-      p.result.error = where + ": at " + key + "=" + std::to_string(v) + " the workload has " +
-                       std::to_string(t.events.size()) + " events, more than a search generates (" +
-                       std::to_string(kMaxSearchEvents) + "): the search cannot converge";
-      return p;
-    }
     ReplayOptions ro = o.replay;
     ro.capacity = capacity;
     ro.stop_at_first_oom = true;

@@ -50,9 +50,8 @@ struct MaxResult {
   std::string error;  // non-empty: no answer (names why)
 };
 
-// The workloads a search may generate are bounded: a value that still fits with more events than this
-// stops the search (the key does not bound memory on this device).
-inline constexpr std::size_t kMaxSearchEvents = 20'000'000;
+// The workloads a search may generate are bounded by what any workload may have (kMaxWorkloadEvents,
+// workload.h): a value past it stops the search (the key does not bound memory on this device).
 
 MaxResult max_value(const std::string& spec, const std::string& key, PolicyKind policy, std::uint64_t capacity,
                     const SearchOptions& options, const std::vector<int>* lengths = nullptr);

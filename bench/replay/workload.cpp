@@ -51,7 +51,7 @@ class Emitter {
     e.op = formats::Op::alloc;
     e.address = addr;
     e.size = std::max<std::uint64_t>(bytes, 1);
-    if (t_->events.size() + t_->seed.size() >= kMaxWorkloadEvents) throw TooManyEvents{};
+    check_room(*t_);
     (seed ? t_->seed : t_->events).push_back(e);
     if (!seed) clock_.stamp(t_->model_time_us);
     return addr;
@@ -67,7 +67,7 @@ class Emitter {
     e.op = formats::Op::free;
     e.address = addr;
     e.size = std::max<std::uint64_t>(bytes, 1);
-    if (t_->events.size() + t_->seed.size() >= kMaxWorkloadEvents) throw TooManyEvents{};
+    check_room(*t_);
     t_->events.push_back(e);
     clock_.stamp(t_->model_time_us);
   }

@@ -22,6 +22,10 @@ bool make_workload(const std::string& spec, formats::Trace* out, std::string* er
 inline constexpr std::size_t kMaxWorkloadEvents = 20'000'000;
 // Thrown by the generators' emitters past kMaxWorkloadEvents; make_workload turns it into its error.
 struct TooManyEvents {};
+// Called by an emitter before it adds an event to t (its window or its seed).
+inline void check_room(const formats::Trace& t) {
+  if (t.events.size() + t.seed.size() >= kMaxWorkloadEvents) throw TooManyEvents{};
+}
 // The error for a spec whose generation stopped: too many events, or no host memory left.
 std::string workload_too_large(const std::string& spec, bool out_of_memory);
 // Runs a generator that fills *out; a stop (TooManyEvents, std::bad_alloc) empties *out and is false with

@@ -44,7 +44,7 @@ class Emit {
     e.address = addr;
     e.size = std::max<u64>(bytes, 1);
     e.stream = stream;
-    if (t_->events.size() + t_->seed.size() >= kMaxWorkloadEvents) throw TooManyEvents{};
+    check_room(*t_);
     (seed ? t_->seed : t_->events).push_back(e);
     if (!seed) clock_.stamp(t_->model_time_us);
     live_[addr] = {e.size, stream, 0};
@@ -67,7 +67,7 @@ class Emit {
     e.address = addr;
     e.size = it->second.bytes;
     e.stream = it->second.stream;
-    if (t_->events.size() + t_->seed.size() >= kMaxWorkloadEvents) throw TooManyEvents{};
+    check_room(*t_);
     t_->events.push_back(e);
     clock_.stamp(t_->model_time_us);
     live_.erase(it);

@@ -36,8 +36,7 @@ void FraglessPolicy::device_free(Growth& g) {
     const std::size_t known = held >= k.reserved ? (k.free > held - k.reserved ? k.free - (held - k.reserved) : 0)
                                                  : std::min(k.total, k.free + (k.reserved - held));
     const std::size_t margin = k.total / 8;
-    const std::size_t limit = s_.allowed_memory_maximum ? std::min(k.total, s_.allowed_memory_maximum) : k.total;
-    const std::size_t tight_at = missing + limit / 2;  // where memory_tight turns
+    const std::size_t tight_at = missing + process_limit(k.total) / 2;  // where memory_tight turns
     if (known >= missing + margin && (known >= tight_at + margin || known + margin <= tight_at)) {
       ++k.uses;
       g.free_bytes = known;
@@ -56,12 +55,10 @@ void FraglessPolicy::device_free(Growth& g) {
 std::size_t FraglessPolicy::creatable_pages(Growth& g, std::size_t* limit_pages) {
   if (!g.asked) device_free(g);
   std::size_t free_b = g.free_bytes;
-  const std::size_t total_b = g.total_bytes;
   if (s_.allowed_memory_maximum)
     free_b = std::min(free_b, s_.allowed_memory_maximum > s_.total_reserved
                                   ? s_.allowed_memory_maximum - s_.total_reserved : 0);
-  if (limit_pages)
-    *limit_pages = (s_.allowed_memory_maximum ? std::min(total_b, s_.allowed_memory_maximum) : total_b) / page_;
+  if (limit_pages) *limit_pages = process_limit(g.total_bytes) / page_;
   return free_b / page_;
 }
 

@@ -205,12 +205,16 @@ class FraglessPolicy final : public GrowablePolicy {
   void audit_creation(Growth& g, const Segment& target, std::size_t missing, std::size_t room);
 
   // create.cpp
-  // With limit_pages: also what the process may hold at most (the device, or per_process_memory_fraction of it).
   // The device's free memory for a growth: from the driver, or known without asking (Note [Asking for free
   // memory]).
   void device_free(Growth& g);
   // Forgets what device_free knew: the next growth asks the driver (after a create the driver refused).
   void forget_device_free() { known_free_.valid = false; }
+  // What the process may hold at most, in bytes: the device (total_bytes), or per_process_memory_fraction of it.
+  std::size_t process_limit(std::size_t total_bytes) const {
+    return s_.allowed_memory_maximum ? std::min(total_bytes, s_.allowed_memory_maximum) : total_bytes;
+  }
+  // With limit_pages: also process_limit, in pages.
   std::size_t creatable_pages(Growth& g, std::size_t* limit_pages = nullptr);
   // Whether creating `pages` more leaves less than half of what this process may hold still creatable
   // (Note [Cells]: near the limit, no handle is larger than chunk_size_mb).
