@@ -60,7 +60,8 @@ Json result_json(const ReplayResult& r) {
                            {"map", d.background(DriverCall::map)},
                            {"set_access", d.background(DriverCall::set_access)},
                            {"unmap", d.background(DriverCall::unmap)},
-                           {"release", d.background(DriverCall::release)}};
+                           {"release", d.background(DriverCall::release)},
+                           {"memory_info", d.background(DriverCall::memory_info)}};
   o["trace_duration_us"] = or_null(r.trace_duration_us, [](double us) { return fixed(us, 0); });
   o["model_duration_us"] = or_null(r.model_duration_us, [](double us) { return fixed(us, 0); });
   o["background_clock"] = r.background_clock;

@@ -417,6 +417,42 @@ TEST_CASE("fragless asks the driver for free memory rarely far from the limit an
   for (void* q : live) REQUIRE(e->free(q) == Status::ok);
 }
 
+// Note [Asking for free memory]: with the worker on, the periodic question is the worker's. Far from the limit,
+// 200 growths ask the driver once on the allocation path (the first growth, which knows nothing yet); the worker
+// asks before each 64th growth on one answer would, and its answers are kept. With the worker off (the test
+// above) the path asks every 64 growths.
+TEST_CASE("fragless: far from the limit the worker asks for free memory so the allocation path does not",
+          "[fragless][background]") {
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  spec.capacity = 4096 * MiB;
+  spec.base.background = BackgroundMode::manual;
+  auto e = make_engine(spec);
+  const auto path_asks = [&] { return e->driver_counters().on_path(DriverCall::memory_info); };
+  const auto worker_asks = [&] { return e->driver_counters().background(DriverCall::memory_info); };
+  const auto growths = [&] { return e->driver_counters().on_path(DriverCall::set_access); };
+  std::vector<void*> live;
+  const auto p0 = path_asks(), w0 = worker_asks(), g0 = growths();
+  for (int i = 0; i < 200; ++i) {
+    live.push_back(e->allocate(3 * MiB, 0, nullptr));
+    REQUIRE(live.back());
+    e->run_background(1e18);  // the trace's time between allocations
+  }
+  REQUIRE(growths() - g0 >= 100);
+  CHECK(path_asks() - p0 == 1);
+  CHECK(worker_asks() - w0 >= (growths() - g0) / 64);
+  // A worker that never runs leaves the question to the path again.
+  const auto p1 = path_asks(), g1 = growths();
+  for (int i = 0; i < 200; ++i) {
+    live.push_back(e->allocate(3 * MiB, 0, nullptr));
+    REQUIRE(live.back());
+  }
+  REQUIRE(growths() - g1 >= 100);
+  CHECK(path_asks() - p1 >= (growths() - g1) / 64);
+  require_consistent(*e);
+  for (void* q : live) REQUIRE(e->free(q) == Status::ok);
+}
+
 // Note [Asking for free memory]: another user of the device takes memory unseen, so the growth's known answer is
 // too high and the driver refuses its create. The growth then asks and takes the last resort with the driver's
 // answer: a busy stream's hole lent in device order, no synchronisation and no release, where the out-of-memory

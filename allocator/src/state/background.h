@@ -45,7 +45,7 @@ struct Block;
 // One unit of background work (Note [Background work]), passed by value from its take to
 // its run and its finish.
 struct BackgroundJob {
-  enum class Kind : std::uint8_t { none, split, unmap_lent } kind = Kind::none;
+  enum class Kind : std::uint8_t { none, split, unmap_lent, memory_info } kind = Kind::none;
   Segment* segment = nullptr;
   Block* busy = nullptr;             // the range, held out of every pool while the job runs
   std::size_t first = 0, pages = 0;  // the range, in segment pages
@@ -56,8 +56,10 @@ struct BackgroundJob {
   std::vector<std::size_t> sizes;    // split: their pages (Note [Split in the background])
   bool to_pages = false;             // split: the handle is a piece of an earlier split: make pages
   Event event = 0;                   // unmap_lent: the event the range's old mapping waits for
-  std::uint64_t id = 0;              // unmap_lent: the range
+  std::uint64_t id = 0;              // unmap_lent: the range; memory_info: the policy's count of forgets
   std::atomic<int>* claim = nullptr; // unmap_lent: the range's state, which the run sets when it lets go
+  std::size_t free_bytes = 0, total_bytes = 0;  // memory_info: the driver's answer
+  std::size_t reserved = 0;                     // memory_info: what the engine held when the job was taken
   // How it ended: done; cancelled (nothing changed, the range as it was); gave back (the range is unmapped
   // and its old handle released, or handed to the deferred releases when release_failed).
   enum class Outcome : std::uint8_t { cancelled, done, gave_back } outcome = Outcome::cancelled;

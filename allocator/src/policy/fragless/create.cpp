@@ -27,6 +27,12 @@ namespace fragless {
 // hole in device order, where the out-of-memory path would synchronise), once. With the sim driver, which
 // has no other users, the known answer is the driver's: the replay's decisions are the same as when every
 // decision asked (docs/RESULTS.md, "Driver time on the allocation path").
+// The periodic question need not wait on a caller: after kRefreshAt growths on one answer, the background
+// worker (Note [Background work]) asks, and its answer replaces the old one if fragless held the same bytes
+// before and after the call and no create was refused meanwhile; so with the worker on, the path asks only
+// near a decision's threshold, after a refused create, or when the worker is kept from running (a capture,
+// or it is behind for kAskEvery - kRefreshAt growths). With `background:False` the path asks every
+// kAskEvery growths as before.
 void FraglessPolicy::device_free(Growth& g) {
   KnownFree& k = known_free_;
   const std::size_t missing = (g.need > g.planned ? g.need - g.planned : 0) * page_;
@@ -38,7 +44,10 @@ void FraglessPolicy::device_free(Growth& g) {
     const std::size_t margin = k.total / 8;
     const std::size_t tight_at = missing + process_limit(k.total) / 2;  // where memory_tight turns
     if (known >= missing + margin && (known >= tight_at + margin || known + margin <= tight_at)) {
-      ++k.uses;
+      if (++k.uses == kRefreshAt && s_.background.mode() != BackgroundMode::off) {
+        refresh_wanted_ = true;  // the worker asks before the path must
+        s_.background.wake();
+      }
       g.free_bytes = known;
       g.total_bytes = k.total;
       g.asked = g.known = true;
@@ -48,6 +57,26 @@ void FraglessPolicy::device_free(Growth& g) {
   s_.driver->memory_info(&g.free_bytes, &g.total_bytes);
   g.asked = true;
   k = KnownFree{true, g.free_bytes, g.total_bytes, s_.total_reserved, 0};
+}
+
+bool FraglessPolicy::take_memory_info(BackgroundJob* job) {
+  if (!refresh_wanted_) return false;
+  refresh_wanted_ = false;
+  job->kind = BackgroundJob::Kind::memory_info;
+  job->reserved = s_.total_reserved;
+  job->id = forgets_;
+  job->outcome = BackgroundJob::Outcome::cancelled;
+  return true;
+}
+
+void FraglessPolicy::finish_memory_info(const BackgroundJob& job) {
+  // An answer is only paired with what fragless held if nothing was created or released while it was asked
+  // (the driver may or may not count such a change), and only kept if no create was refused meanwhile (the
+  // answer may predate what took the memory); otherwise the path asks when it must, as before.
+  // A driver that could not answer says 0 of 0 (cuda_driver.cpp): not an answer.
+  if (job.outcome == BackgroundJob::Outcome::done && job.total_bytes > 0 && job.reserved == s_.total_reserved &&
+      job.id == forgets_)
+    known_free_ = KnownFree{true, job.free_bytes, job.total_bytes, job.reserved, 0};
 }
 
 // Pages that could still be created within the device's free memory and the memory fraction, as the

@@ -209,7 +209,15 @@ class FraglessPolicy final : public GrowablePolicy {
   // memory]).
   void device_free(Growth& g);
   // Forgets what device_free knew: the next growth asks the driver (after a create the driver refused).
-  void forget_device_free() { known_free_.valid = false; }
+  void forget_device_free() {
+    known_free_.valid = false;
+    refresh_wanted_ = false;
+    ++forgets_;  // an answer asked before this is not kept (finish_memory_info)
+  }
+  // The worker's free-memory question (Note [Asking for free memory]): taken when a refresh is wanted, and
+  // its answer kept when fragless held the same bytes before and after it.
+  bool take_memory_info(BackgroundJob* job);
+  void finish_memory_info(const BackgroundJob& job);
   // What the process may hold at most, in bytes: the device (total_bytes), or per_process_memory_fraction of it.
   std::size_t process_limit(std::size_t total_bytes) const {
     return s_.allowed_memory_maximum ? std::min(total_bytes, s_.allowed_memory_maximum) : total_bytes;
@@ -246,8 +254,11 @@ class FraglessPolicy final : public GrowablePolicy {
     std::size_t reserved = 0;  // what fragless held when it asked
     unsigned uses = 0;         // growths answered without asking since
   };
-  static constexpr unsigned kAskEvery = 64;  // growths
+  static constexpr unsigned kAskEvery = 64;               // growths
+  static constexpr unsigned kRefreshAt = kAskEvery / 2;  // ...and the worker asks after this many
   KnownFree known_free_;
+  bool refresh_wanted_ = false;  // a worker's free-memory question is due
+  std::uint64_t forgets_ = 0;    // forget_device_free calls so far
   std::string audit_;              // a broken Note [Complete re-backing], for check()
   mutable bool audit_on_ = false;  // check() has been called: audit every creation (Note [Auditing creations])
 };

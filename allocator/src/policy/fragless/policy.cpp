@@ -188,19 +188,31 @@ void FraglessPolicy::freed(Block* b, DevicePtr lo, DevicePtr hi) {
   if (splitter_.freed(b, lo, hi)) s_.background.wake();
 }
 
-// Unmaps of lent ranges first (one call each, and they free address space), then splits.
+// A free-memory question first (one short call, and growths are waiting to use its answer), then unmaps of
+// lent ranges (one call each, and they free address space), then splits.
 bool FraglessPolicy::take_background_job(BackgroundJob* job) {
-  return !s_.capturing() && (lent_.take(job) || splitter_.take(job));
+  return !s_.capturing() && (take_memory_info(job) || lent_.take(job) || splitter_.take(job));
 }
 
 void FraglessPolicy::run_background_job(BackgroundJob& job, const std::atomic<bool>& abort, bool manual) {
-  if (job.kind == BackgroundJob::Kind::unmap_lent) LentRanges::run(*s_.driver, job, abort);
-  else HandleSplitter::run(*s_.driver, page_, job, abort, manual);
+  switch (job.kind) {
+    case BackgroundJob::Kind::memory_info:
+      if (!abort.load(std::memory_order_relaxed)) {
+        s_.driver->memory_info(&job.free_bytes, &job.total_bytes);
+        job.outcome = BackgroundJob::Outcome::done;
+      }
+      break;
+    case BackgroundJob::Kind::unmap_lent: LentRanges::run(*s_.driver, job, abort); break;
+    default: HandleSplitter::run(*s_.driver, page_, job, abort, manual);
+  }
 }
 
 void FraglessPolicy::finish_background_job(BackgroundJob& job) {
-  if (job.kind == BackgroundJob::Kind::unmap_lent) lent_.finish_job(job);
-  else splitter_.finish(job);
+  switch (job.kind) {
+    case BackgroundJob::Kind::memory_info: finish_memory_info(job); break;
+    case BackgroundJob::Kind::unmap_lent: lent_.finish_job(job); break;
+    default: splitter_.finish(job);
+  }
 }
 
 // ---- Placement: idle handles ----
