@@ -193,6 +193,7 @@
 //  so an event recorded on s afterwards completes only after e has.
 #pragma once
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -398,6 +399,9 @@ class Driver {
   DriverCounters counters() const;
   void reset_counters();
   void set_cost_model(const CostModel& m);
+  // Calls begun so far that can change the device's free memory (create, release, unmap), from any thread;
+  // never reset. Equal before and after a memory_info, no call of this driver changed what it answers.
+  std::uint64_t memory_changes() const { return memory_changes_.load(std::memory_order_acquire); }
 
  protected:
   Driver(int device, std::size_t granularity)
@@ -468,6 +472,7 @@ class Driver {
   mutable std::mutex mu_;
   mutable std::mutex impl_mu_;  // do_* one at a time, for drivers without concurrent_calls()
   DriverCounters counters_;
+  std::atomic<std::uint64_t> memory_changes_{0};
   CostModel costs_ = CostModel::a100();
   DriverContract contract_;
 };

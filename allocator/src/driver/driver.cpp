@@ -260,6 +260,7 @@ Status Driver::free_reservation(DevicePtr va, std::size_t size) {
 }
 
 Status Driver::create(std::size_t size, PhysHandle* h) {
+  memory_changes_.fetch_add(1, std::memory_order_acq_rel);
   charge(DriverCall::create, size);
   if (const char* r = contract_.check_create(size)) return refuse(r);
   return run_and_record(impl_lock(), mu_, [&] { return fail_through(do_create(size, h)); },
@@ -267,6 +268,7 @@ Status Driver::create(std::size_t size, PhysHandle* h) {
 }
 
 Status Driver::release(PhysHandle h) {
+  memory_changes_.fetch_add(1, std::memory_order_acq_rel);
   std::size_t size;
   {
     std::lock_guard lk(mu_);
@@ -304,6 +306,7 @@ std::atomic<bool> g_unmap_each_mapping{false};
 }  // namespace
 
 Status Driver::unmap(DevicePtr va, std::size_t size) {
+  memory_changes_.fetch_add(1, std::memory_order_acq_rel);
   const char* rule = nullptr;
   bool several = false;
   {

@@ -10,14 +10,18 @@ namespace {
 class SimDriver final : public Driver {
  public:
   explicit SimDriver(const SimDriverOptions& o)
-      : Driver(o.device, o.page_size), capacity_(o.capacity), top_down_(o.top_down) {}
+      : Driver(o.device, o.page_size), capacity_(o.capacity), top_down_(o.top_down), on_query_(o.on_memory_info) {}
   const char* name() const override { return "sim"; }
   TestEvents& events() { return events_; }
 
   void do_memory_info(std::size_t* free_bytes, std::size_t* total_bytes) override {
-    auto lk = impl_lock();
-    *free_bytes = capacity_ - used_;
-    *total_bytes = capacity_;
+    if (on_query_) on_query_(true);
+    {
+      auto lk = impl_lock();
+      *free_bytes = capacity_ - used_;
+      *total_bytes = capacity_;
+    }
+    if (on_query_) on_query_(false);
   }
   std::string do_last_error() const override { return last_error_; }
 
@@ -88,6 +92,7 @@ class SimDriver final : public Driver {
   DevicePtr next_va_ = 0x7f0000000000ull;
   DevicePtr next_down_ = 0x7ff000000000ull;
   bool top_down_ = false;
+  std::function<void(bool)> on_query_;  // SimDriverOptions::on_memory_info
   PhysHandle next_handle_ = 1;
   std::unordered_map<PhysHandle, std::size_t> sizes_;
   TestEvents events_;

@@ -56,10 +56,10 @@ struct BackgroundJob {
   std::vector<std::size_t> sizes;    // split: their pages (Note [Split in the background])
   bool to_pages = false;             // split: the handle is a piece of an earlier split: make pages
   Event event = 0;                   // unmap_lent: the event the range's old mapping waits for
-  std::uint64_t id = 0;              // unmap_lent: the range; memory_info: the policy's count of forgets
+  std::uint64_t id = 0;              // unmap_lent: the range; memory_info: the policy's answers so far
   std::atomic<int>* claim = nullptr; // unmap_lent: the range's state, which the run sets when it lets go
   std::size_t free_bytes = 0, total_bytes = 0;  // memory_info: the driver's answer
-  std::size_t reserved = 0;                     // memory_info: what the engine held when the job was taken
+  std::uint64_t changes = 0;                    // memory_info: the driver's memory_changes() when taken
   // How it ended: done; cancelled (nothing changed, the range as it was); gave back (the range is unmapped
   // and its old handle released, or handed to the deferred releases when release_failed).
   enum class Outcome : std::uint8_t { cancelled, done, gave_back } outcome = Outcome::cancelled;

@@ -28,11 +28,12 @@ namespace fragless {
 // has no other users, the known answer is the driver's: the replay's decisions are the same as when every
 // decision asked (docs/RESULTS.md, "Driver time on the allocation path").
 // The periodic question need not wait on a caller: after kRefreshAt growths on one answer, the background
-// worker (Note [Background work]) asks, and its answer replaces the old one if fragless held the same bytes
-// before and after the call and no create was refused meanwhile; so with the worker on, the path asks only
-// near a decision's threshold, after a refused create, or when the worker is kept from running (a capture,
-// or it is behind for kAskEvery - kRefreshAt growths). With `background:False` the path asks every
-// kAskEvery growths as before.
+// worker (Note [Background work]) asks, and its answer replaces the old one if no call that changes free
+// memory (a create, release or unmap, counted by the driver: Driver::memory_changes) began while it asked and
+// the path has neither asked nor forgotten since; an answer not kept makes the next growth want another. So
+// with the worker on, the path asks only near a decision's threshold, after a refused create, or when the
+// worker is kept from answering for kAskEvery - kRefreshAt growths (a capture, a busy worker, growths that
+// keep changing memory while it asks). With `background:False` the path asks every kAskEvery growths.
 void FraglessPolicy::device_free(Growth& g) {
   KnownFree& k = known_free_;
   const std::size_t missing = (g.need > g.planned ? g.need - g.planned : 0) * page_;
@@ -44,8 +45,9 @@ void FraglessPolicy::device_free(Growth& g) {
     const std::size_t margin = k.total / 8;
     const std::size_t tight_at = missing + process_limit(k.total) / 2;  // where memory_tight turns
     if (known >= missing + margin && (known >= tight_at + margin || known + margin <= tight_at)) {
-      if (++k.uses == kRefreshAt && s_.background.mode() != BackgroundMode::off) {
-        refresh_wanted_ = true;  // the worker asks before the path must
+      // The worker asks before the path must; again at the next growth if its answer was not kept.
+      if (++k.uses >= kRefreshAt && refresh_ == Refresh::none && s_.background.mode() != BackgroundMode::off) {
+        refresh_ = Refresh::wanted;
         s_.background.wake();
       }
       g.free_bytes = known;
@@ -57,26 +59,29 @@ void FraglessPolicy::device_free(Growth& g) {
   s_.driver->memory_info(&g.free_bytes, &g.total_bytes);
   g.asked = true;
   k = KnownFree{true, g.free_bytes, g.total_bytes, s_.total_reserved, 0};
+  new_answer();
 }
 
 bool FraglessPolicy::take_memory_info(BackgroundJob* job) {
-  if (!refresh_wanted_) return false;
-  refresh_wanted_ = false;
+  if (refresh_ != Refresh::wanted) return false;
+  refresh_ = Refresh::asking;
   job->kind = BackgroundJob::Kind::memory_info;
-  job->reserved = s_.total_reserved;
-  job->id = forgets_;
+  job->changes = s_.driver->memory_changes();
+  job->id = answers_;
   job->outcome = BackgroundJob::Outcome::cancelled;
   return true;
 }
 
 void FraglessPolicy::finish_memory_info(const BackgroundJob& job) {
-  // An answer is only paired with what fragless held if nothing was created or released while it was asked
-  // (the driver may or may not count such a change), and only kept if no create was refused meanwhile (the
-  // answer may predate what took the memory); otherwise the path asks when it must, as before.
-  // A driver that could not answer says 0 of 0 (cuda_driver.cpp): not an answer.
-  if (job.outcome == BackgroundJob::Outcome::done && job.total_bytes > 0 && job.reserved == s_.total_reserved &&
-      job.id == forgets_)
-    known_free_ = KnownFree{true, job.free_bytes, job.total_bytes, job.reserved, 0};
+  if (refresh_ == Refresh::asking) refresh_ = Refresh::none;
+  // Kept only if no create, release or unmap began while it was asked (the driver may or may not count
+  // such a call in its answer: a release and an equal create between take and finish leave what fragless
+  // holds the same but the answer too high), and if the path has asked or forgotten nothing since (its
+  // answer is as new, or a refused create says memory went unseen). A driver that could not answer says
+  // 0 of 0 (cuda_driver.cpp): not an answer. Otherwise the next growth wants another question.
+  if (job.outcome == BackgroundJob::Outcome::done && job.total_bytes > 0 &&
+      job.changes == s_.driver->memory_changes() && job.id == answers_)
+    known_free_ = KnownFree{true, job.free_bytes, job.total_bytes, s_.total_reserved, 0};
 }
 
 // Pages that could still be created within the device's free memory and the memory fraction, as the

@@ -211,11 +211,16 @@ class FraglessPolicy final : public GrowablePolicy {
   // Forgets what device_free knew: the next growth asks the driver (after a create the driver refused).
   void forget_device_free() {
     known_free_.valid = false;
-    refresh_wanted_ = false;
-    ++forgets_;  // an answer asked before this is not kept (finish_memory_info)
+    new_answer();
   }
-  // The worker's free-memory question (Note [Asking for free memory]): taken when a refresh is wanted, and
-  // its answer kept when fragless held the same bytes before and after it.
+  // What device_free knows changed (the driver answered on the path, or its answer is forgotten): a worker's
+  // question asked before this is not kept, and one not yet taken is not asked.
+  void new_answer() {
+    ++answers_;
+    if (refresh_ == Refresh::wanted) refresh_ = Refresh::none;
+  }
+  // The worker's free-memory question (Note [Asking for free memory]): taken when one is wanted, and its
+  // answer kept when no call that changes free memory began while it was asked and nothing newer is known.
   bool take_memory_info(BackgroundJob* job);
   void finish_memory_info(const BackgroundJob& job);
   // What the process may hold at most, in bytes: the device (total_bytes), or per_process_memory_fraction of it.
@@ -257,8 +262,8 @@ class FraglessPolicy final : public GrowablePolicy {
   static constexpr unsigned kAskEvery = 64;               // growths
   static constexpr unsigned kRefreshAt = kAskEvery / 2;  // ...and the worker asks after this many
   KnownFree known_free_;
-  bool refresh_wanted_ = false;  // a worker's free-memory question is due
-  std::uint64_t forgets_ = 0;    // forget_device_free calls so far
+  enum class Refresh : std::uint8_t { none, wanted, asking } refresh_ = Refresh::none;  // the worker's question
+  std::uint64_t answers_ = 0;  // new_answer calls so far
   std::string audit_;              // a broken Note [Complete re-backing], for check()
   mutable bool audit_on_ = false;  // check() has been called: audit every creation (Note [Auditing creations])
 };
