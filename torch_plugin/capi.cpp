@@ -141,8 +141,14 @@ Process& proc() {
   return *p;
 }
 
+// At exit: the background workers stop first (no driver call of theirs while the CUDA driver tears down, and
+// no thread of ours left for the process's exit to race), then the traces are written, the workers' last
+// records included. The engines stay: other threads and static destructors may still allocate and free.
 void flush_at_exit() {
-  if (Allocator* a = proc().ready.load(std::memory_order_acquire)) a->flush_traces();
+  if (Allocator* a = proc().ready.load(std::memory_order_acquire)) {
+    a->stop_background();
+    a->flush_traces();
+  }
 }
 
 // Chains each device's sink into its engine: now for the engines that exist, and as the others are created

@@ -36,6 +36,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -126,6 +127,8 @@ __attribute__((constructor)) void check_conf_at_load() {
   conf_reported_at_load() = true;
 }
 
+void stop_at_exit();
+
 struct Interposer {
   std::atomic<fragless::Allocator*> ready{nullptr};  // set once the allocator exists: one load per call
   std::mutex create_mu;                               // guards creation only
@@ -152,6 +155,7 @@ struct Interposer {
       return nullptr;
     }
     pending = std::make_unique<DevicePending[]>(static_cast<std::size_t>(alloc->device_count()));
+    std::atexit(stop_at_exit);
     ready.store(alloc.get(), std::memory_order_release);
     return alloc.get();
   }
@@ -200,6 +204,15 @@ struct Interposer {
 Interposer& ip() {
   static Interposer* i = new Interposer();  // never destroyed: frees may come from static destructors
   return *i;
+}
+
+// At exit, as the C ABI's (capi.cpp): the background workers stop (none of their driver calls runs while the
+// CUDA driver tears down), then the traces are written. The allocator stays for later frees.
+void stop_at_exit() {
+  if (fragless::Allocator* a = ip().ready.load(std::memory_order_acquire)) {
+    a->stop_background();
+    a->flush_traces();
+  }
 }
 
 int current_device() {

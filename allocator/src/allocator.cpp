@@ -88,6 +88,11 @@ void Allocator::flush_traces() {
   std::lock_guard lk(create_mu_);
   for (auto& e : owned_) e->flush_trace();
 }
+
+void Allocator::stop_background() {
+  std::lock_guard lk(create_mu_);
+  for (auto& e : owned_) e->stop_background();
+}
 std::vector<std::string> Allocator::trace_paths() const {
   return tracing_ ? tracing_->paths() : std::vector<std::string>{};
 }

@@ -1,7 +1,9 @@
 // Drives build/lib/libfragless.so exactly as PyTorch's CUDAPluggableAllocator does: dlopen, symbols looked
 // up by name, the allocation functions and every hook called through plain function pointers, on the
 // libcuda test double. Usage: fragless-capi-harness LIBFRAGLESS LIBFAKECUDA
+#include <dirent.h>
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -41,6 +43,27 @@ F sym(void* lib, const char* name) {
 
 cudaStream_t stream(std::uintptr_t v) { return reinterpret_cast<cudaStream_t>(v); }
 
+// Registered before libfragless.so's own exit handler, so it runs after it: by then the background workers
+// are stopped, and this process is down to its one thread (a worker left running raced the driver's
+// teardown and made LeakSanitizer's tracer crash reading its thread-local storage).
+int g_threads_seen = 0;  // the most threads seen while the checks ran: the worker must have run
+int thread_count() {
+  int n = 0;
+  if (DIR* d = opendir("/proc/self/task")) {
+    while (dirent* e = readdir(d)) n += e->d_name[0] != '.';
+    closedir(d);
+  }
+  return n;
+}
+void check_threads_at_exit() {
+  const int n = thread_count();
+  if (n != 1) {
+    std::fprintf(stderr, "FAIL: %d threads still running at exit (the background worker was not stopped)\n", n);
+    _exit(1);
+  }
+  std::fprintf(stderr, "at exit: 1 thread (%d while the checks ran)\n", g_threads_seen);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -50,6 +73,7 @@ int main(int argc, char** argv) {
                        "  the libcuda double; exit 0 when every check passes\n"), 0;
   if (argc != 3) return std::fprintf(stderr, "usage: fragless-capi-harness LIBFRAGLESS LIBFAKECUDA\n"), 2;
   setenv("FRAGLESS_LIBCUDA", argv[2], 1);
+  std::atexit(check_threads_at_exit);
   void* fake = dlopen(argv[2], RTLD_NOW | RTLD_LOCAL);
   void* lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
   if (!fake || !lib) return std::fprintf(stderr, "FAIL: dlopen: %s\n", dlerror()), 1;
@@ -282,6 +306,7 @@ int main(int argc, char** argv) {
   EXPECT(std::string(last_error()).find("did not allocate") != std::string::npos);
 
   // Everything back after empty_cache.
+  g_threads_seen = thread_count();
   reset_fn();
   fakecuda_census cs{};
   census(&cs);
@@ -290,6 +315,7 @@ int main(int argc, char** argv) {
   EXPECT(cs.faults == 0 && cs.invalidated_captures == 0);
   EXPECT(cs.context_retains == 2);  // one per device used, held for the process's life
 
+  EXPECT(g_threads_seen > 1);  // the background worker ran: the exit check below means something
   if (failures) return std::fprintf(stderr, "%d check(s) failed\n", failures), 1;
   std::printf("libfragless.so driven as PyTorch does: all checks passed\n");
   return 0;

@@ -46,6 +46,8 @@ class Allocator {
   const Options& options() const { return opts_; }
   // Hands every buffered trace record to the writers and waits until they are written.
   void flush_traces();
+  // Stops every engine's background worker for good (DeviceEngine::stop_background): at process exit.
+  void stop_background();
   std::vector<std::string> trace_paths() const;
   // The tracer's sink for a device (nullptr when tracing is off), for callers that chain sinks.
   EventSink* trace_sink(int device) { return tracing_ ? tracing_->sink(device) : nullptr; }

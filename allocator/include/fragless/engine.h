@@ -156,6 +156,10 @@ class DeviceEngine {
   double run_background(double budget_us);
   // Thread mode: returns once the worker has nothing left to do (tests); other modes: at once.
   void drain_background();
+  // Stops the worker for good: the job in flight is asked to stop at its next driver call and the thread
+  // is joined; work found later is not done (the engine stays usable). For process exit, so that no
+  // background driver call runs while the CUDA driver tears down (capi.cpp's exit handler).
+  void stop_background();
   // Largest free range in the cache and total free bytes in the cache (external fragmentation).
   std::pair<std::size_t, std::size_t> free_ranges();
 

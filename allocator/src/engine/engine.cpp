@@ -362,6 +362,8 @@ double DeviceEngine::run_background(double budget_us) { return s_->background.st
 
 void DeviceEngine::drain_background() { s_->background.drain(); }
 
+void DeviceEngine::stop_background() { s_->background.stop(); }
+
 DriverCounters DeviceEngine::driver_counters() {
   std::lock_guard lk(s_->mu);
   return s_->driver->counters();
