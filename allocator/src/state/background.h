@@ -97,6 +97,8 @@ class Background {
   }
   BackgroundMode mode() const { return mode_; }
   bool in_flight() const { return in_flight_; }  // device lock held
+  // Device lock held: jobs run now without starting anything (manual mode, or a worker thread that exists).
+  bool running() const { return mode_ == BackgroundMode::manual || (mode_ == BackgroundMode::thread && thread_); }
 
   // Device lock held: there is work. Starts the worker on first use (thread mode) and wakes it.
   void wake();
