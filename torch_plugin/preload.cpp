@@ -209,7 +209,9 @@ Interposer& ip() {
 // At exit, as the C ABI's (capi.cpp): the background workers stop (none of their driver calls runs while the
 // CUDA driver tears down), then the traces are written. The allocator stays for later frees.
 void stop_at_exit() {
-  if (fragless::Allocator* a = ip().ready.load(std::memory_order_acquire)) {
+  // Not in a forked child: no worker of ours runs there, and a lock another thread of the parent held at the
+  // fork would never be released (the C ABI's handler flushes there, as it always has).
+  if (fragless::Allocator* a = ip().ready.load(std::memory_order_acquire); a && !a->forked_child()) {
     a->stop_background();
     a->flush_traces();
   }

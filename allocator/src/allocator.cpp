@@ -1,5 +1,7 @@
 #include "fragless/allocator.h"
 
+#include <unistd.h>
+
 #include "driver/registry.h"
 
 namespace fragless {
@@ -26,6 +28,7 @@ bool driver_available(const Options& opts, std::string* error) {
 std::unique_ptr<Allocator> Allocator::create(const Options& opts, int devices, std::string* error, bool eager) {
   auto a = std::unique_ptr<Allocator>(new Allocator());
   a->opts_ = opts;
+  a->creator_pid_ = static_cast<long>(getpid());
   if (devices < 0) {  // as many as the driver has
     const DriverEntry& e = driver_entry(opts.driver);
     devices = e.device_count ? e.device_count(error) : 1;
@@ -89,7 +92,10 @@ void Allocator::flush_traces() {
   for (auto& e : owned_) e->flush_trace();
 }
 
+bool Allocator::forked_child() const { return static_cast<long>(getpid()) != creator_pid_; }
+
 void Allocator::stop_background() {
+  if (forked_child()) return;
   std::lock_guard lk(create_mu_);
   for (auto& e : owned_) e->stop_background();
 }

@@ -46,8 +46,12 @@ class Allocator {
   const Options& options() const { return opts_; }
   // Hands every buffered trace record to the writers and waits until they are written.
   void flush_traces();
-  // Stops every engine's background worker for good (DeviceEngine::stop_background): at process exit.
+  // Stops every engine's background worker for good (DeviceEngine::stop_background): at process exit. Does
+  // nothing in a forked child, which has no worker of ours, and where a lock another thread of the parent
+  // held at the fork is never released.
   void stop_background();
+  // Whether this process is a fork of the one that created the allocator.
+  bool forked_child() const;
   std::vector<std::string> trace_paths() const;
   // The tracer's sink for a device (nullptr when tracing is off), for callers that chain sinks.
   EventSink* trace_sink(int device) { return tracing_ ? tracing_->sink(device) : nullptr; }
@@ -63,6 +67,7 @@ class Allocator {
   std::vector<std::string> failed_;                   // per device: why its engine could not be created
   std::function<void(int, DeviceEngine&)> created_;
   mutable std::mutex create_mu_;
+  long creator_pid_ = 0;  // getpid() at creation
 };
 
 }  // namespace fragless

@@ -78,6 +78,11 @@ void Background::stop() {
   }
   if (!t) return;
   if (fork_generation_ != g_fork_generation.load()) return;  // a forked child: that thread is not here
+  if (t->get_id() == std::this_thread::get_id()) {  // the worker itself (exit() from a sink it called)
+    t->detach();
+    delete t;
+    return;
+  }
   t->join();
   delete t;
 }

@@ -16,8 +16,8 @@
 //    to stop at its next driver call;
 //  - empty_cache, the OOM retry and teardown do the same (quiesce), so what they give back includes what a
 //    job held, and nothing runs behind the engine's back while it releases or dies; the worker never
-//    outlives the engine (stop() joins it), and at process exit the C ABI and the interposer, whose engines
-//    live on, stop it (DeviceEngine::stop_background) before the driver tears down;
+//    outlives the engine (stop() joins it), and at process exit the C ABI, the CPU allocator and the
+//    interposer, whose engines live on, stop it (DeviceEngine::stop_background);
 //  - across fork(): the prepare handler waits for the job in flight and pauses every worker, so the child
 //    inherits no half-done job; the worker does not exist in the child, which does no background work;
 //  - a job that fails (a create refused, an event that cannot be recorded) leaves the engine consistent:

@@ -35,8 +35,10 @@ namespace fragless {
 // worker is kept from answering for kAskEvery - kRefreshAt growths (a capture, a busy worker, growths that
 // keep changing memory while it asks). A question alone starts no worker thread: the start (tens of µs)
 // would fall on the path of the growth that wanted it, and BM_GrowthPath, which builds an engine per
-// iteration, went from 1.97 to 2.6 times expandable's time when it did; until a split starts the worker, and
-// with `background:False`, the path asks every kAskEvery growths.
+// iteration, went from 1.97 to 2.6 times expandable's time when it did. Until other work starts the worker (a
+// split, or a range lent across streams: their first wake pays that start once), in a program that never
+// has such work (handles:pages with nothing lent), after it stopped at exit, and with `background:False`,
+// the path asks every kAskEvery growths.
 void FraglessPolicy::device_free(Growth& g) {
   KnownFree& k = known_free_;
   const std::size_t missing = (g.need > g.planned ? g.need - g.planned : 0) * page_;
