@@ -282,6 +282,63 @@ TEST_CASE("fault sweep: every driver call of the background splits fails at ever
   CHECK(runs > 50);
 }
 
+// A freed body of 14 pages (its last page alone) queued for a split into 1, 1, 2, 4 and 6 pages; returns the
+// block allocated after it, still live.
+void* queue_split(DeviceEngine& e) {
+  void* a = e.allocate(30 * MiB, kStream, nullptr);
+  void* c = e.allocate(2 * MiB, kStream, nullptr);
+  REQUIRE((a && c));
+  REQUIRE(e.free(a) == Status::ok);
+  return c;
+}
+
+// Runs the queued split with the second call of each kind failing (its first is the split's own: the old
+// handle's release and unmap, the first piece's create and map), then lets the driver work again.
+void run_split_failing(DeviceEngine& e, std::pair<DriverCall, Status> first, std::pair<DriverCall, Status> then) {
+  Driver& d = e.driver();
+  for (const auto& [call, st] : {first, then}) host_driver_inject_failure(d, call, 2, st);
+  CHECK(e.run_background(1e18) > 0);
+  CHECK(host_driver_injected_failures(d) == 2);
+  for (const auto& [call, st] : {first, then}) host_driver_inject_failure(d, call, 0, Status::ok);
+}
+
+// A split that cannot finish undoes itself: it unmaps and releases the pieces it created. A release the
+// driver refuses there goes to the engine's deferred releases, as the path's own do, and empty_cache gives
+// it back; before, that handle was lost until the process ended (the libcuda double's fault sweep found it
+// when an empty_cache stopped a split part way and the nth cuMemRelease was one of its undo's).
+TEST_CASE("background: a piece the undo of a split cannot release is released later", "[background][faults]") {
+  auto e = make_engine(split_spec(BackgroundMode::manual, DriverKind::host));
+  void* c = queue_split(*e);
+  Driver& d = e->driver();
+  // The second piece's create fails, then the undo's release of the first.
+  run_split_failing(*e, {DriverCall::create, Status::out_of_memory}, {DriverCall::release, Status::driver_error});
+  require_consistent(*e);
+  REQUIRE(e->free(c) == Status::ok);
+  e->empty_cache();
+  CHECK(host_driver_census(d).handles == 0);
+  CHECK(host_driver_census(d).physical_bytes == 0);
+}
+
+// The same for the undo's unmap: a piece mapped before the next one failed to map stays mapped when the driver
+// refuses its unmap; the range goes to the deferred unmaps, retried before anything maps over it.
+TEST_CASE("background: a range the undo of a split cannot unmap is unmapped later", "[background][faults]") {
+  auto e = make_engine(split_spec(BackgroundMode::manual, DriverKind::host));
+  void* c = queue_split(*e);
+  Driver& d = e->driver();
+  // The second piece's map fails, then the undo's unmap of the first.
+  run_split_failing(*e, {DriverCall::map, Status::driver_error}, {DriverCall::unmap, Status::driver_error});
+  require_consistent(*e);
+  void* again = e->allocate(30 * MiB, kStream, nullptr);  // maps over the range: the deferred unmap goes first
+  REQUIRE(again);
+  require_consistent(*e);
+  for (void* p : {again, c}) REQUIRE(e->free(p) == Status::ok);
+  e->empty_cache();
+  const HostDriverCensus census = host_driver_census(d);
+  CHECK(census.handles == 0);
+  CHECK(census.mappings == 0);
+  CHECK(census.physical_bytes == 0);
+}
+
 TEST_CASE("background: threads allocate and free while the worker splits", "[background][concurrency]") {
   Watchdog dog("background and threads", 300);
   auto e = make_engine(split_spec(BackgroundMode::thread, DriverKind::host));

@@ -32,6 +32,7 @@
 #include <memory>
 #include <thread>
 
+#include <utility>
 #include <vector>
 
 #include "fragless/config.h"
@@ -55,6 +56,10 @@ struct BackgroundJob {
   Stream stream = 0;                 // whose queued work used the range
   std::vector<PhysHandle> created;   // split: the new handles, in address order
   std::vector<std::size_t> sizes;    // split: their pages (Note [Split in the background])
+  // split, given back: what its undo could not give the driver (a new handle's release, the unmap of the
+  // new pieces' range), for the engine's deferred releases and unmaps (finish)
+  std::vector<PhysHandle> unreleased;
+  std::vector<std::pair<DevicePtr, std::size_t>> still_mapped;  // mapping by mapping
   bool to_pages = false;             // split: the handle is a piece of an earlier split: make pages
   Event event = 0;                   // unmap_lent: the event the range's old mapping waits for
   std::uint64_t id = 0;              // unmap_lent: the range; memory_info: the policy's answers so far

@@ -125,6 +125,8 @@ bool HandleSplitter::take(BackgroundJob* job) {
     job->stream = b->stream;
     job->busy = carve(b, va, k * page_);
     job->created.clear();
+    job->unreleased.clear();
+    job->still_mapped.clear();
     job->outcome = BackgroundJob::Outcome::cancelled;
     job->release_failed = false;
     return true;
@@ -181,11 +183,18 @@ void HandleSplitter::run(Driver& d, std::size_t page, BackgroundJob& job, const 
     job.outcome = Outcome::done;
     return;
   }
-  // Undo: nothing of the new pages stays. (An unmap that fails here leaves the mapping to the contract's
-  // books: the handles are released, and their memory goes when the process does.)
-  if (mapped) d.unmap(job.va, mapped * page);
+  // Undo: nothing of the new pages stays. What the driver refuses here goes to the engine's deferred
+  // unmaps and releases (finish), retried before anything maps over the range and at every release, as the
+  // path's own failed give-backs are: a handle whose release failed here was lost until the process ended.
+  if (mapped && d.unmap(job.va, mapped * page) != Status::ok)  // what is still mapped (R15: it may stop part way)
+    for (DevicePtr at = job.va; at < job.va + mapped * page; at += page)
+      if (const std::size_t len = d.mapping_size(at)) {
+        job.still_mapped.emplace_back(at, len);
+        at += len - page;
+      }
   job.sizes.clear();
-  for (PhysHandle h : job.created) d.release(h);
+  for (PhysHandle h : job.created)
+    if (d.release(h) != Status::ok) job.unreleased.push_back(h);
   job.created.clear();
 }
 
@@ -217,6 +226,8 @@ void HandleSplitter::finish(BackgroundJob& job) {
   multi_.erase({&seg, job.first});
   where_.erase(job.handle);
   if (job.release_failed) s_.deferred_handles.push_back(job.handle);
+  s_.deferred_unmaps.insert(s_.deferred_unmaps.end(), job.still_mapped.begin(), job.still_mapped.end());
+  s_.deferred_handles.insert(s_.deferred_handles.end(), job.unreleased.begin(), job.unreleased.end());
   emit(s_, TraceAction::phys_release, 0, 0, bytes, bytes);
   if (job.outcome == Outcome::done) {
     pool_.replace_mapped(job.handle, job.created, job.sizes);
