@@ -145,10 +145,7 @@ Process& proc() {
 // no thread of ours left for the process's exit to race), then the traces are written, the workers' last
 // records included. The engines stay: other threads and static destructors may still allocate and free.
 void flush_at_exit() {
-  if (Allocator* a = proc().ready.load(std::memory_order_acquire)) {
-    a->stop_background();
-    a->flush_traces();
-  }
+  if (Allocator* a = proc().ready.load(std::memory_order_acquire)) a->at_exit();
 }
 
 // Chains each device's sink into its engine: now for the engines that exist, and as the others are created

@@ -39,11 +39,8 @@ class CpuAllocator final : public c10::Allocator {
 
 CpuAllocator g_cpu_allocator;
 
-void flush_at_exit() {  // as capi.cpp's: the workers stop, then the traces are written
-  if (auto& a = instance()) {
-    a->stop_background();
-    a->flush_traces();
-  }
+void flush_at_exit() {  // as capi.cpp's
+  if (auto& a = instance()) a->at_exit();
 }
 
 }  // namespace

@@ -211,10 +211,7 @@ Interposer& ip() {
 void stop_at_exit() {
   // Not in a forked child: no worker of ours runs there, and a lock another thread of the parent held at the
   // fork would never be released (the C ABI's handler flushes there, as it always has).
-  if (fragless::Allocator* a = ip().ready.load(std::memory_order_acquire); a && !a->forked_child()) {
-    a->stop_background();
-    a->flush_traces();
-  }
+  if (fragless::Allocator* a = ip().ready.load(std::memory_order_acquire); a && !a->forked_child()) a->at_exit();
 }
 
 int current_device() {

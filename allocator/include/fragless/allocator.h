@@ -52,6 +52,12 @@ class Allocator {
   void stop_background();
   // Whether this process is a fork of the one that created the allocator.
   bool forked_child() const;
+  // What an exit handler does for an allocator that is never destroyed (C ABI, CPU allocator, interposer):
+  // the workers stop (stop_background), then the traces are written, the workers' last records included.
+  void at_exit() {
+    stop_background();
+    flush_traces();
+  }
   std::vector<std::string> trace_paths() const;
   // The tracer's sink for a device (nullptr when tracing is off), for callers that chain sinks.
   EventSink* trace_sink(int device) { return tracing_ ? tracing_->sink(device) : nullptr; }

@@ -200,6 +200,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace fragless {
@@ -381,6 +382,15 @@ class Driver {
   std::size_t mapping_size(DevicePtr va) const {
     std::lock_guard lk(mu_);
     return contract_.mapping_size(va);
+  }
+  // Appends to `out` each mapping still inside [va, va + size), as (address, size): what an unmap of the
+  // range that failed left (R15: an unmap one mapping at a time may stop part way), for a retry.
+  void still_mapped(DevicePtr va, std::size_t size, std::vector<std::pair<DevicePtr, std::size_t>>* out) const {
+    for (DevicePtr at = va; at < va + size; at += granularity())
+      if (const std::size_t n = mapping_size(at)) {
+        out->emplace_back(at, n);
+        at += n - granularity();
+      }
   }
 
   // Free and total physical memory as the device sees it (cuMemGetInfo): a driver call like the others,

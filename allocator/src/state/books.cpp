@@ -68,14 +68,7 @@ PageTable::~PageTable() {
 // State basics
 
 void DeviceEngine::State::give_back_mapping(DevicePtr va, std::size_t size) {
-  if (driver->unmap(va, size) == Status::ok) return;
-  // What is still mapped of the range, mapping by mapping (an unmap one mapping at a time, R15, may have
-  // stopped part way).
-  for (DevicePtr at = va; at < va + size; at += driver->granularity())
-    if (const std::size_t n = driver->mapping_size(at)) {
-      deferred_unmaps.emplace_back(at, n);
-      at += n - driver->granularity();
-    }
+  if (driver->unmap(va, size) != Status::ok) driver->still_mapped(va, size, &deferred_unmaps);
 }
 
 void DeviceEngine::State::give_back_handle(PhysHandle h) {

@@ -186,12 +186,7 @@ void HandleSplitter::run(Driver& d, std::size_t page, BackgroundJob& job, const 
   // Undo: nothing of the new pages stays. What the driver refuses here goes to the engine's deferred
   // unmaps and releases (finish), retried before anything maps over the range and at every release, as the
   // path's own failed give-backs are: a handle whose release failed here was lost until the process ended.
-  if (mapped && d.unmap(job.va, mapped * page) != Status::ok)  // what is still mapped (R15: it may stop part way)
-    for (DevicePtr at = job.va; at < job.va + mapped * page; at += page)
-      if (const std::size_t len = d.mapping_size(at)) {
-        job.still_mapped.emplace_back(at, len);
-        at += len - page;
-      }
+  if (mapped && d.unmap(job.va, mapped * page) != Status::ok) d.still_mapped(job.va, mapped * page, &job.still_mapped);
   job.sizes.clear();
   for (PhysHandle h : job.created)
     if (d.release(h) != Status::ok) job.unreleased.push_back(h);
