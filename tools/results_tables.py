@@ -16,6 +16,10 @@
   tools/results_tables.py driver   [--costs PROBE.json] FILES...   the ten built-in workloads and FILES: peak
                                  reserved, driver calls, alloc-path and background driver time per policy,
                                  and the start-up targets (docs/RESULTS.md, "Driver time on the allocation path")
+  tools/results_tables.py general  [--conf KEY:VALUE,...] [--seed N] [--draws N] FILES...   the start-up targets
+                                 beyond the driver table's inputs: every trace cut into windows (quarters,
+                                 halves) and random draws of the built-in workloads (docs/RESULTS.md,
+                                 "Beyond the inputs at hand")
 FILES are traces; the eight default workloads (four sequence-length distributions, training and inference)
 are added to `targets` and `params`.
 Run from the repository root after building (uses build/bin/fragless-replay)."""
@@ -360,10 +364,96 @@ def driver_table(args):
           f"{tot['bg'] / 1000:.0f} ms in the background.")
 
 
+def targets_missed(p):
+    """The start-up targets an input's fragless result misses (the driver table's three), as
+    (driver ms over, overhead over its limit, MiB over the better peer), each 0 when met."""
+    c, e, f = p["classic"], p["expandable"], p["fragless"]
+    live = f["peak_live_bytes"]
+    best = min(c["peak_reserved_bytes"], e["peak_reserved_bytes"])
+    return (max(0.0, (f["alloc_path_driver_us"] - e["modelled_driver_us"]) / 1000),
+            max(0.0, f["overhead_over_live"] - overhead_limit(live)) if live else 0.0,
+            max(0, f["peak_reserved_bytes"] - best) / 2**20)
+
+
+# Random draws of the built-in workloads: each key from a few values that scale the workload down or up and
+# reshape it (the zoo's property test's spaces, and the transformer's).
+DRAW_SPACES = {
+    "transformer-train": {"layers": [4, 12, 24], "d_model": [512, 1024, 2048], "batch": [1, 4, 8],
+                          "max_seq": [512, 2048, 4096], "seqlen": ["sharegpt", "azure-conv", "arxiv"],
+                          "dtype": ["fp32", "bf16"], "ckpt": [0, 1], "steps": [3, 6]},
+    "transformer-infer": {"layers": [4, 12, 24], "d_model": [512, 1024, 2048], "batch": [1, 4, 16],
+                          "max_seq": [512, 2048, 4096], "seqlen": ["sharegpt", "azure-code"], "dtype": ["fp32", "bf16"]},
+    "unet2d": {"base": [16, 32, 64], "res": [128, 256, 384, 512], "levels": [3, 4, 5], "batch": [1, 2, 4, 8]},
+    "unet3d": {"base": [8, 16, 32], "res": [64, 96, 128, 192], "batch": [1, 2], "train": [0, 1]},
+    "moe": {"layers": [2, 4, 8], "experts": [4, 8, 32, 64], "tokens": [1024, 4096, 16384], "skew": [1.25, 3.25]},
+    "serving": {"layers": [8, 16, 32], "max_batch": [4, 16, 64], "block": [1, 16, 64], "steps": [100, 300]},
+    "fsdp": {"layers": [4, 12, 24], "d_model": [1024, 2048, 4096], "world": [2, 8, 64], "batch": [1, 4, 8]},
+    "pipeline": {"stages": [2, 4, 8], "rank": [0, 1, 3], "micro": [4, 8, 16], "d_model": [1024, 4096]},
+    "random": {"min_bytes": [256, 512, 4096], "lifetime": [5, 40, 400], "streams": [1, 2, 4],
+               "live_gib": [1, 4, 16], "ops": [2000]},
+}
+WINDOWS = ["0:0.25", "0.25:0.5", "0.5:0.75", "0.75:1", "0:0.5", "0.5:1"]
+
+
+def general_table(args):
+    """The driver table's targets on inputs it does not hold: each trace cut into quarters and halves
+    (fragless-replay --window), and random draws of every built-in workload, as a policy meant for the
+    general case should meet them beyond the inputs it was measured on."""
+    import random
+    conf, seed, draws = [], 1, 3
+    while args and args[0].startswith("--"):
+        if args[0] == "--conf":
+            conf = ["--conf", args[1]]
+        elif args[0] == "--seed":
+            seed = int(args[1])
+        elif args[0] == "--draws":
+            draws = int(args[1])
+        else:
+            sys.exit(f"general: unknown option {args[0]}")
+        args = args[2:]
+    rng = random.Random(seed)
+    specs = []
+    for name, space in DRAW_SPACES.items():
+        for _ in range(draws):
+            keys = ",".join(f"{k}={rng.choice(v)}" for k, v in space.items())
+            specs.append(f"workload:{name}:{keys},seed={rng.randrange(1000000)}")
+    groups = {"windows": [], "draws": []}
+    for w in WINDOWS:
+        if args:
+            groups["windows"] += by_input(run([*conf, "--window", w, *args])).items()
+    groups["draws"] = list(by_input(run([*conf, *specs])).items())
+    print(f"| inputs | count | meeting every target | driver (path > expandable) | overhead | above a peer | "
+          f"path ms fragless / expandable | MiB above a peer |")
+    print("|---|---|---|---|---|---|---|---|")
+    worst = []
+    for group, rows in groups.items():
+        if not rows:
+            continue
+        met = drv = ovh = peer = 0
+        path = exp = above = 0.0
+        for (name, _), p in rows:
+            d, o, a = targets_missed(p)
+            met += not (d or o or a)
+            drv += d > 0
+            ovh += o > 0
+            peer += a > 0
+            above += a
+            path += p["fragless"]["alloc_path_driver_us"] / 1000
+            exp += p["expandable"]["modelled_driver_us"] / 1000
+            if d or o or a:
+                worst.append((name, d, o, a))
+        print(f"| {group} | {len(rows)} | {met} | {drv} | {ovh} | {peer} | {path:.0f} / {exp:.0f} | {above:.0f} |")
+    print()
+    for name, d, o, a in worst:
+        label = os.path.basename(name) if not name.startswith("workload:") else name
+        print(f"- {label}: " + ", ".join(m for m in (d and f"driver +{d:.1f} ms", o and f"overhead +{100 * o:.2f} points",
+                                                          a and f"+{a:.0f} MiB over a peer") if m))
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 3 and not (len(sys.argv) == 2 and sys.argv[1] in ("variants", "zoo", "maxbatch")):
         sys.exit(__doc__)
     {"replay": replay_table, "fidelity": fidelity_table, "targets": targets_table, "params": params_table, "variants": variants_table,
-     "handles": handles_table, "driver": driver_table, "zoo": zoo_table, "fit": fit_table, "maxbatch": maxbatch_table,
+     "handles": handles_table, "driver": driver_table, "general": general_table, "zoo": zoo_table, "fit": fit_table, "maxbatch": maxbatch_table,
      "fits": lambda a: (fit_table(a), print(), maxbatch_table(a)),
      "validate": lambda a: validate_table(a[0]), "published": lambda a: published_table(a[0])}[sys.argv[1]](sys.argv[2:])

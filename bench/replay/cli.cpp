@@ -24,7 +24,7 @@ int usage(const char* msg) {
                "usage: fragless-replay [--policy classic,expandable,fragless] [--capacity-gib N] [--json]\n"
                "                       [--conf KEY:VALUE,...] [--jobs N] [--costs PROBE.json]\n"
                "                       [--plot FILE.png [--plot-x time|event|auto]] [--seqlen-file CSV]\n"
-               "                       [--peak-detail] INPUT...\n"
+               "                       [--peak-detail] [--window FROM:TO] INPUT...\n"
                "       fragless-replay --fit [--fit-step GIB] [options] INPUT...\n"
                "       fragless-replay --max-batch | --max-of KEY --capacity-gib N [options] workload:...\n"
                "  INPUT: a fragless native trace, PyTorch memory snapshot pickle or RMM log CSV (detected from\n"
@@ -60,6 +60,9 @@ int usage(const char* msg) {
                "          driver on a device of --capacity-gib: driver, capacity_mb, trace, peer_access,\n"
                "          shareable_handles and on_oom are refused\n"
                "  --seqlen-file: sequence lengths for the workloads (a CSV column, see the README)\n"
+               "  --window: replay each input's events from fraction FROM to fraction TO of them (0.5:1 = the\n"
+               "         second half): what was live at the window's start is allocated first, uncounted, as for\n"
+               "         a snapshot that starts mid-run, and every policy starts from those blocks alone\n"
                "%s"
                "  ckpt-accum: transformer-train with checkpointing and gradient accumulation (ckpt=1,accum=4,\n"
                "        steps=12); every transformer key applies\n"
@@ -201,6 +204,10 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
       else if (v == "event") cl.plot_x = PlotX::event;
       else if (v == "auto") cl.plot_x = PlotX::auto_;
       else return usage(("--plot-x: expected time, event or auto, got '" + v + "'").c_str());
+    } else if (a == "--window" && has_value) {
+      cl.window_text = argv[++i];
+      std::string err;
+      if (!parse_window(cl.window_text, &cl.window, &err)) return usage(err.c_str());
     } else if (a == "--seqlen-file" && has_value) {
       cl.seqlen_file = argv[++i];
     } else if (a == "--costs" && has_value) {
@@ -209,7 +216,7 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
       std::string err;
       if (!apply_conf(argv[++i], &cl.base, &conf_policy, &conf_keys, &err)) return usage(err.c_str());
     } else if (a == "--policy" || a == "--capacity-gib" || a == "--plot" || a == "--seqlen-file" || a == "--conf" ||
-               a == "--max-of" || a == "--fit-step" || a == "--jobs" || a == "--plot-x" || a == "--costs") {
+               a == "--max-of" || a == "--fit-step" || a == "--jobs" || a == "--plot-x" || a == "--costs" || a == "--window") {
       return usage(("missing value after " + a).c_str());
     } else if (!a.empty() && a[0] == '-') {
       return usage(("unknown option " + a).c_str());
@@ -225,6 +232,8 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
   }
   if (cl.peak_detail && (cl.fit || !cl.max_key.empty()))
     return usage("--peak-detail describes one replay's peak: not with --fit, --max-batch or --max-of");
+  if (!cl.window.whole() && !cl.max_key.empty())
+    return usage("--window cuts the inputs' traces: not with --max-batch or --max-of, which generate their own");
   if (cl.fit && !cl.max_key.empty()) return usage("--fit finds a capacity and --max-of a value: ask one at a time");
   if (cl.fit && cl.capacity) return usage("--fit searches the capacity: drop --capacity-gib");
   if (fit_step_given && !cl.fit) return usage("--fit-step applies to --fit");

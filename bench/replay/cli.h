@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "fragless/config.h"
+#include "window.h"
 
 namespace fragless::replay {
 
@@ -21,6 +22,8 @@ struct CommandLine {
   unsigned jobs = 1;                    // --jobs; default the number of cores
   PlotX plot_x = PlotX::auto_;
   std::string plot, seqlen_file, costs_file;
+  Window window;                        // --window; whole by default
+  std::string window_text;              // as given, for the inputs' names
   std::string max_key;                  // --max-batch (batch) or --max-of KEY; empty: no --max search
   Options base;                         // --conf, its policy left at the default (selected per run)
   std::vector<std::string> inputs;

@@ -2,7 +2,7 @@
 // on the sim driver and prints a side-by-side table (or --json).
 //
 //   fragless-replay [--policy classic,expandable,fragless] [--capacity-gib N] [--json] [--plot FILE.png]
-//                   [--seqlen-file CSV] INPUT...
+//                   [--seqlen-file CSV] [--window FROM:TO] INPUT...
 //   fragless-replay --fit [--fit-step GIB] INPUT...             smallest device per policy (fit.h)
 //   fragless-replay --max-batch | --max-of KEY --capacity-gib N workload:...   largest value per policy
 //   INPUT = a trace file (format detected from content) or workload:NAME[:key=value,...]
@@ -15,6 +15,7 @@
 #include "costs.h"
 #include "modes.h"
 #include "output.h"
+#include "window.h"
 #include "workload.h"
 
 using namespace fragless;
@@ -24,7 +25,7 @@ namespace {
 
 // Each input's trace: a file's, loaded (its warning on stderr), or a workload's, generated. False after
 // naming the first input that fails on stderr.
-bool load_inputs(const std::vector<std::string>& inputs, const std::vector<int>* lengths,
+bool load_inputs(const std::vector<std::string>& inputs, const std::vector<int>* lengths, const CommandLine& cl,
                  std::vector<formats::Trace>* traces) {
   traces->resize(inputs.size());
   for (std::size_t i = 0; i < inputs.size(); ++i) {
@@ -37,6 +38,7 @@ bool load_inputs(const std::vector<std::string>& inputs, const std::vector<int>*
       if (!lr.warning.empty()) print_error("warning: " + lr.warning);
       (*traces)[i] = std::move(lr.trace);
     }
+    cut_window(&(*traces)[i], cl.window, cl.window_text);  // --window
   }
   return true;
 }
@@ -78,7 +80,7 @@ int main(int argc, char** argv) {
   ro.peak_detail = cl.peak_detail;
   if (!cl.max_key.empty()) return run_max(cl, ro, seqlens);
   std::vector<formats::Trace> traces;
-  if (!load_inputs(cl.inputs, seqlens, &traces)) return 2;
+  if (!load_inputs(cl.inputs, seqlens, cl, &traces)) return 2;
   const std::vector<Task> tasks = replay_tasks(traces, cl.policies);
   // Every input was skipped (each said why above): an empty table would read as an answer.
   if (tasks.empty()) return fail("nothing to replay: no input has an allocation event");

@@ -14,6 +14,7 @@
 #include "seed.h"
 #include "replay.h"
 #include "trace_model.h"
+#include "window.h"
 #include "workload.h"
 
 using namespace fragless;
@@ -493,4 +494,83 @@ TEST_CASE("replay --costs: a probe's medians replace the model's and what it lac
   CHECK_FALSE(load(R"({"schema":"fragless-gpu-probe/1","costs_us":{}})", &m, &err));
   CHECK(err.find("measured no call") != std::string::npos);
   std::filesystem::remove(path);
+}
+
+TEST_CASE("replay --window: what was live at the window's start is its seed, and the window replays alone", "[replay]") {
+  SECTION("a hand-made trace: the seed is what the events before the window left live, in their order") {
+    Trace t;
+    t.source = "t";
+    auto ev = [](Op op, std::uint64_t addr, std::uint64_t size = 0) {
+      formats::Event e;
+      e.op = op;
+      e.address = addr;
+      e.size = size;
+      return e;
+    };
+    t.seed = {ev(Op::alloc, 1, 100), ev(Op::alloc, 9, 900)};
+    t.pre_segments = {ev(Op::segment_alloc, 0, 2 << 20)};
+    t.events = {ev(Op::alloc, 2, 200), ev(Op::alloc, 3, 300), ev(Op::free, 1), ev(Op::free, 2),
+                ev(Op::alloc, 4, 400), ev(Op::free, 3),      ev(Op::free, 4), ev(Op::alloc, 5, 500)};
+    Trace first = t, second = t;
+    replay::cut_window(&first, {0, 0.5}, "0:0.5");
+    CHECK(first.source == "t@0:0.5");
+    REQUIRE(first.seed.size() == 2);  // the trace's own seed: nothing before the window
+    CHECK(first.events.size() == 4);
+    CHECK(first.pre_segments.size() == 1);  // from the start: the recorded cache shape still applies
+    replay::cut_window(&second, {0.5, 1}, "0.5:1");
+    REQUIRE(second.seed.size() == 2);  // 9 (the trace's seed, never freed), then 3; 1 and 2 were freed
+    CHECK(second.seed[0].address == 9);
+    CHECK(second.seed[1].address == 3);
+    CHECK(second.seed[1].size == 300);
+    CHECK(second.seed[1].op == Op::alloc);
+    REQUIRE(second.events.size() == 4);
+    CHECK(second.events[0].address == 4);
+    CHECK(second.pre_segments.empty());  // mid-run: the recorded allocator's cache is not known
+  }
+  SECTION("windows of a workload replay with no unknown free and the peak of live bytes the whole trace had there") {
+    formats::Trace whole;
+    std::string err;
+    REQUIRE(replay::make_workload("workload:transformer-train:steps=3,layers=4", &whole, &err));
+    for (const auto& [text, w] : std::vector<std::pair<std::string, replay::Window>>{
+             {"0:0.5", {0, 0.5}}, {"0.3:0.7", {0.3, 0.7}}, {"0.5:1", {0.5, 1}}, {"0.9:1", {0.9, 1}}}) {
+      const auto n = whole.events.size();
+      const auto lo = static_cast<std::size_t>(w.from * static_cast<double>(n));
+      const auto hi = static_cast<std::size_t>(w.to * static_cast<double>(n));
+      std::map<std::uint64_t, std::uint64_t> size_of;
+      std::int64_t live = 0, peak = 0;
+      for (const auto& e : whole.seed) live += static_cast<std::int64_t>((size_of[e.address] = e.size));
+      for (std::size_t i = 0; i < hi; ++i) {
+        if (i == lo) peak = live;
+        const auto& e = whole.events[i];
+        if (e.op == Op::alloc) live += static_cast<std::int64_t>((size_of[e.address] = e.size));
+        if (e.op == Op::free) live -= static_cast<std::int64_t>(size_of.at(e.address));
+        if (i >= lo) peak = std::max(peak, live);
+      }
+      formats::Trace t = whole;
+      replay::cut_window(&t, w, text);
+      INFO("window " << text);
+      CHECK(t.events.size() == hi - lo);
+      CHECK(t.model_time_us.size() == hi - lo);  // the background's clock follows the events
+      for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless}) {
+        replay::ReplayOptions opt;
+        opt.check = true;
+        const auto r = replay::replay(t, 0, p, opt);
+        INFO(policy_name(p));
+        REQUIRE(r.error.empty());
+        CHECK(r.peak_live == peak);
+      }
+    }
+  }
+  SECTION("bad windows are named") {
+    replay::Window w;
+    std::string err;
+    for (const char* bad : {"0.5", "1:0.5", "0.5:0.5", "-0.1:0.5", "0:1.5", "nan:1", "0.2:", ":0.3", "a:b"}) {
+      INFO(bad);
+      CHECK_FALSE(replay::parse_window(bad, &w, &err));
+      CHECK(err.find(bad) != std::string::npos);
+    }
+    REQUIRE(replay::parse_window("0.25:0.75", &w, &err));
+    CHECK(w.from == 0.25);
+    CHECK(w.to == 0.75);
+  }
 }
