@@ -556,6 +556,37 @@ TEST_CASE("fragless: the small pool keeps up to a cell of free pages, taken past
   require_consistent(*e);
 }
 
+// Note [The small pool keeps a cell]: no more than the small pool has ever had allocated. A one-page small
+// growth takes a whole multi-page mapping from a large hole (a mapping moves whole); those pages were never
+// the small pool's need, and a large growth takes them rather than create.
+TEST_CASE("fragless: the small pool keeps no more free pages than it has ever had allocated", "[fragless]") {
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  spec.base.background = BackgroundMode::off;  // multi-page handles stay whole
+  spec.capacity = 8192 * MiB;                  // the sim driver: counted, no memory
+  spec.base.chunk_size = 40 * MiB;             // cells of up to 20 pages
+  auto e = make_engine(spec);
+  require_consistent(*e);  // audit every creation from here on
+  auto small_reserved = [&] { return e->stats().reserved_bytes.by_pool[kSmallPool].current; };
+  void* big = e->allocate(4096 * MiB, 0, nullptr);  // live bytes make a large-pool cell of 16 pages
+  void* hole = e->allocate(40 * MiB, 0, nullptr);
+  void* keep = e->allocate(2 * MiB, 0, nullptr);  // the hole's upper neighbour
+  REQUIRE((big && hole && keep));
+  REQUIRE(e->free(hole) == Status::ok);
+  void* s = e->allocate(512 * 1024, 0, nullptr);  // the small pool's first page: taken from the hole
+  REQUIRE(s);
+  INFO("small pool reserved " << (small_reserved() >> 20) << " MiB after a 512 KiB request");
+  REQUIRE(small_reserved() > static_cast<std::int64_t>(2 * MiB));  // a whole multi-page mapping came along
+  REQUIRE(small_reserved() <= static_cast<std::int64_t>(32 * MiB));  // but no more than a cell: kept, unbounded
+  REQUIRE(e->free(s) == Status::ok);
+  const auto small_before = small_reserved();
+  void* l = e->allocate(static_cast<std::size_t>(small_before) + 20 * MiB, 0, nullptr);
+  REQUIRE(l);
+  CHECK(small_reserved() <= static_cast<std::int64_t>(2 * MiB));  // one page kept: all it ever used
+  require_consistent(*e);
+  for (void* p : {big, keep, l}) REQUIRE(e->free(p) == Status::ok);
+}
+
 TEST_CASE("fragless: a repeated chain of doubling activations re-backs completely (two passes)", "[fragless]") {
   // One 300 MiB tensor live; twice, a chain 350 -> 437.5 -> ... -> 7000 MiB, each allocated before the
   // previous one is freed, then a second 7000 MiB before the first goes, then 1400 MiB; all freed. The

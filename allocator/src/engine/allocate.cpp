@@ -86,6 +86,7 @@ Block* DeviceEngine::State::take_block(Block* b, AllocParams& p) {
   const auto req = static_cast<std::int64_t>(p.requested);
   stats.allocation.add(small, 1);
   stats.allocated_bytes.add(small, size);
+  if (small) small_allocated_high = std::max(small_allocated_high, stats.allocated_bytes.by_pool[kSmallPool].current);
   stats.active.add(small, 1);
   stats.active_bytes.add(small, size);
   stats.requested_bytes.add(small, req);

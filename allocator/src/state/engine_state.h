@@ -258,6 +258,9 @@ struct DeviceEngine::State {
   std::size_t pending_event_count = 0;
 
   DeviceStats stats;
+  // The small pool's allocated bytes at their highest since the engine began, never reset (peaks in stats
+  // are reset by the program): what the small pool has shown it needs (Note [The small pool keeps a cell]).
+  std::int64_t small_allocated_high = 0;
   std::size_t total_reserved = 0;              // physical bytes held
   std::size_t allowed_memory_maximum = 0;      // 0 = no limit (fraction 1)
   std::size_t device_total = 0;

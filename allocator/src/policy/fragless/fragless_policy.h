@@ -38,7 +38,12 @@
 // a page, create none. So a large-pool growth that could create everything it still needs (within the
 // device's free memory and the memory fraction) takes no small-pool page while the small pool's free whole
 // pages, among the holes it may take, are no more than one cell (small_keep: the larger of a large-pool cell,
-// reserve_slack of live bytes between a page and chunk_size_mb, and a small buffer). The rule applies to the
+// reserve_slack of live bytes between a page and chunk_size_mb, and a small buffer), nor than the pages the
+// small pool has ever had allocated (at least one; State::small_allocated_high, never reset): a page it never
+// needed is not one it will create again. (A small-pool growth of one page takes the smallest idle handle
+// that covers it, as Note [Complete re-backing] requires, which may be a ten-page handle a large hole left; on
+// a bf16 inference draw whose small requests never passed 0.61 MiB the small pool then kept 20 MiB free at
+// the peak, 18 MiB above expandable.) The rule applies to the
 // requesting stream's holes and to other idle streams' holes apart, as reclaim takes them, so what it withholds
 // from re-backing is bounded by two cells, as the free tail a growth at a segment's end leaves is by one.
 // Beyond that the small pool holds memory it does not need, and every free small page may be taken as before;
@@ -244,7 +249,10 @@ class FraglessPolicy final : public GrowablePolicy {
   void add_created(Growth& g, PhysHandle h, std::size_t pages, std::vector<PhysHandle>* created);
   std::size_t cell_pages(bool small) const;
   // Note [The small pool keeps a cell]: at most this many free small-pool pages are kept from a large growth.
-  std::size_t small_keep() const { return std::max(cell_pages(false), cell_pages(true)); }
+  std::size_t small_keep() const {
+    const std::size_t high = (static_cast<std::size_t>(s_.small_allocated_high) + page_ - 1) / page_;
+    return std::clamp(high, cell_pages(true), std::max(cell_pages(false), cell_pages(true)));
+  }
 
   std::size_t page_ = s_.driver->granularity();
   HandlePool pool_;
