@@ -42,6 +42,8 @@ class BackgroundClock {
   double last_ = -1, worker_ = 0;  // the previous event's time; the worker's clock (µs)
 };
 
+}  // namespace
+
 // Note [Frees an empty_cache completes]
 // A block freed while record_stream'd uses were pending is `free_requested` at the free and `free` (back to
 // the cache) when its events completed. An empty_cache waits for every pending event, so the blocks it
@@ -64,7 +66,6 @@ std::vector<std::uint64_t> completed_by_empty_cache(const formats::Trace& t, std
   return out;
 }
 
-}  // namespace
 
 ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, std::uint64_t capacity) {
   ReplayOptions o;
@@ -149,7 +150,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
   for (const auto& s : t.seed) {
     if (s.device != device) continue;
     void* p = e.allocate(s.size, s.stream, nullptr);
-    if (!p) {  // an OOM like any other: counted, and the block's free skipped
+    if (!p && s.size) {  // an OOM like any other: counted, and the block's free skipped
       ++r.ooms;
       if (opt.stop_at_first_oom) return r;
       failed.insert(s.address);

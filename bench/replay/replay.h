@@ -2,6 +2,7 @@
 #pragma once
 #include <atomic>
 #include <optional>
+#include <unordered_set>
 #include <vector>
 #include <string>
 
@@ -79,6 +80,11 @@ struct ReplayOptions {
 
 // capacity 0 = unlimited. An OOM is a result: counted, the allocation (and its free) skipped.
 ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, std::uint64_t capacity);
+// Note [Frees an empty_cache completes] (replay.cpp): the addresses whose `free` records directly follow the
+// empty_cache at event `at` on `device`, each with a free_requested pending (in `requested`): the replay frees
+// them at the empty_cache and skips their records.
+std::vector<std::uint64_t> completed_by_empty_cache(const formats::Trace& t, std::size_t at, int device,
+                                                    const std::unordered_set<std::uint64_t>& requested);
 ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, const ReplayOptions& options);
 
 }  // namespace fragless::replay

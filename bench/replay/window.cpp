@@ -1,22 +1,35 @@
 // fragless-replay --window (window.h).
 #include "window.h"
 
+#include "replay.h"
+
 #include <cmath>
 #include <cstdlib>
+#include <algorithm>
 #include <map>
+#include <set>
+#include <unordered_set>
 #include <utility>
 
 namespace fragless::replay {
 
 namespace {
 
+// A fraction in [0, 1] written as digits with at most one point (no sign, exponent, hex or spaces: the text
+// becomes part of the input's name).
 bool parse_fraction(const std::string& s, double* out) {
-  if (s.empty()) return false;
-  char* end = nullptr;
-  const double v = std::strtod(s.c_str(), &end);
-  if (*end || !std::isfinite(v) || v < 0 || v > 1) return false;
+  if (s.empty() || s.size() > 32 || s.find_first_not_of("0123456789.") != std::string::npos ||
+      std::count(s.begin(), s.end(), '.') > 1 || s == ".")
+    return false;
+  const double v = std::strtod(s.c_str(), nullptr);
+  if (!(v >= 0 && v <= 1)) return false;
   *out = v;
   return true;
+}
+
+// floor(f * n), with a margin for the fraction's binary rounding (0.29 * 100 is 28.999...).
+std::size_t index_at(double f, std::size_t n) {
+  return std::min(n, static_cast<std::size_t>(std::floor(f * static_cast<double>(n) + 1e-6)));
 }
 
 }  // namespace
@@ -41,14 +54,16 @@ bool parse_window(const std::string& text, Window* out, std::string* error) {
 void cut_window(formats::Trace* t, const Window& w, const std::string& text) {
   if (w.whole()) return;
   const std::size_t n = t->events.size();
-  const auto lo = static_cast<std::size_t>(std::floor(w.from * static_cast<double>(n)));
-  const auto hi = std::min(n, static_cast<std::size_t>(std::floor(w.to * static_cast<double>(n))));
+  const std::size_t lo = index_at(w.from, n), hi = std::max(lo, index_at(w.to, n));
   // What is live at event lo, by (device, address), in the order it was allocated (the seed's order is the
-  // order in which the replay allocates it).
+  // order in which the replay allocates it), by the replay's own rules: a `free` frees, a free_requested
+  // marks a block whose `free` may come at an empty_cache (Note [Frees an empty_cache completes]).
   using Key = std::pair<std::int32_t, std::uint64_t>;
   std::map<Key, std::size_t> live;  // -> index in `order`
   std::vector<formats::Event> order;
   std::vector<bool> gone;
+  std::map<std::int32_t, std::unordered_set<std::uint64_t>> requested;  // per device, as the replay keeps them
+  std::set<Key> freed_early;  // freed at an empty_cache before the window: their `free` records are skipped
   auto add = [&](const formats::Event& e) {
     formats::Event s = e;
     s.op = formats::Op::alloc;
@@ -59,15 +74,27 @@ void cut_window(formats::Trace* t, const Window& w, const std::string& text) {
     order.push_back(s);
     gone.push_back(false);
   };
+  auto release = [&](const Key& k) {
+    if (auto it = live.find(k); it != live.end()) {
+      gone[it->second] = true;
+      live.erase(it);
+    }
+  };
   for (const auto& s : t->seed) add(s);
   for (std::size_t i = 0; i < lo; ++i) {
     const auto& e = t->events[i];
+    const Key k{e.device, e.address};
     if (e.op == formats::Op::alloc) {
       add(e);
+    } else if (e.op == formats::Op::free_requested) {
+      requested[e.device].insert(e.address);
     } else if (e.op == formats::Op::free) {
-      if (auto it = live.find({e.device, e.address}); it != live.end()) {
-        gone[it->second] = true;
-        live.erase(it);
+      requested[e.device].erase(e.address);
+      if (!freed_early.erase(k)) release(k);
+    } else if (e.op == formats::Op::empty_cache) {
+      for (std::uint64_t a : completed_by_empty_cache(*t, i, e.device, requested[e.device])) {
+        release({e.device, a});
+        freed_early.insert({e.device, a});
       }
     }
   }
@@ -77,11 +104,32 @@ void cut_window(formats::Trace* t, const Window& w, const std::string& text) {
   t->seed = std::move(seed);
   if (lo > 0) t->pre_segments.clear();
   t->recorded_peak_reserved.clear();
-  t->events = std::vector<formats::Event>(t->events.begin() + static_cast<std::ptrdiff_t>(lo),
-                                          t->events.begin() + static_cast<std::ptrdiff_t>(hi));
-  if (!t->model_time_us.empty())
-    t->model_time_us = std::vector<std::int64_t>(t->model_time_us.begin() + static_cast<std::ptrdiff_t>(lo),
-                                                 t->model_time_us.begin() + static_cast<std::ptrdiff_t>(hi));
+  // The window: first the free_requested marks still pending (an empty_cache in the window may complete
+  // them), at the window's first time; then its events, less the `free` records of blocks an empty_cache
+  // before it already freed.
+  std::vector<formats::Event> events;
+  std::vector<std::int64_t> times;
+  const bool modelled = !t->model_time_us.empty();
+  const std::int64_t t0 = lo < n ? (modelled ? t->model_time_us[lo] : t->events[lo].time_us) : -1;
+  for (const auto& [device, addrs] : requested)
+    for (std::uint64_t a : addrs) {
+      if (!live.count({device, a})) continue;
+      formats::Event m;
+      m.op = formats::Op::free_requested;
+      m.device = device;
+      m.address = a;
+      m.time_us = modelled ? -1 : t0;
+      events.push_back(m);
+      if (modelled) times.push_back(t0);
+    }
+  for (std::size_t i = lo; i < hi; ++i) {
+    const auto& e = t->events[i];
+    if (e.op == formats::Op::free && freed_early.erase({e.device, e.address})) continue;
+    events.push_back(e);
+    if (modelled) times.push_back(t->model_time_us[i]);
+  }
+  t->events = std::move(events);
+  if (modelled) t->model_time_us = std::move(times);
   t->source += "@" + text;
 }
 

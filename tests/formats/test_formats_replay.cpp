@@ -28,6 +28,15 @@ const std::string kData = FRAGLESS_SOURCE_DIR "/../shared/data/traces/torch";
 // a missing directory here is a failure, never a silent pass.
 bool have_data() { return std::filesystem::exists(kData); }
 
+// One event of a hand-made trace (device 0, stream 0, no time).
+formats::Event ev(Op op, std::uint64_t addr, std::uint64_t size = 0) {
+  formats::Event e;
+  e.op = op;
+  e.address = addr;
+  e.size = size;
+  return e;
+}
+
 std::string str(std::initializer_list<int> bytes) {
   std::string s;
   for (int b : bytes) s.push_back(static_cast<char>(b));
@@ -500,13 +509,6 @@ TEST_CASE("replay --window: what was live at the window's start is its seed, and
   SECTION("a hand-made trace: the seed is what the events before the window left live, in their order") {
     Trace t;
     t.source = "t";
-    auto ev = [](Op op, std::uint64_t addr, std::uint64_t size = 0) {
-      formats::Event e;
-      e.op = op;
-      e.address = addr;
-      e.size = size;
-      return e;
-    };
     t.seed = {ev(Op::alloc, 1, 100), ev(Op::alloc, 9, 900)};
     t.pre_segments = {ev(Op::segment_alloc, 0, 2 << 20)};
     t.events = {ev(Op::alloc, 2, 200), ev(Op::alloc, 3, 300), ev(Op::free, 1), ev(Op::free, 2),
@@ -526,6 +528,51 @@ TEST_CASE("replay --window: what was live at the window's start is its seed, and
     REQUIRE(second.events.size() == 4);
     CHECK(second.events[0].address == 4);
     CHECK(second.pre_segments.empty());  // mid-run: the recorded allocator's cache is not known
+  }
+  SECTION("a block an empty_cache completed before the window is not seeded, and a pending free_requested carries in") {
+    // Note [Frees an empty_cache completes]: A's `free` record follows the empty_cache that freed it.
+    constexpr std::uint64_t M = 1u << 20;
+    Trace t;
+    t.source = "ec";
+    t.events = {ev(Op::alloc, 1, 100 * M), ev(Op::alloc, 2, 50 * M), ev(Op::free_requested, 1), ev(Op::empty_cache, 0),
+                ev(Op::free, 1),           ev(Op::alloc, 3, 120 * M), ev(Op::free, 2),          ev(Op::free, 3)};
+    // The whole trace: A goes back to the cache inside the empty_cache and is released with it, so C is
+    // created beside B alone: classic's peak is 170 MiB after the 150 MiB of A and B.
+    REQUIRE(replay::replay(t, 0, PolicyKind::classic, 0).peak_reserved == static_cast<std::int64_t>(170 * M));
+    for (const auto& [text, w] : std::vector<std::pair<std::string, replay::Window>>{{"0.375:1", {0.375, 1}},
+                                                                                       {"0.5:1", {0.5, 1}}}) {
+      Trace cut = t;
+      replay::cut_window(&cut, w, text);
+      INFO("window " << text);
+      for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless}) {
+        const auto r = replay::replay(cut, 0, p, 0);
+        INFO(policy_name(p));
+        REQUIRE(r.error.empty());
+        CHECK(r.window_start.live == static_cast<std::int64_t>((w.from < 0.5 ? 150 : 50) * M));
+        CHECK(r.peak_live == static_cast<std::int64_t>(170 * M));
+        if (p == PolicyKind::classic) CHECK(r.peak_reserved == static_cast<std::int64_t>(170 * M));
+      }
+    }
+  }
+  SECTION("a zero-byte block live at the window's start is no out-of-memory") {
+    Trace t;
+    t.source = "zero";
+    formats::Event a, b, fb, fa;
+    a.address = 7;  // size 0
+    b.address = 8;
+    b.size = 1 << 20;
+    fb.op = fa.op = Op::free;
+    fb.address = 8;
+    fa.address = 7;
+    t.events = {a, b, fb, fa};
+    replay::cut_window(&t, {0.5, 1}, "0.5:1");
+    REQUIRE(t.seed.size() == 2);
+    for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless}) {
+      const auto r = replay::replay(t, 0, p, 0);
+      INFO(policy_name(p));
+      CHECK(r.error.empty());
+      CHECK(r.ooms == 0);
+    }
   }
   SECTION("windows of a workload replay with no unknown free and the peak of live bytes the whole trace had there") {
     formats::Trace whole;
@@ -549,7 +596,7 @@ TEST_CASE("replay --window: what was live at the window's start is its seed, and
       formats::Trace t = whole;
       replay::cut_window(&t, w, text);
       INFO("window " << text);
-      CHECK(t.events.size() == hi - lo);
+      CHECK(t.events.size() == hi - lo);  // (the workloads record no free_requested)
       CHECK(t.model_time_us.size() == hi - lo);  // the background's clock follows the events
       for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless}) {
         replay::ReplayOptions opt;
@@ -564,7 +611,8 @@ TEST_CASE("replay --window: what was live at the window's start is its seed, and
   SECTION("bad windows are named") {
     replay::Window w;
     std::string err;
-    for (const char* bad : {"0.5", "1:0.5", "0.5:0.5", "-0.1:0.5", "0:1.5", "nan:1", "0.2:", ":0.3", "a:b"}) {
+    for (const char* bad : {"0.5", "1:0.5", "0.5:0.5", "-0.1:0.5", "0:1.5", "nan:1", "0.2:", ":0.3", "a:b", "0x0.8:1",
+                            " 0.1:0.5", "-0:0.5", "1e-1:1", ".:1", "0..1:1"}) {
       INFO(bad);
       CHECK_FALSE(replay::parse_window(bad, &w, &err));
       CHECK(err.find(bad) != std::string::npos);
