@@ -16,19 +16,19 @@
   tools/results_tables.py driver   [--costs PROBE.json] FILES...   the ten built-in workloads and FILES: peak
                                  reserved, driver calls, alloc-path and background driver time per policy,
                                  and the start-up targets (docs/RESULTS.md, "Driver time on the allocation path")
-  tools/results_tables.py general  [--conf KEY:VALUE,...] [--seed N] [--draws N] FILES...   the start-up targets
+  tools/results_tables.py general  [--conf KEY:VALUE,...] [--seed N] [--draws N] [FILES...]   the start-up targets
                                  beyond the driver table's inputs: every trace cut into windows (quarters,
                                  halves) and random draws of the built-in workloads (docs/RESULTS.md,
                                  "Beyond the inputs at hand")
 FILES are traces; the eight default workloads (four sequence-length distributions, training and inference)
 are added to `targets` and `params`.
-Run from the repository root after building (uses build/bin/fragless-replay)."""
+Run from the repository root after building (uses build/bin/fragless-replay, or $FRAGLESS_REPLAY)."""
 import json
 import os
 import subprocess
 import sys
 
-REPLAY = os.path.join("build", "bin", "fragless-replay")
+REPLAY = os.environ.get("FRAGLESS_REPLAY", os.path.join("build", "bin", "fragless-replay"))  # or another build's
 
 
 def run(args):
@@ -419,8 +419,14 @@ def general_table(args):
             specs.append(f"workload:{name}:{keys},seed={rng.randrange(1000000)}")
     groups = {"windows": [], "draws": []}
     for w in WINDOWS:
-        if args:
-            groups["windows"] += by_input(run([*conf, "--window", w, *args])).items()
+        if not args:
+            continue
+        p = subprocess.run([REPLAY, "--json", *conf, "--window", w, *args], capture_output=True, text=True)
+        if p.returncode == 2 and "nothing to replay" in p.stderr:
+            continue  # no trace has an allocation in this window
+        if p.returncode != 0:
+            sys.exit(f"fragless-replay --window {w}: exit {p.returncode}: {p.stderr}")
+        groups["windows"] += by_input(json.loads(p.stdout)["results"]).items()
     groups["draws"] = list(by_input(run([*conf, *specs])).items())
     print(f"| inputs | count | meeting every target | driver (path > expandable) | overhead | above a peer | "
           f"path ms fragless / expandable | MiB above a peer |")
@@ -451,7 +457,7 @@ def general_table(args):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 and not (len(sys.argv) == 2 and sys.argv[1] in ("variants", "zoo", "maxbatch")):
+    if len(sys.argv) < 3 and not (len(sys.argv) == 2 and sys.argv[1] in ("variants", "zoo", "maxbatch", "general")):
         sys.exit(__doc__)
     {"replay": replay_table, "fidelity": fidelity_table, "targets": targets_table, "params": params_table, "variants": variants_table,
      "handles": handles_table, "driver": driver_table, "general": general_table, "zoo": zoo_table, "fit": fit_table, "maxbatch": maxbatch_table,
