@@ -31,9 +31,15 @@ import sys
 REPLAY = os.environ.get("FRAGLESS_REPLAY", os.path.join("build", "bin", "fragless-replay"))  # or another build's
 
 
-def run(args):
-    out = subprocess.run([REPLAY, "--json", *args], check=True, capture_output=True, text=True).stdout
-    return json.loads(out)["results"]
+def run(args, empty_ok=False):
+    """The results of fragless-replay --json ARGS; with empty_ok, none where no input has an allocation to replay
+    (a --window that holds none)."""
+    p = subprocess.run([REPLAY, "--json", *args], capture_output=True, text=True)
+    if empty_ok and p.returncode == 2 and "nothing to replay" in p.stderr:
+        return []
+    if p.returncode != 0:
+        sys.exit(f"fragless-replay {' '.join(args)}: exit {p.returncode}: {p.stderr}")
+    return json.loads(p.stdout)["results"]
 
 
 def run_search(args):
@@ -323,6 +329,17 @@ BUILTINS = ["workload:transformer-train", "workload:transformer-infer", "workloa
             "workload:random"]
 
 
+def targets_missed(p):
+    """The start-up targets an input's fragless result misses (the driver table's three), as
+    (driver ms over, overhead over its limit, MiB over the better peer), each 0 when met."""
+    c, e, f = p["classic"], p["expandable"], p["fragless"]
+    live = f["peak_live_bytes"]
+    best = min(c["peak_reserved_bytes"], e["peak_reserved_bytes"])
+    return (max(0.0, (f["alloc_path_driver_us"] - e["modelled_driver_us"]) / 1000),
+            max(0.0, f["overhead_over_live"] - overhead_limit(live)) if live else 0.0,
+            max(0, f["peak_reserved_bytes"] - best) / 2**20)
+
+
 def driver_table(args):
     """Per input (the built-in workloads at their defaults, then FILES): what each policy holds and what its
     driver calls cost, split into the time a caller waits for (alloc path) and the time spent off it
@@ -339,15 +356,10 @@ def driver_table(args):
     for (name, _), p in rows.items():
         c, e, f = p["classic"], p["expandable"], p["fragless"]
         live = f["peak_live_bytes"]
-        dc, de, df, bg = c["driver_calls"], e["driver_calls"], f["driver_calls"], f["background_calls"]
-        best = min(c["peak_reserved_bytes"], e["peak_reserved_bytes"])
-        misses = []
-        if f["alloc_path_driver_us"] > e["modelled_driver_us"]:
-            misses.append(f"driver +{(f['alloc_path_driver_us'] - e['modelled_driver_us']) / 1000:.1f} ms")
-        if f["overhead_over_live"] > overhead_limit(live):
-            misses.append(f"overhead (limit {100 * overhead_limit(live):.2f}%)")
-        if f["peak_reserved_bytes"] > best:
-            misses.append(f"+{(f['peak_reserved_bytes'] - best) / 2**20:.0f} MiB over a peer")
+        de, df, bg = e["driver_calls"], f["driver_calls"], f["background_calls"]
+        d, o, a = targets_missed(p)
+        misses = [m for m in (d and f"driver +{d:.1f} ms", o and f"overhead (limit {100 * overhead_limit(live):.2f}%)",
+                              a and f"+{a:.0f} MiB over a peer") if m]
         met += not misses
         tot["e"] += e["modelled_driver_us"]
         tot["path"] += f["alloc_path_driver_us"]
@@ -362,17 +374,6 @@ def driver_table(args):
     print(f"{met} of {len(rows)} inputs meet every target. Modelled driver time over all inputs: expandable "
           f"{tot['e'] / 1000:.0f} ms; fragless {tot['path'] / 1000:.0f} ms on the allocation path and "
           f"{tot['bg'] / 1000:.0f} ms in the background.")
-
-
-def targets_missed(p):
-    """The start-up targets an input's fragless result misses (the driver table's three), as
-    (driver ms over, overhead over its limit, MiB over the better peer), each 0 when met."""
-    c, e, f = p["classic"], p["expandable"], p["fragless"]
-    live = f["peak_live_bytes"]
-    best = min(c["peak_reserved_bytes"], e["peak_reserved_bytes"])
-    return (max(0.0, (f["alloc_path_driver_us"] - e["modelled_driver_us"]) / 1000),
-            max(0.0, f["overhead_over_live"] - overhead_limit(live)) if live else 0.0,
-            max(0, f["peak_reserved_bytes"] - best) / 2**20)
 
 
 # Random draws of the built-in workloads: each key from a few values that scale the workload down or up and
@@ -418,15 +419,8 @@ def general_table(args):
             keys = ",".join(f"{k}={rng.choice(v)}" for k, v in space.items())
             specs.append(f"workload:{name}:{keys},seed={rng.randrange(1000000)}")
     groups = {"windows": [], "draws": []}
-    for w in WINDOWS:
-        if not args:
-            continue
-        p = subprocess.run([REPLAY, "--json", *conf, "--window", w, *args], capture_output=True, text=True)
-        if p.returncode == 2 and "nothing to replay" in p.stderr:
-            continue  # no trace has an allocation in this window
-        if p.returncode != 0:
-            sys.exit(f"fragless-replay --window {w}: exit {p.returncode}: {p.stderr}")
-        groups["windows"] += by_input(json.loads(p.stdout)["results"]).items()
+    for w in WINDOWS if args else []:
+        groups["windows"] += by_input(run([*conf, "--window", w, *args], empty_ok=True)).items()
     groups["draws"] = list(by_input(run([*conf, *specs])).items())
     print(f"| inputs | count | meeting every target | driver (path > expandable) | overhead | above a peer | "
           f"path ms fragless / expandable | MiB above a peer |")

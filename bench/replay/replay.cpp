@@ -66,7 +66,6 @@ std::vector<std::uint64_t> completed_by_empty_cache(const formats::Trace& t, std
   return out;
 }
 
-
 ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, std::uint64_t capacity) {
   ReplayOptions o;
   o.capacity = capacity;

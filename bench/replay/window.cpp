@@ -1,15 +1,15 @@
 // fragless-replay --window (window.h).
 #include "window.h"
 
-#include "replay.h"
-
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <algorithm>
 #include <map>
 #include <set>
 #include <unordered_set>
 #include <utility>
+
+#include "replay.h"
 
 namespace fragless::replay {
 

@@ -135,12 +135,12 @@ check_error "bad output extension" "use --to" "$bin/fragless-trace" convert "$wo
 check_error "unknown policy" "unknown policy 'best'" "$bin/fragless-replay" --policy best "$work/o.fgt"
 check_error "bad workload" "unknown workload 'gpt'" "$bin/fragless-replay" workload:gpt
 check_error "bad --window" "--window needs FROM:TO" "$bin/fragless-replay" --window 0.5 "$work/o.fgt"
-check_output "results_tables.py general: the targets on windows of a trace and on random draws" "^\| draws \| 9 \| " \
-  env FRAGLESS_REPLAY="$bin/fragless-replay" python3 "$(dirname "$0")/../../tools/results_tables.py" general --draws 1 \
-  "$work/oracle.csv"
 check_error "--window with --max-batch" "not with --max-batch" \
   "$bin/fragless-replay" --window 0:0.5 --max-batch --capacity-gib 8 "workload:transformer-infer"
 check_output "--window replays a part, named" "oracle.csv@0.5:1" "$bin/fragless-replay" --window 0.5:1 "$work/oracle.csv"
+check_output "results_tables.py general: the targets on windows of a trace and on random draws" "^\| draws \| 9 \| " \
+  env FRAGLESS_REPLAY="$bin/fragless-replay" python3 "$(dirname "$0")/../../tools/results_tables.py" general --draws 1 \
+  "$work/oracle.csv"
 check_error "bad --conf value" "bad value '7' for key 'reserve_slack'" "$bin/fragless-replay" --conf reserve_slack:7 "$work/o.fgt"
 # A directory or an empty file as a trace is named as such (not "unknown trace format").
 : >"$work/empty.fgt"
