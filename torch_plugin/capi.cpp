@@ -141,9 +141,12 @@ Process& proc() {
   return *p;
 }
 
-// At exit: the background workers stop first (no driver call of theirs while the CUDA driver tears down, and
-// no thread of ours left for the process's exit to race), then the traces are written, the workers' last
-// records included. The engines stay: other threads and static destructors may still allocate and free.
+// At exit (Allocator::at_exit): the background workers stop first (no driver call of theirs while the CUDA
+// driver tears down), then the trace writers (no thread of ours is left for the process's exit to race), and
+// the traces are written, the workers' last records included; each later record is written as it comes
+// (Note [Tracing at exit]). The engines stay: other threads and static destructors may still allocate and
+// free. An exit on a thread that holds a device's lock leaves that device alone (Note [Exit while the lock
+// is held]).
 void flush_at_exit() {
   if (Allocator* a = proc().ready.load(std::memory_order_acquire)) a->at_exit();
 }

@@ -207,7 +207,8 @@ Interposer& ip() {
 }
 
 // At exit, as the C ABI's (capi.cpp): the background workers stop (none of their driver calls runs while the
-// CUDA driver tears down), then the traces are written. The allocator stays for later frees.
+// CUDA driver tears down), the trace writers are joined and the traces written, each later record as it
+// comes (Note [Tracing at exit]). The allocator stays for later frees.
 void stop_at_exit() {
   // Not in a forked child: no worker of ours runs there, and a lock another thread of the parent held at the
   // fork would never be released (the C ABI's handler flushes there, as it always has).

@@ -94,6 +94,29 @@ void Allocator::flush_traces() {
 
 bool Allocator::forked_child() const { return static_cast<long>(getpid()) != creator_pid_; }
 
+// Note [Exit while the lock is held]
+// exit() may run on a thread that holds a device's lock: a signal handler that calls exit() interrupted the
+// thread inside the allocator, or an event sink, which runs under the lock, called it. The lock is not
+// recursive, and that thread will never release it, so the exit must not take it: for that engine the
+// worker is told to stop and detached instead of joined (it may be waiting for the lock itself;
+// Background::stop), its trace is not flushed (the sink, or the engine's state, may be halfway through an
+// update), and one line on stderr names the device and why (DeviceEngine::stop_background). Every other
+// engine is stopped and flushed as usual; the tracer's writers are joined as usual (they never take a device
+// lock). The lock knows its owner (Note [Lock owner], spin_mutex.h), which costs a relaxed store in lock and
+// in unlock. What this does not cover: static destructors that later free on that device wait for the lock
+// for ever (nothing short of not taking it could help them), and a signal that lands while the sink hands a
+// full buffer to its file (the file's mutex held, once in 8192 records) still hangs the exit in
+// Tracing::go_synchronous.
+void Allocator::at_exit() {
+  if (forked_child()) {  // no writer thread or worker of ours is here to stop
+    flush_traces();
+    return;
+  }
+  stop_background();
+  if (tracing_) tracing_->go_synchronous();
+  flush_traces();  // what the sinks still hold, written now (Note [Tracing at exit])
+}
+
 void Allocator::stop_background() {
   if (forked_child()) return;
   std::lock_guard lk(create_mu_);

@@ -1,10 +1,12 @@
 // Drives build/lib/libfragless.so exactly as PyTorch's CUDAPluggableAllocator does: dlopen, symbols looked
 // up by name, the allocation functions and every hook called through plain function pointers, on the
-// libcuda test double. Usage: fragless-capi-harness LIBFRAGLESS LIBFAKECUDA
-#include <dirent.h>
+// libcuda test double, with the tracer on (both devices into one file). At exit it checks what the library's
+// exit handler leaves: no thread, and a trace that holds the frees made after that handler, as a static
+// destructor's would be (Note [Tracing at exit]). Usage: fragless-capi-harness LIBFRAGLESS LIBFAKECUDA
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -14,7 +16,9 @@
 #include <vector>
 
 #include "fake_cuda.h"
+#include "os_probes.h"
 #include "pickle.h"
+#include "trace_model.h"
 
 namespace {
 
@@ -43,25 +47,71 @@ F sym(void* lib, const char* name) {
 
 cudaStream_t stream(std::uintptr_t v) { return reinterpret_cast<cudaStream_t>(v); }
 
-// Registered before libfragless.so's own exit handler, so it runs after it: by then the background workers
-// are stopped, and this process is down to its one thread (a worker left running raced the driver's
-// teardown and made LeakSanitizer's tracer crash reading its thread-local storage).
+// The exit handlers below are registered before libfragless.so's own (its first call registers it), so they
+// run after it, in this order: free_after_fragless, then check_threads_at_exit.
 int g_threads_seen = 0;  // the most threads seen while the checks ran: the worker must have run
-int thread_count() {
-  int n = 0;
-  if (DIR* d = opendir("/proc/self/task")) {
-    while (dirent* e = readdir(d)) n += e->d_name[0] != '.';
-    closedir(d);
-  }
-  return n;
+using os_probes::thread_count;
+
+// One block per device, still live when main returns, freed after fragless's exit handler has run.
+void (*g_free)(void*, size_t, int, cudaStream_t) = nullptr;
+void* g_last[2] = {nullptr, nullptr};
+const size_t kLastSize = 1 << 20;
+void free_after_fragless() {
+  for (int dev = 0; dev < 2; ++dev)
+    if (g_last[dev]) g_free(g_last[dev], kLastSize, dev, stream(0x100 + static_cast<std::uintptr_t>(dev) * 0x1000));
 }
-void check_threads_at_exit() {
-  const int n = thread_count();
-  if (n != 1) {
-    std::fprintf(stderr, "FAIL: %d threads still running at exit (the background worker was not stopped)\n", n);
-    _exit(1);
+
+// The trace file (both devices) and its folder, removed when the checks pass.
+std::string g_trace_dir;
+std::string g_trace_path;
+
+// The trace holds every free, the ones made after fragless's exit handler included: on each device as many
+// frees as allocations (everything was freed), and the last free is the block freed last.
+bool trace_complete() {
+  const auto r = fragless::formats::load_trace(g_trace_path);
+  if (!r.ok || !r.warning.empty()) {
+    std::fprintf(stderr, "FAIL: the trace %s: %s%s\n", g_trace_path.c_str(), r.error.c_str(), r.warning.c_str());
+    return false;
   }
-  std::fprintf(stderr, "at exit: 1 thread (%d while the checks ran)\n", g_threads_seen);
+  bool ok = true;
+  for (int dev = 0; dev < 2; ++dev) {
+    std::size_t allocs = 0, frees = 0;
+    std::uint64_t last_free = 0;
+    for (const auto& e : r.trace.events) {
+      if (e.device != dev) continue;
+      allocs += e.op == fragless::formats::Op::alloc;
+      if (e.op == fragless::formats::Op::free) ++frees, last_free = e.address;
+    }
+    const auto want = reinterpret_cast<std::uint64_t>(g_last[dev]);
+    std::fprintf(stderr, "trace, device %d: %zu allocations, %zu frees, the last at 0x%llx (freed at exit: 0x%llx)\n",
+                 dev, allocs, frees, static_cast<unsigned long long>(last_free), static_cast<unsigned long long>(want));
+    if (allocs == 0 || frees != allocs || last_free != want) {
+      std::fprintf(stderr, "FAIL: device %d's trace lacks frees: the ones after the exit handler were not written\n", dev);
+      ok = false;
+    }
+  }
+  return ok;
+}
+
+// Last: the background workers and the tracer's writers are stopped, and this process is down to its one
+// thread (a worker left running raced the driver's teardown and made LeakSanitizer's tracer crash reading
+// its thread-local storage); the trace is whole.
+void check_threads_at_exit() {
+  // A thread just joined may still be listed for a moment (the kernel wakes the joiner before it has
+  // removed the thread): up to 2 s for it to go.
+  int n = thread_count();
+  for (int i = 0; i < 2000 && n != 1; ++i, n = thread_count()) usleep(1000);
+  if (n != 1)
+    std::fprintf(stderr, "FAIL: %d threads still running at exit (a background worker or a trace writer was not "
+                 "stopped)\n", n);
+  else
+    std::fprintf(stderr, "at exit: 1 thread (%d while the checks ran)\n", g_threads_seen);
+  // (When main failed before its last blocks, it said why; the trace is not checked.)
+  const bool trace_ok = !g_last[0] || !g_last[1] || trace_complete();
+  if (n != 1 || !trace_ok) _exit(1);  // the trace is left to look at
+  if (g_trace_dir.empty()) return;
+  unlink(g_trace_path.c_str());
+  rmdir(g_trace_dir.c_str());
 }
 
 }  // namespace
@@ -70,10 +120,19 @@ int main(int argc, char** argv) {
   if (argc == 2 && (std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0))
     return std::printf("usage: fragless-capi-harness LIBFRAGLESS LIBFAKECUDA\n"
                        "  drives libfragless.so through dlopen exactly as PyTorch's CUDAPluggableAllocator does, on\n"
-                       "  the libcuda double; exit 0 when every check passes\n"), 0;
+                       "  the libcuda double, with the tracer on (a temporary file); at exit, checks that no thread is\n"
+                       "  left and that the trace holds the frees made after the library's exit handler; exit 0 when\n"
+                       "  every check passes\n"), 0;
   if (argc != 3) return std::fprintf(stderr, "usage: fragless-capi-harness LIBFRAGLESS LIBFAKECUDA\n"), 2;
   setenv("FRAGLESS_LIBCUDA", argv[2], 1);
+  const char* tmp = std::getenv("TMPDIR");
+  g_trace_dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/fragless-capi-XXXXXX";
+  if (!mkdtemp(g_trace_dir.data())) return std::fprintf(stderr, "FAIL: mkdtemp: %s\n", std::strerror(errno)), 1;
+  g_trace_path = g_trace_dir + "/capi.fgt";  // no %d: one file for both devices
+  const char* conf = std::getenv("FRAGLESS_CONF");
+  setenv("FRAGLESS_CONF", ((conf && *conf ? std::string(conf) + "," : std::string()) + "trace:" + g_trace_path).c_str(), 1);
   std::atexit(check_threads_at_exit);
+  std::atexit(free_after_fragless);
   void* fake = dlopen(argv[2], RTLD_NOW | RTLD_LOCAL);
   void* lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
   if (!fake || !lib) return std::fprintf(stderr, "FAIL: dlopen: %s\n", dlerror()), 1;
@@ -97,6 +156,7 @@ int main(int argc, char** argv) {
   auto history_fn = sym<void (*)(size_t)>(lib, "fragless_record_history");
   auto last_error = sym<const char* (*)()>(lib, "fragless_last_error");
   auto count_fn = sym<int (*)()>(lib, "fragless_device_count");
+  g_free = free_fn;
 
   init_fn(2);
   EXPECT(count_fn() == 2);
@@ -315,7 +375,10 @@ int main(int argc, char** argv) {
   EXPECT(cs.faults == 0 && cs.invalidated_captures == 0);
   EXPECT(cs.context_retains == 2);  // one per device used, held for the process's life
 
-  EXPECT(g_threads_seen > 1);  // the background worker ran: the exit check below means something
+  EXPECT(g_threads_seen > 2);  // a background worker ran beside the trace's writer: the exit check means something
+
+  // Live when main returns: freed by free_after_fragless, after libfragless.so's exit handler.
+  for (int dev = 0; dev < 2; ++dev) EXPECT((g_last[dev] = malloc_fn(kLastSize, dev, on(dev, 0x100))) != nullptr);
   if (failures) return std::fprintf(stderr, "%d check(s) failed\n", failures), 1;
   std::printf("libfragless.so driven as PyTorch does: all checks passed\n");
   return 0;

@@ -3,16 +3,15 @@
 #include <catch2/catch.hpp>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <random>
 #include <set>
-#include <sstream>
 #include <unistd.h>
 
 #include "fragless/allocator.h"
 #include "fragless/trace_format.h"
 #include "fragless/tracer.h"
+#include "os_probes.h"
 #include "pickle.h"
 #include "seed.h"
 #include "replay.h"
@@ -30,12 +29,7 @@ std::string temp_dir() {
   return d.string();
 }
 
-std::string slurp(const std::string& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using os_probes::slurp;
 
 std::size_t count(const Trace& t, Op op, int device = -1) {
   std::size_t n = 0;

@@ -53,11 +53,13 @@ class Allocator {
   // Whether this process is a fork of the one that created the allocator.
   bool forked_child() const;
   // What an exit handler does for an allocator that is never destroyed (C ABI, CPU allocator, interposer):
-  // the workers stop (stop_background), then the traces are written, the workers' last records included.
-  void at_exit() {
-    stop_background();
-    flush_traces();
-  }
+  // the workers stop (stop_background), the tracer's writer threads are joined and each later record is
+  // written as it comes (Note [Tracing at exit], tracer.cpp), then the traces are written, the workers' last
+  // records included. No thread of fragless is left, and the trace ends with every event, the frees made by
+  // static destructors after this handler included. An engine whose lock the exiting thread holds is left
+  // as it is (Note [Exit while the lock is held]). In a forked child only the flush is done: its writer
+  // threads and workers are not there.
+  void at_exit();
   std::vector<std::string> trace_paths() const;
   // The tracer's sink for a device (nullptr when tracing is off), for callers that chain sinks.
   EventSink* trace_sink(int device) { return tracing_ ? tracing_->sink(device) : nullptr; }

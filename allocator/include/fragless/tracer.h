@@ -1,5 +1,6 @@
 // The runtime tracer: one EventSink per device that appends fixed-size records (trace_format.h) to an
-// in-memory buffer and hands full buffers to a writer thread, so the hot path never calls the kernel.
+// in-memory buffer and hands full buffers to a writer thread, so the hot path never calls the kernel (until
+// process exit, when each record is written as it comes: Note [Tracing at exit], tracer.cpp).
 // Enabled by FRAGLESS_CONF's `trace` key; the path may contain %p (pid), %d (device), %r (rank from RANK)
 // and %% (a percent sign). Without %d, every device of the process writes to the same file.
 #pragma once
@@ -26,6 +27,12 @@ class Tracing {
   static std::unique_ptr<Tracing> open(std::string_view pattern, int devices, const char* policy,
                                        std::string* error);
   ~Tracing();  // writes everything still buffered and closes the files
+
+  // At process exit (Note [Tracing at exit], tracer.cpp): writes what the writer threads were given and joins
+  // them; from then on each sink writes each record to its file as it comes (the caller then flushes each
+  // sink, under its device's lock, for what it still holds). Not in a forked child: its writers are not
+  // there to join.
+  void go_synchronous();
 
   EventSink* sink(int device);
   std::vector<std::string> paths() const;

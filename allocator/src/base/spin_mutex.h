@@ -9,6 +9,17 @@
 // sleep (store-load reordering), so no sleep is unbounded: a sleeper wakes at the latest after a timeout
 // (100 µs, doubling to 10 ms) and tries again. A missed wake-up costs at most that much latency, never a
 // hang; a sleeper behind a long call wakes a few hundred times a second at most, which is no CPU to speak of.
+//
+// Note [Lock owner]: the lock records which thread holds it, so that process exit can tell when the exiting
+// thread holds a device's lock itself (exit() from a signal handler that interrupted the allocator, or from
+// an event sink, which runs under the lock) and must not take it again (Allocator::at_exit, Note [Exit
+// while the lock is held]). The owner is the thread pointer (one instruction; any unique per-thread address
+// would do), stored relaxed right after the acquiring exchange and cleared right before the release store,
+// in the cache line the lock word already owns: nothing is added to a fence or a wait. Only the holder
+// writes it, so a thread reads its own address back exactly while it holds the lock, and never otherwise (it
+// cleared the field itself before it let go); what it reads for another thread's lock is only "not me". A
+// signal that lands between the exchange and the store, or between the two stores of unlock (an instruction
+// each), finds the lock held and not marked: the exit then waits for it as it did before.
 #pragma once
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -18,6 +29,12 @@
 #include <chrono>
 #include <ctime>
 #include <thread>
+
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_thread_pointer)
+#define FRAGLESS_HAVE_THREAD_POINTER 1
+#endif
+#endif
 
 namespace fragless {
 
@@ -39,16 +56,34 @@ class SpinMutex {
   }
   bool try_lock() {
     int c = 0;
-    return state_.load(std::memory_order_relaxed) == 0 &&
-           state_.compare_exchange_strong(c, 1, std::memory_order_acquire, std::memory_order_relaxed);
+    if (state_.load(std::memory_order_relaxed) != 0 ||
+        !state_.compare_exchange_strong(c, 1, std::memory_order_acquire, std::memory_order_relaxed))
+      return false;
+    owner_.store(self(), std::memory_order_relaxed);  // Note [Lock owner]
+    return true;
   }
   void unlock() {
+    owner_.store(nullptr, std::memory_order_relaxed);
     state_.store(0, std::memory_order_release);
     if (sleepers_.load(std::memory_order_relaxed) > 0)  // Note [Unlock without a fence]
       syscall(SYS_futex, reinterpret_cast<int*>(&state_), FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
   }
+  // Whether the calling thread holds the lock (Note [Lock owner]). Exact for the calling thread; says
+  // nothing about which other thread, if any, holds it.
+  bool held_by_this_thread() const { return owner_.load(std::memory_order_relaxed) == self(); }
 
  private:
+  // The calling thread's identity: its thread pointer where the compiler offers it (%fs:0 on x86-64), else
+  // the address of a thread_local.
+  static const void* self() {
+#if defined(FRAGLESS_HAVE_THREAD_POINTER)
+    return __builtin_thread_pointer();
+#else
+    static thread_local char tag;
+    return &tag;
+#endif
+  }
+
   // Spins (pausing, and yielding between bursts) until the lock is taken or `budget` has passed.
   bool spin(std::chrono::microseconds budget) {
     const auto give_up = std::chrono::steady_clock::now() + budget;
@@ -70,6 +105,7 @@ class SpinMutex {
   static constexpr std::chrono::microseconds kSpinFor{50};
   std::atomic<int> state_{0};     // 0 free, 1 held
   std::atomic<int> sleepers_{0};  // threads in (or entering) the futex wait
+  std::atomic<const void*> owner_{nullptr};  // the holder's self(), nullptr when free (Note [Lock owner])
 };
 
 }  // namespace fragless

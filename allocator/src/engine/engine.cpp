@@ -266,6 +266,9 @@ Status DeviceEngine::retire_stream(Stream stream, AllocError* err) {
 }
 
 void DeviceEngine::flush_trace() {
+  // Not by a thread that holds the lock already (Note [Exit while the lock is held]): taking it again would
+  // never return, and the sink may be halfway through a record.
+  if (s_->mu.held_by_this_thread()) return;
   std::lock_guard lk(s_->mu);
   if (s_->sink) s_->sink->flush();
 }
@@ -362,7 +365,15 @@ double DeviceEngine::run_background(double budget_us) { return s_->background.st
 
 void DeviceEngine::drain_background() { s_->background.drain(); }
 
-void DeviceEngine::stop_background() { s_->background.stop(); }
+void DeviceEngine::stop_background() {
+  if (s_->mu.held_by_this_thread())  // Note [Exit while the lock is held]: Background::stop detaches the worker
+    std::fprintf(stderr,
+                 "fragless: exit while this thread holds device %d's allocator lock (exit() from a signal handler "
+                 "or an event sink?): its background worker is left, not joined, and its last trace records are "
+                 "not written\n",
+                 device());
+  s_->background.stop();
+}
 
 DriverCounters DeviceEngine::driver_counters() {
   std::lock_guard lk(s_->mu);

@@ -67,6 +67,23 @@ void Background::routing_changed(bool routed) {
 
 void Background::stop() {
   std::thread* t = nullptr;
+  if (mu_.held_by_this_thread()) {
+    // Note [Exit while the lock is held]: the exit is running on a thread that holds the device lock, so
+    // the worker can never take it again, and taking it here would never return. The flags are written
+    // under the lock (this thread holds it), and the job in flight, if any, sees abort_ at its next driver
+    // call; the worker is not woken (notifying touches the condition variable's own mutex, which the
+    // interrupted code may hold) and not joined: it stays parked, waiting for the lock, until the process
+    // ends.
+    stop_ = true;
+    abort_.store(true, std::memory_order_relaxed);
+    t = thread_;
+    thread_ = nullptr;
+    if (t && fork_generation_ == g_fork_generation.load()) {  // (a forked child leaks it, as below)
+      t->detach();
+      delete t;
+    }
+    return;
+  }
   {
     std::lock_guard lk(mu_);
     if (stop_ && !thread_) return;

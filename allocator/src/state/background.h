@@ -17,7 +17,8 @@
 //  - empty_cache, the OOM retry and teardown do the same (quiesce), so what they give back includes what a
 //    job held, and nothing runs behind the engine's back while it releases or dies; the worker never
 //    outlives the engine (stop() joins it), and at process exit the C ABI, the CPU allocator and the
-//    interposer, whose engines live on, stop it (DeviceEngine::stop_background);
+//    interposer, whose engines live on, stop it (DeviceEngine::stop_background); an exit on a thread that
+//    holds the device lock detaches it instead (Note [Exit while the lock is held]);
 //  - across fork(): the prepare handler waits for the job in flight and pauses every worker, so the child
 //    inherits no half-done job; the worker does not exist in the child, which does no background work;
 //  - a job that fails (a create refused, an event that cannot be recorded) leaves the engine consistent:
@@ -115,7 +116,9 @@ class Background {
   void wait_idle();
   // Device lock held: routing (begin/end_allocate_to_pool) changed; the worker resumes when it is over.
   void routing_changed(bool routed);
-  // Stops and joins the worker (device lock not held). Idempotent.
+  // Stops and joins the worker (device lock not held). Idempotent. When the calling thread holds the device
+  // lock (an exit from a signal handler or an event sink: Note [Exit while the lock is held]), the worker is
+  // told to stop and detached instead, left waiting for a lock that is never released.
   void stop();
 
   // Manual mode: runs jobs on the calling thread (device lock not held) until `budget_us` of modelled driver

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -119,19 +120,18 @@ const Clock& clock() {
 
 }  // namespace
 
-// One output file and its writer thread. Sinks hand it full buffers; it writes them in order.
+// One output file and its writer thread. Sinks hand it full buffers; it writes them in order. At process
+// exit the writer stops and the file goes synchronous: a buffer handed to it then is written at once, on the
+// caller's thread (Note [Tracing at exit]).
 class TraceFile {
  public:
   static constexpr std::size_t kBuffers = 2;
 
   TraceFile(int fd, std::string path) : fd_(fd), path_(std::move(path)), thread_([this] { run(); }) {}
+  // Whether the calling process is the one that opened the file (Note [Tracing in a forked child]).
+  bool in_owner() const { return ::getpid() == owner_; }
   ~TraceFile() {
-    {
-      std::lock_guard lk(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
+    stop_writer();
     ::close(fd_);
   }
   const std::string& path() const { return path_; }
@@ -140,10 +140,16 @@ class TraceFile {
     return dropped_;
   }
 
-  // Queues `n` records at `p`; *busy stays true until they are written.
+  // Queues `n` records at `p`; *busy stays true until they are written. Once the writer is stopped, writes
+  // them now, after whatever it still had, and *busy stays false.
   void submit(const NativeTraceRecord* p, std::size_t n, bool* busy) {
     {
-      std::lock_guard lk(mu_);
+      std::unique_lock lk(mu_);
+      if (stop_) {
+        done_.wait(lk, [&] { return jobs_.empty(); });  // the writer's last buffers go first
+        written(!dropped_ && write_all(reinterpret_cast<const char*>(p), n * sizeof(NativeTraceRecord)), n);
+        return;
+      }
       *busy = true;
       jobs_.push_back({p, n, busy});
     }
@@ -153,6 +159,16 @@ class TraceFile {
     std::unique_lock lk(mu_);
     done_.wait(lk, [&] { return !*busy; });
   }
+  // Writes what was queued, then ends and joins the writer. Idempotent. Not in a forked child, where the
+  // writer is not (joining it would never return).
+  void stop_writer() {
+    {
+      std::lock_guard lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
 
  private:
   struct Job {
@@ -161,29 +177,36 @@ class TraceFile {
     bool* busy;
   };
 
+  // A job stays queued until it is written, so that a synchronous write (submit, once stopped) waits for it.
   void run() {
     std::unique_lock lk(mu_);
     for (;;) {
       cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
       if (jobs_.empty()) return;  // stop_ and nothing left
-      Job j = jobs_.front();
-      jobs_.pop_front();
+      const Job j = jobs_.front();
+      const bool failed = dropped_ != 0;
       lk.unlock();
-      const bool ok = write_all(reinterpret_cast<const char*>(j.p), j.n * sizeof(NativeTraceRecord));
+      const bool ok = !failed && write_all(reinterpret_cast<const char*>(j.p), j.n * sizeof(NativeTraceRecord));
       lk.lock();
-      if (!ok) {
-        if (!dropped_)
-          std::fprintf(stderr, "fragless: writing the trace to %s failed (%s); later records are dropped\n",
-                       path_.c_str(), std::strerror(errno));
-        dropped_ += j.n;
-      }
+      jobs_.pop_front();
+      written(ok, j.n);
       *j.busy = false;
       done_.notify_all();
     }
   }
 
+  // mu_ held: counts `n` records lost when their write failed or an earlier one did (a file that failed
+  // once is written no more); one line on stderr, at the first.
+  void written(bool ok, std::size_t n) {
+    if (ok) return;
+    if (!dropped_)
+      std::fprintf(stderr, "fragless: writing the trace to %s failed (%s); later records are dropped\n",
+                   path_.c_str(), std::strerror(errno));
+    dropped_ += n;
+  }
+
+  // Without mu_ on the writer thread (a job's buffer is the writer's alone), with mu_ once stopped.
   bool write_all(const char* p, std::size_t n) {
-    if (dropped_) return false;
     while (n) {
       const ssize_t w = ::write(fd_, p, n);
       if (w < 0 && errno == EINTR) continue;
@@ -196,6 +219,7 @@ class TraceFile {
 
   int fd_;
   std::string path_;
+  const pid_t owner_ = ::getpid();
   mutable std::mutex mu_;
   std::condition_variable cv_, done_;
   std::deque<Job> jobs_;
@@ -229,15 +253,31 @@ class TraceSink final : public EventSink {
     r.action = static_cast<std::uint8_t>(e.action);
     r.marker = kTraceRecordMarker;
     r.sequence = seq_++;
+    if (synchronous_.load(std::memory_order_relaxed)) hand_off();  // Note [Tracing in a forked child]
+// A child made by fork() inherits the allocator, its sinks and their files, but not the writer threads: a
+// buffer it handed to a file would wait for a writer that is not there, so a child that made 16,384 events
+// (two buffers), or flushed at its exit, hung. Its records are not the parent's file's either (the header
+// names the parent's pid, and the two processes would interleave). So in a child a sink writes nothing: the
+// records it holds or makes are dropped (the ones the parent made before the fork are the parent's to
+// write), and the first drop says so on stderr, once per device. The check is a getpid() per buffer handed
+// off and per flush, not per event. A child that execs a program starts a new allocator with a trace of its
+// own (a `%p` in the path keeps the files apart).
+
+// Note [Tracing at exit]
   }
 
   void flush() override {
+    if (!file_->in_owner()) return forked();
     if (n_) hand_off();
     for (auto& busy : busy_) file_->wait_until_written(&busy);
   }
 
+  // From now on each record is handed to the file as it is made (its writer has stopped: written at once).
+  void go_synchronous() { synchronous_.store(true, std::memory_order_relaxed); }
+
  private:
   void hand_off() {
+    if (!file_->in_owner()) return forked();
     file_->submit(cur_, n_, &busy_[active_]);
     active_ ^= 1;
     file_->wait_until_written(&busy_[active_]);  // normally long done
@@ -245,7 +285,19 @@ class TraceSink final : public EventSink {
     n_ = 0;
   }
 
+  // In a forked child (Note [Tracing in a forked child]): the records are not written; one line on stderr.
+  void forked() {
+    if (!forked_said_)
+      std::fprintf(stderr,
+                   "fragless: process %d is a fork of the process tracing to %s; the child's allocator events "
+                   "are not traced (that file is the parent's)\n",
+                   static_cast<int>(::getpid()), file_->path().c_str());
+    forked_said_ = true;
+    n_ = 0;
+  }
+
   TraceFile* file_;
+  bool forked_said_ = false;
   const Clock* clock_;
   std::uint16_t device_;
   std::uint32_t seq_ = 0;
@@ -254,6 +306,9 @@ class TraceSink final : public EventSink {
   int active_ = 0;
   NativeTraceRecord* cur_ = nullptr;
   std::size_t n_ = 0;
+  // Set once, by go_synchronous on the exiting thread, while another thread may be in on_event (hence
+  // atomic; relaxed: a record that misses it is written by the flush that follows, under the lock).
+  std::atomic<bool> synchronous_{false};
 };
 
 }  // namespace
@@ -294,6 +349,32 @@ std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, co
   for (int d = 0; d < devices; ++d)
     t->sinks_.push_back(std::make_unique<TraceSink>(t->files_[per_device ? static_cast<std::size_t>(d) : 0].get(), d));
   return t;
+}
+
+// Note [Tracing in a forked child]
+// A child made by fork() inherits the allocator, its sinks and their files, but not the writer threads: a
+// buffer it handed to a file would wait for a writer that is not there, so a child that made 16,384 events
+// (two buffers), or flushed at its exit, hung. Its records are not the parent's file's either (the header
+// names the parent's pid, and the two processes would interleave). So in a child a sink writes nothing: the
+// records it holds or makes are dropped (the ones the parent made before the fork are the parent's to
+// write), and the first drop says so on stderr, once per device. The check is a getpid() per buffer handed
+// off and per flush, not per event. A child that execs a program starts a new allocator with a trace of its
+// own (a `%p` in the path keeps the files apart).
+
+// Note [Tracing at exit]
+// An allocator that is never destroyed (the C ABI, the CPU allocator, the interposer: frees come from static
+// destructors that run after the exit handlers) never joins its writer threads, and a record made after the
+// exit handler's flush would wait in a buffer that nobody writes. So the exit handler (Allocator::at_exit),
+// after the workers have stopped, makes the tracing synchronous: each file's writer writes what it was given
+// and is joined (no thread of ours is left for the exit to race), and from then on a sink writes each record
+// as it comes, with one write(2) in on_event: under the device lock, which serialises the sink as before,
+// and the file's mutex, which serialises the devices that share a file. Then it flushes every engine (under
+// its lock), which writes what a sink still held, records made meanwhile included. A trace then ends with
+// every event of the process, the last static destructor's frees too, at one system call per record, which
+// only the exit pays. A failed write counts its records as dropped, as the writer does.
+void Tracing::go_synchronous() {
+  for (auto& f : files_) f->stop_writer();
+  for (auto& s : sinks_) static_cast<TraceSink*>(s.get())->go_synchronous();
 }
 
 Tracing::~Tracing() {

@@ -1,0 +1,313 @@
+// Process exit for an allocator that is never destroyed (the C ABI, the CPU allocator, the interposer):
+// Allocator::at_exit leaves no thread of ours and a trace that ends with every event (Note [Tracing at
+// exit]), and an exit on a thread that holds a device's lock ends instead of hanging (Note [Exit while the
+// lock is held]). The exits run in forked children, watched by the parent, so a hang fails the test.
+#include <catch2/catch.hpp>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <thread>
+
+#include "fragless/allocator.h"
+#include "os_probes.h"
+#include "trace_model.h"
+
+using namespace fragless;
+
+namespace {
+
+constexpr std::size_t MiB = 1u << 20;
+
+std::string temp_dir(const char* what) {
+  auto d = std::filesystem::temp_directory_path() /
+           ("fragless-exit-" + std::string(what) + "-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(d);
+  std::filesystem::create_directories(d);
+  return d.string();
+}
+
+using os_probes::slurp;
+using os_probes::thread_count;
+
+// The count once it is down to `want`, or after 2 s: a thread just joined may still be listed for a moment
+// (the kernel wakes the joiner before it has removed the thread).
+int settled_thread_count(int want) {
+  int n = thread_count();
+  for (int i = 0; i < 2000 && n > want; ++i, n = thread_count()) usleep(1000);
+  return n;
+}
+
+struct Counts {
+  std::size_t allocs = 0, frees = 0;
+  std::uint64_t last_free = 0;
+};
+Counts counts(const formats::Trace& t, int device) {
+  Counts c;
+  for (const auto& e : t.events) {
+    if (e.device != device) continue;
+    c.allocs += e.op == formats::Op::alloc;
+    if (e.op == formats::Op::free) ++c.frees, c.last_free = e.address;
+  }
+  return c;
+}
+
+std::unique_ptr<Allocator> make_allocator(const std::string& conf, int devices) {
+  auto parsed = parse_config(conf);
+  INFO(parsed.error);
+  REQUIRE(parsed.ok);
+  std::string err;
+  auto a = Allocator::create(parsed.options, devices, &err);
+  INFO(err);
+  REQUIRE(a);
+  return a;
+}
+
+// Runs `child` in a forked process and returns its wait status; a child that has not ended after the
+// watchdog's time (20 s, or FRAGLESS_WATCHDOG_S when larger: sanitizer builds) is killed and fails the test.
+template <typename F>
+int run_child(const char* what, F child) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    child();
+    _exit(100);  // the child ends by exit(); reaching here is a failure of its own
+  }
+  int limit_s = 20;
+  if (const char* env = std::getenv("FRAGLESS_WATCHDOG_S")) limit_s = std::max(limit_s, std::atoi(env));
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(limit_s);
+  int status = 0;
+  for (;;) {
+    const pid_t r = waitpid(pid, &status, WNOHANG);
+    REQUIRE(r >= 0);
+    if (r == pid) return status;
+    if (std::chrono::steady_clock::now() > give_up) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      FAIL(what << ": the child has not ended after " << limit_s << " s: the exit hangs");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+// ---- exit on a thread that holds a device's lock ----
+
+// The child's allocator and what its exit handlers need; the child is a copy of this process, so globals
+// are its own.
+Allocator* g_alloc = nullptr;
+constexpr std::size_t kExitSize = 7 * MiB + 12345;  // the allocation whose event ends the child
+constexpr int kExitStatus = 3;
+bool g_by_signal = false;
+int g_threads_at_exit = 0;
+
+// Chained in front of device 0's tracer: forwards every event, then ends the process from inside on_event,
+// under the device lock, when it sees kExitSize allocated: directly, or from a signal handler that
+// interrupted the thread there.
+class ExitingSink final : public EventSink {
+ public:
+  explicit ExitingSink(EventSink* tracer) : tracer_(tracer) {}
+  void on_event(const TraceEvent& e) override {
+    if (tracer_) tracer_->on_event(e);
+    if (e.action != TraceAction::alloc || e.requested_size != kExitSize) return;
+    if (g_by_signal) raise(SIGUSR1);
+    std::exit(kExitStatus);
+  }
+  void flush() override {
+    if (tracer_) tracer_->flush();
+  }
+
+ private:
+  EventSink* tracer_;
+};
+
+// Runs in the child: device 1 works as usual, device 0 starts its worker (a free multi-page handle to split),
+// then an allocation on device 0 exits from under its lock. The handlers, registered in this order, run in
+// the reverse one: the allocator's at_exit, then a last one that says the handlers ended and ends the
+// process with _exit, so that nothing after them (LeakSanitizer's check, with device 0's worker left alive)
+// decides the status.
+void exit_under_lock(const std::string& dir, bool by_signal) {
+  const int err_fd = ::open((dir + "/stderr").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (err_fd < 0 || dup2(err_fd, 2) < 0) _exit(101);
+  g_by_signal = by_signal;
+  if (by_signal) signal(SIGUSR1, [](int) { std::exit(kExitStatus); });
+  auto parsed = parse_config("driver:host,capacity_mb:512,handles:ends,handle_max_mb:1024,trace:" + dir + "/exit-%d.fgt");
+  if (!parsed.ok) _exit(102);
+  std::string err;
+  g_alloc = Allocator::create(parsed.options, 2, &err).release();  // never destroyed, as the C ABI's
+  if (!g_alloc) _exit(103);
+  std::atexit([] {
+    std::fprintf(stderr, "exit handlers done; threads left: %d\n", settled_thread_count(g_threads_at_exit - 3));
+    _exit(kExitStatus);
+  });
+  std::atexit([] { g_alloc->at_exit(); });
+  static ExitingSink* sink = new ExitingSink(g_alloc->trace_sink(0));  // never destroyed, as the allocator
+  g_alloc->on_engine_created([](int d, DeviceEngine& e) {
+    if (d == 0) e.set_event_sink(sink);
+  });
+  // Each device's worker starts, to split a free multi-page handle (waited for: up to 10 s each).
+  auto start_worker = [](DeviceEngine* e) {
+    void* body = e->allocate(30 * MiB, 0, nullptr);  // a multi-page handle
+    void* keep = e->allocate(2 * MiB, 0, nullptr);
+    const int before = thread_count();
+    e->free(body);
+    for (int i = 0; i < 10000 && thread_count() == before; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return keep;
+  };
+  DeviceEngine* d1 = g_alloc->device(1);
+  d1->free(start_worker(d1));
+  for (int i = 0; i < 8; ++i) d1->free(d1->allocate((1 + i) * MiB + 512, 0, nullptr));
+  DeviceEngine* d0 = g_alloc->device(0);
+  start_worker(d0);
+  g_threads_at_exit = thread_count();
+  std::fprintf(stderr, "threads at the exit: %d\n", g_threads_at_exit);
+  d0->allocate(kExitSize, 0, nullptr);  // exits in the sink
+}
+
+void check_exit_under_lock(bool by_signal) {
+  const std::string dir = temp_dir(by_signal ? "signal" : "sink");
+  const int status = run_child("exit under the device lock", [&] { exit_under_lock(dir, by_signal); });
+  const std::string err = slurp(dir + "/stderr");
+  INFO("the child's stderr:\n" << err);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == kExitStatus);
+  // Device 1's worker was joined and the two writers too; device 0's worker is left. (Counted from what
+  // was there at the exit, as a sanitizer's runtime may have a thread of its own.)
+  int at_exit = 0, left = 0;
+  const auto n1 = err.find("threads at the exit: "), n2 = err.find("exit handlers done; threads left: ");
+  REQUIRE(n1 != std::string::npos);
+  REQUIRE(n2 != std::string::npos);
+  REQUIRE(std::sscanf(err.c_str() + n1, "threads at the exit: %d", &at_exit) == 1);
+  REQUIRE(std::sscanf(err.c_str() + n2, "exit handlers done; threads left: %d", &left) == 1);
+  CHECK(at_exit >= 5);  // this one, two writers, two workers
+  CHECK(left == at_exit - 3);
+  // One line for device 0, whose lock the exit held; none for device 1.
+  const std::string line = "fragless: exit while this thread holds device 0's allocator lock";
+  CHECK(err.find(line) != std::string::npos);
+  CHECK(err.find(line, err.find(line) + 1) == std::string::npos);
+  CHECK(err.find("holds device 1's") == std::string::npos);
+  // Device 1 was handled as usual: its trace holds all its events.
+  const auto t1 = formats::load_trace(dir + "/exit-1.fgt");
+  INFO(t1.error);
+  REQUIRE(t1.ok);
+  CHECK(t1.warning.empty());
+  const Counts c1 = counts(t1.trace, 1);
+  CHECK(c1.allocs == 10);
+  CHECK(c1.frees == 10);
+  CHECK(counts(t1.trace, 0).allocs == 0);
+  // Device 0's file is a trace still, without its last records.
+  const auto t0 = formats::load_trace(dir + "/exit-0.fgt");
+  INFO(t0.error);
+  CHECK(t0.ok);
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+
+TEST_CASE("exit: exit() from an event sink under the device lock ends instead of hanging", "[exit][tracer]") {
+  check_exit_under_lock(/*by_signal=*/false);
+}
+
+// Not under ThreadSanitizer (not [tracer]): it rightly reports the exit handlers' frees inside a signal
+// handler, which is what this test does on purpose.
+TEST_CASE("exit: exit() from a signal handler on a thread that holds the device lock ends instead of hanging",
+          "[exit]") {
+  check_exit_under_lock(/*by_signal=*/true);
+}
+
+// ---- the trace after at_exit ----
+
+TEST_CASE("exit: after at_exit every record is written as it comes and no writer thread is left", "[exit][tracer]") {
+  // Two devices in one file (the writes of both go through the file's mutex) and two in their own.
+  for (const char* pattern : {"/shared.fgt", "/own-%d.fgt"}) {
+    INFO(pattern);
+    const std::string dir = temp_dir("sync");
+    const int before = thread_count();
+    auto a = make_allocator("driver:sim,trace:" + dir + pattern, 2);
+    const auto paths = a->trace_paths();
+    void* last[2] = {nullptr, nullptr};
+    std::size_t allocs = 0;
+    for (int d = 0; d < 2; ++d) {
+      DeviceEngine* e = a->device(d);
+      for (int i = 0; i < 100; ++i, ++allocs) REQUIRE(e->free(e->allocate((1 + i % 9) * MiB, 0, nullptr)) == Status::ok);
+      last[d] = e->allocate(3 * MiB, 0, nullptr);
+      ++allocs;
+      REQUIRE(last[d]);
+    }
+    CHECK(thread_count() > before);  // the writers (and workers) run
+    a->at_exit();
+    const int after_exit = settled_thread_count(before);  // compared below with the count once the allocator is gone
+    // Freed after at_exit, as by a static destructor: on disk at once, with nothing flushed.
+    for (int d = 0; d < 2; ++d) REQUIRE(a->device(d)->free(last[d]) == Status::ok);
+    for (int d = 0; d < 2; ++d) {
+      const auto r = formats::load_trace(paths[paths.size() == 1 ? 0 : static_cast<std::size_t>(d)]);
+      INFO(r.error);
+      REQUIRE(r.ok);
+      CHECK(r.warning.empty());
+      const Counts c = counts(r.trace, d);
+      CHECK(c.allocs == allocs / 2);
+      CHECK(c.frees == allocs / 2);
+      CHECK(c.last_free == reinterpret_cast<std::uint64_t>(last[d]));
+    }
+    a.reset();  // the allocator's teardown after at_exit: flushes and closes as usual
+    // None of its threads was left by at_exit. (Not compared with `before`: a sanitizer's runtime starts a
+    // thread of its own with the first other thread.)
+    CHECK(after_exit == settled_thread_count(before));
+    std::filesystem::remove_all(dir);
+  }
+}
+
+// ---- a forked child of a tracing process (Note [Tracing in a forked child]) ----
+
+TEST_CASE("exit: a forked child of a tracing process neither hangs nor writes into the parent's trace",
+          "[exit][tracer]") {
+  const std::string dir = temp_dir("fork");
+  auto a = make_allocator("driver:sim,trace:" + dir + "/parent.fgt", 2);
+  for (int d = 0; d < 2; ++d) {
+    DeviceEngine* e = a->device(d);
+    for (int i = 0; i < 10; ++i) REQUIRE(e->free(e->allocate((1 + i) * MiB, 0, nullptr)) == Status::ok);
+  }
+  Allocator* parent = a.get();
+  const int status = run_child("a forked child that traces", [&] {
+    const int err_fd = ::open((dir + "/stderr").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (err_fd < 0 || dup2(err_fd, 2) < 0) _exit(101);
+    // More than two buffers' worth of events on device 0 (each buffer is 8192 records), a few on device 1,
+    // then the exit handler's work (the flush of every device).
+    DeviceEngine* e0 = parent->device(0);
+    for (int i = 0; i < 12000; ++i)
+      if (e0->free(e0->allocate(4096 + 512 * (i % 7), 0, nullptr)) != Status::ok) _exit(102);
+    DeviceEngine* e1 = parent->device(1);
+    if (e1->free(e1->allocate(MiB, 0, nullptr)) != Status::ok) _exit(103);
+    parent->at_exit();
+    std::exit(0);
+  });
+  const std::string err = slurp(dir + "/stderr");
+  INFO("the child's stderr:\n" << err);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  // One line per device the child used.
+  const std::string line = "is a fork of the process tracing to " + dir + "/parent.fgt";
+  std::size_t lines = 0;
+  for (auto at = err.find(line); at != std::string::npos; at = err.find(line, at + 1)) ++lines;
+  CHECK(lines == 2);
+  // The parent's trace holds its own events only, the ones after the fork included.
+  DeviceEngine* e0 = a->device(0);
+  REQUIRE(e0->free(e0->allocate(5 * MiB, 0, nullptr)) == Status::ok);
+  const auto path = a->trace_paths().at(0);
+  a.reset();
+  const auto r = formats::load_trace(path);
+  INFO(r.error);
+  REQUIRE(r.ok);
+  CHECK(r.warning.empty());
+  CHECK(counts(r.trace, 0).allocs == 11);
+  CHECK(counts(r.trace, 0).frees == 11);
+  CHECK(counts(r.trace, 1).allocs == 10);
+  std::filesystem::remove_all(dir);
+}
