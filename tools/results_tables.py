@@ -20,6 +20,9 @@
                                  beyond the driver table's inputs: every trace cut into windows (quarters,
                                  halves) and random draws of the built-in workloads (docs/RESULTS.md,
                                  "Beyond the inputs at hand")
+  tools/results_tables.py headline FILES...   the README introduction's figures: over the inputs of `targets`
+                                 and `zoo` together, fragless's mean and largest overhead over live and the
+                                 inputs where it holds more than classic or expandable
 FILES are traces; the eight default workloads (four sequence-length distributions, training and inference)
 are added to `targets` and `params`.
 Run from the repository root after building (uses build/bin/fragless-replay, or $FRAGLESS_REPLAY)."""
@@ -216,6 +219,24 @@ def zoo_table(_):
               f"{ov['fragless']:.2f}% | {'+' if diff > 0 else ''}{diff / 2**20:.0f} MiB | {f['driver_calls']['create']} "
               f"({p['expandable']['driver_calls']['create']}) | {f['forced_syncs']} | "
               f"{'yes' if not misses else 'no: ' + ', '.join(misses)} |")
+
+
+def headline(files):
+    """The README introduction's memory figures, over the inputs of `targets` (FILES and the eight default
+    workloads) and of `zoo` together: one replay of each."""
+    rows = by_input(run([*files, *WORKLOADS, *ZOO]))
+    over = [p["fragless"]["overhead_over_live"] for p in rows.values()]
+    above = []
+    for (name, _), p in rows.items():
+        diff = p["fragless"]["peak_reserved_bytes"] - best_other(p)
+        if diff > 0:
+            above.append((os.path.basename(name), diff, diff / best_other(p)))
+    traces = sum(1 for (name, _) in rows if not name.startswith("workload:"))
+    print(f"{len(rows)} inputs ({traces} traces, {len(WORKLOADS)} transformer workloads, {len(ZOO)} zoo patterns): "
+          f"fragless holds a mean {100 * sum(over) / len(over):.2f}% more than is live, at most {100 * max(over):.2f}%; "
+          f"more than classic or expandable on {len(above)} of them:")
+    for name, diff, frac in above:
+        print(f"- {name}: +{diff / 2**20:.0f} MiB ({100 * frac:.2f}%)")
 
 
 def params_table(files):
@@ -454,6 +475,6 @@ if __name__ == "__main__":
     if len(sys.argv) < 3 and not (len(sys.argv) == 2 and sys.argv[1] in ("variants", "zoo", "maxbatch", "general")):
         sys.exit(__doc__)
     {"replay": replay_table, "fidelity": fidelity_table, "targets": targets_table, "params": params_table, "variants": variants_table,
-     "handles": handles_table, "driver": driver_table, "general": general_table, "zoo": zoo_table, "fit": fit_table, "maxbatch": maxbatch_table,
+     "handles": handles_table, "driver": driver_table, "headline": headline, "general": general_table, "zoo": zoo_table, "fit": fit_table, "maxbatch": maxbatch_table,
      "fits": lambda a: (fit_table(a), print(), maxbatch_table(a)),
      "validate": lambda a: validate_table(a[0]), "published": lambda a: published_table(a[0])}[sys.argv[1]](sys.argv[2:])

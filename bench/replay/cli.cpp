@@ -18,9 +18,14 @@
 namespace fragless::replay {
 namespace {
 
+// A usage error prints what was wrong and where the options are listed, not the whole help: the error would
+// scroll off the screen above eighty lines of it.
 int usage(const char* msg) {
-  if (msg) std::fprintf(stderr, "fragless-replay: %s\n", msg);
-  std::fprintf(msg ? stderr : stdout,
+  if (msg) {
+    std::fprintf(stderr, "fragless-replay: %s\n(fragless-replay --help lists every option, workload and key)\n", msg);
+    return 2;
+  }
+  std::fprintf(stdout,
                "usage: fragless-replay [--policy classic,expandable,fragless] [--capacity-gib N] [--json]\n"
                "                       [--conf KEY:VALUE,...] [--jobs N] [--costs PROBE.json]\n"
                "                       [--plot FILE.png [--plot-x time|event|auto]] [--seqlen-file CSV]\n"
@@ -70,7 +75,7 @@ int usage(const char* msg) {
                "        steps=12); every transformer key applies\n"
                "%s",
                fragless::replay::transformer_help().c_str(), fragless::replay::zoo_help().c_str());
-  return msg ? 2 : 0;
+  return 0;
 }
 
 // Note [Nothing in --conf is ignored]

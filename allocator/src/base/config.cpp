@@ -114,7 +114,7 @@ constexpr OptionInfo kOptions[] = {
     {"max_non_split_rounding_mb", "integer >= 20 (MiB)", "20",
      "An oversize request may take a cached block at most this much larger.",
      &mib_field<&Options::max_non_split_rounding_size, 20, SIZE_MAX>},
-    {"roundup_power2_divisions", "power of two, or list [MB:div,...,>:div]", "0 (off)",
+    {"roundup_power2_divisions", "power of two >= 1, or list [MB:div,...,>:div] (div 0 or a power of two)", "off",
      "Round requests up to one of `div` steps between powers of two, per size interval (PyTorch's semantics).",
      nullptr},
     {"garbage_collection_threshold", "number in (0, 1)", "0 (off)",
@@ -130,14 +130,14 @@ constexpr OptionInfo kOptions[] = {
        if (const auto d = driver_kind_from_name(v)) return o.driver = *d, std::string{};
        return "cuda, host or sim";
      }},
-    {"page_size_mb", "power of two >= 1 (MiB)", "2", "Page (granularity) of the host and sim drivers.",
+    {"page_size_mb", "power of two in [1, 1024] (MiB)", "2", "Page (granularity) of the host and sim drivers.",
      [](std::string_view v, Options& o) -> std::string {
        std::size_t n = 0;
        if (!parse_uint(v, &n) || n == 0 || n > 1024 || !std::has_single_bit(n))
          return "a power of two between 1 and 1024 (MiB)";
        return o.page_size = n << 20, std::string{};
      }},
-    {"capacity_mb", "integer >= 1 (MiB)", "host 4096, sim 81920",
+    {"capacity_mb", "integer in [1, 2^30] (MiB)", "host 4096, sim 81920",
      "Physical memory of one host or sim device; creating beyond it fails as out of memory.",
      &mib_field<&Options::capacity, 1, std::size_t{1} << 30>},
     {"on_oom", "throw", "throw",
@@ -182,13 +182,13 @@ constexpr OptionInfo kOptions[] = {
          if (v == name) return o.handle_shape = shape, std::string{};
        return "pages, ends, whole or cells";
      }},
-    {"handle_max_mb", "integer >= 1 (MiB)", "64",
+    {"handle_max_mb", "integer in [1, 2^20] (MiB)", "64",
      "fragless policy (handles ends or cells): the body of a growth is created in handles of at most this much; "
      "a live block that straddles a handle pins less than this of it, and one background split replaces at "
      "most this much. Near the limit (a growth that would leave less than half of the process's memory still "
      "creatable) no handle is larger than chunk_size_mb.",
      &mib_field<&Options::handle_max, 1, std::size_t{1} << 20>},
-    {"chunk_size_mb", "integer >= 1 (MiB)", "20",
+    {"chunk_size_mb", "integer in [1, 2^20] (MiB)", "20",
      "fragless policy: with handles ends or whole, a growth's new handle may be rounded up to this much, mapped "
      "as free space after the request, to save cuMemCreate calls, never past reserve_slack of live bytes; with "
      "handles cells, the largest cell.",
