@@ -35,6 +35,20 @@ std::string checked_answers(std::size_t searches, int failed, const char* neighb
   return which + " was replayed with 0 OOMs, " + neighbour + " with at least 1";
 }
 
+// Under a table: the inputs whose names were cut to fit the first column, in full, once each (two draws of
+// one workload can differ only in the middle of their specs, which the cut drops).
+void print_cut_names(const std::vector<std::string>& inputs) {
+  std::vector<std::string> said;
+  for (const auto& in : inputs) {
+    const auto slash = in.find_last_of('/');
+    const std::string base = slash == std::string::npos ? in : in.substr(slash + 1);
+    if (short_name(in) == base || std::find(said.begin(), said.end(), in) != said.end()) continue;
+    if (said.empty()) std::printf("names cut above, in full:\n");
+    std::printf("  %s = %s\n", short_name(in).c_str(), base.c_str());
+    said.push_back(in);
+  }
+}
+
 }  // namespace
 
 std::string short_name(const std::string& s) {
@@ -76,6 +90,9 @@ void print_replay_table(const std::vector<ReplayResult>& results) {
                   mib(p->free_in_whole_pages), mib(p->free_in_partial_pages), mib(p->idle), mib(p->small_reserved),
                   mib(p->small_free));
   }
+  std::vector<std::string> inputs;
+  for (const auto& r : results) inputs.push_back(r.input);
+  print_cut_names(inputs);
   std::printf("%s\n", kLegend);
 }
 
@@ -108,6 +125,9 @@ void print_fit_table(const std::vector<formats::Trace>& traces, const std::vecto
                 gib(f.min_capacity), static_cast<double>(f.min_capacity) / static_cast<double>(std::max<std::int64_t>(1, f.peak_live)),
                 vs, mib(f.at.peak_reserved), f.recorded_ooms, f.replays, pyt);
   }
+  std::vector<std::string> inputs;
+  for (const auto& t : tasks) inputs.push_back(traces[t.input].source);
+  print_cut_names(inputs);
   std::printf("fit: %zu searches, %d replays, step %.4g GiB, %.2f s\n", found.size(), fits.replays, gib(step), fits.seconds);
   std::printf("OOMs: the ones the trace itself recorded; %s\n",
               checked_answers(found.size(), fits.failed, "one step below").c_str());
@@ -145,6 +165,9 @@ void print_max_table(const std::vector<std::string>& inputs, const std::vector<M
                 gib(capacity), policy_name(tasks[k].policy), key.c_str(), f.max_value, vc, ve, mib(f.at.peak_live),
                 mib(f.at.peak_reserved), f.replays);
   }
+  std::vector<std::string> cut;
+  for (const auto& t : tasks) cut.push_back(inputs[t.input]);
+  print_cut_names(cut);
   std::printf("max: %zu searches, %d replays, %.2f s; %s\n", found.size(), search.replays, search.seconds,
               checked_answers(found.size(), search.failed, "one above it").c_str());
 }
