@@ -210,9 +210,9 @@ Interposer& ip() {
 // CUDA driver tears down), the trace writers are joined and the traces written, each later record as it
 // comes (Note [Tracing at exit]). The allocator stays for later frees.
 void stop_at_exit() {
-  // Not in a forked child: no worker of ours runs there, and a lock another thread of the parent held at the
-  // fork would never be released (the C ABI's handler flushes there, as it always has).
-  if (fragless::Allocator* a = ip().ready.load(std::memory_order_acquire); a && !a->forked_child()) a->at_exit();
+  // (In a forked child at_exit does nothing: no worker or writer of ours runs there, and a lock another thread
+  // of the parent held at the fork would never be released.)
+  if (fragless::Allocator* a = ip().ready.load(std::memory_order_acquire)) a->at_exit();
 }
 
 int current_device() {

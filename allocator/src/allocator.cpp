@@ -72,7 +72,9 @@ DeviceEngine* Allocator::device(int d, std::string* error) {
     if (error) *error = why;
     return nullptr;
   }
-  owned_.push_back(std::make_unique<DeviceEngine>(opts_, std::move(drv)));
+  Options o = opts_;
+  if (exiting_.load(std::memory_order_relaxed)) o.background = BackgroundMode::off;  // Note [Exit while the lock is held]
+  owned_.push_back(std::make_unique<DeviceEngine>(o, std::move(drv)));
   DeviceEngine* e = owned_.back().get();
   if (tracing_) e->set_event_sink(tracing_->sink(d));
   if (created_) created_(d, *e);
@@ -106,12 +108,15 @@ bool Allocator::forked_child() const { return static_cast<long>(getpid()) != cre
 // in unlock. What this does not cover: static destructors that later free on that device wait for the lock
 // for ever (nothing short of not taking it could help them), and a signal that lands while the sink hands a
 // full buffer to its file (the file's mutex held, once in 8192 records) still hangs the exit in
-// Tracing::go_synchronous.
+// Tracing::go_synchronous, and so does one that lands while the thread holds the allocator's creation lock
+// (creating a device's engine and driver) or while another thread holds that lock waiting for the device
+// lock the exiting thread holds. An engine first used after the exit handler (a static destructor's
+// allocation on another device) starts no background worker: no thread of ours begins during teardown.
 void Allocator::at_exit() {
-  if (forked_child()) {  // no writer thread or worker of ours is here to stop
-    flush_traces();
-    return;
-  }
+  // A forked child has no writer thread or worker of ours, and its trace records are dropped (Note [Tracing in
+  // a forked child]): nothing to do, and a lock a thread of the parent held at the fork is never released.
+  if (forked_child()) return;
+  exiting_.store(true, std::memory_order_relaxed);  // an engine created from now on starts no worker
   stop_background();
   if (tracing_) tracing_->go_synchronous();
   flush_traces();  // what the sinks still hold, written now (Note [Tracing at exit])

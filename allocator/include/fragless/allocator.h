@@ -57,8 +57,8 @@ class Allocator {
   // written as it comes (Note [Tracing at exit], tracer.cpp), then the traces are written, the workers' last
   // records included. No thread of fragless is left, and the trace ends with every event, the frees made by
   // static destructors after this handler included. An engine whose lock the exiting thread holds is left
-  // as it is (Note [Exit while the lock is held]). In a forked child only the flush is done: its writer
-  // threads and workers are not there.
+  // as it is (Note [Exit while the lock is held]). In a forked child it does nothing: its writer threads
+  // and workers are not there, and its trace records are dropped (Note [Tracing in a forked child]).
   void at_exit();
   std::vector<std::string> trace_paths() const;
   // The tracer's sink for a device (nullptr when tracing is off), for callers that chain sinks.
@@ -76,6 +76,7 @@ class Allocator {
   std::function<void(int, DeviceEngine&)> created_;
   mutable std::mutex create_mu_;
   long creator_pid_ = 0;  // getpid() at creation
+  std::atomic<bool> exiting_{false};  // at_exit has begun: engines created later get no background worker
 };
 
 }  // namespace fragless

@@ -1,6 +1,7 @@
 #include "state/background.h"
 
 #include <pthread.h>
+#include <signal.h>
 
 #include <chrono>
 #include <mutex>
@@ -42,7 +43,13 @@ void Background::wake() {
   if (!thread_ && !stop_) {
     install_fork_handlers();
     fork_generation_ = g_fork_generation.load();
+    // With every signal blocked: a program's handlers (a SIGTERM handler that calls exit()) run on its own
+    // threads, never on the worker, which could not then be joined at exit.
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
     thread_ = new std::thread([this] { loop(); });
+    pthread_sigmask(SIG_SETMASK, &old, nullptr);
     return;
   }
   work_cv_->notify_one();

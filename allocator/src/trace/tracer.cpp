@@ -1,6 +1,8 @@
 #include "fragless/tracer.h"
 
 #include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -11,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -120,6 +123,17 @@ const Clock& clock() {
 
 }  // namespace
 
+// A thread of ours with every signal blocked: a program's handlers (a SIGTERM handler that calls exit(), a
+// SIGPIPE) run on its own threads, never on a writer, which could not then join itself at exit.
+static std::thread start_without_signals(std::function<void()> body) {
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_BLOCK, &all, &old);
+  std::thread t(std::move(body));
+  pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  return t;
+}
+
 // One output file and its writer thread. Sinks hand it full buffers; it writes them in order. At process
 // exit the writer stops and the file goes synchronous: a buffer handed to it then is written at once, on the
 // caller's thread (Note [Tracing at exit]).
@@ -127,11 +141,17 @@ class TraceFile {
  public:
   static constexpr std::size_t kBuffers = 2;
 
-  TraceFile(int fd, std::string path) : fd_(fd), path_(std::move(path)), thread_([this] { run(); }) {}
+  TraceFile(int fd, std::string path) : fd_(fd), path_(std::move(path)), thread_(start_without_signals([this] { run(); })) {}
   // Whether the calling process is the one that opened the file (Note [Tracing in a forked child]).
   bool in_owner() const { return ::getpid() == owner_; }
   ~TraceFile() {
-    stop_writer();
+    if (in_owner()) {
+      stop_writer();
+    } else {
+      // A forked child (Note [Tracing in a forked child]): the writer is not in this process, so it can be
+      // neither joined nor detached; its handle is left, as the thread's memory is.
+      (void)new std::thread(std::move(thread_));
+    }
     ::close(fd_);
   }
   const std::string& path() const { return path_; }
@@ -145,6 +165,7 @@ class TraceFile {
   void submit(const NativeTraceRecord* p, std::size_t n, bool* busy) {
     {
       std::unique_lock lk(mu_);
+      if (dead_) return written(false, n);
       if (stop_) {
         done_.wait(lk, [&] { return jobs_.empty(); });  // the writer's last buffers go first
         written(!dropped_ && write_all(reinterpret_cast<const char*>(p), n * sizeof(NativeTraceRecord)), n);
@@ -167,7 +188,17 @@ class TraceFile {
       stop_ = true;
     }
     cv_.notify_all();
-    if (thread_.joinable()) thread_.join();
+    if (!thread_.joinable()) return;
+    if (thread_.get_id() == std::this_thread::get_id()) {
+      // exit() on the writer itself (a signal handler that ran on it): it cannot join itself, and what it
+      // was writing when interrupted may stay unwritten; the file is written no more (a later record is
+      // counted as dropped).
+      thread_.detach();
+      std::lock_guard lk(mu_);
+      dead_ = true;
+      return;
+    }
+    thread_.join();
   }
 
  private:
@@ -224,11 +255,31 @@ class TraceFile {
   std::condition_variable cv_, done_;
   std::deque<Job> jobs_;
   bool stop_ = false;
+  bool dead_ = false;  // stopped on the writer thread itself: nothing more is written
   std::uint64_t dropped_ = 0;
   std::thread thread_;  // last: starts after everything above exists
 };
 
 namespace {
+
+class TraceSink;
+// Every sink made, for the fork handler (Note [Tracing in a forked child]): a list only ever pushed to, with a
+// compare-exchange (a fork during a push leaves it whole), each node naming its sink until the sink dies. The
+// nodes are never freed (one per device per Tracing).
+struct SinkNode {
+  std::atomic<TraceSink*> sink;
+  SinkNode* next;
+};
+std::atomic<SinkNode*> g_sinks{nullptr};
+void sinks_after_fork_child();
+SinkNode* register_sink(TraceSink* s) {
+  static std::once_flag once;
+  std::call_once(once, [] { pthread_atfork(nullptr, nullptr, &sinks_after_fork_child); });
+  auto* n = new SinkNode{{s}, g_sinks.load(std::memory_order_relaxed)};
+  while (!g_sinks.compare_exchange_weak(n->next, n, std::memory_order_release, std::memory_order_relaxed)) {
+  }
+  return n;
+}
 
 // Per-device sink: double-buffered; the engine's device lock serialises on_event and flush.
 class TraceSink final : public EventSink {
@@ -238,8 +289,12 @@ class TraceSink final : public EventSink {
   TraceSink(TraceFile* f, int device) : file_(f), clock_(&clock()), device_(static_cast<std::uint16_t>(device)) {
     for (auto& b : bufs_) b.reset(new NativeTraceRecord[kCapacity]);
     cur_ = bufs_[0].get();
+    node_ = register_sink(this);
   }
-  ~TraceSink() override { flush(); }
+  ~TraceSink() override {
+    node_->sink.store(nullptr, std::memory_order_relaxed);
+    flush();
+  }
 
   void on_event(const TraceEvent& e) override {
     if (n_ == kCapacity) hand_off();
@@ -253,31 +308,28 @@ class TraceSink final : public EventSink {
     r.action = static_cast<std::uint8_t>(e.action);
     r.marker = kTraceRecordMarker;
     r.sequence = seq_++;
-    if (synchronous_.load(std::memory_order_relaxed)) hand_off();  // Note [Tracing in a forked child]
-// A child made by fork() inherits the allocator, its sinks and their files, but not the writer threads: a
-// buffer it handed to a file would wait for a writer that is not there, so a child that made 16,384 events
-// (two buffers), or flushed at its exit, hung. Its records are not the parent's file's either (the header
-// names the parent's pid, and the two processes would interleave). So in a child a sink writes nothing: the
-// records it holds or makes are dropped (the ones the parent made before the fork are the parent's to
-// write), and the first drop says so on stderr, once per device. The check is a getpid() per buffer handed
-// off and per flush, not per event. A child that execs a program starts a new allocator with a trace of its
-// own (a `%p` in the path keeps the files apart).
-
-// Note [Tracing at exit]
+    if (synchronous_.load(std::memory_order_relaxed)) hand_off();  // Note [Tracing at exit]
   }
 
   void flush() override {
-    if (!file_->in_owner()) return forked();
+    if (forked_) return drop_in_child();
     if (n_) hand_off();
     for (auto& busy : busy_) file_->wait_until_written(&busy);
   }
 
   // From now on each record is handed to the file as it is made (its writer has stopped: written at once).
   void go_synchronous() { synchronous_.store(true, std::memory_order_relaxed); }
+  // In the child of a fork, on its one thread (Note [Tracing in a forked child]): what the sink holds is the
+  // parent's to write.
+  void after_fork_child() {
+    forked_ = true;
+    n_ = 0;
+    synchronous_.store(true, std::memory_order_relaxed);  // each record is handed off, that is dropped, at once
+  }
 
  private:
   void hand_off() {
-    if (!file_->in_owner()) return forked();
+    if (forked_) return drop_in_child();
     file_->submit(cur_, n_, &busy_[active_]);
     active_ ^= 1;
     file_->wait_until_written(&busy_[active_]);  // normally long done
@@ -285,19 +337,22 @@ class TraceSink final : public EventSink {
     n_ = 0;
   }
 
-  // In a forked child (Note [Tracing in a forked child]): the records are not written; one line on stderr.
-  void forked() {
-    if (!forked_said_)
+  // In a forked child (Note [Tracing in a forked child]): the child's records are not written; one line on
+  // stderr the first time there are any.
+  void drop_in_child() {
+    if (n_ && !forked_said_) {
       std::fprintf(stderr,
                    "fragless: process %d is a fork of the process tracing to %s; the child's allocator events "
                    "are not traced (that file is the parent's)\n",
                    static_cast<int>(::getpid()), file_->path().c_str());
-    forked_said_ = true;
+      forked_said_ = true;
+    }
     n_ = 0;
   }
 
   TraceFile* file_;
-  bool forked_said_ = false;
+  SinkNode* node_ = nullptr;
+  bool forked_ = false, forked_said_ = false;  // Note [Tracing in a forked child]
   const Clock* clock_;
   std::uint16_t device_;
   std::uint32_t seq_ = 0;
@@ -310,6 +365,11 @@ class TraceSink final : public EventSink {
   // atomic; relaxed: a record that misses it is written by the flush that follows, under the lock).
   std::atomic<bool> synchronous_{false};
 };
+
+void sinks_after_fork_child() {
+  for (SinkNode* n = g_sinks.load(std::memory_order_acquire); n; n = n->next)
+    if (TraceSink* s = n->sink.load(std::memory_order_relaxed)) s->after_fork_child();
+}
 
 }  // namespace
 
@@ -355,11 +415,13 @@ std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, co
 // A child made by fork() inherits the allocator, its sinks and their files, but not the writer threads: a
 // buffer it handed to a file would wait for a writer that is not there, so a child that made 16,384 events
 // (two buffers), or flushed at its exit, hung. Its records are not the parent's file's either (the header
-// names the parent's pid, and the two processes would interleave). So in a child a sink writes nothing: the
-// records it holds or makes are dropped (the ones the parent made before the fork are the parent's to
-// write), and the first drop says so on stderr, once per device. The check is a getpid() per buffer handed
-// off and per flush, not per event. A child that execs a program starts a new allocator with a trace of its
-// own (a `%p` in the path keeps the files apart).
+// names the parent's pid, and the two processes would interleave). So in a child a sink writes nothing. A
+// fork handler (pthread_atfork's child handler, on the child's one thread) drops what each sink held at the
+// fork (the parent's records, which the parent writes), marks it forked and makes it hand off each record as
+// it is made (as at exit, Note [Tracing at exit]); a forked sink drops what it hands off, and says so on
+// stderr at the child's first event on that device, so a child that makes no event says nothing, and one
+// that does is told at once. (Allocator::at_exit does nothing in a child.) A child that execs a program starts a new allocator with a trace
+// of its own (a `%p` in the path keeps the files apart).
 
 // Note [Tracing at exit]
 // An allocator that is never destroyed (the C ABI, the CPU allocator, the interposer: frees come from static
