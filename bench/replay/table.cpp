@@ -35,13 +35,18 @@ std::string checked_answers(std::size_t searches, int failed, const char* neighb
   return which + " was replayed with 0 OOMs, " + neighbour + " with at least 1";
 }
 
+// A path's file name (a workload spec as it is).
+std::string file_name(const std::string& s) {
+  const auto slash = s.find_last_of('/');
+  return slash == std::string::npos ? s : s.substr(slash + 1);
+}
+
 // Under a table: the inputs whose names were cut to fit the first column, in full, once each (two draws of
 // one workload can differ only in the middle of their specs, which the cut drops).
 void print_cut_names(const std::vector<std::string>& inputs) {
   std::vector<std::string> said;
   for (const auto& in : inputs) {
-    const auto slash = in.find_last_of('/');
-    const std::string base = slash == std::string::npos ? in : in.substr(slash + 1);
+    const std::string base = file_name(in);
     if (short_name(in) == base || std::find(said.begin(), said.end(), in) != said.end()) continue;
     if (said.empty()) std::printf("names cut above, in full:\n");
     std::printf("  %s = %s\n", short_name(in).c_str(), base.c_str());
@@ -52,8 +57,7 @@ void print_cut_names(const std::vector<std::string>& inputs) {
 }  // namespace
 
 std::string short_name(const std::string& s) {
-  const auto slash = s.find_last_of('/');
-  std::string n = slash == std::string::npos ? s : s.substr(slash + 1);
+  std::string n = file_name(s);
   if (n.size() > 44) n = n.substr(0, 20) + "…" + n.substr(n.size() - 23);
   return n;
 }

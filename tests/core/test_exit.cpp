@@ -70,6 +70,12 @@ std::unique_ptr<Allocator> make_allocator(const std::string& conf, int devices) 
   return a;
 }
 
+// In a child: its stderr goes to DIR/stderr, which the parent reads once the child has ended.
+void stderr_to(const std::string& dir) {
+  const int fd = ::open((dir + "/stderr").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0 || dup2(fd, 2) < 0) _exit(101);
+}
+
 // Runs `child` in a forked process and returns its wait status; a child that has not ended after the
 // watchdog's time (20 s, or FRAGLESS_WATCHDOG_S when larger: sanitizer builds) is killed and fails the test.
 template <typename F>
@@ -135,8 +141,7 @@ class ExitingSink final : public EventSink {
 // process with _exit, so that nothing after them (LeakSanitizer's check, with device 0's worker left alive)
 // decides the status.
 void exit_under_lock(const std::string& dir, bool by_signal) {
-  const int err_fd = ::open((dir + "/stderr").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (err_fd < 0 || dup2(err_fd, 2) < 0) _exit(101);
+  stderr_to(dir);
   g_by_signal = by_signal;
   if (by_signal) signal(SIGUSR1, [](int) { std::exit(kExitStatus); });
   auto parsed = parse_config("driver:host,capacity_mb:512,handles:ends,handle_max_mb:1024,trace:" + dir + "/exit-%d.fgt");
@@ -277,8 +282,7 @@ TEST_CASE("exit: a forked child of a tracing process neither hangs nor writes in
   }
   Allocator* parent = a.get();
   const int status = run_child("a forked child that traces", [&] {
-    const int err_fd = ::open((dir + "/stderr").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (err_fd < 0 || dup2(err_fd, 2) < 0) _exit(101);
+    stderr_to(dir);
     // More than two buffers' worth of events on device 0 (each buffer is 8192 records), a few on device 1,
     // then the exit handler's work (the flush of every device).
     DeviceEngine* e0 = parent->device(0);
@@ -328,8 +332,7 @@ TEST_CASE("exit: a forked child exits at once while another thread of the parent
   Allocator* parent = a.get();
   for (int i = 0; i < 10; ++i) {
     const int status = run_child("a forked child's exit", [&] {
-      const int err_fd = ::open((dir + "/stderr").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      if (err_fd < 0 || dup2(err_fd, 2) < 0) _exit(101);
+      stderr_to(dir);
       // The exit handler's work, then an end without the C++ runtime's own exit path: under a sanitizer its
       // leak check takes the sanitizer allocator's lock, which the busy thread may have held at the fork.
       parent->at_exit();

@@ -1,12 +1,12 @@
 #include "state/background.h"
 
 #include <pthread.h>
-#include <signal.h>
 
 #include <chrono>
 #include <mutex>
 
 #include "fragless/driver.h"
+#include "base/quiet_thread.h"
 #include "base/spin_mutex.h"
 
 namespace fragless {
@@ -43,13 +43,7 @@ void Background::wake() {
   if (!thread_ && !stop_) {
     install_fork_handlers();
     fork_generation_ = g_fork_generation.load();
-    // With every signal blocked: a program's handlers (a SIGTERM handler that calls exit()) run on its own
-    // threads, never on the worker, which could not then be joined at exit.
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, &old);
-    thread_ = new std::thread([this] { loop(); });
-    pthread_sigmask(SIG_SETMASK, &old, nullptr);
+    thread_ = new std::thread(start_quiet_thread([this] { loop(); }));
     return;
   }
   work_cv_->notify_one();

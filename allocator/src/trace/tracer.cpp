@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <pthread.h>
-#include <signal.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -13,10 +12,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <functional>
 #include <mutex>
 #include <thread>
 
+#include "base/quiet_thread.h"
 #include "fragless/trace_format.h"
 
 #if defined(__x86_64__)
@@ -123,17 +122,6 @@ const Clock& clock() {
 
 }  // namespace
 
-// A thread of ours with every signal blocked: a program's handlers (a SIGTERM handler that calls exit(), a
-// SIGPIPE) run on its own threads, never on a writer, which could not then join itself at exit.
-static std::thread start_without_signals(std::function<void()> body) {
-  sigset_t all, old;
-  sigfillset(&all);
-  pthread_sigmask(SIG_BLOCK, &all, &old);
-  std::thread t(std::move(body));
-  pthread_sigmask(SIG_SETMASK, &old, nullptr);
-  return t;
-}
-
 // One output file and its writer thread. Sinks hand it full buffers; it writes them in order. At process
 // exit the writer stops and the file goes synchronous: a buffer handed to it then is written at once, on the
 // caller's thread (Note [Tracing at exit]).
@@ -141,7 +129,7 @@ class TraceFile {
  public:
   static constexpr std::size_t kBuffers = 2;
 
-  TraceFile(int fd, std::string path) : fd_(fd), path_(std::move(path)), thread_(start_without_signals([this] { run(); })) {}
+  TraceFile(int fd, std::string path) : fd_(fd), path_(std::move(path)), thread_(start_quiet_thread([this] { run(); })) {}
   // Whether the calling process is the one that opened the file (Note [Tracing in a forked child]).
   bool in_owner() const { return ::getpid() == owner_; }
   ~TraceFile() {
