@@ -19,6 +19,7 @@
 #include "fragless/allocator.h"
 #include "os_probes.h"
 #include "trace_model.h"
+#include "watchdog.h"
 
 using namespace fragless;
 
@@ -77,7 +78,7 @@ void stderr_to(const std::string& dir) {
 }
 
 // Runs `child` in a forked process and returns its wait status; a child that has not ended after the
-// watchdog's time (20 s, or FRAGLESS_WATCHDOG_S when larger: sanitizer builds) is killed and fails the test.
+// watchdog's time (wait_for_child) is killed and fails the test.
 template <typename F>
 int run_child(const char* what, F child) {
   std::fflush(stdout);
@@ -88,21 +89,7 @@ int run_child(const char* what, F child) {
     child();
     _exit(100);  // the child ends by exit(); reaching here is a failure of its own
   }
-  int limit_s = 20;
-  if (const char* env = std::getenv("FRAGLESS_WATCHDOG_S")) limit_s = std::max(limit_s, std::atoi(env));
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(limit_s);
-  int status = 0;
-  for (;;) {
-    const pid_t r = waitpid(pid, &status, WNOHANG);
-    REQUIRE(r >= 0);
-    if (r == pid) return status;
-    if (std::chrono::steady_clock::now() > give_up) {
-      kill(pid, SIGKILL);
-      waitpid(pid, &status, 0);
-      FAIL(what << ": the child has not ended after " << limit_s << " s: the exit hangs");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  return fragless::test::wait_for_child(pid, std::string(what) + ": the exit hangs");
 }
 
 // ---- exit on a thread that holds a device's lock ----

@@ -8,26 +8,12 @@ allocates (the run has a watchdog). Exits 77 (skipped) without PyTorch or the pr
 FRAGLESS_LIBRARY and FRAGLESS_CPU_PROBE set."""
 import ctypes
 import faulthandler
-import os
-import sys
 import threading
 import time
 
-from torch_prologue import announce, check, torch  # exits 77 (skipped) without PyTorch
-probe_path = os.environ.get("FRAGLESS_CPU_PROBE")
-if not probe_path or not os.path.exists(probe_path):
-    print("SKIPPED: no CPU-allocator probe (FRAGLESS_CPU_PROBE; built where PyTorch's C++ headers are found)")
-    sys.exit(77)
-announce()
-faulthandler.dump_traceback_later(120, exit=True)  # a deadlock fails the test with every thread's stack
-
-os.environ["FRAGLESS_CONF"] = "driver:host,capacity_mb:1024"
+from torch_prologue import check, fragless_as_cpu_allocator, torch  # exits 77 (skipped) without PyTorch
+lib = fragless_as_cpu_allocator()  # exits 77 without the probe; a hang fails with every thread's stack
 import fragless  # noqa: E402
-
-lib = fragless.library()
-probe = ctypes.CDLL(probe_path)
-probe.probe_install.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-probe.probe_install(ctypes.cast(lib.fragless_malloc, ctypes.c_void_p), ctypes.cast(lib.fragless_free, ctypes.c_void_p))
 N = 1 << 18  # elements: every tensor below is at least 1 MiB, larger than anything PyTorch allocates besides
 
 

@@ -1,8 +1,14 @@
 // A watchdog for tests that could deadlock: if the guarded scope does not finish in time, print every
 // thread's stack (gdb, when installed) and abort, so a hang becomes a failing test with evidence instead
 // of a CI job that times out silently. FRAGLESS_WATCHDOG_S overrides the limit (sanitizer builds are slower).
+// wait_for_child does the same for a forked child: one that has not ended in time is killed, and the test fails.
 #pragma once
+#include <catch2/catch.hpp>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <algorithm>
 
 #include <chrono>
 #include <condition_variable>
@@ -45,5 +51,31 @@ class Watchdog {
   bool done_ = false;
   std::thread thread_;
 };
+
+// A forked child's time: 20 s, or FRAGLESS_WATCHDOG_S when larger.
+inline int child_watchdog_s() {
+  int limit_s = 20;
+  if (const char* env = std::getenv("FRAGLESS_WATCHDOG_S")) limit_s = std::max(limit_s, std::atoi(env));
+  return limit_s;
+}
+
+// The forked child's wait status; a child that has not ended after child_watchdog_s() is killed, and the
+// test fails saying `what` hung.
+inline int wait_for_child(pid_t pid, const std::string& what) {
+  const int limit_s = child_watchdog_s();
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(limit_s);
+  int status = 0;
+  for (;;) {
+    const pid_t r = waitpid(pid, &status, WNOHANG);
+    REQUIRE(r >= 0);
+    if (r == pid) return status;
+    if (std::chrono::steady_clock::now() > give_up) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      FAIL(what << ": the child has not ended after " << limit_s << " s");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
 
 }  // namespace fragless::test

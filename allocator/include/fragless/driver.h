@@ -425,6 +425,9 @@ class Driver {
   std::unique_lock<std::mutex> impl_lock() const {
     return concurrent_calls() ? std::unique_lock<std::mutex>() : std::unique_lock<std::mutex>(impl_mu_);
   }
+  // The lock of the contract's tables, counters and cost model (Note [Driver calls from two threads]),
+  // taken after impl_lock() where both are held; for a driver's fork() handlers.
+  std::mutex& tables_mutex() const { return mu_; }
   // The memory of a released handle goes back once its last mapping is gone (R8). Drivers that account
   // memory themselves (host, sim) free it here; the cuda driver leaves it to CUDA.
   virtual void memory_gone(PhysHandle) {}

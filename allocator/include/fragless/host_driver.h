@@ -1,11 +1,15 @@
 // `host` driver: real host memory with cuMemMap semantics.
 //
-// One memfd is the "physical memory" of the device; a handle is a contiguous page range in it (a memfd of its
+// A memfd is the "physical memory" of the device; a handle is a contiguous page range in it (a memfd of its
 // own when created exportable: `shareable`, Note [Exportable host handles] in host_driver.cpp). A reservation
 // is a PROT_NONE anonymous mapping; map = mmap(MAP_FIXED|MAP_SHARED) of the handle's pages over it (still
 // PROT_NONE, as cuMemMap leaves memory inaccessible); set_access = mprotect(READ|WRITE); unmap puts a
 // PROT_NONE reservation back; release punches a hole in the memfd so the memory really goes back to the OS.
 // `capacity` is the budget: create beyond it fails with out_of_memory exactly like CUDA_ERROR_OUT_OF_MEMORY.
+// Across fork() the child's writes are its own: in the child, handles made before the fork are mapped
+// copy-on-write (MAP_PRIVATE) wherever they are mapped, never exported and never punched, and new handles
+// come from a memfd of the child's own (Note [Host memory across fork] in host_driver.cpp, which says
+// what this does not give).
 // The driver checks every pre-condition of driver.h and fails with invalid_argument when one is broken,
 // which makes it a strict test double for the engine.
 #pragma once

@@ -1,16 +1,20 @@
 // host driver: cuMemMap semantics over real host memory (see host_driver.h).
 #include "fragless/host_driver.h"
+#include "driver/host_fork.h"
 #include "driver/registry.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <linux/falloc.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <vector>
 
 namespace fragless {
@@ -19,17 +23,110 @@ TestEvents* sim_test_events(Driver& d);  // sim_driver.cpp
 
 namespace {
 
+class HostDriver;
+
+// Every live host driver, for the fork() handlers: a driver adds itself when made and removes itself when
+// destroyed, holding only this mutex; the prepare handler takes it, then each driver's impl lock. Never
+// destroyed: a driver that outlives static destruction (one a leaked allocator holds) still finds them.
+struct HostRegistry {
+  std::mutex mu;
+  std::vector<HostDriver*> drivers;
+};
+HostRegistry& hosts() {
+  static HostRegistry* r = new HostRegistry;
+  return *r;
+}
+
 class HostDriver final : public Driver {
  public:
   HostDriver(const HostDriverOptions& o, int fd)
       : Driver(o.device, o.page_size), fd_(fd), shareable_(o.shareable), capacity_(round_down(o.capacity, o.page_size)) {
     free_ranges_.emplace(0, capacity_);
+    install_host_fork_handlers();
+    std::lock_guard lk(hosts().mu);
+    hosts().drivers.push_back(this);
   }
   ~HostDriver() override {
+    {
+      std::lock_guard lk(hosts().mu);
+      std::erase(hosts().drivers, this);
+    }
     for (auto& [va, r] : reservations_) munmap(reinterpret_cast<void*>(va), r);
     for (auto& [h, hd] : handles_)
-      if (hd.fd != fd_) close(hd.fd);
-    close(fd_);
+      if (hd.own_fd) close(hd.fd);
+    if (fd_ >= 0) close(fd_);
+    for (int fd : parents_fds_) close(fd);
+  }
+
+  // Note [Host memory across fork]: a handle's pages are a memfd's, mapped shared (R9: one handle at two
+  // addresses is one memory), and a forked child inherits those mappings shared: without more, what the child
+  // wrote into a block, even one it allocated after the fork from the cache it inherited, the parent would
+  // see, and a handle the child released would punch a hole into the parent's live memory. Ordinary memory
+  // is copy-on-write across fork(), and a program that forks (a DataLoader's workers, with fragless as the
+  // CPU allocator) expects that. So the child handler, on the child's one thread, remaps every mapping of a
+  // handle made before the fork copy-on-write (MAP_PRIVATE of the same pages, same protection, MAP_NORESERVE
+  // as the shared mapping was not charged to commit either): the child's writes stay its own from then on.
+  // In the child such a handle is the parent's memory as well, so R9 no longer holds for it: each mapping the
+  // child makes of it is copy-on-write on its own (re-backing copies what the child wrote, as it copies any
+  // block). It is never exported, and released without punching the parent's pages or giving their range to
+  // new handles; new handles come from a memfd of the child's own, made at its first create (the same
+  // capacity, counted with what it inherited, whose offsets in the budget it keeps). What this does not give, as Linux keeps a private page the
+  // file's until the child writes it:
+  // - a page the child has not written shows what the parent writes there later, including what a new
+  //   handle of the parent's writes once the parent released the old one and reused its range; a child sees
+  //   the memory as it was at the fork only in the pages it wrote, or for as long as the parent leaves them;
+  // - a page the child faults in after the parent released it (punched its range) is a new page of the
+  //   parent's memfd, in a range the parent counts free: it stays until the parent's range is used and
+  //   released again. Only a child that keeps using the parent's released memory makes this.
+  // Imported handles (another process's memory, shared on purpose) stay shared.
+  // The prepare handler takes every host driver's impl lock and its tables' lock, so no host driver is inside
+  // an mmap, its books or its counters at the fork. A call can still be between the two (done here, not yet
+  // in the contract's tables): its thread held the device's lock, or was a background worker, and the
+  // workers have been paused before this handler runs (host_fork.h), so only a device the child cannot use
+  // anyway is left so (ARCHITECTURE.md, "Background work"). The child handler allocates nothing.
+  void lock_for_fork() {
+    fork_lock_ = impl_lock();
+    fork_tables_lock_ = std::unique_lock(tables_mutex());
+    parents_fds_.reserve(parents_fds_.size() + 1);  // the child handler's push_back must not allocate
+  }
+  void unlock_after_fork() {
+    fork_tables_lock_.unlock();
+    fork_lock_.unlock();
+  }
+  void child_after_fork() {
+    // A handle inherited at an earlier fork is mapped copy-on-write already, which this fork copies as it
+    // copies ordinary memory: only the shared ones are remapped.
+    for (auto& [h, hd] : handles_) hd.remap = !hd.imported && !hd.inherited;
+    for (const auto& [va, m] : mappings_) {
+      const Handle& hd = handles_.find(m.handle)->second;
+      if (!hd.remap) continue;
+      void* at = reinterpret_cast<void*>(va);
+      if (mmap(at, m.size, m.accessible ? PROT_READ | PROT_WRITE : PROT_NONE, MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE,
+               hd.fd, static_cast<off_t>(hd.own_fd ? 0 : hd.offset)) != MAP_FAILED)
+        continue;
+      // The child must not write the parent's memory: failing the copy-on-write mapping, the range becomes
+      // inaccessible (a fault when the child touches it), and failing that too the child cannot go on.
+      if (mmap(at, m.size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0) != MAP_FAILED) {
+        static const char msg[] = "fragless: host driver: a forked child could not map its memory copy-on-write "
+                                  "(mmap failed); that memory is inaccessible in the child\n";
+        (void)!write(2, msg, sizeof msg - 1);
+        continue;
+      }
+      static const char msg[] = "fragless: host driver: a forked child could neither map its memory copy-on-write "
+                                "nor unmap it; the child ends rather than write the parent's memory\n";
+      (void)!write(2, msg, sizeof msg - 1);
+      _exit(127);
+    }
+    for (auto& [h, hd] : handles_)
+      if (hd.remap) {
+        hd.remap = false;
+        hd.inherited = true;
+      }
+    // The parent's memfd stays open for the inherited handles that are in it; the child's first create
+    // that needs one makes its own. The free ranges stay as they are: the budget's offsets, which the
+    // inherited handles keep until the child releases them (in the child's memfd nothing is there).
+    if (fd_ >= 0) parents_fds_.push_back(fd_);
+    fd_ = -1;
   }
   const char* name() const override { return "host"; }
   TestEvents& events() { return events_; }
@@ -64,7 +161,14 @@ class HostDriver final : public Driver {
  private:
   // fd: the device's memfd (offset: where the handle's pages are), or the handle's own memfd (offset 0) when
   // it was created exportable or imported.
-  struct Handle { int fd; std::size_t offset, size; bool imported = false; };
+  // own_fd: the handle's fd is its own (exportable or imported), closed with it. inherited: made before this
+  // process was forked from the one that made it (Note [Host memory across fork]).
+  struct Handle {
+    int fd;
+    std::size_t offset, size;
+    bool own_fd = false, imported = false, inherited = false;
+    bool remap = false;  // only inside the fork's child handler
+  };
   struct Mapping { std::size_t size; PhysHandle handle; bool accessible; };
   struct Fault { std::uint64_t countdown = 0; Status status = Status::ok; };
 
@@ -124,12 +228,17 @@ class HostDriver final : public Driver {
   Status do_create(std::size_t size, PhysHandle* h) override {
     if (Status st; injected(DriverCall::create, &st)) return st;
     if (size == 0 || !aligned(size)) return fail("create: size not a multiple of the granularity");
-    for (auto it = free_ranges_.begin(); it != free_ranges_.end(); ++it) {  // first fit
+    for (auto it = free_ranges_.begin(); used_ + size <= capacity_ && it != free_ranges_.end(); ++it) {  // first fit
       if (it->second < size) continue;
       const std::size_t offset = it->first, len = it->second;
       free_ranges_.erase(it);
       if (len > size) free_ranges_.emplace(offset + size, len - size);
       if (shareable_) return create_exportable(offset, size, h);
+      if (fd_ < 0 && !make_memfd()) {
+        give_range_back(offset, size);
+        return fail("create: a forked child's first memory needs a memfd of its own: memfd_create: " + memfd_error_,
+                    Status::driver_error);
+      }
       used_ += size;
       *h = next_handle_++;
       handles_.emplace(*h, Handle{fd_, offset, size});
@@ -138,6 +247,19 @@ class HostDriver final : public Driver {
     return fail("create: out of memory (" + std::to_string(capacity_ - used_) + " of " + std::to_string(capacity_) +
                     " bytes free)",
                 Status::out_of_memory);
+  }
+
+  // In a forked child (Note [Host memory across fork]): the device's memfd, made anew. The budget's
+  // offsets carry over, so the file is sized as the parent's.
+  bool make_memfd() {
+    const int fd = memfd_create("fragless-host-device", MFD_CLOEXEC);
+    if (fd >= 0 && ftruncate(fd, static_cast<off_t>(capacity_)) == 0) {
+      fd_ = fd;
+      return true;
+    }
+    memfd_error_ = std::strerror(errno);
+    if (fd >= 0) close(fd);
+    return false;
   }
 
   // The base class checked the handle (R8); the memory goes in memory_gone, once nothing maps it.
@@ -159,14 +281,19 @@ class HostDriver final : public Driver {
     }
     used_ += size;
     *h = next_handle_++;
-    handles_.emplace(*h, Handle{fd, offset, size});
+    // Its own memfd, at offset 0 (the device range's offset is kept only for memory_gone).
+    handles_.emplace(*h, Handle{fd, offset, size, true});
     return Status::ok;
   }
 
   Status do_export_handle(PhysHandle h, int* out) override {
     if (Status st; injected(DriverCall::export_handle, &st)) return st;
     const Handle& hd = handles_.at(h);
-    if (hd.fd == fd_)
+    if (hd.inherited)
+      return fail("export_handle: the handle was made before this process was forked: its pages are the parent's "
+                  "too, and this process's writes to them its own (Note [Host memory across fork])",
+                  Status::not_supported);
+    if (!hd.own_fd)
       return fail("export_handle: the handle was not created exportable (R18; shareable_handles:True creates "
                   "exportable memory)",
                   Status::not_supported);
@@ -188,7 +315,7 @@ class HostDriver final : public Driver {
     const int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
     if (own < 0) return fail(std::string("import_handle: dup: ") + std::strerror(errno), Status::driver_error);
     *h = next_handle_++;
-    handles_.emplace(*h, Handle{own, 0, size, true});
+    handles_.emplace(*h, Handle{own, 0, size, true, true});
     return Status::ok;
   }
 
@@ -196,7 +323,13 @@ class HostDriver final : public Driver {
     auto it = handles_.find(h);
     const Handle hd = it->second;
     handles_.erase(it);
-    if (hd.fd != fd_) {  // its own memfd: the memory goes with the last descriptor and mapping
+    if (hd.inherited) {  // the parent's pages as well: not punched; its budget range is free again
+      close_inherited_fd(hd);
+      used_ -= hd.size;
+      give_range_back(hd.offset, hd.size);
+      return;
+    }
+    if (hd.own_fd) {  // its own memfd: the memory goes with the last descriptor and mapping
       close(hd.fd);
       if (hd.imported) return;  // another process's memory: not this device's budget
       used_ -= hd.size;
@@ -204,10 +337,24 @@ class HostDriver final : public Driver {
       return;
     }
     // Punch a hole so the memory really goes back, then coalesce the free range.
-    fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(hd.offset),
+    fallocate(hd.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(hd.offset),
               static_cast<off_t>(hd.size));
     used_ -= hd.size;
     give_range_back(hd.offset, hd.size);
+  }
+
+  // An inherited handle is gone: its own memfd closes with it, and a parent's memfd once no handle is in it.
+  void close_inherited_fd(const Handle& gone) {
+    if (gone.own_fd) {
+      close(gone.fd);
+      return;
+    }
+    for (const auto& [h, hd] : handles_)
+      if (hd.fd == gone.fd) return;
+    auto it = std::find(parents_fds_.begin(), parents_fds_.end(), gone.fd);
+    if (it == parents_fds_.end()) return;
+    close(gone.fd);
+    parents_fds_.erase(it);
   }
 
   void give_range_back(std::size_t off, std::size_t len) {
@@ -230,10 +377,11 @@ class HostDriver final : public Driver {
   // The base class enforced R1 and R5: a whole handle at offset 0, inside one reservation, over nothing mapped.
   Status do_map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t) override {
     if (Status st; injected(DriverCall::map, &st)) return st;
-    auto hit = handles_.find(h);
-    const bool own = hit->second.fd != fd_;
-    void* p = mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_SHARED | MAP_FIXED, hit->second.fd,
-                   static_cast<off_t>(own ? 0 : hit->second.offset));
+    const Handle& hd = handles_.find(h)->second;
+    // Note [Host memory across fork]: in a forked child, memory made before the fork is mapped copy-on-write.
+    const int flags = hd.inherited ? MAP_PRIVATE | MAP_NORESERVE : MAP_SHARED;
+    void* p = mmap(reinterpret_cast<void*>(va), size, PROT_NONE, flags | MAP_FIXED, hd.fd,
+                   static_cast<off_t>(hd.own_fd ? 0 : hd.offset));
     if (p == MAP_FAILED) return fail(std::string("map: mmap: ") + std::strerror(errno), Status::driver_error);
     mappings_.emplace(va, Mapping{size, h, false});
     return Status::ok;
@@ -299,7 +447,11 @@ class HostDriver final : public Driver {
     return Status::ok;
   }
 
-  int fd_;
+  int fd_;              // the device's memfd (-1: a forked child's, until its first create makes it)
+  std::string memfd_error_;  // why the last make_memfd failed
+  std::vector<int> parents_fds_;  // in a forked child: the parents' memfds, which inherited handles' pages are in
+  // The impl lock and the tables' lock, held from the fork's prepare handler to its parent or child handler.
+  std::unique_lock<std::mutex> fork_lock_, fork_tables_lock_;
   bool shareable_;
   std::size_t capacity_;
   std::size_t used_ = 0;
@@ -367,6 +519,28 @@ std::unique_ptr<Driver> make_host_driver_for(const Options& o, int device, std::
   if (o.capacity) h.capacity = o.capacity;
   h.shareable = o.shareable_handles;
   return make_host_driver(h, error);
+}
+
+void install_host_fork_handlers() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    pthread_atfork(
+        [] {
+          hosts().mu.lock();  // held until the parent or child handler: no host driver is made or destroyed
+          for (HostDriver* d : hosts().drivers) d->lock_for_fork();
+        },
+        [] {
+          for (HostDriver* d : hosts().drivers) d->unlock_after_fork();
+          hosts().mu.unlock();
+        },
+        [] {
+          for (HostDriver* d : hosts().drivers) {
+            d->child_after_fork();
+            d->unlock_after_fork();
+          }
+          hosts().mu.unlock();
+        });
+  });
 }
 
 }  // namespace fragless

@@ -8,6 +8,7 @@
 #include "fragless/driver.h"
 #include "base/quiet_thread.h"
 #include "base/spin_mutex.h"
+#include "driver/host_fork.h"
 
 namespace fragless {
 
@@ -23,6 +24,7 @@ std::once_flag g_atfork_once;
 
 void install_fork_handlers() {
   std::call_once(g_atfork_once, [] {
+    install_host_fork_handlers();  // first: its prepare handler must run after this one (host_fork.h)
     pthread_atfork(&Background::before_fork, &Background::after_fork_parent, &Background::after_fork_child);
   });
 }

@@ -1,0 +1,11 @@
+// The host driver's fork() handlers (Note [Host memory across fork] in host_driver.cpp). They must be
+// installed before the background workers' (state/background.cpp), so that their prepare handler runs after
+// the workers' has paused every worker: pthread_atfork runs prepare handlers in the reverse order of
+// installation. Installing twice is harmless.
+#pragma once
+
+namespace fragless {
+
+void install_host_fork_handlers();
+
+}  // namespace fragless
