@@ -19,6 +19,7 @@
 #include "fragless/allocator.h"
 #include "os_probes.h"
 #include "trace_model.h"
+#include "helpers.h"
 #include "watchdog.h"
 
 using namespace fragless;
@@ -58,17 +59,6 @@ Counts counts(const formats::Trace& t, int device) {
     if (e.op == formats::Op::free) ++c.frees, c.last_free = e.address;
   }
   return c;
-}
-
-std::unique_ptr<Allocator> make_allocator(const std::string& conf, int devices) {
-  auto parsed = parse_config(conf);
-  INFO(parsed.error);
-  REQUIRE(parsed.ok);
-  std::string err;
-  auto a = Allocator::create(parsed.options, devices, &err);
-  INFO(err);
-  REQUIRE(a);
-  return a;
 }
 
 // In a child: its stderr goes to DIR/stderr, which the parent reads once the child has ended.
@@ -223,7 +213,7 @@ TEST_CASE("exit: after at_exit every record is written as it comes and no writer
     INFO(pattern);
     const std::string dir = temp_dir("sync");
     const int before = thread_count();
-    auto a = make_allocator("driver:sim,trace:" + dir + pattern, 2);
+    auto a = test::allocator_from("driver:sim,trace:" + dir + pattern, 2);
     const auto paths = a->trace_paths();
     void* last[2] = {nullptr, nullptr};
     std::size_t allocs = 0;
@@ -262,7 +252,7 @@ TEST_CASE("exit: after at_exit every record is written as it comes and no writer
 TEST_CASE("exit: a forked child of a tracing process neither hangs nor writes into the parent's trace",
           "[exit][tracer]") {
   const std::string dir = temp_dir("fork");
-  auto a = make_allocator("driver:sim,trace:" + dir + "/parent.fgt", 2);
+  auto a = test::allocator_from("driver:sim,trace:" + dir + "/parent.fgt", 2);
   for (int d = 0; d < 2; ++d) {
     DeviceEngine* e = a->device(d);
     for (int i = 0; i < 10; ++i) REQUIRE(e->free(e->allocate((1 + i) * MiB, 0, nullptr)) == Status::ok);
@@ -309,7 +299,7 @@ TEST_CASE("exit: a forked child exits at once while another thread of the parent
   // child's exit handler must not take it (it did, to flush, and hung in most forks). A child that makes no
   // event says nothing about its trace.
   const std::string dir = temp_dir("fork-busy");
-  auto a = make_allocator("driver:sim,trace:" + dir + "/parent.fgt", 1);
+  auto a = test::allocator_from("driver:sim,trace:" + dir + "/parent.fgt", 1);
   DeviceEngine* e = a->device(0);
   std::atomic<bool> stop{false};
   std::thread busy([&] {

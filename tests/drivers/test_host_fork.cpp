@@ -15,25 +15,15 @@
 
 #include "fragless/allocator.h"
 #include "fragless/host_driver.h"
+#include "helpers.h"
 #include "watchdog.h"
 
 using namespace fragless;
 
 namespace {
 
-constexpr std::size_t MiB = 1u << 20;
+using test::MiB;
 constexpr std::size_t kSize = 6 * MiB;  // three pages: one handle per request below a cell is not assumed
-
-std::unique_ptr<Allocator> host_allocator(const char* conf) {
-  auto parsed = parse_config(conf);
-  INFO(parsed.error);
-  REQUIRE(parsed.ok);
-  std::string err;
-  auto a = Allocator::create(parsed.options, 1, &err);
-  INFO(err);
-  REQUIRE(a);
-  return a;
-}
 
 bool all_bytes(const void* p, std::size_t n, unsigned char v) {
   const auto* b = static_cast<const unsigned char*>(p);
@@ -87,12 +77,6 @@ struct Pipes {
   }
 };
 
-std::string describe(int status) {
-  if (WIFEXITED(status)) return "exited with " + std::to_string(WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) return std::string("killed by signal ") + strsignal(WTERMSIG(status));
-  return "status " + std::to_string(status);
-}
-
 int wait_child(pid_t pid) { return test::wait_for_child(pid, "the forked child"); }
 
 // The parent waits for the child's `c`; anything else (the child ended first) fails with how the child ended.
@@ -100,7 +84,7 @@ void parent_expect(Pipes& p, pid_t pid, char c) {
   char got = 0;
   if (read(p.to_parent[0], &got, 1) == 1 && got == c) return;
   const int status = wait_child(pid);
-  FAIL("the forked child did not say '" << c << "': it " << describe(status));
+  FAIL("the forked child did not say '" << c << "': it " << test::describe_status(status));
 }
 
 }  // namespace
@@ -111,7 +95,7 @@ TEST_CASE("host driver across fork: the child's writes, allocations and releases
                               "driver:host,capacity_mb:256,policy:classic",
                               "driver:host,capacity_mb:256,policy:expandable");
   INFO(conf);
-  auto a = host_allocator(conf);
+  auto a = test::allocator_from(conf);
   DeviceEngine* e = a->device(0);
   REQUIRE(e);
   AllocError err;
@@ -176,7 +160,7 @@ TEST_CASE("host driver across fork: the child's writes, allocations and releases
   std::memset(more, 0x77, kSize);
   pipes.parent_send('4');
   const int status = wait_child(pid);
-  INFO("the child " << describe(status));
+  INFO("the child " << test::describe_status(status));
   CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
   CHECK(all_bytes(kept, kSize, 0x22));
   CHECK(all_bytes(ours, kSize, 0x55));
@@ -285,7 +269,7 @@ TEST_CASE("host driver across fork: inherited handles in the child, call by call
   pipes.parent_send('2');
   parent_expect(pipes, pid, '3');
   const int status = wait_child(pid);
-  INFO("the child " << describe(status));
+  INFO("the child " << test::describe_status(status));
   CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
   for (std::size_t i = 0; i < 3; ++i) CHECK(all_bytes(at(i), P, 0x31));  // the child's releases punched nothing
   std::size_t free_now = 0;

@@ -60,3 +60,4 @@ for t, v in ours:
     check(bool((t == v).all()), "a tensor the parent made changed after the workers ended (%s)" % v)
 check(bool((shared == -1.0).all()), "the tensor live at the fork changed after the workers ended")
 print("ok: 24 samples from 2 forked workers, %d parent tensors intact" % len(ours))
+

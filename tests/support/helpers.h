@@ -4,6 +4,7 @@
 #include <memory>
 #include <string>
 
+#include "fragless/allocator.h"
 #include "fragless/engine.h"
 #include "fragless/host_driver.h"
 #include "fragless/test_events.h"
@@ -41,6 +42,19 @@ inline std::unique_ptr<DeviceEngine> make_engine(const EngineSpec& spec) {
     d = make_sim_driver(s);
   }
   return std::make_unique<DeviceEngine>(o, std::move(d));
+}
+
+// An Allocator over `devices` devices configured by `conf` (a FRAGLESS_CONF string); the test fails when
+// either is refused.
+inline std::unique_ptr<Allocator> allocator_from(const std::string& conf, int devices = 1) {
+  auto parsed = parse_config(conf);
+  INFO(parsed.error);
+  REQUIRE(parsed.ok);
+  std::string err;
+  auto a = Allocator::create(parsed.options, devices, &err);
+  INFO(err);
+  REQUIRE(a);
+  return a;
 }
 
 inline std::int64_t reserved(DeviceEngine& e) { return e.stats().reserved_bytes.all().current; }

@@ -14,6 +14,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -51,6 +52,13 @@ class Watchdog {
   bool done_ = false;
   std::thread thread_;
 };
+
+// How a child ended, from its wait status, in words.
+inline std::string describe_status(int status) {
+  if (WIFEXITED(status)) return "exited with " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return std::string("killed by signal ") + strsignal(WTERMSIG(status));
+  return "status " + std::to_string(status);
+}
 
 // A forked child's time: 20 s, or FRAGLESS_WATCHDOG_S when larger.
 inline int child_watchdog_s() {

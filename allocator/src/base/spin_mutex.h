@@ -68,6 +68,9 @@ class SpinMutex {
     if (sleepers_.load(std::memory_order_relaxed) > 0)  // Note [Unlock without a fence]
       syscall(SYS_futex, reinterpret_cast<int*>(&state_), FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
   }
+  // In a forked child, on its one thread: the threads that slept on the lock are not there (unlock then
+  // makes no futex call for them).
+  void forget_waiters() { sleepers_.store(0, std::memory_order_relaxed); }
   // Whether the calling thread holds the lock (Note [Lock owner]). Exact for the calling thread; says
   // nothing about which other thread, if any, holds it.
   bool held_by_this_thread() const { return owner_.load(std::memory_order_relaxed) == self(); }

@@ -80,10 +80,10 @@ class HostDriver final : public Driver {
   //   released again. Only a child that keeps using the parent's released memory makes this.
   // Imported handles (another process's memory, shared on purpose) stay shared.
   // The prepare handler takes every host driver's impl lock and its tables' lock, so no host driver is inside
-  // an mmap, its books or its counters at the fork. A call can still be between the two (done here, not yet
-  // in the contract's tables): its thread held the device's lock, or was a background worker, and the
-  // workers have been paused before this handler runs (host_fork.h), so only a device the child cannot use
-  // anyway is left so (ARCHITECTURE.md, "Background work"). The child handler allocates nothing.
+  // an mmap, its books or its counters at the fork. It runs after the background workers' (host_fork.h),
+  // which holds every device lock and has paused the workers, so no engine's call is between the two either
+  // (done here, not yet in the contract's tables): an engine calls its driver under its device lock, its
+  // worker between a take and a finish (Note [Device locks across fork]). The child handler allocates nothing.
   void lock_for_fork() {
     fork_lock_ = impl_lock();
     fork_tables_lock_ = std::unique_lock(tables_mutex());

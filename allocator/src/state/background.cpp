@@ -14,8 +14,9 @@ namespace fragless {
 
 namespace {
 
-// The live workers, for the fork() handlers. A worker registers itself when it starts and unregisters when
-// it ends, holding only this mutex, never the device lock; before_fork takes this mutex, then each device
+// Every live Background (one per device engine, a worker or not), for the fork() handlers. One registers
+// itself when made and unregisters when destroyed, and a worker marks itself looping when it starts and
+// ends, holding only this mutex, never the device lock; before_fork takes this mutex, then each device
 // lock, so the order is always registry, then device.
 std::mutex g_registry_mu;
 Background* g_registry = nullptr;
@@ -35,15 +36,27 @@ Background::Background(SpinMutex& mu, BackgroundMode mode)
     : mu_(mu),
       mode_(mode),
       work_cv_(std::make_unique<std::condition_variable_any>()),
-      idle_cv_(std::make_unique<std::condition_variable_any>()) {}
+      idle_cv_(std::make_unique<std::condition_variable_any>()) {
+  install_fork_handlers();
+  std::lock_guard lk(g_registry_mu);
+  next_ = g_registry;
+  g_registry = this;
+}
 
-Background::~Background() { stop(); }
+Background::~Background() {
+  stop();
+  std::lock_guard lk(g_registry_mu);
+  for (Background** p = &g_registry; *p; p = &(*p)->next_)
+    if (*p == this) {
+      *p = next_;
+      break;
+    }
+}
 
 void Background::wake() {
   work_ = true;
   if (mode_ != BackgroundMode::thread) return;
   if (!thread_ && !stop_) {
-    install_fork_handlers();
     fork_generation_ = g_fork_generation.load();
     thread_ = new std::thread(start_quiet_thread([this] { loop(); }));
     return;
@@ -145,9 +158,7 @@ void Background::drain() {
 void Background::loop() {
   {
     std::lock_guard lk(g_registry_mu);
-    next_ = g_registry;
-    g_registry = this;
-    registered_ = true;
+    looping_ = true;
   }
   {
     BackgroundCalls counted;
@@ -163,18 +174,28 @@ void Background::loop() {
     idle_cv_->notify_all();
   }
   std::lock_guard lk(g_registry_mu);
-  for (Background** p = &g_registry; *p; p = &(*p)->next_)
-    if (*p == this) {
-      *p = next_;
-      break;
-    }
-  registered_ = false;
+  looping_ = false;
 }
 
+// Note [Device locks across fork]: as glibc's malloc holds its arenas' locks across fork(), the prepare
+// handler takes every device's lock and holds it until the parent or child handler: no other thread is
+// inside a device's books at the fork, so the child finds every lock free and the books whole (a DataLoader
+// worker forked while another thread of the parent allocated would otherwise wait for ever at its first
+// allocation). The order is the registry's; no code holds two device locks at once, so no cycle can form
+// (an event sink that calls into another device would break that: sinks must not). A lock the forking
+// thread holds itself (fork() from an event sink, or from a signal handler that interrupted the allocator)
+// is not taken again, and its worker is paused but not waited for, since waiting would release that lock
+// under the code that holds it: the child goes on holding it, as that thread did, and the job that was in
+// flight, if any, is lost to it (its memory is the driver's, not in the child's books).
 void Background::before_fork() {
-  g_registry_mu.lock();  // held until the parent or child handler: no worker starts or ends meanwhile
+  g_registry_mu.lock();  // held until the parent or child handler: no engine is made or destroyed meanwhile
   for (Background* b = g_registry; b; b = b->next_) {
-    std::lock_guard lk(b->mu_);
+    if (b->mu_.held_by_this_thread()) {
+      b->fork_paused_ = true;
+      continue;
+    }
+    b->mu_.lock();
+    b->fork_locked_ = true;
     b->quiesce();
     b->fork_paused_ = true;
   }
@@ -182,9 +203,12 @@ void Background::before_fork() {
 
 void Background::after_fork_parent() {
   for (Background* b = g_registry; b; b = b->next_) {
-    std::lock_guard lk(b->mu_);
     b->fork_paused_ = false;
     if (b->work_) b->work_cv_->notify_one();
+    if (b->fork_locked_) {
+      b->fork_locked_ = false;
+      b->mu_.unlock();
+    }
   }
   g_registry_mu.unlock();
 }
@@ -193,16 +217,23 @@ void Background::after_fork_child() {
   g_fork_generation.fetch_add(1);
   // Only the forking thread exists here: the workers are gone, and so is their work.
   for (Background* b = g_registry; b; b = b->next_) {
-    b->mode_ = BackgroundMode::off;
+    b->mu_.forget_waiters();
     b->fork_paused_ = false;
-    b->work_ = false;
-    b->thread_ = nullptr;  // leaked: there is no thread to join
-    (void)b->work_cv_.release();  // leaked too (see the member)
-    (void)b->idle_cv_.release();
-    b->work_cv_ = std::make_unique<std::condition_variable_any>();
-    b->idle_cv_ = std::make_unique<std::condition_variable_any>();
+    if (b->mode_ == BackgroundMode::thread) b->mode_ = BackgroundMode::off;  // none is started here either
+    if (b->looping_ || b->thread_) {
+      b->looping_ = false;
+      b->work_ = false;
+      b->thread_ = nullptr;  // leaked: there is no thread to join
+      (void)b->work_cv_.release();  // leaked too (see the member)
+      (void)b->idle_cv_.release();
+      b->work_cv_ = std::make_unique<std::condition_variable_any>();
+      b->idle_cv_ = std::make_unique<std::condition_variable_any>();
+    }
+    if (b->fork_locked_) {
+      b->fork_locked_ = false;
+      b->mu_.unlock();
+    }
   }
-  g_registry = nullptr;
   g_registry_mu.unlock();
 }
 

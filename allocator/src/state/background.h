@@ -19,8 +19,9 @@
 //    outlives the engine (stop() joins it), and at process exit the C ABI, the CPU allocator and the
 //    interposer, whose engines live on, stop it (DeviceEngine::stop_background); an exit on a thread that
 //    holds the device lock detaches it instead (Note [Exit while the lock is held]);
-//  - across fork(): the prepare handler waits for the job in flight and pauses every worker, so the child
-//    inherits no half-done job; the worker does not exist in the child, which does no background work;
+//  - across fork(): the prepare handler takes every device lock, waits for the job in flight and pauses
+//    every worker, so the child inherits no half-done job and no lock held (Note [Device locks across
+//    fork], background.cpp); the worker does not exist in the child, which does no background work;
 //  - a job that fails (a create refused, an event that cannot be recorded) leaves the engine consistent:
 //    the range is given back or left as it was. The memory is then simply not there, and the request that
 //    needs it grows or runs out of memory on its own path, with its own retry chain.
@@ -131,7 +132,8 @@ class Background {
   // Whether a job should stop at its next driver call.
   const std::atomic<bool>& abort_flag() const { return abort_; }
 
-  // fork() handlers (pthread_atfork), over every live worker.
+  // fork() handlers (pthread_atfork), over every live Background: they hold every device lock across the
+  // fork (Note [Device locks across fork], background.cpp).
   static void before_fork();
   static void after_fork_parent();
   static void after_fork_child();
@@ -156,8 +158,9 @@ class Background {
   std::atomic<bool> abort_{false};
   std::thread* thread_ = nullptr;  // leaked, never joined, in a forked child (the thread is not there)
   std::uint64_t fork_generation_ = 0;  // of the process the thread was started in
-  bool registered_ = false;
-  Background* next_ = nullptr;  // the registry of live workers, for fork()
+  bool looping_ = false;       // the worker's loop is running (under the registry's mutex)
+  bool fork_locked_ = false;  // the fork's prepare handler took the device lock (Note [Device locks across fork])
+  Background* next_ = nullptr;  // the registry of every live Background, for fork()
 };
 
 }  // namespace fragless

@@ -1,0 +1,139 @@
+// fork() while a device's lock is held (Note [Device locks across fork], background.cpp): the prepare
+// handler waits for the lock and holds it across the fork, so a child forked while another thread was inside
+// the allocator finds the lock free and the books whole; a fork from a thread that holds the lock itself
+// (from an event sink) neither deadlocks nor loses the lock.
+#include <catch2/catch.hpp>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "fragless/allocator.h"
+#include "fragless/trace.h"
+#include "helpers.h"
+#include "watchdog.h"
+
+using namespace fragless;
+
+namespace {
+
+using test::MiB;
+constexpr std::size_t kHeldSize = 3 * MiB + 4321;  // the allocation whose event holds the lock, or forks
+
+// Holds the device lock from inside the allocation of kHeldSize until `release` is set.
+class HoldingSink final : public EventSink {
+ public:
+  std::atomic<bool> inside{false}, release{false};
+  void on_event(const TraceEvent& e) override {
+    if (e.action != TraceAction::alloc || e.requested_size != kHeldSize) return;
+    inside = true;
+    while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  void flush() override {}
+};
+
+// Forks from inside the allocation of kHeldSize, on the thread that holds the device lock.
+class ForkingSink final : public EventSink {
+ public:
+  pid_t forked = -1;
+  void on_event(const TraceEvent& e) override {
+    if (e.action != TraceAction::alloc || e.requested_size != kHeldSize || forked >= 0) return;
+    std::fflush(stdout);
+    std::fflush(stderr);
+    forked = fork();
+  }
+  void flush() override {}
+};
+
+// In a child: the engine takes requests, and its books are whole; the exit code names what failed.
+[[noreturn]] void child_uses(DeviceEngine* e) {
+  AllocError err;
+  void* p = e->allocate(5 * MiB, 0, &err);
+  if (!p) _exit(10);
+  std::memset(p, 0x5c, 5 * MiB);
+  if (e->free(p) != Status::ok) _exit(11);
+  if (!e->check_invariants().empty()) _exit(12);
+  _exit(0);
+}
+
+}  // namespace
+
+TEST_CASE("fork while another thread holds the device lock: the child's first allocation does not wait for ever",
+          "[fork]") {
+  const char* conf = GENERATE("driver:host,capacity_mb:256", "driver:host,capacity_mb:256,policy:classic",
+                              "driver:host,capacity_mb:256,policy:expandable,background:False");
+  INFO(conf);
+  auto a = test::allocator_from(conf);
+  DeviceEngine* e = a->device(0);
+  REQUIRE(e);
+  HoldingSink sink;
+  e->set_event_sink(&sink);
+  void* held = nullptr;
+  std::thread holder([&] { held = e->allocate(kHeldSize, 0, nullptr); });
+  for (int i = 0; i < 10000 && !sink.inside; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  REQUIRE(sink.inside);
+  // The fork waits in its prepare handler for the lock, which the holder lets go in 200 ms.
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    sink.release = true;
+  });
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const auto forked_at = std::chrono::steady_clock::now();
+  const pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    alarm(static_cast<unsigned>(test::child_watchdog_s()));
+    child_uses(e);
+  }
+  const auto waited = std::chrono::steady_clock::now() - forked_at;
+  releaser.join();
+  holder.join();
+  const int status = test::wait_for_child(pid, "a child forked while another thread held the device lock");
+  INFO("the child " << test::describe_status(status)
+                    << " (exit 10 to 12: allocate, free, the books; SIGALRM: it waited for the lock)");
+  CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+  CHECK(waited >= std::chrono::milliseconds(150));  // the fork did wait for the lock
+  e->set_event_sink(nullptr);
+  REQUIRE(held);
+  CHECK(e->free(held) == Status::ok);
+  CHECK(e->check_invariants().empty());
+}
+
+TEST_CASE("fork from an event sink, on the thread that holds the device lock: no deadlock, and both sides go on",
+          "[fork]") {
+  const char* conf = GENERATE("driver:host,capacity_mb:256", "driver:host,capacity_mb:256,policy:classic");
+  INFO(conf);
+  auto a = test::allocator_from(conf);
+  DeviceEngine* e = a->device(0);
+  REQUIRE(e);
+  {  // the device's worker has had work (a free multi-page handle to split, with the fragless policy)
+    void* body = e->allocate(30 * MiB, 0, nullptr);
+    REQUIRE(body);
+    REQUIRE(e->free(body) == Status::ok);
+  }
+  test::Watchdog watchdog("fork from an event sink", 60);  // a prepare handler that waits for its own lock hangs
+  ForkingSink sink;
+  e->set_event_sink(&sink);
+  void* p = e->allocate(kHeldSize, 0, nullptr);  // forks inside; both processes return here
+  if (sink.forked == 0) {
+    alarm(static_cast<unsigned>(test::child_watchdog_s()));
+    if (!p) _exit(20);
+    e->set_event_sink(nullptr);
+    if (e->free(p) != Status::ok) _exit(21);
+    child_uses(e);
+  }
+  REQUIRE(sink.forked > 0);
+  e->set_event_sink(nullptr);
+  REQUIRE(p);
+  CHECK(e->free(p) == Status::ok);
+  const int status = test::wait_for_child(sink.forked, "a child forked from an event sink");
+  INFO("the child " << test::describe_status(status));
+  CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+  CHECK(e->check_invariants().empty());
+}
