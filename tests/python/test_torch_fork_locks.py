@@ -10,7 +10,7 @@ and FRAGLESS_CPU_PROBE set."""
 import threading
 
 from torch_prologue import check, fragless_as_cpu_allocator, torch  # exits 77 (skipped) without PyTorch
-lib = fragless_as_cpu_allocator("driver:host,capacity_mb:1024,background:False")  # a hang fails with stacks
+lib = fragless_as_cpu_allocator("driver:host,capacity_mb:1024,background:False", watchdog_s=300)
 import fragless  # noqa: E402
 torch.set_num_threads(1)
 N = 1 << 20  # 4 MiB tensors: fragless's pages, not PyTorch's small-object paths

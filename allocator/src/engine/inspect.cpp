@@ -60,7 +60,7 @@ std::string DeviceEngine::State::check_invariants() {
         if (b->mapped() && !page_mapped) fail("I2: a mapped block touches an unmapped page", b);
         if (!b->mapped() && page_mapped) fail("I2: an unmapped block covers a mapped page", b);
       }
-      if (b->state == BlockState::busy && !background.in_flight())
+      if (b->state == BlockState::busy && !background.in_flight() && !background.job_lost())
         fail("a busy block while no background job is in flight", b);
       if (b->state == BlockState::unmapped) {
         if ((b->ptr - seg.base) % seg.page_size || b->size % seg.page_size) fail("I2: unaligned unmapped block", b);

@@ -164,6 +164,9 @@ void Background::loop() {
     BackgroundCalls counted;
     std::lock_guard lk(mu_);
     for (;;) {
+      // A forked child whose one thread is this one (a sink forked during a finish): the loop ends, and the
+      // child with it (Note [Device locks across fork]).
+      if (fork_generation_ != g_fork_generation.load()) break;
       while (!stop_ && !(work_ && may_take())) {
         idle_cv_->notify_all();  // drain() waits for this
         work_cv_->wait(mu_);
@@ -181,12 +184,20 @@ void Background::loop() {
 // handler takes every device's lock and holds it until the parent or child handler: no other thread is
 // inside a device's books at the fork, so the child finds every lock free and the books whole (a DataLoader
 // worker forked while another thread of the parent allocated would otherwise wait for ever at its first
-// allocation). The order is the registry's; no code holds two device locks at once, so no cycle can form
-// (an event sink that calls into another device would break that: sinks must not). A lock the forking
-// thread holds itself (fork() from an event sink, or from a signal handler that interrupted the allocator)
-// is not taken again, and its worker is paused but not waited for, since waiting would release that lock
-// under the code that holds it: the child goes on holding it, as that thread did, and the job that was in
-// flight, if any, is lost to it (its memory is the driver's, not in the child's books).
+// allocation, or at its exit, freeing what it inherited). The order is the registry's; no code holds two
+// device locks at once, so no cycle can form (an event sink that calls into another device would break
+// that: sinks must not). The cost: a fork waits for a slow path in progress (a cuMemCreate of GiBs, the
+// synchronisation of empty_cache), on every device, CUDA ones included, where a child cannot use CUDA but
+// may still free what it inherited. Nothing may call pthread_atfork under a device lock (glibc holds its
+// own handler lock from the prepare handlers to the parent and child ones): the handlers are installed when
+// a Background is made, never under its lock. A lock the forking thread holds itself (fork() from an event
+// sink) is not taken again, and its worker is paused but not waited for, since waiting would release that
+// lock under the code that holds it. The child goes on holding it, as that thread did; the job that was in
+// flight, if any, is lost to it: its range stays busy, out of every pool, for the child's life (job_lost_),
+// and nothing in the child waits for it. A sink that forks on the worker thread itself (during a job's
+// finish) leaves a child whose one thread is that worker: it returns from the sink into the loop, which ends,
+// and with it the child (exit status 0). A fork from a signal handler that interrupted fragless is not
+// covered (fork() is not async-signal-safe; the host driver's own locks would then deadlock the fork).
 void Background::before_fork() {
   g_registry_mu.lock();  // held until the parent or child handler: no engine is made or destroyed meanwhile
   for (Background* b = g_registry; b; b = b->next_) {
@@ -220,15 +231,17 @@ void Background::after_fork_child() {
     b->mu_.forget_waiters();
     b->fork_paused_ = false;
     if (b->mode_ == BackgroundMode::thread) b->mode_ = BackgroundMode::off;  // none is started here either
-    if (b->looping_ || b->thread_) {
-      b->looping_ = false;
-      b->work_ = false;
-      b->thread_ = nullptr;  // leaked: there is no thread to join
-      (void)b->work_cv_.release();  // leaked too (see the member)
-      (void)b->idle_cv_.release();
-      b->work_cv_ = std::make_unique<std::condition_variable_any>();
-      b->idle_cv_ = std::make_unique<std::condition_variable_any>();
+    if (b->in_flight_) {  // only where the forking thread held the lock: the job's thread is not here
+      b->in_flight_ = false;
+      b->job_lost_ = true;
     }
+    b->looping_ = false;
+    b->work_ = false;
+    b->thread_ = nullptr;  // leaked: there is no thread to join
+    (void)b->work_cv_.release();  // leaked too (see the member)
+    (void)b->idle_cv_.release();
+    b->work_cv_ = std::make_unique<std::condition_variable_any>();
+    b->idle_cv_ = std::make_unique<std::condition_variable_any>();
     if (b->fork_locked_) {
       b->fork_locked_ = false;
       b->mu_.unlock();

@@ -104,6 +104,9 @@ class Background {
   }
   BackgroundMode mode() const { return mode_; }
   bool in_flight() const { return in_flight_; }  // device lock held
+  // In a forked child: the job in flight at the fork ran on a thread the child does not have; its range
+  // stays busy (Note [Device locks across fork]).
+  bool job_lost() const { return job_lost_; }
   // Device lock held: jobs run now without starting anything (manual mode, or a worker thread that exists).
   bool running() const { return mode_ == BackgroundMode::manual || (mode_ == BackgroundMode::thread && thread_); }
 
@@ -152,6 +155,7 @@ class Background {
   std::unique_ptr<std::condition_variable_any> work_cv_, idle_cv_;
   bool work_ = false;         // a wake() since the policy last ran out of jobs
   bool in_flight_ = false;    // a job is between take and finish
+  bool job_lost_ = false;     // in a forked child: see job_lost()
   bool routed_ = false;       // a pool routing is active: no new job
   bool fork_paused_ = false;  // a fork() is under way: no new job
   bool stop_ = false;
