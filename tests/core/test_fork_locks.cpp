@@ -81,13 +81,13 @@ TEST_CASE("fork while another thread holds the device lock: the child's first al
   for (int i = 0; i < 10000 && !sink.inside; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   REQUIRE(sink.inside);
   // The fork waits in its prepare handler for the lock, which the holder lets go in 200 ms.
+  const auto forked_at = std::chrono::steady_clock::now();  // before the releaser starts its 200 ms
   std::thread releaser([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
     sink.release = true;
   });
   std::fflush(stdout);
   std::fflush(stderr);
-  const auto forked_at = std::chrono::steady_clock::now();
   const pid_t pid = fork();
   REQUIRE(pid >= 0);
   if (pid == 0) {

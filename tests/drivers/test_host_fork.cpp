@@ -124,6 +124,7 @@ TEST_CASE("host driver across fork: the child's writes, allocations and releases
     const pid_t grandchild = fork();
     if (grandchild < 0) _exit(25);
     if (grandchild == 0) {
+      alarm(static_cast<unsigned>(test::child_watchdog_s()));  // alarms are not inherited across fork
       if (!all_bytes(mine, kSize, 0x44) || !all_bytes(kept, kSize, 0x33)) _exit(1);
       std::memset(mine, 0x99, kSize);
       void* its = e->allocate(kSize, 0, &cerr);  // from the child's own memfd, or what it inherited

@@ -70,8 +70,8 @@ class HostDriver final : public Driver {
   // child makes of it is copy-on-write on its own (re-backing copies what the child wrote, as it copies any
   // block). It is never exported, and released without punching the parent's pages or giving their range to
   // new handles; new handles come from a memfd of the child's own, made at its first create (the same
-  // capacity, counted with what it inherited, whose offsets in the budget it keeps). What this does not give, as Linux keeps a private page the
-  // file's until the child writes it:
+  // capacity, counted with what it inherited, whose offsets in the budget it keeps). What this does not
+  // give, as Linux keeps a private page the file's until the child writes it:
   // - a page the child has not written shows what the parent writes there later, including what a new
   //   handle of the parent's writes once the parent released the old one and reused its range; a child sees
   //   the memory as it was at the fork only in the pages it wrote, or for as long as the parent leaves them;
@@ -96,10 +96,9 @@ class HostDriver final : public Driver {
   void child_after_fork() {
     // A handle inherited at an earlier fork is mapped copy-on-write already, which this fork copies as it
     // copies ordinary memory: only the shared ones are remapped.
-    for (auto& [h, hd] : handles_) hd.remap = !hd.imported && !hd.inherited;
     for (const auto& [va, m] : mappings_) {
       const Handle& hd = handles_.find(m.handle)->second;
-      if (!hd.remap) continue;
+      if (hd.imported || hd.inherited) continue;
       void* at = reinterpret_cast<void*>(va);
       if (mmap(at, m.size, m.accessible ? PROT_READ | PROT_WRITE : PROT_NONE, MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE,
                hd.fd, static_cast<off_t>(hd.own_fd ? 0 : hd.offset)) != MAP_FAILED)
@@ -117,11 +116,7 @@ class HostDriver final : public Driver {
       (void)!write(2, msg, sizeof msg - 1);
       _exit(127);
     }
-    for (auto& [h, hd] : handles_)
-      if (hd.remap) {
-        hd.remap = false;
-        hd.inherited = true;
-      }
+    for (auto& [h, hd] : handles_) hd.inherited = !hd.imported;
     // The parent's memfd stays open for the inherited handles that are in it; the child's first create
     // that needs one makes its own. The free ranges stay as they are: the budget's offsets, which the
     // inherited handles keep until the child releases them (in the child's memfd nothing is there).
@@ -167,7 +162,6 @@ class HostDriver final : public Driver {
     int fd;
     std::size_t offset, size;
     bool own_fd = false, imported = false, inherited = false;
-    bool remap = false;  // only inside the fork's child handler
   };
   struct Mapping { std::size_t size; PhysHandle handle; bool accessible; };
   struct Fault { std::uint64_t countdown = 0; Status status = Status::ok; };
@@ -228,7 +222,7 @@ class HostDriver final : public Driver {
   Status do_create(std::size_t size, PhysHandle* h) override {
     if (Status st; injected(DriverCall::create, &st)) return st;
     if (size == 0 || !aligned(size)) return fail("create: size not a multiple of the granularity");
-    for (auto it = free_ranges_.begin(); used_ + size <= capacity_ && it != free_ranges_.end(); ++it) {  // first fit
+    for (auto it = free_ranges_.begin(); it != free_ranges_.end(); ++it) {  // first fit
       if (it->second < size) continue;
       const std::size_t offset = it->first, len = it->second;
       free_ranges_.erase(it);

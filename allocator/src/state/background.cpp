@@ -15,8 +15,7 @@ namespace fragless {
 namespace {
 
 // Every live Background (one per device engine, a worker or not), for the fork() handlers. One registers
-// itself when made and unregisters when destroyed, and a worker marks itself looping when it starts and
-// ends, holding only this mutex, never the device lock; before_fork takes this mutex, then each device
+// itself when made and unregisters when destroyed, holding only this mutex, never the device lock; before_fork takes this mutex, then each device
 // lock, so the order is always registry, then device.
 std::mutex g_registry_mu;
 Background* g_registry = nullptr;
@@ -157,10 +156,6 @@ void Background::drain() {
 
 void Background::loop() {
   {
-    std::lock_guard lk(g_registry_mu);
-    looping_ = true;
-  }
-  {
     BackgroundCalls counted;
     std::lock_guard lk(mu_);
     for (;;) {
@@ -176,8 +171,6 @@ void Background::loop() {
     }
     idle_cv_->notify_all();
   }
-  std::lock_guard lk(g_registry_mu);
-  looping_ = false;
 }
 
 // Note [Device locks across fork]: as glibc's malloc holds its arenas' locks across fork(), the prepare
@@ -235,7 +228,6 @@ void Background::after_fork_child() {
       b->in_flight_ = false;
       b->job_lost_ = true;
     }
-    b->looping_ = false;
     b->work_ = false;
     b->thread_ = nullptr;  // leaked: there is no thread to join
     (void)b->work_cv_.release();  // leaked too (see the member)

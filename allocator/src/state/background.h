@@ -162,7 +162,6 @@ class Background {
   std::atomic<bool> abort_{false};
   std::thread* thread_ = nullptr;  // leaked, never joined, in a forked child (the thread is not there)
   std::uint64_t fork_generation_ = 0;  // of the process the thread was started in
-  bool looping_ = false;       // the worker's loop is running (under the registry's mutex)
   bool fork_locked_ = false;  // the fork's prepare handler took the device lock (Note [Device locks across fork])
   Background* next_ = nullptr;  // the registry of every live Background, for fork()
 };
