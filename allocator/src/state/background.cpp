@@ -229,11 +229,13 @@ void Background::after_fork_child() {
       b->job_lost_ = true;
     }
     b->work_ = false;
-    b->thread_ = nullptr;  // leaked: there is no thread to join
-    (void)b->work_cv_.release();  // leaked too (see the member)
-    (void)b->idle_cv_.release();
-    b->work_cv_ = std::make_unique<std::condition_variable_any>();
-    b->idle_cv_ = std::make_unique<std::condition_variable_any>();
+    if (b->thread_) {  // the worker may have been waiting on them
+      b->thread_ = nullptr;  // leaked: there is no thread to join
+      (void)b->work_cv_.release();  // leaked too (see the member)
+      (void)b->idle_cv_.release();
+      b->work_cv_ = std::make_unique<std::condition_variable_any>();
+      b->idle_cv_ = std::make_unique<std::condition_variable_any>();
+    }
     if (b->fork_locked_) {
       b->fork_locked_ = false;
       b->mu_.unlock();
