@@ -383,10 +383,12 @@ bool recursing() {
   return true;
 }
 
-bool& cached_counted() {
-  thread_local bool counted = false;
-  return counted;
+namespace {
+thread_local int t_reading_free = 0;
 }
+ReadingFreeMemory::ReadingFreeMemory() { ++t_reading_free; }
+ReadingFreeMemory::~ReadingFreeMemory() { --t_reading_free; }
+bool reading_free_memory() { return t_reading_free != 0; }
 
 int owner(const void* p) {
   fragless::Allocator* a = ip().get();
@@ -563,15 +565,18 @@ FRAGLESS_EXPORT int fragless_preload_memory(int device, size_t* allocated, size_
 }
 
 FRAGLESS_EXPORT cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
-  fragless_preload::cached_counted() = false;
-  const cudaError_t r = real().mem_get_info ? real().mem_get_info(free_bytes, total) : kInvalidValue;
-  if (r != kSuccess || fragless_preload::cached_counted() || fragless_preload::recursing()) return r;  // counted already
-  if (fragless::Allocator* a = ip().get())
-    if (fragless::DeviceEngine* e = a->existing(current_device())) {
-      const auto u = e->usage();
-      if (u.reserved > u.allocated) *free_bytes += static_cast<size_t>(u.reserved - u.allocated);  // cached, reusable
-    }
-  return kSuccess;
+  if (!real().mem_get_info) return kInvalidValue;
+  if (fragless_preload::reading_free_memory() || fragless_preload::recursing()) return real().mem_get_info(free_bytes, total);
+  fragless::Allocator* a = ip().get();
+  fragless::DeviceEngine* e = a ? a->existing(current_device()) : nullptr;
+  if (!e) return real().mem_get_info(free_bytes, total);
+  cudaError_t r = kInvalidValue;  // Note [Free memory at one moment] (preload_core.h)
+  const auto u = e->usage_with([&] {
+    fragless_preload::ReadingFreeMemory reading;
+    r = real().mem_get_info(free_bytes, total);
+  });
+  if (r == kSuccess && u.reserved > u.allocated) *free_bytes += static_cast<size_t>(u.reserved - u.allocated);
+  return r;
 }
 
 // Counters for tests and curious users: mallocs served, frees taken, frees forwarded, fences, fallbacks.

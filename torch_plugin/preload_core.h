@@ -66,9 +66,19 @@ void capture_ended(fragless::Stream stream);
 // stream given the same handle value is a new stream. Nothing for a device without an engine.
 void retire_stream(fragless::Stream stream, int device);
 
-// Set on the calling thread by the driver half's cuMemGetInfo once it has counted fragless's cached memory as
-// free: the runtime's cudaMemGetInfo (which reaches it through the runtime's driver table) then adds nothing.
-bool& cached_counted();
+// Note [Free memory at one moment]: cudaMemGetInfo and cuMemGetInfo answer the driver's free memory plus what
+// fragless holds cached (reserved less allocated), the two read under the device's engine lock with no
+// background job in flight (DeviceEngine::usage_with): a split releases its handle before creating the
+// pages, so a reading outside it could count one split's bytes twice or not at all. ReadingFreeMemory marks
+// the real call made there: the runtime's cudaMemGetInfo reaches the interposed cuMemGetInfo through its
+// driver table, which then forwards it as it is (the lock is held, and the cache is counted once).
+struct ReadingFreeMemory {
+  ReadingFreeMemory();
+  ~ReadingFreeMemory();
+  ReadingFreeMemory(const ReadingFreeMemory&) = delete;
+  ReadingFreeMemory& operator=(const ReadingFreeMemory&) = delete;
+};
+bool reading_free_memory();
 
 // Note [No recursion] (preload_driver_lookup.cpp): a thread inside fragless (allocating or freeing for an
 // interposed call) that comes back into an interposed entry point is counted and forwarded to the driver or

@@ -346,18 +346,21 @@ FRAGLESS_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr* p, size_t siz
 FRAGLESS_EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { return free_async(p, s, false); }
 FRAGLESS_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { return free_async(p, s, true); }
 
-// Memory fragless caches but does not use counts as free, as for cudaMemGetInfo.
+// Memory fragless caches but does not use counts as free, as for cudaMemGetInfo (Note [Free memory at one
+// moment], preload_core.h).
 FRAGLESS_EXPORT CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
   if (!real().mem_get_info) return CUDA_ERROR_NOT_INITIALIZED;
-  const CUresult r = real().mem_get_info(free_bytes, total);
-  if (r != CUDA_SUCCESS || recursing()) return r;
-  fragless_preload::cached_counted() = true;
+  if (fragless_preload::reading_free_memory() || recursing()) return real().mem_get_info(free_bytes, total);
   const int dev = primary_device(current_context());
   fragless::Allocator* a = fragless_preload::allocator();
-  if (fragless::DeviceEngine* e = a && dev >= 0 ? a->existing(dev) : nullptr) {
-    const auto u = e->usage();
-    if (u.reserved > u.allocated) *free_bytes += static_cast<size_t>(u.reserved - u.allocated);
-  }
+  fragless::DeviceEngine* e = a && dev >= 0 ? a->existing(dev) : nullptr;
+  if (!e) return real().mem_get_info(free_bytes, total);
+  CUresult r = CUDA_ERROR_NOT_INITIALIZED;
+  const auto u = e->usage_with([&] {
+    fragless_preload::ReadingFreeMemory reading;
+    r = real().mem_get_info(free_bytes, total);
+  });
+  if (r == CUDA_SUCCESS && u.reserved > u.allocated) *free_bytes += static_cast<size_t>(u.reserved - u.allocated);
   return r;
 }
 

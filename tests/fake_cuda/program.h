@@ -52,6 +52,7 @@ struct Double {
   decltype(&fakecuda_adopt_stream) adopt = nullptr;
   decltype(&fakecuda_foreign_alloc) foreign_alloc = nullptr;
   decltype(&fakecuda_free_bytes) free_bytes = nullptr;
+  decltype(&fakecuda_set_delay) set_delay = nullptr;
   int (*primary_state)(int, unsigned*, int*) = nullptr;  // cuDevicePrimaryCtxGetState
   explicit Double(void* handle) : lib(handle) {
     need(&census_, dlsym(lib, "fakecuda_get_census"), "fakecuda_get_census");
@@ -63,6 +64,7 @@ struct Double {
     need(&adopt, dlsym(lib, "fakecuda_adopt_stream"), "fakecuda_adopt_stream");
     need(&foreign_alloc, dlsym(lib, "fakecuda_foreign_alloc"), "fakecuda_foreign_alloc");
     need(&free_bytes, dlsym(lib, "fakecuda_free_bytes"), "fakecuda_free_bytes");
+    need(&set_delay, dlsym(lib, "fakecuda_set_delay"), "fakecuda_set_delay");
     need(&primary_state, dlsym(lib, "cuDevicePrimaryCtxGetState"), "cuDevicePrimaryCtxGetState");
   }
   fakecuda_census census() const {

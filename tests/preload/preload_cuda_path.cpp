@@ -217,6 +217,32 @@ int main(int argc, char** argv) {
   expect(agrees, "free = the driver's free + fragless's cached bytes, counted once (" + std::to_string(free_b / MiB) +
                      " MiB, the driver's " + std::to_string(driver_free / MiB) + " MiB, cached " +
                      std::to_string((re - al) / MiB) + " MiB)");
+  // Every reading agrees with that one while the background worker splits what a new free gave it (a release,
+  // then creates, each slowed to 2 ms here so that the readings fall inside): the interposer reads the driver
+  // and fragless's books at one moment (Note [Free memory at one moment]), and nothing allocated in between.
+  // Both halves: the runtime's call and the driver's.
+  const size_t settled = free_b;
+  using MemGetInfo = CUresult (*)(size_t*, size_t*);
+  const auto cu_mem_get_info = reinterpret_cast<MemGetInfo>(dlsym(RTLD_DEFAULT, "cuMemGetInfo_v2"));  // the interposer's
+  expect(cu_mem_get_info != nullptr, "cuMemGetInfo_v2 is found");
+  const unsigned long creates_before = d.calls("cuMemCreate");
+  expect(cudaMallocAsync(&cached, 60 * MiB, nullptr) == 0, "60 MiB more");
+  d.set_delay("cuMemCreate", 2000);
+  expect(cudaFreeAsync(cached, nullptr) == 0, "the 60 MiB freed: cached");
+  int readings = 0, differ = 0;
+  size_t odd = settled;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(150);
+  while (std::chrono::steady_clock::now() < until) {
+    size_t f = 0, t = 0;
+    const bool ok = (readings++ % 2 && cu_mem_get_info ? cu_mem_get_info(&f, &t) : cudaMemGetInfo(&f, &t)) == 0;
+    if (!ok || f != settled) ++differ, odd = f;
+  }
+  d.set_delay("cuMemCreate", 0);
+  const unsigned long creates_after = d.calls("cuMemCreate");
+  std::printf("while the worker split: %d readings, %lu creates\n", readings, creates_after - creates_before);
+  expect(differ == 0, std::to_string(differ) + " of " + std::to_string(readings) +
+                          " readings while the worker split differ from the settled " + std::to_string(settled) +
+                          " bytes free (one: " + std::to_string(odd) + ")");
   expect(cudaSetDevice(0) == 0, "cudaSetDevice(0)");
 
   // 9. cudaMallocAsync allocates from the device's current pool (cudaDeviceSetMemPool), as cuMemAllocAsync

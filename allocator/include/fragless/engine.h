@@ -145,6 +145,11 @@ class DeviceEngine {
   // Current allocated, reserved and live bytes: a cheap subset of stats() for per-event sampling.
   struct Usage { std::int64_t allocated = 0, reserved = 0, live = 0; };
   Usage usage();
+  // Runs read() (a query of the device's free memory: cuMemGetInfo, cudaMemGetInfo) at one moment with
+  // fragless's books: under the engine's lock, with no background job in flight (a split releases its handle
+  // before it creates the pages, so the driver's free memory moves for a moment while the books do not).
+  // Returns usage() as of that moment. read() must not call back into this engine.
+  Usage usage_with(const std::function<void()>& read);
   void reset_peak_stats();
   void reset_accumulated_stats();
   std::vector<SegmentInfo> snapshot();

@@ -337,6 +337,14 @@ DeviceEngine::Usage DeviceEngine::usage() {
           s_->stats.live_bytes.current};
 }
 
+DeviceEngine::Usage DeviceEngine::usage_with(const std::function<void()>& read) {
+  std::lock_guard lk(s_->mu);
+  s_->background.wait_idle();
+  read();
+  return {s_->stats.allocated_bytes.all().current, s_->stats.reserved_bytes.all().current,
+          s_->stats.live_bytes.current};
+}
+
 void DeviceEngine::reset_peak_stats() {
   std::lock_guard lk(s_->mu);
   s_->stats.reset_peaks();
