@@ -108,6 +108,10 @@ class DeviceSink final : public EventSink {
     for (const auto& [addr, st] : blocks) out->block_frames[addr] = frames(st);
   }
   bool needed() const { return tracer_ != nullptr || max_entries_ != 0; }
+  // fork() holds the ring's lock (fragless::hold_across_fork): collect and set_history take it without a
+  // device lock, so a child forked during a snapshot would otherwise wait for ever at its first event.
+  static void lock_for_fork(void* s) { static_cast<DeviceSink*>(s)->mu_.lock(); }
+  static void unlock_for_fork(void* s) { static_cast<DeviceSink*>(s)->mu_.unlock(); }
   // Which stacks an allocation (a free) on this device records: stacks::python | stacks::cpp, or 0.
   int stacks_for_alloc() const { return wanted_alloc_.load(std::memory_order_relaxed); }
   int stacks_for_free() const { return wanted_free_.load(std::memory_order_relaxed); }
@@ -187,8 +191,11 @@ Allocator* get(int devices = -1) {
     std::fprintf(stderr, "%s\n", err.c_str());
     return nullptr;
   }
-  for (int d = 0; d < p.alloc->device_count(); ++d)
+  for (int d = 0; d < p.alloc->device_count(); ++d) {
     p.sinks.push_back(std::make_unique<DeviceSink>(p.alloc->trace_sink(d)));
+    hold_across_fork(&DeviceSink::lock_for_fork, &DeviceSink::unlock_for_fork, p.sinks.back().get());
+  }
+  hold_across_fork([](void*) { stacks::lock_tables(); }, [](void*) { stacks::unlock_tables(); }, nullptr);
   attach_sinks(p);
   std::atexit(flush_at_exit);
   p.ready.store(p.alloc.get(), std::memory_order_release);

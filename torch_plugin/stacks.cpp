@@ -199,6 +199,15 @@ int Namer::line(const void* code, int offset) {
   return p.addr2line(static_cast<const CodeInfo*>(code)->code, offset);
 }
 
+void lock_tables() {
+  g_mu.lock();
+  lock_unwind_table();
+}
+void unlock_tables() {
+  unlock_unwind_table();
+  g_mu.unlock();
+}
+
 std::vector<Frame> Namer::operator()(const Stack& s) {
   std::vector<Frame> out;
   out.reserve(s.cpp.size() + s.python.size());

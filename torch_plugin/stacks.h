@@ -39,6 +39,12 @@ struct Stack {
 // May take the GIL: call it holding no lock that an allocating thread may wait for.
 std::shared_ptr<const Stack> capture(int which, int skip);
 
+// The locks of the tables a capture fills (the code objects seen, the unwinder's rules), taken and released
+// together, for fork() (fragless::hold_across_fork): a child forked while another thread captured finds them
+// free. Neither is held while another lock is taken, nor while waiting for the GIL.
+void lock_tables();
+void unlock_tables();
+
 // Names stacks: C++ frames first (innermost first), then Python frames (innermost first), PyTorch's order.
 // Python lines kept as bytecode offsets are computed here, under the GIL, which a Namer takes (if Python is
 // running) on first need and gives back when destroyed: make one per snapshot, holding no lock the

@@ -56,6 +56,9 @@ UnwindCounters unwind_counters() {
   return n;
 }
 
+void lock_unwind_table() {}
+void unlock_unwind_table() {}
+
 #else
 
 namespace {
@@ -458,6 +461,9 @@ const Rule& rule_for(ThreadRules& t, std::uintptr_t ra, unsigned long long subs)
 }
 
 }  // namespace
+
+void lock_unwind_table() { g_mu.lock(); }
+void unlock_unwind_table() { g_mu.unlock(); }
 
 // Called by the entry stub below with the stub's own stack pointer (pointing at its return address) and
 // the caller's rbp.

@@ -22,4 +22,8 @@ struct UnwindCounters {
 };
 UnwindCounters unwind_counters();
 
+// The lock of the shared rule table, for fork() (stacks::lock_tables).
+void lock_unwind_table();
+void unlock_unwind_table();
+
 }  // namespace fragless::stacks

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -64,6 +65,18 @@ class ForkingSink final : public EventSink {
   _exit(0);
 }
 
+// Forks a child that runs child_uses(e) under its own watchdog; the parent gets its pid.
+pid_t fork_a_child_that_uses(DeviceEngine* e) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    alarm(static_cast<unsigned>(test::child_watchdog_s()));
+    child_uses(e);
+  }
+  return pid;
+}
+
 }  // namespace
 
 TEST_CASE("fork while another thread holds the device lock: the child's first allocation does not wait for ever",
@@ -86,14 +99,8 @@ TEST_CASE("fork while another thread holds the device lock: the child's first al
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
     sink.release = true;
   });
-  std::fflush(stdout);
-  std::fflush(stderr);
-  const pid_t pid = fork();
+  const pid_t pid = fork_a_child_that_uses(e);
   REQUIRE(pid >= 0);
-  if (pid == 0) {
-    alarm(static_cast<unsigned>(test::child_watchdog_s()));
-    child_uses(e);
-  }
   const auto waited = std::chrono::steady_clock::now() - forked_at;
   releaser.join();
   holder.join();
@@ -105,6 +112,61 @@ TEST_CASE("fork while another thread holds the device lock: the child's first al
   e->set_event_sink(nullptr);
   REQUIRE(held);
   CHECK(e->free(held) == Status::ok);
+  CHECK(e->check_invariants().empty());
+}
+
+namespace {
+
+// An event sink with a lock of its own, which another thread also takes without any device lock (as a
+// snapshot reads a history ring); registered with hold_across_fork once for the process (the registration
+// stays, so the sink does too).
+struct RingSink final : public EventSink {
+  std::mutex mu;
+  unsigned long events = 0;
+  void on_event(const TraceEvent&) override {
+    std::lock_guard lk(mu);
+    ++events;
+  }
+  void flush() override {}
+};
+RingSink& ring_sink() {
+  static RingSink* s = [] {
+    auto* r = new RingSink;
+    hold_across_fork([](void* a) { static_cast<RingSink*>(a)->mu.lock(); },
+                     [](void* a) { static_cast<RingSink*>(a)->mu.unlock(); }, r);
+    return r;
+  }();
+  return *s;
+}
+
+}  // namespace
+
+TEST_CASE("fork while another thread holds a sink's own lock: held across the fork, the child's events go on",
+          "[fork]") {
+  auto a = test::allocator_from("driver:host,capacity_mb:256");
+  DeviceEngine* e = a->device(0);
+  REQUIRE(e);
+  RingSink& sink = ring_sink();
+  e->set_event_sink(&sink);
+  std::atomic<bool> holding{false};
+  // Another thread holds the sink's lock, no device lock with it, for 200 ms from now: the fork's prepare
+  // handler waits for it after taking the device locks.
+  const auto forked_at = std::chrono::steady_clock::now();
+  std::thread reader([&] {
+    std::lock_guard lk(sink.mu);
+    holding = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  });
+  while (!holding) std::this_thread::yield();
+  const pid_t pid = fork_a_child_that_uses(e);  // its allocation's event takes the sink's lock
+  REQUIRE(pid >= 0);
+  const auto waited = std::chrono::steady_clock::now() - forked_at;
+  reader.join();
+  const int status = test::wait_for_child(pid, "a child forked while another thread held a sink's lock");
+  INFO("the child " << test::describe_status(status) << " (SIGALRM: it waited for the sink's lock)");
+  CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+  CHECK(waited >= std::chrono::milliseconds(150));  // the fork did wait for the lock
+  e->set_event_sink(nullptr);
   CHECK(e->check_invariants().empty());
 }
 

@@ -5,9 +5,12 @@ under the device lock and without the GIL, and the main thread forks meanwhile. 
 its samples (Note [Device locks across fork]: the prepare handler holds every device lock across the fork;
 without it a worker waits for ever at its first allocation for the lock the other thread held, and the
 DataLoader times out, as it did here before 2026-12-04). The background worker is off: nothing else then
-makes the fork wait for the lock. Exits 77 (skipped) without PyTorch or the probe. Run with FRAGLESS_LIBRARY
-and FRAGLESS_CPU_PROBE set."""
+makes the fork wait for the lock. History with C++ stacks is recorded and a third thread takes snapshots:
+the history ring's lock and the stack tables' are held across the fork too (fragless::hold_across_fork),
+which a snapshot or a stack capture on another thread would otherwise leave held in the child. Exits 77
+(skipped) without PyTorch or the probe. Run with FRAGLESS_LIBRARY and FRAGLESS_CPU_PROBE set."""
 import threading
+import time
 
 from torch_prologue import check, fragless_as_cpu_allocator, torch  # exits 77 (skipped) without PyTorch
 lib = fragless_as_cpu_allocator("driver:host,capacity_mb:1024,background:False", watchdog_s=300)
@@ -37,8 +40,23 @@ def churn():
         churned[0] += 1
 
 
+snapshots = [0]
+
+
+def snap():
+    while not stop.is_set():
+        check(len(fragless.snapshot_bytes()) > 0, "a snapshot")
+        snapshots[0] += 1
+        time.sleep(0.002)
+
+
+# C++ stacks: their capture takes the unwinder's table lock without the GIL (a Python fork holds the GIL, so
+# no other thread can be inside the Python code-object table then).
+fragless.record_history(max_entries=4096, context="all", stacks="cpp")
 churner = threading.Thread(target=churn)
 churner.start()
+snapper = threading.Thread(target=snap)
+snapper.start()
 epochs = 8
 try:
     for epoch in range(epochs):
@@ -50,5 +68,8 @@ try:
 finally:
     stop.set()
     churner.join()
+    snapper.join()
 check(churned[0] > 0, churned[0])
-print("ok: %d epochs of 2 forked workers while another thread allocated %d times" % (epochs, churned[0]))
+check(snapshots[0] > 0, snapshots[0])
+print("ok: %d epochs of 2 forked workers while another thread allocated %d times and a third took %d snapshots" %
+      (epochs, churned[0], snapshots[0]))

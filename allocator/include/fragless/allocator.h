@@ -24,6 +24,15 @@ std::unique_ptr<Driver> make_driver(const Options& opts, int device, std::string
 // needs libcuda and at least one device; host and sim always can. False with *error saying why.
 bool driver_available(const Options& opts, std::string* error);
 
+// A lock of code built on fragless (an event sink's own, a table a stack capture fills) that a forked child
+// must find free (Note [Device locks across fork], state/background.cpp): fork() takes each, in the order
+// added, after every device's lock, and releases them, in the reverse order, in the parent and in the child
+// (on its one thread, the one that took them). Add a lock that is taken under a device lock (an event
+// sink's) or with none held; never one held while a device lock is taken, nor one held while waiting for
+// something the forking thread may hold (the GIL while Python forks: a lock taken with the GIL held is
+// fine). For the life of the process: there is no removal, so `arg` must outlive every fork.
+void hold_across_fork(void (*lock)(void*), void (*unlock)(void*), void* arg);
+
 class Allocator {
  public:
   // An allocator for `devices` devices (-1: as many as the cuda driver reports; 1 for host and sim). No

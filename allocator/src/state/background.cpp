@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <mutex>
+#include <vector>
 
 #include "fragless/driver.h"
 #include "base/quiet_thread.h"
@@ -22,6 +23,28 @@ Background* g_registry = nullptr;
 std::atomic<std::uint64_t> g_fork_generation{0};  // bumped in every forked child
 std::once_flag g_atfork_once;
 
+// Locks held across fork() after the device locks (hold_across_fork), under g_registry_mu.
+struct ForkLock {
+  void (*lock)(void*);
+  void (*unlock)(void*);
+  void* arg;
+};
+std::vector<ForkLock>& fork_locks() {
+  static auto* v = new std::vector<ForkLock>;  // never destroyed: a fork may come during exit
+  return *v;
+}
+
+// What a forked child replaced and cannot destroy (Note [Device locks across fork]): the parent's condition
+// variables (a waiter of the parent's may still count in one, and glibc's destroy waits for it) and the
+// worker's std::thread (not there to join). Kept reachable from here, so that a leak checker does not count
+// them, for the child's life.
+struct Leftover {
+  std::unique_ptr<std::condition_variable_any> work_cv, idle_cv;
+  std::thread* thread;
+  Leftover* next;
+};
+Leftover* g_leftovers = nullptr;
+
 void install_fork_handlers() {
   std::call_once(g_atfork_once, [] {
     install_host_fork_handlers();  // first: its prepare handler must run after this one (host_fork.h)
@@ -30,6 +53,12 @@ void install_fork_handlers() {
 }
 
 }  // namespace
+
+void hold_across_fork(void (*lock)(void*), void (*unlock)(void*), void* arg) {
+  install_fork_handlers();
+  std::lock_guard lk(g_registry_mu);
+  fork_locks().push_back({lock, unlock, arg});
+}
 
 Background::Background(SpinMutex& mu, BackgroundMode mode)
     : mu_(mu),
@@ -191,6 +220,13 @@ void Background::loop() {
 // finish) leaves a child whose one thread is that worker: it returns from the sink into the loop, which ends,
 // and with it the child (exit status 0). A fork from a signal handler that interrupted fragless is not
 // covered (fork() is not async-signal-safe; the host driver's own locks would then deadlock the fork).
+// After the device locks the prepare handler takes the locks added with hold_across_fork (allocator.h: an
+// event sink's own, the stack tables'), in order, and the parent and child handlers release them first,
+// in reverse; their rules (taken under a device lock or with none held, never held while taking one) keep
+// the order acyclic. The child makes every engine new condition variables and keeps the old ones in
+// g_leftovers, reachable and never destroyed: the worker may have waited on one, and so may a thread of the
+// parent's woken from wait_idle just before the fork (glibc counts it until it leaves the wait; it may even
+// hold the condition variable's own mutex).
 void Background::before_fork() {
   g_registry_mu.lock();  // held until the parent or child handler: no engine is made or destroyed meanwhile
   for (Background* b = g_registry; b; b = b->next_) {
@@ -203,9 +239,11 @@ void Background::before_fork() {
     b->quiesce();
     b->fork_paused_ = true;
   }
+  for (const ForkLock& l : fork_locks()) l.lock(l.arg);
 }
 
 void Background::after_fork_parent() {
+  for (auto l = fork_locks().rbegin(); l != fork_locks().rend(); ++l) l->unlock(l->arg);
   for (Background* b = g_registry; b; b = b->next_) {
     b->fork_paused_ = false;
     if (b->work_) b->work_cv_->notify_one();
@@ -219,6 +257,7 @@ void Background::after_fork_parent() {
 
 void Background::after_fork_child() {
   g_fork_generation.fetch_add(1);
+  for (auto l = fork_locks().rbegin(); l != fork_locks().rend(); ++l) l->unlock(l->arg);
   // Only the forking thread exists here: the workers are gone, and so is their work.
   for (Background* b = g_registry; b; b = b->next_) {
     b->mu_.forget_waiters();
@@ -229,13 +268,13 @@ void Background::after_fork_child() {
       b->job_lost_ = true;
     }
     b->work_ = false;
-    if (b->thread_) {  // the worker may have been waiting on them
-      b->thread_ = nullptr;  // leaked: there is no thread to join
-      (void)b->work_cv_.release();  // leaked too (see the member)
-      (void)b->idle_cv_.release();
-      b->work_cv_ = std::make_unique<std::condition_variable_any>();
-      b->idle_cv_ = std::make_unique<std::condition_variable_any>();
-    }
+    // New condition variables for every engine: the worker may have been waiting on one, and so may a
+    // thread of the parent's that waited for a job (wait_idle, quiesce), woken by its end but not yet out
+    // of the wait at the fork (it may even hold the condition variable's own mutex).
+    g_leftovers = new Leftover{std::move(b->work_cv_), std::move(b->idle_cv_), b->thread_, g_leftovers};
+    b->thread_ = nullptr;  // there is no thread to join
+    b->work_cv_ = std::make_unique<std::condition_variable_any>();
+    b->idle_cv_ = std::make_unique<std::condition_variable_any>();
     if (b->fork_locked_) {
       b->fork_locked_ = false;
       b->mu_.unlock();

@@ -150,8 +150,8 @@ class Background {
   BackgroundWork* work_source_ = nullptr;
   Driver* driver_ = nullptr;
   BackgroundMode mode_;
-  // Waited on with mu_. On the heap: a forked child leaks them (the worker may have been waiting on one, and
-  // glibc's destroy would wait for it for ever) and makes new ones.
+  // Waited on with mu_. On the heap: a forked child keeps them, never destroyed (a thread of the parent's may
+  // have been waiting on one, and glibc's destroy would wait for it for ever), and makes new ones.
   std::unique_ptr<std::condition_variable_any> work_cv_, idle_cv_;
   bool work_ = false;         // a wake() since the policy last ran out of jobs
   bool in_flight_ = false;    // a job is between take and finish
@@ -160,7 +160,7 @@ class Background {
   bool fork_paused_ = false;  // a fork() is under way: no new job
   bool stop_ = false;
   std::atomic<bool> abort_{false};
-  std::thread* thread_ = nullptr;  // leaked, never joined, in a forked child (the thread is not there)
+  std::thread* thread_ = nullptr;  // kept, never joined, in a forked child (the thread is not there)
   std::uint64_t fork_generation_ = 0;  // of the process the thread was started in
   bool fork_locked_ = false;  // the fork's prepare handler took the device lock (Note [Device locks across fork])
   Background* next_ = nullptr;  // the registry of every live Background, for fork()
