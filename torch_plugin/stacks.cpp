@@ -212,7 +212,14 @@ std::vector<Frame> Namer::operator()(const Stack& s) {
   std::vector<Frame> out;
   out.reserve(s.cpp.size() + s.python.size());
   for (void* a : s.cpp) {
-    Frame f;
+    // One name per return address for the snapshot: the stacks share most of theirs, and dladdr searches
+    // a library's symbol table (about 1 ms an address in libtorch_cpu.so: 12 s for 4,096 events before).
+    auto [it, fresh] = cpp_names_.try_emplace(a);
+    if (!fresh) {
+      out.push_back(it->second);
+      continue;
+    }
+    Frame& f = it->second;
     Dl_info info{};
     if (dladdr(a, &info) && info.dli_fname) {
       f.filename = info.dli_fname;
@@ -231,7 +238,7 @@ std::vector<Frame> Namer::operator()(const Stack& s) {
       f.filename = "??";
       f.name = "??";
     }
-    out.push_back(std::move(f));
+    out.push_back(f);
   }
   for (const PyFrameRef& r : s.python) {
     const auto* ci = static_cast<const CodeInfo*>(r.code);

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace fragless::stacks {
@@ -59,6 +60,7 @@ class Namer {
 
  private:
   int line(const void* code, int offset);
+  std::unordered_map<void*, Frame> cpp_names_;  // what each return address was named in this snapshot
   bool tried_ = false, held_ = false;
   int state_ = 0;
 };

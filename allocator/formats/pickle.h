@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -99,6 +100,12 @@ class PickleWriter {
   void kv(std::string_view k, std::string_view v) { str(k); str(v); }
   void kv_int(std::string_view k, std::int64_t v) { str(k); integer(v); }
   void kv_uint(std::string_view k, std::uint64_t v) { str(k); uinteger(v); }
+  // Objects written once and referred to after, as Python's pickler shares an object it meets twice (and
+  // PyTorch's snapshots share their frames): shared_str writes s the first time (MEMOIZE) and a reference
+  // (BINGET) after; begin_shared_dict begins a dict remembered under `key` and returns true (write its items,
+  // then end_dict), or writes a reference to the one begun under that key before and returns false.
+  void shared_str(std::string_view s);
+  bool begin_shared_dict(const std::string& key);
   std::string finish();  // STOP; the writer is spent
 
   // Items per APPENDS / pairs per SETITEMS, as CPython's pickler batches them. A reader that spreads one
@@ -109,10 +116,14 @@ class PickleWriter {
   // An open list or dict: items written into its current batch, and whether the batch's MARK is out.
   struct Frame { char kind; std::size_t items = 0; bool marked = false; };
   void write_integer(std::int64_t v);
+  void write_str(std::string_view s);
+  bool recall(const std::string& key);  // writes a reference to the object remembered under key, if any
+  void remember(const std::string& key);  // MEMOIZE: the object on top is remembered under key
   void before_item();  // opens the enclosing container's batch if needed
   void after_item();   // closes it after kBatch items (dict: 2 * kBatch, keys and values)
   std::string out_;
   std::vector<Frame> open_;
+  std::unordered_map<std::string, std::uint32_t> memo_;  // key ("s" + a string, "d" + a dict's) -> index
 };
 
 }  // namespace fragless::formats

@@ -8,7 +8,8 @@ namespace fragless::formats {
 namespace {
 constexpr char kProto = '\x80', kStop = '.', kMark = '(', kEmptyDict = '}', kSetItems = 'u', kEmptyList = ']',
                kAppends = 'e', kTuple = 't', kBinInt = 'J', kBinInt1 = 'K', kBinInt2 = 'M', kLong1 = '\x8a',
-               kShortUnicode = '\x8c', kUnicode = 'X', kBinFloat = 'G', kTrue = '\x88', kFalse = '\x89', kNone = 'N';
+               kShortUnicode = '\x8c', kUnicode = 'X', kBinFloat = 'G', kTrue = '\x88', kFalse = '\x89', kNone = 'N',
+               kMemoize = '\x94', kBinGet = 'h', kLongBinGet = 'j';
 
 // A container opens with its opcode and a frame; a list or dict closes with the last batch's opcode where a
 // batch is open, a tuple always with TUPLE.
@@ -58,8 +59,7 @@ void PickleWriter::end_list() { close_frame(out_, open_, kAppends); after_item()
 void PickleWriter::begin_tuple() { before_item(); open_frame(out_, open_, kMark, 't'); }
 void PickleWriter::end_tuple() { close_frame(out_, open_, kTuple); after_item(); }
 
-void PickleWriter::str(std::string_view s) {
-  before_item();
+void PickleWriter::write_str(std::string_view s) {
   if (s.size() < 256) {
     out_.push_back(kShortUnicode);
     out_.push_back(static_cast<char>(s.size()));
@@ -69,7 +69,52 @@ void PickleWriter::str(std::string_view s) {
     for (int i = 0; i < 4; ++i) out_.push_back(static_cast<char>(n >> (8 * i)));
   }
   out_.append(s);
+}
+
+void PickleWriter::str(std::string_view s) {
+  before_item();
+  write_str(s);
   after_item();
+}
+
+// The memo is numbered densely from 0 in the order of MEMOIZE, as Python's pickler numbers it.
+bool PickleWriter::recall(const std::string& key) {
+  const auto it = memo_.find(key);
+  if (it == memo_.end()) return false;
+  before_item();
+  const std::uint32_t i = it->second;
+  if (i < 256) {
+    out_.push_back(kBinGet);
+    out_.push_back(static_cast<char>(i));
+  } else {
+    out_.push_back(kLongBinGet);
+    for (int b = 0; b < 4; ++b) out_.push_back(static_cast<char>(i >> (8 * b)));
+  }
+  after_item();
+  return true;
+}
+
+void PickleWriter::remember(const std::string& key) {
+  out_.push_back(kMemoize);
+  memo_.emplace(key, static_cast<std::uint32_t>(memo_.size()));
+}
+
+void PickleWriter::shared_str(std::string_view s) {
+  std::string key = "s";
+  key.append(s);
+  if (recall(key)) return;
+  before_item();
+  write_str(s);
+  remember(key);  // before after_item, which may close the enclosing batch
+  after_item();
+}
+
+bool PickleWriter::begin_shared_dict(const std::string& key) {
+  const std::string k = "d" + key;
+  if (recall(k)) return false;
+  begin_dict();
+  remember(k);  // the empty dict is on top until its first batch's MARK
+  return true;
 }
 
 void PickleWriter::integer(std::int64_t v) {

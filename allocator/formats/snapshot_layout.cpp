@@ -1,6 +1,7 @@
 #include "snapshot_layout.h"
 
 #include <cstring>
+#include <string>
 
 namespace fragless::formats::layout {
 
@@ -10,10 +11,21 @@ void write_frames(PickleWriter& w, const std::vector<Frame>* frames) {
   w.begin_list();
   if (frames)
     for (const Frame& f : *frames) {
-      w.begin_dict();
-      w.kv("filename", f.filename);
-      w.kv_int("line", f.line);
-      w.kv("name", f.name);
+      // Each frame once, referred to wherever it recurs (as PyTorch's snapshots share theirs): most stacks
+      // of a history share most of their frames, and a snapshot of 100,000 events with C++ stacks was
+      // 276 MB written out in full.
+      std::string key = f.filename;
+      key.push_back('\0');
+      key += f.name;
+      key.push_back('\0');
+      key += std::to_string(f.line);
+      if (!w.begin_shared_dict(key)) continue;
+      w.shared_str("filename");
+      w.shared_str(f.filename);
+      w.shared_str("line");
+      w.integer(f.line);
+      w.shared_str("name");
+      w.shared_str(f.name);
       w.end_dict();
     }
   w.end_list();

@@ -346,6 +346,44 @@ TEST_CASE("pickle writer: integers of every width and strings round-trip", "[for
   CHECK(pr.value->items[std::size(ints) + 1]->f == 2.5);
 }
 
+TEST_CASE("pickle writer: shared strings and dicts are written once and read back wherever they recur", "[formats]") {
+  // 2500 items (three batches) drawn from 300 strings and 300 dicts: memo indices past 255 (LONG_BINGET), a
+  // MEMOIZE as the last item of a batch, and a dict remembered before its items.
+  PickleWriter w;
+  w.begin_list();
+  for (int i = 0; i < 2500; ++i) {
+    const int k = (i * 7) % 300;
+    if (i % 2) {
+      w.shared_str("s" + std::to_string(k));
+    } else if (w.begin_shared_dict("d" + std::to_string(k))) {
+      w.shared_str("k");
+      w.integer(k);
+      w.shared_str("name");
+      w.shared_str("n" + std::to_string(k % 10));
+      w.end_dict();
+    }
+  }
+  w.end_list();
+  const std::string bytes = w.finish();
+  auto pr = read_pickle(bytes);
+  REQUIRE(pr.value);
+  REQUIRE(pr.value->items.size() == 2500);
+  for (int i = 0; i < 2500; ++i) {
+    INFO("item " << i);
+    const int k = (i * 7) % 300;
+    const PyValue& v = *pr.value->items[static_cast<std::size_t>(i)];
+    if (i % 2) {
+      CHECK(v.s == "s" + std::to_string(k));
+    } else {
+      REQUIRE(v.get("k"));
+      CHECK(v.get("k")->i == k);
+      REQUIRE(v.get("name"));
+      CHECK(v.get("name")->s == "n" + std::to_string(k % 10));
+    }
+  }
+  CHECK(bytes.size() < 2500 * 8);  // written out each time, the dicts alone would take more
+}
+
 TEST_CASE("pickle writer: lists and dicts in batches of at most 1000, as CPython writes them", "[formats]") {
   // [[0 .. 2499], {k0: 0 .. k1499: 1499}, [], {}, [[1]]] at the top level.
   PickleWriter w;
