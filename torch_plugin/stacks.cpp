@@ -185,6 +185,13 @@ Namer::~Namer() {
 }
 
 int Namer::line(const void* code, int offset) {
+  // One answer per code object and offset for the snapshot, as for C++ frames.
+  auto [it, fresh] = lines_.try_emplace({code, offset}, 0);
+  if (fresh) it->second = line_now(code, offset);
+  return it->second;
+}
+
+int Namer::line_now(const void* code, int offset) {
   Python& p = py();
   if (!tried_) {
     tried_ = true;

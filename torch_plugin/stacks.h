@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace fragless::stacks {
@@ -60,7 +61,14 @@ class Namer {
 
  private:
   int line(const void* code, int offset);
+  int line_now(const void* code, int offset);
+  struct CodeOffsetHash {
+    std::size_t operator()(const std::pair<const void*, int>& k) const {
+      return std::hash<const void*>()(k.first) ^ (static_cast<std::size_t>(k.second) * 0x9e3779b97f4a7c15ull);
+    }
+  };
   std::unordered_map<void*, Frame> cpp_names_;  // what each return address was named in this snapshot
+  std::unordered_map<std::pair<const void*, int>, int, CodeOffsetHash> lines_;  // and each Python offset's line
   bool tried_ = false, held_ = false;
   int state_ = 0;
 };
