@@ -390,6 +390,14 @@ ReadingFreeMemory::ReadingFreeMemory() { ++t_reading_free; }
 ReadingFreeMemory::~ReadingFreeMemory() { --t_reading_free; }
 bool reading_free_memory() { return t_reading_free != 0; }
 
+void count_cached_as_free(fragless::DeviceEngine* e, size_t* free_bytes, size_t* total) {
+  std::size_t f = 0, t = 0;
+  fragless::DeviceEngine::Usage u;
+  if (!e->memory_info_and_usage(&f, &t, &u)) return;  // this thread holds the engine's lock: the driver's answer
+  if (t != 0) *free_bytes = f, *total = t;             // 0: the engine's query failed, the caller's answer stays
+  if (u.reserved > u.allocated) *free_bytes += static_cast<size_t>(u.reserved - u.allocated);
+}
+
 int owner(const void* p) {
   fragless::Allocator* a = ip().get();
   if (!a || !p) return -1;
@@ -567,15 +575,14 @@ FRAGLESS_EXPORT int fragless_preload_memory(int device, size_t* allocated, size_
 FRAGLESS_EXPORT cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
   if (!real().mem_get_info) return kInvalidValue;
   if (fragless_preload::reading_free_memory() || fragless_preload::recursing()) return real().mem_get_info(free_bytes, total);
-  fragless::Allocator* a = ip().get();
-  fragless::DeviceEngine* e = a ? a->existing(current_device()) : nullptr;
-  if (!e) return real().mem_get_info(free_bytes, total);
-  cudaError_t r = kInvalidValue;  // Note [Free memory at one moment] (preload_core.h)
-  const auto u = e->usage_with([&] {
-    fragless_preload::ReadingFreeMemory reading;
+  cudaError_t r = kInvalidValue;
+  {
+    fragless_preload::ReadingFreeMemory reading;  // the runtime's answer and error (and its set-up), no lock held
     r = real().mem_get_info(free_bytes, total);
-  });
-  if (r == kSuccess && u.reserved > u.allocated) *free_bytes += static_cast<size_t>(u.reserved - u.allocated);
+  }
+  fragless::Allocator* a = ip().get();
+  fragless::DeviceEngine* e = r == kSuccess && a ? a->existing(current_device()) : nullptr;
+  if (e) fragless_preload::count_cached_as_free(e, free_bytes, total);
   return r;
 }
 

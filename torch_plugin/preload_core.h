@@ -67,11 +67,14 @@ void capture_ended(fragless::Stream stream);
 void retire_stream(fragless::Stream stream, int device);
 
 // Note [Free memory at one moment]: cudaMemGetInfo and cuMemGetInfo answer the driver's free memory plus what
-// fragless holds cached (reserved less allocated), the two read under the device's engine lock with no
-// background job in flight (DeviceEngine::usage_with): a split releases its handle before creating the
-// pages, so a reading outside it could count one split's bytes twice or not at all. ReadingFreeMemory marks
-// the real call made there: the runtime's cudaMemGetInfo reaches the interposed cuMemGetInfo through its
-// driver table, which then forwards it as it is (the lock is held, and the cache is counted once).
+// fragless holds cached (reserved less allocated). The real call comes first, with no lock held (its error,
+// and the runtime's set-up on a thread's first call); then count_cached_as_free reads the device's free
+// memory again through the engine's own driver (the real driver, never an interposed entry point) together
+// with the books, under the engine's lock with no background job in flight (DeviceEngine::
+// memory_info_and_usage): a split releases its handle before creating the pages, so readings apart could
+// count one split's bytes twice or not at all. ReadingFreeMemory marks the runtime's real call: the runtime
+// reaches the interposed cuMemGetInfo through its driver table, which then forwards it as it is. A thread
+// that holds the engine's lock (an event sink) gets the driver's answer alone.
 struct ReadingFreeMemory {
   ReadingFreeMemory();
   ~ReadingFreeMemory();
@@ -79,6 +82,7 @@ struct ReadingFreeMemory {
   ReadingFreeMemory& operator=(const ReadingFreeMemory&) = delete;
 };
 bool reading_free_memory();
+void count_cached_as_free(fragless::DeviceEngine* e, size_t* free_bytes, size_t* total);
 
 // Note [No recursion] (preload_driver_lookup.cpp): a thread inside fragless (allocating or freeing for an
 // interposed call) that comes back into an interposed entry point is counted and forwarded to the driver or

@@ -351,16 +351,12 @@ FRAGLESS_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { return
 FRAGLESS_EXPORT CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
   if (!real().mem_get_info) return CUDA_ERROR_NOT_INITIALIZED;
   if (fragless_preload::reading_free_memory() || recursing()) return real().mem_get_info(free_bytes, total);
+  const CUresult r = real().mem_get_info(free_bytes, total);  // the answer and error for the current context
+  if (r != CUDA_SUCCESS) return r;
   const int dev = primary_device(current_context());
   fragless::Allocator* a = fragless_preload::allocator();
-  fragless::DeviceEngine* e = a && dev >= 0 ? a->existing(dev) : nullptr;
-  if (!e) return real().mem_get_info(free_bytes, total);
-  CUresult r = CUDA_ERROR_NOT_INITIALIZED;
-  const auto u = e->usage_with([&] {
-    fragless_preload::ReadingFreeMemory reading;
-    r = real().mem_get_info(free_bytes, total);
-  });
-  if (r == CUDA_SUCCESS && u.reserved > u.allocated) *free_bytes += static_cast<size_t>(u.reserved - u.allocated);
+  if (fragless::DeviceEngine* e = a && dev >= 0 ? a->existing(dev) : nullptr)
+    fragless_preload::count_cached_as_free(e, free_bytes, total);
   return r;
 }
 

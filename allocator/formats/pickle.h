@@ -78,9 +78,9 @@ PickleResult read_pickle(std::string_view data, const ReadOptions& options = {})
 
 namespace fragless::formats {
 
-// A streaming pickle writer (protocol 4, no memo, no frames) for the data types the reader accepts:
-// what Python's pickle.load and PyTorch's viewer read back as plain dicts, lists, tuples, str, int,
-// float, bool and None.
+// A streaming pickle writer (protocol 4, no frames; the memo only for shared_str and begin_shared_dict) for
+// the data types the reader accepts: what Python's pickle.load and PyTorch's viewer read back as plain
+// dicts, lists, tuples, str, int, float, bool and None.
 class PickleWriter {
  public:
   PickleWriter();

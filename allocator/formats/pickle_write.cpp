@@ -1,4 +1,5 @@
 #include <bit>
+#include <cassert>
 #include <cstring>
 
 #include "pickle.h"
@@ -95,8 +96,11 @@ bool PickleWriter::recall(const std::string& key) {
 }
 
 void PickleWriter::remember(const std::string& key) {
+  // Only after recall(key) found nothing: a key written twice would shift every later index by one.
+  const bool fresh = memo_.emplace(key, static_cast<std::uint32_t>(memo_.size())).second;
+  assert(fresh);
+  (void)fresh;
   out_.push_back(kMemoize);
-  memo_.emplace(key, static_cast<std::uint32_t>(memo_.size()));
 }
 
 void PickleWriter::shared_str(std::string_view s) {

@@ -6,6 +6,8 @@
 #include <catch2/catch.hpp>
 
 #if defined(FRAGLESS_HAVE_CUDA)
+#include <thread>
+
 #include "client.h"
 #include "watchdog.h"
 
@@ -40,6 +42,40 @@ TEST_CASE("background: the worker on the libcuda double splits what the workload
     INFO(e.check_invariants());
     REQUIRE(e.check_invariants().empty());
     CHECK(e.driver_counters().background(DriverCall::create) > 0);
+  }
+  require_nothing_held();
+}
+
+// A memory reading (cuMemGetInfo and fragless's books at one moment: what the interposer's cudaMemGetInfo
+// adds the cache from) waits for the job in flight, and no new job starts until it is done, so a queue of
+// splits does not make it wait for them all; the worker goes on after it.
+TEST_CASE("background: a memory reading waits for the job in flight only, and the worker goes on after it",
+          "[background][cuda][concurrency]") {
+  Watchdog dog("a memory reading while splits are queued", 300);
+  std::string err;
+  {
+    auto a = make(PolicyKind::fragless, &err, with_worker());
+    REQUIRE(a);
+    DeviceEngine& e = *a->device(0);
+    void* big[4];
+    for (void*& p : big) REQUIRE((p = e.allocate(40 * MiB, 0, nullptr)));
+    fake().delay("cuMemCreate", 20000);  // 20 ms a create: each split takes about six
+    const unsigned long before = fake().calls("cuMemCreate");
+    for (void* p : big) REQUIRE(e.free(p) == Status::ok);  // four multi-page handles free: four splits
+    while (fake().calls("cuMemCreate:started") == fake().calls("cuMemCreate")) std::this_thread::yield();
+    const unsigned long c0 = fake().calls("cuMemCreate");
+    std::size_t free_b = 0, total_b = 0;
+    DeviceEngine::Usage u;
+    REQUIRE(e.memory_info_and_usage(&free_b, &total_b, &u));
+    const unsigned long during = fake().calls("cuMemCreate") - c0;
+    e.drain_background();
+    fake().delay("cuMemCreate", 0);
+    const unsigned long all = fake().calls("cuMemCreate") - before;
+    INFO(during << " creates while the reading waited, " << all << " for the four splits");
+    CHECK(total_b > 0);
+    CHECK(during <= all / 2);  // one job's creates at most, of four jobs'
+    CHECK(all >= 16);          // the worker went on to split all four after the reading
+    REQUIRE(e.check_invariants().empty());
   }
   require_nothing_held();
 }

@@ -30,7 +30,9 @@ bool driver_available(const Options& opts, std::string* error);
 // (on its one thread, the one that took them). Add a lock that is taken under a device lock (an event
 // sink's) or with none held; never one held while a device lock is taken, nor one held while waiting for
 // something the forking thread may hold (the GIL while Python forks: a lock taken with the GIL held is
-// fine). For the life of the process: there is no removal, so `arg` must outlive every fork.
+// fine), and never one a thread may fork while holding (unlike a device lock, which a fork from its own
+// event sink skips, such a lock would be waited for by the thread that holds it). For the life of the
+// process: there is no removal, so `arg` must outlive every fork.
 void hold_across_fork(void (*lock)(void*), void (*unlock)(void*), void* arg);
 
 class Allocator {

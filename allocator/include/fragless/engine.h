@@ -145,11 +145,6 @@ class DeviceEngine {
   // Current allocated, reserved and live bytes: a cheap subset of stats() for per-event sampling.
   struct Usage { std::int64_t allocated = 0, reserved = 0, live = 0; };
   Usage usage();
-  // Runs read() (a query of the device's free memory: cuMemGetInfo, cudaMemGetInfo) at one moment with
-  // fragless's books: under the engine's lock, with no background job in flight (a split releases its handle
-  // before it creates the pages, so the driver's free memory moves for a moment while the books do not).
-  // Returns usage() as of that moment. read() must not call back into this engine.
-  Usage usage_with(const std::function<void()>& read);
   void reset_peak_stats();
   void reset_accumulated_stats();
   std::vector<SegmentInfo> snapshot();
@@ -175,8 +170,13 @@ class DeviceEngine {
   void flush_trace();                    // hands buffered trace records to the sink's writer
   const Options& options() const;
   Driver& driver();
-  // The device's free and total memory as the driver reports them (cuMemGetInfo), under the engine's lock.
+  // The device's free and total memory as the driver reports them (cuMemGetInfo), under the engine's lock
+  // with no background job in flight (a split releases its handle before it creates the pages, so the
+  // driver's free memory moves for a moment while the books do not; the reading waits for one job at most).
   void memory_info(std::size_t* free_bytes, std::size_t* total_bytes);
+  // The same and usage() read at one moment (what cudaMemGetInfo adds fragless's cached bytes from). False,
+  // with nothing read, on a thread that holds this engine's lock (an event sink): it would wait for itself.
+  bool memory_info_and_usage(std::size_t* free_bytes, std::size_t* total_bytes, Usage* usage);
   int device() const;
 
   struct State;

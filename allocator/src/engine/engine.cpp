@@ -331,18 +331,15 @@ DeviceStats DeviceEngine::stats() {
   return s_->stats;
 }
 
+namespace {
+DeviceEngine::Usage usage_of(const DeviceEngine::State& s) {
+  return {s.stats.allocated_bytes.all().current, s.stats.reserved_bytes.all().current, s.stats.live_bytes.current};
+}
+}  // namespace
+
 DeviceEngine::Usage DeviceEngine::usage() {
   std::lock_guard lk(s_->mu);
-  return {s_->stats.allocated_bytes.all().current, s_->stats.reserved_bytes.all().current,
-          s_->stats.live_bytes.current};
-}
-
-DeviceEngine::Usage DeviceEngine::usage_with(const std::function<void()>& read) {
-  std::lock_guard lk(s_->mu);
-  s_->background.wait_idle();
-  read();
-  return {s_->stats.allocated_bytes.all().current, s_->stats.reserved_bytes.all().current,
-          s_->stats.live_bytes.current};
+  return usage_of(*s_);
 }
 
 void DeviceEngine::reset_peak_stats() {
@@ -420,8 +417,19 @@ void DeviceEngine::memory_info(std::size_t* free_bytes, std::size_t* total_bytes
   std::lock_guard lk(s_->mu);
   // A job in flight may hold less than the books say (a split releases its handle before creating the
   // pages): the answer waits for it, so free + reserved is the device's memory, as without background work.
-  s_->background.wait_idle();
+  s_->background.begin_quiet();
   s_->driver->memory_info(free_bytes, total_bytes);
+  s_->background.end_quiet();
+}
+
+bool DeviceEngine::memory_info_and_usage(std::size_t* free_bytes, std::size_t* total_bytes, Usage* usage) {
+  if (s_->mu.held_by_this_thread()) return false;
+  std::lock_guard lk(s_->mu);
+  s_->background.begin_quiet();
+  s_->driver->memory_info(free_bytes, total_bytes);
+  s_->background.end_quiet();
+  *usage = usage_of(*s_);
+  return true;
 }
 int DeviceEngine::device() const { return s_->driver->device(); }
 

@@ -103,6 +103,15 @@ void Background::wait_idle() {
   while (in_flight_) idle_cv_->wait(mu_);
 }
 
+void Background::begin_quiet() {
+  ++quiet_;
+  wait_idle();
+}
+
+void Background::end_quiet() {
+  if (--quiet_ == 0 && work_ && mode_ == BackgroundMode::thread) work_cv_->notify_one();
+}
+
 void Background::routing_changed(bool routed) {
   if (routed) quiesce();
   routed_ = routed;
@@ -262,6 +271,7 @@ void Background::after_fork_child() {
   for (Background* b = g_registry; b; b = b->next_) {
     b->mu_.forget_waiters();
     b->fork_paused_ = false;
+    b->quiet_ = 0;  // a reader of the parent's waiting for a job is not here
     if (b->mode_ == BackgroundMode::thread) b->mode_ = BackgroundMode::off;  // none is started here either
     if (b->in_flight_) {  // only where the forking thread held the lock: the job's thread is not here
       b->in_flight_ = false;

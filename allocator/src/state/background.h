@@ -131,6 +131,11 @@ class Background {
   double step(double budget_us);
   // Thread mode, for tests: waits (device lock not held) until there is no work left and no job in flight.
   void drain();
+  // For a reading that must find the books and the driver agreeing (DeviceEngine::memory_info): begin_quiet
+  // waits for the job in flight, if any, and no job starts until end_quiet, so a reader waits for one job at
+  // most, never for a queue of them. Device lock held across both.
+  void begin_quiet();
+  void end_quiet();
 
   // Whether a job should stop at its next driver call.
   const std::atomic<bool>& abort_flag() const { return abort_; }
@@ -144,7 +149,7 @@ class Background {
  private:
   void loop();
   bool run_one(bool manual);  // takes, runs and finishes one job; false when there was none
-  bool may_take() const { return !stop_ && !routed_ && !fork_paused_; }
+  bool may_take() const { return !stop_ && !routed_ && !fork_paused_ && quiet_ == 0; }
 
   SpinMutex& mu_;
   BackgroundWork* work_source_ = nullptr;
@@ -158,6 +163,7 @@ class Background {
   bool job_lost_ = false;     // in a forked child: see job_lost()
   bool routed_ = false;       // a pool routing is active: no new job
   bool fork_paused_ = false;  // a fork() is under way: no new job
+  int quiet_ = 0;             // readings between begin_quiet and end_quiet: no new job
   bool stop_ = false;
   std::atomic<bool> abort_{false};
   std::thread* thread_ = nullptr;  // kept, never joined, in a forked child (the thread is not there)
