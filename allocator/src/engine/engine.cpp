@@ -335,6 +335,14 @@ namespace {
 DeviceEngine::Usage usage_of(const DeviceEngine::State& s) {
   return {s.stats.allocated_bytes.all().current, s.stats.reserved_bytes.all().current, s.stats.live_bytes.current};
 }
+// Device lock held. A job in flight may hold less than the books say (a split releases its handle before
+// creating the pages): the answer waits for it, and no other starts meanwhile, so free + reserved is the
+// device's memory, as without background work.
+void quiet_memory_info(DeviceEngine::State& s, std::size_t* free_bytes, std::size_t* total_bytes) {
+  s.background.begin_quiet();
+  s.driver->memory_info(free_bytes, total_bytes);
+  s.background.end_quiet();
+}
 }  // namespace
 
 DeviceEngine::Usage DeviceEngine::usage() {
@@ -415,19 +423,13 @@ const Options& DeviceEngine::options() const { return s_->opts; }
 Driver& DeviceEngine::driver() { return *s_->driver; }
 void DeviceEngine::memory_info(std::size_t* free_bytes, std::size_t* total_bytes) {
   std::lock_guard lk(s_->mu);
-  // A job in flight may hold less than the books say (a split releases its handle before creating the
-  // pages): the answer waits for it, so free + reserved is the device's memory, as without background work.
-  s_->background.begin_quiet();
-  s_->driver->memory_info(free_bytes, total_bytes);
-  s_->background.end_quiet();
+  quiet_memory_info(*s_, free_bytes, total_bytes);
 }
 
 bool DeviceEngine::memory_info_and_usage(std::size_t* free_bytes, std::size_t* total_bytes, Usage* usage) {
   if (s_->mu.held_by_this_thread()) return false;
   std::lock_guard lk(s_->mu);
-  s_->background.begin_quiet();
-  s_->driver->memory_info(free_bytes, total_bytes);
-  s_->background.end_quiet();
+  quiet_memory_info(*s_, free_bytes, total_bytes);
   *usage = usage_of(*s_);
   return true;
 }

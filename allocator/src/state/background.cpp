@@ -16,8 +16,8 @@ namespace fragless {
 namespace {
 
 // Every live Background (one per device engine, a worker or not), for the fork() handlers. One registers
-// itself when made and unregisters when destroyed, holding only this mutex, never the device lock; before_fork takes this mutex, then each device
-// lock, so the order is always registry, then device.
+// itself when made and unregisters when destroyed, holding only this mutex, never the device lock;
+// before_fork takes this mutex, then each device lock, so the order is always registry, then device.
 std::mutex g_registry_mu;
 Background* g_registry = nullptr;
 std::atomic<std::uint64_t> g_fork_generation{0};  // bumped in every forked child
@@ -99,13 +99,9 @@ void Background::quiesce() {
   abort_.store(false, std::memory_order_relaxed);
 }
 
-void Background::wait_idle() {
-  while (in_flight_) idle_cv_->wait(mu_);
-}
-
 void Background::begin_quiet() {
   ++quiet_;
-  wait_idle();
+  while (in_flight_) idle_cv_->wait(mu_);  // the job in flight finishes: what the driver holds matches the books
 }
 
 void Background::end_quiet() {
@@ -234,7 +230,7 @@ void Background::loop() {
 // in reverse; their rules (taken under a device lock or with none held, never held while taking one) keep
 // the order acyclic. The child makes every engine new condition variables and keeps the old ones in
 // g_leftovers, reachable and never destroyed: the worker may have waited on one, and so may a thread of the
-// parent's woken from wait_idle just before the fork (glibc counts it until it leaves the wait; it may even
+// parent's woken from begin_quiet just before the fork (glibc counts it until it leaves the wait; it may even
 // hold the condition variable's own mutex).
 void Background::before_fork() {
   g_registry_mu.lock();  // held until the parent or child handler: no engine is made or destroyed meanwhile
@@ -279,7 +275,7 @@ void Background::after_fork_child() {
     }
     b->work_ = false;
     // New condition variables for every engine: the worker may have been waiting on one, and so may a
-    // thread of the parent's that waited for a job (wait_idle, quiesce), woken by its end but not yet out
+    // thread of the parent's that waited for a job (begin_quiet, quiesce), woken by its end but not yet out
     // of the wait at the fork (it may even hold the condition variable's own mutex).
     g_leftovers = new Leftover{std::move(b->work_cv_), std::move(b->idle_cv_), b->thread_, g_leftovers};
     b->thread_ = nullptr;  // there is no thread to join

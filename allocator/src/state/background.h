@@ -115,9 +115,6 @@ class Background {
   // Device lock held: returns once no job is in flight, asking the one in flight to stop early; the lock
   // is released while waiting. `routed` (a pool routing is active) keeps the worker from taking new jobs.
   void quiesce();
-  // Device lock held: returns once no job is in flight, letting the one in flight finish (what the driver
-  // holds then matches the books again: mem_get_info); the lock is released while waiting.
-  void wait_idle();
   // Device lock held: routing (begin/end_allocate_to_pool) changed; the worker resumes when it is over.
   void routing_changed(bool routed);
   // Stops and joins the worker (device lock not held). Idempotent. When the calling thread holds the device
