@@ -88,7 +88,11 @@ class DeviceSink final : public EventSink {
       blocks.assign(block_stacks_.begin(), block_stacks_.end());
     }
     stacks::Namer name;
-    std::unordered_map<const stacks::Stack*, std::shared_ptr<const std::vector<formats::Frame>>> done;
+    // Each distinct stack named once, and its frames shared by every event that captured it (the snapshot's
+    // writer then writes them once; Note [Frames written once], snapshot_layout.cpp).
+    std::unordered_map<const stacks::Stack*, std::shared_ptr<const std::vector<formats::Frame>>, stacks::HashFrames,
+                       stacks::SameFrames>
+        done;
     auto frames = [&](const std::shared_ptr<const stacks::Stack>& st) -> std::shared_ptr<const std::vector<formats::Frame>> {
       if (!st) return nullptr;
       auto& f = done[st.get()];

@@ -215,6 +215,27 @@ void unlock_tables() {
   g_mu.unlock();
 }
 
+bool same_frames(const Stack& a, const Stack& b) {
+  if (a.cpp != b.cpp || a.python.size() != b.python.size()) return false;
+  for (std::size_t i = 0; i < a.python.size(); ++i)
+    if (a.python[i].code != b.python[i].code || a.python[i].where != b.python[i].where ||
+        a.python[i].offset != b.python[i].offset)
+      return false;
+  return true;
+}
+
+std::size_t hash_frames(const Stack& s) {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  auto mix = [&h](std::uint64_t v) { h = (h ^ v) * 0x100000001b3ull; h ^= h >> 29; };
+  for (void* a : s.cpp) mix(reinterpret_cast<std::uintptr_t>(a));
+  mix(s.cpp.size());
+  for (const PyFrameRef& r : s.python) {
+    mix(reinterpret_cast<std::uintptr_t>(r.code));
+    mix((static_cast<std::uint64_t>(static_cast<std::uint32_t>(r.where)) << 1) | (r.offset ? 1u : 0u));
+  }
+  return static_cast<std::size_t>(h);
+}
+
 std::vector<Frame> Namer::operator()(const Stack& s) {
   std::vector<Frame> out;
   out.reserve(s.cpp.size() + s.python.size());

@@ -37,6 +37,17 @@ struct Stack {
   std::vector<PyFrameRef> python;    // innermost first
 };
 
+// Stacks by what they hold, not by which capture made them: a training loop captures the same stack at every
+// step, and a snapshot names each distinct one once.
+bool same_frames(const Stack& a, const Stack& b);
+std::size_t hash_frames(const Stack& s);
+struct SameFrames {
+  bool operator()(const Stack* a, const Stack* b) const { return same_frames(*a, *b); }
+};
+struct HashFrames {
+  std::size_t operator()(const Stack* s) const { return hash_frames(*s); }
+};
+
 // `which`: python | cpp. `skip`: C++ frames of the caller's own to leave out. nullptr when nothing was found.
 // May take the GIL: call it holding no lock that an allocating thread may wait for.
 std::shared_ptr<const Stack> capture(int which, int skip);

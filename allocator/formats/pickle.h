@@ -106,6 +106,11 @@ class PickleWriter {
   // then end_dict), or writes a reference to the one begun under that key before and returns false.
   void shared_str(std::string_view s);
   bool begin_shared_dict(const std::string& key);
+  // The same by the caller's object: after shared_str or begin_shared_dict, also_known_as(p) lets
+  // recall_object(p) write a reference to what they just wrote or referred to, without building its key
+  // again. p must name the same value for the writer's life (an object the caller keeps alive and unchanged).
+  void also_known_as(const void* p);
+  bool recall_object(const void* p);
   std::string finish();  // STOP; the writer is spent
 
   // Items per APPENDS / pairs per SETITEMS, as CPython's pickler batches them. A reader that spreads one
@@ -123,7 +128,10 @@ class PickleWriter {
   void after_item();   // closes it after kBatch items (dict: 2 * kBatch, keys and values)
   std::string out_;
   std::vector<Frame> open_;
+  void get(std::uint32_t index);   // BINGET or LONG_BINGET
   std::unordered_map<std::string, std::uint32_t> memo_;  // key ("s" + a string, "d" + a dict's) -> index
+  std::unordered_map<const void*, std::uint32_t> by_object_;  // also_known_as -> index
+  std::uint32_t last_ = 0;  // the index recall or remember last met
 };
 
 }  // namespace fragless::formats

@@ -82,8 +82,13 @@ void PickleWriter::str(std::string_view s) {
 bool PickleWriter::recall(const std::string& key) {
   const auto it = memo_.find(key);
   if (it == memo_.end()) return false;
+  get(it->second);
+  return true;
+}
+
+void PickleWriter::get(std::uint32_t i) {
+  last_ = i;
   before_item();
-  const std::uint32_t i = it->second;
   if (i < 256) {
     out_.push_back(kBinGet);
     out_.push_back(static_cast<char>(i));
@@ -92,12 +97,21 @@ bool PickleWriter::recall(const std::string& key) {
     for (int b = 0; b < 4; ++b) out_.push_back(static_cast<char>(i >> (8 * b)));
   }
   after_item();
+}
+
+void PickleWriter::also_known_as(const void* p) { by_object_.emplace(p, last_); }
+
+bool PickleWriter::recall_object(const void* p) {
+  const auto it = by_object_.find(p);
+  if (it == by_object_.end()) return false;
+  get(it->second);
   return true;
 }
 
 void PickleWriter::remember(const std::string& key) {
   // Only after recall(key) found nothing: a key written twice would shift every later index by one.
-  const bool fresh = memo_.emplace(key, static_cast<std::uint32_t>(memo_.size())).second;
+  last_ = static_cast<std::uint32_t>(memo_.size());
+  const bool fresh = memo_.emplace(key, last_).second;
   assert(fresh);
   (void)fresh;
   out_.push_back(kMemoize);

@@ -6,18 +6,25 @@
 namespace fragless::formats::layout {
 
 namespace {
+// Note [Frames written once]
+// Each frame is written once and referred to wherever it recurs, as PyTorch's snapshots share theirs: most
+// stacks of a history share most of their frames (a snapshot of 100,000 events with C++ stacks was 276 MB
+// written out in full). A frame is found again by its content (the memo key: its fields with their lengths),
+// and, cheaper, by its address: the frames the caller hands over stay put while the snapshot is written, and
+// the C ABI hands every event that captured the same stack the same vector (capi.cpp, DeviceSink::collect),
+// so after its first event a stack costs a lookup per frame, not a key built from its strings.
 void write_frames(PickleWriter& w, const std::vector<Frame>* frames) {
   w.str("frames");
   w.begin_list();
   if (frames)
     for (const Frame& f : *frames) {
-      // Each frame once, referred to wherever it recurs (as PyTorch's snapshots share theirs): most stacks
-      // of a history share most of their frames, and a snapshot of 100,000 events with C++ stacks was
-      // 276 MB written out in full.
+      if (w.recall_object(&f)) continue;  // this very frame, met in a stack written before
       std::string key = std::to_string(f.filename.size()) + ':' + f.filename;  // lengths: no two frames alike
       key += std::to_string(f.name.size()) + ':' + f.name;
       key += std::to_string(f.line);
-      if (!w.begin_shared_dict(key)) continue;
+      const bool fresh = w.begin_shared_dict(key);
+      w.also_known_as(&f);
+      if (!fresh) continue;
       w.shared_str("filename");
       w.shared_str(f.filename);
       w.shared_str("line");

@@ -33,6 +33,8 @@ struct Hold {
   std::int64_t registrations = 0;
 };
 
+// `frames` (a block's, an entry's) must stay alive and unchanged until the writer is finished: a frame is
+// found again by its address (Note [Frames written once], snapshot_layout.cpp).
 // Opens a segment dict and its "blocks" list; write its blocks, then end_segment.
 void begin_segment(PickleWriter& w, const SegmentHeader& s);
 void end_segment(PickleWriter& w);

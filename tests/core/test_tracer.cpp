@@ -384,6 +384,41 @@ TEST_CASE("pickle writer: shared strings and dicts are written once and read bac
   CHECK(bytes.size() < 2500 * 8);  // written out each time, the dicts alone would take more
 }
 
+TEST_CASE("pickle writer: an object recalled by address writes what its key would have", "[formats]") {
+  // The same 2500 items as above, written twice: once by key alone, once recalling each key's object by an
+  // address after its first appearance (the snapshot writer's frames). The bytes must be the same, and an
+  // address never seen must recall nothing.
+  int objects[300];
+  auto write = [&](bool by_address) {
+    PickleWriter w;
+    w.begin_list();
+    for (int i = 0; i < 2500; ++i) {
+      const int k = (i * 7) % 300;
+      const void* id = &objects[k];
+      if (by_address && w.recall_object(id)) continue;
+      if (i % 3) {
+        w.shared_str("s" + std::to_string(k));
+      } else if (w.begin_shared_dict("d" + std::to_string(k))) {
+        if (by_address) w.also_known_as(id);
+        w.shared_str("k");
+        w.integer(k);
+        w.end_dict();
+        continue;
+      }
+      if (by_address) w.also_known_as(id);
+    }
+    int never = 0;
+    CHECK_FALSE(w.recall_object(&never));
+    w.end_list();
+    return w.finish();
+  };
+  const std::string by_key = write(false), by_address = write(true);
+  CHECK(by_address == by_key);
+  auto pr = read_pickle(by_address);
+  REQUIRE(pr.value);
+  REQUIRE(pr.value->items.size() == 2500);
+}
+
 TEST_CASE("pickle writer: lists and dicts in batches of at most 1000, as CPython writes them", "[formats]") {
   // [[0 .. 2499], {k0: 0 .. k1499: 1499}, [], {}, [[1]]] at the top level.
   PickleWriter w;

@@ -190,4 +190,25 @@ frames_total = sum(len(e["frames"]) for e in snap["device_traces"][0])
 frame_bytes = sum(len(f["filename"]) + len(f["name"]) for e in snap["device_traces"][0] for f in e["frames"])
 size = len(fragless.snapshot_bytes())
 check(size < frame_bytes / 2, "a snapshot of %d frames (%d bytes of names) takes %d bytes" % (frames_total, frame_bytes, size))
+
+# A snapshot names each distinct stack once and shares its frames between the events that captured it: stacks
+# that differ in one Python line only must still keep their own line (two allocations per call, 50 calls, with
+# and without the GIL).
+def two_lines(lib, n):
+    first = lib.fragless_malloc(n, 0, None)
+    second = lib.fragless_malloc(n + 4096, 0, None)
+    return first, second
+
+
+fragless.record_history(500, context="alloc", stacks="python")
+made = [two_lines(with_gil if i % 2 else no_gil, MiB) for i in range(50)]
+by_addr = {e["addr"]: e for e in fragless.snapshot()["device_traces"][0] if e["action"] == "alloc"}
+first_line = two_lines.__code__.co_firstlineno
+for first, second in made:
+    for p, offset in ((first, 1), (second, 2)):
+        f = by_addr[p]["frames"][0]
+        check(f["name"] == "two_lines" and f["line"] == first_line + offset, (offset, f))
+    free_here(with_gil, first, MiB)
+    free_here(with_gil, second, MiB + 4096)
+print("stacks that differ in one line: 100 allocations, each with its own line")
 print("stack frames in snapshots: all checks passed")
