@@ -32,4 +32,17 @@ def main(root):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "../shared/data/seqlen")
+    if len(sys.argv) == 2 and sys.argv[1] in ("-h", "--help"):
+        print(__doc__.strip())
+        sys.exit(0)
+    if len(sys.argv) > 2:
+        sys.exit(__doc__.strip())
+    root = Path(sys.argv[1] if len(sys.argv) > 1 else "../shared/data/seqlen")
+    if not root.is_dir():
+        sys.exit(f"fit_sequence_lengths: {root} is not a directory (the sequence-length CSVs, e.g. ../shared/data/seqlen)")
+    try:
+        main(root)
+    except BrokenPipeError:
+        sys.exit(0)
+    except (OSError, KeyError, ValueError) as e:
+        sys.exit(f"fit_sequence_lengths: cannot read the CSVs under {root}: {e!r}")
