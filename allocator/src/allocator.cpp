@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+
 #include "driver/registry.h"
 
 namespace fragless {
@@ -40,15 +42,30 @@ std::unique_ptr<Allocator> Allocator::create(const Options& opts, int devices, s
   }
   a->slots_ = std::vector<std::atomic<DeviceEngine*>>(static_cast<std::size_t>(devices));
   a->failed_.resize(static_cast<std::size_t>(devices));
+  a->creating_.resize(static_cast<std::size_t>(devices));
+  hold_across_fork_first(&lock_for_fork, &unlock_for_fork, &forked_child_for_fork, a.get());
   if (eager && devices > 0 && !a->device(0, error)) return nullptr;
   return a;
 }
 
 Allocator::~Allocator() {
+  stop_holding_across_fork(this);
   // Newest first; the tracer (a member declared before) outlives them all.
   while (!owned_.empty()) owned_.pop_back();
 }
 
+// Note [Creating an engine]
+// A device's driver and engine are made with no lock held: loading libcuda, cuInit and retaining the primary
+// context take from milliseconds to seconds, and may run code of the driver's own that we do not control (it
+// may even register fork handlers, which must not happen while a lock the fork handlers take is held). The
+// creation lock guards only the bookkeeping around it: whether the device has an engine, a reason it cannot
+// have one, or a thread making one (creating_; the others wait on created_cv_, so a device is made once),
+// and the publication of the engine, its event sinks included. fork() holds that lock (before the device
+// locks, hold_across_fork_first), so a child finds it free and the books whole; a creation another thread
+// had under way is lost to the child (that thread is not there): the child forgets it was under way and
+// makes the device's engine itself on first use, and what the lost one had made so far is leaked. Devices
+// are made in parallel when several threads first use different devices at once. An engine made while the
+// exit handler ran (at_exit, which stops the workers) gets no worker.
 DeviceEngine* Allocator::device(int d, std::string* error) {
   if (DeviceEngine* e = existing(d)) return e;
   if (d < 0 || d >= device_count()) {
@@ -57,29 +74,59 @@ DeviceEngine* Allocator::device(int d, std::string* error) {
                std::to_string(device_count()) + " devices)";
     return nullptr;
   }
-  std::lock_guard lk(create_mu_);
-  auto& slot = slots_[static_cast<std::size_t>(d)];
-  if (DeviceEngine* e = slot.load(std::memory_order_acquire)) return e;
-  std::string& why = failed_[static_cast<std::size_t>(d)];
-  if (!why.empty()) {
-    if (error) *error = why;
-    return nullptr;
+  const auto i = static_cast<std::size_t>(d);
+  std::unique_lock lk(create_mu_);
+  for (;;) {
+    if (DeviceEngine* e = slots_[i].load(std::memory_order_acquire)) return e;
+    if (!failed_[i].empty()) {
+      if (error) *error = failed_[i];
+      return nullptr;
+    }
+    if (!creating_[i]) break;
+    created_cv_->wait(lk);
   }
-  std::string err;
-  auto drv = make_driver(opts_, d, &err);
-  if (!drv) {
-    why = err.empty() ? "fragless: cannot create the driver of device " + std::to_string(d) : err;
-    if (error) *error = why;
-    return nullptr;
-  }
+  creating_[i] = 1;
   Options o = opts_;
+  lk.unlock();
   if (exiting_.load(std::memory_order_relaxed)) o.background = BackgroundMode::off;  // Note [Exit while the lock is held]
-  owned_.push_back(std::make_unique<DeviceEngine>(o, std::move(drv)));
+  std::string err;
+  std::unique_ptr<DeviceEngine> made;
+  try {
+    if (auto drv = make_driver(o, d, &err)) made = std::make_unique<DeviceEngine>(o, std::move(drv));
+  } catch (...) {
+    lk.lock();
+    creating_[i] = 0;
+    created_cv_->notify_all();
+    throw;
+  }
+  lk.lock();
+  creating_[i] = 0;
+  created_cv_->notify_all();
+  if (!made) {
+    failed_[i] = err.empty() ? "fragless: cannot create the driver of device " + std::to_string(d) : err;
+    if (error) *error = failed_[i];
+    return nullptr;
+  }
+  if (exiting_.load(std::memory_order_relaxed)) made->stop_background();  // the exit handler began meanwhile
+  owned_.push_back(std::move(made));
   DeviceEngine* e = owned_.back().get();
   if (tracing_) e->set_event_sink(tracing_->sink(d));
   if (created_) created_(d, *e);
-  slot.store(e, std::memory_order_release);
+  slots_[i].store(e, std::memory_order_release);
   return e;
+}
+
+void Allocator::lock_for_fork(void* a) { static_cast<Allocator*>(a)->create_mu_.lock(); }
+void Allocator::unlock_for_fork(void* a) { static_cast<Allocator*>(a)->create_mu_.unlock(); }
+void Allocator::forked_child_for_fork(void* p) {
+  auto* a = static_cast<Allocator*>(p);
+  // The threads that were making engines are not here. A waiter of the parent's may still count in the
+  // condition variable (glibc's destroy would wait for it): a new one, and the old one kept, never destroyed.
+  std::fill(a->creating_.begin(), a->creating_.end(), 0);
+  static std::vector<std::unique_ptr<std::condition_variable>>* kept = new std::vector<std::unique_ptr<std::condition_variable>>;
+  kept->push_back(std::move(a->created_cv_));
+  a->created_cv_ = std::make_unique<std::condition_variable>();
+  a->create_mu_.unlock();
 }
 
 void Allocator::on_engine_created(std::function<void(int, DeviceEngine&)> f) {

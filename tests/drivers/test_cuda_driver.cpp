@@ -4,7 +4,10 @@
 
 #if defined(FRAGLESS_HAVE_CUDA)
 #include <dlfcn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -17,6 +20,7 @@
 #include <cuda.h>
 
 #include "client.h"
+#include "watchdog.h"
 #include "fragless/cuda_driver.h"
 
 using namespace fragless;
@@ -441,6 +445,54 @@ TEST_CASE("libcuda double: asynchrony and faults are modelled (unmap under a run
   CUcontext popped = nullptr;
   REQUIRE(c.pop(&popped) == CUDA_SUCCESS);
   REQUIRE(c.release(0) == CUDA_SUCCESS);
+  require_nothing_held();
+}
+
+// Note [Creating an engine]: a device's driver and engine are made with no lock held, and fork() holds the
+// allocator's creation lock only around its bookkeeping, so a fork does not wait for a context to be made, and
+// a child forked meanwhile makes the device's engine itself on first use. Before, the creation lock was held
+// while the context was made, and the child waited for ever for it (its holder is not in the child).
+TEST_CASE("cuda driver: fork while another thread makes a device's engine: the child makes its own", "[cuda][fork]") {
+  auto a = make_lazy(PolicyKind::fragless);
+  fake().delay("cuDevicePrimaryCtxRetain", 1000000);  // 1 s to make the context
+  const auto started = fake().calls("cuDevicePrimaryCtxRetain:started");
+  std::atomic<bool> made{false};
+  DeviceEngine* engine = nullptr;
+  std::thread maker([&] {
+    engine = a->device(0);
+    made = true;
+  });
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (fake().calls("cuDevicePrimaryCtxRetain:started") == started && std::chrono::steady_clock::now() < give_up)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const bool inside = fake().calls("cuDevicePrimaryCtxRetain:started") != started;
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = inside ? fork() : -1;
+  if (pid == 0) {
+    alarm(static_cast<unsigned>(test::child_watchdog_s()));
+    fake().delay("cuDevicePrimaryCtxRetain", 0);
+    std::string err;
+    DeviceEngine* e = a->device(0, &err);
+    if (!e) _exit(10);
+    void* p = e->allocate(5 * MiB, 0, nullptr);
+    if (!p) _exit(11);
+    if (e->free(p) != Status::ok) _exit(12);
+    _exit(0);
+  }
+  const bool fork_waited = made;  // the fork returned after the engine was made: it waited for the context
+  maker.join();
+  fake().delay("cuDevicePrimaryCtxRetain", 0);
+  REQUIRE(inside);
+  REQUIRE(pid > 0);
+  const int status = test::wait_for_child(pid, "a child forked while another thread made an engine");
+  INFO("the child " << test::describe_status(status)
+                    << " (exit 10 to 12: device, allocate, free; SIGALRM: it waited for the creation lock)");
+  CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+  CHECK_FALSE(fork_waited);
+  REQUIRE(engine);
+  CHECK(engine == a->device(0));
+  a.reset();
   require_nothing_held();
 }
 

@@ -658,6 +658,7 @@ FAKE_API CUresult cuDeviceCanAccessPeer(int* can, CUdevice a, CUdevice b) {
 }
 
 FAKE_API CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) {
+  delay("cuDevicePrimaryCtxRetain");  // a context's creation takes from milliseconds to seconds
   ENTER("cuDevicePrimaryCtxRetain");
   if (!c) return CUDA_ERROR_INVALID_VALUE;
   if (d < 0 || d >= st().devices) return CUDA_ERROR_INVALID_DEVICE;

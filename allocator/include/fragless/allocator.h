@@ -5,6 +5,7 @@
 // no context on GPUs 0-2 (a context costs hundreds of MiB of device memory).
 #pragma once
 #include <atomic>
+#include <condition_variable>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -34,6 +35,13 @@ bool driver_available(const Options& opts, std::string* error);
 // event sink skips, such a lock would be waited for by the thread that holds it). For the life of the
 // process: there is no removal, so `arg` must outlive every fork.
 void hold_across_fork(void (*lock)(void*), void (*unlock)(void*), void* arg);
+// A lock that fork() takes before every device's lock and releases after them: one under which device locks
+// may be taken but no driver call is made, no engine is made or destroyed, nothing waits for another thread
+// and pthread_atfork is not called (the allocator's creation lock, Note [Creating an engine]). In the child,
+// `child` runs in place of `unlock`. stop_holding_across_fork(arg) removes every entry for arg; call it
+// before arg goes away, from a thread that holds none of these locks.
+void hold_across_fork_first(void (*lock)(void*), void (*unlock)(void*), void (*child)(void*), void* arg);
+void stop_holding_across_fork(void* arg);
 
 class Allocator {
  public:
@@ -85,7 +93,14 @@ class Allocator {
   std::vector<std::unique_ptr<DeviceEngine>> owned_;  // in creation order
   std::vector<std::string> failed_;                   // per device: why its engine could not be created
   std::function<void(int, DeviceEngine&)> created_;
+  // Note [Creating an engine]: guards the members above and creating_ for short sections only; held across
+  // fork() (hold_across_fork_first).
   mutable std::mutex create_mu_;
+  std::vector<char> creating_;  // per device: a thread is making its driver and engine, with no lock held
+  std::unique_ptr<std::condition_variable> created_cv_ = std::make_unique<std::condition_variable>();
+  static void lock_for_fork(void* a);
+  static void unlock_for_fork(void* a);
+  static void forked_child_for_fork(void* a);
   long creator_pid_ = 0;  // getpid() at creation
   std::atomic<bool> exiting_{false};  // at_exit has begun: engines created later get no background worker
 };

@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <chrono>
 #include <mutex>
 #include <vector>
@@ -34,6 +35,20 @@ std::vector<ForkLock>& fork_locks() {
   return *v;
 }
 
+// Locks held across fork() before the registry's and the device locks (hold_across_fork_first), under
+// g_first_mu, which before_fork takes first of all.
+struct FirstLock {
+  void (*lock)(void*);
+  void (*unlock)(void*);
+  void (*child)(void*);
+  void* arg;
+};
+std::mutex g_first_mu;
+std::vector<FirstLock>& first_locks() {
+  static auto* v = new std::vector<FirstLock>;  // never destroyed, as fork_locks()
+  return *v;
+}
+
 // What a forked child replaced and cannot destroy (Note [Device locks across fork]): the parent's condition
 // variables (a waiter of the parent's may still count in one, and glibc's destroy waits for it) and the
 // worker's std::thread (not there to join). Kept reachable from here, so that a leak checker does not count
@@ -58,6 +73,18 @@ void hold_across_fork(void (*lock)(void*), void (*unlock)(void*), void* arg) {
   install_fork_handlers();
   std::lock_guard lk(g_registry_mu);
   fork_locks().push_back({lock, unlock, arg});
+}
+
+void hold_across_fork_first(void (*lock)(void*), void (*unlock)(void*), void (*child)(void*), void* arg) {
+  install_fork_handlers();
+  std::lock_guard lk(g_first_mu);
+  first_locks().push_back({lock, unlock, child, arg});
+}
+
+void stop_holding_across_fork(void* arg) {
+  std::lock_guard lk(g_first_mu);
+  auto& v = first_locks();
+  v.erase(std::remove_if(v.begin(), v.end(), [arg](const FirstLock& l) { return l.arg == arg; }), v.end());
 }
 
 Background::Background(SpinMutex& mu, BackgroundMode mode)
@@ -228,11 +255,15 @@ void Background::loop() {
 // After the device locks the prepare handler takes the locks added with hold_across_fork (allocator.h: an
 // event sink's own, the stack tables'), in order, and the parent and child handlers release them first,
 // in reverse; their rules (taken under a device lock or with none held, never held while taking one) keep
-// the order acyclic. The child makes every engine new condition variables and keeps the old ones in
+// the order acyclic. Before all of these it takes the locks added with hold_across_fork_first (each
+// allocator's creation lock, Note [Creating an engine]), which the parent and child handlers release last:
+// under them device locks may be taken, never the other way round. The child makes every engine new condition variables and keeps the old ones in
 // g_leftovers, reachable and never destroyed: the worker may have waited on one, and so may a thread of the
 // parent's woken from begin_quiet just before the fork (glibc counts it until it leaves the wait; it may even
 // hold the condition variable's own mutex).
 void Background::before_fork() {
+  g_first_mu.lock();  // held until the parent or child handler, as are the locks it lists
+  for (const FirstLock& l : first_locks()) l.lock(l.arg);
   g_registry_mu.lock();  // held until the parent or child handler: no engine is made or destroyed meanwhile
   for (Background* b = g_registry; b; b = b->next_) {
     if (b->mu_.held_by_this_thread()) {
@@ -258,6 +289,8 @@ void Background::after_fork_parent() {
     }
   }
   g_registry_mu.unlock();
+  for (auto l = first_locks().rbegin(); l != first_locks().rend(); ++l) l->unlock(l->arg);
+  g_first_mu.unlock();
 }
 
 void Background::after_fork_child() {
@@ -287,6 +320,8 @@ void Background::after_fork_child() {
     }
   }
   g_registry_mu.unlock();
+  for (auto l = first_locks().rbegin(); l != first_locks().rend(); ++l) l->child(l->arg);
+  g_first_mu.unlock();
 }
 
 }  // namespace fragless
