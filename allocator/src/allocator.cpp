@@ -60,8 +60,11 @@ Allocator::~Allocator() {
 // may even register fork handlers, which must not happen while a lock the fork handlers take is held). The
 // creation lock guards only the bookkeeping around it: whether the device has an engine, a reason it cannot
 // have one, or a thread making one (creating_; the others wait on created_cv_, so a device is made once),
-// and the publication of the engine, its event sinks included. fork() holds that lock (before the device
-// locks, hold_across_fork_first), so a child finds it free and the books whole; a creation another thread
+// and the publication of the engine, its event sinks included (on_engine_created's callback, which takes
+// device locks under it: a thread holding a device lock never takes it, so flush_traces and the exit
+// handler walk the published engines without it). fork() holds that lock (after the registry's mutex and
+// before the device locks, hold_across_fork_first; a fork from an event sink only if it is free), so a
+// child finds it free and the books whole; a creation another thread
 // had under way is lost to the child (that thread is not there): the child forgets it was under way and
 // makes the device's engine itself on first use, and what the lost one had made so far is leaked. Devices
 // are made in parallel when several threads first use different devices at once. An engine made while the
@@ -107,16 +110,25 @@ DeviceEngine* Allocator::device(int d, std::string* error) {
     if (error) *error = failed_[i];
     return nullptr;
   }
-  if (exiting_.load(std::memory_order_relaxed)) made->stop_background();  // the exit handler began meanwhile
   owned_.push_back(std::move(made));
   DeviceEngine* e = owned_.back().get();
+  // Under the creation lock only the new engine's own lock is taken: no other thread can hold it yet.
   if (tracing_) e->set_event_sink(tracing_->sink(d));
   if (created_) created_(d, *e);
-  slots_[i].store(e, std::memory_order_release);
+  slots_[i].store(e, std::memory_order_seq_cst);
+  lk.unlock();
+  // The exit handler stops the workers of the engines it finds in slots_ without this lock (at_exit): either
+  // it found this one, or this sees that it began (both sequentially consistent), or both.
+  if (exiting_.load(std::memory_order_seq_cst)) e->stop_background();
   return e;
 }
 
-void Allocator::lock_for_fork(void* a) { static_cast<Allocator*>(a)->create_mu_.lock(); }
+bool Allocator::lock_for_fork(void* a, bool wait) {
+  auto& mu = static_cast<Allocator*>(a)->create_mu_;
+  if (!wait) return mu.try_lock();
+  mu.lock();
+  return true;
+}
 void Allocator::unlock_for_fork(void* a) { static_cast<Allocator*>(a)->create_mu_.unlock(); }
 void Allocator::forked_child_for_fork(void* p) {
   auto* a = static_cast<Allocator*>(p);
@@ -137,8 +149,10 @@ void Allocator::on_engine_created(std::function<void(int, DeviceEngine&)> f) {
 }
 
 void Allocator::flush_traces() {
-  std::lock_guard lk(create_mu_);
-  for (auto& e : owned_) e->flush_trace();
+  // Without the creation lock (Note [Creating an engine]): at exit the thread may hold a device lock (exit()
+  // from an event sink) that a fork in progress, holding the creation lock, waits for.
+  for (int d = 0; d < device_count(); ++d)
+    if (DeviceEngine* e = existing(d)) e->flush_trace();
 }
 
 bool Allocator::forked_child() const { return static_cast<long>(getpid()) != creator_pid_; }
@@ -155,15 +169,14 @@ bool Allocator::forked_child() const { return static_cast<long>(getpid()) != cre
 // in unlock. What this does not cover: static destructors that later free on that device wait for the lock
 // for ever (nothing short of not taking it could help them), and a signal that lands while the sink hands a
 // full buffer to its file (the file's mutex held, once in 8192 records) still hangs the exit in
-// Tracing::go_synchronous, and so does one that lands while the thread holds the allocator's creation lock
-// (creating a device's engine and driver) or while another thread holds that lock waiting for the device
-// lock the exiting thread holds. An engine first used after the exit handler (a static destructor's
+// Tracing::go_synchronous. The exit takes no creation lock (Note [Creating an engine]): the workers and the
+// sinks are found through the published engines. An engine first used after the exit handler (a static destructor's
 // allocation on another device) starts no background worker: no thread of ours begins during teardown.
 void Allocator::at_exit() {
   // A forked child has no writer thread or worker of ours, and its trace records are dropped (Note [Tracing in
   // a forked child]): nothing to do, and a lock a thread of the parent held at the fork is never released.
   if (forked_child()) return;
-  exiting_.store(true, std::memory_order_relaxed);  // an engine created from now on starts no worker
+  exiting_.store(true, std::memory_order_seq_cst);  // an engine created from now on starts no worker
   stop_background();
   if (tracing_) tracing_->go_synchronous();
   flush_traces();  // what the sinks still hold, written now (Note [Tracing at exit])
@@ -171,8 +184,8 @@ void Allocator::at_exit() {
 
 void Allocator::stop_background() {
   if (forked_child()) return;
-  std::lock_guard lk(create_mu_);
-  for (auto& e : owned_) e->stop_background();
+  for (int d = 0; d < device_count(); ++d)  // without the creation lock, as flush_traces
+    if (DeviceEngine* e = slots_[static_cast<std::size_t>(d)].load(std::memory_order_seq_cst)) e->stop_background();
 }
 std::vector<std::string> Allocator::trace_paths() const {
   return tracing_ ? tracing_->paths() : std::vector<std::string>{};

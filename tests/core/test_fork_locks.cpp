@@ -208,6 +208,64 @@ TEST_CASE("fork from an event sink, on the thread that holds the device lock: no
   }
 }
 
+// Forks from inside the allocation of kHeldSize once `go` is set, on the thread that holds the device lock.
+class GatedForkingSink final : public EventSink {
+ public:
+  std::atomic<bool> inside{false}, go{false};
+  pid_t forked = -1;
+  void on_event(const TraceEvent& e) override {
+    if (e.action != TraceAction::alloc || e.requested_size != kHeldSize || forked >= 0) return;
+    inside = true;
+    while (!go) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::fflush(stdout);
+    std::fflush(stderr);
+    forked = fork();
+  }
+  void flush() override {}
+};
+
+// The allocator's creation lock is held across fork() before the device locks (Note [Creating an engine]),
+// and on_engine_created takes device locks under it. A fork from an event sink holds a device lock already:
+// waiting for the creation lock there would wait for a thread that waits for that device lock. Such a fork
+// takes the creation lock only if it is free (found by a review: this hung in the commit that began holding
+// the creation lock).
+TEST_CASE("fork from an event sink while another thread holds the creation lock and waits for that device lock: "
+          "no deadlock", "[fork]") {
+  auto a = test::allocator_from("driver:host,capacity_mb:256");
+  DeviceEngine* e = a->device(0);
+  REQUIRE(e);
+  test::Watchdog watchdog("fork from a sink against the creation lock", 60);
+  GatedForkingSink sink;
+  e->set_event_sink(&sink);
+  void* p = nullptr;
+  std::thread allocating([&] {
+    p = e->allocate(kHeldSize, 0, nullptr);  // forks inside, holding the device lock
+    if (sink.forked == 0) {  // the child, whose one thread is this one
+      alarm(static_cast<unsigned>(test::child_watchdog_s()));
+      if (!p) _exit(20);
+      e->set_event_sink(nullptr);
+      if (e->free(p) != Status::ok) _exit(21);
+      child_uses(e);
+    }
+  });
+  for (int i = 0; i < 10000 && !sink.inside; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  REQUIRE(sink.inside);
+  // Holds the creation lock while it waits for the device lock the sink's thread holds.
+  std::thread attaching([&] { a->on_engine_created([&](int, DeviceEngine& x) { x.set_event_sink(&sink); }); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  sink.go = true;
+  allocating.join();
+  attaching.join();
+  REQUIRE(sink.forked > 0);
+  const int status = test::wait_for_child(sink.forked, "a child forked from a sink against the creation lock");
+  INFO("the child " << test::describe_status(status) << " (exit 10 to 13, 20, 21: its calls; SIGALRM: it waited)");
+  CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+  e->set_event_sink(nullptr);
+  REQUIRE(p);
+  CHECK(e->free(p) == Status::ok);
+  CHECK(e->check_invariants().empty());
+}
+
 // Forks from the first event it is handed on a thread other than `main` (the worker's, finishing a split).
 class WorkerForkingSink final : public EventSink {
  public:

@@ -36,11 +36,14 @@ bool driver_available(const Options& opts, std::string* error);
 // process: there is no removal, so `arg` must outlive every fork.
 void hold_across_fork(void (*lock)(void*), void (*unlock)(void*), void* arg);
 // A lock that fork() takes before every device's lock and releases after them: one under which device locks
-// may be taken but no driver call is made, no engine is made or destroyed, nothing waits for another thread
-// and pthread_atfork is not called (the allocator's creation lock, Note [Creating an engine]). In the child,
-// `child` runs in place of `unlock`. stop_holding_across_fork(arg) removes every entry for arg; call it
-// before arg goes away, from a thread that holds none of these locks.
-void hold_across_fork_first(void (*lock)(void*), void (*unlock)(void*), void (*child)(void*), void* arg);
+// may be taken but no driver call is made, no engine is made or destroyed, the fork registry's mutex is not
+// taken, nothing else is waited for and pthread_atfork is not called (the allocator's creation lock, Note
+// [Creating an engine]); a thread that holds a device lock must not take it (but for a fork from an event
+// sink, which `lock(arg, false)` lets try: it returns whether it took the lock). `lock(arg, true)` waits and
+// returns true. In the child, `child` runs in place of `unlock`; neither runs for a lock not taken.
+// stop_holding_across_fork(arg) removes every entry for arg; call it before arg goes away, from a thread
+// that holds none of these locks.
+void hold_across_fork_first(bool (*lock)(void*, bool wait), void (*unlock)(void*), void (*child)(void*), void* arg);
 void stop_holding_across_fork(void* arg);
 
 class Allocator {
@@ -98,7 +101,7 @@ class Allocator {
   mutable std::mutex create_mu_;
   std::vector<char> creating_;  // per device: a thread is making its driver and engine, with no lock held
   std::unique_ptr<std::condition_variable> created_cv_ = std::make_unique<std::condition_variable>();
-  static void lock_for_fork(void* a);
+  static bool lock_for_fork(void* a, bool wait);
   static void unlock_for_fork(void* a);
   static void forked_child_for_fork(void* a);
   long creator_pid_ = 0;  // getpid() at creation
