@@ -137,6 +137,10 @@ class DeviceSink final : public EventSink {
 struct Process {
   std::atomic<Allocator*> ready{nullptr};  // set once the allocator exists: the fast path is one load
   std::mutex mu;                           // guards creation only
+  // Serialises record_history's calls: each sets the sinks' history and then which engines call them
+  // (Allocator::on_engine_created, whose calls must not overlap). Not held across fork(): a child forked
+  // while another thread was in record_history waits for ever in its own record_history.
+  std::mutex history_mu;
   std::unique_ptr<Allocator> alloc;
   std::vector<std::unique_ptr<DeviceSink>> sinks;  // one per device, chained into its engine when it is created
   std::string init_error;
@@ -453,6 +457,7 @@ void fragless_record_history(size_t max_entries) { fragless_record_history_ex(ma
 void fragless_record_history_ex(size_t max_entries, int context, int stacks) {
   Allocator* a = get();
   if (!a) return;
+  std::lock_guard lk(proc().history_mu);
   for (auto& s : proc().sinks) s->set_history(max_entries, context, stacks);
   attach_sinks(proc());
 }

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <thread>
 
 #include "driver/registry.h"
 
@@ -43,6 +44,7 @@ std::unique_ptr<Allocator> Allocator::create(const Options& opts, int devices, s
   a->slots_ = std::vector<std::atomic<DeviceEngine*>>(static_cast<std::size_t>(devices));
   a->failed_.resize(static_cast<std::size_t>(devices));
   a->creating_.resize(static_cast<std::size_t>(devices));
+  a->owned_.reserve(static_cast<std::size_t>(devices));  // publishing an engine never reallocates
   hold_across_fork_first(&lock_for_fork, &unlock_for_fork, &forked_child_for_fork, a.get());
   if (eager && devices > 0 && !a->device(0, error)) return nullptr;
   return a;
@@ -60,11 +62,12 @@ Allocator::~Allocator() {
 // may even register fork handlers, which must not happen while a lock the fork handlers take is held). The
 // creation lock guards only the bookkeeping around it: whether the device has an engine, a reason it cannot
 // have one, or a thread making one (creating_; the others wait on created_cv_, so a device is made once),
-// and the publication of the engine, its event sinks included (on_engine_created's callback, which takes
-// device locks under it: a thread holding a device lock never takes it, so flush_traces and the exit
-// handler walk the published engines without it). fork() holds that lock (after the registry's mutex and
-// before the device locks, hold_across_fork_first; a fork from an event sink only if it is free), so a
-// child finds it free and the books whole; a creation another thread
+// and the publication of the engine, its event sinks included. No thread waits for another's lock while
+// it holds it: publishing takes only the new engine's lock, which no other thread can reach yet,
+// on_engine_created calls back the engines that exist after letting it go, and the exit handler and
+// flush_traces walk the published engines without it. So fork() holds that lock (after the registry's
+// mutex and before the device locks, hold_across_fork_first), and every fork may wait for it, one from an
+// event sink (holding a device lock) too, so a child finds it free and the books whole; a creation another thread
 // had under way is lost to the child (that thread is not there): the child forgets it was under way and
 // makes the device's engine itself on first use, and what the lost one had made so far is leaked. Devices
 // are made in parallel when several threads first use different devices at once. An engine made while the
@@ -110,25 +113,24 @@ DeviceEngine* Allocator::device(int d, std::string* error) {
     if (error) *error = failed_[i];
     return nullptr;
   }
-  owned_.push_back(std::move(made));
-  DeviceEngine* e = owned_.back().get();
-  // Under the creation lock only the new engine's own lock is taken: no other thread can hold it yet.
+  // The exit handler walks slots_ without this lock (at_exit). It sets exiting_ and then waits for
+  // publishing_ to be 0; this counts itself in publishing_ and then reads exiting_ (all sequentially
+  // consistent): either it waits for this engine to be in slots_, or this sees the exit and stops the
+  // engine's worker before anyone can reach it (it never starts).
+  publishing_.fetch_add(1, std::memory_order_seq_cst);
+  if (exiting_.load(std::memory_order_seq_cst)) made->stop_background();
+  DeviceEngine* e = made.get();
+  owned_.push_back(std::move(made));  // capacity for every device, reserved at creation: does not throw
+  // Under the creation lock only the new engine's own lock is taken: no other thread can reach it yet (a fork
+  // takes the device locks after this lock).
   if (tracing_) e->set_event_sink(tracing_->sink(d));
-  if (created_) created_(d, *e);
+  if (created_) [&]() noexcept { created_(d, *e); }();
   slots_[i].store(e, std::memory_order_seq_cst);
-  lk.unlock();
-  // The exit handler stops the workers of the engines it finds in slots_ without this lock (at_exit): either
-  // it found this one, or this sees that it began (both sequentially consistent), or both.
-  if (exiting_.load(std::memory_order_seq_cst)) e->stop_background();
+  publishing_.fetch_sub(1, std::memory_order_seq_cst);
   return e;
 }
 
-bool Allocator::lock_for_fork(void* a, bool wait) {
-  auto& mu = static_cast<Allocator*>(a)->create_mu_;
-  if (!wait) return mu.try_lock();
-  mu.lock();
-  return true;
-}
+void Allocator::lock_for_fork(void* a) { static_cast<Allocator*>(a)->create_mu_.lock(); }
 void Allocator::unlock_for_fork(void* a) { static_cast<Allocator*>(a)->create_mu_.unlock(); }
 void Allocator::forked_child_for_fork(void* p) {
   auto* a = static_cast<Allocator*>(p);
@@ -142,10 +144,16 @@ void Allocator::forked_child_for_fork(void* p) {
 }
 
 void Allocator::on_engine_created(std::function<void(int, DeviceEngine&)> f) {
-  std::lock_guard lk(create_mu_);
-  created_ = std::move(f);
-  for (int d = 0; d < device_count(); ++d)
-    if (DeviceEngine* e = existing(d)) created_(d, *e);
+  // The engines that exist get f outside the creation lock: f takes their locks (Note [Creating an engine]).
+  // One published after this section got f from device(), under the lock.
+  std::vector<std::pair<int, DeviceEngine*>> now;
+  {
+    std::lock_guard lk(create_mu_);
+    created_ = f;
+    for (int d = 0; d < device_count(); ++d)
+      if (DeviceEngine* e = existing(d)) now.emplace_back(d, e);
+  }
+  for (auto [d, e] : now) f(d, *e);
 }
 
 void Allocator::flush_traces() {
@@ -177,6 +185,7 @@ void Allocator::at_exit() {
   // a forked child]): nothing to do, and a lock a thread of the parent held at the fork is never released.
   if (forked_child()) return;
   exiting_.store(true, std::memory_order_seq_cst);  // an engine created from now on starts no worker
+  while (publishing_.load(std::memory_order_seq_cst) != 0) std::this_thread::yield();  // see device()
   stop_background();
   if (tracing_) tracing_->go_synchronous();
   flush_traces();  // what the sinks still hold, written now (Note [Tracing at exit])

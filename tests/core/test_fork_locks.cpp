@@ -225,19 +225,23 @@ class GatedForkingSink final : public EventSink {
 };
 
 // The allocator's creation lock is held across fork() before the device locks (Note [Creating an engine]),
-// and on_engine_created takes device locks under it. A fork from an event sink holds a device lock already:
-// waiting for the creation lock there would wait for a thread that waits for that device lock. Such a fork
-// takes the creation lock only if it is free (found by a review: this hung in the commit that began holding
-// the creation lock).
-TEST_CASE("fork from an event sink while another thread holds the creation lock and waits for that device lock: "
-          "no deadlock", "[fork]") {
-  auto a = test::allocator_from("driver:host,capacity_mb:256");
+// so no thread may wait for a device lock while holding it: a fork from an event sink holds a device lock
+// and waits for the creation lock. on_engine_created's callback takes the device locks of the engines that
+// exist: it runs them outside the creation lock. Here the callback waits for the device lock the sink's
+// thread holds, and the sink forks only once the callback has begun. Found by reviews: the first version
+// called back under the creation lock and this fork waited for ever (watchdog); the second let such a fork
+// go without the creation lock when it was taken, and its child then found it held for ever (the child's
+// device(1) and on_engine_created below).
+TEST_CASE("fork from an event sink while another thread calls back the engines and waits for that device lock: "
+          "no deadlock, and the child makes a device", "[fork]") {
+  auto a = test::allocator_from("driver:host,capacity_mb:256", 2);
   DeviceEngine* e = a->device(0);
   REQUIRE(e);
-  test::Watchdog watchdog("fork from a sink against the creation lock", 60);
+  test::Watchdog watchdog("fork from a sink against a callback of on_engine_created", 60);
   GatedForkingSink sink;
   e->set_event_sink(&sink);
   void* p = nullptr;
+  std::atomic<bool> called_back{false};
   std::thread allocating([&] {
     p = e->allocate(kHeldSize, 0, nullptr);  // forks inside, holding the device lock
     if (sink.forked == 0) {  // the child, whose one thread is this one
@@ -245,20 +249,30 @@ TEST_CASE("fork from an event sink while another thread holds the creation lock 
       if (!p) _exit(20);
       e->set_event_sink(nullptr);
       if (e->free(p) != Status::ok) _exit(21);
-      child_uses(e);
+      DeviceEngine* other = a->device(1);  // made now, under the creation lock
+      if (!other) _exit(22);
+      other->set_event_sink(nullptr);
+      a->on_engine_created([](int, DeviceEngine&) {});
+      child_uses(other);
     }
   });
   for (int i = 0; i < 10000 && !sink.inside; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   REQUIRE(sink.inside);
-  // Holds the creation lock while it waits for the device lock the sink's thread holds.
-  std::thread attaching([&] { a->on_engine_created([&](int, DeviceEngine& x) { x.set_event_sink(&sink); }); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::thread attaching([&] {
+    a->on_engine_created([&](int, DeviceEngine& x) {
+      called_back = true;
+      x.set_event_sink(&sink);  // device 0: waits for the lock the sink's thread holds
+    });
+  });
+  for (int i = 0; i < 10000 && !called_back; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  REQUIRE(called_back);
   sink.go = true;
   allocating.join();
   attaching.join();
   REQUIRE(sink.forked > 0);
-  const int status = test::wait_for_child(sink.forked, "a child forked from a sink against the creation lock");
-  INFO("the child " << test::describe_status(status) << " (exit 10 to 13, 20, 21: its calls; SIGALRM: it waited)");
+  const int status = test::wait_for_child(sink.forked, "a child forked from a sink against a callback");
+  INFO("the child " << test::describe_status(status)
+                    << " (exit 10 to 13, 20 to 22: its calls; SIGALRM: it waited for a lock)");
   CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
   e->set_event_sink(nullptr);
   REQUIRE(p);

@@ -454,7 +454,7 @@ TEST_CASE("libcuda double: asynchrony and faults are modelled (unmap under a run
 // while the context was made, and the child waited for ever for it (its holder is not in the child).
 TEST_CASE("cuda driver: fork while another thread makes a device's engine: the child makes its own", "[cuda][fork]") {
   auto a = make_lazy(PolicyKind::fragless);
-  fake().delay("cuDevicePrimaryCtxRetain", 1000000);  // 1 s to make the context
+  fake().delay("cuDevicePrimaryCtxRetain", 2000000);  // 2 s to make the context
   const auto started = fake().calls("cuDevicePrimaryCtxRetain:started");
   std::atomic<bool> made{false};
   DeviceEngine* engine = nullptr;

@@ -35,15 +35,13 @@ bool driver_available(const Options& opts, std::string* error);
 // event sink skips, such a lock would be waited for by the thread that holds it). For the life of the
 // process: there is no removal, so `arg` must outlive every fork.
 void hold_across_fork(void (*lock)(void*), void (*unlock)(void*), void* arg);
-// A lock that fork() takes before every device's lock and releases after them: one under which device locks
-// may be taken but no driver call is made, no engine is made or destroyed, the fork registry's mutex is not
-// taken, nothing else is waited for and pthread_atfork is not called (the allocator's creation lock, Note
-// [Creating an engine]); a thread that holds a device lock must not take it (but for a fork from an event
-// sink, which `lock(arg, false)` lets try: it returns whether it took the lock). `lock(arg, true)` waits and
-// returns true. In the child, `child` runs in place of `unlock`; neither runs for a lock not taken.
-// stop_holding_across_fork(arg) removes every entry for arg; call it before arg goes away, from a thread
-// that holds none of these locks.
-void hold_across_fork_first(bool (*lock)(void*, bool wait), void (*unlock)(void*), void (*child)(void*), void* arg);
+// A lock that fork() takes after the fork registry's mutex and before every device's lock, and releases after
+// them: one whose holder never waits for anything another thread may hold while it waits for this lock (no
+// device lock but one no other thread can reach yet, no registry mutex, no driver call, no pthread_atfork;
+// the allocator's creation lock, Note [Creating an engine]), so that every fork may wait for it, one from an
+// event sink too. In the child, `child` runs in place of `unlock`. stop_holding_across_fork(arg) removes
+// every entry for arg; call it before arg goes away, from a thread that holds none of these locks.
+void hold_across_fork_first(void (*lock)(void*), void (*unlock)(void*), void (*child)(void*), void* arg);
 void stop_holding_across_fork(void* arg);
 
 class Allocator {
@@ -63,7 +61,10 @@ class Allocator {
   DeviceEngine* existing(int d) const {
     return d >= 0 && d < device_count() ? slots_[static_cast<std::size_t>(d)].load(std::memory_order_acquire) : nullptr;
   }
-  // Called, under the creation lock, for each engine as it is created (chaining event sinks).
+  // f(d, engine) for each engine, now for those that exist (on this thread, holding no lock of the allocator's)
+  // and as the others are created (under the creation lock, before the engine is published); f must not
+  // throw, nor take any lock but the engine's own. Each engine gets the newest f, provided that calls of
+  // on_engine_created do not overlap (the caller's to serialise: the C ABI's history calls are).
   void on_engine_created(std::function<void(int, DeviceEngine&)> f);
   const Options& options() const { return opts_; }
   // Hands every buffered trace record to the writers and waits until they are written.
@@ -101,11 +102,12 @@ class Allocator {
   mutable std::mutex create_mu_;
   std::vector<char> creating_;  // per device: a thread is making its driver and engine, with no lock held
   std::unique_ptr<std::condition_variable> created_cv_ = std::make_unique<std::condition_variable>();
-  static bool lock_for_fork(void* a, bool wait);
+  static void lock_for_fork(void* a);
   static void unlock_for_fork(void* a);
   static void forked_child_for_fork(void* a);
   long creator_pid_ = 0;  // getpid() at creation
-  std::atomic<bool> exiting_{false};  // at_exit has begun: engines created later get no background worker
+  std::atomic<bool> exiting_{false};
+  std::atomic<int> publishing_{0};  // device() between deciding an engine gets a worker and publishing it  // at_exit has begun: engines created later get no background worker
 };
 
 }  // namespace fragless

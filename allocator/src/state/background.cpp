@@ -38,11 +38,10 @@ std::vector<ForkLock>& fork_locks() {
 // Locks held across fork() before the registry's and the device locks (hold_across_fork_first), under
 // g_first_mu, which before_fork takes first of all.
 struct FirstLock {
-  bool (*lock)(void*, bool wait);
+  void (*lock)(void*);
   void (*unlock)(void*);
   void (*child)(void*);
   void* arg;
-  bool held;  // taken by the fork in progress (not always, when it forks from an event sink)
 };
 std::mutex g_first_mu;
 std::vector<FirstLock>& first_locks() {
@@ -76,10 +75,10 @@ void hold_across_fork(void (*lock)(void*), void (*unlock)(void*), void* arg) {
   fork_locks().push_back({lock, unlock, arg});
 }
 
-void hold_across_fork_first(bool (*lock)(void*, bool wait), void (*unlock)(void*), void (*child)(void*), void* arg) {
+void hold_across_fork_first(void (*lock)(void*), void (*unlock)(void*), void (*child)(void*), void* arg) {
   install_fork_handlers();
   std::lock_guard lk(g_first_mu);
-  first_locks().push_back({lock, unlock, child, arg, false});
+  first_locks().push_back({lock, unlock, child, arg});
 }
 
 void stop_holding_across_fork(void* arg) {
@@ -258,21 +257,16 @@ void Background::loop() {
 // in reverse; their rules (taken under a device lock or with none held, never held while taking one) keep
 // the order acyclic. After the registry's mutex and before the device locks it takes the locks added with
 // hold_across_fork_first (each allocator's creation lock, Note [Creating an engine]), which the parent and
-// child handlers release last: under them device locks may be taken, never the other way round, except by a
-// fork from an event sink, which holds a device lock already; such a fork takes them only if they are free
-// (a thread that holds one may be waiting for that device lock), and its child may find one held (as it
-// finds its own device lock). The child makes every engine new condition variables and keeps the old ones in
+// child handlers release last. Such a lock is never held while its holder waits for anything another thread
+// may hold (a device lock, the registry's mutex): a fork from an event sink, which holds a device lock
+// already, may wait for it too. The child makes every engine new condition variables and keeps the old ones in
 // g_leftovers, reachable and never destroyed: the worker may have waited on one, and so may a thread of the
 // parent's woken from begin_quiet just before the fork (glibc counts it until it leaves the wait; it may even
 // hold the condition variable's own mutex).
 void Background::before_fork() {
   g_first_mu.lock();  // held until the parent or child handler, as are the locks it lists
   g_registry_mu.lock();  // held until the parent or child handler: no engine is made or destroyed meanwhile
-  // A fork from an event sink holds a device lock already, and a first lock's holder may be waiting for
-  // that device lock: such a fork takes the first locks only if they are free.
-  bool from_a_sink = false;
-  for (Background* b = g_registry; b && !from_a_sink; b = b->next_) from_a_sink = b->mu_.held_by_this_thread();
-  for (FirstLock& l : first_locks()) l.held = l.lock(l.arg, /*wait=*/!from_a_sink);
+  for (const FirstLock& l : first_locks()) l.lock(l.arg);
   for (Background* b = g_registry; b; b = b->next_) {
     if (b->mu_.held_by_this_thread()) {
       b->fork_paused_ = true;
@@ -297,8 +291,7 @@ void Background::after_fork_parent() {
     }
   }
   g_registry_mu.unlock();
-  for (auto l = first_locks().rbegin(); l != first_locks().rend(); ++l)
-    if (l->held) l->unlock(l->arg);
+  for (auto l = first_locks().rbegin(); l != first_locks().rend(); ++l) l->unlock(l->arg);
   g_first_mu.unlock();
 }
 
@@ -329,8 +322,7 @@ void Background::after_fork_child() {
     }
   }
   g_registry_mu.unlock();
-  for (auto l = first_locks().rbegin(); l != first_locks().rend(); ++l)
-    if (l->held) l->child(l->arg);
+  for (auto l = first_locks().rbegin(); l != first_locks().rend(); ++l) l->child(l->arg);
   g_first_mu.unlock();
 }
 
