@@ -215,14 +215,7 @@ void unlock_tables() {
   g_mu.unlock();
 }
 
-bool same_frames(const Stack& a, const Stack& b) {
-  if (a.cpp != b.cpp || a.python.size() != b.python.size()) return false;
-  for (std::size_t i = 0; i < a.python.size(); ++i)
-    if (a.python[i].code != b.python[i].code || a.python[i].where != b.python[i].where ||
-        a.python[i].offset != b.python[i].offset)
-      return false;
-  return true;
-}
+bool same_frames(const Stack& a, const Stack& b) { return a.cpp == b.cpp && a.python == b.python; }
 
 std::size_t hash_frames(const Stack& s) {
   std::uint64_t h = 0xcbf29ce484222325ull;

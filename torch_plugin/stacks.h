@@ -30,6 +30,7 @@ struct PyFrameRef {
   const void* code;  // the code object's cached file and name (stacks.cpp)
   int where;         // the line, or with `offset` the bytecode offset, named at snapshot time
   bool offset;
+  bool operator==(const PyFrameRef&) const = default;
 };
 
 struct Stack {

@@ -97,17 +97,18 @@ DeviceEngine* Allocator::device(int d, std::string* error) {
   if (exiting_.load(std::memory_order_relaxed)) o.background = BackgroundMode::off;  // Note [Exit while the lock is held]
   std::string err;
   std::unique_ptr<DeviceEngine> made;
-  try {
-    if (auto drv = make_driver(o, d, &err)) made = std::make_unique<DeviceEngine>(o, std::move(drv));
-  } catch (...) {
+  const auto made_or_not = [&] {  // the lock again, and the waiters told, whatever happened
     lk.lock();
     creating_[i] = 0;
     created_cv_->notify_all();
+  };
+  try {
+    if (auto drv = make_driver(o, d, &err)) made = std::make_unique<DeviceEngine>(o, std::move(drv));
+  } catch (...) {
+    made_or_not();
     throw;
   }
-  lk.lock();
-  creating_[i] = 0;
-  created_cv_->notify_all();
+  made_or_not();
   if (!made) {
     failed_[i] = err.empty() ? "fragless: cannot create the driver of device " + std::to_string(d) : err;
     if (error) *error = failed_[i];
@@ -125,8 +126,8 @@ DeviceEngine* Allocator::device(int d, std::string* error) {
   // takes the device locks after this lock).
   if (tracing_) e->set_event_sink(tracing_->sink(d));
   if (created_) [&]() noexcept { created_(d, *e); }();
-  slots_[i].store(e, std::memory_order_seq_cst);
-  publishing_.fetch_sub(1, std::memory_order_seq_cst);
+  slots_[i].store(e, std::memory_order_release);
+  publishing_.fetch_sub(1, std::memory_order_seq_cst);  // after the slot: an exit that sees 0 sees the slot
   return e;
 }
 
@@ -194,7 +195,7 @@ void Allocator::at_exit() {
 void Allocator::stop_background() {
   if (forked_child()) return;
   for (int d = 0; d < device_count(); ++d)  // without the creation lock, as flush_traces
-    if (DeviceEngine* e = slots_[static_cast<std::size_t>(d)].load(std::memory_order_seq_cst)) e->stop_background();
+    if (DeviceEngine* e = existing(d)) e->stop_background();
 }
 std::vector<std::string> Allocator::trace_paths() const {
   return tracing_ ? tracing_->paths() : std::vector<std::string>{};

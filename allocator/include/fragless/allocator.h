@@ -106,8 +106,8 @@ class Allocator {
   static void unlock_for_fork(void* a);
   static void forked_child_for_fork(void* a);
   long creator_pid_ = 0;  // getpid() at creation
-  std::atomic<bool> exiting_{false};
-  std::atomic<int> publishing_{0};  // device() between deciding an engine gets a worker and publishing it  // at_exit has begun: engines created later get no background worker
+  std::atomic<bool> exiting_{false};  // at_exit has begun: engines created later get no background worker
+  std::atomic<int> publishing_{0};    // device() between deciding an engine gets a worker and publishing it
 };
 
 }  // namespace fragless
