@@ -134,24 +134,40 @@ class DeviceSink final : public EventSink {
   std::unordered_map<std::uint64_t, std::shared_ptr<const stacks::Stack>> block_stacks_;
 };
 
+// Note [Histories across fork]
+// record_history's calls are serialised (each sets the sinks' history, then which engines call them:
+// Allocator::on_engine_created, whose calls must not overlap). That lock cannot be held across fork(): its
+// holder waits for the allocator's creation lock and for device locks, which the fork takes first. So a child
+// forked while another thread held it gets a new one (that thread is not in the child; the old lock is left
+// locked, never destroyed). Each part that thread had set is whole in the child (the sinks' locks and the
+// creation lock are held across the fork), and the child's own record_history sets them all again. No thread
+// forks while it holds it: nothing it runs calls code that is not ours. Before 2026-12-04 such a child waited
+// for ever in its own record_history (tests/capi/capi_fork.cpp).
 struct Process {
   std::atomic<Allocator*> ready{nullptr};  // set once the allocator exists: the fast path is one load
-  std::mutex mu;                           // guards creation only
-  // Serialises record_history's calls: each sets the sinks' history and then which engines call them
-  // (Allocator::on_engine_created, whose calls must not overlap). Not held across fork(): a child forked
-  // while another thread was in record_history waits for ever in its own record_history.
-  std::mutex history_mu;
-  std::unique_ptr<Allocator> alloc;
+  MakeOnce once;                           // the allocator is made once (Note [Making the allocator once])
+  std::mutex* history_mu = new std::mutex;  // Note [Histories across fork]; replaced in a forked child
+  std::unique_ptr<Allocator> alloc;         // set by the maker, read after once.begin() or ready
   std::vector<std::unique_ptr<DeviceSink>> sinks;  // one per device, chained into its engine when it is created
-  std::string init_error;
-  bool tried = false;
+  std::string init_error;                          // why there is no allocator, when there is none
+
+  Process() {
+    hold_across_fork_from_load([](void*) {}, [](void*) {}, [](void* p) {
+      std::mutex*& mu = static_cast<Process*>(p)->history_mu;
+      if (mu->try_lock()) mu->unlock();
+      else mu = new std::mutex;  // its holder is not in this child
+    }, this);
+  }
 };
 
-// Never destroyed: CUDA programs free memory from static destructors and atexit handlers.
+// Never destroyed: CUDA programs free memory from static destructors and atexit handlers. Made when the
+// library is loaded, before any thread of the program can call it (its fork handlers must be registered
+// before anything they cover can be held).
 Process& proc() {
   static Process* p = new Process();
   return *p;
 }
+__attribute__((constructor)) void make_process_at_load() { proc(); }
 
 // At exit (Allocator::at_exit): the background workers stop first (no driver call of theirs while the CUDA
 // driver tears down), then the trace writers (no thread of ours is left for the process's exit to race), and
@@ -165,8 +181,8 @@ void flush_at_exit() {
 
 // Chains each device's sink into its engine: now for the engines that exist, and as the others are created
 // (under the allocator's creation lock, so no engine is missed).
-void attach_sinks(Process& p) {
-  p.alloc->on_engine_created([&p](int d, DeviceEngine& e) {
+void attach_sinks(Process& p, Allocator& a) {
+  a.on_engine_created([&p](int d, DeviceEngine& e) {
     DeviceSink* s = p.sinks[static_cast<std::size_t>(d)].get();
     e.set_event_sink(s->needed() ? s : nullptr);
   });
@@ -177,37 +193,46 @@ void attach_sinks(Process& p) {
 Allocator* get(int devices = -1) {
   Process& p = proc();
   if (Allocator* a = p.ready.load(std::memory_order_acquire)) return a;
-  std::lock_guard lk(p.mu);
-  if (p.alloc) return p.alloc.get();
-  if (p.tried) {
-    t_last_error = p.init_error;
+  if (MakeOnce::Turn turn = p.once.begin()) {  // made here, holding nothing of ours (a fork may take it away)
+    std::unique_ptr<Allocator> made;
+    std::vector<std::unique_ptr<DeviceSink>> sinks;
+    std::string err;
+    try {
+      if (auto conf = config_from_environment(); !conf.ok) {
+        err = conf.error;
+      } else {
+        if (turn.after_lost_making()) forked_child_traces_not(&conf.options);
+        if ((made = Allocator::create(conf.options, devices, &err, /*eager=*/false))) {
+          sinks.reserve(static_cast<std::size_t>(made->device_count()));
+          for (int d = 0; d < made->device_count(); ++d) {
+            sinks.push_back(std::make_unique<DeviceSink>(made->trace_sink(d)));
+            hold_across_fork(&DeviceSink::lock_for_fork, &DeviceSink::unlock_for_fork, sinks.back().get());
+          }
+          // Registered once for the process (a child's making after a lost one does not add it again).
+          hold_across_fork([](void*) { stacks::lock_tables(); }, [](void*) { stacks::unlock_tables(); }, nullptr);
+          attach_sinks(p, *made);  // reads p.sinks when an engine is made: none is before the allocator is published
+          std::atexit(flush_at_exit);
+        }
+      }
+    } catch (const std::exception& e) {  // out of host memory: an error, never a maker that never ends
+      made.reset();
+      for (auto& s : sinks) (void)s.release();  // registered with fork: never destroyed
+      err = std::string("fragless: could not make the allocator: ") + e.what();
+    }
+    if (!made) std::fprintf(stderr, "%s\n", err.c_str());
+    turn.made([&] {  // publication, all at once for a fork
+      p.init_error = std::move(err);
+      p.sinks = std::move(sinks);
+      p.alloc = std::move(made);
+      p.ready.store(p.alloc.get(), std::memory_order_release);
+    });
+  } else if (!p.ready.load(std::memory_order_acquire) && p.init_error.empty()) {
+    t_last_error = "fragless: called from inside the making of its own allocator (on the same thread)";
     return nullptr;
   }
-  p.tried = true;
-  auto conf = config_from_environment();
-  if (!conf.ok) {
-    p.init_error = conf.error;
-    t_last_error = p.init_error;
-    std::fprintf(stderr, "%s\n", p.init_error.c_str());
-    return nullptr;
-  }
-  std::string err;
-  p.alloc = Allocator::create(conf.options, devices, &err, /*eager=*/false);
-  if (!p.alloc) {
-    p.init_error = err;
-    t_last_error = err;
-    std::fprintf(stderr, "%s\n", err.c_str());
-    return nullptr;
-  }
-  for (int d = 0; d < p.alloc->device_count(); ++d) {
-    p.sinks.push_back(std::make_unique<DeviceSink>(p.alloc->trace_sink(d)));
-    hold_across_fork(&DeviceSink::lock_for_fork, &DeviceSink::unlock_for_fork, p.sinks.back().get());
-  }
-  hold_across_fork([](void*) { stacks::lock_tables(); }, [](void*) { stacks::unlock_tables(); }, nullptr);
-  attach_sinks(p);
-  std::atexit(flush_at_exit);
-  p.ready.store(p.alloc.get(), std::memory_order_release);
-  return p.alloc.get();
+  if (Allocator* a = p.ready.load(std::memory_order_acquire)) return a;
+  t_last_error = p.init_error;
+  return nullptr;
 }
 
 // The engine of a device, created on its first use.
@@ -457,9 +482,9 @@ void fragless_record_history(size_t max_entries) { fragless_record_history_ex(ma
 void fragless_record_history_ex(size_t max_entries, int context, int stacks) {
   Allocator* a = get();
   if (!a) return;
-  std::lock_guard lk(proc().history_mu);
+  std::lock_guard lk(*proc().history_mu);
   for (auto& s : proc().sinks) s->set_history(max_entries, context, stacks);
-  attach_sinks(proc());
+  attach_sinks(proc(), *a);
 }
 
 const char* fragless_last_error(void) { return t_last_error.c_str(); }

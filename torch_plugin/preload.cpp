@@ -131,33 +131,53 @@ void stop_at_exit();
 
 struct Interposer {
   std::atomic<fragless::Allocator*> ready{nullptr};  // set once the allocator exists: one load per call
-  std::mutex create_mu;                               // guards creation only
-  std::unique_ptr<fragless::Allocator> alloc;
-  bool tried = false;
+  fragless::MakeOnce once;                            // the allocator is made once (Note [Making the allocator once])
+  std::unique_ptr<fragless::Allocator> alloc;         // set by the maker, read after ready
   std::unique_ptr<DevicePending[]> pending;  // per device: cudaFree'd, waiting for the fence
   std::atomic<int> captures{0};              // captures under way (any device)
   std::mutex captures_mu;                    // guards capturing (begin and end of a capture only)
   std::map<fragless::Stream, int> capturing;  // capturing stream -> its device
 
+  // Locks whose holders take no other lock are held across fork(): a child forked while another thread held
+  // one would wait for ever at its next cudaFree (or capture). The table of captures' from the library's load,
+  // the lists of frees with the allocator's other fork locks.
+  static void lock_mutex(void* m) { static_cast<std::mutex*>(m)->lock(); }
+  static void unlock_mutex(void* m) { static_cast<std::mutex*>(m)->unlock(); }
+  Interposer() { fragless::hold_across_fork_from_load(&lock_mutex, &unlock_mutex, &unlock_mutex, &captures_mu); }
+
   fragless::Allocator* get() {
     if (fragless::Allocator* a = ready.load(std::memory_order_acquire)) return a;
-    std::lock_guard lk(create_mu);
-    if (alloc || tried) return alloc.get();
-    tried = true;
-    auto conf = fragless::config_from_environment();
-    std::string err;
-    // No engine yet: each device's (and its CUDA context) comes with that device's first use.
-    if (conf.ok) alloc = fragless::Allocator::create(conf.options, -1, &err, /*eager=*/false);
-    else err = conf.error;
-    if (!alloc) {
-      if (conf.ok || !conf_reported_at_load())  // a bad FRAGLESS_CONF was named when the library loaded
+    if (fragless::MakeOnce::Turn turn = once.begin()) {  // made here, holding nothing of ours (a fork may take it away)
+      std::string err;
+      std::unique_ptr<fragless::Allocator> made;
+      std::unique_ptr<DevicePending[]> lists;
+      bool reported = false;
+      try {
+        auto conf = fragless::config_from_environment();
+        reported = !conf.ok && conf_reported_at_load();  // a bad FRAGLESS_CONF was named when the library loaded
+        if (turn.after_lost_making()) fragless::forked_child_traces_not(&conf.options);
+        // No engine yet: each device's (and its CUDA context) comes with that device's first use.
+        if (conf.ok) made = fragless::Allocator::create(conf.options, -1, &err, /*eager=*/false);
+        else err = conf.error;
+        if (made) {
+          lists = std::make_unique<DevicePending[]>(static_cast<std::size_t>(made->device_count()));
+          for (int d = 0; d < made->device_count(); ++d) fragless::hold_across_fork(&lock_mutex, &unlock_mutex, &lists[d].mu);
+          std::atexit(stop_at_exit);
+        }
+      } catch (const std::exception& e) {  // out of host memory: an error, never a maker that never ends
+        made.reset();
+        (void)lists.release();  // registered with fork: never destroyed
+        err = std::string("fragless: could not make the allocator: ") + e.what();
+      }
+      if (!made && !reported)
         std::fprintf(stderr, "fragless (LD_PRELOAD): %s; forwarding every call to the CUDA runtime\n", err.c_str());
-      return nullptr;
+      turn.made([&] {  // publication, all at once for a fork
+        pending = std::move(lists);
+        alloc = std::move(made);
+        ready.store(alloc.get(), std::memory_order_release);
+      });
     }
-    pending = std::make_unique<DevicePending[]>(static_cast<std::size_t>(alloc->device_count()));
-    std::atexit(stop_at_exit);
-    ready.store(alloc.get(), std::memory_order_release);
-    return alloc.get();
+    return ready.load(std::memory_order_acquire);  // none from inside the making, on its thread: forwarded
   }
 
   DevicePending& of(int device) { return pending[static_cast<std::size_t>(device)]; }
@@ -205,6 +225,9 @@ Interposer& ip() {
   static Interposer* i = new Interposer();  // never destroyed: frees may come from static destructors
   return *i;
 }
+// Made when the library loads, before any thread of the program can call it: its fork handlers must be
+// registered before anything they cover can be held.
+__attribute__((constructor)) void make_interposer_at_load() { ip(); }
 
 // At exit, as the C ABI's (capi.cpp): the background workers stop (none of their driver calls runs while the
 // CUDA driver tears down), the trace writers are joined and the traces written, each later record as it
@@ -455,7 +478,8 @@ void retire_stream(fragless::Stream stream, int device) {
 
 void capture_began(fragless::Stream stream, int device) {
   Interposer& i = ip();
-  fragless::DeviceEngine* e = i.alloc ? i.alloc->existing(device) : nullptr;
+  fragless::Allocator* a = i.ready.load(std::memory_order_acquire);
+  fragless::DeviceEngine* e = a ? a->existing(device) : nullptr;
   if (!e) return;
   {
     std::lock_guard lk(i.captures_mu);

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <thread>
 
 #include "driver/registry.h"
@@ -142,6 +143,72 @@ void Allocator::forked_child_for_fork(void* p) {
   kept->push_back(std::move(a->created_cv_));
   a->created_cv_ = std::make_unique<std::condition_variable>();
   a->create_mu_.unlock();
+}
+
+// Note [Making the allocator once]
+// The C ABI and the interposer make their allocator at the process's first call. Making it reads the
+// configuration, opens the trace files, loads libcuda and calls cuInit (from milliseconds to seconds), and
+// registers fork handlers; so, as for a device's engine (Note [Creating an engine]), nothing is held while it
+// is made: MakeOnce's lock guards only whether it is made, being made (by which thread) or not, and a caller
+// that finds another thread making it waits on the condition variable, which lets the lock go. fork() holds
+// that lock (hold_across_fork_from_load, registered when the library loads) and its holder never waits for
+// anything, so a fork never waits for the making. A child forked while another thread was making it finds it
+// "not made" and makes its own at its first call; what the lost making had made is leaked. That child's
+// allocator writes no trace unless the trace's path has a %p: the lost making may have opened the parent's
+// file already, and the parent's writes to it go on (Note [Tracing in a forked child]). Lazy initialisations
+// the making reaches use std::call_once (glibc's pthread_once lets a child run again one that a fork
+// interrupted, where a function's static would leave the child waiting for ever on its guard): loading
+// libcuda, the tracer's clock. With a real driver a child cannot use CUDA anyway, and one forked while
+// libcuda was being loaded or initialised may find the driver itself half made. A making that ends by an
+// exception (or a thread's cancellation) is abandoned (MakeOnce::Turn), so the next caller makes it instead
+// of every caller waiting for ever. A call from inside the making, on its thread, gets no allocator rather
+// than waiting for itself. Before 2026-12-04 a lock was held while making, and a child forked meanwhile
+// waited for ever at its first call (tests/capi/capi_fork.cpp, tests/preload/preload_fork.cpp).
+MakeOnce::MakeOnce() : cv_(std::make_unique<std::condition_variable>()) {
+  hold_across_fork_from_load(&lock_for_fork, &unlock_for_fork, &child_after_fork, this);
+}
+
+MakeOnce::Turn MakeOnce::begin() {
+  std::unique_lock lk(mu_);
+  if (state_ == State::making && maker_ == std::this_thread::get_id()) return Turn(nullptr);
+  while (state_ == State::making) cv_->wait(lk);
+  if (state_ == State::made) return Turn(nullptr);
+  state_ = State::making;
+  maker_ = std::this_thread::get_id();
+  return Turn(this);
+}
+
+void MakeOnce::abandon() {
+  std::lock_guard lk(mu_);
+  state_ = State::not_made;
+  cv_->notify_all();
+}
+
+void MakeOnce::lock_for_fork(void* self) { static_cast<MakeOnce*>(self)->mu_.lock(); }
+void MakeOnce::unlock_for_fork(void* self) { static_cast<MakeOnce*>(self)->mu_.unlock(); }
+void MakeOnce::child_after_fork(void* self) {
+  auto* m = static_cast<MakeOnce*>(self);
+  if (m->state_ == State::making) {
+    if (m->maker_ != std::this_thread::get_id()) {  // the maker is not in this child
+      m->state_ = State::not_made;
+      m->lost_ = true;
+    }
+    // A waiter of the parent's may still count in the condition variable: a new one, the old one never destroyed.
+    static auto* kept = new std::vector<std::unique_ptr<std::condition_variable>>;
+    kept->push_back(std::move(m->cv_));
+    m->cv_ = std::make_unique<std::condition_variable>();
+  }
+  m->mu_.unlock();
+}
+
+void forked_child_traces_not(Options* opts) {
+  if (opts->trace.empty() || opts->trace.find("%p") != std::string::npos) return;
+  std::fprintf(stderr,
+               "fragless: process %d was forked while another thread made the allocator, which traces to %s; the "
+               "child's allocator is not traced (that file is the parent's; a %%p in the path gives each process "
+               "its own)\n",
+               static_cast<int>(getpid()), opts->trace.c_str());
+  opts->trace.clear();
 }
 
 void Allocator::on_engine_created(std::function<void(int, DeviceEngine&)> f) {

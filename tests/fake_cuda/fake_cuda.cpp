@@ -51,6 +51,7 @@
 // FAKECUDA_CAPACITY_MB (per device, default 1024; a comma list gives each device its own), FAKECUDA_DRIVER_VERSION.
 #include <cuda.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -234,6 +235,16 @@ struct State {
 State& st() {
   static State* s = new State();
   return *s;
+}
+
+// fork() holds the double's lock, so that a child forked while another thread was inside a call of the
+// double finds it free (a real driver's state is its own business; a test's child that calls the double
+// must not wait for ever on a lock whose holder is not in it). Registered when the double loads, before
+// fragless's handlers, whose prepare handler therefore runs first and waits for the device locks while
+// calls of the double can still finish.
+__attribute__((constructor)) void hold_the_double_across_fork() {
+  st();
+  pthread_atfork([] { st().mu.lock(); }, [] { st().mu.unlock(); }, [] { st().mu.unlock(); });
 }
 
 thread_local std::vector<CUcontext> t_ctx_stack;
@@ -561,6 +572,7 @@ void delay(const char* fn) {
 }  // namespace
 
 FAKE_API CUresult cuInit(unsigned) {
+  delay("cuInit");  // loading the driver takes from milliseconds to seconds
   ENTER("cuInit");
   st().initialised = true;
   return CUDA_SUCCESS;

@@ -1,6 +1,6 @@
 // Under LD_PRELOAD=libfragless_preload.so on the libcuda double: fork() while another thread's first cudaMalloc
 // is making the interposer's allocator (cuInit slowed to 1 s). The fork does not wait for it, and the child
-// makes its own at its first call (Note [Making the allocator once]); before 2026-12-05 that child waited for
+// makes its own at its first call (Note [Making the allocator once]); before 2026-12-04 that child waited for
 // ever. Usage: FRAGLESS_LIBCUDA=LIBFAKECUDA LD_PRELOAD=LIBFRAGLESS_PRELOAD fragless-preload-fork
 #include <dlfcn.h>
 #include <signal.h>

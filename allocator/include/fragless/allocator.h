@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "fragless/config.h"
@@ -33,7 +34,7 @@ bool driver_available(const Options& opts, std::string* error);
 // something the forking thread may hold (the GIL while Python forks: a lock taken with the GIL held is
 // fine), and never one a thread may fork while holding (unlike a device lock, which a fork from its own
 // event sink skips, such a lock would be waited for by the thread that holds it). For the life of the
-// process: there is no removal, so `arg` must outlive every fork.
+// process: there is no removal, so `arg` must outlive every fork. The same lock added again is not added twice.
 void hold_across_fork(void (*lock)(void*), void (*unlock)(void*), void* arg);
 // A lock that fork() takes after the fork registry's mutex and before every device's lock, and releases after
 // them: one whose holder never waits for anything another thread may hold while it waits for this lock (no
@@ -43,6 +44,78 @@ void hold_across_fork(void (*lock)(void*), void (*unlock)(void*), void* arg);
 // every entry for arg; call it before arg goes away, from a thread that holds none of these locks.
 void hold_across_fork_first(void (*lock)(void*), void (*unlock)(void*), void (*child)(void*), void* arg);
 void stop_holding_across_fork(void* arg);
+
+// A lock that fork() holds whose holder never waits for anything (takes no other lock, calls no driver, no
+// pthread_atfork), so that it may be taken in any order with every other fork handler, the CUDA driver's
+// included: registered with a pthread_atfork handler of its own, which may be installed when a library loads,
+// before the driver is (the allocator's own handlers, above, are installed once the driver is loaded, so that
+// their prepare handler runs before any the driver registers, which may take the driver's locks while ours
+// wait for a device lock whose holder is inside a driver call). In the child, `child` runs in place of
+// `unlock`. For the life of the process.
+void hold_across_fork_from_load(void (*lock)(void*), void (*unlock)(void*), void (*child)(void*), void* arg);
+
+// Something a process makes once, at its first use, with no lock held while it is made (the C ABI's and the
+// interposer's allocator: reading the configuration, opening the trace files, loading libcuda and cuInit),
+// so that fork() never waits for it, and a child forked while another thread was making it makes its own
+// (Note [Making the allocator once], allocator.cpp). Construct it where no other thread can reach it yet (a
+// library's constructor) and never destroy it.
+class MakeOnce {
+ public:
+  // The right to make it: true for the one caller that makes it now, holding nothing of ours. That caller
+  // ends with made(publish); if it leaves otherwise (an exception, a thread's cancellation), the next caller
+  // makes it. False when it was made already (a caller that found another thread making it waited for it),
+  // or when the caller is that thread (a call from inside the making, which must not wait for itself).
+  class Turn {
+   public:
+    explicit operator bool() const { return once_ != nullptr; }
+    // What was made put where callers find it (moves and stores only, no waiting), under the lock, so a
+    // fork sees all of it or none.
+    template <typename Publish>
+    void made(Publish&& publish) {
+      std::lock_guard lk(once_->mu_);
+      publish();
+      once_->state_ = State::made;
+      once_->cv_->notify_all();
+      once_ = nullptr;
+    }
+    // Whether this making follows one that a fork took from the child (this process is that child).
+    bool after_lost_making() const { return once_ && once_->lost_; }
+    Turn(Turn&& o) noexcept : once_(o.once_) { o.once_ = nullptr; }
+    Turn(const Turn&) = delete;
+    Turn& operator=(const Turn&) = delete;
+    Turn& operator=(Turn&&) = delete;
+    ~Turn() {
+      if (once_) once_->abandon();
+    }
+
+   private:
+    friend class MakeOnce;
+    explicit Turn(MakeOnce* once) : once_(once) {}
+    MakeOnce* once_;
+  };
+
+  MakeOnce();
+  MakeOnce(const MakeOnce&) = delete;
+  MakeOnce& operator=(const MakeOnce&) = delete;
+  Turn begin();
+
+ private:
+  enum class State { not_made, making, made };
+  void abandon();
+  static void lock_for_fork(void* self);
+  static void unlock_for_fork(void* self);
+  static void child_after_fork(void* self);
+  std::mutex mu_;
+  State state_ = State::not_made;
+  bool lost_ = false;  // a making was lost to a fork (in this child)
+  std::thread::id maker_;
+  std::unique_ptr<std::condition_variable> cv_;
+};
+
+// For a making that follows one lost to a fork (MakeOnce::Turn::after_lost_making, in that child): the trace
+// is turned off, saying so on stderr, unless its path has a %p (the lost making may have opened the parent's
+// file, Note [Making the allocator once]).
+void forked_child_traces_not(Options* opts);
 
 class Allocator {
  public:

@@ -81,9 +81,12 @@ std::string flag(std::string_view v, Options& o) {
 
 template <std::size_t Options::*Field, std::size_t Lo, std::size_t Hi>
 std::string mib_field(std::string_view v, Options& o) {
-  static const std::string expected = Lo == 20 ? std::string("an integer number of MiB, at least 20")
-                                               : "an integer number of MiB between 1 and 2^" +
-                                                     std::to_string(std::bit_width(Hi) - 1);
+  // Made at each call, not kept in a function's static: the allocator may be made while another thread forks,
+  // and a child forked during a static's first initialisation waits for ever on its guard (Note [Making the
+  // allocator once]).
+  const std::string expected = Lo == 20 ? std::string("an integer number of MiB, at least 20")
+                                        : "an integer number of MiB between 1 and 2^" +
+                                              std::to_string(std::bit_width(Hi) - 1);
   return mib(v, Lo, Hi, expected.c_str(), &(o.*Field));
 }
 

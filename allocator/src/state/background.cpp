@@ -72,6 +72,8 @@ void install_fork_handlers() {
 void hold_across_fork(void (*lock)(void*), void (*unlock)(void*), void* arg) {
   install_fork_handlers();
   std::lock_guard lk(g_registry_mu);
+  for (const ForkLock& l : fork_locks())
+    if (l.lock == lock && l.unlock == unlock && l.arg == arg) return;  // one registration (a child may make again)
   fork_locks().push_back({lock, unlock, arg});
 }
 
@@ -79,6 +81,41 @@ void hold_across_fork_first(void (*lock)(void*), void (*unlock)(void*), void (*c
   install_fork_handlers();
   std::lock_guard lk(g_first_mu);
   first_locks().push_back({lock, unlock, child, arg});
+}
+
+namespace {
+// Locks of hold_across_fork_from_load, with a pthread_atfork handler of their own.
+struct LoadLock {
+  void (*lock)(void*);
+  void (*unlock)(void*);
+  void (*child)(void*);
+  void* arg;
+};
+std::mutex g_load_mu;  // held from the prepare handler to the parent or child handler
+std::vector<LoadLock>& load_locks() {
+  static auto* v = new std::vector<LoadLock>;  // never destroyed, as fork_locks()
+  return *v;
+}
+void load_locks_before_fork() {
+  g_load_mu.lock();
+  for (const LoadLock& l : load_locks()) l.lock(l.arg);
+}
+void load_locks_after_fork_parent() {
+  for (auto l = load_locks().rbegin(); l != load_locks().rend(); ++l) l->unlock(l->arg);
+  g_load_mu.unlock();
+}
+void load_locks_after_fork_child() {
+  for (auto l = load_locks().rbegin(); l != load_locks().rend(); ++l) l->child(l->arg);
+  g_load_mu.unlock();
+}
+std::once_flag g_load_atfork_once;
+}  // namespace
+
+void hold_across_fork_from_load(void (*lock)(void*), void (*unlock)(void*), void (*child)(void*), void* arg) {
+  std::call_once(g_load_atfork_once,
+                 [] { pthread_atfork(&load_locks_before_fork, &load_locks_after_fork_parent, &load_locks_after_fork_child); });
+  std::lock_guard lk(g_load_mu);
+  load_locks().push_back({lock, unlock, child, arg});
 }
 
 void stop_holding_across_fork(void* arg) {

@@ -115,9 +115,15 @@ struct Clock {
   }
 };
 
+// Made by the first event or trace file, under std::call_once, not as a function's static: its 2 ms calibration
+// may run while the C ABI's allocator is being made, and a child forked meanwhile must be able to run it
+// again (Note [Making the allocator once]).
+std::atomic<const Clock*> g_clock{nullptr};
 const Clock& clock() {
-  static const Clock c;
-  return c;
+  if (const Clock* c = g_clock.load(std::memory_order_acquire)) return *c;
+  static std::once_flag once;
+  std::call_once(once, [] { g_clock.store(new Clock(), std::memory_order_release); });
+  return *g_clock.load(std::memory_order_acquire);
 }
 
 }  // namespace

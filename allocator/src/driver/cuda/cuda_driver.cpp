@@ -6,6 +6,7 @@
 
 #include "base/spin_mutex.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -103,52 +104,63 @@ const char* cuda_library_name() {
 
 namespace {
 
+// Loads libcuda into `a` (a.error says why it could not).
+void load(Api& a) {
+  const char* lib_name = cuda_library_name();
+  a.lib = dlopen(lib_name, RTLD_NOW | RTLD_LOCAL);
+  if (!a.lib) {
+    const char* why = dlerror();
+    a.error = std::string("fragless: cannot load ") + lib_name + " (" + (why ? why : "unknown") +
+              "): no NVIDIA driver on this machine; use driver:host or driver:sim to run without a GPU";
+    return;
+  }
+  // cuGetProcAddress is asked for the driver's own version at most (a driver refuses a newer one), and for
+  // CUDA 12.0 semantics where the driver has them.
+  using GetVersion = CUresult (*)(int*);
+  auto get_version = reinterpret_cast<GetVersion>(dlsym(a.lib, "cuDriverGetVersion"));
+  int driver_version = 0;
+  if (!get_version || get_version(&driver_version) != CUDA_SUCCESS || driver_version <= 0) {
+    a.error = std::string("fragless: ") + lib_name + " does not tell its version (cuDriverGetVersion)";
+    return;
+  }
+  if (driver_version < kMinDriverVersion) {
+    a.error = "fragless: this NVIDIA driver supports CUDA " + std::to_string(driver_version / 1000) + "." +
+              std::to_string(driver_version % 1000 / 10) + "; fragless needs CUDA " +
+              std::to_string(kMinDriverVersion / 1000) + "." + std::to_string(kMinDriverVersion % 1000 / 10) +
+              " or newer (cuGetProcAddress and the virtual memory API)";
+    return;
+  }
+  a.version = std::min(driver_version, kWantedDriverVersion);
+  a.getProcAddress = reinterpret_cast<decltype(a.getProcAddress)>(dlsym(a.lib, "cuGetProcAddress"));
+  if (!a.getProcAddress) {
+    a.error = std::string("fragless: ") + lib_name + " has no cuGetProcAddress (a CUDA 11.3 or newer driver is needed)";
+    return;
+  }
+#define FRAGLESS_CUDA_RESOLVE(member, symbol) &&resolve(a, #symbol, &a.member)
+  const bool ok = true FRAGLESS_CUDA_REQUIRED(FRAGLESS_CUDA_RESOLVE);
+#undef FRAGLESS_CUDA_RESOLVE
+  if (!ok) return;
+#define FRAGLESS_CUDA_RESOLVE_OPTIONAL(member, symbol) \
+if (void* p = nullptr; a.getProcAddress(#symbol, &p, a.version, 0) == CUDA_SUCCESS && p) \
+  a.member = reinterpret_cast<decltype(a.member)>(p);
+  FRAGLESS_CUDA_OPTIONAL(FRAGLESS_CUDA_RESOLVE_OPTIONAL)
+#undef FRAGLESS_CUDA_RESOLVE_OPTIONAL
+  if (CUresult r = a.init(0); r != CUDA_SUCCESS) a.error = "fragless: " + a.describe("cuInit", r);
+}
+
+// Loaded once, under std::call_once rather than as a function's static: a child forked while another thread
+// loaded it (making the allocator, Note [Making the allocator once]) loads it again instead of waiting for ever
+// on the static's guard. Never destroyed: frees may come from static destructors.
+std::atomic<const Api*> g_api{nullptr};
 const Api& api() {
-  static Api a;
+  if (const Api* a = g_api.load(std::memory_order_acquire)) return *a;
   static std::once_flag once;
   std::call_once(once, [] {
-    const char* lib_name = cuda_library_name();
-    a.lib = dlopen(lib_name, RTLD_NOW | RTLD_LOCAL);
-    if (!a.lib) {
-      const char* why = dlerror();
-      a.error = std::string("fragless: cannot load ") + lib_name + " (" + (why ? why : "unknown") +
-                "): no NVIDIA driver on this machine; use driver:host or driver:sim to run without a GPU";
-      return;
-    }
-    // cuGetProcAddress is asked for the driver's own version at most (a driver refuses a newer one), and for
-    // CUDA 12.0 semantics where the driver has them.
-    using GetVersion = CUresult (*)(int*);
-    auto get_version = reinterpret_cast<GetVersion>(dlsym(a.lib, "cuDriverGetVersion"));
-    int driver_version = 0;
-    if (!get_version || get_version(&driver_version) != CUDA_SUCCESS || driver_version <= 0) {
-      a.error = std::string("fragless: ") + lib_name + " does not tell its version (cuDriverGetVersion)";
-      return;
-    }
-    if (driver_version < kMinDriverVersion) {
-      a.error = "fragless: this NVIDIA driver supports CUDA " + std::to_string(driver_version / 1000) + "." +
-                std::to_string(driver_version % 1000 / 10) + "; fragless needs CUDA " +
-                std::to_string(kMinDriverVersion / 1000) + "." + std::to_string(kMinDriverVersion % 1000 / 10) +
-                " or newer (cuGetProcAddress and the virtual memory API)";
-      return;
-    }
-    a.version = std::min(driver_version, kWantedDriverVersion);
-    a.getProcAddress = reinterpret_cast<decltype(a.getProcAddress)>(dlsym(a.lib, "cuGetProcAddress"));
-    if (!a.getProcAddress) {
-      a.error = std::string("fragless: ") + lib_name + " has no cuGetProcAddress (a CUDA 11.3 or newer driver is needed)";
-      return;
-    }
-#define FRAGLESS_CUDA_RESOLVE(member, symbol) &&resolve(a, #symbol, &a.member)
-    const bool ok = true FRAGLESS_CUDA_REQUIRED(FRAGLESS_CUDA_RESOLVE);
-#undef FRAGLESS_CUDA_RESOLVE
-    if (!ok) return;
-#define FRAGLESS_CUDA_RESOLVE_OPTIONAL(member, symbol) \
-  if (void* p = nullptr; a.getProcAddress(#symbol, &p, a.version, 0) == CUDA_SUCCESS && p) \
-    a.member = reinterpret_cast<decltype(a.member)>(p);
-    FRAGLESS_CUDA_OPTIONAL(FRAGLESS_CUDA_RESOLVE_OPTIONAL)
-#undef FRAGLESS_CUDA_RESOLVE_OPTIONAL
-    if (CUresult r = a.init(0); r != CUDA_SUCCESS) a.error = "fragless: " + a.describe("cuInit", r);
+    auto* a = new Api;
+    load(*a);
+    g_api.store(a, std::memory_order_release);
   });
-  return a;
+  return *g_api.load(std::memory_order_acquire);
 }
 
 Status status_of(CUresult r) {
