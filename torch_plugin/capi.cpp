@@ -217,6 +217,7 @@ Allocator* get(int devices = -1) {
     } catch (const std::exception& e) {  // out of host memory: an error, never a maker that never ends
       made.reset();
       for (auto& s : sinks) (void)s.release();  // registered with fork: never destroyed
+      sinks.clear();
       err = std::string("fragless: could not make the allocator: ") + e.what();
     }
     if (!made) std::fprintf(stderr, "%s\n", err.c_str());

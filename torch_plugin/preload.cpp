@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "fragless/allocator.h"
+#include "made_once.h"
 #include "preload_core.h"
 #if defined(FRAGLESS_HAVE_CUDA)
 #include "fragless/cuda_driver.h"
@@ -93,9 +94,10 @@ struct Real {
   cudaError_t (*end_capture_ptsz)(cudaStream_t, cudaGraph_t*) = next<decltype(end_capture_ptsz)>("cudaStreamEndCapture_ptsz");
 };
 
-const Real& real() {
-  static const Real r;
-  return r;
+const Real& real() {  // made_once: a fork may come while another thread makes it
+  static std::atomic<const Real*> r{nullptr};
+  static std::once_flag once;
+  return fragless::made_once(r, once, [] { return new Real(); });  // never destroyed, as the interposer
 }
 
 fragless_preload::Counters& g_counts = fragless_preload::counters();

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "fragless/cuda_driver.h"
+#include "made_once.h"
 #include "preload_driver.h"
 
 // Note [No recursion]: fragless's own driver (cuda_driver.cpp, linked into this library) dlopens the driver
@@ -103,9 +104,10 @@ Real::Real() {
   resolve_in(lib, &primary_release, "cuDevicePrimaryCtxRelease_v2");
 }
 
-const Real& real() {
-  static const Real* r = new Real();  // never destroyed: frees may come from static destructors
-  return *r;
+const Real& real() {  // made_once: a fork may come while another thread makes it
+  static std::atomic<const Real*> r{nullptr};
+  static std::once_flag once;
+  return fragless::made_once(r, once, [] { return new Real(); });  // never destroyed: frees come from static destructors
 }
 
 }  // namespace fragless_preload::cu
@@ -164,10 +166,13 @@ void* exported(const char* name) {
 
 // Whether `address` (a caller's) lies in this library: fragless's own lookups get the real driver.
 bool from_here(const void* address) {
-  static const void* const self = [] {
+  // This library's base, made once (made_once: a fork may come while another thread finds it).
+  static std::atomic<const void* const*> base{nullptr};
+  static std::once_flag once;
+  const void* self = fragless::made_once(base, once, [] {
     Dl_info info{};
-    return dladdr(reinterpret_cast<const void*>(&exported), &info) ? info.dli_fbase : nullptr;
-  }();
+    return new const void* const(dladdr(reinterpret_cast<const void*>(&exported), &info) ? info.dli_fbase : nullptr);
+  });
   Dl_info info{};
   return self && dladdr(address, &info) && info.dli_fbase == self;
 }

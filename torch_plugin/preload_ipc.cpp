@@ -82,6 +82,7 @@
 #include "fragless/allocator.h"
 #include "fragless/share.h"
 #include "fd_message.h"
+#include "made_once.h"
 #include "preload_core.h"
 
 extern "C" {
@@ -135,9 +136,10 @@ struct Real {
   cudaError_t (*close)(void*) = next<decltype(close)>("cudaIpcCloseMemHandle");
   cudaError_t (*get_device)(int*) = next<decltype(get_device)>("cudaGetDevice");
 };
-const Real& real() {
-  static const Real r;
-  return r;
+const Real& real() {  // made_once: a fork may come while another thread makes it
+  static std::atomic<const Real*> r{nullptr};
+  static std::once_flag once;
+  return fragless::made_once(r, once, [] { return new Real(); });  // never destroyed, as the interposer
 }
 
 // The users a process of this library deals with over the sockets (an abstract socket has no permissions): its

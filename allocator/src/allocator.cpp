@@ -188,16 +188,15 @@ void MakeOnce::lock_for_fork(void* self) { static_cast<MakeOnce*>(self)->mu_.loc
 void MakeOnce::unlock_for_fork(void* self) { static_cast<MakeOnce*>(self)->mu_.unlock(); }
 void MakeOnce::child_after_fork(void* self) {
   auto* m = static_cast<MakeOnce*>(self);
-  if (m->state_ == State::making) {
-    if (m->maker_ != std::this_thread::get_id()) {  // the maker is not in this child
-      m->state_ = State::not_made;
-      m->lost_ = true;
-    }
-    // A waiter of the parent's may still count in the condition variable: a new one, the old one never destroyed.
-    static auto* kept = new std::vector<std::unique_ptr<std::condition_variable>>;
-    kept->push_back(std::move(m->cv_));
-    m->cv_ = std::make_unique<std::condition_variable>();
+  if (m->state_ == State::making && m->maker_ != std::this_thread::get_id()) {  // the maker is not in this child
+    m->state_ = State::not_made;
+    m->lost_ = true;
   }
+  // A waiter of the parent's (one woken just before the fork, too) may still count in the condition variable:
+  // a new one, the old one never destroyed.
+  static auto* kept = new std::vector<std::unique_ptr<std::condition_variable>>;
+  kept->push_back(std::move(m->cv_));
+  m->cv_ = std::make_unique<std::condition_variable>();
   m->mu_.unlock();
 }
 

@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -44,14 +45,20 @@ int child_limit_s() {
 }
 
 // The child's end, described; a child still running after the limit is killed and described as hung.
+// A child that has not ended by then gets its threads' stacks printed (when gdb is there) before it is killed:
+// where it waits is what to fix. (The child's own alarm, set later than this, is for a parent that died.)
 std::string wait_for(pid_t pid) {
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(child_limit_s() + 5);
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(child_limit_s());
   int status = 0;
   for (;;) {
     const pid_t r = waitpid(pid, &status, WNOHANG);
     if (r == pid) break;
     if (r < 0) return std::string("waitpid failed: ") + std::strerror(errno);
     if (std::chrono::steady_clock::now() > give_up) {
+      const std::string gdb = "command -v gdb >/dev/null && gdb -p " + std::to_string(pid) +
+                              " -batch -ex 'thread apply all bt' 2>/dev/null | grep -E '^(#|Thread)' >&2";
+      std::fprintf(stderr, "the child %d has not ended after %d s; its stacks:\n", static_cast<int>(pid), child_limit_s());
+      if (std::system(gdb.c_str()) != 0) std::fprintf(stderr, "(no gdb to show them)\n");
       kill(pid, SIGKILL);
       waitpid(pid, &status, 0);
       return "hung (killed)";
@@ -104,7 +111,7 @@ int one_draw(const char* lib_path, const char* fake_path, unsigned seed) {
   std::fflush(stdout);
   const pid_t pid = fork();
   if (pid == 0) {
-    alarm(static_cast<unsigned>(child_limit_s()));
+    alarm(static_cast<unsigned>(child_limit_s() + 30));
     history_fn(100, 1, 0);
     for (int dev = 0; dev < devices; ++dev) {
       void* p = malloc_fn(3 * MiB, dev, nullptr);
@@ -182,11 +189,12 @@ int main(int argc, char** argv) {
   auto count_fn = sym<int (*)()>(lib, "fragless_device_count");
   auto snapshot_fn = sym<long (*)(char*, size_t)>(lib, "fragless_snapshot");
   auto flush_fn = sym<void (*)()>(lib, "fragless_trace_flush");
+  auto empty_cache_fn = sym<void (*)()>(lib, "fragless_empty_cache");
 
-  // 1. The allocator is made by the first call; cuInit (loading the driver) takes 3 s here, and the parent's
-  // trace file is opened after it.
+  // 1. The allocator is made by the first call; cuInit (loading the driver) is held here until the child has
+  // ended (the parent's trace file is opened after it).
   {
-    d.set_delay("cuInit", 3000000);
+    d.set_delay("cuInit", 600000000);
     std::atomic<bool> made{false};
     int count = -1;
     std::thread maker([&] {
@@ -198,7 +206,7 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     const pid_t pid = fork();
     if (pid == 0) {
-      alarm(static_cast<unsigned>(child_limit_s()));
+      alarm(static_cast<unsigned>(child_limit_s() + 30));
       d.set_delay("cuInit", 0);
       void* p = malloc_fn(MiB, 0, nullptr);  // throws on failure: the child then ends by abort
       if (!p) _exit(10);
@@ -210,11 +218,11 @@ int main(int argc, char** argv) {
       _exit(0);
     }
     const bool fork_waited = made;
+    const std::string end = pid > 0 ? wait_for(pid) : "not forked";
+    d.set_delay("cuInit", 0);  // the parent's making goes on
     maker.join();
-    d.set_delay("cuInit", 0);
     expect(pid > 0, "fork");
     expect(!fork_waited, "the fork did not wait for the allocator to be made");
-    const std::string end = pid > 0 ? wait_for(pid) : "not forked";
     expect(end == "exit 0", "a child forked while another thread made the allocator makes its own and allocates (" +
                                 end + "; exit 10, 11: malloc, device count; 12: it wrote the parent's trace file)");
     expect(count == 2, "the parent's allocator was made (2 devices)");
@@ -224,8 +232,9 @@ int main(int argc, char** argv) {
   // for 2 s (cuMemCreate takes that long); the fork's prepare handler, started meanwhile, holds the
   // allocator's creation lock while it waits for that device lock; the history call, started after it,
   // holds its own lock while it waits for the creation lock (to call back the engines). So at the fork
-  // another thread holds the history lock: the parent checks that the history call was under way when the
-  // fork returned, and tries again (three times at most) when the threads did not line up so.
+  // another thread holds the history lock: the child checks, in its copy of the parent's memory, that the
+  // history call was under way at the fork (else it exits 30), and the parent tries again (three times at
+  // most, each growth of a size not cached yet) when the threads did not line up so.
   void* warm = malloc_fn(MiB, 0, nullptr);  // device 0's engine exists
   expect(warm != nullptr, "device 0 allocates");
   bool arranged = false;
@@ -233,17 +242,18 @@ int main(int argc, char** argv) {
     d.set_delay("cuMemCreate", 2000000);
     const auto creates = d.calls("cuMemCreate:started");
     void* big = nullptr;
-    std::thread grower([&] { big = malloc_fn(64 * MiB, 0, nullptr); });
+    const std::size_t big_size = static_cast<std::size_t>(64 + 32 * attempt) * MiB;
+    std::thread grower([&] { big = malloc_fn(big_size, 0, nullptr); });
     wait_until([&] { return d.calls("cuMemCreate:started") > creates; }, 10);
     expect(d.calls("cuMemCreate:started") > creates, "a growth is inside cuMemCreate, holding device 0's lock");
     std::atomic<bool> history_started{false}, history_done{false};
     std::atomic<pid_t> pid{-2};
-    bool inside_at_fork = false;
     std::thread forker([&] {
       std::fflush(stdout);
       const pid_t r = fork();
       if (r == 0) {
-        alarm(static_cast<unsigned>(child_limit_s()));
+        if (!history_started || history_done) _exit(30);  // not under way at the fork: not this test
+        alarm(static_cast<unsigned>(child_limit_s() + 30));
         d.set_delay("cuMemCreate", 0);
         history_fn(1000, 1, 0);  // waited for ever for the parent's history lock before
         void* p = malloc_fn(3 * MiB, 0, nullptr);
@@ -253,7 +263,6 @@ int main(int argc, char** argv) {
         if (snapshot_fn(buf, sizeof buf) <= 0) _exit(21);
         _exit(0);
       }
-      inside_at_fork = history_started && !history_done;
       pid = r;
     });
     std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the fork is in its prepare handler
@@ -268,14 +277,15 @@ int main(int argc, char** argv) {
     d.set_delay("cuMemCreate", 0);
     expect(pid > 0, "fork");
     const std::string end = pid > 0 ? wait_for(pid) : "not forked";
-    arranged = inside_at_fork;
+    arranged = end != "exit 30";
     if (arranged)
       expect(end == "exit 0", "a child forked while another thread was in fragless_record_history_ex records its own "
                               "history and allocates (" + end + "; exit 20, 21: malloc, snapshot)");
     else
       std::printf("note: the history call was not under way when the fork returned; trying again\n");
     expect(big != nullptr, "the parent's growth");
-    free_fn(big, 64 * MiB, 0, nullptr);
+    free_fn(big, big_size, 0, nullptr);
+    empty_cache_fn();
   }
   expect(arranged, "a fork while another thread was in fragless_record_history_ex (in one of three attempts)");
   free_fn(warm, MiB, 0, nullptr);

@@ -99,10 +99,13 @@ inline Fake& fake() {
 }
 
 // Set before any test runs: the cuda driver may be created before the double is first asked for. A child
-// process that needs another libcuda names it in FRAGLESS_TEST_LIBCUDA (test_bad_input.cpp).
+// process that needs another libcuda names it in FRAGLESS_TEST_LIBCUDA (test_bad_input.cpp). The double is
+// loaded then too, before any engine exists: its fork handler (which holds its lock) must be registered
+// before fragless's, so that fragless's prepare handler, which waits for calls in flight, runs first.
 inline const bool g_use_double = (setenv("FRAGLESS_LIBCUDA",
                                          std::getenv("FRAGLESS_TEST_LIBCUDA") ? std::getenv("FRAGLESS_TEST_LIBCUDA")
-                                                                              : FRAGLESS_FAKECUDA_PATH, 1), true);
+                                                                              : FRAGLESS_FAKECUDA_PATH, 1),
+                                  dlopen(FRAGLESS_FAKECUDA_PATH, RTLD_NOW | RTLD_LOCAL), true);
 
 inline std::unique_ptr<Allocator> make(PolicyKind p, std::string* err, Options o = {}) {
   fake().clear_faults();  // a test that failed before leaves none behind

@@ -547,16 +547,26 @@ bool in_reservation(State& s, CUdeviceptr va, std::size_t size) {
 }
 
 // A test-set delay (fakecuda_set_delay): the call takes this long, outside the double's lock. The call
-// counts as "<fn>:started" at once (the call itself is counted after the delay).
+// counts as "<fn>:started" at once (the call itself is counted after the delay). A delay set again while a
+// call waits applies to it (from the call's start): a test may hold a call until it lets it go.
 void delay(const char* fn) {
-  unsigned us = 0;
+  const std::string name(fn);
   {
     std::lock_guard lk(st().mu);
-    ++st().calls[std::string(fn) + ":started"];
-    auto it = st().delays_us.find(fn);
-    if (it != st().delays_us.end()) us = it->second;
+    ++st().calls[name + ":started"];
   }
-  if (us) std::this_thread::sleep_for(std::chrono::microseconds(us));
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    unsigned us = 0;
+    {
+      std::lock_guard lk(st().mu);
+      auto it = st().delays_us.find(name);
+      if (it != st().delays_us.end()) us = it->second;
+    }
+    const auto left = start + std::chrono::microseconds(us) - std::chrono::steady_clock::now();
+    if (left <= std::chrono::steady_clock::duration::zero()) return;
+    std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(left, std::chrono::milliseconds(1)));
+  }
 }
 
 #define ENTER(name)                              \
@@ -1853,6 +1863,10 @@ CUresult get_proc(const char* symbol, void** pfn, int cuda_version, cuuint64_t f
   if (status) *status = CU_GET_PROC_ADDRESS_SUCCESS;
   return CUDA_SUCCESS;
 }
+
+// get_proc's table is made when the double loads: a function's static whose first making a fork interrupted
+// (another thread was loading the driver) leaves the child waiting for ever on its guard.
+__attribute__((constructor)) void make_the_proc_table_at_load() { get_proc(nullptr, nullptr, 0, 0, nullptr); }
 }  // namespace
 
 // ---- Controls for tests ----------------------------------------------------------------------------------

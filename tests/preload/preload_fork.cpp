@@ -1,12 +1,13 @@
 // Under LD_PRELOAD=libfragless_preload.so on the libcuda double: fork() while another thread's first cudaMalloc
-// is making the interposer's allocator (cuInit slowed to 1 s). The fork does not wait for it, and the child
-// makes its own at its first call (Note [Making the allocator once]); before 2026-12-04 that child waited for
-// ever. Usage: FRAGLESS_LIBCUDA=LIBFAKECUDA LD_PRELOAD=LIBFRAGLESS_PRELOAD fragless-preload-fork
+// is making the interposer's allocator (cuInit held until the child has ended). The fork does not wait for it,
+// and the child makes its own at its first call (Note [Making the allocator once]); before 2026-12-04 that
+// child waited for ever. Usage: FRAGLESS_LIBCUDA=LIBFAKECUDA LD_PRELOAD=LIBFRAGLESS_PRELOAD fragless-preload-fork
 #include <dlfcn.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -37,7 +38,7 @@ int main(int argc, char** argv) {
   int limit_s = 20;
   if (const char* env = std::getenv("FRAGLESS_WATCHDOG_S")) limit_s = std::max(limit_s, std::atoi(env));
 
-  set_delay("cuInit", 1000000);
+  set_delay("cuInit", 600000000);  // held until the child has ended
   std::atomic<bool> made{false};
   void* first = nullptr;
   cudaError_t first_rc = -1;
@@ -46,7 +47,11 @@ int main(int argc, char** argv) {
     made = true;
   });
   for (int i = 0; i < 10000 && calls("cuInit:started") == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  if (calls("cuInit:started") == 0) return std::fprintf(stderr, "FAIL: the first cudaMalloc never reached cuInit\n"), 1;
+  if (calls("cuInit:started") == 0) {
+    set_delay("cuInit", 0);
+    maker.join();
+    return std::fprintf(stderr, "FAIL: the first cudaMalloc never reached cuInit\n"), 1;
+  }
   std::fflush(stdout);
   const pid_t pid = fork();
   if (pid == 0) {
@@ -60,10 +65,12 @@ int main(int argc, char** argv) {
     _exit(0);
   }
   const bool fork_waited = made;
-  maker.join();
-  set_delay("cuInit", 0);
   int failures = 0;
-  if (pid < 0) return std::fprintf(stderr, "FAIL: fork\n"), 1;
+  if (pid < 0) {
+    set_delay("cuInit", 0);
+    maker.join();
+    return std::fprintf(stderr, "FAIL: fork\n"), 1;
+  }
   if (fork_waited) ++failures, std::fprintf(stderr, "FAIL: the fork waited for the allocator to be made\n");
   int status = 0;
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(limit_s + 5);
@@ -75,6 +82,8 @@ int main(int argc, char** argv) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
+  set_delay("cuInit", 0);  // the parent's making goes on
+  maker.join();
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
     ++failures;
     if (WIFSIGNALED(status))

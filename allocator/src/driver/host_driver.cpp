@@ -515,26 +515,34 @@ std::unique_ptr<Driver> make_host_driver_for(const Options& o, int device, std::
   return make_host_driver(h, error);
 }
 
+// t_host_fork_depth: registered twice, the handlers run twice per fork; only the outer run acts (Note [Fork
+// handlers registered twice], state/background.cpp).
+thread_local int t_host_fork_depth = 0;
+
+void host_before_fork() {
+  if (t_host_fork_depth++) return;
+  hosts().mu.lock();  // held until the parent or child handler: no host driver is made or destroyed
+  for (HostDriver* d : hosts().drivers) d->lock_for_fork();
+}
+
+void host_after_fork_parent() {
+  if (--t_host_fork_depth) return;
+  for (HostDriver* d : hosts().drivers) d->unlock_after_fork();
+  hosts().mu.unlock();
+}
+
+void host_after_fork_child() {
+  if (--t_host_fork_depth) return;
+  for (HostDriver* d : hosts().drivers) {
+    d->child_after_fork();
+    d->unlock_after_fork();
+  }
+  hosts().mu.unlock();
+}
+
 void install_host_fork_handlers() {
   static std::once_flag once;
-  std::call_once(once, [] {
-    pthread_atfork(
-        [] {
-          hosts().mu.lock();  // held until the parent or child handler: no host driver is made or destroyed
-          for (HostDriver* d : hosts().drivers) d->lock_for_fork();
-        },
-        [] {
-          for (HostDriver* d : hosts().drivers) d->unlock_after_fork();
-          hosts().mu.unlock();
-        },
-        [] {
-          for (HostDriver* d : hosts().drivers) {
-            d->child_after_fork();
-            d->unlock_after_fork();
-          }
-          hosts().mu.unlock();
-        });
-  });
+  std::call_once(once, [] { pthread_atfork(&host_before_fork, &host_after_fork_parent, &host_after_fork_child); });
 }
 
 }  // namespace fragless

@@ -7,5 +7,10 @@
 namespace fragless {
 
 void install_host_fork_handlers();
+// The handlers themselves, for a fork that began before they were installed (Note [Handlers installed during a
+// fork], state/background.cpp).
+void host_before_fork();
+void host_after_fork_parent();
+void host_after_fork_child();
 
 }  // namespace fragless

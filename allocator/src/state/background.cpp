@@ -60,10 +60,13 @@ struct Leftover {
 };
 Leftover* g_leftovers = nullptr;
 
+std::atomic<bool> g_installed{false};  // install_fork_handlers has registered them (Note [Handlers installed during a fork])
+
 void install_fork_handlers() {
   std::call_once(g_atfork_once, [] {
     install_host_fork_handlers();  // first: its prepare handler must run after this one (host_fork.h)
     pthread_atfork(&Background::before_fork, &Background::after_fork_parent, &Background::after_fork_child);
+    g_installed.store(true);
   });
 }
 
@@ -96,15 +99,55 @@ std::vector<LoadLock>& load_locks() {
   static auto* v = new std::vector<LoadLock>;  // never destroyed, as fork_locks()
   return *v;
 }
+// Note [Fork handlers registered twice]
+// The handlers are registered under std::call_once, and a child forked after pthread_atfork returned but before
+// the once was marked done (another thread was registering them) runs that once again: the child's handlers
+// are then registered twice, run twice at each of its forks, and the second prepare handler would wait for
+// the locks its own thread took in the first. A depth per thread (the forking thread runs every handler of its
+// fork) makes every run but the outer one do nothing.
+thread_local int t_load_fork_depth = 0, t_fork_depth = 0;
+
+// Note [Handlers installed during a fork]
+// glibc (2.36 and later) lets pthread_atfork register while a fork runs its prepare handlers, and a handler
+// registered then is not run for that fork, neither its prepare handler nor its parent or child one. The
+// allocator's handlers are registered as the first allocator is made (after the driver's, see allocator.h),
+// and that allocator may then be published, and a device's engine begun, before the fork that was already
+// under way reaches its own end: its child found a device "being made" by a thread it does not have, and
+// waited for ever (about one fork in fifty at random moments of the first calls, tests/capi/capi_fork.cpp).
+// The handlers registered at load run in every fork, and their prepare handler runs last: it takes its
+// locks (the making's among them, so nothing is published from then on) and then, when the allocator's
+// handlers are installed but did not run in this fork (t_bg_ran), runs them itself, the workers' then the
+// host driver's, as their own order would; its parent and child handlers, which run first, end them.
+thread_local bool t_bg_ran = false;   // Background::before_fork ran in the fork under way on this thread
+thread_local bool t_bg_ours = false;  // ...because load_locks_before_fork ran it
+
 void load_locks_before_fork() {
+  if (t_load_fork_depth++) return;
   g_load_mu.lock();
   for (const LoadLock& l : load_locks()) l.lock(l.arg);
+  if (g_installed.load() && !t_bg_ran) {
+    t_bg_ours = true;
+    Background::before_fork();
+    host_before_fork();
+  }
 }
 void load_locks_after_fork_parent() {
+  if (--t_load_fork_depth) return;
+  if (t_bg_ours) {
+    t_bg_ours = false;
+    host_after_fork_parent();
+    Background::after_fork_parent();
+  }
   for (auto l = load_locks().rbegin(); l != load_locks().rend(); ++l) l->unlock(l->arg);
   g_load_mu.unlock();
 }
 void load_locks_after_fork_child() {
+  if (--t_load_fork_depth) return;
+  if (t_bg_ours) {
+    t_bg_ours = false;
+    host_after_fork_child();
+    Background::after_fork_child();
+  }
   for (auto l = load_locks().rbegin(); l != load_locks().rend(); ++l) l->child(l->arg);
   g_load_mu.unlock();
 }
@@ -301,6 +344,8 @@ void Background::loop() {
 // parent's woken from begin_quiet just before the fork (glibc counts it until it leaves the wait; it may even
 // hold the condition variable's own mutex).
 void Background::before_fork() {
+  if (t_fork_depth++) return;  // Note [Fork handlers registered twice]
+  t_bg_ran = true;             // Note [Handlers installed during a fork]
   g_first_mu.lock();  // held until the parent or child handler, as are the locks it lists
   g_registry_mu.lock();  // held until the parent or child handler: no engine is made or destroyed meanwhile
   for (const FirstLock& l : first_locks()) l.lock(l.arg);
@@ -318,6 +363,8 @@ void Background::before_fork() {
 }
 
 void Background::after_fork_parent() {
+  if (--t_fork_depth) return;
+  t_bg_ran = false;
   for (auto l = fork_locks().rbegin(); l != fork_locks().rend(); ++l) l->unlock(l->arg);
   for (Background* b = g_registry; b; b = b->next_) {
     b->fork_paused_ = false;
@@ -333,6 +380,8 @@ void Background::after_fork_parent() {
 }
 
 void Background::after_fork_child() {
+  if (--t_fork_depth) return;
+  t_bg_ran = false;
   g_fork_generation.fetch_add(1);
   for (auto l = fork_locks().rbegin(); l != fork_locks().rend(); ++l) l->unlock(l->arg);
   // Only the forking thread exists here: the workers are gone, and so is their work.
