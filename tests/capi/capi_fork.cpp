@@ -235,9 +235,18 @@ int main(int argc, char** argv) {
   // another thread holds the history lock: the child checks, in its copy of the parent's memory, that the
   // history call was under way at the fork (else it exits 30), and the parent tries again (three times at
   // most, each growth of a size not cached yet) when the threads did not line up so.
+  // Not under a sanitizer: its allocator is not safe across fork(), and here other threads (the device's
+  // worker, the trace writers) may be inside it at the fork (a child hung in operator new under ASan).
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  constexpr bool kSanitized = true;
+  std::printf("SKIPPED: the fork during record_history under a sanitizer (its allocator is not safe across fork); "
+              "it runs in the plain build\n");
+#else
+  constexpr bool kSanitized = false;
+#endif
   void* warm = malloc_fn(MiB, 0, nullptr);  // device 0's engine exists
   expect(warm != nullptr, "device 0 allocates");
-  bool arranged = false;
+  bool arranged = kSanitized;
   for (int attempt = 0; attempt < 3 && !arranged; ++attempt) {
     d.set_delay("cuMemCreate", 2000000);
     const auto creates = d.calls("cuMemCreate:started");
