@@ -131,26 +131,19 @@ void load_locks_before_fork() {
     host_before_fork();
   }
 }
-void load_locks_after_fork_parent() {
+// The parent's and the child's ends are one but for what ends each lock (unlock, or the child's handler).
+void load_locks_after_fork(bool child) {
   if (--t_load_fork_depth) return;
   if (t_bg_ours) {
     t_bg_ours = false;
-    host_after_fork_parent();
-    Background::after_fork_parent();
+    child ? host_after_fork_child() : host_after_fork_parent();
+    child ? Background::after_fork_child() : Background::after_fork_parent();
   }
-  for (auto l = load_locks().rbegin(); l != load_locks().rend(); ++l) l->unlock(l->arg);
+  for (auto l = load_locks().rbegin(); l != load_locks().rend(); ++l) (child ? l->child : l->unlock)(l->arg);
   g_load_mu.unlock();
 }
-void load_locks_after_fork_child() {
-  if (--t_load_fork_depth) return;
-  if (t_bg_ours) {
-    t_bg_ours = false;
-    host_after_fork_child();
-    Background::after_fork_child();
-  }
-  for (auto l = load_locks().rbegin(); l != load_locks().rend(); ++l) l->child(l->arg);
-  g_load_mu.unlock();
-}
+void load_locks_after_fork_parent() { load_locks_after_fork(false); }
+void load_locks_after_fork_child() { load_locks_after_fork(true); }
 std::once_flag g_load_atfork_once;
 }  // namespace
 
