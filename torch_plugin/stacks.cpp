@@ -4,11 +4,13 @@
 #include <dlfcn.h>
 
 #include <cstdio>
+#include <atomic>
 #include <cstdlib>
 #include <type_traits>
 #include <mutex>
 #include <unordered_map>
 
+#include "made_once.h"
 #include "unwind.h"
 
 namespace fragless::stacks {
@@ -66,9 +68,12 @@ struct Python {
   }
 };
 
-Python& py() {
-  static Python p;
-  return p;
+// made_once, not a function's static: a child forked while another thread made it would wait for ever on the
+// static's guard at its first capture.
+const Python& py() {
+  static std::atomic<const Python*> p{nullptr};
+  static std::once_flag once;
+  return made_once(p, once, [] { return new Python(); });  // never destroyed: captures run until exit
 }
 
 // A code object's file and name, read once (under the GIL); the code object is kept alive by one reference
@@ -84,7 +89,7 @@ std::unordered_map<const void*, CodeInfo*>& codes() {
   return *m;
 }
 
-std::string attr_text(Python& p, void* obj, const char* name) {
+std::string attr_text(const Python& p, void* obj, const char* name) {
   void* a = p.getattr(obj, name);
   if (!a) {
     p.err_clear();
@@ -109,7 +114,7 @@ CodeCache& code_cache() {
   return c;
 }
 
-const CodeInfo* code_info(Python& p, void* code, CodeCache& cache) {
+const CodeInfo* code_info(const Python& p, void* code, CodeCache& cache) {
   const std::size_t slot = (reinterpret_cast<std::uintptr_t>(code) >> 4) % CodeCache::kSlots;
   if (cache.key[slot] == code) return cache.value[slot];
   std::lock_guard lk(g_mu);
@@ -125,7 +130,7 @@ const CodeInfo* code_info(Python& p, void* code, CodeCache& cache) {
 }
 
 // The Python frames of the calling thread, which holds the GIL, innermost first.
-void python_frames(Python& p, Stack* s) {
+void python_frames(const Python& p, Stack* s) {
   CodeCache& cache = code_cache();
   s->python.reserve(32);
   void* f = p.get_frame();  // borrowed
@@ -156,7 +161,7 @@ void python_frames(Python& p, Stack* s) {
 // interpreter is finalizing (PyGILState_Ensure may then never return or end the thread): no Python frames
 // then.
 void python_stack(Stack* s) {
-  Python& p = py();
+  const Python& p = py();
   if (!p.ok || !p.is_initialized()) return;
   if (p.finalizing && p.finalizing()) return;
   if (p.gil_check() == 1) return python_frames(p, s);
@@ -192,7 +197,7 @@ int Namer::line(const void* code, int offset) {
 }
 
 int Namer::line_now(const void* code, int offset) {
-  Python& p = py();
+  const Python& p = py();
   if (!tried_) {
     tried_ = true;
     // As for capture: never for a thread with no Python state, never while finalizing.

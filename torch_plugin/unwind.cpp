@@ -14,6 +14,8 @@
 
 #include <mutex>
 #include <unordered_map>
+
+#include "made_once.h"
 #endif
 
 namespace fragless::stacks {
@@ -335,9 +337,12 @@ struct EhBases {
 };
 using FindFde = const void* (*)(void*, EhBases*);
 
+// made_once, not a function's static (a child forked while another thread looked it up would wait for ever
+// on the static's guard); a null answer is kept too.
 FindFde find_fde() {
-  static const FindFde f = reinterpret_cast<FindFde>(dlsym(RTLD_DEFAULT, "_Unwind_Find_FDE"));
-  return f;
+  static std::atomic<const FindFde*> f{nullptr};
+  static std::once_flag once;
+  return made_once(f, once, [] { return new FindFde(reinterpret_cast<FindFde>(dlsym(RTLD_DEFAULT, "_Unwind_Find_FDE"))); });
 }
 
 // The rule for the frame whose return address is `ra` (looked up at ra - 1, inside the call instruction:

@@ -8,7 +8,8 @@
 // With --random N: N draws, each in a fresh process that loads the library, starts three threads making their
 // first calls (allocations on two devices, history calls), with the double's cuInit and context creation
 // slowed by a random 0-3 ms, and forks at a random moment; the child must record a history and allocate on
-// every device, and no child may hang (draws alternate the libcuda double and the host driver, some traced).
+// every device, and no child may hang (draws alternate the libcuda double and the host driver, some traced,
+// half with C++ frames recorded).
 // Usage: fragless-capi-fork LIBFRAGLESS LIBFAKECUDA [--random N [SEED]]
 #include <dlfcn.h>
 #include <signal.h>
@@ -95,6 +96,9 @@ int one_draw(const char* lib_path, const char* fake_path, unsigned seed) {
   auto free_fn = sym<void (*)(void*, size_t, int, cudaStream_t)>(lib, "fragless_free");
   auto history_fn = sym<void (*)(size_t, int, int)>(lib, "fragless_record_history_ex");
   const int devices = host ? 1 : 2;
+  // Every other draw records C++ frames (stacks::cpp): the unwinder's first lookups and its rule table then
+  // run on the three threads while the fork comes.
+  const int frames = (seed / 2) % 2 ? 2 : 0;
   d.set_delay("cuInit", static_cast<unsigned>(rng() % 3000));
   d.set_delay("cuDevicePrimaryCtxRetain", static_cast<unsigned>(rng() % 3000));
   const unsigned fork_after_us = static_cast<unsigned>(rng() % (host ? 300 : 4000));
@@ -102,7 +106,7 @@ int one_draw(const char* lib_path, const char* fake_path, unsigned seed) {
   for (int t = 0; t < 3; ++t)
     threads.emplace_back([&, t] {
       for (int k = 0; k < 20; ++k) {
-        if ((k + t) % 7 == 0) history_fn(100, 1, 0);
+        if ((k + t) % 7 == 0) history_fn(100, 1, frames);
         const std::size_t size = static_cast<std::size_t>(1 + k % 5) * MiB;
         free_fn(malloc_fn(size, t % devices, nullptr), size, t % devices, nullptr);
       }
@@ -112,7 +116,7 @@ int one_draw(const char* lib_path, const char* fake_path, unsigned seed) {
   const pid_t pid = fork();
   if (pid == 0) {
     alarm(static_cast<unsigned>(child_limit_s() + 30));
-    history_fn(100, 1, 0);
+    history_fn(100, 1, frames);
     for (int dev = 0; dev < devices; ++dev) {
       void* p = malloc_fn(3 * MiB, dev, nullptr);
       if (!p) _exit(10);
