@@ -164,7 +164,12 @@ TEST_CASE("conformance: OOM frees the cache, retries, then reports clearly", "[c
   CHECK(err.status == Status::out_of_memory);
   CHECK(err.message.find("out of memory") != std::string::npos);
   CHECK(err.message.find("Tried to allocate 40.00 MiB") != std::string::npos);
-  CHECK(err.message.find("reserved but unallocated") != std::string::npos);
+  // PyTorch's sentences, word for word (tools match them), then fragless's own.
+  CHECK(err.message.rfind("CUDA out of memory. Tried to allocate 40.00 MiB. GPU 0 has a total capacity of ", 0) == 0);
+  CHECK(err.message.find(" Of the allocated memory ") != std::string::npos);
+  CHECK(err.message.find(" is allocated by PyTorch, and ") != std::string::npos);
+  CHECK(err.message.find(" is reserved by PyTorch but unallocated. fragless (policy ") != std::string::npos);
+  CHECK(err.message.find("largest free cached range") != std::string::npos);
   CHECK(e->stats().num_ooms == 1);
   CHECK(reserved(*e) <= reserved_before);
   require_consistent(*e);
@@ -185,6 +190,30 @@ TEST_CASE("conformance: per-process memory fraction caps reserved memory", "[con
   CHECK(reserved(*e) <= 256 * static_cast<std::int64_t>(MiB));
   CHECK(e->set_memory_fraction(1.5) == Status::invalid_argument);
   CHECK(e->set_memory_fraction(-0.1) == Status::invalid_argument);
+  require_consistent(*e);
+}
+
+// PyTorch's set_fraction: a fraction of 0, or one that rounds to 0 bytes, is a limit of 0 bytes, not "no limit".
+TEST_CASE("conformance: a memory fraction of 0 allows nothing new and 1 lifts the limit", "[conformance]") {
+  EngineSpec spec = any_spec();
+  CAPTURE(name(spec.policy), driver_kind_name(spec.driver));
+  auto e = make_engine(spec);  // 1 GiB device
+  void* kept = e->allocate(4 * MiB, 0, nullptr);
+  REQUIRE(kept);
+  for (double fraction : {0.0, 1e-12}) {
+    CAPTURE(fraction);
+    REQUIRE(e->set_memory_fraction(fraction) == Status::ok);
+    AllocError err;
+    CHECK(e->allocate(64 * MiB, 0, &err) == nullptr);
+    CHECK(err.status == Status::out_of_memory);
+    CHECK(err.message.find("limited to 0 bytes") != std::string::npos);
+    CHECK(err.message.find("is reserved by PyTorch but unallocated.") != std::string::npos);
+  }
+  REQUIRE(e->set_memory_fraction(1.0) == Status::ok);
+  void* big = e->allocate(64 * MiB, 0, nullptr);
+  CHECK(big != nullptr);
+  REQUIRE(e->free(big) == Status::ok);
+  REQUIRE(e->free(kept) == Status::ok);
   require_consistent(*e);
 }
 

@@ -617,3 +617,55 @@ TEST_CASE("fragless: a repeated chain of doubling activations re-backs completel
     CHECK(static_cast<double>(st.reserved_bytes.all().peak) <= 1.02 * static_cast<double>(st.live_bytes.peak));
   }
 }
+
+// Note [Shared private pools]: two graphs captured into one pool; the first one's reset must not free what the
+// second still replays into.
+TEST_CASE("a private pool shared by two graphs is freed at the last release only", "[pools]") {
+  EngineSpec spec;
+  spec.policy = GENERATE(PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless);
+  CAPTURE(name(spec.policy));
+  auto e = make_engine(spec);
+  const PoolId pool{7, 0};
+  const auto on_4 = [](Stream s) { return s == 4; };
+  // g1: an intermediate allocated and freed during its capture.
+  e->begin_allocate_to_pool(pool, on_4);
+  void* x = e->allocate(64 * MiB, 4, nullptr);
+  REQUIRE(x);
+  REQUIRE(e->free(x) == Status::ok);
+  e->end_allocate_to_pool(pool);
+  // g2, captured into g1's pool, reuses that memory and keeps a block live (its output).
+  e->begin_allocate_to_pool(pool, on_4);
+  void* y = e->allocate(64 * MiB, 4, nullptr);
+  void* out = e->allocate(2 * MiB, 4, nullptr);
+  REQUIRE(y);
+  REQUIRE(out);
+  REQUIRE(e->free(y) == Status::ok);
+  e->end_allocate_to_pool(pool);
+  const auto held = reserved(*e);
+  // g1.reset(): g2 still holds the pool, so nothing of it goes and no default-pool tensor gets its addresses.
+  REQUIRE(e->release_pool(pool) == Status::ok);
+  e->empty_cache();
+  CHECK(reserved(*e) == held);
+  void* z = e->allocate(64 * MiB, 4, nullptr);
+  REQUIRE(z);
+  CHECK(z != y);
+  const auto zp = reinterpret_cast<DevicePtr>(z), yp = reinterpret_cast<DevicePtr>(y);
+  const bool apart = zp + 64 * MiB <= yp || zp >= yp + 64 * MiB;
+  CHECK(apart);
+  require_consistent(*e);
+  // A release too many (of a pool with no use left, or never begun) changes nothing.
+  REQUIRE(e->free(z) == Status::ok);
+  e->empty_cache();
+  const auto before_g2 = reserved(*e);
+  CHECK(before_g2 == held);
+  // g2.reset(): the last use; the pool's free memory goes, its live output stays until freed.
+  REQUIRE(e->release_pool(pool) == Status::ok);
+  e->empty_cache();
+  CHECK(reserved(*e) < before_g2);
+  REQUIRE(e->release_pool(pool) == Status::ok);
+  REQUIRE(e->release_pool(PoolId{9, 0}) == Status::ok);
+  REQUIRE(e->free(out) == Status::ok);
+  e->empty_cache();
+  CHECK(reserved(*e) == 0);
+  require_consistent(*e);
+}

@@ -106,8 +106,10 @@ class DeviceEngine {
   // `filter` come from pool `id`, kept apart from everything else until released.
   void begin_allocate_to_pool(PoolId id, StreamFilter filter);
   void end_allocate_to_pool(PoolId id);
-  // The pool's memory goes once its blocks are free, after a device-wide synchronisation (a replay may run on
-  // any stream), never while a capture may be under way. Failed waits are reported as empty_cache's.
+  // Each begin counts a use of the pool and each release ends one (Note [Shared private pools], engine.cpp);
+  // when none is left the pool's memory goes once its blocks are free, after a device-wide synchronisation (a
+  // replay may run on any stream), never while a capture may be under way. Failed waits are reported as
+  // empty_cache's.
   Status release_pool(PoolId id, AllocError* error = nullptr);
 
   // A capture this engine does not allocate for (LD_PRELOAD: cudaStreamBeginCapture on the device) begins or

@@ -40,7 +40,7 @@ std::set<Block*, BySize>::iterator DeviceEngine::State::best_fit(BlockPool& pool
 
 Block* DeviceEngine::State::find_free_block(AllocParams& p) {
   BlockPool& pool = *p.pool;
-  if (allowed_memory_maximum && opts.garbage_collection_threshold > 0) ++pool.get_free_blocks_call_count;
+  if (memory_limited && opts.garbage_collection_threshold > 0) ++pool.get_free_blocks_call_count;
   auto it = best_fit(pool, p);
   if (it == pool.blocks.end()) return nullptr;
   if ((*it)->segment->growable && policy->prefer_non_growable()) {
@@ -178,7 +178,7 @@ void DeviceEngine::State::synchronize_and_free_events() {
 bool DeviceEngine::State::garbage_collect(AllocParams& p) {
   // PyTorch's rule: only with a memory fraction and a threshold; only whole-segment (non-split),
   // non-growable free blocks of the large pool, oldest first by the pool's allocation clock.
-  if (!allowed_memory_maximum || opts.garbage_collection_threshold <= 0) return false;
+  if (!memory_limited || opts.garbage_collection_threshold <= 0) return false;
   const auto threshold = static_cast<std::size_t>(opts.garbage_collection_threshold *
                                                   static_cast<double>(allowed_memory_maximum));
   if (total_reserved <= threshold) return false;
@@ -335,16 +335,17 @@ std::string DeviceEngine::State::oom_message(const AllocParams& p, const std::st
         std::to_string(driver->device()) + ": " + driver_error;
     return m;
   }
-  // The first sentences are PyTorch's, word for word: tools match them (accelerate's batch-size finder).
+  // PyTorch's sentences first, word for word (tools and tests match them: accelerate's batch-size finder, "is
+  // reserved by PyTorch but unallocated"), the memory limit where PyTorch's pattern puts it; then fragless's own.
   m = "CUDA out of memory. Tried to allocate " + format_bytes(p.requested) + ". GPU " +
       std::to_string(driver->device()) + " has a total capacity of " + format_bytes(total_b) + " of which " +
-      format_bytes(free_b) + " is free. fragless (policy " + std::string(policy_name(opts.policy)) + "): " +
-      format_bytes(p.rounded) + " after rounding.";
-  if (allowed_memory_maximum)
-    m += " This process is limited to " + format_bytes(allowed_memory_maximum) +
-         " (per_process_memory_fraction).";
-  m += " Of the reserved memory " + format_bytes(allocated) + " is allocated and " + format_bytes(unallocated) +
-       " is reserved but unallocated; the largest free cached range is " + format_bytes(largest);
+      format_bytes(free_b) + " is free. ";
+  if (memory_limited)
+    m += "This process is limited to " + format_bytes(allowed_memory_maximum) + " (per_process_memory_fraction). ";
+  m += "Of the allocated memory " + format_bytes(allocated) + " is allocated by PyTorch, and " +
+       format_bytes(unallocated) + " is reserved by PyTorch but unallocated. fragless (policy " +
+       std::string(policy_name(opts.policy)) + "): " + format_bytes(p.rounded) +
+       " after rounding; the largest free cached range is " + format_bytes(largest);
   if (total_free > 0) {
     char pct[32];
     std::snprintf(pct, sizeof pct, "%.1f%%",

@@ -35,8 +35,8 @@ DeviceEngine::State::State(const Options& o, std::unique_ptr<Driver> d) : opts(o
   default_pools.large.owner = &default_pools;
   std::size_t free_b = 0;
   driver->memory_info(&free_b, &device_total);
-  if (opts.per_process_memory_fraction < 1.0)
-    allowed_memory_maximum = static_cast<std::size_t>(opts.per_process_memory_fraction * device_total);
+  memory_limited = opts.per_process_memory_fraction < 1.0;
+  if (memory_limited) allowed_memory_maximum = static_cast<std::size_t>(opts.per_process_memory_fraction * device_total);
   stats.max_split_size = opts.max_split_size == SIZE_MAX ? -1 : static_cast<std::int64_t>(opts.max_split_size);
   policy = make_policy(opts.policy, *this);
   background.set_work(policy.get(), driver.get());
@@ -277,7 +277,8 @@ Status DeviceEngine::set_memory_fraction(double fraction) {
   if (!(fraction >= 0.0 && fraction <= 1.0)) return Status::invalid_argument;
   std::lock_guard lk(s_->mu);
   s_->opts.per_process_memory_fraction = fraction;
-  s_->allowed_memory_maximum = fraction < 1.0 ? static_cast<std::size_t>(fraction * s_->device_total) : 0;
+  s_->memory_limited = fraction < 1.0;
+  s_->allowed_memory_maximum = s_->memory_limited ? static_cast<std::size_t>(fraction * s_->device_total) : 0;
   return Status::ok;
 }
 
@@ -292,6 +293,7 @@ void DeviceEngine::begin_allocate_to_pool(PoolId id, StreamFilter filter) {
     ps->small.small = true;
     ps->large.owner = ps.get();
   }
+  ++ps->uses;  // Note [Shared private pools]
   ps->released = false;
   s.background.routing_changed(true);  // Note [Background work]: no job while a capture may be under way
   s.routes.emplace_back(ps.get(), std::move(filter));
@@ -309,11 +311,20 @@ void DeviceEngine::end_allocate_to_pool(PoolId id) {
   }
 }
 
+// Note [Shared private pools]
+// Several graphs may share one private pool (torch.cuda.graph(g2, pool=g1.pool()), what CUDA-graph trees and
+// serving engines do): each capture begins allocating to it, and each graph's reset() releases it. PyTorch's own
+// allocator counts the uses (create_or_incref_pool, releasePool's use_count) and frees the pool's memory only
+// when the last one is released; a pool freed at the first release would hand g2's addresses to other tensors
+// while g2 still replays into them. So each begin_allocate_to_pool counts a use and each release_pool ends one;
+// the pool is released when none is left. A release of a pool with no use left, or of one never begun, does
+// nothing (PyTorch asserts; a plug-in cannot throw into PyTorch).
 Status DeviceEngine::release_pool(PoolId id, AllocError* err) {
   State& s = *s_;
   std::lock_guard lk(s.mu);
   auto it = s.private_pools.find(id);
-  if (it == s.private_pools.end()) return Status::ok;
+  // Note [Shared private pools]: another graph (or a later use of the pool) still holds it.
+  if (it == s.private_pools.end() || it->second->uses == 0 || --it->second->uses > 0) return Status::ok;
   std::erase_if(s.routes, [&](auto& r) { return r.first == it->second.get(); });
   it->second->released = true;
   // Freed now (after a device-wide synchronisation), or once no capture may be under way (Note [Capture

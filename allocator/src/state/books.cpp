@@ -255,7 +255,7 @@ bool DeviceEngine::State::synchronize_device() {
 }
 
 bool DeviceEngine::State::capacity_allows(std::size_t extra) const {
-  return allowed_memory_maximum == 0 || total_reserved + extra <= allowed_memory_maximum;
+  return !memory_limited || (total_reserved <= allowed_memory_maximum && extra <= allowed_memory_maximum - total_reserved);
 }
 
 PoolSet& DeviceEngine::State::pool_set_for(Stream st) {

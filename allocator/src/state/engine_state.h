@@ -114,7 +114,10 @@ struct BlockPool {
 struct PoolSet {
   PoolId id{0, 0};
   BlockPool small, large;
-  bool released = false;  // release_pool was called: nothing new is allocated here
+  // Note [Shared private pools]: begin_allocate_to_pool calls not yet matched by a release_pool; at 0 the pool
+  // is released: nothing new is allocated here, and its memory goes once its blocks are free.
+  int uses = 0;
+  bool released = false;
   BlockPool& pool(bool is_small) { return is_small ? small : large; }
 };
 
@@ -262,7 +265,10 @@ struct DeviceEngine::State {
   // are reset by the program): what the small pool has shown it needs (Note [The small pool keeps a cell]).
   std::int64_t small_allocated_high = 0;
   std::size_t total_reserved = 0;              // physical bytes held
-  std::size_t allowed_memory_maximum = 0;      // 0 = no limit (fraction 1)
+  // per_process_memory_fraction below 1: the process may hold at most allowed_memory_maximum bytes, which may
+  // be 0 (fraction 0, or one that rounds to 0 bytes: nothing can be allocated, as in PyTorch's set_fraction).
+  bool memory_limited = false;
+  std::size_t allowed_memory_maximum = 0;
   std::size_t device_total = 0;
 
   // Block object pool (avoids a heap allocation per split).

@@ -94,7 +94,7 @@ void FraglessPolicy::finish_memory_info(const BackgroundJob& job) {
 std::size_t FraglessPolicy::creatable_pages(Growth& g, std::size_t* limit_pages) {
   if (!g.asked) device_free(g);
   std::size_t free_b = g.free_bytes;
-  if (s_.allowed_memory_maximum)
+  if (s_.memory_limited)
     free_b = std::min(free_b, s_.allowed_memory_maximum > s_.total_reserved
                                   ? s_.allowed_memory_maximum - s_.total_reserved : 0);
   if (limit_pages) *limit_pages = process_limit(g.total_bytes) / page_;

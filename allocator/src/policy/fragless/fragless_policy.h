@@ -230,7 +230,7 @@ class FraglessPolicy final : public GrowablePolicy {
   void finish_memory_info(const BackgroundJob& job);
   // What the process may hold at most, in bytes: the device (total_bytes), or per_process_memory_fraction of it.
   std::size_t process_limit(std::size_t total_bytes) const {
-    return s_.allowed_memory_maximum ? std::min(total_bytes, s_.allowed_memory_maximum) : total_bytes;
+    return s_.memory_limited ? std::min(total_bytes, s_.allowed_memory_maximum) : total_bytes;
   }
   // With limit_pages: also process_limit, in pages.
   std::size_t creatable_pages(Growth& g, std::size_t* limit_pages = nullptr);
