@@ -15,6 +15,10 @@ loops, Hugging Face Trainer, Lightning, accelerate) works unchanged:
     memory_snapshot, empty_cache, mem_get_info, and torch.cuda.memory._record_memory_history, _snapshot,
     _dump_snapshot.
 
+Each takes PyTorch's parameters (those of its newest release); a parameter fragless cannot honour
+(augment_with_fx_traces on a PyTorch without FX augmentation, say) raises NotImplementedError rather than
+being ignored.
+
 Both torch.cuda.NAME and torch.cuda.memory.NAME are replaced; a name imported before enable() ran
 (`from torch.cuda import memory_allocated`) keeps PyTorch's function. On a PyTorch without CUDA (a CPU build)
 or without CUDAPluggableAllocator (Debian's 1.13) enable() installs no allocator, says so with a warning,
@@ -270,6 +274,17 @@ class _ZeroMissing(dict):
         return 0
 
 
+def _augment_with_fx_traces(torch, snapshot):
+    """PyTorch's augment_with_fx_traces (torch._utils._augment_memory_snapshot_stack_traces, which maps frames
+    of FX-generated code back to the model's source), applied to fragless's snapshot; an error where this
+    PyTorch has none, never a snapshot silently left as it was."""
+    augment = getattr(torch._utils, "_augment_memory_snapshot_stack_traces", None)
+    if augment is None:
+        raise NotImplementedError("augment_with_fx_traces=True needs torch._utils._augment_memory_snapshot_stack_"
+                                  "traces, which this PyTorch (%s) does not have" % torch.__version__)
+    return augment(snapshot)
+
+
 def _install_api(torch):
     global _api_installed
     if _api_installed:
@@ -326,8 +341,22 @@ def _install_api(torch):
                 mem.memory_stats = saved
         return _f.memory_summary(d)
 
-    def memory_snapshot():
-        return _f.snapshot()["segments"]
+    def snapshot_of(mempool_id, include_traces):
+        """The snapshot, its segments those of the pool `mempool_id` when one is named ((0, 0) or None: every
+        pool, as in PyTorch), its device_traces empty without include_traces."""
+        s = _f.snapshot()
+        if mempool_id is not None:
+            pool = tuple(int(x) for x in mempool_id)
+            if len(pool) != 2:
+                raise ValueError("mempool_id must be a pair of ints (a MemPool's id), got %r" % (mempool_id,))
+            if pool != (0, 0):
+                s["segments"] = [seg for seg in s["segments"] if tuple(seg.get("segment_pool_id", (0, 0))) == pool]
+        if not include_traces:
+            s["device_traces"] = [[] for _ in s.get("device_traces", [])]
+        return s
+
+    def memory_snapshot(mempool_id=None, include_traces=True):
+        return snapshot_of(mempool_id, include_traces)["segments"]
 
     def record_memory_history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, device=None,
                               **legacy):
@@ -343,11 +372,20 @@ def _install_api(torch):
             context = "all" if legacy.get("record_context", True) else None
         _f.record_history(max(1, min(int(max_entries), 1 << 40)), context=context, stacks=stacks or "all")
 
-    def snapshot_(device=None, *args, **kwargs):
-        return _f.snapshot()
+    def snapshot_(device=None, augment_with_fx_traces=False):
+        s = _f.snapshot()
+        if augment_with_fx_traces:
+            s = _augment_with_fx_traces(torch, s)
+        return s
 
-    def dump_snapshot_(filename="dump_snapshot.pickle"):
-        _f.dump_snapshot(filename)
+    def dump_snapshot_(filename="dump_snapshot.pickle", augment_with_fx_traces=False):
+        if augment_with_fx_traces:
+            s = snapshot_(augment_with_fx_traces=True)
+            import pickle
+            with open(filename, "wb") as f:
+                pickle.dump(s, f)
+        else:
+            _f.dump_snapshot(filename)
 
     def empty_cache_():
         _f.empty_cache()
