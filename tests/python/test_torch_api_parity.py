@@ -97,6 +97,108 @@ def snapshot_functions_take_augment_with_fx_traces():
     raises(TypeError, mem._snapshot, augment_fx=True)
 
 
+@case
+def state_keeps_one_entry():
+    # torch/csrc/cuda/memory_snapshot.cpp: max_entries = (enabled && *enabled == "all") ? max_entries : 1
+    mem._record_memory_history("state", max_entries=1000)
+    ps = [alloc(MiB) for _ in range(4)]
+    t = trace()
+    check(len(t) == 1 and t[0]["action"] == "alloc" and t[0]["addr"] == ps[-1], [e["action"] for e in t])
+    for p in ps:
+        free(p, MiB)
+    mem._record_memory_history(None)
+
+
+@case
+def legacy_form_defaults_to_one_entry():
+    # torch/cuda/memory.py: _record_memory_history_legacy(enabled, record_context=True, trace_alloc_max_entries=1,
+    # ...)
+    mem._record_memory_history(True)
+    ps = [alloc(MiB) for _ in range(4)]
+    t = trace()
+    check(len(t) == 1 and t[0]["action"] == "alloc" and t[0]["addr"] == ps[-1], [e["action"] for e in t])
+    for p in ps:
+        free(p, MiB)
+    mem._record_memory_history(False)
+    check(trace() == [], "turning history off keeps its entries")
+
+
+@case
+def legacy_form_positional():
+    # _record_memory_history(enabled, *args, **kwargs) hands *args to the legacy form for a bool:
+    # (True, record_context, trace_alloc_max_entries, trace_alloc_record_context)
+    mem._record_memory_history(True, True, 1000, True)
+    p = alloc(MiB)
+    free(p, MiB)
+    t = trace()
+    check(len(t) >= 2, [e["action"] for e in t])
+    allocs = [e for e in t if e["action"] == "alloc" and e["addr"] == p]
+    check(allocs and allocs[0]["frames"], "trace_alloc_record_context=True records frames on allocations")
+    mem._record_memory_history(False)
+
+
+@case
+def legacy_record_context_is_state():
+    # torch/csrc/cuda/memory_snapshot.cpp, legacy: RecordContext ALLOC with trace_alloc_record_context, else
+    # STATE with record_context: frames for live blocks, none on trace entries.
+    mem._record_memory_history(True, trace_alloc_max_entries=100)
+    p = alloc(3 * MiB)
+    check(all(not e["frames"] for e in trace()), "frames on %s" % [e["action"] for e in trace() if e["frames"]])
+    blocks = [b for s in mem._snapshot()["segments"] for b in s["blocks"] if b["address"] == p]
+    check(blocks and blocks[0]["frames"], "the live block has no frames")
+    free(p, 3 * MiB)
+    mem._record_memory_history(False)
+
+
+@case
+def context_state_has_no_frames_on_entries():
+    # c10/cuda/CUDACachingAllocator.cpp, record_trace: a trace entry keeps its context only when
+    # record_context_ >= RecordContext::ALLOC; STATE keeps it for the block (context_when_allocated).
+    mem._record_memory_history("all", context="state", max_entries=1000)
+    p = alloc(3 * MiB)
+    entries = [e for e in trace() if e["action"] == "alloc" and e["addr"] == p]
+    check(entries and not entries[0]["frames"], "%d alloc entries, frames on the first: %d" % (
+        len(entries), len(entries[0]["frames"]) if entries else 0))
+    blocks = [b for s in mem._snapshot()["segments"] for b in s["blocks"] if b["address"] == p]
+    check(blocks and blocks[0]["frames"], "a live block keeps its frames with context 'state'")
+    free(p, 3 * MiB)
+    mem._record_memory_history("all", context="alloc", max_entries=1000)
+    p = alloc(3 * MiB)
+    entries = [e for e in trace() if e["action"] == "alloc" and e["addr"] == p]
+    check(entries and entries[-1]["frames"], "%d alloc entries, none with frames" % len(entries))
+    free(p, 3 * MiB)
+    mem._record_memory_history(None)
+
+
+@case
+def clear_history_clears():
+    # c10/cuda/CUDACachingAllocator.cpp, recordHistory: if (!enabled || clearHistory) the ring is cleared.
+    mem._record_memory_history(max_entries=1000)
+    p = alloc(MiB)
+    free(p, MiB)
+    check(len(trace()) >= 2)
+    mem._record_memory_history(max_entries=1000)
+    check(len(trace()) >= 2, "enabling again without clear_history keeps the entries")
+    mem._record_memory_history(max_entries=1000, clear_history=True)
+    check(trace() == [], [e["action"] for e in trace()])
+    mem._record_memory_history(None)
+
+
+@case
+def unknown_keywords_raise():
+    # Each form has its own signature in torch/cuda/memory.py: a keyword it does not have is a TypeError.
+    raises(TypeError, mem._record_memory_history, "all", max_entires=10)
+    raises(TypeError, mem._record_memory_history, True, trace_alloc_max_entires=10)
+    raises(TypeError, mem._record_memory_history, "all", trace_alloc_max_entries=10)
+    check("expected context" in raises(RuntimeError, mem._record_memory_history, "all", context="everything"))
+    check("expected stacks" in raises(RuntimeError, mem._record_memory_history, "all", stacks="cpp"))
+    # What fragless does not record is an error, not ignored.
+    check("compile_context" in raises(NotImplementedError, mem._record_memory_history, compile_context=True))
+    check("skip_actions" in raises(NotImplementedError, mem._record_memory_history, skip_actions=["alloc"]))
+    mem._record_memory_history(max_entries=10, device=0, clear_history=False, skip_actions=[])  # accepted
+    mem._record_memory_history(None)
+
+
 
 for p, n in zip(keep, (2 * MiB, 512)):
     free(p, n)

@@ -79,6 +79,11 @@ FRAGLESS_API void fragless_record_history(size_t max_entries);
  * frames, 1 frames of each allocation, 2 of each free too; stacks 1 Python (of a thread holding the GIL), 2
  * C++, 3 both. Frames are captured as addresses and code objects and symbolised when a snapshot is taken. */
 FRAGLESS_API void fragless_record_history_ex(size_t max_entries, int context, int stacks);
+/* The same with torch.cuda.memory._record_memory_history's meanings: context is PyTorch's RecordContext, 0 no
+ * frames, 1 frames of live blocks' allocations only ("state": none on history entries), 2 of allocations on
+ * history entries too ("alloc"), 3 of frees too ("all"); stacks as above; clear_history non-zero drops the
+ * events kept so far (turning history off, max_entries 0, always does). */
+FRAGLESS_API void fragless_record_history_v2(size_t max_entries, int context, int stacks, int clear_history);
 /* The last error of this thread ("" if none). */
 FRAGLESS_API const char* fragless_last_error(void);
 /* Writes buffered trace records (the tracer also flushes at exit). */

@@ -285,6 +285,71 @@ def _augment_with_fx_traces(torch, snapshot):
     return augment(snapshot)
 
 
+def _history_refused(what):
+    raise NotImplementedError("fragless.torch: _record_memory_history(%s) is not supported by fragless's history "
+                              "(PyTorch's own allocator records it; fragless would silently record something "
+                              "else)" % what)
+
+
+def _record_history_current(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, device=None,
+                            clear_history=False, compile_context=False, global_record_annotations=False,
+                            skip_actions=None, record_pinned_host_memory=False, record_cuda=True):
+    """torch.cuda.memory._record_memory_history's current form, with PyTorch's rules
+    (torch/csrc/cuda/memory_snapshot.cpp): enabled None / 'state' / 'all', the history's length max_entries
+    only with 'all' (1 with 'state'), context None / 'state' / 'alloc' / 'all', stacks 'python' / 'all'. As in
+    PyTorch, `device` is not used (every device records). What fragless cannot record raises
+    NotImplementedError."""
+    if enabled is not None and enabled not in ("state", "all"):
+        raise RuntimeError("expected state to be 'state', 'all', or None")
+    if context is not None and context not in ("state", "alloc", "all"):
+        raise RuntimeError("expected context to be 'state', 'alloc', 'all', or None")
+    if stacks not in ("python", "all"):
+        raise RuntimeError("expected stacks to be 'python', or 'all'")
+    if enabled is None:
+        _f.record_history(0)
+        return
+    if compile_context:
+        _history_refused("compile_context=True")
+    if global_record_annotations:
+        _history_refused("global_record_annotations=True")
+    if skip_actions:
+        _history_refused("skip_actions=%r" % (list(skip_actions),))
+    if record_pinned_host_memory:
+        _history_refused("record_pinned_host_memory=True")
+    if not record_cuda:
+        _history_refused("record_cuda=False")
+    entries = max_entries if enabled == "all" else 1
+    _f.record_history(max(1, min(int(entries), 1 << 40)), context=context, stacks=stacks,
+                      clear_history=clear_history)
+
+
+def _record_history_legacy(enabled, record_context=True, trace_alloc_max_entries=1,
+                           trace_alloc_record_context=False, device=None, record_context_cpp=False,
+                           clear_history=False, compile_context=False, global_record_annotations=False,
+                           skip_actions=None, record_pinned_host_memory=False, record_cuda=True):
+    """The legacy form (first argument a bool), with PyTorch's defaults and rules
+    (torch/csrc/cuda/memory_snapshot.cpp): frames of live blocks with record_context ('state'), on the
+    history's allocations too with trace_alloc_record_context ('alloc'); C++ frames only with
+    record_context_cpp; the history keeps trace_alloc_max_entries events (1 by default)."""
+    if not enabled:
+        _f.record_history(0)
+        return
+    if compile_context:
+        _history_refused("compile_context=True")
+    if global_record_annotations:
+        _history_refused("global_record_annotations=True")
+    if skip_actions:
+        _history_refused("skip_actions=%r" % (list(skip_actions),))
+    if record_pinned_host_memory:
+        _history_refused("record_pinned_host_memory=True")
+    if not record_cuda:
+        _history_refused("record_cuda=False")
+    context = "alloc" if trace_alloc_record_context else "state" if record_context else None
+    stacks = "all" if record_context_cpp and context else "python"
+    _f.record_history(max(1, min(int(trace_alloc_max_entries), 1 << 40)), context=context, stacks=stacks,
+                      clear_history=clear_history)
+
+
 def _install_api(torch):
     global _api_installed
     if _api_installed:
@@ -358,19 +423,12 @@ def _install_api(torch):
     def memory_snapshot(mempool_id=None, include_traces=True):
         return snapshot_of(mempool_id, include_traces)["segments"]
 
-    def record_memory_history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, device=None,
-                              **legacy):
-        # PyTorch 1.13-2.0: (enabled: bool, record_context, trace_alloc_max_entries, trace_alloc_record_context)
-        if "trace_alloc_max_entries" in legacy:
-            max_entries = legacy["trace_alloc_max_entries"]
-        if enabled is None or enabled is False:
-            _f.record_history(0)
-            return
-        if enabled not in (True, "state", "all"):
-            raise ValueError("_record_memory_history: enabled must be None, 'state' or 'all', got %r" % (enabled,))
-        if enabled is True:  # the legacy form: record_context says whether frames are wanted
-            context = "all" if legacy.get("record_context", True) else None
-        _f.record_history(max(1, min(int(max_entries), 1 << 40)), context=context, stacks=stacks or "all")
+    def record_memory_history(enabled="all", *args, **kwargs):
+        # PyTorch's dispatch (torch/cuda/memory.py): a bool is the legacy form (1.13-2.0), anything else the
+        # current one; each form's own signature, so a misspelled keyword is a TypeError there as here.
+        if isinstance(enabled, bool):
+            return _record_history_legacy(enabled, *args, **kwargs)
+        return _record_history_current(enabled, *args, **kwargs)
 
     def snapshot_(device=None, augment_with_fx_traces=False):
         s = _f.snapshot()
