@@ -126,6 +126,8 @@ class DeviceSink final : public EventSink {
   // Which stacks an allocation (a free) on this device records: stacks::python | stacks::cpp, or 0.
   int stacks_for_alloc() const { return wanted_alloc_.load(std::memory_order_relaxed); }
   int stacks_for_free() const { return wanted_free_.load(std::memory_order_relaxed); }
+  // The memory fraction last set through the C ABI (set_memory_fraction_fn), or -1: the configuration's.
+  std::atomic<double> fraction{-1.0};
 
  private:
   struct Rec {
@@ -383,9 +385,25 @@ void fragless_empty_cache(void) {
 }
 
 void fragless_set_memory_fraction(double fraction, int device) {
-  if (DeviceEngine* e = engine(device))
+  if (DeviceEngine* e = engine(device)) {
     if (e->set_memory_fraction(fraction) != Status::ok)
       t_last_error = "fragless: memory fraction " + std::to_string(fraction) + " is not in [0, 1]";
+    else
+      proc().sinks[static_cast<std::size_t>(device)]->fraction.store(fraction, std::memory_order_relaxed);
+  }
+}
+
+double fragless_get_memory_fraction(int device) {
+  t_last_error.clear();
+  Allocator* a = get();
+  if (!a) return -1.0;
+  if (device < 0 || device >= a->device_count()) {
+    t_last_error = "fragless: invalid device " + std::to_string(device) + " (fragless manages " +
+                   std::to_string(a->device_count()) + " devices)";
+    return -1.0;
+  }
+  const double set = proc().sinks[static_cast<std::size_t>(device)]->fraction.load(std::memory_order_relaxed);
+  return set >= 0 ? set : a->options().per_process_memory_fraction;
 }
 
 void* fragless_get_base_allocation(void* ptr, size_t* size) {

@@ -199,6 +199,19 @@ def unknown_keywords_raise():
     mem._record_memory_history(None)
 
 
+@case
+def memory_fraction_is_fragless_own():
+    # torch/cuda/memory.py: get_per_process_memory_fraction(device=None) -> _cuda_getMemoryFraction, which a
+    # pluggable allocator does not implement; fragless answers with its own.
+    get = torch.cuda.get_per_process_memory_fraction
+    check(get() == 1.0 and get(1) == 1.0, (get(), get(1)))
+    lib.fragless_set_memory_fraction(0.25, 1)  # what torch.cuda.set_per_process_memory_fraction's hook calls
+    check(get("cuda:1") == 0.25 and get(0) == 1.0, (get(1), get(0)))
+    check(mem.get_per_process_memory_fraction(torch.device("cuda", 1)) == 0.25)
+    lib.fragless_set_memory_fraction(1.0, 1)
+    check("invalid device" in raises(RuntimeError, get, 7))
+
+
 
 for p, n in zip(keep, (2 * MiB, 512)):
     free(p, n)

@@ -48,6 +48,9 @@ FRAGLESS_API void* fragless_pool_malloc(size_t size, int device, cudaStream_t st
 FRAGLESS_API void fragless_init(int device_count);                         /* set_init_fn */
 FRAGLESS_API void fragless_empty_cache(void);                              /* set_reset_fn */
 FRAGLESS_API void fragless_set_memory_fraction(double fraction, int device); /* set_memory_fraction_fn */
+/* The device's memory fraction (torch.cuda.get_per_process_memory_fraction): the last one set, else the
+ * configuration's per_process_memory_fraction; -1 for an invalid device (see fragless_last_error). */
+FRAGLESS_API double fragless_get_memory_fraction(int device);
 FRAGLESS_API void* fragless_get_base_allocation(void* ptr, size_t* size);  /* set_base_alloc_fn */
 FRAGLESS_API void fragless_record_stream(void* ptr, cudaStream_t stream);  /* set_record_stream_fn */
 typedef struct { unsigned long long first, second; } fragless_pool_id; /* MempoolId_t's layout */

@@ -17,7 +17,7 @@ import os
 import pickle
 
 __all__ = ["library", "library_path", "preload_library_path", "build_info", "check_config", "check_driver", "memory_stats",
-           "memory_summary", "snapshot", "dump_snapshot", "empty_cache", "record_history", "last_error",
+           "memory_summary", "snapshot", "dump_snapshot", "empty_cache", "record_history", "memory_fraction", "last_error",
            "device_count", "Shared", "share", "open_shared", "close_shared", "reap_shared"]
 
 _lib = None
@@ -113,6 +113,9 @@ def library():
     _lib.fragless_record_history.argtypes = [c.c_size_t]
     _lib.fragless_record_history_ex.argtypes = [c.c_size_t, c.c_int, c.c_int]
     _lib.fragless_record_history_v2.argtypes = [c.c_size_t, c.c_int, c.c_int, c.c_int]
+    _lib.fragless_get_memory_fraction.restype = c.c_double
+    _lib.fragless_get_memory_fraction.argtypes = [c.c_int]
+    _lib.fragless_set_memory_fraction.argtypes = [c.c_double, c.c_int]
     _lib.fragless_last_error.restype = c.c_char_p
     _lib.fragless_device_count.restype = c.c_int
     _lib.fragless_reset_peak_stats.argtypes = [c.c_int]
@@ -214,6 +217,14 @@ def record_history(max_entries=100000, context=None, stacks="all", clear_history
     library().fragless_record_history_v2(int(max_entries), _CONTEXT[context], _STACKS[stacks],
                                          1 if clear_history else 0)
 
+
+def memory_fraction(device=0):
+    """The device's memory fraction: the last one set (PyTorch's set_per_process_memory_fraction, through the
+    allocator's hook), else the configuration's per_process_memory_fraction."""
+    f = library().fragless_get_memory_fraction(int(device))
+    if f < 0:
+        raise RuntimeError(last_error())
+    return f
 
 
 def empty_cache():

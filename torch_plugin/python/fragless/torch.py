@@ -12,8 +12,8 @@ loops, Hugging Face Trainer, Lightning, accelerate) works unchanged:
     torch.cuda.memory_stats, memory_stats_as_nested_dict, memory_allocated, max_memory_allocated,
     memory_reserved, max_memory_reserved, memory_cached, max_memory_cached, reset_peak_memory_stats,
     reset_max_memory_allocated, reset_max_memory_cached, reset_accumulated_memory_stats, memory_summary,
-    memory_snapshot, empty_cache, mem_get_info, and torch.cuda.memory._record_memory_history, _snapshot,
-    _dump_snapshot.
+    memory_snapshot, empty_cache, mem_get_info, get_per_process_memory_fraction, and
+    torch.cuda.memory._record_memory_history, _snapshot, _dump_snapshot.
 
 Each takes PyTorch's parameters (those of its newest release); a parameter fragless cannot honour
 (augment_with_fx_traces on a PyTorch without FX augmentation, say) raises NotImplementedError rather than
@@ -445,6 +445,9 @@ def _install_api(torch):
         else:
             _f.dump_snapshot(filename)
 
+    def get_per_process_memory_fraction(device=None):
+        return _f.memory_fraction(index(device))
+
     def empty_cache_():
         _f.empty_cache()
 
@@ -468,6 +471,7 @@ def _install_api(torch):
         "memory_snapshot": memory_snapshot,
         "empty_cache": empty_cache_,
         "mem_get_info": mem_get_info,
+        "get_per_process_memory_fraction": get_per_process_memory_fraction,
     }
     private = {"_record_memory_history": record_memory_history, "_snapshot": snapshot_,
                "_dump_snapshot": dump_snapshot_}
