@@ -212,6 +212,50 @@ def memory_fraction_is_fragless_own():
     check("invalid device" in raises(RuntimeError, get, 7))
 
 
+@case
+def memory_summary_changes_nothing_shared():
+    # memory_summary must answer from fragless without replacing torch.cuda.memory.memory_stats for the
+    # duration: another thread's memory_stats(1) meanwhile answers for device 1.
+    if torch.cuda.memory.memory_summary.__doc__ is None or "fragless" not in torch.cuda.memory.memory_summary.__doc__:
+        raise AssertionError("memory_summary is not fragless's")
+    ours = torch.cuda.memory.memory_stats
+    seen = []
+
+    def watch(frame, event, arg):
+        if event == "call" and torch.cuda.memory.memory_stats is not ours:
+            seen.append(frame.f_code.co_name)
+
+    sys.setprofile(watch)
+    try:
+        torch.cuda.memory_summary(0)
+    finally:
+        sys.setprofile(None)
+    check(not seen, "torch.cuda.memory.memory_stats was replaced while %s ran" % seen[:3])
+    big = alloc(200 * MiB, device=1)
+    want = torch.cuda.memory_stats(1)["allocated_bytes.all.current"]
+    wrong = []
+    stop = threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            got = torch.cuda.memory.memory_stats(1)["allocated_bytes.all.current"]
+            if got != want:
+                wrong.append(got)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for _ in range(50):
+            torch.cuda.memory_summary(0)
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(old)
+        free(big, 200 * MiB, device=1)
+    check(not wrong, "memory_stats(1) answered %d times with another device's stats" % len(wrong))
+
 
 for p, n in zip(keep, (2 * MiB, 512)):
     free(p, n)

@@ -274,6 +274,16 @@ class _ZeroMissing(dict):
         return 0
 
 
+def _with_globals(fn, **names):
+    """A copy of the function `fn` whose global names are its module's, with `names` put over them: the
+    module itself is not changed."""
+    import types
+    copy = types.FunctionType(fn.__code__, dict(fn.__globals__, **names), fn.__name__, fn.__defaults__,
+                              fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
 def _augment_with_fx_traces(torch, snapshot):
     """PyTorch's augment_with_fx_traces (torch._utils._augment_memory_snapshot_stack_traces, which maps frames
     of FX-generated code back to the model's source), applied to fragless's snapshot; an error where this
@@ -396,14 +406,14 @@ def _install_api(torch):
             stats[peak] = max(stats[peak], stats[key])
         original = _originals.get("memory_summary")
         if original is not None:
-            saved = mem.memory_stats
-            mem.memory_stats = lambda device=None: stats
+            # PyTorch's table, run with its module's names as they are but memory_stats answering these stats:
+            # a copy of the function over a copy of its globals, so that nothing shared is changed (another
+            # thread's torch.cuda.memory.memory_stats(device) meanwhile answers for its own device).
+            table = _with_globals(original, memory_stats=lambda device=None: stats)
             try:
-                return original(device=d, abbreviated=abbreviated)
+                return table(device=d, abbreviated=abbreviated)
             except Exception:  # a PyTorch whose table reads what fragless cannot give: fragless's own table
                 pass
-            finally:
-                mem.memory_stats = saved
         return _f.memory_summary(d)
 
     def snapshot_of(mempool_id, include_traces):
