@@ -51,8 +51,11 @@ class DeviceSink final : public EventSink {
     const bool alloc = e.action == TraceAction::alloc;
     const bool freed = e.action == TraceAction::free || e.action == TraceAction::free_completed;
     const bool free_call = freed || e.action == TraceAction::free_requested;
+    // The memory an allocation made for itself carries its stack, as in PyTorch (alloc_block and the
+    // expandable segment's map record the malloc's context): no capture of its own, so nothing on a cache hit.
+    const bool segment_made = e.action == TraceAction::segment_alloc || e.action == TraceAction::segment_map;
     std::shared_ptr<const stacks::Stack> st;
-    if (stacks_ && (alloc || (context_ >= kContextAll && free_call))) st = t_call_stack;
+    if (stacks_ && (alloc || segment_made || (context_ >= kContextAll && free_call))) st = t_call_stack;
     Rec r;
     r.h.action = e.action;
     r.h.address = e.address;  // 0 for events without one (physical create/release, empty_cache)

@@ -166,6 +166,21 @@ free_here(with_gil, p, MiB)
 freed = the_frees(before, p)
 check(all(e["frames"] == [] for e in freed), freed)
 
+# The segment an allocation makes carries that allocation's frames (PyTorch records the malloc's context on
+# its segment_alloc and segment_map entries, c10/cuda/CUDACachingAllocator.cpp), so the viewer names its
+# allocator; none with context "state", as on the allocation itself.
+fragless.empty_cache()
+for context, want in (("alloc", True), ("state", False)):
+    fragless.record_history(1000, context=context, stacks="python")
+    before = len(history())
+    p = allocate_from_a_caller(with_gil, 40 * MiB)  # larger than anything cached: a new segment or mapping
+    made = [e for e in history()[before:] if e["action"] in ("segment_alloc", "segment_map")]
+    check(made, "no segment made for the 40 MiB allocation: %s" % [e["action"] for e in history()[before:]])
+    check(all(("allocate_here" in names(e["frames"])) == want for e in made),
+          "context %r: frames of the segment entries %s" % (context, [names(e["frames"])[:2] for e in made]))
+    free_here(with_gil, p, 40 * MiB)
+    fragless.empty_cache()
+
 # Off (context None): events, no frames.
 fragless.record_history(1000)
 before = len(history())
