@@ -35,6 +35,11 @@ std::atomic<void (*)(const char*)> g_oom_thrower{nullptr};
 // the framework's own). Each note set is kept for the process (a reader may still hold the previous one).
 std::atomic<const std::string*> g_oom_note{nullptr};
 
+// What frames a history records, PyTorch's RecordContext (c10/cuda/CUDACachingAllocator.h): none; those of
+// live blocks' allocations only ("state"); those of allocations on trace entries too ("alloc"); and of frees
+// ("all").
+constexpr int kContextNever = 0, kContextState = 1, kContextAlloc = 2, kContextAll = 3;
+
 // Per device: forwards to the tracer (if on) and keeps the last N events for snapshots (if on), with the
 // stack of each allocation (and free, with context "all") when stacks are on (stacks.h).
 class DeviceSink final : public EventSink {
@@ -46,8 +51,11 @@ class DeviceSink final : public EventSink {
     const bool alloc = e.action == TraceAction::alloc;
     const bool freed = e.action == TraceAction::free || e.action == TraceAction::free_completed;
     const bool free_call = freed || e.action == TraceAction::free_requested;
+    // The memory an allocation made for itself carries its stack, as in PyTorch (alloc_block and the
+    // expandable segment's map record the malloc's context): no capture of its own, so nothing on a cache hit.
+    const bool segment_made = e.action == TraceAction::segment_alloc || e.action == TraceAction::segment_map;
     std::shared_ptr<const stacks::Stack> st;
-    if (stacks_ && (alloc || (context_ >= 2 && free_call))) st = t_call_stack;
+    if (stacks_ && (alloc || segment_made || (context_ >= kContextAll && free_call))) st = t_call_stack;
     Rec r;
     r.h.action = e.action;
     r.h.address = e.address;  // 0 for events without one (physical create/release, empty_cache)
@@ -55,7 +63,7 @@ class DeviceSink final : public EventSink {
     r.h.stream = e.stream;
     r.h.time_us = std::chrono::duration_cast<std::chrono::microseconds>(
                       std::chrono::system_clock::now().time_since_epoch()).count();
-    r.stack = st;
+    if (context_ >= kContextAlloc) r.stack = st;  // context "state": frames for live blocks only
     std::lock_guard lk(mu_);
     ring_.push_back(std::move(r));
     while (ring_.size() > max_entries_) ring_.pop_front();
@@ -65,14 +73,16 @@ class DeviceSink final : public EventSink {
   void flush() override {
     if (tracer_) tracer_->flush();
   }
-  // context: 0 no frames, 1 frames of allocations, 2 of frees too; stacks: stacks::python | stacks::cpp.
-  void set_history(std::size_t n, int context, int stacks) {
+  // context: PyTorch's RecordContext (kContextNever .. kContextAll); stacks: stacks::python | stacks::cpp.
+  // clear: the history kept so far is dropped (PyTorch's clear_history); turning it off drops it too.
+  void set_history(std::size_t n, int context, int stacks, bool clear) {
     std::lock_guard lk(mu_);
     max_entries_ = n;
     context_ = n ? context : 0;
     stacks_ = n && context ? stacks : 0;
     wanted_alloc_.store(stacks_, std::memory_order_relaxed);
-    wanted_free_.store(context_ >= 2 ? stacks_ : 0, std::memory_order_relaxed);
+    wanted_free_.store(context_ >= kContextAll ? stacks_ : 0, std::memory_order_relaxed);
+    if (clear) ring_.clear();
     while (ring_.size() > n) ring_.pop_front();
     if (!stacks_) block_stacks_.clear();
   }
@@ -119,6 +129,8 @@ class DeviceSink final : public EventSink {
   // Which stacks an allocation (a free) on this device records: stacks::python | stacks::cpp, or 0.
   int stacks_for_alloc() const { return wanted_alloc_.load(std::memory_order_relaxed); }
   int stacks_for_free() const { return wanted_free_.load(std::memory_order_relaxed); }
+  // The memory fraction last set through the C ABI (set_memory_fraction_fn), or -1: the configuration's.
+  std::atomic<double> fraction{-1.0};
 
  private:
   struct Rec {
@@ -376,9 +388,25 @@ void fragless_empty_cache(void) {
 }
 
 void fragless_set_memory_fraction(double fraction, int device) {
-  if (DeviceEngine* e = engine(device))
+  if (DeviceEngine* e = engine(device)) {
     if (e->set_memory_fraction(fraction) != Status::ok)
       t_last_error = "fragless: memory fraction " + std::to_string(fraction) + " is not in [0, 1]";
+    else
+      proc().sinks[static_cast<std::size_t>(device)]->fraction.store(fraction, std::memory_order_relaxed);
+  }
+}
+
+double fragless_get_memory_fraction(int device) {
+  t_last_error.clear();
+  Allocator* a = get();
+  if (!a) return -1.0;
+  if (device < 0 || device >= a->device_count()) {
+    t_last_error = "fragless: invalid device " + std::to_string(device) + " (fragless manages " +
+                   std::to_string(a->device_count()) + " devices)";
+    return -1.0;
+  }
+  const double set = proc().sinks[static_cast<std::size_t>(device)]->fraction.load(std::memory_order_relaxed);
+  return set >= 0 ? set : a->options().per_process_memory_fraction;
 }
 
 void* fragless_get_base_allocation(void* ptr, size_t* size) {
@@ -478,14 +506,28 @@ long fragless_snapshot(char* buf, size_t len) {
   return copy_out(formats::engine_snapshot_pickle(devices, a->options().settings), buf, len);
 }
 
-void fragless_record_history(size_t max_entries) { fragless_record_history_ex(max_entries, 0, 0); }
-
-void fragless_record_history_ex(size_t max_entries, int context, int stacks) {
+namespace {
+void record_history(size_t max_entries, int context, int stacks, bool clear) {
   Allocator* a = get();
   if (!a) return;
   std::lock_guard lk(*proc().history_mu);
-  for (auto& s : proc().sinks) s->set_history(max_entries, context, stacks);
+  for (auto& s : proc().sinks) s->set_history(max_entries, context, stacks, clear);
   attach_sinks(proc(), *a);
+}
+}  // namespace
+
+void fragless_record_history(size_t max_entries) { record_history(max_entries, kContextNever, 0, false); }
+
+void fragless_record_history_ex(size_t max_entries, int context, int stacks) {
+  // Its context 1 (frames of allocations) and 2 (of frees too) are RecordContext's ALLOC and ALL.
+  record_history(max_entries, context <= 0 ? kContextNever : context == 1 ? kContextAlloc : kContextAll, stacks,
+                 false);
+}
+
+void fragless_record_history_v2(size_t max_entries, int context, int stacks, int clear_history) {
+  if (context < kContextNever) context = kContextNever;
+  if (context > kContextAll) context = kContextAll;
+  record_history(max_entries, context, stacks, clear_history != 0);
 }
 
 const char* fragless_last_error(void) { return t_last_error.c_str(); }

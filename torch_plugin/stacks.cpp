@@ -234,15 +234,31 @@ std::size_t hash_frames(const Stack& s) {
   return static_cast<std::size_t>(h);
 }
 
+// Note [Python frames among C++ frames]
+// A stack with both kinds is named as PyTorch's CapturedTraceback symbolize
+// (torch/csrc/profiler/combined_traceback.cpp) names it: innermost first, each C++ frame whose name contains
+// "PyEval_EvalFrame" (the interpreter running a Python function) is preceded by the next Python frame, and the
+// Python frames left over (an interpreter whose frame evaluator is not named so, or frames beyond the C++
+// frames kept) follow the last C++ frame. So the Python caller of an operator shows where the interpreter
+// called it, not after the process's entry point.
 std::vector<Frame> Namer::operator()(const Stack& s) {
   std::vector<Frame> out;
   out.reserve(s.cpp.size() + s.python.size());
+  auto py = s.python.begin();
+  auto python_frame = [&](const PyFrameRef& r) {
+    const auto* ci = static_cast<const CodeInfo*>(r.code);
+    out.push_back({ci->filename, ci->name, r.offset ? line(r.code, r.where) : r.where});
+  };
+  auto cpp_frame = [&](const Frame& f) {
+    if (py != s.python.end() && f.name.find("PyEval_EvalFrame") != std::string::npos) python_frame(*py++);
+    out.push_back(f);
+  };
   for (void* a : s.cpp) {
     // One name per return address for the snapshot: the stacks share most of theirs, and dladdr searches
     // a library's symbol table (about 1 ms an address in libtorch_cpu.so: 12 s for 4,096 events before).
     auto [it, fresh] = cpp_names_.try_emplace(a);
     if (!fresh) {
-      out.push_back(it->second);
+      cpp_frame(it->second);
       continue;
     }
     Frame& f = it->second;
@@ -264,12 +280,9 @@ std::vector<Frame> Namer::operator()(const Stack& s) {
       f.filename = "??";
       f.name = "??";
     }
-    out.push_back(f);
+    cpp_frame(f);
   }
-  for (const PyFrameRef& r : s.python) {
-    const auto* ci = static_cast<const CodeInfo*>(r.code);
-    out.push_back({ci->filename, ci->name, r.offset ? line(r.code, r.where) : r.where});
-  }
+  for (; py != s.python.end(); ++py) python_frame(*py);
   return out;
 }
 

@@ -59,7 +59,9 @@ std::shared_ptr<const Stack> capture(int which, int skip);
 void lock_tables();
 void unlock_tables();
 
-// Names stacks: C++ frames first (innermost first), then Python frames (innermost first), PyTorch's order.
+// Names stacks innermost first, in PyTorch's order: each Python frame just before the C++ frame of the
+// interpreter that ran it (a name containing PyEval_EvalFrame), the rest after the C++ frames (Note [Python
+// frames among C++ frames], stacks.cpp).
 // Python lines kept as bytecode offsets are computed here, under the GIL, which a Namer takes (if Python is
 // running) on first need and gives back when destroyed: make one per snapshot, holding no lock the
 // allocation path takes (an allocating thread may hold the GIL and wait for that lock).

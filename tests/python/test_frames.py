@@ -80,6 +80,22 @@ check(here["filename"].endswith("test_frames.py") and here["line"] == allocate_h
 check(all(set(f) == {"filename", "line", "name"} for f in frames), frames[0])
 block = [b for s in fragless.snapshot()["segments"] for b in s["blocks"] if b["state"] == "active_allocated"][0]
 check("allocate_here" in names(block["frames"]), block)
+# Python frames among the C++ frames as PyTorch's CapturedTraceback symbolize puts them
+# (torch/csrc/profiler/combined_traceback.cpp): each C++ frame of the interpreter's frame evaluator (a name
+# containing PyEval_EvalFrame) is preceded by the next Python frame, innermost first; the rest follow the C++
+# frames. Python frames are those with a .py file (C++ frames name a library).
+is_python = [f["filename"].endswith(".py") for f in frames]
+evals = [i for i, x in enumerate(n) if "PyEval_EvalFrame" in x and not is_python[i]]
+if not evals:
+    print("SKIPPED (loudly): no C++ frame of this Python (%s) is named PyEval_EvalFrame*: the Python frames all "
+          "follow the C++ ones" % sys.executable)
+else:
+    check(n[evals[0] - 1] == "allocate_here", "the innermost Python frame must come just before the first "
+          "frame evaluator: %s" % n)
+    last_cpp = max(i for i, py in enumerate(is_python) if not py)
+    check(sum(is_python[:last_cpp]) == min(len(evals), sum(is_python)),
+          "one Python frame before each frame evaluator, the rest after the C++ frames: %s" % n)
+    check(all(is_python[evals[k] - 1] for k in range(min(len(evals), sum(is_python)))), n)
 before = len(history())
 free_here(with_gil, p, 3 * MiB)
 freed = the_frees(before, p)
@@ -149,6 +165,21 @@ before = len(history())
 free_here(with_gil, p, MiB)
 freed = the_frees(before, p)
 check(all(e["frames"] == [] for e in freed), freed)
+
+# The segment an allocation makes carries that allocation's frames (PyTorch records the malloc's context on
+# its segment_alloc and segment_map entries, c10/cuda/CUDACachingAllocator.cpp), so the viewer names its
+# allocator; none with context "state", as on the allocation itself.
+fragless.empty_cache()
+for context, want in (("alloc", True), ("state", False)):
+    fragless.record_history(1000, context=context, stacks="python")
+    before = len(history())
+    p = allocate_from_a_caller(with_gil, 40 * MiB)  # larger than anything cached: a new segment or mapping
+    made = [e for e in history()[before:] if e["action"] in ("segment_alloc", "segment_map")]
+    check(made, "no segment made for the 40 MiB allocation: %s" % [e["action"] for e in history()[before:]])
+    check(all(("allocate_here" in names(e["frames"])) == want for e in made),
+          "context %r: frames of the segment entries %s" % (context, [names(e["frames"])[:2] for e in made]))
+    free_here(with_gil, p, 40 * MiB)
+    fragless.empty_cache()
 
 # Off (context None): events, no frames.
 fragless.record_history(1000)

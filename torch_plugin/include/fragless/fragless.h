@@ -48,6 +48,9 @@ FRAGLESS_API void* fragless_pool_malloc(size_t size, int device, cudaStream_t st
 FRAGLESS_API void fragless_init(int device_count);                         /* set_init_fn */
 FRAGLESS_API void fragless_empty_cache(void);                              /* set_reset_fn */
 FRAGLESS_API void fragless_set_memory_fraction(double fraction, int device); /* set_memory_fraction_fn */
+/* The device's memory fraction (torch.cuda.get_per_process_memory_fraction): the last one set, else the
+ * configuration's per_process_memory_fraction; -1 for an invalid device (see fragless_last_error). */
+FRAGLESS_API double fragless_get_memory_fraction(int device);
 FRAGLESS_API void* fragless_get_base_allocation(void* ptr, size_t* size);  /* set_base_alloc_fn */
 FRAGLESS_API void fragless_record_stream(void* ptr, cudaStream_t stream);  /* set_record_stream_fn */
 typedef struct { unsigned long long first, second; } fragless_pool_id; /* MempoolId_t's layout */
@@ -79,6 +82,11 @@ FRAGLESS_API void fragless_record_history(size_t max_entries);
  * frames, 1 frames of each allocation, 2 of each free too; stacks 1 Python (of a thread holding the GIL), 2
  * C++, 3 both. Frames are captured as addresses and code objects and symbolised when a snapshot is taken. */
 FRAGLESS_API void fragless_record_history_ex(size_t max_entries, int context, int stacks);
+/* The same with torch.cuda.memory._record_memory_history's meanings: context is PyTorch's RecordContext, 0 no
+ * frames, 1 frames of live blocks' allocations only ("state": none on history entries), 2 of allocations on
+ * history entries too ("alloc"), 3 of frees too ("all"); stacks as above; clear_history non-zero drops the
+ * events kept so far (turning history off, max_entries 0, always does). */
+FRAGLESS_API void fragless_record_history_v2(size_t max_entries, int context, int stacks, int clear_history);
 /* The last error of this thread ("" if none). */
 FRAGLESS_API const char* fragless_last_error(void);
 /* Writes buffered trace records (the tracer also flushes at exit). */

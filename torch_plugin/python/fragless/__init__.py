@@ -17,7 +17,7 @@ import os
 import pickle
 
 __all__ = ["library", "library_path", "preload_library_path", "build_info", "check_config", "check_driver", "memory_stats",
-           "memory_summary", "snapshot", "dump_snapshot", "empty_cache", "record_history", "last_error",
+           "memory_summary", "snapshot", "dump_snapshot", "empty_cache", "record_history", "memory_fraction", "last_error",
            "device_count", "Shared", "share", "open_shared", "close_shared", "reap_shared"]
 
 _lib = None
@@ -112,6 +112,10 @@ def library():
     _lib.fragless_snapshot.argtypes = [c.c_char_p, c.c_size_t]
     _lib.fragless_record_history.argtypes = [c.c_size_t]
     _lib.fragless_record_history_ex.argtypes = [c.c_size_t, c.c_int, c.c_int]
+    _lib.fragless_record_history_v2.argtypes = [c.c_size_t, c.c_int, c.c_int, c.c_int]
+    _lib.fragless_get_memory_fraction.restype = c.c_double
+    _lib.fragless_get_memory_fraction.argtypes = [c.c_int]
+    _lib.fragless_set_memory_fraction.argtypes = [c.c_double, c.c_int]
     _lib.fragless_last_error.restype = c.c_char_p
     _lib.fragless_device_count.restype = c.c_int
     _lib.fragless_reset_peak_stats.argtypes = [c.c_int]
@@ -195,20 +199,32 @@ def dump_snapshot(path="dump_snapshot.pickle"):
         f.write(snapshot_bytes())
 
 
-_CONTEXT = {None: 0, "state": 1, "alloc": 1, "all": 2}
+_CONTEXT = {None: 0, "state": 1, "alloc": 2, "all": 3}  # PyTorch's RecordContext
 _STACKS = {"python": 1, "cpp": 2, "all": 3}
 
 
-def record_history(max_entries=100000, context=None, stacks="all"):
-    """Keep the last `max_entries` allocator events per device for snapshot()'s device_traces (0: off).
-    context: None (no stack frames), "alloc" (frames of each allocation) or "all" (of each free too);
-    stacks: "python" (the frames of a thread holding the GIL), "cpp" or "all". Frames are kept as
-    addresses and code objects and turned into names only when a snapshot is taken."""
+def record_history(max_entries=100000, context=None, stacks="all", clear_history=False):
+    """Keep the last `max_entries` allocator events per device for snapshot()'s device_traces (0: off, and
+    what was kept is dropped). context: None (no stack frames), "state" (frames of the live blocks'
+    allocations only, none on the events), "alloc" (frames of each allocation) or "all" (of each free too);
+    stacks: "python" (the frames of a thread holding the GIL), "cpp" or "all". clear_history: drop the events
+    kept so far. Frames are kept as addresses and code objects and turned into names only when a snapshot is
+    taken."""
     if context not in _CONTEXT:
-        raise ValueError("record_history: context must be None, 'alloc' or 'all', got %r" % (context,))
+        raise ValueError("record_history: context must be None, 'state', 'alloc' or 'all', got %r" % (context,))
     if stacks not in _STACKS:
         raise ValueError("record_history: stacks must be 'python', 'cpp' or 'all', got %r" % (stacks,))
-    library().fragless_record_history_ex(int(max_entries), _CONTEXT[context], _STACKS[stacks])
+    library().fragless_record_history_v2(int(max_entries), _CONTEXT[context], _STACKS[stacks],
+                                         1 if clear_history else 0)
+
+
+def memory_fraction(device=0):
+    """The device's memory fraction: the last one set (PyTorch's set_per_process_memory_fraction, through the
+    allocator's hook), else the configuration's per_process_memory_fraction."""
+    f = library().fragless_get_memory_fraction(int(device))
+    if f < 0:
+        raise RuntimeError(last_error())
+    return f
 
 
 def empty_cache():

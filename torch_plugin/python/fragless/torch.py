@@ -12,8 +12,12 @@ loops, Hugging Face Trainer, Lightning, accelerate) works unchanged:
     torch.cuda.memory_stats, memory_stats_as_nested_dict, memory_allocated, max_memory_allocated,
     memory_reserved, max_memory_reserved, memory_cached, max_memory_cached, reset_peak_memory_stats,
     reset_max_memory_allocated, reset_max_memory_cached, reset_accumulated_memory_stats, memory_summary,
-    memory_snapshot, empty_cache, mem_get_info, and torch.cuda.memory._record_memory_history, _snapshot,
-    _dump_snapshot.
+    memory_snapshot, empty_cache, mem_get_info, get_per_process_memory_fraction, and
+    torch.cuda.memory._record_memory_history, _snapshot, _dump_snapshot.
+
+Each takes PyTorch's parameters (those of its newest release); a parameter fragless cannot honour
+(augment_with_fx_traces on a PyTorch without FX augmentation, say) raises NotImplementedError rather than
+being ignored.
 
 Both torch.cuda.NAME and torch.cuda.memory.NAME are replaced; a name imported before enable() ran
 (`from torch.cuda import memory_allocated`) keeps PyTorch's function. On a PyTorch without CUDA (a CPU build)
@@ -270,6 +274,92 @@ class _ZeroMissing(dict):
         return 0
 
 
+def _with_globals(fn, **names):
+    """A copy of the function `fn` whose global names are its module's, with `names` put over them: the
+    module itself is not changed."""
+    import types
+    copy = types.FunctionType(fn.__code__, dict(fn.__globals__, **names), fn.__name__, fn.__defaults__,
+                              fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
+def _augment_with_fx_traces(torch, snapshot):
+    """PyTorch's augment_with_fx_traces (torch._utils._augment_memory_snapshot_stack_traces, which maps frames
+    of FX-generated code back to the model's source), applied to fragless's snapshot; an error where this
+    PyTorch has none, never a snapshot silently left as it was."""
+    augment = getattr(torch._utils, "_augment_memory_snapshot_stack_traces", None)
+    if augment is None:
+        raise NotImplementedError("augment_with_fx_traces=True needs torch._utils._augment_memory_snapshot_stack_"
+                                  "traces, which this PyTorch (%s) does not have" % torch.__version__)
+    return augment(snapshot)
+
+
+def _history_refused(what):
+    raise NotImplementedError("fragless.torch: _record_memory_history(%s) is not supported by fragless's history "
+                              "(PyTorch's own allocator records it; fragless would silently record something "
+                              "else)" % what)
+
+
+def _record_history_current(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, device=None,
+                            clear_history=False, compile_context=False, global_record_annotations=False,
+                            skip_actions=None, record_pinned_host_memory=False, record_cuda=True):
+    """torch.cuda.memory._record_memory_history's current form, with PyTorch's rules
+    (torch/csrc/cuda/memory_snapshot.cpp): enabled None / 'state' / 'all', the history's length max_entries
+    only with 'all' (1 with 'state'), context None / 'state' / 'alloc' / 'all', stacks 'python' / 'all'. As in
+    PyTorch, `device` is not used (every device records). What fragless cannot record raises
+    NotImplementedError."""
+    if enabled is not None and enabled not in ("state", "all"):
+        raise RuntimeError("expected state to be 'state', 'all', or None")
+    if context is not None and context not in ("state", "alloc", "all"):
+        raise RuntimeError("expected context to be 'state', 'alloc', 'all', or None")
+    if stacks not in ("python", "all"):
+        raise RuntimeError("expected stacks to be 'python', or 'all'")
+    if enabled is None:
+        _f.record_history(0)
+        return
+    if compile_context:
+        _history_refused("compile_context=True")
+    if global_record_annotations:
+        _history_refused("global_record_annotations=True")
+    if skip_actions:
+        _history_refused("skip_actions=%r" % (list(skip_actions),))
+    if record_pinned_host_memory:
+        _history_refused("record_pinned_host_memory=True")
+    if not record_cuda:
+        _history_refused("record_cuda=False")
+    entries = max_entries if enabled == "all" else 1
+    _f.record_history(max(1, min(int(entries), 1 << 40)), context=context, stacks=stacks,
+                      clear_history=clear_history)
+
+
+def _record_history_legacy(enabled, record_context=True, trace_alloc_max_entries=1,
+                           trace_alloc_record_context=False, device=None, record_context_cpp=False,
+                           clear_history=False, compile_context=False, global_record_annotations=False,
+                           skip_actions=None, record_pinned_host_memory=False, record_cuda=True):
+    """The legacy form (first argument a bool), with PyTorch's defaults and rules
+    (torch/csrc/cuda/memory_snapshot.cpp): frames of live blocks with record_context ('state'), on the
+    history's allocations too with trace_alloc_record_context ('alloc'); C++ frames only with
+    record_context_cpp; the history keeps trace_alloc_max_entries events (1 by default)."""
+    if not enabled:
+        _f.record_history(0)
+        return
+    if compile_context:
+        _history_refused("compile_context=True")
+    if global_record_annotations:
+        _history_refused("global_record_annotations=True")
+    if skip_actions:
+        _history_refused("skip_actions=%r" % (list(skip_actions),))
+    if record_pinned_host_memory:
+        _history_refused("record_pinned_host_memory=True")
+    if not record_cuda:
+        _history_refused("record_cuda=False")
+    context = "alloc" if trace_alloc_record_context else "state" if record_context else None
+    stacks = "all" if record_context_cpp and context else "python"
+    _f.record_history(max(1, min(int(trace_alloc_max_entries), 1 << 40)), context=context, stacks=stacks,
+                      clear_history=clear_history)
+
+
 def _install_api(torch):
     global _api_installed
     if _api_installed:
@@ -316,38 +406,57 @@ def _install_api(torch):
             stats[peak] = max(stats[peak], stats[key])
         original = _originals.get("memory_summary")
         if original is not None:
-            saved = mem.memory_stats
-            mem.memory_stats = lambda device=None: stats
+            # PyTorch's table, run with its module's names as they are but memory_stats answering these stats:
+            # a copy of the function over a copy of its globals, so that nothing shared is changed (another
+            # thread's torch.cuda.memory.memory_stats(device) meanwhile answers for its own device).
+            table = _with_globals(original, memory_stats=lambda device=None: stats)
             try:
-                return original(device=d, abbreviated=abbreviated)
+                return table(device=d, abbreviated=abbreviated)
             except Exception:  # a PyTorch whose table reads what fragless cannot give: fragless's own table
                 pass
-            finally:
-                mem.memory_stats = saved
         return _f.memory_summary(d)
 
-    def memory_snapshot():
-        return _f.snapshot()["segments"]
+    def snapshot_of(mempool_id, include_traces):
+        """The snapshot, its segments those of the pool `mempool_id` when one is named ((0, 0) or None: every
+        pool, as in PyTorch), its device_traces empty without include_traces."""
+        s = _f.snapshot()
+        if mempool_id is not None:
+            pool = tuple(int(x) for x in mempool_id)
+            if len(pool) != 2:
+                raise ValueError("mempool_id must be a pair of ints (a MemPool's id), got %r" % (mempool_id,))
+            if pool != (0, 0):
+                s["segments"] = [seg for seg in s["segments"] if tuple(seg.get("segment_pool_id", (0, 0))) == pool]
+        if not include_traces:
+            s["device_traces"] = [[] for _ in s.get("device_traces", [])]
+        return s
 
-    def record_memory_history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, device=None,
-                              **legacy):
-        # PyTorch 1.13-2.0: (enabled: bool, record_context, trace_alloc_max_entries, trace_alloc_record_context)
-        if "trace_alloc_max_entries" in legacy:
-            max_entries = legacy["trace_alloc_max_entries"]
-        if enabled is None or enabled is False:
-            _f.record_history(0)
-            return
-        if enabled not in (True, "state", "all"):
-            raise ValueError("_record_memory_history: enabled must be None, 'state' or 'all', got %r" % (enabled,))
-        if enabled is True:  # the legacy form: record_context says whether frames are wanted
-            context = "all" if legacy.get("record_context", True) else None
-        _f.record_history(max(1, min(int(max_entries), 1 << 40)), context=context, stacks=stacks or "all")
+    def memory_snapshot(mempool_id=None, include_traces=True):
+        return snapshot_of(mempool_id, include_traces)["segments"]
 
-    def snapshot_(device=None, *args, **kwargs):
-        return _f.snapshot()
+    def record_memory_history(enabled="all", *args, **kwargs):
+        # PyTorch's dispatch (torch/cuda/memory.py): a bool is the legacy form (1.13-2.0), anything else the
+        # current one; each form's own signature, so a misspelled keyword is a TypeError there as here.
+        if isinstance(enabled, bool):
+            return _record_history_legacy(enabled, *args, **kwargs)
+        return _record_history_current(enabled, *args, **kwargs)
 
-    def dump_snapshot_(filename="dump_snapshot.pickle"):
-        _f.dump_snapshot(filename)
+    def snapshot_(device=None, augment_with_fx_traces=False):
+        s = _f.snapshot()
+        if augment_with_fx_traces:
+            s = _augment_with_fx_traces(torch, s)
+        return s
+
+    def dump_snapshot_(filename="dump_snapshot.pickle", augment_with_fx_traces=False):
+        if augment_with_fx_traces:
+            s = snapshot_(augment_with_fx_traces=True)
+            import pickle
+            with open(filename, "wb") as f:
+                pickle.dump(s, f)
+        else:
+            _f.dump_snapshot(filename)
+
+    def get_per_process_memory_fraction(device=None):
+        return _f.memory_fraction(index(device))
 
     def empty_cache_():
         _f.empty_cache()
@@ -372,6 +481,7 @@ def _install_api(torch):
         "memory_snapshot": memory_snapshot,
         "empty_cache": empty_cache_,
         "mem_get_info": mem_get_info,
+        "get_per_process_memory_fraction": get_per_process_memory_fraction,
     }
     private = {"_record_memory_history": record_memory_history, "_snapshot": snapshot_,
                "_dump_snapshot": dump_snapshot_}
