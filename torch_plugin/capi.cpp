@@ -525,8 +525,13 @@ void fragless_record_history_ex(size_t max_entries, int context, int stacks) {
 }
 
 void fragless_record_history_v2(size_t max_entries, int context, int stacks, int clear_history) {
-  if (context < kContextNever) context = kContextNever;
-  if (context > kContextAll) context = kContextAll;
+  t_last_error.clear();
+  if (context < kContextNever || context > kContextAll || (stacks & ~(stacks::python | stacks::cpp))) {
+    t_last_error = "fragless: record_history: context " + std::to_string(context) + " is not 0-3 (never, state, " +
+                   "alloc, all) or stacks " + std::to_string(stacks) + " is not a mask of 1 (python) and 2 (cpp); " +
+                   "nothing was changed";
+    return;
+  }
   record_history(max_entries, context, stacks, clear_history != 0);
 }
 

@@ -197,6 +197,16 @@ def unknown_keywords_raise():
     check("skip_actions" in raises(NotImplementedError, mem._record_memory_history, skip_actions=["alloc"]))
     mem._record_memory_history(max_entries=10, device=0, clear_history=False, skip_actions=[])  # accepted
     mem._record_memory_history(None)
+    # The C ABI refuses a context or stacks value it does not know, keeping what was set, and says why.
+    mem._record_memory_history(max_entries=1000)
+    p = alloc(MiB)
+    free(p, MiB)
+    kept = len(trace())
+    for context, stacks in ((7, 0), (-1, 0), (2, 4)):
+        lib.fragless_record_history_v2(5, context, stacks, 1)
+        check("nothing was changed" in fragless.last_error(), fragless.last_error())
+        check(len(trace()) == kept, "a refused call cleared the history")
+    mem._record_memory_history(None)
 
 
 @case

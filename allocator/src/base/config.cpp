@@ -125,7 +125,8 @@ constexpr OptionInfo kOptions[] = {
      "(classic policy).",
      &fraction_field<&Options::garbage_collection_threshold, true>},
     {"per_process_memory_fraction", "number in [0, 1]", "1",
-     "Cap on physical memory this process may reserve, as a fraction of the device's total.",
+     "Cap on physical memory this process may reserve, as a fraction of the device's total; any value below 1 is "
+     "a cap, 0 included (nothing new can be reserved), as in PyTorch.",
      &fraction_field<&Options::per_process_memory_fraction, false>},
     {"driver", "cuda, host or sim", "cuda",
      "Backend: the real CUDA driver, host memory with cuMemMap semantics, or the counting simulator.",

@@ -85,7 +85,8 @@ FRAGLESS_API void fragless_record_history_ex(size_t max_entries, int context, in
 /* The same with torch.cuda.memory._record_memory_history's meanings: context is PyTorch's RecordContext, 0 no
  * frames, 1 frames of live blocks' allocations only ("state": none on history entries), 2 of allocations on
  * history entries too ("alloc"), 3 of frees too ("all"); stacks as above; clear_history non-zero drops the
- * events kept so far (turning history off, max_entries 0, always does). */
+ * events kept so far (turning history off, max_entries 0, always does). Another context or stacks value changes
+ * nothing and sets fragless_last_error. */
 FRAGLESS_API void fragless_record_history_v2(size_t max_entries, int context, int stacks, int clear_history);
 /* The last error of this thread ("" if none). */
 FRAGLESS_API const char* fragless_last_error(void);
