@@ -36,13 +36,7 @@ bool load(const std::string& path, Trace* t, std::string* error, Format* format 
   if (!r.warning.empty()) std::fprintf(stderr, "fragless-trace: warning: %s\n", r.warning.c_str());
   if (!r.dropped.empty() && dropped_note) *dropped_note = r.dropped;
   *t = std::move(r.trace);
-  if (format) {
-    std::FILE* f = std::fopen(path.c_str(), "rb");
-    char head[512] = {};
-    const std::size_t n = f ? std::fread(head, 1, sizeof head, f) : 0;
-    if (f) std::fclose(f);
-    detect_format(std::string(head, n), format);
-  }
+  if (format) *format = r.format;
   return true;
 }
 
@@ -250,7 +244,11 @@ int main(int argc, char** argv) {
   int device = 0;
   auto* convert = app.add_subcommand("convert", "Convert a trace to another format (from OUT's extension or --to)");
   convert->add_option("input", in, "trace file")->required();
-  convert->add_option("output", out, "output file (.fgt native, .csv RMM, .pickle PyTorch snapshot)")->required();
+  convert->add_option("output", out,
+                      "output file (.fgt native, .csv RMM, .pickle PyTorch snapshot), replaced atomically (written "
+                      "beside it, then renamed over it); a symbolic link is followed to its target; an existing "
+                      "FIFO, device or socket is refused")
+      ->required();
   convert->add_option("--to", to, "native, rmm or snapshot")->check(CLI::IsMember({"native", "rmm", "csv", "snapshot", "pickle"}));
   auto* device_opt = convert->add_option("--device", device, "device to write to an RMM log (which holds one device; "
                                                             "default: the trace's first)")

@@ -48,6 +48,8 @@ struct Trace {
   int devices() const;
 };
 
+enum class Format { native, rmm_csv, snapshot };
+
 struct LoadResult {
   bool ok = false;
   Trace trace;
@@ -56,9 +58,9 @@ struct LoadResult {
   // What the input holds that the trace model has no field for (a snapshot's stack frames, compile
   // contexts, user metadata, annotations): lost by a conversion, irrelevant to a replay. Empty if nothing.
   std::string dropped;
+  Format format{};  // what the input was read as (trace_from_bytes and load_trace set it)
 };
 
-enum class Format { native, rmm_csv, snapshot };
 const char* format_name(Format f);
 // "native", "rmm"/"csv", "snapshot"/"pickle"; false when unknown.
 bool parse_format(const std::string& s, Format* f);
@@ -82,7 +84,12 @@ std::string trace_to_native(const Trace& t);
 // pytorch.org/memory_viz. Segments are reconstructed from the trace's segment events; blocks live at the
 // end outside any recorded segment get a segment of their own.
 std::string trace_to_snapshot(const Trace& t);
-// Writes `bytes` to `path` atomically enough for tools (temp file + rename); false with *error on failure.
+// Writes `bytes` to `path` atomically (a temporary file in the target's folder, renamed over it), through
+// symbolic links to their target; an existing target that is not a regular file (a FIFO, a device) is refused
+// (Note [Writing an output file], formats.cpp). False with *error naming the path and the reason.
 bool write_file(const std::string& path, const std::string& bytes, std::string* error);
+// The file write_file would replace for `path` (symbolic links followed), or false with *error where it
+// would refuse.
+bool output_target(const std::string& path, std::string* target, std::string* error);
 
 }  // namespace fragless::formats

@@ -12,6 +12,7 @@
 #include <sstream>
 #include <thread>
 
+#include "trace_model.h"
 #include "workload.h"
 #include "zoo.h"
 
@@ -40,7 +41,9 @@ int usage(const char* msg) {
                "         at each policy's fitted capacity; with --max-of, at its largest value); each point is the\n"
                "         largest value of its stretch of events, so no peak is lost; what the window began with\n"
                "         (allocations live before it, classic's cached segments) is drawn as already there.\n"
-               "         FILE.gp writes the gnuplot script with its data instead (gnuplot FILE.gp draws it)\n"
+               "         FILE.gp writes the gnuplot script with its data instead (gnuplot FILE.gp draws it).\n"
+               "         The file is replaced atomically (a temporary file beside it, renamed over it); a symbolic\n"
+               "         link is followed to its target; an existing FIFO, device or socket is refused\n"
                "  --plot-x: the x axis: trace time, event index, or auto (default: time, unless the trace has\n"
                "         none or its busy part would be squeezed into a corner)\n"
                "  --fit: per input, device and policy, the smallest device capacity (a multiple of --fit-step,\n"
@@ -144,6 +147,11 @@ bool plot_path_ok(const std::string& path, std::string* error) {
   }
   if (::access(dir.c_str(), W_OK | X_OK) != 0) {
     *error = "--plot " + path + ": cannot write in the folder " + dir + " (" + std::strerror(errno) + ")";
+    return false;
+  }
+  std::string target;  // a symbolic link is followed; a FIFO or device is refused (Note [Writing an output file])
+  if (!formats::output_target(path, &target, error)) {
+    *error = "--plot " + *error;
     return false;
   }
   return true;

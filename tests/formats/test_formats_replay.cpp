@@ -114,6 +114,30 @@ TEST_CASE("pickle: reads data and refuses anything that could run code", "[forma
   CHECK(cyc.value);
 }
 
+// Note [The unpickler's memory budget]: one byte can build one object of ~150 bytes, so what is built is
+// bounded by the input's size, with an error rather than std::bad_alloc.
+TEST_CASE("pickle: what a small input builds is bounded, with an error naming the budget", "[formats][bad-input]") {
+  for (char op : {']', '}', ')'}) {  // empty lists, dicts, tuples
+    std::string many = str({0x80, 2});
+    many.append(4'000'000, op);
+    many += '.';
+    auto r = read_pickle(many);
+    INFO(op << ": " << r.error);
+    CHECK_FALSE(r.value);
+    CHECK(r.error.find("the objects built would take more than 439 MiB (256 MiB + 48 bytes per byte of a 4000003-byte "
+                       "input): not a memory snapshot") != std::string::npos);
+  }
+  // Strings count their bytes: references to one long string are cheap, copies are not.
+  std::string refs = str({0x80, 2, ']', '(', 'X', 0, 0, 1, 0});  // a list holding a string of 64 KiB, memoised,
+  refs.append(65536, 'a');                                         // and 10,000 references to it
+  refs += str({'q', 0});
+  for (int i = 0; i < 10000; ++i) refs += str({'h', 0});
+  refs += str({'e', '.'});
+  auto r = read_pickle(refs);
+  INFO(r.error);
+  CHECK(r.value);
+}
+
 TEST_CASE("RMM CSV: reads RMM's log, rejects bad rows with file and line", "[formats][bad-input]") {
   auto r = trace_from_rmm_csv(
       "Thread,Time,Action,Pointer,Size,Stream\n1,12:00:00.000001,allocate,0x7f00,1048576,0\n"

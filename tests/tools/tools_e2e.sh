@@ -141,6 +141,46 @@ check_output "--window replays a part, named" "oracle.csv@0.5:1" "$bin/fragless-
 check_output "results_tables.py general: the targets on windows of a trace and on random draws" "^\| draws \| 9 \| " \
   env FRAGLESS_REPLAY="$bin/fragless-replay" python3 "$(dirname "$0")/../../tools/results_tables.py" general --draws 1 \
   "$work/oracle.csv"
+# A small pickle that would build gigabytes (one empty list per byte) is refused with the budget named, not
+# an uncaught std::bad_alloc; so is an input that is none of the formats, from its first bytes, even one that
+# never ends (a FIFO fed forever).
+python3 -c "import sys; open(sys.argv[1], 'wb').write(b'\x80\x02' + b']' * 30000000 + b'.')" "$work/lists.pickle"
+check_error "a pickle of 30 million empty lists: the budget, not bad_alloc" "the objects built would take more than" \
+  "$bin/fragless-trace" info "$work/lists.pickle"
+check_error "... to the replay too" "not a memory snapshot" "$bin/fragless-replay" "$work/lists.pickle"
+python3 -c "import sys; open(sys.argv[1], 'wb').write(b'\x80\x02' + b'}' * 12000000 + b'.')" "$work/dicts.pickle"
+check_error "... and of empty dicts" "the objects built would take more than" "$bin/fragless-trace" info "$work/dicts.pickle"
+rm -f "$work/lists.pickle" "$work/dicts.pickle"
+mkfifo "$work/endless"
+(yes 0 >"$work/endless" 2>/dev/null &)
+check_error "an endless stream of no format is refused from its first bytes" "its first bytes are none of them" \
+  timeout 20 "$bin/fragless-trace" info "$work/endless"
+# Outputs (Note [Writing an output file]): through a symbolic link to its target, which is replaced; a FIFO is
+# refused, never replaced by a regular file; the same for --plot.
+echo old >"$work/target.txt"
+ln -s target.txt "$work/link.fgt"
+check "convert through a symbolic link" "$bin/fragless-trace" convert "$work/oracle.csv" "$work/link.fgt"
+check "... the link is still a link" test -L "$work/link.fgt"
+check_output "... and its target holds the trace" "format native" "$bin/fragless-trace" info "$work/target.txt"
+ln -s missing/deeper.fgt "$work/dangling.fgt"
+check_error "a link to a missing folder names the target" "cannot write $work/missing/deeper.fgt" \
+  "$bin/fragless-trace" convert "$work/oracle.csv" "$work/dangling.fgt"
+mkfifo "$work/out.fifo"
+check_error "a FIFO as the output is refused" "out.fifo: is a FIFO; outputs are written to regular files only" \
+  "$bin/fragless-trace" convert --to native "$work/oracle.csv" "$work/out.fifo"
+check "... and stays a FIFO" test -p "$work/out.fifo"
+ln -s out.fifo "$work/fifo-link.fgt"
+check_error "a link to a FIFO is refused, naming both" "fifo-link.fgt: is a FIFO (through the link, $work/out.fifo)" \
+  "$bin/fragless-trace" convert "$work/oracle.csv" "$work/fifo-link.fgt"
+check_error "--plot to a FIFO is refused before replaying" "--plot $work/out.fifo: is a FIFO" \
+  "$bin/fragless-replay" --plot "$work/out.fifo" "$work/oracle.csv"
+ln -s out.fifo "$work/fifo-link.gp"
+check_error "--plot FILE.gp through a link to a FIFO too" "is a FIFO (through the link" \
+  "$bin/fragless-replay" --plot "$work/fifo-link.gp" "$work/oracle.csv"
+ln -s plot-target.gp "$work/plot-link.gp"
+check "--plot FILE.gp through a symbolic link writes its target" "$bin/fragless-replay" --plot "$work/plot-link.gp" "$work/oracle.csv"
+check "... which is a link still, to the script" sh -c 'test -L "$0" && grep -q "set multiplot" "$1"' \
+  "$work/plot-link.gp" "$work/plot-target.gp"
 check_error "bad --conf value" "bad value '7' for key 'reserve_slack'" "$bin/fragless-replay" --conf reserve_slack:7 "$work/o.fgt"
 # A directory or an empty file as a trace is named as such (not "unknown trace format").
 : >"$work/empty.fgt"
