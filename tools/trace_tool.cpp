@@ -6,6 +6,7 @@
 //   fragless-trace summary FILE [--json] [--points N]
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cerrno>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
@@ -227,7 +228,7 @@ CLI::Validator device_index() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   // An unknown command is named as such (CLI11 would report its arguments as unexpected).
   if (argc > 1 && argv[1][0] != '-' && std::strcmp(argv[1], "info") != 0 && std::strcmp(argv[1], "convert") != 0 &&
       std::strcmp(argv[1], "summary") != 0)
@@ -353,4 +354,14 @@ int main(int argc, char** argv) {
     return 0;
   }
   return 2;
+}
+
+// Note [Output that could not be written]
+// What a command prints on stdout is its answer: if any of it could not be written (a full disk, a file size
+// limit, a closed pipe), the command fails, saying so on stderr, instead of leaving a cut answer with status 0.
+int main(int argc, char** argv) {
+  const int rc = run(argc, argv);
+  if (std::fflush(stdout) != 0 || std::ferror(stdout))
+    return fail(std::string("cannot write the output to stdout (") + std::strerror(errno) + ")");
+  return rc;
 }

@@ -181,6 +181,18 @@ ln -s plot-target.gp "$work/plot-link.gp"
 check "--plot FILE.gp through a symbolic link writes its target" "$bin/fragless-replay" --plot "$work/plot-link.gp" "$work/oracle.csv"
 check "... which is a link still, to the script" sh -c 'test -L "$0" && grep -q "set multiplot" "$1"' \
   "$work/plot-link.gp" "$work/plot-target.gp"
+# What a tool prints on stdout and could not write is an error (exit 2), not a cut answer with status 0:
+# a file size limit (SIGXFSZ ignored, so the write fails with EFBIG), and a closed stdout.
+limited() { (trap '' XFSZ; ulimit -f 1; "$@" >"$work/limited.out"); }
+check_error "fragless-replay --json past a file size limit" "cannot write the output to stdout" \
+  limited "$bin/fragless-replay" --json "$small" "$work/oracle.csv"
+check_error "fragless-trace info past it" "cannot write the output to stdout" \
+  limited "$bin/fragless-trace" info $(for _ in $(seq 20); do echo "$work/o.fgt"; done)
+check_error "fragless-config --table past it" "cannot write the output to stdout" limited "$bin/fragless-config" --table
+check_error "fragless-trace info to a closed stdout" "cannot write the output to stdout" \
+  sh -c '"$0" info "$1" >&-' "$bin/fragless-trace" "$work/o.fgt"
+check_error "fragless-replay's table to a closed stdout" "cannot write the output to stdout" \
+  sh -c '"$0" "$1" >&-' "$bin/fragless-replay" "$work/oracle.csv"
 check_error "bad --conf value" "bad value '7' for key 'reserve_slack'" "$bin/fragless-replay" --conf reserve_slack:7 "$work/o.fgt"
 # A directory or an empty file as a trace is named as such (not "unknown trace format").
 : >"$work/empty.fgt"
