@@ -197,14 +197,14 @@ std::string events_not_kept(const Trace& t, Format f, int device) {
   std::map<Op, std::uint64_t> lost;
   for (const auto& e : t.events) {
     if (f == Format::rmm_csv && e.device != device) continue;  // other devices: said on their own line
-    const bool kept = f == Format::rmm_csv ? e.op == Op::alloc || e.op == Op::free
+    const bool kept = f == Format::rmm_csv ? e.op == Op::alloc || e.op == Op::free || e.op == Op::oom
                                            : e.op != Op::empty_cache && e.op != Op::phys_create && e.op != Op::phys_release;
     if (!kept) ++lost[e.op];
   }
   if (lost.empty()) return {};
   std::string counts;
   for (const auto& [op, n] : lost) counts += (counts.empty() ? "" : ", ") + std::to_string(n) + " " + op_name(op);
-  return counts + (f == Format::rmm_csv ? " events (an RMM log has allocate and free rows only)"
+  return counts + (f == Format::rmm_csv ? " events (an RMM log has allocate, allocate failure and free rows only)"
                                         : " events (a PyTorch snapshot has no such entries)");
 }
 
@@ -341,6 +341,10 @@ int run(int argc, char** argv) {
       case Format::rmm_csv: bytes = trace_to_rmm_csv(t, device); break;
       case Format::snapshot: bytes = trace_to_snapshot(t); break;
     }
+    // What is written must read back (Note [One set of bounds for every format]): a trace the readers took
+    // converts to a file they take, and a conversion that would break that says so instead of writing it.
+    if (const LoadResult back = trace_from_bytes(bytes, out); !back.ok)
+      return fail("converting " + in + " would write a file its reader refuses (" + back.error + "); nothing written");
     if (!write_file(out, bytes, &err)) return fail(err);
     std::fprintf(stderr, "fragless-trace: wrote %s (%s, %zu bytes)\n", out.c_str(), format_name(f), bytes.size());
     return 0;

@@ -28,6 +28,14 @@ struct Event {
   std::int64_t time_us = -1;  // -1 when the trace has no time
 };
 
+// Note [One set of bounds for every format]
+// What any reader accepts of an event, so a trace one format holds converts to every other and reads back:
+// sizes (requested and block) in [0, 2^63) (PyTorch's snapshots hold int64), an address whose block ends by
+// 2^64 (address + size does not wrap), a device index below kMaxDevices. Empty when `e` is within them, else
+// what is outside, naming the field.
+inline constexpr int kMaxDevices = 4096;
+std::string event_out_of_bounds(const struct Event& e);
+
 struct Trace {
   std::string source;                 // file name or workload spec
   std::vector<Event> events;          // in trace order

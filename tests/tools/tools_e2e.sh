@@ -193,6 +193,25 @@ check_error "fragless-trace info to a closed stdout" "cannot write the output to
   sh -c '"$0" info "$1" >&-' "$bin/fragless-trace" "$work/o.fgt"
 check_error "fragless-replay's table to a closed stdout" "cannot write the output to stdout" \
   sh -c '"$0" "$1" >&-' "$bin/fragless-replay" "$work/oracle.csv"
+# A converted file reads back: a native trace whose sizes the other formats refuse is refused when read.
+python3 - "$work/o.fgt" "$work/huge.fgt" <<'PY'
+import sys
+b = bytearray(open(sys.argv[1], "rb").read())
+b[64 + 16:64 + 24] = (2**64 - 1).to_bytes(8, "little")  # the first record's requested size
+open(sys.argv[2], "wb").write(b)
+PY
+check_error "a native trace with an alloc of 2^64-1 bytes is refused when read" \
+  "huge.fgt: record 0 at byte 64: size 18446744073709551615 is outside [0, 2^63)" "$bin/fragless-trace" info "$work/huge.fgt"
+check_error "... by convert too, writing nothing" "size 18446744073709551615 is outside" \
+  "$bin/fragless-trace" convert "$work/huge.fgt" "$work/huge.pickle"
+check "... nothing written" test ! -e "$work/huge.pickle"
+# An RMM log's failed allocations are counted (oom events), and written back as such.
+printf 'Thread,Time,Action,Pointer,Size,Stream\n1,00:00:00.5,allocate,0x10,5,0\n1,00:00:01.5,allocate failure,(nil),99,0\n' >"$work/failure.csv"
+check_output "RMM: allocate failure rows are counted as oom events" "oom 1 " "$bin/fragless-trace" info "$work/failure.csv"
+check_output "... and a time of .5 is half a second" "time span 1.000000 s" "$bin/fragless-trace" info "$work/failure.csv"
+check "... converted to native" "$bin/fragless-trace" convert "$work/failure.csv" "$work/failure.fgt"
+check "... and back to an RMM log" "$bin/fragless-trace" convert "$work/failure.fgt" "$work/failure2.csv"
+check "... which keeps the failure row" grep -q ",allocate failure,0x0,99," "$work/failure2.csv"
 check_error "bad --conf value" "bad value '7' for key 'reserve_slack'" "$bin/fragless-replay" --conf reserve_slack:7 "$work/o.fgt"
 # A directory or an empty file as a trace is named as such (not "unknown trace format").
 : >"$work/empty.fgt"
@@ -397,7 +416,7 @@ check_output "... which keeps the empty_cache call" "empty_cache 1 " "$bin/fragl
 check "converted to an RMM log" "$bin/fragless-trace" convert "$work/ec.fgt" "$work/ec.csv"
 cp "$work/err" "$work/ec.err"
 check "... saying the empty_cache call is not kept" \
-  grep -qE "not kept in .*ec\.csv: .*1 empty_cache events \(an RMM log has allocate and free rows only\)" "$work/ec.err"
+  grep -qE "not kept in .*ec\.csv: .*1 empty_cache events \(an RMM log has allocate, allocate failure and free rows only\)" "$work/ec.err"
 check "converted to a snapshot" "$bin/fragless-trace" convert "$work/ec.fgt" "$work/ec2.pickle"
 cp "$work/err" "$work/ec.err"
 check "... saying the same" grep -qE "not kept in .*ec2\.pickle: 1 empty_cache events \(a PyTorch snapshot has no such entries\)" \
