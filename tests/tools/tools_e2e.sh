@@ -212,6 +212,13 @@ check_output "... and a time of .5 is half a second" "time span 1.000000 s" "$bi
 check "... converted to native" "$bin/fragless-trace" convert "$work/failure.csv" "$work/failure.fgt"
 check "... and back to an RMM log" "$bin/fragless-trace" convert "$work/failure.fgt" "$work/failure2.csv"
 check "... which keeps the failure row" grep -q ",allocate failure,0x0,99," "$work/failure2.csv"
+# --costs: an unknown call name and a median no probe measures are refused.
+printf '{"schema":"fragless-gpu-probe/1","costs_us":{"cuMemCreat":{"2097152":{"median":10}}}}' >"$work/typo.json"
+check_error "--costs: an unknown call is named" "costs_us: unknown call 'cuMemCreat'" \
+  "$bin/fragless-replay" --costs "$work/typo.json" "$work/oracle.csv"
+printf '{"schema":"fragless-gpu-probe/1","costs_us":{"cuMemCreate":{"2097152":{"median":1e308}}}}' >"$work/huge.json"
+check_error "--costs: an absurd median is refused" "cuMemCreate at 2097152 bytes: median 1e+308" \
+  "$bin/fragless-replay" --costs "$work/huge.json" "$work/oracle.csv"
 check_error "bad --conf value" "bad value '7' for key 'reserve_slack'" "$bin/fragless-replay" --conf reserve_slack:7 "$work/o.fgt"
 # A directory or an empty file as a trace is named as such (not "unknown trace format").
 : >"$work/empty.fgt"
