@@ -219,6 +219,24 @@ check_error "--costs: an unknown call is named" "costs_us: unknown call 'cuMemCr
 printf '{"schema":"fragless-gpu-probe/1","costs_us":{"cuMemCreate":{"2097152":{"median":1e308}}}}' >"$work/huge.json"
 check_error "--costs: an absurd median is refused" "cuMemCreate at 2097152 bytes: median 1e+308" \
   "$bin/fragless-replay" --costs "$work/huge.json" "$work/oracle.csv"
+# Options: each is given once; a capacity below a byte, an empty --plot, an empty policy name are errors;
+# integer workload keys take integers only.
+check_error "--capacity-gib given twice" "--capacity-gib is given twice: give it once" \
+  "$bin/fragless-replay" --capacity-gib 1 --capacity-gib 100 "$work/oracle.csv"
+check_error "--policy given twice" "--policy is given twice" "$bin/fragless-replay" --policy classic --policy fragless "$work/oracle.csv"
+check_error "--capacity-gib that rounds to 0 bytes" "--capacity-gib 1e-10: less than one byte" \
+  "$bin/fragless-replay" --capacity-gib 1e-10 "$work/oracle.csv"
+check_error "--plot ''" "--plot needs a file name" "$bin/fragless-replay" --plot '' "$work/oracle.csv"
+check_error "--policy classic, (an empty name)" "--policy 'classic,': an empty policy name between commas" \
+  "$bin/fragless-replay" --policy classic, "$work/oracle.csv"
+for kv in layers=1.5 layers=0x10 "layers= 5" layers=+5; do
+  check_error "transformer key $kv is not an integer" "bad value" "$bin/fragless-replay" "workload:transformer-train:$kv"
+done
+for kv in layers=1.5 layers=0x10 "layers= 5" seed=1.5; do
+  check_error "zoo key $kv is not an integer" "is not an integer in [" "$bin/fragless-replay" "workload:moe:$kv"
+done
+check_error "a zoo real key in hexadecimal" "is not a number in [" "$bin/fragless-replay" "workload:moe:skew=0x1"
+check_error "transformer seed=1.5" "workload option seed: bad value '1.5'" "$bin/fragless-replay" "workload:transformer-train:seed=1.5"
 check_error "bad --conf value" "bad value '7' for key 'reserve_slack'" "$bin/fragless-replay" --conf reserve_slack:7 "$work/o.fgt"
 # A directory or an empty file as a trace is named as such (not "unknown trace format").
 : >"$work/empty.fgt"
@@ -362,7 +380,7 @@ for key in layers d_model heads d_ff vocab batch steps max_seq ckpt dropout accu
   check_error "workload key $key: a bad value's error says what it accepts" "expected" \
     "$bin/fragless-replay" "workload:transformer-train:$key=nonsense"
 done
-check_error "a zoo key's error gives its range" "is not a number in [" "$bin/fragless-replay" "workload:unet2d:levels=99"
+check_error "a zoo key's error gives its range" "levels='99' is not an integer in [1, 8]" "$bin/fragless-replay" "workload:unet2d:levels=99"
 # The table ends with a legend of its columns; info and the replay say what their event counts count.
 check "the replay's table" "$bin/fragless-replay" "$work/o.fgt"
 tail -n 1 "$work/out" >"$work/last"  # read before check's run truncates $work/out (a process substitution raced it)
