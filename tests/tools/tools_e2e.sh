@@ -237,6 +237,10 @@ for kv in layers=1.5 layers=0x10 "layers= 5" seed=1.5; do
 done
 check_error "a zoo real key in hexadecimal" "is not a number in [" "$bin/fragless-replay" "workload:moe:skew=0x1"
 check_error "transformer seed=1.5" "workload option seed: bad value '1.5'" "$bin/fragless-replay" "workload:transformer-train:seed=1.5"
+# results_tables.py: a bad command or value is argparse's error (exit 2), and it runs from any directory.
+check_error "results_tables.py: an unknown command" "invalid choice: 'bogus'" python3 "$(dirname "$(realpath "$0")")/../../tools/results_tables.py" bogus
+check_error "results_tables.py general --seed abc" "argument --seed: invalid int value: 'abc'" \
+  python3 "$(dirname "$(realpath "$0")")/../../tools/results_tables.py" general --seed abc
 check_error "bad --conf value" "bad value '7' for key 'reserve_slack'" "$bin/fragless-replay" --conf reserve_slack:7 "$work/o.fgt"
 # A directory or an empty file as a trace is named as such (not "unknown trace format").
 : >"$work/empty.fgt"
