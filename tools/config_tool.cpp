@@ -2,6 +2,7 @@
 // (every key, with the value in effect: set by the string, or its default);
 // `--table` prints the options table as Markdown (the README's table is checked against it by a test).
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -78,7 +79,7 @@ std::string value_of(const std::string& key, const Options& o) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "--table") == 0) {
     std::printf("| key | type | default | meaning |\n|---|---|---|---|\n");
     for (const auto& o : option_table())
@@ -138,4 +139,15 @@ int main(int argc, char** argv) {
     std::printf("%s: %s%s\n", key.c_str(), v.c_str(), note.c_str());
   }
   return 0;
+}
+
+// What was printed on stdout is the answer: one that could not be written whole fails, said on stderr, as
+// fragless-trace does (Note [Output that could not be written], trace_tool.cpp).
+int main(int argc, char** argv) {
+  const int rc = run(argc, argv);
+  if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
+    std::fprintf(stderr, "fragless-config: cannot write the output to stdout (%s)\n", std::strerror(errno));
+    return 2;
+  }
+  return rc;
 }

@@ -25,19 +25,31 @@
                                  inputs where it holds more than classic or expandable
 FILES are traces; the eight default workloads (four sequence-length distributions, training and inference)
 are added to `targets` and `params`.
-Run from the repository root after building (uses build/bin/fragless-replay, or $FRAGLESS_REPLAY)."""
+Uses the fragless-replay of the build beside this script (build/bin/ under the repository's root), or
+$FRAGLESS_REPLAY."""
+import argparse
 import json
 import os
 import subprocess
 import sys
 
-REPLAY = os.environ.get("FRAGLESS_REPLAY", os.path.join("build", "bin", "fragless-replay"))  # or another build's
+# Found from this script's own place, so the tables can be made from any directory.
+REPLAY = os.environ.get("FRAGLESS_REPLAY") or os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "bin", "fragless-replay")
+
+
+def replay_command():
+    """REPLAY, or exit naming where it was looked for."""
+    if not os.access(REPLAY, os.X_OK):
+        sys.exit(f"results_tables.py: no fragless-replay at {REPLAY} (build the repository first, or set "
+                 f"FRAGLESS_REPLAY to one)")
+    return REPLAY
 
 
 def run(args, empty_ok=False):
     """The results of fragless-replay --json ARGS; with empty_ok, none where no input has an allocation to replay
     (a --window that holds none)."""
-    p = subprocess.run([REPLAY, "--json", *args], capture_output=True, text=True)
+    p = subprocess.run([replay_command(), "--json", *args], capture_output=True, text=True)
     if empty_ok and p.returncode == 2 and "nothing to replay" in p.stderr:
         return []
     if p.returncode != 0:
@@ -47,7 +59,7 @@ def run(args, empty_ok=False):
 
 def run_search(args):
     """A --fit or --max-of run: exit 1 (a search without an answer) still has its JSON, the answer null."""
-    p = subprocess.run([REPLAY, "--json", *args], capture_output=True, text=True)
+    p = subprocess.run([replay_command(), "--json", *args], capture_output=True, text=True)
     if p.returncode not in (0, 1):
         sys.exit(f"fragless-replay {' '.join(args)}: exit {p.returncode}: {p.stderr}")
     return json.loads(p.stdout)
@@ -471,10 +483,48 @@ def general_table(args):
                                                           a and f"+{a:.0f} MiB over a peer") if m))
 
 
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, function in (("replay", replay_table), ("fidelity", fidelity_table), ("targets", targets_table),
+                           ("params", params_table), ("handles", handles_table), ("headline", headline),
+                           ("fit", fit_table)):
+        command = sub.add_parser(name)
+        command.add_argument("files", nargs="+", metavar="FILE")
+        command.set_defaults(run=function)
+    fits = sub.add_parser("fits")
+    fits.add_argument("files", nargs="+", metavar="FILE")
+    fits.set_defaults(run=lambda a: (fit_table(a), print(), maxbatch_table(a)))
+    for name, function in (("variants", variants_table), ("zoo", zoo_table), ("maxbatch", maxbatch_table)):
+        sub.add_parser(name).set_defaults(run=function, files=[])
+    for name, function in (("validate", validate_table), ("published", published_table)):
+        command = sub.add_parser(name)
+        command.add_argument("directory", metavar="DIR")
+        command.set_defaults(run=lambda a, f=function: f(a[0]), files=None)
+    driver = sub.add_parser("driver")
+    driver.add_argument("--costs", metavar="PROBE.json")
+    driver.add_argument("files", nargs="*", metavar="FILE")
+    driver.set_defaults(run=driver_table)
+    general = sub.add_parser("general")
+    general.add_argument("--conf", metavar="KEY:VALUE,...")
+    general.add_argument("--seed", type=int, default=1)
+    general.add_argument("--draws", type=int, default=3)
+    general.add_argument("files", nargs="*", metavar="FILE")
+    general.set_defaults(run=general_table)
+    a = parser.parse_args()
+    if a.command == "general" and a.draws < 0:
+        parser.error("general: --draws must be 0 or more")
+    if a.files is None:
+        args = [a.directory]
+    elif a.command == "driver":
+        args = (["--costs", a.costs] if a.costs else []) + a.files
+    elif a.command == "general":
+        args = (["--conf", a.conf] if a.conf else []) + ["--seed", str(a.seed), "--draws", str(a.draws)] + a.files
+    else:
+        args = a.files
+    a.run(args)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 3 and not (len(sys.argv) == 2 and sys.argv[1] in ("variants", "zoo", "maxbatch", "general")):
-        sys.exit(__doc__)
-    {"replay": replay_table, "fidelity": fidelity_table, "targets": targets_table, "params": params_table, "variants": variants_table,
-     "handles": handles_table, "driver": driver_table, "headline": headline, "general": general_table, "zoo": zoo_table, "fit": fit_table, "maxbatch": maxbatch_table,
-     "fits": lambda a: (fit_table(a), print(), maxbatch_table(a)),
-     "validate": lambda a: validate_table(a[0]), "published": lambda a: published_table(a[0])}[sys.argv[1]](sys.argv[2:])
+    main()

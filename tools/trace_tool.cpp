@@ -6,6 +6,7 @@
 //   fragless-trace summary FILE [--json] [--points N]
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cerrno>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
@@ -36,13 +37,7 @@ bool load(const std::string& path, Trace* t, std::string* error, Format* format 
   if (!r.warning.empty()) std::fprintf(stderr, "fragless-trace: warning: %s\n", r.warning.c_str());
   if (!r.dropped.empty() && dropped_note) *dropped_note = r.dropped;
   *t = std::move(r.trace);
-  if (format) {
-    std::FILE* f = std::fopen(path.c_str(), "rb");
-    char head[512] = {};
-    const std::size_t n = f ? std::fread(head, 1, sizeof head, f) : 0;
-    if (f) std::fclose(f);
-    detect_format(std::string(head, n), format);
-  }
+  if (format) *format = r.format;
   return true;
 }
 
@@ -202,14 +197,14 @@ std::string events_not_kept(const Trace& t, Format f, int device) {
   std::map<Op, std::uint64_t> lost;
   for (const auto& e : t.events) {
     if (f == Format::rmm_csv && e.device != device) continue;  // other devices: said on their own line
-    const bool kept = f == Format::rmm_csv ? e.op == Op::alloc || e.op == Op::free
+    const bool kept = f == Format::rmm_csv ? e.op == Op::alloc || e.op == Op::free || e.op == Op::oom
                                            : e.op != Op::empty_cache && e.op != Op::phys_create && e.op != Op::phys_release;
     if (!kept) ++lost[e.op];
   }
   if (lost.empty()) return {};
   std::string counts;
   for (const auto& [op, n] : lost) counts += (counts.empty() ? "" : ", ") + std::to_string(n) + " " + op_name(op);
-  return counts + (f == Format::rmm_csv ? " events (an RMM log has allocate and free rows only)"
+  return counts + (f == Format::rmm_csv ? " events (an RMM log has allocate, allocate failure and free rows only)"
                                         : " events (a PyTorch snapshot has no such entries)");
 }
 
@@ -233,7 +228,7 @@ CLI::Validator device_index() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   // An unknown command is named as such (CLI11 would report its arguments as unexpected).
   if (argc > 1 && argv[1][0] != '-' && std::strcmp(argv[1], "info") != 0 && std::strcmp(argv[1], "convert") != 0 &&
       std::strcmp(argv[1], "summary") != 0)
@@ -250,7 +245,11 @@ int main(int argc, char** argv) {
   int device = 0;
   auto* convert = app.add_subcommand("convert", "Convert a trace to another format (from OUT's extension or --to)");
   convert->add_option("input", in, "trace file")->required();
-  convert->add_option("output", out, "output file (.fgt native, .csv RMM, .pickle PyTorch snapshot)")->required();
+  convert->add_option("output", out,
+                      "output file (.fgt native, .csv RMM, .pickle PyTorch snapshot), replaced atomically (written "
+                      "beside it, then renamed over it); a symbolic link is followed to its target; an existing "
+                      "FIFO, device or socket is refused")
+      ->required();
   convert->add_option("--to", to, "native, rmm or snapshot")->check(CLI::IsMember({"native", "rmm", "csv", "snapshot", "pickle"}));
   auto* device_opt = convert->add_option("--device", device, "device to write to an RMM log (which holds one device; "
                                                             "default: the trace's first)")
@@ -342,6 +341,10 @@ int main(int argc, char** argv) {
       case Format::rmm_csv: bytes = trace_to_rmm_csv(t, device); break;
       case Format::snapshot: bytes = trace_to_snapshot(t); break;
     }
+    // What is written must read back (Note [One set of bounds for every format]): a trace the readers took
+    // converts to a file they take, and a conversion that would break that says so instead of writing it.
+    if (const LoadResult back = trace_from_bytes(bytes, out); !back.ok)
+      return fail("converting " + in + " would write a file its reader refuses (" + back.error + "); nothing written");
     if (!write_file(out, bytes, &err)) return fail(err);
     std::fprintf(stderr, "fragless-trace: wrote %s (%s, %zu bytes)\n", out.c_str(), format_name(f), bytes.size());
     return 0;
@@ -355,4 +358,14 @@ int main(int argc, char** argv) {
     return 0;
   }
   return 2;
+}
+
+// Note [Output that could not be written]
+// What a command prints on stdout is its answer: if any of it could not be written (a full disk, a file size
+// limit, a closed pipe), the command fails, saying so on stderr, instead of leaving a cut answer with status 0.
+int main(int argc, char** argv) {
+  const int rc = run(argc, argv);
+  if (std::fflush(stdout) != 0 || std::ferror(stdout))
+    return fail(std::string("cannot write the output to stdout (") + std::strerror(errno) + ")");
+  return rc;
 }

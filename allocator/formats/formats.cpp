@@ -1,8 +1,11 @@
 // Format names, detection from content, loading from files, atomic writes.
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -33,6 +36,21 @@ const char* op_name(Op op) {
 
 bool is_segment_op(Op op) {
   return op == Op::segment_alloc || op == Op::segment_free || op == Op::segment_map || op == Op::segment_unmap;
+}
+
+std::string event_out_of_bounds(const Event& e) {
+  constexpr std::uint64_t kSizeLimit = std::uint64_t{1} << 63;
+  if (e.size >= kSizeLimit) return "size " + std::to_string(e.size) + " is outside [0, 2^63)";
+  if (e.block_size >= kSizeLimit) return "block size " + std::to_string(e.block_size) + " is outside [0, 2^63)";
+  if (e.address + e.size < e.address) {
+    char b[96];
+    std::snprintf(b, sizeof b, "address 0x%llx + size %llu is past 2^64", static_cast<unsigned long long>(e.address),
+                  static_cast<unsigned long long>(e.size));
+    return b;
+  }
+  if (e.device < 0 || e.device >= kMaxDevices)
+    return "device " + std::to_string(e.device) + " is outside [0, " + std::to_string(kMaxDevices) + ")";
+  return {};
 }
 
 const char* format_name(Format f) {
@@ -67,7 +85,7 @@ bool format_from_extension(const std::string& path, Format* f) {
 bool detect_format(const std::string& bytes, Format* f) {
   if (bytes.size() >= sizeof kTraceMagic && std::memcmp(bytes.data(), kTraceMagic, sizeof kTraceMagic) == 0)
     *f = Format::native;
-  else if (bytes.size() >= 2 && static_cast<unsigned char>(bytes[0]) == 0x80)
+  else if (bytes.size() >= 2 && static_cast<unsigned char>(bytes[0]) == 0x80 && bytes[1] >= 2 && bytes[1] <= 5)
     *f = Format::snapshot;
   else if (bytes.rfind("Thread,", 0) == 0 || bytes.substr(0, bytes.find('\n')).find("Action") != std::string::npos)
     *f = Format::rmm_csv;
@@ -84,53 +102,158 @@ LoadResult trace_from_bytes(const std::string& bytes, const std::string& name) {
                      "pickle or an RMM log CSV)";
     return r;
   }
+  LoadResult r;
   switch (f) {
-    case Format::native: return trace_from_native_bytes(bytes, name);
-    case Format::snapshot: return trace_from_snapshot_bytes(bytes, name);
-    case Format::rmm_csv: return trace_from_rmm_csv(bytes, name);
+    case Format::native: r = trace_from_native_bytes(bytes, name); break;
+    case Format::snapshot: r = trace_from_snapshot_bytes(bytes, name); break;
+    case Format::rmm_csv: r = trace_from_rmm_csv(bytes, name); break;
   }
-  return {};
+  r.format = f;
+  return r;
 }
+
+// Note [Reading a trace from a stream]
+// The format is told from the input's first bytes (detect_format), before the rest is read: a file that is
+// none of the formats (/dev/zero, a binary) is refused at once instead of after reading all of it. A regular
+// file is then read whole; anything else (a pipe, a FIFO, a device) may never end, so at most
+// kMaxStreamBytes of it are read, and an input longer than that is refused with the limit named.
+constexpr std::size_t kHeadBytes = 4096;
+constexpr std::uint64_t kMaxStreamBytes = std::uint64_t{4} << 30;
 
 LoadResult load_trace(const std::string& path) {
   LoadResult r;
-  struct stat st;
-  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
-    r.error = path + ": is a directory (expected a trace file)";
-    return r;
-  }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
     r.error = path + ": cannot open (" + std::strerror(errno) + ")";
     return r;
   }
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) {
+  struct Closer { int fd; ~Closer() { ::close(fd); } } closer{fd};
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
     r.error = path + ": cannot read (" + std::strerror(errno) + ")";
     return r;
   }
-  const std::string bytes = ss.str();
+  if (S_ISDIR(st.st_mode)) {
+    r.error = path + ": is a directory (expected a trace file)";
+    return r;
+  }
+  const bool regular = S_ISREG(st.st_mode);
+  std::string bytes;
+  // Reads until `bytes` holds `want` bytes or the input ends; false with r.error on a read error.
+  auto fill = [&](std::uint64_t want) {
+    while (bytes.size() < want) {
+      const std::size_t chunk = static_cast<std::size_t>(std::min<std::uint64_t>(want - bytes.size(), 1 << 20));
+      const std::size_t at = bytes.size();
+      bytes.resize(at + chunk);
+      const ssize_t n = ::read(fd, bytes.data() + at, chunk);
+      if (n < 0 && errno == EINTR) {
+        bytes.resize(at);
+        continue;
+      }
+      if (n < 0) {
+        r.error = path + ": cannot read (" + std::strerror(errno) + ")";
+        return false;
+      }
+      bytes.resize(at + static_cast<std::size_t>(n));
+      if (n == 0) break;
+    }
+    return true;
+  };
+  if (!fill(kHeadBytes)) return r;
   if (bytes.empty()) {
     r.error = path + ": is empty (expected a fragless native trace, a PyTorch memory snapshot pickle or an RMM log CSV)";
     return r;
   }
+  Format f;
+  if (!detect_format(bytes, &f)) {
+    r.error = path + ": unknown trace format (expected a fragless native trace, a PyTorch memory snapshot pickle "
+                     "or an RMM log CSV; its first bytes are none of them)";
+    return r;
+  }
+  if (bytes.size() == kHeadBytes) {
+    if (regular) {
+      bytes.reserve(static_cast<std::size_t>(st.st_size) + (1 << 20));  // room for fill's last chunk
+      if (!fill(UINT64_MAX)) return r;
+    } else {
+      if (!fill(kMaxStreamBytes + 1)) return r;
+      if (bytes.size() > kMaxStreamBytes) {
+        r.error = path + ": not a regular file, and longer than " + std::to_string(kMaxStreamBytes >> 30) +
+                  " GiB (the most read from a pipe or device; copy it to a file)";
+        return r;
+      }
+    }
+  }
   return trace_from_bytes(bytes, path);
 }
 
-bool write_file(const std::string& path, const std::string& bytes, std::string* error) {
-  const std::string tmp = path + ".tmp" + std::to_string(::getpid());
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) {
-    if (error) *error = path + ": cannot write (" + std::strerror(errno) + ")";
+// Note [Writing an output file]
+// An output replaces its file atomically: the bytes go to a temporary file in the same folder, which is then
+// renamed over it, so a reader never sees half a file and a failed write leaves the old one. A symbolic link
+// is followed to its target (the link stays a link; the target is what is replaced, and a dangling link's
+// target is created), as a shell's `>` would. An existing target that is not a regular file (a FIFO, a
+// device, a socket, a folder) is refused: renaming over it would replace it with a regular file, and
+// writing into it could not be atomic. The replaced file keeps its permission bits.
+bool output_target(const std::string& path, std::string* target, std::string* error) {
+  auto refuse = [&](const std::string& why) {
+    if (error) *error = path + ": " + why;
     return false;
+  };
+  if (path.empty()) return refuse("an empty file name");
+  std::string p = path;
+  for (int hops = 0;; ++hops) {
+    struct stat st;
+    if (::lstat(p.c_str(), &st) != 0) {
+      if (errno == ENOENT) break;  // a new file (its folder is checked when it is created)
+      return refuse(std::string("cannot write (") + std::strerror(errno) + ")");
+    }
+    if (S_ISLNK(st.st_mode)) {
+      if (hops == 40) return refuse("too many levels of symbolic links");
+      std::string link(static_cast<std::size_t>(st.st_size > 0 ? st.st_size : 4096) + 1, '\0');
+      const ssize_t n = ::readlink(p.c_str(), link.data(), link.size());
+      if (n < 0) return refuse(std::string("cannot read the symbolic link (") + std::strerror(errno) + ")");
+      link.resize(static_cast<std::size_t>(n));
+      const auto slash = p.rfind('/');
+      p = link.empty() || link[0] == '/' || slash == std::string::npos ? link : p.substr(0, slash + 1) + link;
+      continue;
+    }
+    if (S_ISDIR(st.st_mode)) return refuse(p == path ? "is a folder, not a file" : "links to a folder (" + p + "), not a file");
+    if (!S_ISREG(st.st_mode)) {
+      const char* kind = S_ISFIFO(st.st_mode) ? "a FIFO" : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "a device"
+                         : S_ISSOCK(st.st_mode) ? "a socket" : "not a regular file";
+      return refuse(std::string("is ") + kind + (p == path ? "" : " (through the link, " + p + ")") +
+                    "; outputs are written to regular files only (a temporary file renamed over the old one)");
+    }
+    break;
   }
-  const bool ok = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
-  const bool closed = std::fclose(f) == 0;
-  if (!ok || !closed || std::rename(tmp.c_str(), path.c_str()) != 0) {
-    if (error) *error = path + ": cannot write (" + std::strerror(errno) + ")";
-    std::remove(tmp.c_str());
+  *target = p;
+  return true;
+}
+
+bool write_file(const std::string& path, const std::string& bytes, std::string* error) {
+  std::string target;
+  if (!output_target(path, &target, error)) return false;
+  auto failed = [&](const std::string& what) {
+    if (error) *error = path + ": " + what + " (" + std::strerror(errno) + ")";
     return false;
+  };
+  struct stat old;
+  const bool existed = ::stat(target.c_str(), &old) == 0;
+  const std::string tmp = target + ".tmp" + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  if (fd < 0) return failed("cannot write " + tmp);
+  int err = existed && ::fchmod(fd, old.st_mode & 07777) != 0 ? errno : 0;
+  for (std::size_t done = 0; !err && done < bytes.size();) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) err = n < 0 ? errno : EIO;
+    else done += static_cast<std::size_t>(n);
+  }
+  if (::close(fd) != 0 && !err) err = errno;
+  if (!err && std::rename(tmp.c_str(), target.c_str()) != 0) err = errno;
+  if (err) {
+    std::remove(tmp.c_str());
+    errno = err;
+    return failed(target == path ? "cannot write" : "cannot write " + target);
   }
   return true;
 }

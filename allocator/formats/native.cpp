@@ -71,8 +71,16 @@ LoadResult trace_from_native_bytes(const std::string& bytes, const std::string& 
   if (h.version != kTraceVersion)
     return fail("unsupported native trace version " + std::to_string(h.version) + " (this build reads version " +
                 std::to_string(kTraceVersion) + ")");
-  if (h.header_size < sizeof h || h.header_size > bytes.size())
-    return fail("bad header size " + std::to_string(h.header_size));
+  // Version 1's header is fixed (trace_format.h): a header of another size, a flag this reader does not know
+  // or a reserved field that is not 0 is a file of another version or a damaged one, not one to skip through.
+  if (h.header_size != sizeof h)
+    return fail("bad header size " + std::to_string(h.header_size) + " (version 1 headers are 64 bytes)");
+  if (h.flags & ~kFlagNoTime)
+    return fail("unknown header flags 0x" + [&] { char b[8]; std::snprintf(b, sizeof b, "%x", h.flags & ~kFlagNoTime); return std::string(b); }() +
+                " (version 1 defines only 0x1, no timestamps)");
+  if (h.reserved0 != 0 || h.reserved1 != 0)
+    return fail(std::string("reserved header field ") + (h.reserved0 ? "reserved0" : "reserved1") + " is " +
+                std::to_string(h.reserved0 ? h.reserved0 : h.reserved1) + ", not 0");
   if (h.record_size != sizeof(NativeTraceRecord))
     return fail("bad record size " + std::to_string(h.record_size) + " (version 1 records are 48 bytes)");
   const bool timed = !(h.flags & kFlagNoTime);
@@ -96,6 +104,8 @@ LoadResult trace_from_native_bytes(const std::string& bytes, const std::string& 
     e.address = rec.address;
     e.size = rec.requested;
     e.block_size = rec.block;
+    if (const std::string why = event_out_of_bounds(e); !why.empty())
+      return fail("record " + std::to_string(i) + " at byte " + std::to_string(off) + ": " + why);
     if (timed) {
       e.time_us = static_cast<std::int64_t>((h.origin_unix_ns + rec.time_ns) / 1000);
       t.has_time = true;

@@ -20,9 +20,25 @@ namespace {
 
 constexpr std::uint32_t kMaxDepth = 512;
 
+// Note [The unpickler's memory budget]
+// One byte of input can build one object (']' is an empty list, 'h' a reference), and an object costs about
+// 150 bytes of memory here, so a file of 30 MB of ']' would ask for 5 GB: memory proportional to the input is
+// not bounded enough. What the reader builds (objects, their items and the bytes of their strings, as
+// estimated by charge()) is limited to kBudgetBase + kBudgetPerByte times the input's size; past it the
+// read fails with an error naming the budget. PyTorch's snapshots build 3 to 17 bytes per byte of input
+// (17 without stack frames, whose repeated keys and frames are memoised; the shared traces and
+// tools/make_big_snapshot.py's files measured so); the ratio leaves room above that, and holds a file of
+// empty lists to about a quarter of what it would build.
+constexpr std::uint64_t kBudgetBase = std::uint64_t{256} << 20;
+constexpr std::uint64_t kBudgetPerByte = 48;
+constexpr std::uint64_t kObjectCost = sizeof(PyValue) + 48;  // the value, its control block, allocator slack
+
 class Unpickler {
  public:
-  Unpickler(std::string_view d, const ReadOptions& o) : d_(d), opts_(o) {}
+  Unpickler(std::string_view d, const ReadOptions& o)
+      : d_(d), opts_(o), budget_(kBudgetBase + kBudgetPerByte * static_cast<std::uint64_t>(d.size())) {}
+
+  std::uint64_t built() const { return built_; }
 
   PickleResult run() {
     PickleResult r;
@@ -67,7 +83,17 @@ class Unpickler {
     return v;
   }
 
+  // Counts `bytes` against the budget (Note [The unpickler's memory budget]).
+  void charge(std::uint64_t bytes) {
+    built_ += bytes;
+    if (built_ > budget_)
+      fail("the objects built would take more than " + std::to_string(budget_ >> 20) + " MiB (" +
+           std::to_string(kBudgetBase >> 20) + " MiB + " + std::to_string(kBudgetPerByte) +
+           " bytes per byte of a " + std::to_string(d_.size()) + "-byte input): not a memory snapshot");
+  }
+
   PyRef make(PyValue::Type t) {
+    charge(kObjectCost);
     auto v = std::make_shared<PyValue>();
     v->type = t;
     if (t == PyValue::Type::list || t == PyValue::Type::tuple || t == PyValue::Type::dict ||
@@ -103,6 +129,7 @@ class Unpickler {
     return none_;
   }
   PyRef make_str(std::string_view s, PyValue::Type t = PyValue::Type::str) {
+    if (s.size() >= sizeof(std::string)) charge(s.size());  // shorter ones live inside the value
     auto v = make(t);
     v->s = std::string(s);
     return v;
@@ -151,6 +178,7 @@ class Unpickler {
   void append(PyRef& container, std::vector<PyRef> items) {
     if (container->type != PyValue::Type::list && container->type != PyValue::Type::set)
       fail("APPEND/ADDITEMS to something that is not a list or set");
+    charge(items.size() * sizeof(PyRef));
     for (auto& it : items) {
       add_child(*container, it);
       container->items.push_back(std::move(it));
@@ -159,6 +187,7 @@ class Unpickler {
   void set_items(PyRef& dict, std::vector<PyRef> kv) {
     if (dict->type != PyValue::Type::dict) fail("SETITEM(S) on something that is not a dict");
     if (kv.size() % 2) fail("SETITEMS with an odd number of values");
+    charge(kv.size() * sizeof(PyRef));
     // Room for the batch at once (a dict's pairs usually come in one SETITEMS), growing geometrically so that
     // protocol 0's one SETITEM per pair stays linear.
     if (const std::size_t need = dict->entries.size() + kv.size() / 2; need > dict->entries.capacity())
@@ -177,12 +206,14 @@ class Unpickler {
     for (std::string_view k : opts_.count_only)
       if (key.s == k) {
         value.dropped = value.items.size();
+        built_ -= std::min<std::uint64_t>(built_, value.dropped * sizeof(PyRef));  // let go of: no longer held
         std::vector<PyRef>().swap(value.items);
         return;
       }
   }
   PyRef tuple(std::vector<PyRef> items) {
     auto t = make(PyValue::Type::tuple);
+    charge(items.size() * sizeof(PyRef));
     for (auto& it : items) add_child(*t, it);
     t->items = std::move(items);
     return t;
@@ -191,6 +222,7 @@ class Unpickler {
   // vector; an index past its end (a hand-edited or optimised pickle) goes to a map. Either way each put
   // costs one slot, whatever index the input names.
   void memo_put(std::uint64_t idx) {
+    charge(idx < memo_.size() ? 0 : idx == memo_.size() ? sizeof(PyRef) : 64);
     if (idx < memo_.size()) memo_[idx] = top();
     else if (idx == memo_.size()) memo_.push_back(top());
     else sparse_memo_[idx] = top();
@@ -406,6 +438,8 @@ class Unpickler {
   std::vector<PyRef> memo_;
   std::unordered_map<std::uint64_t, PyRef> sparse_memo_;
   PickleArena* arena_ = nullptr;
+  const std::uint64_t budget_;
+  std::uint64_t built_ = 0;
   std::vector<PyRef> int_cache_ = std::vector<PyRef>(4096);
   PyRef true_, false_, none_;
 };

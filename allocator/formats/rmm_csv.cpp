@@ -63,15 +63,23 @@ bool parse_dec(const std::string& s, std::uint64_t* v) {
   return true;
 }
 
-// HH:MM:SS.ffffff (RMM's form) or plain microseconds -> microseconds; -1 when empty, -2 when malformed or
-// out of range (fields beyond a clock's, or a value that would overflow).
+// HH:MM:SS[.f...] (RMM's form, up to six digits of the second: ".5" is half a second) or plain microseconds
+// -> microseconds; -1 when empty, -2 when malformed or out of range (fields beyond a clock's, more digits than
+// a microsecond's, or a value that would overflow).
 std::int64_t parse_time(const std::string& s) {
   if (s.empty()) return -1;
-  unsigned h, m, sec, us;
-  char tail;
-  if (std::sscanf(s.c_str(), "%u:%u:%u.%u%c", &h, &m, &sec, &us, &tail) == 4) {
-    if (h >= 1000000 || m >= 60 || sec >= 61 || us >= 10000000) return -2;
-    return ((static_cast<std::int64_t>(h) * 60 + m) * 60 + sec) * 1000000 + us;
+  if (s.find(':') != std::string::npos) {
+    std::uint64_t h = 0, m = 0, sec = 0, us = 0;
+    const auto c1 = s.find(':'), c2 = s.find(':', c1 + 1), dot = s.find('.');
+    if (c2 == std::string::npos) return -2;
+    const std::string frac = dot == std::string::npos ? "" : s.substr(dot + 1);
+    if (dot != std::string::npos && (dot < c2 || frac.empty() || frac.size() > 6)) return -2;
+    if (!parse_dec(s.substr(0, c1), &h) || !parse_dec(s.substr(c1 + 1, c2 - c1 - 1), &m) ||
+        !parse_dec(s.substr(c2 + 1, (dot == std::string::npos ? s.size() : dot) - c2 - 1), &sec) ||
+        (!frac.empty() && !parse_dec(frac + std::string(6 - frac.size(), '0'), &us)))
+      return -2;
+    if (h >= 1000000 || m >= 60 || sec >= 61) return -2;
+    return static_cast<std::int64_t>(((h * 60 + m) * 60 + sec) * 1000000 + us);
   }
   std::uint64_t v;
   if (parse_dec(s, &v) && v <= static_cast<std::uint64_t>(INT64_MAX)) return static_cast<std::int64_t>(v);
@@ -94,7 +102,10 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
   ++lineno;
   const auto header = split(line);
   std::map<std::string, std::size_t> col;
-  for (std::size_t i = 0; i < header.size(); ++i) col[header[i]] = i;
+  for (std::size_t i = 0; i < header.size(); ++i)
+    if (!col.emplace(header[i], i).second)
+      return fail("column '" + header[i] + "' appears twice in the header (columns " + std::to_string(col[header[i]] + 1) +
+                  " and " + std::to_string(i + 1) + ")");
   for (const char* need : {"Action", "Pointer", "Size"})
     if (!col.count(need)) return fail(std::string("missing column '") + need + "' in the header");
   const bool has_stream = col.count("Stream"), has_time = col.count("Time");
@@ -110,11 +121,12 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
     const std::string& action = f[col["Action"]];
     if (action == "allocate") e.op = Op::alloc;
     else if (action == "free") e.op = Op::free;
-    else if (action == "allocate failure") continue;
+    else if (action == "allocate failure") e.op = Op::oom;  // a failed allocation: kept, not replayed
     else return fail("unknown action '" + action + "' (expected allocate, allocate failure or free)");
     if (!parse_hex(f[col["Pointer"]], &e.address)) return fail("bad pointer '" + f[col["Pointer"]] + "'");
     if (!parse_dec(f[col["Size"]], &e.size)) return fail("bad size '" + f[col["Size"]] + "'");
     if (has_stream && !parse_hex(f[col["Stream"]], &e.stream)) return fail("bad stream '" + f[col["Stream"]] + "'");
+    if (const std::string why = event_out_of_bounds(e); !why.empty()) return fail(why);
     if (has_time) {
       e.time_us = parse_time(f[col["Time"]]);
       if (e.time_us == -2) return fail("bad time '" + f[col["Time"]] + "' (expected HH:MM:SS.ffffff or microseconds)");
@@ -125,7 +137,9 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
       std::snprintf(b, sizeof b, "0x%" PRIx64, e.address);
       return std::string(b);
     }();
-    if (e.op == Op::alloc) {
+    if (e.op == Op::oom) {
+      // Nothing was allocated: no address to pair with a free.
+    } else if (e.op == Op::alloc) {
       // As the native reader: a log records every call, so a second allocate of a live address means the
       // log is corrupt (or rows were lost), and replaying it would hold memory the program never held.
       if (const auto [it, inserted] = live.emplace(e.address, lineno); !inserted)
@@ -168,7 +182,12 @@ std::string trace_to_rmm_csv(const Trace& t, int device) {
     if (e.device == device) put(e, std::max<std::int64_t>(first, 0), "allocate");
   std::int64_t index = 0, last = std::max<std::int64_t>(first, 0);
   for (const auto& e : t.events) {
-    if (e.device != device || (e.op != Op::alloc && e.op != Op::free && e.op != Op::empty_cache)) continue;
+    if (e.device != device) continue;
+    if (e.op == Op::oom) {  // a failed allocation: RMM's "allocate failure" row, at the time of the event before
+      put(e, t.has_time && e.time_us >= 0 ? e.time_us : last, "allocate failure");
+      continue;
+    }
+    if (e.op != Op::alloc && e.op != Op::free && e.op != Op::empty_cache) continue;
     ++index;
     if (e.op == Op::empty_cache) continue;  // RMM's log has no such row
     const std::int64_t us = !t.has_time ? index : e.time_us >= 0 ? e.time_us : last;  // untimed rows keep the time

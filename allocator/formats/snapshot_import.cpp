@@ -45,7 +45,6 @@ int Trace::devices() const {
 namespace {
 
 // More devices than any machine has: a larger index is a corrupt file, refused before anything is sized by it.
-constexpr std::int64_t kMaxDevices = 4096;
 // More memory than any device has (4 EiB): a device's segments adding up to more are a corrupt file, and the
 // reserved-bytes arithmetic below stays far from overflow.
 constexpr std::uint64_t kMaxReserved = std::uint64_t{1} << 62;

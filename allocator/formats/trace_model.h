@@ -28,6 +28,14 @@ struct Event {
   std::int64_t time_us = -1;  // -1 when the trace has no time
 };
 
+// Note [One set of bounds for every format]
+// What any reader accepts of an event, so a trace one format holds converts to every other and reads back:
+// sizes (requested and block) in [0, 2^63) (PyTorch's snapshots hold int64), an address whose block ends by
+// 2^64 (address + size does not wrap), a device index below kMaxDevices. Empty when `e` is within them, else
+// what is outside, naming the field.
+inline constexpr int kMaxDevices = 4096;
+std::string event_out_of_bounds(const struct Event& e);
+
 struct Trace {
   std::string source;                 // file name or workload spec
   std::vector<Event> events;          // in trace order
@@ -48,6 +56,8 @@ struct Trace {
   int devices() const;
 };
 
+enum class Format { native, rmm_csv, snapshot };
+
 struct LoadResult {
   bool ok = false;
   Trace trace;
@@ -56,9 +66,9 @@ struct LoadResult {
   // What the input holds that the trace model has no field for (a snapshot's stack frames, compile
   // contexts, user metadata, annotations): lost by a conversion, irrelevant to a replay. Empty if nothing.
   std::string dropped;
+  Format format{};  // what the input was read as (trace_from_bytes and load_trace set it)
 };
 
-enum class Format { native, rmm_csv, snapshot };
 const char* format_name(Format f);
 // "native", "rmm"/"csv", "snapshot"/"pickle"; false when unknown.
 bool parse_format(const std::string& s, Format* f);
@@ -82,7 +92,12 @@ std::string trace_to_native(const Trace& t);
 // pytorch.org/memory_viz. Segments are reconstructed from the trace's segment events; blocks live at the
 // end outside any recorded segment get a segment of their own.
 std::string trace_to_snapshot(const Trace& t);
-// Writes `bytes` to `path` atomically enough for tools (temp file + rename); false with *error on failure.
+// Writes `bytes` to `path` atomically (a temporary file in the target's folder, renamed over it), through
+// symbolic links to their target; an existing target that is not a regular file (a FIFO, a device) is refused
+// (Note [Writing an output file], formats.cpp). False with *error naming the path and the reason.
 bool write_file(const std::string& path, const std::string& bytes, std::string* error);
+// The file write_file would replace for `path` (symbolic links followed), or false with *error where it
+// would refuse.
+bool output_target(const std::string& path, std::string* target, std::string* error);
 
 }  // namespace fragless::formats

@@ -12,6 +12,7 @@
 #include <sstream>
 #include <thread>
 
+#include "trace_model.h"
 #include "workload.h"
 #include "zoo.h"
 
@@ -40,7 +41,9 @@ int usage(const char* msg) {
                "         at each policy's fitted capacity; with --max-of, at its largest value); each point is the\n"
                "         largest value of its stretch of events, so no peak is lost; what the window began with\n"
                "         (allocations live before it, classic's cached segments) is drawn as already there.\n"
-               "         FILE.gp writes the gnuplot script with its data instead (gnuplot FILE.gp draws it)\n"
+               "         FILE.gp writes the gnuplot script with its data instead (gnuplot FILE.gp draws it).\n"
+               "         The file is replaced atomically (a temporary file beside it, renamed over it); a symbolic\n"
+               "         link is followed to its target; an existing FIFO, device or socket is refused\n"
                "  --plot-x: the x axis: trace time, event index, or auto (default: time, unless the trace has\n"
                "         none or its busy part would be squeezed into a corner)\n"
                "  --fit: per input, device and policy, the smallest device capacity (a multiple of --fit-step,\n"
@@ -128,7 +131,11 @@ bool apply_conf(const std::string& text, Options* base, std::optional<PolicyKind
 bool plot_path_ok(const std::string& path, std::string* error) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  if (path.empty() || path.back() == '/' || fs::is_directory(path, ec)) {
+  if (path.empty()) {
+    *error = "--plot needs a file name (FILE.png, or FILE.gp for the script), not ''";
+    return false;
+  }
+  if (path.back() == '/' || fs::is_directory(path, ec)) {
     *error = "--plot " + path + ": is a directory; --plot takes a file name (FILE.png, or FILE.gp for the script)";
     return false;
   }
@@ -146,6 +153,11 @@ bool plot_path_ok(const std::string& path, std::string* error) {
     *error = "--plot " + path + ": cannot write in the folder " + dir + " (" + std::strerror(errno) + ")";
     return false;
   }
+  std::string target;  // a symbolic link is followed; a FIFO or device is refused (Note [Writing an output file])
+  if (!formats::output_target(path, &target, error)) {
+    *error = "--plot " + *error;
+    return false;
+  }
   return true;
 }
 
@@ -159,9 +171,20 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
   bool fit_step_given = false, policy_given = false;
   std::optional<PolicyKind> conf_policy;
   std::vector<std::string> conf_keys;  // every key of every --conf so far
+  std::vector<std::string> valued;     // the options with a value given so far (each once; --conf may repeat)
+  bool plot_given = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     const bool has_value = i + 1 < argc;
+    // An option's second value would silently replace its first: each is given once (--conf may repeat,
+    // its keys are checked one by one instead).
+    static const char* const kValued[] = {"--max-of", "--fit-step", "--jobs", "--policy", "--capacity-gib",
+                                          "--plot", "--plot-x", "--window", "--seqlen-file", "--costs"};
+    if (has_value && std::any_of(std::begin(kValued), std::end(kValued), [&](const char* o) { return a == o; })) {
+      if (std::find(valued.begin(), valued.end(), a) != valued.end())
+        return usage((a + " is given twice: give it once").c_str());
+      valued.push_back(a);
+    }
     if (a == "--json") cl.json = true;
     else if (a == "-h" || a == "--help") return usage(nullptr);
     else if (a == "--fit") cl.fit = true;
@@ -188,14 +211,21 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
     } else if (a == "--policy" && has_value) {
       cl.policies.clear();
       policy_given = true;
-      std::stringstream ss(argv[++i]);
-      std::string p;
-      while (std::getline(ss, p, ',')) {
+      const std::string list = argv[++i];
+      if (list.empty()) return usage("--policy needs at least one policy");
+      // Every name between commas counts: an empty one ('classic,' or 'a,,b') is an error, as in --conf.
+      for (std::size_t at = 0;;) {
+        const std::size_t comma = list.find(',', at);
+        const std::string p = list.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+        if (p.empty()) return usage(("--policy '" + list + "': an empty policy name between commas").c_str());
         const auto kind = policy_from_name(p);
         if (!kind) return usage(("unknown policy '" + p + "' (classic, expandable, fragless)").c_str());
+        if (std::find(cl.policies.begin(), cl.policies.end(), *kind) != cl.policies.end())
+          return usage(("--policy '" + list + "': policy " + p + " is named twice").c_str());
         cl.policies.push_back(*kind);
+        if (comma == std::string::npos) break;
+        at = comma + 1;
       }
-      if (cl.policies.empty()) return usage("--policy needs at least one policy");
     } else if (a == "--capacity-gib" && has_value) {
       char* end = nullptr;
       const double g = std::strtod(argv[++i], &end);
@@ -203,8 +233,11 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
         return usage(("--capacity-gib needs a number of GiB greater than 0 and at most 1000000, not '" +
                       std::string(argv[i]) + "'").c_str());
       cl.capacity = static_cast<std::uint64_t>(g * (1ull << 30));
+      if (cl.capacity == 0)  // 0 is how the replay says "unlimited"
+        return usage(("--capacity-gib " + std::string(argv[i]) + ": less than one byte").c_str());
     } else if (a == "--plot" && has_value) {
       cl.plot = argv[++i];
+      plot_given = true;
     } else if (a == "--plot-x" && has_value) {
       const std::string v = argv[++i];
       if (v == "time") cl.plot_x = PlotX::time;
@@ -254,7 +287,7 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
   if (!cl.seqlen_file.empty() && std::none_of(cl.inputs.begin(), cl.inputs.end(), draws_seqlen_file))
     return usage("--seqlen-file: no input draws its lengths from it (it applies to workload:transformer-train, "
                  "transformer-infer and ckpt-accum without a seqlen= key)");
-  if (!cl.plot.empty()) {
+  if (plot_given) {
     std::string err;
     if (!plot_path_ok(cl.plot, &err)) return usage(err.c_str());
   }

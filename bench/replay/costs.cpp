@@ -1,5 +1,6 @@
 #include "costs.h"
 
+#include <cmath>
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -39,6 +40,20 @@ bool load_costs(const std::string& path, CostModel* out, std::string* error) {
     return fail("not a driver probe (schema is not \"fragless-gpu-probe/1\")");
   const auto costs = j.find("costs_us");
   if (costs == j.end() || !costs->is_object()) return fail("no costs_us object");
+  // Every call named must be one the model has: a misspelt name would otherwise leave the model's figure
+  // in place without a word.
+  for (const auto& [name, value] : costs->items()) {
+    bool known = false;
+    for (const auto& [k, call] : kSized) known |= name == k;
+    if (!known) {
+      std::string names;
+      for (const auto& [k, call] : kSized) names += (names.empty() ? "" : ", ") + std::string(k);
+      return fail("costs_us: unknown call '" + name + "' (the calls: " + names + ")");
+    }
+  }
+  // A median or handle size beyond these is no measurement (a probe times calls of microseconds to
+  // milliseconds on handles up to a device's memory), and would overflow the model's arithmetic.
+  constexpr double kMaxMedianUs = 1e7, kMaxHandleBytes = 1e15;
   CostModel m = CostModel::a100();
   int measured = 0;
   for (const auto& [name, call] : kSized) {
@@ -47,15 +62,21 @@ bool load_costs(const std::string& path, CostModel* out, std::string* error) {
     std::vector<std::pair<double, double>> pts;  // (MiB, median µs)
     for (const auto& [size, stat] : c->items()) {
       double mib = 0;
+      std::size_t used = 0;
       try {
-        mib = std::stod(size) / (1 << 20);
+        mib = std::stod(size, &used) / (1 << 20);
       } catch (...) {
-        return fail(std::string(name) + ": handle size '" + size + "' is not a number of bytes");
+        used = 0;
       }
+      if (size.empty() || used != size.size() || !std::isfinite(mib) || mib * (1 << 20) > kMaxHandleBytes)
+        return fail(std::string(name) + ": handle size '" + size + "' is not a number of bytes up to 10^15");
       if (!stat.is_object() || !stat.contains("median") || !stat["median"].is_number())
         return fail(std::string(name) + " at " + size + " bytes: no numeric median");
       const double med = stat["median"].get<double>();
       if (!(mib > 0) || !(med >= 0)) return fail(std::string(name) + " at " + size + " bytes: a negative or zero value");
+      if (!(med <= kMaxMedianUs))
+        return fail(std::string(name) + " at " + size + " bytes: median " + stat["median"].dump() +
+                    " µs is not a measurement (at most 10^7 µs)");
       pts.emplace_back(mib, med);
     }
     if (pts.empty()) continue;
@@ -75,11 +96,17 @@ bool load_costs(const std::string& path, CostModel* out, std::string* error) {
     m.per_mib[static_cast<int>(call)] = b;
     ++measured;
   }
+  // A top-level timing's median: false when absent; *bad when present but not a measurement.
+  std::string bad;
   auto median_of = [&](const char* key, double* v) {
     const auto it = j.find(key);
     if (it == j.end() || !it->is_object() || !it->contains("median") || !(*it)["median"].is_number()) return false;
     *v = (*it)["median"].get<double>();
-    return *v >= 0;
+    if (!(*v >= 0 && *v <= kMaxMedianUs)) {
+      if (bad.empty()) bad = std::string(key) + ": median " + (*it)["median"].dump() + " is not a measurement (0 to 10^7 µs)";
+      return false;
+    }
+    return true;
   };
   double rq = 0, sync = 0;
   if (median_of("event_record_query_us", &rq)) {  // one record and one query
@@ -97,6 +124,7 @@ bool load_costs(const std::string& path, CostModel* out, std::string* error) {
     m.us[static_cast<int>(DriverCall::memory_info)] = info;
     ++measured;
   }
+  if (!bad.empty()) return fail(bad);
   if (measured == 0) return fail("the probe measured no call (costs_us is empty)");
   *out = m;
   return true;

@@ -8,6 +8,9 @@
 //   INPUT = a trace file (format detected from content) or workload:NAME[:key=value,...]
 //
 // The command line is cli.h's, the modes modes.h's, the outputs (table, --json, --plot) output.h's.
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -63,7 +66,7 @@ std::vector<Task> replay_tasks(const std::vector<formats::Trace>& traces, const 
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   CommandLine cl;
   if (const auto status = parse_command_line(argc, argv, &cl)) return *status;
   std::vector<int> lengths;
@@ -85,4 +88,13 @@ int main(int argc, char** argv) {
   // Every input was skipped (each said why above): an empty table would read as an answer.
   if (tasks.empty()) return fail("nothing to replay: no input has an allocation event");
   return cl.fit ? run_fit(traces, tasks, cl, ro) : run_replays(traces, tasks, cl, ro);
+}
+
+// What was printed on stdout is the answer: one that could not be written whole (a full disk, a file size
+// limit) fails, said on stderr, as fragless-trace does (Note [Output that could not be written], trace_tool.cpp).
+int main(int argc, char** argv) {
+  const int rc = run(argc, argv);
+  if (std::fflush(stdout) != 0 || std::ferror(stdout))
+    return fail(std::string("cannot write the output to stdout (") + std::strerror(errno) + ")");
+  return rc;
 }

@@ -1,11 +1,15 @@
 // The --plot of fragless-replay (output.h).
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <utility>
 
 #include "output.h"
+#include "trace_model.h"
 
 namespace fragless::replay {
 namespace {
@@ -88,7 +92,15 @@ bool draw_plot(const std::string& path, const std::vector<ReplayResult>& results
   const int rows = static_cast<int>(panels.size());
   script += "set terminal pngcairo size 1200," + std::to_string(420 * rows) + " noenhanced\n";
   const bool script_only = plot_is_script(path);
-  script += "set output " + quote(script_only ? path.substr(0, path.size() - 3) + ".png" : path) + "\n";
+  // The PNG is drawn into a temporary file beside its target and renamed over it, as every output is
+  // written (Note [Writing an output file], formats.cpp): through a symbolic link, never over a FIFO or device.
+  std::string target;
+  if (!script_only && !formats::output_target(path, &target, error)) {
+    *error = "--plot " + *error;
+    return false;
+  }
+  const std::string drawn = target + ".tmp" + std::to_string(::getpid()) + ".png";
+  script += "set output " + quote(script_only ? path.substr(0, path.size() - 3) + ".png" : drawn) + "\n";
   script += "set multiplot layout " + std::to_string(rows) + ",1\n";
   script += "set key below horizontal maxrows 3\nset ylabel \"MiB\"\nset grid\nset yrange [0:*]\n";
   const char* colours[] = {"#1f77b4", "#d62728", "#2ca02c"};
@@ -121,9 +133,8 @@ bool draw_plot(const std::string& path, const std::vector<ReplayResult>& results
   }
   script += "unset multiplot\n";
   if (script_only) {  // the script itself, with its data: `gnuplot FILE.gp` draws it
-    std::FILE* f = std::fopen(path.c_str(), "w");
-    if (!f || std::fwrite(script.data(), 1, script.size(), f) != script.size() || std::fclose(f) != 0) {
-      *error = "--plot: cannot write " + path;
+    if (!formats::write_file(path, script, error)) {
+      *error = "--plot " + *error;
       return false;
     }
     return true;
@@ -141,6 +152,12 @@ bool draw_plot(const std::string& path, const std::vector<ReplayResult>& results
                             : WIFSIGNALED(status) ? "was killed by signal " + std::to_string(WTERMSIG(status))
                                                   : "ended with status " + std::to_string(status);
     *error = "--plot: gnuplot " + how + " drawing " + path + " (its own message is above it on stderr)";
+    std::remove(drawn.c_str());
+    return false;
+  }
+  if (std::rename(drawn.c_str(), target.c_str()) != 0) {
+    *error = "--plot " + path + ": cannot write " + target + " (" + std::strerror(errno) + ")";
+    std::remove(drawn.c_str());
     return false;
   }
   return true;

@@ -19,6 +19,14 @@
 
 namespace fragless::replay {
 
+bool integer_text(const std::string& v, long long* n) {
+  const std::size_t digits = v.size() - (!v.empty() && v[0] == '-');
+  if (digits == 0 || digits > 18 || v.find_first_not_of("0123456789", v.size() - digits) != std::string::npos)
+    return false;
+  *n = std::stoll(v);
+  return true;
+}
+
 namespace {
 
 // Log-normal fits (of total tokens per request) to public traces; produced by tools/fit_sequence_lengths.py.
@@ -140,10 +148,8 @@ bool apply_options(const std::string& options, Config* c, std::string* error) {
     }
     given.push_back(k);
     if (const IntKey* ik = int_key(k)) {
-      char* end = nullptr;
-      errno = 0;
-      const long n = std::strtol(v.c_str(), &end, 10);
-      if (v.empty() || *end || errno || n < ik->least || n > ik->most) {
+      long long n = 0;
+      if (!integer_text(v, &n) || n < ik->least || n > ik->most) {
         *error = "workload option " + k + ": bad value '" + v + "': expected " + int_range(*ik);
         return false;
       }
@@ -161,7 +167,7 @@ bool apply_options(const std::string& options, Config* c, std::string* error) {
       char* end = nullptr;
       errno = 0;
       c->seed = std::strtoull(v.c_str(), &end, 10);
-      if (v.empty() || *end || errno || v[0] == '-') {
+      if (v.empty() || *end || errno || v.find_first_not_of("0123456789") != std::string::npos) {
         *error = "workload option seed: bad value '" + v + "': expected " + accepted("seed");
         return false;
       }
@@ -213,9 +219,8 @@ class SeqLen {
       return;
     }
     if (c.seqlen.rfind("fixed:", 0) == 0) {
-      char* end = nullptr;
-      const long n = std::strtol(c.seqlen.c_str() + 6, &end, 10);
-      if (*end || n < 1 || n > kMaxIntValue)
+      long long n = 0;
+      if (!integer_text(c.seqlen.substr(6), &n) || n < 1 || n > kMaxIntValue)
         *error = "workload option seqlen: bad value '" + c.seqlen + "': fixed:N needs an integer N in [1, " +
                  std::to_string(kMaxIntValue) + "]";
       fixed_ = static_cast<int>(n);

@@ -28,6 +28,10 @@ inline void check_room(const formats::Trace& t) {
 }
 // The error for a spec whose generation stopped: too many events, or no host memory left.
 std::string workload_too_large(const std::string& spec, bool out_of_memory);
+// A workload key's integer, written as decimal digits with an optional '-' and nothing else (no spaces, sign
+// '+', base prefix, fraction or exponent: '1.5', '0x10' and ' 5' are not integers here); false otherwise or
+// past 18 digits.
+bool integer_text(const std::string& v, long long* n);
 // Runs a generator that fills *out; a stop (TooManyEvents, std::bad_alloc) empties *out and is false with
 // *error naming spec and *too_large set (if given).
 template <class Run>

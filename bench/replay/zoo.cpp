@@ -526,6 +526,13 @@ const Generator* find_generator(const std::string& name) {
   return nullptr;
 }
 
+// The keys a generator reads as real numbers (D()); every other key is a count or a seed, an integer.
+bool is_real_key(const std::string& key) {
+  for (const char* k : {"arrival", "jitter", "lifetime", "live_gib", "min_bytes", "res", "skew", "tokens"})
+    if (key == k) return true;
+  return false;
+}
+
 // The error for a key `gen` does not have, naming the keys it has.
 std::string unknown_key(const std::string& name, const Generator& gen, const std::string& key) {
   std::string names;
@@ -628,12 +635,19 @@ bool make_zoo_workload(const std::string& name, const std::string& options, form
       return false;
     }
     const std::string v = item.substr(eq + 1);
+    // The keys the generators read as counts are integers, written as such ('1.5', '0x10', ' 5' are refused,
+    // not truncated); the others are decimal numbers, without spaces or a hexadecimal form.
+    const bool integral = !is_real_key(key);
+    long long whole = 0;
     char* end = nullptr;
-    const double x = std::strtod(v.c_str(), &end);
-    if (v.empty() || *end || !std::isfinite(x) || x < spec->lo || x > spec->hi) {
+    const double x = integral ? (integer_text(v, &whole) ? static_cast<double>(whole) : NAN)
+                              : v.find_first_not_of("0123456789.eE+-") == std::string::npos
+                                  ? std::strtod(v.c_str(), &end)
+                                  : NAN;
+    if (v.empty() || (end && *end) || !std::isfinite(x) || x < spec->lo || x > spec->hi) {
       std::ostringstream r;
-      r << "workload " << name << ": " << key << "='" << v << "' is not a number in [" << spec->lo << ", " << spec->hi
-        << "]";
+      r << "workload " << name << ": " << key << "='" << v << "' is not " << (integral ? "an integer" : "a number")
+        << " in [" << spec->lo << ", " << spec->hi << "]";
       *error = r.str();
       return false;
     }

@@ -114,15 +114,41 @@ TEST_CASE("pickle: reads data and refuses anything that could run code", "[forma
   CHECK(cyc.value);
 }
 
+// Note [The unpickler's memory budget]: one byte can build one object of ~150 bytes, so what is built is
+// bounded by the input's size, with an error rather than std::bad_alloc.
+TEST_CASE("pickle: what a small input builds is bounded, with an error naming the budget", "[formats][bad-input]") {
+  for (char op : {']', '}', ')'}) {  // empty lists, dicts, tuples
+    std::string many = str({0x80, 2});
+    many.append(4'000'000, op);
+    many += '.';
+    auto r = read_pickle(many);
+    INFO(op << ": " << r.error);
+    CHECK_FALSE(r.value);
+    CHECK(r.error.find("the objects built would take more than 439 MiB (256 MiB + 48 bytes per byte of a 4000003-byte "
+                       "input): not a memory snapshot") != std::string::npos);
+  }
+  // Strings count their bytes: references to one long string are cheap, copies are not.
+  std::string refs = str({0x80, 2, ']', '(', 'X', 0, 0, 1, 0});  // a list holding a string of 64 KiB, memoised,
+  refs.append(65536, 'a');                                         // and 10,000 references to it
+  refs += str({'q', 0});
+  for (int i = 0; i < 10000; ++i) refs += str({'h', 0});
+  refs += str({'e', '.'});
+  auto r = read_pickle(refs);
+  INFO(r.error);
+  CHECK(r.value);
+}
+
 TEST_CASE("RMM CSV: reads RMM's log, rejects bad rows with file and line", "[formats][bad-input]") {
   auto r = trace_from_rmm_csv(
       "Thread,Time,Action,Pointer,Size,Stream\n1,12:00:00.000001,allocate,0x7f00,1048576,0\n"
       "1,12:00:00.000003,allocate failure,(nil),99,0\n1,12:00:00.000005,free,0x7f00,1048576,0\n",
       "log.csv");
   REQUIRE(r.ok);
-  CHECK(r.trace.events.size() == 2);
+  REQUIRE(r.trace.events.size() == 3);  // the failed allocation is kept as an oom event (counted, not replayed)
+  CHECK(r.trace.events[1].op == Op::oom);
+  CHECK(r.trace.events[1].size == 99);
   CHECK(r.trace.has_time);
-  CHECK(r.trace.events[1].time_us - r.trace.events[0].time_us == 4);
+  CHECK(r.trace.events[2].time_us - r.trace.events[0].time_us == 4);
   CHECK(trace_from_rmm_csv("Thread,Time,Action,Size\n", "a.csv").error.find("missing column 'Pointer'") != std::string::npos);
   CHECK(trace_from_rmm_csv("Action,Pointer,Size\nallocate,0xzz,5\n", "b.csv").error == "b.csv:2: bad pointer '0xzz'");
   CHECK(trace_from_rmm_csv("Action,Pointer,Size\nallocate,0x10,-5\n", "c.csv").error.find("bad size") != std::string::npos);
@@ -136,6 +162,75 @@ TEST_CASE("RMM CSV: reads RMM's log, rejects bad rows with file and line", "[for
         std::string::npos);
   CHECK(trace_from_rmm_csv("Time,Action,Pointer,Size\n01:02:03.000004,allocate,0x10,5\n", "i.csv").trace.events.at(0).time_us ==
         3723000004);
+}
+
+TEST_CASE("RMM CSV: a fraction of a second is a fraction, a header column is named once", "[formats][bad-input]") {
+  auto time = [](const std::string& t) {
+    auto r = trace_from_rmm_csv("Time,Action,Pointer,Size\n" + t + ",allocate,0x10,5\n", "t.csv");
+    INFO(t << ": " << r.error);
+    return r.ok ? r.trace.events.at(0).time_us : -1;
+  };
+  CHECK(time("00:00:01.5") == 1500000);  // half a second (it was read as 5 µs)
+  CHECK(time("00:00:01.05") == 1050000);
+  CHECK(time("00:00:01.000005") == 1000005);
+  CHECK(time("00:00:01") == 1000000);
+  for (const char* bad : {"00:00:01.9999999", "00:00:01.", "00:00:01.5x", "00:01", "00:00:01.-5", "00:00: 1.5"}) {
+    INFO(bad);
+    CHECK(trace_from_rmm_csv(std::string("Time,Action,Pointer,Size\n") + bad + ",allocate,0x10,5\n", "t.csv").error ==
+          std::string("t.csv:2: bad time '") + bad + "' (expected HH:MM:SS.ffffff or microseconds)");
+  }
+  CHECK(trace_from_rmm_csv("Action,Pointer,Size,Size\nallocate,0x10,5,6\n", "d.csv").error ==
+        "d.csv:1: column 'Size' appears twice in the header (columns 3 and 4)");
+}
+
+// Note [One set of bounds for every format]: what one reader refuses, every reader refuses, so a
+// conversion never writes a file its own reader rejects.
+TEST_CASE("bounds: the native and RMM readers refuse sizes and addresses the snapshot reader refuses", "[formats][bad-input]") {
+  Trace t;
+  t.events = {ev(Op::alloc, 0x1000, 100)};
+  const std::string good = trace_to_native(t);
+  REQUIRE(trace_from_native_bytes(good, "ok.fgt").ok);
+  auto with = [&](std::uint64_t address, std::uint64_t size) {
+    Trace b = t;
+    b.events[0].address = address;
+    b.events[0].size = size;
+    return trace_from_native_bytes(trace_to_native(b), "b.fgt").error;
+  };
+  CHECK(with(0x1000, std::uint64_t{1} << 63) == "b.fgt: record 0 at byte 64: size 9223372036854775808 is outside [0, 2^63)");
+  CHECK(with(0x1000, UINT64_MAX) == "b.fgt: record 0 at byte 64: size 18446744073709551615 is outside [0, 2^63)");
+  CHECK(with(UINT64_MAX - 10, 100) == "b.fgt: record 0 at byte 64: address 0xfffffffffffffff5 + size 100 is past 2^64");
+  CHECK(trace_from_rmm_csv("Action,Pointer,Size\nallocate,0x10,9223372036854775808\n", "c.csv").error ==
+        "c.csv:2: size 9223372036854775808 is outside [0, 2^63)");
+  CHECK(trace_from_rmm_csv("Action,Pointer,Size\nallocate,0xffffffffffffff00,512\n", "c.csv").error ==
+        "c.csv:2: address 0xffffffffffffff00 + size 512 is past 2^64");
+  // Within the bounds, the native and RMM writers' output reads back. (A snapshot gives the block a segment of
+  // its own, rounded up past 2^64 here: fragless-trace convert reads what it would write, and refuses it.)
+  Trace edge = t;
+  edge.events = {ev(Op::alloc, UINT64_MAX - 100, 100), ev(Op::free, UINT64_MAX - 100, 100)};
+  for (const std::string& bytes : {trace_to_native(edge), trace_to_rmm_csv(edge, 0)}) {
+    auto r = trace_from_bytes(bytes, "edge");
+    INFO(r.error);
+    CHECK(r.ok);
+  }
+}
+
+// trace_format.h: version 1's header is fixed; a header of another size or an unknown flag is not skipped through.
+TEST_CASE("native: the header's size, flags and reserved fields are checked", "[formats][bad-input]") {
+  Trace t;
+  t.events = {ev(Op::alloc, 0x1000, 100), ev(Op::free, 0x1000, 100)};
+  const std::string good = trace_to_native(t);
+  REQUIRE(trace_from_native_bytes(good, "ok.fgt").ok);
+  auto patched = [&](std::size_t offset, std::initializer_list<int> bytes) {
+    std::string b = good;
+    for (int x : bytes) b[offset++] = static_cast<char>(x);
+    return trace_from_native_bytes(b, "h.fgt").error;
+  };
+  CHECK(patched(10, {112, 0}) == "h.fgt: bad header size 112 (version 1 headers are 64 bytes)");  // skipped record 0
+  CHECK(patched(10, {48, 0}) == "h.fgt: bad header size 48 (version 1 headers are 64 bytes)");
+  CHECK(patched(14, {3, 0}) == "h.fgt: unknown header flags 0x2 (version 1 defines only 0x1, no timestamps)");
+  CHECK(patched(14, {0, 0x80}) == "h.fgt: unknown header flags 0x8000 (version 1 defines only 0x1, no timestamps)");
+  CHECK(patched(28, {7}) == "h.fgt: reserved header field reserved0 is 7, not 0");
+  CHECK(patched(56, {0, 1}) == "h.fgt: reserved header field reserved1 is 256, not 0");
 }
 
 TEST_CASE("replay: the oracle cases as RMM logs reserve PyTorch's figures", "[replay][oracle]") {

@@ -118,7 +118,7 @@ TEST_CASE("zoo: bad options are clear errors", "[zoo][bad-input]") {
   CHECK_FALSE(replay::make_zoo_workload("moe", "expertz=4", &t, &err));
   CHECK(err.find("unknown key 'expertz'") != std::string::npos);
   CHECK_FALSE(replay::make_zoo_workload("moe", "experts=-1", &t, &err));
-  CHECK(err.find("experts='-1' is not a number in [1, 1024]") != std::string::npos);
+  CHECK(err.find("experts='-1' is not an integer in [1, 1024]") != std::string::npos);
   CHECK_FALSE(replay::make_zoo_workload("unet2d", "res", &t, &err));
   CHECK(err.find("not key=value") != std::string::npos);
   CHECK_FALSE(replay::make_workload("workload:nosuch", &t, &err));

@@ -141,6 +141,106 @@ check_output "--window replays a part, named" "oracle.csv@0.5:1" "$bin/fragless-
 check_output "results_tables.py general: the targets on windows of a trace and on random draws" "^\| draws \| 9 \| " \
   env FRAGLESS_REPLAY="$bin/fragless-replay" python3 "$(dirname "$0")/../../tools/results_tables.py" general --draws 1 \
   "$work/oracle.csv"
+# A small pickle that would build gigabytes (one empty list per byte) is refused with the budget named, not
+# an uncaught std::bad_alloc; so is an input that is none of the formats, from its first bytes, even one that
+# never ends (a FIFO fed forever).
+python3 -c "import sys; open(sys.argv[1], 'wb').write(b'\x80\x02' + b']' * 30000000 + b'.')" "$work/lists.pickle"
+check_error "a pickle of 30 million empty lists: the budget, not bad_alloc" "the objects built would take more than" \
+  "$bin/fragless-trace" info "$work/lists.pickle"
+check_error "... to the replay too" "not a memory snapshot" "$bin/fragless-replay" "$work/lists.pickle"
+python3 -c "import sys; open(sys.argv[1], 'wb').write(b'\x80\x02' + b'}' * 12000000 + b'.')" "$work/dicts.pickle"
+check_error "... and of empty dicts" "the objects built would take more than" "$bin/fragless-trace" info "$work/dicts.pickle"
+rm -f "$work/lists.pickle" "$work/dicts.pickle"
+mkfifo "$work/endless"
+(yes 0 >"$work/endless" 2>/dev/null &)
+check_error "an endless stream of no format is refused from its first bytes" "its first bytes are none of them" \
+  timeout 20 "$bin/fragless-trace" info "$work/endless"
+# Outputs (Note [Writing an output file]): through a symbolic link to its target, which is replaced; a FIFO is
+# refused, never replaced by a regular file; the same for --plot.
+echo old >"$work/target.txt"
+ln -s target.txt "$work/link.fgt"
+check "convert through a symbolic link" "$bin/fragless-trace" convert "$work/oracle.csv" "$work/link.fgt"
+check "... the link is still a link" test -L "$work/link.fgt"
+check_output "... and its target holds the trace" "format native" "$bin/fragless-trace" info "$work/target.txt"
+ln -s missing/deeper.fgt "$work/dangling.fgt"
+check_error "a link to a missing folder names the target" "cannot write $work/missing/deeper.fgt" \
+  "$bin/fragless-trace" convert "$work/oracle.csv" "$work/dangling.fgt"
+mkfifo "$work/out.fifo"
+check_error "a FIFO as the output is refused" "out.fifo: is a FIFO; outputs are written to regular files only" \
+  "$bin/fragless-trace" convert --to native "$work/oracle.csv" "$work/out.fifo"
+check "... and stays a FIFO" test -p "$work/out.fifo"
+ln -s out.fifo "$work/fifo-link.fgt"
+check_error "a link to a FIFO is refused, naming both" "fifo-link.fgt: is a FIFO (through the link, $work/out.fifo)" \
+  "$bin/fragless-trace" convert "$work/oracle.csv" "$work/fifo-link.fgt"
+check_error "--plot to a FIFO is refused before replaying" "--plot $work/out.fifo: is a FIFO" \
+  "$bin/fragless-replay" --plot "$work/out.fifo" "$work/oracle.csv"
+ln -s out.fifo "$work/fifo-link.gp"
+check_error "--plot FILE.gp through a link to a FIFO too" "is a FIFO (through the link" \
+  "$bin/fragless-replay" --plot "$work/fifo-link.gp" "$work/oracle.csv"
+ln -s plot-target.gp "$work/plot-link.gp"
+check "--plot FILE.gp through a symbolic link writes its target" "$bin/fragless-replay" --plot "$work/plot-link.gp" "$work/oracle.csv"
+check "... which is a link still, to the script" sh -c 'test -L "$0" && grep -q "set multiplot" "$1"' \
+  "$work/plot-link.gp" "$work/plot-target.gp"
+# What a tool prints on stdout and could not write is an error (exit 2), not a cut answer with status 0:
+# a file size limit (SIGXFSZ ignored, so the write fails with EFBIG), and a closed stdout.
+limited() { (trap '' XFSZ; ulimit -f 1; "$@" >"$work/limited.out"); }
+check_error "fragless-replay --json past a file size limit" "cannot write the output to stdout" \
+  limited "$bin/fragless-replay" --json "$small" "$work/oracle.csv"
+check_error "fragless-trace info past it" "cannot write the output to stdout" \
+  limited "$bin/fragless-trace" info $(for _ in $(seq 20); do echo "$work/o.fgt"; done)
+check_error "fragless-config --table past it" "cannot write the output to stdout" limited "$bin/fragless-config" --table
+check_error "fragless-trace info to a closed stdout" "cannot write the output to stdout" \
+  sh -c '"$0" info "$1" >&-' "$bin/fragless-trace" "$work/o.fgt"
+check_error "fragless-replay's table to a closed stdout" "cannot write the output to stdout" \
+  sh -c '"$0" "$1" >&-' "$bin/fragless-replay" "$work/oracle.csv"
+# A converted file reads back: a native trace whose sizes the other formats refuse is refused when read.
+python3 - "$work/o.fgt" "$work/huge.fgt" <<'PY'
+import sys
+b = bytearray(open(sys.argv[1], "rb").read())
+b[64 + 16:64 + 24] = (2**64 - 1).to_bytes(8, "little")  # the first record's requested size
+open(sys.argv[2], "wb").write(b)
+PY
+check_error "a native trace with an alloc of 2^64-1 bytes is refused when read" \
+  "huge.fgt: record 0 at byte 64: size 18446744073709551615 is outside [0, 2^63)" "$bin/fragless-trace" info "$work/huge.fgt"
+check_error "... by convert too, writing nothing" "size 18446744073709551615 is outside" \
+  "$bin/fragless-trace" convert "$work/huge.fgt" "$work/huge.pickle"
+check "... nothing written" test ! -e "$work/huge.pickle"
+# An RMM log's failed allocations are counted (oom events), and written back as such.
+printf 'Thread,Time,Action,Pointer,Size,Stream\n1,00:00:00.5,allocate,0x10,5,0\n1,00:00:01.5,allocate failure,(nil),99,0\n' >"$work/failure.csv"
+check_output "RMM: allocate failure rows are counted as oom events" "oom 1 " "$bin/fragless-trace" info "$work/failure.csv"
+check_output "... and a time of .5 is half a second" "time span 1.000000 s" "$bin/fragless-trace" info "$work/failure.csv"
+check "... converted to native" "$bin/fragless-trace" convert "$work/failure.csv" "$work/failure.fgt"
+check "... and back to an RMM log" "$bin/fragless-trace" convert "$work/failure.fgt" "$work/failure2.csv"
+check "... which keeps the failure row" grep -q ",allocate failure,0x0,99," "$work/failure2.csv"
+# --costs: an unknown call name and a median no probe measures are refused.
+printf '{"schema":"fragless-gpu-probe/1","costs_us":{"cuMemCreat":{"2097152":{"median":10}}}}' >"$work/typo.json"
+check_error "--costs: an unknown call is named" "costs_us: unknown call 'cuMemCreat'" \
+  "$bin/fragless-replay" --costs "$work/typo.json" "$work/oracle.csv"
+printf '{"schema":"fragless-gpu-probe/1","costs_us":{"cuMemCreate":{"2097152":{"median":1e308}}}}' >"$work/huge.json"
+check_error "--costs: an absurd median is refused" "cuMemCreate at 2097152 bytes: median 1e+308" \
+  "$bin/fragless-replay" --costs "$work/huge.json" "$work/oracle.csv"
+# Options: each is given once; a capacity below a byte, an empty --plot, an empty policy name are errors;
+# integer workload keys take integers only.
+check_error "--capacity-gib given twice" "--capacity-gib is given twice: give it once" \
+  "$bin/fragless-replay" --capacity-gib 1 --capacity-gib 100 "$work/oracle.csv"
+check_error "--policy given twice" "--policy is given twice" "$bin/fragless-replay" --policy classic --policy fragless "$work/oracle.csv"
+check_error "--capacity-gib that rounds to 0 bytes" "--capacity-gib 1e-10: less than one byte" \
+  "$bin/fragless-replay" --capacity-gib 1e-10 "$work/oracle.csv"
+check_error "--plot ''" "--plot needs a file name" "$bin/fragless-replay" --plot '' "$work/oracle.csv"
+check_error "--policy classic, (an empty name)" "--policy 'classic,': an empty policy name between commas" \
+  "$bin/fragless-replay" --policy classic, "$work/oracle.csv"
+for kv in layers=1.5 layers=0x10 "layers= 5" layers=+5; do
+  check_error "transformer key $kv is not an integer" "bad value" "$bin/fragless-replay" "workload:transformer-train:$kv"
+done
+for kv in layers=1.5 layers=0x10 "layers= 5" seed=1.5; do
+  check_error "zoo key $kv is not an integer" "is not an integer in [" "$bin/fragless-replay" "workload:moe:$kv"
+done
+check_error "a zoo real key in hexadecimal" "is not a number in [" "$bin/fragless-replay" "workload:moe:skew=0x1"
+check_error "transformer seed=1.5" "workload option seed: bad value '1.5'" "$bin/fragless-replay" "workload:transformer-train:seed=1.5"
+# results_tables.py: a bad command or value is argparse's error (exit 2), and it runs from any directory.
+check_error "results_tables.py: an unknown command" "invalid choice: 'bogus'" python3 "$(dirname "$(realpath "$0")")/../../tools/results_tables.py" bogus
+check_error "results_tables.py general --seed abc" "argument --seed: invalid int value: 'abc'" \
+  python3 "$(dirname "$(realpath "$0")")/../../tools/results_tables.py" general --seed abc
 check_error "bad --conf value" "bad value '7' for key 'reserve_slack'" "$bin/fragless-replay" --conf reserve_slack:7 "$work/o.fgt"
 # A directory or an empty file as a trace is named as such (not "unknown trace format").
 : >"$work/empty.fgt"
@@ -284,7 +384,7 @@ for key in layers d_model heads d_ff vocab batch steps max_seq ckpt dropout accu
   check_error "workload key $key: a bad value's error says what it accepts" "expected" \
     "$bin/fragless-replay" "workload:transformer-train:$key=nonsense"
 done
-check_error "a zoo key's error gives its range" "is not a number in [" "$bin/fragless-replay" "workload:unet2d:levels=99"
+check_error "a zoo key's error gives its range" "levels='99' is not an integer in [1, 8]" "$bin/fragless-replay" "workload:unet2d:levels=99"
 # The table ends with a legend of its columns; info and the replay say what their event counts count.
 check "the replay's table" "$bin/fragless-replay" "$work/o.fgt"
 tail -n 1 "$work/out" >"$work/last"  # read before check's run truncates $work/out (a process substitution raced it)
@@ -345,7 +445,7 @@ check_output "... which keeps the empty_cache call" "empty_cache 1 " "$bin/fragl
 check "converted to an RMM log" "$bin/fragless-trace" convert "$work/ec.fgt" "$work/ec.csv"
 cp "$work/err" "$work/ec.err"
 check "... saying the empty_cache call is not kept" \
-  grep -qE "not kept in .*ec\.csv: .*1 empty_cache events \(an RMM log has allocate and free rows only\)" "$work/ec.err"
+  grep -qE "not kept in .*ec\.csv: .*1 empty_cache events \(an RMM log has allocate, allocate failure and free rows only\)" "$work/ec.err"
 check "converted to a snapshot" "$bin/fragless-trace" convert "$work/ec.fgt" "$work/ec2.pickle"
 cp "$work/err" "$work/ec.err"
 check "... saying the same" grep -qE "not kept in .*ec2\.pickle: 1 empty_cache events \(a PyTorch snapshot has no such entries\)" \

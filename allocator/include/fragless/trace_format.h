@@ -24,14 +24,14 @@ struct NativeTraceHeader {
   std::uint16_t version;
   std::uint16_t header_size;
   std::uint16_t record_size;
-  std::uint16_t flags;           // reserved, 0
+  std::uint16_t flags;           // bit 0: no timestamps (a converted untimed trace); the other bits 0
   std::uint32_t pid;
   std::int32_t rank;             // RANK from the environment, -1 if unset
   std::int32_t device;           // -1: every device of the process writes here
-  std::uint32_t reserved0;
+  std::uint32_t reserved0;       // 0 (a reader refuses another value)
   std::uint64_t origin_unix_ns;  // wall-clock time of record time 0
   char policy[16];               // NUL-padded policy name
-  std::uint64_t reserved1;
+  std::uint64_t reserved1;       // 0
 };
 static_assert(sizeof(NativeTraceHeader) == 64);
 
