@@ -322,6 +322,19 @@ int run(int argc, char** argv) {
       lost.push_back(dropped + " (the fragless trace model holds allocation events, segments and blocks, not their "
                                "context)");
     if (std::string events = events_not_kept(t, f, device); !events.empty()) lost.push_back(events);
+    // The cache a classic replay starts from. A snapshot written here marks its segments as rebuilt from the
+    // events (they are not what an allocator recorded), so its reader starts classic from an empty cache.
+    if (f != Format::native && !t.pre_segments.empty()) {
+      std::uint64_t bytes = 0;
+      for (const auto& e : t.pre_segments) bytes += e.size;
+      lost.push_back("the " + std::to_string(t.pre_segments.size()) +
+                     (t.pre_segments.size() == 1 ? " segment (" : " segments (") +
+                     std::to_string(bytes >> 20) + " MiB) the allocator held when the window began, which " +
+                     "classic's replay starts from (" +
+                     (f == Format::snapshot ? "the snapshot's segments are rebuilt from the events"
+                                            : "an RMM log has no segments") +
+                     ", so classic replays it from an empty cache)");
+    }
     if (!lost.empty()) {
       std::string text;
       for (const auto& item : lost) text += (text.empty() ? "" : "; ") + item;

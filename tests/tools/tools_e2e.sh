@@ -450,4 +450,26 @@ check "converted to a snapshot" "$bin/fragless-trace" convert "$work/ec.fgt" "$w
 cp "$work/err" "$work/ec.err"
 check "... saying the same" grep -qE "not kept in .*ec2\.pickle: 1 empty_cache events \(a PyTorch snapshot has no such entries\)" \
   "$work/ec.err"
+
+# A cache the allocator held before the window (a segment at the dump that no event made) is what classic's
+# replay starts from; the native format keeps it, a snapshot written from it does not, and says so.
+cat >"$work/pre.py" <<'PY'
+import pickle, sys
+MiB, A = 1 << 20, 0x7f0000000000
+seg = {"device": 0, "address": A, "total_size": 20 * MiB, "allocated_size": 0, "active_size": 0,
+       "requested_size": 0, "stream": 0, "segment_type": "large", "segment_pool_id": (0, 0),
+       "is_expandable": False, "frames": [], "blocks": [{"address": A, "size": 20 * MiB, "requested_size": 0,
+                                                          "state": "inactive", "frames": []}]}
+trace = [{"action": "alloc", "addr": A, "size": 8 * MiB, "stream": 0, "time_us": 1},
+         {"action": "free_completed", "addr": A, "size": 8 * MiB, "stream": 0, "time_us": 2}]
+pickle.dump({"segments": [seg], "device_traces": [trace]}, open(sys.argv[1], "wb"), protocol=4)
+PY
+check "a snapshot with a cache from before its window" python3 "$work/pre.py" "$work/pre.pickle"
+check "converted to native" "$bin/fragless-trace" convert "$work/pre.pickle" "$work/pre.fgt"
+cp "$work/err" "$work/pre.err"
+check_count "... with no note (the native format keeps that cache)" "not kept" 0 cat "$work/pre.err"
+check "converted back to a snapshot" "$bin/fragless-trace" convert "$work/pre.fgt" "$work/pre2.pickle"
+cp "$work/err" "$work/pre.err"
+check "... saying that cache is not kept" \
+  grep -qE "not kept in .*pre2\.pickle: the 1 segment \(20 MiB\) the allocator held when the window began" "$work/pre.err"
 finish
