@@ -5,6 +5,7 @@
 #include <cstring>
 #include <atomic>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -67,6 +68,11 @@ class DeviceSink final : public EventSink {
     std::lock_guard lk(mu_);
     ring_.push_back(std::move(r));
     while (ring_.size() > max_entries_) ring_.pop_front();
+    if (segment_made && st) {
+      segment_stacks_[e.address] = st;  // the segment that starts here, if one does (Note [Segment frames])
+    } else if (e.action == TraceAction::segment_free || e.action == TraceAction::segment_unmap) {
+      segment_stacks_.erase(segment_stacks_.lower_bound(e.address), segment_stacks_.lower_bound(e.address + e.requested_size));
+    }
     if (alloc && st) block_stacks_[e.address] = std::move(st);
     else if (alloc || freed) block_stacks_.erase(e.address);
   }
@@ -84,18 +90,22 @@ class DeviceSink final : public EventSink {
     wanted_free_.store(context_ >= kContextAll ? stacks_ : 0, std::memory_order_relaxed);
     if (clear) ring_.clear();
     while (ring_.size() > n) ring_.pop_front();
-    if (!stacks_) block_stacks_.clear();
+    if (!stacks_) {
+      block_stacks_.clear();
+      segment_stacks_.clear();
+    }
   }
   // The history, and the frames of live blocks' allocations, named now (each stack once). The ring is copied
   // under the lock and named after it: naming may take the GIL, which an allocating thread may hold while
   // it waits for this lock.
   void collect(formats::DeviceState* out) {
     std::vector<Rec> ring;
-    std::vector<std::pair<std::uint64_t, std::shared_ptr<const stacks::Stack>>> blocks;
+    std::vector<std::pair<std::uint64_t, std::shared_ptr<const stacks::Stack>>> blocks, segments;
     {
       std::lock_guard lk(mu_);
       ring.assign(ring_.begin(), ring_.end());
       blocks.assign(block_stacks_.begin(), block_stacks_.end());
+      segments.assign(segment_stacks_.begin(), segment_stacks_.end());
     }
     stacks::Namer name;
     // Each distinct stack named once, and its frames shared by every event that captured it (the snapshot's
@@ -120,6 +130,7 @@ class DeviceSink final : public EventSink {
       out->history.back().frames = frames(r.stack);
     }
     for (const auto& [addr, st] : blocks) out->block_frames[addr] = frames(st);
+    for (const auto& [addr, st] : segments) out->segment_frames[addr] = frames(st);
   }
   bool needed() const { return tracer_ != nullptr || max_entries_ != 0; }
   // fork() holds the ring's lock (fragless::hold_across_fork): collect and set_history take it without a
@@ -144,6 +155,12 @@ class DeviceSink final : public EventSink {
   std::mutex mu_;
   std::deque<Rec> ring_;
   std::unordered_map<std::uint64_t, std::shared_ptr<const stacks::Stack>> block_stacks_;
+  // Note [Segment frames]
+  // The stack of the call whose segment_alloc or segment_map event made the memory at each address, kept until a
+  // segment_free or segment_unmap covers that address: a snapshot gives it to the segment that starts there
+  // (PyTorch's context_when_segment_allocated). A growable segment's range that starts where no growth began
+  // (its first pages were unmapped since) has none. Bounded by the segments' pages: one entry per address.
+  std::map<std::uint64_t, std::shared_ptr<const stacks::Stack>> segment_stacks_;
 };
 
 // Note [Histories across fork]

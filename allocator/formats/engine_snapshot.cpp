@@ -38,6 +38,7 @@ std::string engine_snapshot_pickle(const std::vector<DeviceState>& devices, cons
       h.pool_first = seg.pool.first;
       h.pool_second = seg.pool.second;
       h.exported_bytes = seg.exported_bytes;
+      if (auto it = d.segment_frames.find(seg.address); it != d.segment_frames.end()) h.frames = it->second.get();
       layout::begin_segment(w, h);
       for (const auto& b : seg.blocks)
         if (b.state != BlockInfo::unmapped) {  // outside the mapped range: not part of a segment

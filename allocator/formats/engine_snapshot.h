@@ -28,6 +28,9 @@ struct DeviceState {
   std::vector<HistoryEntry> history;  // oldest first
   // Frames of the allocation of each live block, by address (what the viewer shows for a block).
   std::unordered_map<std::uint64_t, std::shared_ptr<const std::vector<Frame>>> block_frames;
+  // Frames of the allocation that made the memory at each segment's start, by the segment's address (PyTorch's
+  // context_when_segment_allocated; the viewer shows it for the segment).
+  std::unordered_map<std::uint64_t, std::shared_ptr<const std::vector<Frame>>> segment_frames;
 };
 
 std::string engine_snapshot_pickle(const std::vector<DeviceState>& devices, const std::string& settings);

@@ -35,7 +35,6 @@ void write_frames(PickleWriter& w, const std::vector<Frame>* frames) {
     }
   w.end_list();
 }
-void empty_frames(PickleWriter& w) { write_frames(w, nullptr); }
 }  // namespace
 
 void begin_segment(PickleWriter& w, const SegmentHeader& s) {
@@ -56,7 +55,7 @@ void begin_segment(PickleWriter& w, const SegmentHeader& s) {
   w.str("is_expandable");
   w.boolean(s.expandable);
   if (s.exported_bytes) w.kv_uint("exported_bytes", s.exported_bytes);
-  empty_frames(w);
+  write_frames(w, s.frames);
   w.str("blocks");
   w.begin_list();
 }

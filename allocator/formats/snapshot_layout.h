@@ -23,6 +23,7 @@ struct SegmentHeader {
   bool small = false, expandable = false;
   std::uint64_t pool_first = 0, pool_second = 0;
   std::uint64_t exported_bytes = 0;  // fragless: bytes of its blocks' shares (written when not 0)
+  const std::vector<Frame>* frames = nullptr;  // the stack of the allocation that made it, if recorded
 };
 
 // fragless's fields of a block held for other processes or NCCL (README "Sharing across processes"), written

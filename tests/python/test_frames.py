@@ -178,6 +178,13 @@ for context, want in (("alloc", True), ("state", False)):
     check(made, "no segment made for the 40 MiB allocation: %s" % [e["action"] for e in history()[before:]])
     check(all(("allocate_here" in names(e["frames"])) == want for e in made),
           "context %r: frames of the segment entries %s" % (context, [names(e["frames"])[:2] for e in made]))
+    # ...and the snapshot's segment that starts there keeps them, with either context (live state): Note
+    # [Segment frames] in capi.cpp.
+    starts = {e["addr"] for e in made}
+    segs = [s for s in fragless.snapshot()["segments"] if s["address"] in starts]
+    check(segs, "no segment of the snapshot starts where the 40 MiB allocation's memory was made")
+    check(all("allocate_here" in names(s["frames"]) for s in segs),
+          "context %r: frames of the segment %s" % (context, [names(s["frames"])[:2] for s in segs]))
     free_here(with_gil, p, 40 * MiB)
     fragless.empty_cache()
 
