@@ -35,6 +35,12 @@ std::atomic<void (*)(const char*)> g_oom_thrower{nullptr};
 // fragless_set_oom_note: appended to the out-of-memory message when there is no thrower (why the error is not
 // the framework's own). Each note set is kept for the process (a reader may still hold the previous one).
 std::atomic<const std::string*> g_oom_note{nullptr};
+// fragless_attach_oom_observer: called in the order added; a slot is read only once its count covers it, and a
+// slot not yet stored (another thread is adding it) is skipped.
+using OomObserver = void (*)(int, size_t, size_t, size_t);
+constexpr int kMaxOomObservers = 64;
+std::atomic<OomObserver> g_oom_observers[kMaxOomObservers];
+std::atomic<int> g_oom_observer_count{0};
 
 // What frames a history records, PyTorch's RecordContext (c10/cuda/CUDACachingAllocator.h): none; those of
 // live blocks' allocations only ("state"); those of allocations on trace entries too ("alloc"); and of frees
@@ -337,6 +343,10 @@ void* allocate(size_t size, int device, cudaStream_t stream, bool* oom) {
 }
 }  // namespace
 
+namespace {
+void notify_oom_observers(int device, size_t size);  // fragless_attach_oom_observer's, below
+}  // namespace
+
 void* fragless_malloc(size_t size, int device, cudaStream_t stream) {
   if (size == 0) {  // legal: nothing to allocate
     t_last_error.clear();
@@ -346,11 +356,47 @@ void* fragless_malloc(size_t size, int device, cudaStream_t stream) {
   if (void* p = allocate(size, device, stream, &oom)) return p;
   // Never NULL: PyTorch's normal path would wrap it in a tensor whose first kernel faults.
   if (oom) {
+    notify_oom_observers(device, size);
     if (auto thrower = g_oom_thrower.load(std::memory_order_acquire)) thrower(t_last_error.c_str());
     if (const std::string* note = g_oom_note.load(std::memory_order_acquire)) throw OutOfMemoryError(t_last_error + " " + *note);
     throw OutOfMemoryError(t_last_error);
   }
   throw std::runtime_error(t_last_error);
+}
+
+namespace {
+// PyTorch's arguments (c10/cuda/CUDACachingAllocator.cpp, malloc): the device, the size, the fraction's limit or
+// the device's total, the device's free memory. Asked with no fragless lock held; the observer may take the GIL.
+void notify_oom_observers(int device, size_t size) {
+  const int n = std::min(g_oom_observer_count.load(std::memory_order_acquire), kMaxOomObservers);
+  if (n == 0) return;
+  const std::string error = t_last_error;  // what the throw reports, whatever is called here
+  std::size_t free_b = 0, total_b = 0;
+  if (DeviceEngine* e = engine(device)) e->memory_info(&free_b, &total_b);
+  const double fraction = fragless_get_memory_fraction(device);
+  const std::size_t limit =
+      fraction >= 0 && fraction < 1 ? static_cast<std::size_t>(fraction * static_cast<double>(total_b)) : total_b;
+  for (int i = 0; i < n; ++i)
+    if (OomObserver obs = g_oom_observers[i].load(std::memory_order_acquire)) obs(device, size, limit, free_b);
+  t_last_error = error;
+}
+}  // namespace
+
+int fragless_attach_oom_observer(void (*observer)(int device, size_t alloc, size_t limit, size_t device_free)) {
+  t_last_error.clear();
+  if (!observer) {
+    t_last_error = "fragless_attach_oom_observer: a null observer";
+    return -1;
+  }
+  const int i = g_oom_observer_count.fetch_add(1, std::memory_order_acq_rel);
+  if (i >= kMaxOomObservers) {
+    g_oom_observer_count.fetch_sub(1, std::memory_order_acq_rel);
+    t_last_error = "fragless_attach_oom_observer: " + std::to_string(kMaxOomObservers) +
+                   " observers are already attached (they are never removed)";
+    return -1;
+  }
+  g_oom_observers[i].store(observer, std::memory_order_release);
+  return 0;
 }
 
 void fragless_set_oom_thrower(void (*thrower)(const char* message)) {

@@ -41,6 +41,12 @@ def run_case(case):
     check(float(x.sum()) == float(1 << 20))
     check(fragless.memory_stats(0)["allocated_bytes.all.current"] >= 4 << 20)  # the tensor is fragless memory
     before = fragless.memory_stats(0)["num_alloc_retries"]
+    # PyTorch's out-of-memory observers (torch._C._cuda_attach_out_of_memory_observer, which a pluggable
+    # allocator does not support) are called before the error, with PyTorch's arguments; one that raises is
+    # reported and does not change the error.
+    seen = []
+    torch._C._cuda_attach_out_of_memory_observer(lambda *args: seen.append(args))
+    torch._C._cuda_attach_out_of_memory_observer(lambda *args: 1 / 0)
     want = torch.cuda.OutOfMemoryError if case != "neither" else RuntimeError
     check(ft.oom_error_type() is want, (ft.oom_error_type(), messages))
     try:
@@ -55,6 +61,14 @@ def run_case(case):
     check(msg.startswith("CUDA out of memory. Tried to allocate 1024.00 GiB. GPU 0 has a total capacity of "), msg)
     check("fragless" in msg, msg)
     check(fragless.memory_stats(0)["num_alloc_retries"] == before + 1)  # the retry chain ran first
+    check(len(seen) == 1, seen)
+    device, alloc, limit, free = seen[0]
+    check(device == 0 and alloc == 1 << 40 and limit == 512 << 20 and 0 < free <= limit, seen)
+    try:
+        torch._C._cuda_attach_out_of_memory_observer(42)
+        raise AssertionError("a non-callable observer was accepted")
+    except TypeError:
+        pass
     if case == "neither":
         check(any("will raise RuntimeError" in m for m in messages), messages)
         check("not torch.cuda.OutOfMemoryError" in msg and "PyTorch" in msg, msg)  # the error says why

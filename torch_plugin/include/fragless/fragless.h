@@ -34,6 +34,12 @@ FRAGLESS_API void fragless_set_oom_thrower(void (*thrower)(const char* message))
 /* Without a thrower, the out-of-memory exception's message ends with `note` (NULL or "": nothing): why the
  * error is not the framework's own (fragless.torch.enable() says where no thrower could be had). */
 FRAGLESS_API void fragless_set_oom_note(const char* note);
+/* Adds a function fragless_malloc calls when a request runs out of memory, before it throws, with no lock of
+ * fragless held, as PyTorch calls the observers of torch._C._cuda_attach_out_of_memory_observer: the device, the
+ * bytes asked for, the memory fraction's limit in bytes (the device's total without one) and the device's free
+ * bytes. At most 64 for the process, never removed; returns 0, or -1 with fragless_last_error saying why (a
+ * null function, or 64 already added). */
+FRAGLESS_API int fragless_attach_oom_observer(void (*observer)(int device, size_t alloc, size_t limit, size_t device_free));
 /* Checks a FRAGLESS_CONF string without creating anything: 0 when it is valid, else the length of the error
  * message (naming the key, the value and the accepted forms), written into buf as fragless_memory_stats
  * writes its text. */

@@ -126,6 +126,8 @@ def library():
         fn.argtypes = [c.c_char_p, c.c_char_p, c.c_size_t]
     _lib.fragless_set_oom_thrower.argtypes = [c.c_void_p]
     _lib.fragless_set_oom_note.argtypes = [c.c_char_p]
+    _lib.fragless_attach_oom_observer.argtypes = [c.c_void_p]
+    _lib.fragless_attach_oom_observer.restype = c.c_int
     return _lib
 
 

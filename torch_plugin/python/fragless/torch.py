@@ -493,4 +493,36 @@ def _install_api(torch):
     for name, fn in private.items():
         _originals.setdefault(name, getattr(mem, name, None))
         setattr(mem, name, fn)
+    # PyTorch's "dump a snapshot on out of memory" hook, which a pluggable allocator does not support
+    # (attachOutOfMemoryObserver raises): fragless calls the observers before it raises, with PyTorch's
+    # arguments (device, bytes asked for, the memory limit or the device's total, the device's free bytes).
+    _originals.setdefault("_cuda_attach_out_of_memory_observer",
+                          getattr(torch._C, "_cuda_attach_out_of_memory_observer", None))
+    torch._C._cuda_attach_out_of_memory_observer = attach_out_of_memory_observer
     _api_installed = True
+
+
+_OOM_OBSERVER = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t)
+_oom_observers = []  # the ctypes wrappers, kept alive: libfragless.so holds them for the process
+
+
+def attach_out_of_memory_observer(observer):
+    """fragless: torch._C._cuda_attach_out_of_memory_observer. `observer(device, alloc, device_limit,
+    device_free)` is called when an allocation runs out of memory, before torch.cuda.OutOfMemoryError is raised,
+    as PyTorch calls it; an exception it raises is printed and the out-of-memory error raised as usual. At most
+    64 per process, never removed."""
+    if not callable(observer):
+        raise TypeError("_cuda_attach_out_of_memory_observer: the observer must be callable, not %s"
+                        % type(observer).__name__)
+
+    def call(device, alloc, limit, free):
+        try:
+            observer(device, alloc, limit, free)
+        except BaseException:  # an exception must not cross into the allocator's C++ frames
+            import traceback
+            traceback.print_exc()
+
+    wrapped = _OOM_OBSERVER(call)
+    if _f.library().fragless_attach_oom_observer(ctypes.cast(wrapped, ctypes.c_void_p)) != 0:
+        raise RuntimeError(_f.last_error())
+    _oom_observers.append(wrapped)
