@@ -318,6 +318,16 @@ def _record_history_current(enabled="all", context="all", stacks="all", max_entr
     if enabled is None:
         _f.record_history(0)
         return
+    _refuse_unrecorded(compile_context, global_record_annotations, skip_actions, record_pinned_host_memory,
+                       record_cuda)
+    entries = max_entries if enabled == "all" else 1
+    _f.record_history(max(1, min(int(entries), 1 << 40)), context=context, stacks=stacks,
+                      clear_history=clear_history)
+
+
+def _refuse_unrecorded(compile_context, global_record_annotations, skip_actions, record_pinned_host_memory,
+                       record_cuda):
+    """The history options of both forms that fragless does not record: an error, never ignored."""
     if compile_context:
         _history_refused("compile_context=True")
     if global_record_annotations:
@@ -328,9 +338,6 @@ def _record_history_current(enabled="all", context="all", stacks="all", max_entr
         _history_refused("record_pinned_host_memory=True")
     if not record_cuda:
         _history_refused("record_cuda=False")
-    entries = max_entries if enabled == "all" else 1
-    _f.record_history(max(1, min(int(entries), 1 << 40)), context=context, stacks=stacks,
-                      clear_history=clear_history)
 
 
 def _record_history_legacy(enabled, record_context=True, trace_alloc_max_entries=1,
@@ -344,16 +351,8 @@ def _record_history_legacy(enabled, record_context=True, trace_alloc_max_entries
     if not enabled:
         _f.record_history(0)
         return
-    if compile_context:
-        _history_refused("compile_context=True")
-    if global_record_annotations:
-        _history_refused("global_record_annotations=True")
-    if skip_actions:
-        _history_refused("skip_actions=%r" % (list(skip_actions),))
-    if record_pinned_host_memory:
-        _history_refused("record_pinned_host_memory=True")
-    if not record_cuda:
-        _history_refused("record_cuda=False")
+    _refuse_unrecorded(compile_context, global_record_annotations, skip_actions, record_pinned_host_memory,
+                       record_cuda)
     context = "alloc" if trace_alloc_record_context else "state" if record_context else None
     stacks = "all" if record_context_cpp and context else "python"
     _f.record_history(max(1, min(int(trace_alloc_max_entries), 1 << 40)), context=context, stacks=stacks,
