@@ -54,15 +54,14 @@ class DeviceSink final : public EventSink {
   explicit DeviceSink(EventSink* tracer) : tracer_(tracer) {}
   void on_event(const TraceEvent& e) override {
     if (tracer_) tracer_->on_event(e);
-    if (max_entries_ == 0) return;
+    if (!on_.load(std::memory_order_relaxed)) return;  // no history (set_history's fields are read under mu_)
     const bool alloc = e.action == TraceAction::alloc;
     const bool freed = e.action == TraceAction::free || e.action == TraceAction::free_completed;
     const bool free_call = freed || e.action == TraceAction::free_requested;
     // The memory an allocation made for itself carries its stack, as in PyTorch (alloc_block and the
     // expandable segment's map record the malloc's context): no capture of its own, so nothing on a cache hit.
     const bool segment_made = e.action == TraceAction::segment_alloc || e.action == TraceAction::segment_map;
-    std::shared_ptr<const stacks::Stack> st;
-    if (stacks_ && (alloc || segment_made || (context_ >= kContextAll && free_call))) st = t_call_stack;
+    const bool segment_gone = e.action == TraceAction::segment_free || e.action == TraceAction::segment_unmap;
     Rec r;
     r.h.action = e.action;
     r.h.address = e.address;  // 0 for events without one (physical create/release, empty_cache)
@@ -70,13 +69,25 @@ class DeviceSink final : public EventSink {
     r.h.stream = e.stream;
     r.h.time_us = std::chrono::duration_cast<std::chrono::microseconds>(
                       std::chrono::system_clock::now().time_since_epoch()).count();
-    if (context_ >= kContextAlloc) r.stack = st;  // context "state": frames for live blocks only
     std::lock_guard lk(mu_);
+    if (max_entries_ == 0) return;
+    std::shared_ptr<const stacks::Stack> st;
+    if (stacks_ && (alloc || segment_made || (context_ >= kContextAll && free_call))) st = t_call_stack;
+    if (context_ >= kContextAlloc) {  // context "state": frames for live blocks only
+      r.stack = st;
+      // An entry with no stack of its own carries what made the memory, as PyTorch's do (free() and
+      // free_block() pass context_when_allocated, a segment's release context_when_segment_allocated).
+      if (!r.stack && free_call) {
+        if (auto it = block_stacks_.find(e.address); it != block_stacks_.end()) r.stack = it->second;
+      } else if (!r.stack && segment_gone) {
+        if (auto it = segment_stacks_.find(e.address); it != segment_stacks_.end()) r.stack = it->second;
+      }
+    }
     ring_.push_back(std::move(r));
     while (ring_.size() > max_entries_) ring_.pop_front();
     if (segment_made && st) {
       segment_stacks_[e.address] = st;  // the segment that starts here, if one does (Note [Segment frames])
-    } else if (e.action == TraceAction::segment_free || e.action == TraceAction::segment_unmap) {
+    } else if (segment_gone) {
       segment_stacks_.erase(segment_stacks_.lower_bound(e.address), segment_stacks_.lower_bound(e.address + e.requested_size));
     }
     if (alloc && st) block_stacks_[e.address] = std::move(st);
@@ -90,6 +101,7 @@ class DeviceSink final : public EventSink {
   void set_history(std::size_t n, int context, int stacks, bool clear) {
     std::lock_guard lk(mu_);
     max_entries_ = n;
+    on_.store(n != 0, std::memory_order_relaxed);
     context_ = n ? context : 0;
     stacks_ = n && context ? stacks : 0;
     wanted_alloc_.store(stacks_, std::memory_order_relaxed);
@@ -138,7 +150,7 @@ class DeviceSink final : public EventSink {
     for (const auto& [addr, st] : blocks) out->block_frames[addr] = frames(st);
     for (const auto& [addr, st] : segments) out->segment_frames[addr] = frames(st);
   }
-  bool needed() const { return tracer_ != nullptr || max_entries_ != 0; }
+  bool needed() const { return tracer_ != nullptr || on_.load(std::memory_order_relaxed); }
   // fork() holds the ring's lock (fragless::hold_across_fork): collect and set_history take it without a
   // device lock, so a child forked during a snapshot would otherwise wait for ever at its first event.
   static void lock_for_fork(void* s) { static_cast<DeviceSink*>(s)->mu_.lock(); }
@@ -155,8 +167,9 @@ class DeviceSink final : public EventSink {
     std::shared_ptr<const stacks::Stack> stack;
   };
   EventSink* tracer_;
-  std::size_t max_entries_ = 0;
+  std::size_t max_entries_ = 0;  // these three under mu_
   int context_ = 0, stacks_ = 0;
+  std::atomic<bool> on_{false};  // max_entries_ != 0, read without mu_ to skip events when there is no history
   std::atomic<int> wanted_alloc_{0}, wanted_free_{0};  // read without mu_ before a call takes any lock
   std::mutex mu_;
   std::deque<Rec> ring_;

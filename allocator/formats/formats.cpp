@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -40,6 +41,11 @@ bool is_segment_op(Op op) {
 
 std::string event_out_of_bounds(const Event& e) {
   constexpr std::uint64_t kSizeLimit = std::uint64_t{1} << 63;
+  if (e.device < 0 || e.device >= kMaxDevices)
+    return "device " + std::to_string(e.device) + " is outside [0, " + std::to_string(kMaxDevices) + ")";
+  // A request that failed is a record of what was asked and is never placed: any size (an absurd one, from an
+  // underflow, is what fails), and its address says nothing about memory (a snapshot's holds the free bytes).
+  if (e.op == Op::oom) return {};
   if (e.size >= kSizeLimit) return "size " + std::to_string(e.size) + " is outside [0, 2^63)";
   if (e.block_size >= kSizeLimit) return "block size " + std::to_string(e.block_size) + " is outside [0, 2^63)";
   if (e.address + e.size < e.address) {
@@ -48,8 +54,6 @@ std::string event_out_of_bounds(const Event& e) {
                   static_cast<unsigned long long>(e.size));
     return b;
   }
-  if (e.device < 0 || e.device >= kMaxDevices)
-    return "device " + std::to_string(e.device) + " is outside [0, " + std::to_string(kMaxDevices) + ")";
   return {};
 }
 
@@ -238,10 +242,16 @@ bool write_file(const std::string& path, const std::string& bytes, std::string* 
   };
   struct stat old;
   const bool existed = ::stat(target.c_str(), &old) == 0;
-  const std::string tmp = target + ".tmp" + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  // A fresh name beside the target (mkostemp: never one a crashed run left behind), given the mode the file
+  // would have had: the old file's, else 0666 less the umask (read by setting it back at once: the tools
+  // write from one thread).
+  std::string name = target + ".tmpXXXXXX";
+  const int fd = ::mkostemp(name.data(), O_CLOEXEC);
+  const std::string tmp = name;
   if (fd < 0) return failed("cannot write " + tmp);
-  int err = existed && ::fchmod(fd, old.st_mode & 07777) != 0 ? errno : 0;
+  const mode_t mask = ::umask(0);
+  ::umask(mask);
+  int err = ::fchmod(fd, existed ? (old.st_mode & 07777) : (0666 & ~mask)) != 0 ? errno : 0;
   for (std::size_t done = 0; !err && done < bytes.size();) {
     const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
     if (n < 0 && errno == EINTR) continue;

@@ -53,11 +53,13 @@ bool parse_hex(std::string s, std::uint64_t* v) {
 }
 
 bool parse_dec(const std::string& s, std::uint64_t* v) {
-  if (s.empty() || s.size() > 19) return false;
+  if (s.empty() || s.size() > 20) return false;
   std::uint64_t r = 0;
   for (char c : s) {
     if (c < '0' || c > '9') return false;
-    r = r * 10 + static_cast<std::uint64_t>(c - '0');
+    const auto d = static_cast<std::uint64_t>(c - '0');
+    if (r > (UINT64_MAX - d) / 10) return false;  // past 2^64 - 1
+    r = r * 10 + d;
   }
   *v = r;
   return true;

@@ -226,7 +226,8 @@ void read_trace(const PyValue& list, std::size_t dev, const std::string& where, 
     Event ev;
     ev.device = static_cast<std::int32_t>(dev);
     ev.stream = opt(e, "stream", Int::handle, aw, 0);
-    ev.size = need(e, "size", Int::size, aw);
+    // A failed request may have asked any 64-bit size (event_out_of_bounds): never negative, never placed.
+    ev.size = need(e, "size", action == "oom" ? Int::address : Int::size, aw);
     if (action == "oom")  // the free device memory, under its own key (older hand-made dumps: 'addr')
       ev.address = field(e, "device_free") ? need(e, "device_free", Int::size, aw) : opt(e, "addr", Int::size, aw, 0);
     else

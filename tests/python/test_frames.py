@@ -155,7 +155,8 @@ for attempt in range(5):
     check(r.returncode == 0 and "exiting" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:]))
 print("interpreter shutdown with threads allocating: 5 clean exits")
 
-# stacks "python": Python frames only; context "alloc": no frames on frees.
+# stacks "python": Python frames only; context "alloc": a free's entries carry the allocation's frames, not the
+# free's own, as PyTorch's (free() and free_block() pass context_when_allocated when no context was gathered).
 fragless.record_history(1000, context="alloc", stacks="python")
 before = len(history())
 p = allocate_from_a_caller(with_gil, MiB)
@@ -164,7 +165,8 @@ check(n[0] == "allocate_here" and not any("fragless_malloc" in x for x in n), n)
 before = len(history())
 free_here(with_gil, p, MiB)
 freed = the_frees(before, p)
-check(all(e["frames"] == [] for e in freed), freed)
+check(freed and all(names(e["frames"])[:1] == ["allocate_here"] for e in freed),
+      [names(e["frames"])[:2] for e in freed])
 
 # The segment an allocation makes carries that allocation's frames (PyTorch records the malloc's context on
 # its segment_alloc and segment_map entries, c10/cuda/CUDACachingAllocator.cpp), so the viewer names its
@@ -185,8 +187,14 @@ for context, want in (("alloc", True), ("state", False)):
     check(segs, "no segment of the snapshot starts where the 40 MiB allocation's memory was made")
     check(all("allocate_here" in names(s["frames"]) for s in segs),
           "context %r: frames of the segment %s" % (context, [names(s["frames"])[:2] for s in segs]))
+    before = len(history())
     free_here(with_gil, p, 40 * MiB)
     fragless.empty_cache()
+    # Its release carries them too (PyTorch's segment_free and segment_unmap pass context_when_segment_allocated).
+    gone = [e for e in history()[before:] if e["action"] in ("segment_free", "segment_unmap") and e["addr"] in starts]
+    check(gone, "no release of the segment at %s: %s" % (starts, [e["action"] for e in history()[before:]]))
+    check(all(("allocate_here" in names(e["frames"])) == want for e in gone),
+          "context %r: frames of the segment's release %s" % (context, [names(e["frames"])[:2] for e in gone]))
 
 # Off (context None): events, no frames.
 fragless.record_history(1000)

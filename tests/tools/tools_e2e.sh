@@ -212,6 +212,19 @@ check_output "... and a time of .5 is half a second" "time span 1.000000 s" "$bi
 check "... converted to native" "$bin/fragless-trace" convert "$work/failure.csv" "$work/failure.fgt"
 check "... and back to an RMM log" "$bin/fragless-trace" convert "$work/failure.fgt" "$work/failure2.csv"
 check "... which keeps the failure row" grep -q ",allocate failure,0x0,99," "$work/failure2.csv"
+# A failed request of any 64-bit size (an underflow's) is a record, not memory: every format keeps it.
+printf 'Thread,Time,Action,Pointer,Size,Stream\n1,00:00:00.5,allocate,0x10,5,0\n1,00:00:01.5,allocate failure,0x0,18446744073709551615,0\n' \
+  >"$work/absurd.csv"
+check_output "RMM: a failed allocation of 2^64 - 1 bytes is read" "oom 1 " "$bin/fragless-trace" info "$work/absurd.csv"
+check "... converted to native" "$bin/fragless-trace" convert "$work/absurd.csv" "$work/absurd.fgt"
+check "... to a snapshot" "$bin/fragless-trace" convert "$work/absurd.fgt" "$work/absurd.pickle"
+check "... and back to an RMM log" "$bin/fragless-trace" convert "$work/absurd.pickle" "$work/absurd2.csv"
+check "... which keeps its size" grep -q ",allocate failure,0x0,18446744073709551615," "$work/absurd2.csv"
+# A temporary file a crashed run left beside the output does not stop the next write.
+# (exec keeps the shell's pid: the name a per-pid temporary would have had is taken.)
+check "a leftover temporary file beside the output" sh -c ': >"$2.tmp$$"; : >"$2.tmpXXXXXX"; exec "$1" convert "$3" "$2"' \
+  sh "$bin/fragless-trace" "$work/absurd3.csv" "$work/absurd.csv"
+check "... and the output written" test -s "$work/absurd3.csv"
 # --costs: an unknown call name and a median no probe measures are refused.
 printf '{"schema":"fragless-gpu-probe/1","costs_us":{"cuMemCreat":{"2097152":{"median":10}}}}' >"$work/typo.json"
 check_error "--costs: an unknown call is named" "costs_us: unknown call 'cuMemCreat'" \

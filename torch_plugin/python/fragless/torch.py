@@ -408,10 +408,10 @@ def _install_api(torch):
             # PyTorch's table, run with its module's names as they are but memory_stats answering these stats:
             # a copy of the function over a copy of its globals, so that nothing shared is changed (another
             # thread's torch.cuda.memory.memory_stats(device) meanwhile answers for its own device).
-            table = _with_globals(original, memory_stats=lambda device=None: stats)
-            try:
+            try:  # a table that is not a plain function (wrapped), or reads what fragless cannot give: fragless's
+                table = _with_globals(original, memory_stats=lambda device=None: stats)
                 return table(device=d, abbreviated=abbreviated)
-            except Exception:  # a PyTorch whose table reads what fragless cannot give: fragless's own table
+            except Exception:
                 pass
         return _f.memory_summary(d)
 
