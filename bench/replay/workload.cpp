@@ -132,6 +132,10 @@ std::string transformer_keys() {
 // Applies `options` (key=value,...) over *c. A key given twice in one spec is an error naming it: a later
 // value silently replacing an earlier one hides a typo.
 bool apply_options(const std::string& options, Config* c, std::string* error) {
+  if (!options.empty() && (options.front() == ',' || options.back() == ',' || options.find(",,") != std::string::npos)) {
+    *error = "workload options '" + options + "': an empty item (a ',' too many)";
+    return false;
+  }
   std::stringstream kv(options);
   std::string item;
   std::vector<std::string> given;

@@ -614,8 +614,11 @@ bool make_zoo_workload(const std::string& name, const std::string& options, form
   std::stringstream kv(options);
   std::string item;
   std::vector<std::string> given;
+  if (!options.empty() && (options.front() == ',' || options.back() == ',' || options.find(",,") != std::string::npos)) {
+    *error = "workload " + name + ": an empty item in '" + options + "' (a ',' too many)";
+    return false;
+  }
   while (std::getline(kv, item, ',')) {
-    if (item.empty()) continue;
     const auto eq = item.find('=');
     const std::string key = item.substr(0, eq);
     if (std::find(given.begin(), given.end(), key) != given.end()) {

@@ -181,6 +181,18 @@ TEST_CASE("workload specs: a key given twice is an error naming it", "[zoo][bad-
   err.clear();
   CHECK_FALSE(replay::make_workload("workload:ckpt-accum:steps=2,steps=3", &t, &err));
   CHECK_THAT(err, Catch::Contains("steps is given twice"));
+  // An empty item (a ',' too many) is an error too, not skipped.
+  for (const char* spec : {"moe:layers=2,", "moe:,layers=2", "moe:layers=2,,experts=4"}) {
+    err.clear();
+    const std::string s(spec);
+    CHECK_FALSE(replay::make_zoo_workload("moe", s.substr(4), &t, &err));
+    CHECK_THAT(err, Catch::Contains("an empty item"));
+  }
+  for (const char* spec : {"workload:transformer-train:layers=2,", "workload:transformer-train:,layers=2"}) {
+    err.clear();
+    CHECK_FALSE(replay::make_workload(spec, &t, &err));
+    CHECK_THAT(err, Catch::Contains("an empty item"));
+  }
   // ckpt-accum's own defaults are not the spec's: a key the spec gives replaces its default.
   formats::Trace two, three;
   err.clear();
