@@ -30,7 +30,7 @@ std::string format_bytes(std::size_t b) {
 // Fast path
 
 // The smallest free block of `pool` on p's stream that holds p.rounded bytes, or end().
-std::set<Block*, BySize>::iterator DeviceEngine::State::best_fit(BlockPool& pool, const AllocParams& p) {
+BlockSizeSet::iterator DeviceEngine::State::best_fit(BlockPool& pool, const AllocParams& p) {
   Block key;
   key.stream = p.stream;
   key.size = p.rounded;

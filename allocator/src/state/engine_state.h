@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "fragless/engine.h"
+#include "fragless/node_slab.h"
 #include "fragless/rounding.h"
 #include "state/background.h"
 #include "state/block_map.h"
@@ -102,9 +103,16 @@ struct ByAddress {
 };
 
 // Free blocks of one pool kind (small or large) of one PoolSet, across streams.
+// The sets' nodes come from the pool's own slab (Note [Node slabs]), declared first so that it outlives them.
+using BlockSizeSet = std::set<Block*, BySize, SlabAllocator<Block*>>;
+using BlockAddressSet = std::set<Block*, ByAddress, SlabAllocator<Block*>>;
 struct BlockPool {
-  std::set<Block*, BySize> blocks;      // free, mapped, no events
-  std::set<Block*, ByAddress> unmapped; // unmapped blocks of growable segments
+  BlockPool() : blocks(BySize{}, SlabAllocator<Block*>(&nodes)), unmapped(ByAddress{}, SlabAllocator<Block*>(&nodes)) {}
+  BlockPool(const BlockPool&) = delete;
+  BlockPool& operator=(const BlockPool&) = delete;
+  NodeSlab nodes;
+  BlockSizeSet blocks;       // free, mapped, no events
+  BlockAddressSet unmapped;  // unmapped blocks of growable segments
   PoolSet* owner = nullptr;
   bool small = false;
   std::uint64_t get_free_blocks_call_count = 0;  // GC clock
@@ -296,7 +304,7 @@ struct DeviceEngine::State {
   // Merges an unmapped block with unmapped neighbours.
   Block* merge_unmapped(Block* b);
 
-  std::set<Block*, BySize>::iterator best_fit(BlockPool& pool, const AllocParams& p);
+  BlockSizeSet::iterator best_fit(BlockPool& pool, const AllocParams& p);
   Block* find_free_block(AllocParams& p);
   Block* take_block(Block* b, AllocParams& p);  // split if worth it, mark allocated, stats
   void free_block(Block* b, bool traced = true);  // allocated/pending -> free in pool

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "fragless/driver.h"
+#include "fragless/node_slab.h"
 
 namespace fragless {
 
@@ -129,7 +130,9 @@ class HandlePool {
   }
 
   std::unordered_map<PhysHandle, Info> info_;
-  std::multimap<std::size_t, PhysHandle> idle_;  // by size in pages
+  NodeSlab idle_nodes_;  // Note [Node slabs]; declared before idle_, which it outlives
+  std::multimap<std::size_t, PhysHandle, std::less<>, SlabAllocator<std::pair<const std::size_t, PhysHandle>>> idle_{
+      SlabAllocator<std::pair<const std::size_t, PhysHandle>>(&idle_nodes_)};  // by size in pages
   std::vector<PhysHandle> taken_;                // in the order they are to be mapped
   std::size_t idle_pages_ = 0, total_pages_ = 0;
 };
