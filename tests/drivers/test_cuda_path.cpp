@@ -5,6 +5,7 @@
 
 #if defined(FRAGLESS_HAVE_CUDA)
 #include "client.h"
+#include "fragless/config.h"
 #include "fragless/cuda_driver.h"
 
 using namespace fragless;
@@ -194,6 +195,104 @@ TEST_CASE("cuda driver: a graph's memory is not unmapped under its replay on ano
       CHECK(fake().clock() >= 1000);
     }
     require_nothing_held();
+  }
+}
+
+// A split queued while its handle was free in the default pool must not follow the handle into a private pool:
+// there a graph replays into it on the caller's stream, which the split's event (on the block's own stream)
+// does not cover. The handle gets there as PyTorch's calls allow: a growth that was lent it failed (its
+// set_access), which made it idle, and a capture's growth then took it.
+TEST_CASE("cuda driver: a split queued in the default pool never touches a private pool's memory", "[cuda][graphs]") {
+  const Stream S = kFaultStreamA, capture = kFaultStreamB, replay = kFaultStreamUse;
+  const PoolId pool{3, 3};
+  {
+    auto parsed = parse_config("handles:ends,handle_max_mb:1024");
+    REQUIRE(parsed.ok);
+    Options o = parsed.options;
+    o.background = BackgroundMode::manual;
+    auto a = make_lazy(PolicyKind::fragless, o);
+    DeviceEngine& e = *a->device(0);
+    void* x = must_allocate(e, 21 * MiB, S);  // a 10-page handle and a last page
+    void* z = must_allocate(e, 2 * MiB, S);   // keeps x's hole apart from the segment's end
+    REQUIRE(e.free(x) == Status::ok);         // the 10-page handle is free whole: its split is queued
+    fake().fail("cuMemSetAccess", 1, 1);
+    AllocError err;
+    void* f = e.allocate(40 * MiB, S, &err);  // is lent the handle, fails: the handle is idle
+    REQUIRE(f == nullptr);
+    fake().reset();
+    e.begin_allocate_to_pool(pool, [capture](Stream s) { return s == capture; });
+    void* g = must_allocate(e, 20 * MiB, capture);  // takes the idle handle into the private pool
+    REQUIRE(e.free(g) == Status::ok);               // freed during the capture: the graph still uses it
+    e.end_allocate_to_pool(pool);
+    REQUIRE(fake().work(replay, g, 20 * MiB, 100000) == CUDA_SUCCESS);  // g.replay() on the caller's stream
+    const auto unmaps = fake().calls("cuMemUnmap");
+    e.run_background(1e18);
+    INFO(fake().first_fault());
+    CHECK(fake().calls("cuMemUnmap") == unmaps);
+    CHECK(fake().now().faults == 0);
+    fake().clear_faults();
+    fake().advance(1000000);
+    REQUIRE(e.release_pool(pool) == Status::ok);
+    REQUIRE(e.free(z) == Status::ok);
+  }
+  require_nothing_held();
+}
+
+// A growth lent a hole's handles (on its own stream, no wait) fails when its set_access fails: the handles
+// become idle, which any stream may take, so the hole's queued work must be done first. They had all been
+// mapped when it failed, so the request held no taken handle any more, and nothing waited. When that wait
+// fails too (Note [Failed waits]), the handles go back to the driver instead: they are never idle.
+TEST_CASE("cuda driver: handles lent to a growth that fails are handed to no other stream before the lender's work",
+          "[cuda][lend]") {
+  const Stream A = kFaultStreamA, B = kFaultStreamB;
+  for (bool wait_fails : {false, true}) {
+    INFO("the lender's wait fails: " << wait_fails);
+    auto a = make_lazy(PolicyKind::fragless);
+    DeviceEngine& e = *a->device(0);
+    void* x = must_allocate(e, 16 * MiB, A);
+    void* z = must_allocate(e, 2 * MiB, A);  // keeps the hole apart from the segment's end
+    REQUIRE(fake().work(A, x, 16 * MiB, 100000) == CUDA_SUCCESS);  // a long kernel over x
+    REQUIRE(e.free(x) == Status::ok);
+    fake().fail("cuMemSetAccess", 1, 1);
+    if (wait_fails) fake().fail("cuEventSynchronize", 1, 1);
+    AllocError err;
+    void* y = e.allocate(20 * MiB, A, &err);  // lends x's handles (same stream: no wait); set_access fails
+    REQUIRE(y == nullptr);
+    fake().reset();
+    void* w = must_allocate(e, 16 * MiB, B);
+    REQUIRE(fake().work(B, w, 16 * MiB, 10) == CUDA_SUCCESS);
+    INFO(fake().first_fault());
+    CHECK(fake().now().faults == 0);
+    fake().clear_faults();
+    fake().advance(1000000);
+    REQUIRE(e.free(w) == Status::ok);
+    REQUIRE(e.free(z) == Status::ok);
+  }
+  require_nothing_held();
+}
+
+// An engine destroyed while a freed block's events on another stream (record_stream) are pending, or while a
+// live block has such a use, gives its memory back only after that stream's work.
+TEST_CASE("cuda driver: an engine destroyed with other streams' work pending waits for it before unmapping",
+          "[cuda][streams]") {
+  const Stream A = kFaultStreamA, U = kFaultStreamUse;
+  for (PolicyKind p : kPolicies) {
+    for (bool freed : {true, false}) {
+      INFO(policy_name(p) << (freed ? ", block freed" : ", block live"));
+      {
+        auto a = make_lazy(p);
+        DeviceEngine& e = *a->device(0);
+        void* x = must_allocate(e, 6 * MiB, A);
+        REQUIRE(fake().work(U, x, 6 * MiB, 100000) == CUDA_SUCCESS);  // another stream reads x
+        REQUIRE(e.record_stream(x, U) == Status::ok);
+        if (freed) REQUIRE(e.free(x) == Status::ok);  // its event on U is pending
+      }
+      INFO(fake().first_fault());
+      CHECK(fake().now().faults == 0);
+      fake().clear_faults();
+      fake().advance(1000000);
+      require_nothing_held();
+    }
   }
 }
 

@@ -45,7 +45,12 @@ DeviceEngine::State::State(const Options& o, std::unique_ptr<Driver> d) : opts(o
 DeviceEngine::State::~State() {
   background.stop();  // Note [Background work]: the worker never outlives the engine
   close_all_shares();  // Note [Sharing]: what other processes opened keeps its memory through their handles
-  // Give everything back, live blocks too: the process is done with this device.
+  // Give everything back, live blocks too: the process is done with this device. Work on streams other than a
+  // block's own (record_stream) may still use memory given back here: a block freed with events pending, one
+  // freed during a capture whose events were deferred, a live block with stream uses. The per-stream waits of
+  // release_free cover only the blocks' own streams: a device-wide wait first covers the rest.
+  bool other_streams = !pending_events.empty() || !deferred_until_no_capture.empty();
+  active_blocks.for_each([&](DevicePtr, Block* b) { other_streams |= !b->stream_uses.empty(); });
   for (auto& [id, ev] : pending_events)
     for (auto& [e, b] : ev) driver->release_event(e);
   pending_events.clear();
@@ -67,7 +72,7 @@ DeviceEngine::State::~State() {
   routes.clear();
   external_captures = 0;
   // Graph-private memory may still be used by a replay on a stream the engine does not know (R17).
-  const bool device_synced = !private_pools.empty() && synchronize_device();
+  const bool device_synced = (!private_pools.empty() || other_streams) && synchronize_device();
   // Twice: a give-back that failed once (a transient driver error) gets another chance.
   for (int attempt = 0; attempt < 2; ++attempt) {
     policy->release_free(nullptr, false);

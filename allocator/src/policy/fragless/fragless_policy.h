@@ -196,7 +196,7 @@ class FraglessPolicy final : public GrowablePolicy {
   // policy.cpp: placement, unmaps, refills, failure.
   std::string check_multi() const;
   void take_idle(Growth& g, std::size_t need, std::size_t room);
-  Status fail_request(Status st, const std::vector<PhysHandle>& created);
+  Status fail_request(Status st, const std::vector<PhysHandle>& created, const std::vector<PhysHandle>& idled = {});
   void give_back(Segment& seg, std::size_t first, std::size_t n, Growth* to_request);
   bool refills(const Segment& seg, std::size_t first, std::size_t missing);
   void move_reserved(bool to_small, std::size_t bytes);

@@ -102,7 +102,7 @@ bool HandleSplitter::take(BackgroundJob* job) {
     const PhysHandle h = largest->second.front();
     largest->second.pop_front();
     if (largest->second.empty()) queue_.erase(largest);
-    queued_.erase(h);
+    if (!queued_.erase(h)) continue;  // stale: its handle went back to the driver after it was queued
     Block* hint = nullptr;
     if (auto it = hints_.find(h); it != hints_.end()) {
       hint = it->second;
@@ -111,6 +111,9 @@ bool HandleSplitter::take(BackgroundJob* job) {
     const auto w = where_.find(h);
     if (w == where_.end()) continue;  // idle, or gone: queued again when it is freed where it is mapped next
     Segment& seg = *w->second.first;
+    // Queued in the default pool, a handle may since have gone idle and been taken by a private pool's growth:
+    // a graph may replay into it on a stream the split's event does not cover, so it is never split there.
+    if (seg.owner != &s_.default_pools) continue;
     const std::size_t first = w->second.second, k = pool_.pages(h);
     const DevicePtr va = seg.base + first * page_;
     Block* b = covering(seg, hint, va, k * page_);

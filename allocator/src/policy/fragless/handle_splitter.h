@@ -62,10 +62,12 @@ class HandleSplitter {
   bool any_multi(const Segment& seg, std::size_t first, std::size_t n) const;
   std::size_t multi_count() const { return multi_.size(); }
   // Handle h goes back to the driver (its id may come back for another handle).
+  // Its queue entry, if any, goes stale (take() skips an entry whose handle is no longer in queued_).
   void released(PhysHandle h) {
     pieces_.erase(h);
     where_.erase(h);
     hints_.erase(h);
+    if (queued_.erase(h)) std::erase(retry_, h);
   }
   // The engine gave its free memory back: pieces are split into pieces from now on (Note [Split in the background]).
   void coarse() { coarse_ = true; }

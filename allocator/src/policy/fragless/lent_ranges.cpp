@@ -59,7 +59,8 @@ bool LentRanges::poll(bool background) {
   return false;
 }
 
-void LentRanges::finish(const Segment* seg, std::size_t first, std::size_t n) {
+bool LentRanges::finish(const Segment* seg, std::size_t first, std::size_t n) {
+  bool all = true;
   for (auto it = ranges_.begin(); it != ranges_.end();) {
     if (!hits(*it, seg, first, n)) {
       ++it;
@@ -70,6 +71,7 @@ void LentRanges::finish(const Segment* seg, std::size_t first, std::size_t n) {
       if (s_.driver->synchronize_event(it->event) != Status::ok) {
         s_.wait_failed("a lent range's event");  // the old mapping stays (Note [Failed waits])
         it->state.store(waiting, std::memory_order_relaxed);
+        all = false;
         ++it;
         continue;
       }
@@ -77,6 +79,7 @@ void LentRanges::finish(const Segment* seg, std::size_t first, std::size_t n) {
     drop(*it);
     it = ranges_.erase(it);
   }
+  return all;
 }
 
 // ---- Background work ----

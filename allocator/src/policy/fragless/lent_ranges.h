@@ -37,8 +37,8 @@ class LentRanges {
   bool poll(bool background);
   // Unmaps the ranges of seg overlapping pages [first, first + n), or all of them when seg is null,
   // waiting for their events where needed (a forced sync, counted); a range whose wait fails stays, mapped at
-  // its old address (Note [Failed waits]).
-  void finish(const Segment* seg, std::size_t first, std::size_t n);
+  // its old address (Note [Failed waits]). False when one did.
+  bool finish(const Segment* seg, std::size_t first, std::size_t n);
 
   // Background work (Note [Unmaps in the background]).
   bool take(BackgroundJob* job);

@@ -118,9 +118,13 @@ Status FraglessPolicy::map_pages(Segment& seg, std::size_t first, std::size_t* n
   if (st == Status::ok) st = d.set_access(seg.base + first * page_, (at - first) * page_);
   pool_.forget_taken(mapped);
   if (st != Status::ok) {
+    // The handles mapped so far go idle too: some may have been lent (fail_request waits for them).
+    std::vector<PhysHandle> idled;
+    for (std::size_t i = first; i < at; ++i)
+      if (seg.pages[i].offset == 0) idled.push_back(seg.pages[i].handle);
     if (at > first) s_.give_back_mapping(seg.base + first * page_, (at - first) * page_);
     give_back(seg, first, at - first, /*to_request=*/nullptr);
-    return fail_request(st, created);
+    return fail_request(st, created, idled);
   }
   if (seg.small) move_reserved(true, (at - first) * page_);
   *n_io = at - first;
@@ -229,12 +233,27 @@ void FraglessPolicy::take_idle(Growth& g, std::size_t need, std::size_t room) {
 // ---- Failure and bookkeeping ----
 
 // A failed request: the handles it was lent (used or not) become idle, which any stream may take, so the
-// lenders' queued work must be done first; what it created goes back to the driver.
-Status FraglessPolicy::fail_request(Status st, const std::vector<PhysHandle>& created) {
+// lenders' queued work must be done first; what it created goes back to the driver. `idled`: handles the
+// request had mapped and already gave back idle (a map or set_access that failed part way), which may have
+// been lent too. When a lender's wait fails, its range stays mapped at its old address (Note [Failed waits])
+// and nothing tells which handles it holds: every handle of the request then goes back to the driver
+// instead of becoming idle (a handle still mapped there keeps its memory until that unmap, R8), so none is
+// handed to another stream before the lender's work is done.
+Status FraglessPolicy::fail_request(Status st, const std::vector<PhysHandle>& created,
+                                    const std::vector<PhysHandle>& idled) {
   // (During a capture nothing was lent: the taken handles were idle or new, and nothing need wait.)
-  if (!lent_.empty() && !pool_.taken().empty() && !s_.capturing()) lent_.finish(nullptr, 0, 0);
+  bool waited = true;
+  if (!lent_.empty() && (!pool_.taken().empty() || !idled.empty()) && !s_.capturing())
+    waited = lent_.finish(nullptr, 0, 0);
+  std::vector<PhysHandle> release = created;
+  if (!waited) {
+    release.insert(release.end(), pool_.taken().begin(), pool_.taken().end());
+    release.insert(release.end(), idled.begin(), idled.end());
+    std::sort(release.begin(), release.end());
+    release.erase(std::unique(release.begin(), release.end()), release.end());
+  }
   pool_.return_taken();
-  for (PhysHandle h : created) {
+  for (PhysHandle h : release) {
     const std::size_t pages = pool_.pages(h);
     pool_.remove_idle(h);
     release_handle(h, pages);
