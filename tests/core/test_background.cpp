@@ -459,6 +459,36 @@ std::unique_ptr<Driver> gated_sim_driver(std::size_t capacity, Gate* gate) {
   return make_sim_driver(o);
 }
 
+// A fragless engine with a worker thread on the gated sim driver of 1 GiB, growths creating exactly what
+// they miss.
+std::unique_ptr<DeviceEngine> gated_engine(Gate* gate) {
+  auto parsed = parse_config("handles:ends,reserve_slack:0");
+  REQUIRE(parsed.ok);
+  Options o = parsed.options;
+  o.policy = PolicyKind::fragless;
+  o.driver = DriverKind::sim;
+  o.background = BackgroundMode::thread;
+  return std::make_unique<DeviceEngine>(o, gated_sim_driver(1024 * MiB, gate));
+}
+
+// Starts e's worker with a split (a question alone starts no thread: a freed body of 3 pages, kept apart by
+// *keep), arms the gate and grows a page at a time on one answer until the worker asks (it is wanted after
+// 32 growths); the growths are left in *live. On return the question is the job in flight, held by the gate.
+void grow_until_the_worker_asks(DeviceEngine& e, Gate& gate, void** keep, std::vector<void*>* live) {
+  void* body = e.allocate(8 * MiB, kStream, nullptr);
+  *keep = e.allocate(2 * MiB, kStream, nullptr);
+  REQUIRE((body && *keep));
+  REQUIRE(e.free(body) == Status::ok);
+  e.drain_background();
+  gate.set(&Gate::armed);
+  for (int i = 0; i < 200 && !gate.get(&Gate::entered); ++i) {
+    live->push_back(e.allocate(2 * MiB, kStream, nullptr));
+    REQUIRE(live->back());
+    if (i >= 32) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  REQUIRE(gate.get(&Gate::entered));
+}
+
 }  // namespace
 
 // While the worker asks, a private pool's 256 MiB go back to the driver (release_pool does not wait for the
@@ -470,13 +500,7 @@ TEST_CASE("background: the worker's free-memory answer is dropped when memory ch
           "[background][concurrency]") {
   Watchdog dog("worker free-memory question", 120);
   Gate gate;
-  auto parsed = parse_config("handles:ends,reserve_slack:0");  // growths create exactly what they miss
-  REQUIRE(parsed.ok);
-  Options o = parsed.options;
-  o.policy = PolicyKind::fragless;
-  o.driver = DriverKind::sim;
-  o.background = BackgroundMode::thread;
-  auto e = std::make_unique<DeviceEngine>(o, gated_sim_driver(1024 * MiB, &gate));
+  auto e = gated_engine(&gate);
   const auto path_asks = [&] { return e->driver_counters().on_path(DriverCall::memory_info); };
   const auto worker_asks = [&] { return e->driver_counters().background(DriverCall::memory_info); };
   const PoolId pool{1, 1};
@@ -485,21 +509,9 @@ TEST_CASE("background: the worker's free-memory answer is dropped when memory ch
   REQUIRE(in_pool);
   REQUIRE(e->free(in_pool) == Status::ok);
   e->end_allocate_to_pool(pool);
-  // The worker starts with its first split (a question alone starts no thread): a freed body of 3 pages.
-  void* body = e->allocate(8 * MiB, kStream, nullptr);
-  void* keep = e->allocate(2 * MiB, kStream, nullptr);
-  REQUIRE((body && keep));
-  REQUIRE(e->free(body) == Status::ok);
-  e->drain_background();
-  gate.set(&Gate::armed);
+  void* keep = nullptr;
   std::vector<void*> live;
-  // Growths of a page on one answer until the worker asks (it is wanted after 32).
-  for (int i = 0; i < 200 && !gate.get(&Gate::entered); ++i) {
-    live.push_back(e->allocate(2 * MiB, kStream, nullptr));
-    REQUIRE(live.back());
-    if (i >= 32) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  REQUIRE(gate.get(&Gate::entered));
+  grow_until_the_worker_asks(*e, gate, &keep, &live);
   const auto held = reserved(*e);
   REQUIRE(e->release_pool(pool) == Status::ok);
   gate.set(&Gate::may_read);
@@ -520,6 +532,56 @@ TEST_CASE("background: the worker's free-memory answer is dropped when memory ch
   require_consistent(*e);
   for (void* q : live) REQUIRE(e->free(q) == Status::ok);
   REQUIRE(e->free(keep) == Status::ok);
+}
+
+// empty_cache waits for the job in flight with the device lock let go (Background::quiesce); a
+// begin_allocate_to_pool can come in meanwhile, and PyTorch begins the capture right after it returns. The
+// release must then synchronise nothing (a stream synchronisation invalidates a capture in every mode).
+// PyTorch holds its lock through the whole release, so the capture cannot begin in the middle of one. Run
+// twelve times: when the release gets the lock back first, its synchronisations come before the capture
+// began, which is allowed, and the round says nothing (here the capture came first in a third of the rounds,
+// and every such round failed before the fix).
+TEST_CASE("background: an empty_cache that waited for the worker synchronises nothing once a capture has begun",
+          "[background][concurrency][graphs]") {
+  Watchdog dog("empty_cache racing a capture", 120);
+  int capture_first = 0;
+  for (int round = 0; round < 12; ++round) {
+    Gate gate;
+    auto e = gated_engine(&gate);
+    void* keep = nullptr;
+    std::vector<void*> live;
+    grow_until_the_worker_asks(*e, gate, &keep, &live);  // the worker's question is the job in flight, held
+    for (std::size_t i = 0; i < live.size(); i += 2) REQUIRE(e->free(live[i]) == Status::ok);  // cached memory
+    const auto syncs = [&] {
+      const DriverCounters c = e->driver_counters();
+      return c.on_path(DriverCall::synchronize_stream) + c.on_path(DriverCall::synchronize_event) +
+             c.on_path(DriverCall::synchronize_device);
+    };
+    const PoolId pool{5, 5};
+    const auto before = syncs();
+    std::atomic<std::uint64_t> at_begin{0};
+    std::thread capturer([&] {  // waits for the job in flight first
+      e->begin_allocate_to_pool(pool, [](Stream s) { return s == 99; });
+      at_begin = syncs();  // the capture begins here
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::thread releaser([&] { REQUIRE(e->empty_cache() == Status::ok); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    gate.set(&Gate::may_read);
+    gate.set(&Gate::may_return);
+    capturer.join();
+    releaser.join();
+    const auto after = syncs();
+    if (at_begin.load() == before) ++capture_first;  // the capture began before the release synchronised
+    INFO("round " << round << ": synchronisations at the capture's begin " << at_begin.load() << ", after "
+                  << after);
+    CHECK(after == at_begin.load());
+    e->end_allocate_to_pool(pool);
+    REQUIRE(e->release_pool(pool) == Status::ok);
+    for (std::size_t i = 1; i < live.size(); i += 2) REQUIRE(e->free(live[i]) == Status::ok);
+    REQUIRE(e->free(keep) == Status::ok);
+  }
+  WARN("rounds where the capture began while the release waited: " << capture_first << " of 12");
 }
 
 // A question alone starts no worker thread: starting one (tens of microseconds) would fall on the path of the

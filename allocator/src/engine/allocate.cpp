@@ -243,6 +243,10 @@ bool DeviceEngine::State::release_available_cached_blocks(AllocParams& p) {
 
 void DeviceEngine::State::release_cached_blocks(PoolSet* only) {
   background.quiesce();  // what a job holds is given back too (Note [Background work])
+  // The wait for a job in flight lets the device lock go: a begin_allocate_to_pool (and the caller's capture
+  // right after it) may have come in meanwhile, and a synchronisation now would invalidate that capture
+  // (Note [Capture rules]). Nothing is released then, as when the capture was under way at the call.
+  if (capturing()) return;
   synchronize_and_free_events();
   policy->release_free(only ? only : &default_pools, false);
   if (!only) maybe_free_private_pools();
