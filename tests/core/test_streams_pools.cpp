@@ -231,6 +231,42 @@ TEST_CASE("fragless: a lent range is unmapped only after its stream's work, and 
   }
 }
 
+// During a capture a lent range is neither polled nor waited for (Note [Capture rules]); a growth of a stream
+// the graph does not capture whose lowest run holds one must go elsewhere, not fail with most of the device
+// free (PyTorch's expandable segments would simply map more there).
+TEST_CASE("fragless: during a capture a growth passes over a lent range instead of failing", "[fragless][pools]") {
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  spec.capacity = 1024 * MiB;
+  auto e = make_engine(spec);
+  TestEvents* ev = test_events_of(e->driver());
+  REQUIRE(ev);
+  const std::vector<void*> live = make_holes(*e, 1);
+  ev->hold(1);                                 // stream 1's work is still running: the lending event stays pending
+  void* big = e->allocate(8 * MiB, 1, nullptr);  // lends holes' pages; their old mappings wait for stream 1
+  REQUIRE(big);
+  const PoolId pool{5, 5};
+  e->begin_allocate_to_pool(pool, [](Stream s) { return s == 99; });  // a graph captured on stream 99
+  std::vector<void*> more;
+  for (int i = 0; i < 20; ++i) {
+    AllocError err;
+    more.push_back(e->allocate(3 * MiB, 1, &err));
+    INFO("allocation " << i << ": " << err.message);
+    REQUIRE(more.back());
+  }
+  CHECK(e->stats().num_forced_syncs == 0);  // nothing waited for during the capture
+  require_consistent(*e);
+  e->end_allocate_to_pool(pool);
+  ev->complete(1);
+  for (void* p : more) REQUIRE(e->free(p) == Status::ok);
+  REQUIRE(e->free(big) == Status::ok);
+  for (void* p : live) REQUIRE(e->free(p) == Status::ok);
+  REQUIRE(e->release_pool(pool) == Status::ok);
+  e->empty_cache();
+  CHECK(reserved(*e) == 0);
+  require_consistent(*e);
+}
+
 constexpr std::size_t KiB = 1024;
 
 TEST_CASE("fragless: a small request takes a large-pool remnant no large request fits", "[fragless]") {

@@ -38,14 +38,21 @@ Segment* GrowablePolicy::new_segment(AllocParams& p) {
 }
 
 // The lowest-address run of reusable and unmapped blocks on this stream that holds p.rounded bytes and
-// contains at least one unmapped block; returns its first block.
+// contains at least one unmapped block, and whose pages the growth would map may be mapped now (may_map);
+// returns its first block.
 Block* GrowablePolicy::find_run(AllocParams& p) {
   Block key;
   key.stream = p.stream;
   auto fits = [&](Block* c) {
     std::size_t sum = 0;
-    for (Block* b = c; b && (b->reusable() || b->state == BlockState::unmapped); b = b->next)
+    for (Block* b = c; b && (b->reusable() || b->state == BlockState::unmapped); b = b->next) {
+      if (b->state == BlockState::unmapped) {  // grow() maps what is still missing from the block's start
+        const Segment& seg = *b->segment;
+        const std::size_t bytes = std::min(round_up(p.rounded - sum, seg.page_size), b->size);
+        if (!may_map(seg, (b->ptr - seg.base) / seg.page_size, bytes / seg.page_size)) return false;
+      }
       if ((sum += b->size) >= p.rounded) return true;
+    }
     return false;
   };
   for (auto it = p.pool->unmapped.lower_bound(&key); it != p.pool->unmapped.end() && (*it)->stream == p.stream;

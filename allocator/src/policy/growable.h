@@ -50,6 +50,8 @@ class GrowablePolicy : public Policy {
   // many leading pages were unmapped (n on success).
   virtual std::size_t unmap_pages(Segment& seg, std::size_t first, std::size_t n, const Unmap& how) = 0;
   virtual void after_release() {}
+  // Whether map_pages may map pages [first, first + n) of seg now; a run where it may not is passed over.
+  virtual bool may_map(const Segment&, std::size_t /*first*/, std::size_t /*n*/) const { return true; }
   // Whether pages [first, first + n) of seg, just mapped, include a mapping of several pages (Block::multi).
   virtual bool multi_page(const Segment&, std::size_t /*first*/, std::size_t /*n*/) const { return false; }
 

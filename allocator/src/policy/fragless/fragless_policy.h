@@ -170,6 +170,11 @@ class FraglessPolicy final : public GrowablePolicy {
   bool multi_page(const Segment& seg, std::size_t first, std::size_t n) const override {
     return splitter_.any_multi(seg, first, n);
   }
+  // During a capture a lent range is neither polled nor waited for (Note [Capture rules]): a growth passes
+  // over a run that would map over one, to a later run or a new segment, instead of failing.
+  bool may_map(const Segment& seg, std::size_t first, std::size_t n) const override {
+    return !s_.capturing() || !lent_.overlaps(seg, first, n);
+  }
   // After a release (empty_cache, OOM retry): every idle handle goes back to the driver, and the strips of
   // the segments the release dropped are forgotten (Note [Strips die with their segment]).
   void after_release() override {
