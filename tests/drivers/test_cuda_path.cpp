@@ -296,6 +296,40 @@ TEST_CASE("cuda driver: an engine destroyed with other streams' work pending wai
   }
 }
 
+// record_stream onto a stream of another device (a peer copy, a pipeline stage): the free records its event
+// in that stream's context (an event of the engine's own context cannot be recorded there, R12), as PyTorch
+// records under the stream's device, instead of waiting on the host for the other device's work; the memory
+// is reused only after that work.
+TEST_CASE("cuda driver: record_stream onto another device's stream records an event there, no host wait",
+          "[cuda][streams]") {
+  for (PolicyKind p : kPolicies) {
+    INFO(policy_name(p));
+    {
+      auto a = make_lazy(p);
+      REQUIRE(a->device(0));  // device 0 in use too: its primary context is active, as under PyTorch
+      DeviceEngine* e1 = a->device(1);
+      REQUIRE(e1);
+      const Stream s1 = Fake::stream_base(1) + kFaultStreamA;
+      const Stream u0 = Fake::stream_base(0) + kFaultStreamUse;  // a stream of device 0
+      void* x = must_allocate(*e1, 8 * MiB, s1);
+      REQUIRE(fake().work(u0, x, 8 * MiB, 100000) == CUDA_SUCCESS);  // device 0 reads x (peer access)
+      REQUIRE(e1->record_stream(x, u0) == Status::ok);
+      const auto syncs = fake().calls("cuStreamSynchronize") + fake().calls("cuEventSynchronize");
+      REQUIRE(e1->free(x) == Status::ok);
+      CHECK(fake().calls("cuStreamSynchronize") + fake().calls("cuEventSynchronize") == syncs);
+      CHECK(e1->stats().num_forced_syncs == 0);
+      void* y = must_allocate(*e1, 8 * MiB, s1);  // not x's memory while device 0's work runs
+      REQUIRE(fake().work(s1, y, 8 * MiB, 10) == CUDA_SUCCESS);
+      INFO(fake().first_fault());
+      CHECK(fake().now().faults == 0);
+      fake().clear_faults();
+      fake().advance(1000000);
+      REQUIRE(e1->free(y) == Status::ok);
+    }
+    require_nothing_held();
+  }
+}
+
 TEST_CASE("cuda driver: a release waits for no graph while a capture is under way, then frees the pool",
           "[cuda][graphs]") {
   const Stream capture = kFaultStreamA, replay = kFaultStreamB, other = kFaultStreamUse;

@@ -47,7 +47,10 @@
 //     the context stack needs a current context (cuda.h: CUDA_ERROR_INVALID_CONTEXT otherwise); streams and
 //     events belong to the context current at their creation, stream 0 to the current one; cuEventRecord of
 //     an event and a stream of different contexts is CUDA_ERROR_INVALID_HANDLE (cuda.h, cuCtxRecordEvent /
-//     cuEventRecord). The driver runs every call under its device's primary context, pushed when it is not
+//     cuEventRecord); an event of another context may be waited for (cuStreamWaitEvent: "hEvent may be from a
+//     different context or device than hStream"), queried and synchronised. A stream of another context
+//     (record_stream onto another device's stream) gets an event made in that stream's context
+//     (cuStreamGetCtx), destroyed when released, as PyTorch records under the stream's device. The driver runs every call under its device's primary context, pushed when it is not
 //     current and popped after, so the calling thread is left as it was (PyTorch frees from threads with no
 //     device guard). It retains that context on the device's first use, never at start-up (a context costs
 //     device memory), and releases it with the driver.

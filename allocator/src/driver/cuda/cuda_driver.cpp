@@ -6,6 +6,7 @@
 
 #include "base/spin_mutex.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -224,6 +225,7 @@ class CudaDriver final : public Driver {
     {
       OnDevice on(primary_, false);
       for (CUevent e : spare_events_) api().eventDestroy(e);
+      for (CUevent e : foreign_events_) api().eventDestroy(e);
     }
     api().primaryCtxRelease(dev_);  // the retain taken at creation
   }
@@ -346,6 +348,8 @@ class CudaDriver final : public Driver {
   // Events come from a pool: created once, recorded many times (cuEventRecord re-arms a recorded event).
   Status do_record_event(Stream s, Event* e) override {
     OnDevice on(primary_, false);
+    CUstream cs = nullptr;
+    if (!to_cu(s, &cs)) return foreign_per_thread_stream("cuEventRecord");
     CUevent ev = nullptr;
     {
       std::lock_guard lk(events_mu_);
@@ -354,16 +358,37 @@ class CudaDriver final : public Driver {
         spare_events_.pop_back();
       }
     }
-    CUstream cs = nullptr;
-    if (!to_cu(s, &cs)) {
-      if (ev) do_release_event(reinterpret_cast<Event>(ev));
-      return foreign_per_thread_stream("cuEventRecord");
-    }
     if (!ev)
       if (Status st = check("cuEventCreate", api().eventCreate(&ev, CU_EVENT_DISABLE_TIMING)); st != Status::ok) return st;
-    if (Status st = check("cuEventRecord", api().eventRecord(ev, cs)); st != Status::ok) {
+    const CUresult r = api().eventRecord(ev, cs);
+    if (r == CUDA_SUCCESS) {
+      *e = reinterpret_cast<Event>(ev);
+      return Status::ok;
+    }
+    // R12: a stream of another context (record_stream onto another device's stream) takes an event of its own
+    // context, as PyTorch's insert_events records under the stream's device; otherwise the engine's only way
+    // to follow that stream would be a host wait at every such free.
+    CUcontext sc = nullptr;
+    if (r == CUDA_ERROR_INVALID_HANDLE && api().streamGetCtx(cs, &sc) == CUDA_SUCCESS && sc && sc != primary_) {
+      do_release_event(reinterpret_cast<Event>(ev));
+      return record_in_context(sc, cs, e);
+    }
+    api().eventDestroy(ev);
+    return check("cuEventRecord", r);
+  }
+  // An event made in context c and recorded on its stream cs; never pooled: released, it is destroyed.
+  Status record_in_context(CUcontext c, CUstream cs, Event* e) {
+    if (Status st = check("cuCtxPushCurrent", api().ctxPushCurrent(c)); st != Status::ok) return st;
+    CUevent ev = nullptr;
+    Status st = check("cuEventCreate", api().eventCreate(&ev, CU_EVENT_DISABLE_TIMING));
+    if (st == Status::ok && (st = check("cuEventRecord", api().eventRecord(ev, cs))) != Status::ok)
       api().eventDestroy(ev);
-      return st;
+    CUcontext popped = nullptr;
+    api().ctxPopCurrent(&popped);
+    if (st != Status::ok) return st;
+    {
+      std::lock_guard lk(events_mu_);
+      foreign_events_.push_back(ev);
     }
     *e = reinterpret_cast<Event>(ev);
     return Status::ok;
@@ -377,9 +402,17 @@ class CudaDriver final : public Driver {
     return check("cuEventSynchronize", api().eventSynchronize(reinterpret_cast<CUevent>(e)));
   }
   Status do_release_event(Event e) override {
-    std::lock_guard lk(events_mu_);
-    spare_events_.push_back(reinterpret_cast<CUevent>(e));
-    return Status::ok;
+    const auto ev = reinterpret_cast<CUevent>(e);
+    {
+      std::lock_guard lk(events_mu_);
+      auto it = std::find(foreign_events_.begin(), foreign_events_.end(), ev);
+      if (it == foreign_events_.end()) {
+        spare_events_.push_back(ev);
+        return Status::ok;
+      }
+      foreign_events_.erase(it);
+    }
+    return check("cuEventDestroy", api().eventDestroy(ev));  // (an event of any context: no push needed)
   }
   Status do_stream_wait_event(Stream s, Event e) override {
     OnDevice on(primary_, false);
@@ -405,7 +438,8 @@ class CudaDriver final : public Driver {
   mutable std::mutex err_mu_;
   std::string last_error_;
   SpinMutex events_mu_;
-  std::vector<CUevent> spare_events_;
+  std::vector<CUevent> spare_events_;    // of the primary context
+  std::vector<CUevent> foreign_events_;  // of other contexts, recorded and not yet released (record_in_context)
 };
 
 }  // namespace
