@@ -504,6 +504,24 @@ void fragless_end_allocate_to_pool(int device, fragless_pool_id pool) {
   if (DeviceEngine* e = engine(device)) e->end_allocate_to_pool({pool.first, pool.second});
 }
 
+void fragless_begin_allocate_stream_to_pool(int device, cudaStream_t stream, fragless_pool_id pool) {
+  t_last_error.clear();
+  if (DeviceEngine* e = engine(device))
+    e->begin_allocate_stream_to_pool({pool.first, pool.second}, reinterpret_cast<Stream>(stream));
+}
+
+void fragless_end_allocate_stream_to_pool(int device, cudaStream_t stream) {
+  t_last_error.clear();
+  DeviceEngine* e = engine(device);
+  if (e && e->end_allocate_stream_to_pool(reinterpret_cast<Stream>(stream)) != Status::ok) {
+    char name[32];
+    std::snprintf(name, sizeof name, "%p", static_cast<void*>(stream));
+    t_last_error = "fragless: end_allocate_stream_to_pool: stream " + std::string(name) + " of device " +
+                   std::to_string(device) + " allocates to no pool (no begin_allocate_stream_to_pool for it, or "
+                   "ended already); nothing changed";
+  }
+}
+
 void fragless_release_pool(int device, fragless_pool_id pool) {
   AllocError err;
   if (DeviceEngine* e = engine(device); e && e->release_pool({pool.first, pool.second}, &err) != Status::ok)

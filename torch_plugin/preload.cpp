@@ -547,16 +547,18 @@ FRAGLESS_EXPORT cudaError_t cudaStreamBeginCapture_ptsz(cudaStream_t s, int mode
 FRAGLESS_EXPORT cudaError_t cudaStreamBeginCaptureToGraph(cudaStream_t s, cudaGraph_t g, const void* deps,
                                                           const void* data, size_t n, int mode) {
   if (!real().begin_capture_to_graph) return kInvalidValue;
+  capture_began(s, false);  // Note [Quiet before a capture]
   const cudaError_t r = real().begin_capture_to_graph(s, g, deps, data, n, mode);
-  if (r == kSuccess) capture_began(s, false);
+  if (r != kSuccess) capture_ended(s, false);
   return r;
 }
 
 FRAGLESS_EXPORT cudaError_t cudaStreamBeginCaptureToGraph_ptsz(cudaStream_t s, cudaGraph_t g, const void* deps,
                                                                const void* data, size_t n, int mode) {
   if (!real().begin_capture_to_graph_ptsz) return kInvalidValue;
+  capture_began(s, true);  // Note [Quiet before a capture]
   const cudaError_t r = real().begin_capture_to_graph_ptsz(s, g, deps, data, n, mode);
-  if (r == kSuccess) capture_began(s, true);
+  if (r != kSuccess) capture_ended(s, true);
   return r;
 }
 

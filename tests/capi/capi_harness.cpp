@@ -281,6 +281,86 @@ int main(int argc, char** argv) {
     EXPECT(cc.invalidated_captures == 0 && cc.faults == 0);
   }
 
+  // PyTorch 2.1 and 2.2's graph hooks, which name the capture's stream and not a filter:
+  // fragless_begin_allocate_stream_to_pool(device, stream, pool), called before cudaStreamBeginCapture, and
+  // fragless_end_allocate_stream_to_pool(device, stream), after cudaStreamEndCapture. Two graphs share one pool
+  // (torch.cuda.graph(g3, pool=g2.pool())) and are captured at once, on s2 and s3: each stream's allocations,
+  // and only theirs, come from the pool, and each end takes away its own stream's routing (Note [Routing by
+  // stream]). The pool is the one each block's segment names in a snapshot.
+  {
+    auto begin_stream = sym<void (*)(int, cudaStream_t, PoolId)>(lib, "fragless_begin_allocate_stream_to_pool");
+    auto end_stream = sym<void (*)(int, cudaStream_t)>(lib, "fragless_end_allocate_stream_to_pool");
+    auto retain = sym<int (*)(void**, int)>(fake, "cuDevicePrimaryCtxRetain");
+    auto ctx_release = sym<int (*)(int)>(fake, "cuDevicePrimaryCtxRelease_v2");
+    auto push = sym<int (*)(void*)>(fake, "cuCtxPushCurrent_v2");
+    auto pop = sym<int (*)(void**)>(fake, "cuCtxPopCurrent_v2");
+    auto begin_capture = sym<int (*)(void*, int)>(fake, "cuStreamBeginCapture_v2");
+    auto end_capture = sym<int (*)(void*, void**)>(fake, "cuStreamEndCapture");
+    auto pool_of = [&](void* p) {  // the pool of the segment that holds p; {~0, ~0} when none does
+      PoolId id{~0ull, ~0ull};
+      const long need = snapshot_fn(nullptr, 0);
+      std::string snap(static_cast<size_t>(need > 0 ? need : 0) + 1, '\0');
+      if (need <= 0 || snapshot_fn(snap.data(), snap.size()) != need) return id;
+      snap.resize(static_cast<size_t>(need));
+      auto pr = fragless::formats::read_pickle(snap);
+      const auto* segs = pr.value ? pr.value->get("segments") : nullptr;
+      const auto at = reinterpret_cast<std::uint64_t>(p);
+      for (std::size_t i = 0; segs && i < segs->items.size(); ++i) {
+        const auto& seg = segs->items[i];
+        const std::uint64_t base = seg->get("address")->as_uint(), size = seg->get("total_size")->as_uint();
+        const auto* pool = seg->get("segment_pool_id");
+        if (at >= base && at < base + size && pool && pool->items.size() == 2)
+          id = {pool->items[0]->as_uint(), pool->items[1]->as_uint()};
+      }
+      return id;
+    };
+    auto in = [](PoolId a, PoolId b) { return a.first == b.first && a.second == b.second; };
+    const PoolId shared{3, 0}, none{0, 0};
+    void* ctx = nullptr;
+    EXPECT(retain(&ctx, 0) == 0 && push(ctx) == 0);
+    begin_stream(0, s2, shared);
+    EXPECT(std::string(last_error()).empty());
+    EXPECT(begin_capture(s2, 0 /* CU_STREAM_CAPTURE_MODE_GLOBAL */) == 0);
+    begin_stream(0, s3, shared);  // a second graph, sharing the first one's pool
+    EXPECT(begin_capture(s3, 0) == 0);
+    void* g2 = malloc_fn(2 << 20, 0, s2);
+    void* g3 = malloc_fn(2 << 20, 0, s3);
+    void* other = malloc_fn(2 << 20, 0, s1);  // a stream no capture routes: the default pool
+    EXPECT(g2 && g3 && other);
+    EXPECT(in(pool_of(g2), shared));
+    EXPECT(in(pool_of(g3), shared));
+    EXPECT(in(pool_of(other), none));
+    free_fn(g2, 2 << 20, 0, s2);  // freed during the capture: the graph's memory, never the default pool's
+    void* graph = nullptr;
+    EXPECT(end_capture(s2, &graph) == 0 && graph != nullptr);
+    end_stream(0, s2);  // s2's routing ends, not s3's (the pool's newest)
+    EXPECT(std::string(last_error()).empty());
+    void* after2 = malloc_fn(2 << 20, 0, s2);
+    void* still3 = malloc_fn(1 << 20, 0, s3);
+    EXPECT(after2 && after2 != g2 && in(pool_of(after2), none));
+    EXPECT(in(pool_of(still3), shared));
+    EXPECT(end_capture(s3, &graph) == 0 && graph != nullptr);
+    end_stream(0, s3);
+    EXPECT(std::string(last_error()).empty());
+    void* after3 = malloc_fn(1 << 20, 0, s3);
+    EXPECT(in(pool_of(after3), none));
+    // An end with no begin (s3's is over) changes nothing and is reported; so is a device fragless lacks.
+    end_stream(0, s3);
+    EXPECT(std::string(last_error()).find("allocates to no pool") != std::string::npos);
+    end_stream(9, s3);
+    EXPECT(std::string(last_error()).find("invalid device 9") != std::string::npos);
+    begin_stream(9, s3, shared);
+    EXPECT(std::string(last_error()).find("invalid device 9") != std::string::npos);
+    for (auto [p, st] : {std::pair{g3, s3}, {still3, s3}, {after2, s2}, {after3, s3}, {other, s1}}) free_fn(p, 0, 0, st);
+    release_pool(0, shared);  // g2's graph: g3's still holds the pool
+    release_pool(0, shared);
+    void* popped = nullptr;
+    EXPECT(pop(&popped) == 0 && popped == ctx && ctx_release(0) == 0);
+    fakecuda_census cc{};
+    census(&cc);
+    EXPECT(cc.invalidated_captures == 0 && cc.faults == 0);
+  }
+
   // Stats with PyTorch's names.
   char buf[16384];
   const long n = stats_fn(0, buf, sizeof buf);

@@ -705,3 +705,55 @@ TEST_CASE("a private pool shared by two graphs is freed at the last release only
   CHECK(reserved(*e) == 0);
   require_consistent(*e);
 }
+
+// Note [Routing by stream]: PyTorch 2.1 and 2.2 begin a capture's routing with its stream and end it naming the
+// stream alone. Two graphs sharing a pool are captured at once on streams 4 and 5, a third graph into a pool of
+// its own on stream 6: each end takes away its own stream's route, whatever the pool's newest.
+TEST_CASE("routing by stream: each end takes away its own stream's route, with pools shared or not", "[pools]") {
+  EngineSpec spec;
+  spec.policy = GENERATE(PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless);
+  CAPTURE(name(spec.policy));
+  auto e = make_engine(spec);
+  const auto pool_of = [&](void* p) {
+    for (auto& s : e->snapshot())
+      for (auto& b : s.blocks)
+        if (b.address == reinterpret_cast<DevicePtr>(p)) return s.pool;
+    FAIL("no block at " << p);
+    return PoolId{~0ull, ~0ull};
+  };
+  const PoolId shared{3, 0}, own{4, 0}, none{0, 0};
+  e->begin_allocate_stream_to_pool(shared, 4);
+  e->begin_allocate_stream_to_pool(shared, 5);
+  e->begin_allocate_stream_to_pool(own, 6);
+  std::vector<void*> live;
+  const auto alloc = [&](Stream s) {
+    void* p = e->allocate(4 * MiB, s, nullptr);
+    REQUIRE(p);
+    live.push_back(p);
+    return p;
+  };
+  CHECK(pool_of(alloc(4)) == shared);
+  CHECK(pool_of(alloc(5)) == shared);
+  CHECK(pool_of(alloc(6)) == own);
+  CHECK(pool_of(alloc(7)) == none);
+  PoolId ended{};
+  REQUIRE(e->end_allocate_stream_to_pool(4, &ended) == Status::ok);
+  CHECK(ended == shared);
+  CHECK(pool_of(alloc(4)) == none);
+  CHECK(pool_of(alloc(5)) == shared);  // the pool's newest route was 5's, and it stays
+  CHECK(pool_of(alloc(6)) == own);
+  CHECK(e->end_allocate_stream_to_pool(4) == Status::invalid_argument);  // no begin left for 4: nothing changes
+  CHECK(pool_of(alloc(5)) == shared);
+  REQUIRE(e->end_allocate_stream_to_pool(6, &ended) == Status::ok);
+  CHECK(ended == own);
+  REQUIRE(e->end_allocate_stream_to_pool(5) == Status::ok);
+  CHECK(pool_of(alloc(5)) == none);
+  CHECK(pool_of(alloc(6)) == none);
+  for (void* p : live) REQUIRE(e->free(p) == Status::ok);
+  REQUIRE(e->release_pool(shared) == Status::ok);  // one graph's reset: the other still holds the pool
+  REQUIRE(e->release_pool(shared) == Status::ok);
+  REQUIRE(e->release_pool(own) == Status::ok);
+  e->empty_cache();
+  CHECK(reserved(*e) == 0);
+  require_consistent(*e);
+}

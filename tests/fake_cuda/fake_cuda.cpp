@@ -27,7 +27,7 @@
 //    handle while work uses it through another is legal (R9). Each is an illegal-address fault: counted,
 //    described, and sticky (every later call then fails with CUDA_ERROR_ILLEGAL_ADDRESS, as a context does
 //    after a fault). The census reports them.
-//  - stream capture: cuStreamBeginCapture/EndCapture/IsCapturing/GetCaptureInfo and
+//  - stream capture: cuStreamBeginCapture (and ToGraph, into a graph not modelled)/EndCapture/IsCapturing/GetCaptureInfo and
 //    cuThreadExchangeStreamCaptureMode. During a capture, querying or synchronising a captured event or a
 //    capturing stream, synchronising the context, and (from a thread whose mode is not relaxed, in global
 //    mode from any thread) calls CUDA deems unsafe - the VMM calls, cuMemGetInfo, event queries and every
@@ -1205,8 +1205,11 @@ FAKE_API CUresult cuStreamWaitEvent(CUstream h, CUevent e, unsigned flags) {
   return CUDA_SUCCESS;
 }
 
-FAKE_API CUresult cuStreamBeginCapture_v2(CUstream h, CUstreamCaptureMode mode) {
-  ENTER("cuStreamBeginCapture");
+namespace {
+// A capture begins on h: the work of every begin entry point (called by name from inside the library, an
+// entry point would reach an interposer of that name instead).
+CUresult begin_capture(const char* entry, CUstream h, CUstreamCaptureMode mode) {
+  ENTER(entry);
   NEED_CONTEXT();
   if (h == nullptr || h == CU_STREAM_LEGACY) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;  // never the legacy stream
   FakeStream* fs = stream_of(h);
@@ -1216,6 +1219,23 @@ FAKE_API CUresult cuStreamBeginCapture_v2(CUstream h, CUstreamCaptureMode mode) 
   st().captures[id] = Capture{h, mode, std::this_thread::get_id()};
   fs->capture = id;
   return CUDA_SUCCESS;
+}
+}  // namespace
+
+FAKE_API CUresult cuStreamBeginCapture_v2(CUstream h, CUstreamCaptureMode mode) {
+  return begin_capture("cuStreamBeginCapture", h, mode);
+}
+
+// CUDA 12.3's capture into an existing graph: captured as cuStreamBeginCapture captures (the graph it adds to
+// and the dependencies are not modelled).
+#if CUDA_VERSION >= 12030
+FAKE_API CUresult cuStreamBeginCaptureToGraph(CUstream h, CUgraph, const CUgraphNode*, const CUgraphEdgeData*, size_t,
+                                              CUstreamCaptureMode mode) {
+#else
+FAKE_API CUresult cuStreamBeginCaptureToGraph(CUstream h, CUgraph, const void*, const void*, size_t,
+                                              CUstreamCaptureMode mode) {
+#endif
+  return begin_capture("cuStreamBeginCaptureToGraph", h, mode);
 }
 
 FAKE_API CUresult cuStreamEndCapture(CUstream h, CUgraph* graph) {
@@ -1840,6 +1860,7 @@ CUresult get_proc(const char* symbol, void** pfn, int cuda_version, cuuint64_t f
       {"cuStreamSynchronize", any(&cuStreamSynchronize)},
       {"cuStreamWaitEvent", any(&cuStreamWaitEvent)},
       {"cuStreamBeginCapture", since(10010, &cuStreamBeginCapture_v2, &cuStreamBeginCapture_v2_ptsz)},
+      {"cuStreamBeginCaptureToGraph", any(&cuStreamBeginCaptureToGraph)},
       {"cuStreamEndCapture", since(10000, &cuStreamEndCapture, &cuStreamEndCapture_ptsz)},
       {"cuStreamIsCapturing", since(10000, &cuStreamIsCapturing, &cuStreamIsCapturing_ptsz)},
       {"cuStreamGetCaptureInfo", any(&cuStreamGetCaptureInfo_v3)},

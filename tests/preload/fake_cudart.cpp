@@ -114,6 +114,9 @@ struct Driver {
   int (*stream_create)(void**, unsigned) = nullptr;
   int (*is_capturing)(void*, int*) = nullptr;
   int (*begin_capture)(void*, int) = nullptr;
+  // cuStreamBeginCaptureToGraph, which the interposer does not interpose: the runtime's ToGraph begin tells the
+  // driver nothing an interposer of cuStreamBeginCapture would see.
+  int (*begin_capture_to_graph)(void*, void*, const void*, const void*, size_t, int) = nullptr;
   int (*end_capture)(void*, void**) = nullptr;
   int (*stream_get_ctx)(void*, void**) = nullptr;
   int (*push)(void*) = nullptr;
@@ -152,6 +155,7 @@ struct Driver {
     load(&stream_create, "cuStreamCreate");
     load(&is_capturing, "cuStreamIsCapturing");
     load(&begin_capture, "cuStreamBeginCapture_v2");
+    load(&begin_capture_to_graph, "cuStreamBeginCaptureToGraph");
     load(&end_capture, "cuStreamEndCapture");
     load(&stream_get_ctx, "cuStreamGetCtx");
     load(&push, "cuCtxPushCurrent_v2");
@@ -346,14 +350,36 @@ API cudaError_t cudaStreamIsCapturing(cudaStream_t s, int* status) { return is_c
 API cudaError_t cudaStreamIsCapturing_ptsz(cudaStream_t s, int* status) {
   return is_capturing(static_cast<cudaStream_t>(per_thread(s)), status);
 }
+namespace {
+void (*g_on_capture_begun)() = nullptr;
+// The capture has begun in the double: the test's function runs now, inside the runtime's call, before it
+// returns to whoever called it (an interposer that tells fragless of the capture only then is too late).
+cudaError_t began(int r) {
+  if (r == 0 && g_on_capture_begun) g_on_capture_begun();
+  return runtime_error(r);
+}
+}  // namespace
 API cudaError_t cudaStreamBeginCapture(cudaStream_t s, int mode) {
   count("cudaStreamBeginCapture");
   if (!make_current(t_device)) return 1;
-  return runtime_error(drv().begin_capture(s, mode));
+  return began(drv().begin_capture(s, mode));
 }
 API cudaError_t cudaStreamBeginCapture_ptsz(cudaStream_t s, int mode) {
   return cudaStreamBeginCapture(static_cast<cudaStream_t>(per_thread(s)), mode);
 }
+// CUDA 12.3's capture into an existing graph, through the driver's cuStreamBeginCaptureToGraph.
+API cudaError_t cudaStreamBeginCaptureToGraph(cudaStream_t s, void* graph, const void* deps, const void* data,
+                                              size_t n, int mode) {
+  count("cudaStreamBeginCaptureToGraph");
+  if (!make_current(t_device) || !drv().begin_capture_to_graph) return 1;
+  return began(drv().begin_capture_to_graph(s, graph, deps, data, n, mode));
+}
+API cudaError_t cudaStreamBeginCaptureToGraph_ptsz(cudaStream_t s, void* graph, const void* deps, const void* data,
+                                                   size_t n, int mode) {
+  return cudaStreamBeginCaptureToGraph(static_cast<cudaStream_t>(per_thread(s)), graph, deps, data, n, mode);
+}
+// Test control: a function each capture's begin calls once the capture has begun (nullptr: none).
+API void fakecudart_on_capture_begun(void (*fn)()) { g_on_capture_begun = fn; }
 API cudaError_t cudaStreamEndCapture(cudaStream_t s, void** graph) {
   count("cudaStreamEndCapture");
   if (!make_current(t_device)) return 1;

@@ -30,6 +30,11 @@ cudaError_t cudaStreamCreate(cudaStream_t*);
 cudaError_t cudaStreamDestroy(cudaStream_t);
 cudaError_t cudaStreamBeginCapture(cudaStream_t, int);
 cudaError_t cudaStreamEndCapture(cudaStream_t, void**);
+cudaError_t cudaStreamBeginCapture_ptsz(cudaStream_t, int);
+cudaError_t cudaStreamEndCapture_ptsz(cudaStream_t, void**);
+cudaError_t cudaStreamBeginCaptureToGraph(cudaStream_t, void*, const void*, const void*, size_t, int);
+cudaError_t cudaStreamBeginCaptureToGraph_ptsz(cudaStream_t, void*, const void*, const void*, size_t, int);
+void fakecudart_on_capture_begun(void (*)());
 cudaError_t cudaMemGetInfo(size_t*, size_t*);
 cudaError_t cudaMallocPitch(void**, size_t*, size_t, size_t);
 struct PointerAttributes {  // cudaPointerAttributes
@@ -57,6 +62,16 @@ namespace {
 constexpr std::size_t MiB = 1u << 20;
 constexpr int kCaptureGlobal = 0;  // cudaStreamCaptureModeGlobal
 void* const kPerThread = reinterpret_cast<void*>(std::uintptr_t{0x2});  // CU_STREAM_PER_THREAD
+
+// Run by the runtime double once a capture has begun, before the runtime's begin returns: 320 MiB freed, so
+// that the fence of deferred frees is due. The fence may run only if fragless was not told of the capture.
+void free_while_the_capture_begins() {
+  for (int i = 0; i < 2; ++i) {
+    void* x = nullptr;
+    expect(cudaMalloc(&x, 160 * MiB) == 0 && x, "an allocation as the capture begins");
+    expect(cudaFree(x) == 0, "its cudaFree (the fence is due)");
+  }
+}
 
 }  // namespace
 
@@ -120,6 +135,39 @@ int main(int argc, char** argv) {
   expect(cudaStreamEndCapture(c, &graph) == 0 && graph, "the capture ends valid");
   expect(d.census().invalidated_captures == 0, std::string("no capture was invalidated (") + d.first_fault() + ")");
   expect(cudaFreeAsync(big, a) == 0, "free on a");
+
+  //    Every form of the begin tells fragless before the runtime begins the capture (Note [Quiet before a
+  //    capture]), the ToGraph forms (CUDA 12.3) too: work fragless does while the runtime's begin has not yet
+  //    returned (here a cudaFree with the fence due) runs no fence inside the capture.
+  struct Begin {
+    const char* name;
+    bool ptsz;
+    cudaError_t (*begin)(cudaStream_t);
+  };
+  const Begin begins[] = {
+      {"cudaStreamBeginCapture", false, [](cudaStream_t s) { return cudaStreamBeginCapture(s, kCaptureGlobal); }},
+      {"cudaStreamBeginCapture_ptsz", true, [](cudaStream_t s) { return cudaStreamBeginCapture_ptsz(s, kCaptureGlobal); }},
+      {"cudaStreamBeginCaptureToGraph", false,
+       [](cudaStream_t s) { return cudaStreamBeginCaptureToGraph(s, nullptr, nullptr, nullptr, 0, kCaptureGlobal); }},
+      {"cudaStreamBeginCaptureToGraph_ptsz", true,
+       [](cudaStream_t s) { return cudaStreamBeginCaptureToGraph_ptsz(s, nullptr, nullptr, nullptr, 0, kCaptureGlobal); }},
+  };
+  fakecudart_on_capture_begun(&free_while_the_capture_begins);
+  for (const Begin& b : begins) {
+    const unsigned long before = d.fences(), syncs = fakecudart_calls("cudaDeviceSynchronize");
+    expect(b.begin(c) == 0, std::string(b.name) + ": a global-mode capture begins on c");
+    expect(d.fences() == before && fakecudart_calls("cudaDeviceSynchronize") == syncs,
+           std::string(b.name) + ": no fence was tried while the capture began");
+    void* g = nullptr;
+    expect((b.ptsz ? cudaStreamEndCapture_ptsz(c, &g) : cudaStreamEndCapture(c, &g)) == 0 && g,
+           std::string(b.name) + ": the capture ends valid");
+    expect(d.census().invalidated_captures == 0, std::string(b.name) + ": no capture was invalidated (" +
+                                                     d.first_fault() + ")");
+    void* settle = nullptr;  // the frees deferred during the capture go back at the next fence
+    expect(cudaMalloc(&settle, MiB) == 0 && cudaFree(settle) == 0 && d.fences() > before,
+           std::string(b.name) + ": the next cudaFree after the capture runs the fence");
+  }
+  fakecudart_on_capture_begun(nullptr);
 
   // 5. A fence that fails keeps the frees deferred: their memory is not handed out again.
   void* y = nullptr;

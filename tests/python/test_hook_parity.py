@@ -12,12 +12,21 @@ root = sys.argv[1]
 py = open(os.path.join(root, "torch_plugin", "python", "fragless", "torch.py")).read()
 cpp = re.sub(r"//[^\n]*", "", open(os.path.join(root, "torch_plugin", "torch_cuda.cpp")).read())
 
-# Python: _HOOKS = [(setter, exported function), ...] and CUDAPluggableAllocator(path, malloc, free).
-hooks = None
+# Python: _HOOKS = [(setter, exported function), ...], _GRAPH_HOOKS = [(name, [(setter, exported function),
+# ...]), ...] (a set per PyTorch, the first that fits installed) and CUDAPluggableAllocator(path, malloc, free).
+hooks, graph_sets = None, None
 for node in ast.walk(ast.parse(py)):
     if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_HOOKS" for t in node.targets):
         hooks = {elt.elts[0].value: elt.elts[1].value for elt in node.value.elts}
+    if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_GRAPH_HOOKS" for t in node.targets):
+        graph_sets = [(elt.elts[0].value, [(h.elts[0].value, h.elts[1].value) for h in elt.elts[1].elts])
+                      for elt in node.value.elts]
 check(hooks, "torch.py has no _HOOKS list")
+check(graph_sets, "torch.py has no _GRAPH_HOOKS list")
+for name, pairs in graph_sets:
+    for setter, fn in pairs:
+        check(hooks.get(setter, fn) == fn, "%s binds %s here and %s elsewhere in torch.py" % (setter, fn, hooks.get(setter)))
+        hooks[setter] = fn
 py_alloc = re.search(r"pluggable\(path, \"(\w+)\", \"(\w+)\"\)", py)
 check(py_alloc, "torch.py does not create CUDAPluggableAllocator(path, MALLOC, FREE)")
 
@@ -53,6 +62,10 @@ check(not missing, "install() does not set %s (the Python helper does)" % missin
 check(not extra, "install() sets %s, which the Python helper does not" % extra)
 differ = ["%s: install() binds %s, enable() %s" % (s, bound[s], hooks[s]) for s in sorted(hooks) if bound[s] != hooks[s]]
 check(not differ, "the same setter is given another function: %s" % "; ".join(differ))
+# install() tries the sets in the helper's order (the first setter of each set names it in the source).
+firsts = [(cpp.find("->" + pairs[0][0] + "("), name) for name, pairs in graph_sets]
+check(all(at >= 0 for at, _ in firsts) and firsts == sorted(firsts),
+      "install() does not try the graph-pool hook sets in torch.py's order %s" % [n for _, n in firsts])
 check(cpp_alloc == sorted(py_alloc.groups()),
       "allocation functions differ: install() %s, enable() %s" % (cpp_alloc, sorted(py_alloc.groups())))
 print("install() and enable() bind the same %d hooks to the same functions: %s; allocator %s"

@@ -106,6 +106,12 @@ class DeviceEngine {
   // `filter` come from pool `id`, kept apart from everything else until released.
   void begin_allocate_to_pool(PoolId id, StreamFilter filter);
   void end_allocate_to_pool(PoolId id);
+  // The same routing by stream (PyTorch 2.1 and 2.2's beginAllocateStreamToPool): allocations on `stream`
+  // alone come from pool `id`, a use of the pool counted as begin_allocate_to_pool counts one. The end names
+  // the stream, not the pool, and ends that stream's newest routing (Note [Routing by stream], engine.cpp);
+  // invalid_argument, changing nothing, when `stream` has none. *id (when given) is the pool it routed to.
+  void begin_allocate_stream_to_pool(PoolId id, Stream stream);
+  Status end_allocate_stream_to_pool(Stream stream, PoolId* id = nullptr);
   // Each begin counts a use of the pool and each release ends one (Note [Shared private pools], engine.cpp);
   // when none is left the pool's memory goes once its blocks are free, after a device-wide synchronisation (a
   // replay may run on any stream), never while a capture may be under way. Failed waits are reported as

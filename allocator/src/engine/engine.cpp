@@ -304,16 +304,53 @@ void DeviceEngine::begin_allocate_to_pool(PoolId id, StreamFilter filter) {
   s.routes.emplace_back(ps.get(), std::move(filter));
 }
 
+namespace {
+// Device lock held: a routing has ended. PyTorch ends the capture (cudaStreamEndCapture) before it ends the
+// routing: with no other capture under way, events may be recorded now.
+void routing_ended(DeviceEngine::State& s) {
+  if (!s.capturing()) {
+    s.after_capture();
+    s.background.routing_changed(false);
+  }
+}
+
+// Note [Routing by stream]
+// PyTorch 2.1 and 2.2 route a capture by its stream: beginAllocateStreamToPool(device, stream, pool) and
+// endAllocateStreamToPool(device, stream), which names no pool. Two graphs may share a pool (Note [Shared
+// private pools]) and be captured at once on two streams, so an end must take away the route of its own
+// stream, not the newest of the pool: ending the other one would send that capture's allocations to the
+// default pool, where ordinary tensors reuse them while the graph replays. A stream's route is told from
+// the others by its filter's type (OnStream, which holds the stream), with no new field in the routes.
+struct OnStream {
+  Stream stream;
+  bool operator()(Stream s) const { return s == stream; }
+};
+}  // namespace
+
 void DeviceEngine::end_allocate_to_pool(PoolId id) {
   State& s = *s_;
   std::lock_guard lk(s.mu);
   auto it = std::find_if(s.routes.rbegin(), s.routes.rend(), [&](auto& r) { return r.first->id == id; });
   if (it != s.routes.rend()) s.routes.erase(std::next(it).base());
-  // PyTorch ends the capture (cudaStreamEndCapture) before it ends the routing: events may be recorded now.
-  if (!s.capturing()) {
-    s.after_capture();
-    s.background.routing_changed(false);
-  }
+  routing_ended(s);
+}
+
+void DeviceEngine::begin_allocate_stream_to_pool(PoolId id, Stream stream) {
+  begin_allocate_to_pool(id, OnStream{stream});  // Note [Routing by stream]
+}
+
+Status DeviceEngine::end_allocate_stream_to_pool(Stream stream, PoolId* id) {
+  State& s = *s_;
+  std::lock_guard lk(s.mu);
+  auto it = std::find_if(s.routes.rbegin(), s.routes.rend(), [&](auto& r) {
+    const OnStream* f = r.second.template target<OnStream>();
+    return f && f->stream == stream;
+  });
+  if (it == s.routes.rend()) return Status::invalid_argument;  // no begin for this stream (or released since)
+  if (id) *id = it->first->id;
+  s.routes.erase(std::next(it).base());
+  routing_ended(s);
+  return Status::ok;
 }
 
 // Note [Shared private pools]

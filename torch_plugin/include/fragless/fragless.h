@@ -65,6 +65,14 @@ typedef struct { unsigned long long first, second; } fragless_pool_id; /* Mempoo
 FRAGLESS_API void fragless_begin_allocate_to_pool(int device, fragless_pool_id pool, std::function<bool(cudaStream_t)> filter);
 #endif
 FRAGLESS_API void fragless_end_allocate_to_pool(int device, fragless_pool_id pool); /* set_end_allocate_to_pool_fn */
+/* PyTorch 2.1 and 2.2's form of the two above, which route by stream (2.3 replaced them):
+ * set_begin_allocate_stream_to_pool: allocations on exactly `stream` come from `pool` (a capture on that
+ * stream), a use of the pool counted as fragless_begin_allocate_to_pool counts one. */
+FRAGLESS_API void fragless_begin_allocate_stream_to_pool(int device, cudaStream_t stream, fragless_pool_id pool);
+/* set_end_allocate_stream_to_pool_fn: ends the routing begun for `stream` (the newest, when it was begun
+ * twice), whatever its pool: two graphs sharing a pool may be captured at once on two streams. A stream with
+ * no routing changes nothing and sets fragless_last_error. */
+FRAGLESS_API void fragless_end_allocate_stream_to_pool(int device, cudaStream_t stream);
 FRAGLESS_API void fragless_release_pool(int device, fragless_pool_id pool);         /* set_release_pool */
 
 /* Statistics with torch.cuda.memory_stats() key names (and fragless's own: fragless.*, and sharing's

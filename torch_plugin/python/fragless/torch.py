@@ -40,16 +40,34 @@ dump_snapshot = _f.dump_snapshot
 empty_cache = _f.empty_cache
 record_history = _f.record_history
 
-_HOOKS = [  # (setter on torch._C._CUDAPluggableAllocator, exported function)
+_HOOKS = [  # (setter on torch._C._CUDAPluggableAllocator, exported function), each set where PyTorch has it
     ("set_init_fn", "fragless_init"),
     ("set_reset_fn", "fragless_empty_cache"),
     ("set_memory_fraction_fn", "fragless_set_memory_fraction"),
     ("set_base_alloc_fn", "fragless_get_base_allocation"),
     ("set_record_stream_fn", "fragless_record_stream"),
-    ("set_begin_allocate_to_pool", "fragless_begin_allocate_to_pool"),
-    ("set_end_allocate_to_pool_fn", "fragless_end_allocate_to_pool"),
-    ("set_release_pool", "fragless_release_pool"),
 ]
+
+# The graph-pool hooks (torch.cuda.graph, MemPool), whose setters PyTorch renamed: a set per PyTorch, the first
+# whose setters all exist installed whole. Without one a capture gets no private pool (memory freed during it
+# goes to other tensors while the graph replays into it) and fragless never knows that a capture is under way
+# (it would query events and synchronise inside it), so enable() raises on a PyTorch that has none of them.
+_GRAPH_HOOKS = [
+    ("allocate_to_pool", [  # PyTorch >= 2.3: begin(device, pool, filter of streams), end(device, pool)
+        ("set_begin_allocate_to_pool", "fragless_begin_allocate_to_pool"),
+        ("set_end_allocate_to_pool_fn", "fragless_end_allocate_to_pool"),
+        ("set_release_pool", "fragless_release_pool"),
+    ]),
+    ("allocate_stream_to_pool", [  # PyTorch 2.1 and 2.2: begin(device, stream, pool), end(device, stream)
+        ("set_begin_allocate_stream_to_pool", "fragless_begin_allocate_stream_to_pool"),
+        ("set_end_allocate_stream_to_pool_fn", "fragless_end_allocate_stream_to_pool"),
+        ("set_release_pool", "fragless_release_pool"),
+    ]),
+]
+
+# After enable(): the name of the graph-pool hook set it installed ("allocate_to_pool" on PyTorch >= 2.3,
+# "allocate_stream_to_pool" on 2.1 and 2.2); None before, or where fragless is not PyTorch's allocator.
+graph_hooks = None
 
 _enabled = None
 _enabled_conf = None  # the FRAGLESS_CONF string in effect once enable() has succeeded
@@ -82,8 +100,11 @@ def enable(conf=None):
     naming driver:host for CPU use. Called again, it returns what the first call returned when `conf` is the
     one in effect (or None), and raises RuntimeError naming the one in effect when it differs: the allocator
     of a process cannot be reconfigured. Returns the torch.cuda.memory.CUDAPluggableAllocator, or None on a
-    PyTorch without CUDAPluggableAllocator (before 2.0) or without CUDA."""
-    global _enabled, _enabled_conf
+    PyTorch without CUDAPluggableAllocator (before 2.0) or without CUDA. On a PyTorch whose CUDA graphs
+    fragless cannot follow (2.0, whose pluggable allocator has none of the graph-pool hooks of 2.1 and later)
+    it raises RuntimeError and makes no allocator PyTorch's; fragless.torch.graph_hooks names the graph-pool
+    hooks it installed."""
+    global _enabled, _enabled_conf, graph_hooks
     if _enabled is not None:
         asked = os.environ.get("FRAGLESS_CONF", "") if conf is None else conf
         if _canonical(asked) != _canonical(_enabled_conf):
@@ -124,9 +145,9 @@ def enable(conf=None):
         return None
     alloc = pluggable(path, "fragless_malloc", "fragless_free")
     backend = alloc.allocator()
-    for setter, fn in _HOOKS:
-        if hasattr(backend, setter):
-            getattr(backend, setter)(ctypes.cast(getattr(lib, fn), ctypes.c_void_p).value)
+    graph_set, graph_setters = _graph_hooks_of(torch, backend)
+    for setter, fn in [h for h in _HOOKS if hasattr(backend, h[0])] + graph_setters:
+        getattr(backend, setter)(ctypes.cast(getattr(lib, fn), ctypes.c_void_p).value)
     try:
         torch.cuda.memory.change_current_allocator(alloc)
     except RuntimeError as e:
@@ -137,8 +158,23 @@ def enable(conf=None):
     _install_oom_error(torch)
     from . import torch_share  # torch.multiprocessing sends fragless's CUDA tensors through fragless.share
     torch_share.install(torch)
-    _enabled, _enabled_conf = alloc, conf
+    _enabled, _enabled_conf, graph_hooks = alloc, conf, graph_set
     return alloc
+
+
+def _graph_hooks_of(torch, backend):
+    """The graph-pool hook set this PyTorch's pluggable allocator takes: (its name, its [(setter, function)]).
+    Raises RuntimeError, before anything is installed, where it takes none: PyTorch 2.0, whose capture hooks
+    (set_capture_begin_fn and the others) name CUDA's capture id, which fragless does not follow, or a later
+    PyTorch that renamed them again."""
+    for name, hooks in _GRAPH_HOOKS:
+        if all(hasattr(backend, setter) for setter, _ in hooks):
+            return name, hooks
+    raise RuntimeError(
+        "fragless.torch.enable(): this PyTorch (%s) has none of the CUDA graph hooks fragless follows (%s); under "
+        "it a graph capture would get no private pool, and memory freed during a capture would be handed to other "
+        "tensors while the graph replays into it. fragless needs PyTorch 2.1 or later; it was not made PyTorch's "
+        "allocator." % (torch.__version__, "; ".join(" + ".join(s for s, _ in hooks) for _, hooks in _GRAPH_HOOKS)))
 
 
 def _check_driver(conf):
