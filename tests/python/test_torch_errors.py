@@ -83,5 +83,9 @@ for other in ("driver:host,capacity_mb:512", "driver:host"):
         raise AssertionError("enable(%r) after enable(%r) did not raise" % (other, conf))
     except RuntimeError as e:
         check("already enabled" in str(e) and repr(conf) in str(e) and repr(other) in str(e), str(e))
+        # Without CUDAPluggableAllocator or a device, the first call warned that fragless is not PyTorch's
+        # allocator; the error does not say it is.
+        check(("once it is PyTorch's allocator" in str(e)) == bool(first), str(e))
+        check(("not PyTorch's allocator here" in str(e)) == (not first), str(e))
         print("enable(%r) again: RuntimeError: %s" % (other, str(e)[:140]))
 print("checks passed")
