@@ -23,6 +23,7 @@ bool driver_available(const Options& opts, std::string* error) {
     if (error) *error = e.missing;
     return false;
   }
+  if (e.accepts && !e.accepts(opts, error)) return false;
   if (!e.device_count) return true;
   const int n = e.device_count(error);
   if (n == 0 && error) *error = std::string("fragless: the ") + e.name + " driver reports no device";

@@ -183,7 +183,7 @@ MaxResult max_value(const std::string& spec, const std::string& key, PolicyKind 
     out.error = "--max-of needs a device capacity (--capacity-gib N)";
     return done(out);
   }
-  if (!workload_key_range(spec, key, &out.least, &out.greatest, &out.error)) return done(out);
+  if (!workload_key_range(spec, key, &out.least, &out.greatest, &out.error, &out.capped)) return done(out);
   const std::string where = spec + " (" + policy_name(policy) + ", " + gib_text(capacity) + ")";
   auto probe = [&](long long v) {
     Probe p;
@@ -220,7 +220,9 @@ MaxResult max_value(const std::string& spec, const std::string& key, PolicyKind 
   while (fail < 0) {
     if (pass >= out.greatest) {
       out.error = where + ": the search cannot converge: it still fits at " + key + "=" + std::to_string(pass) +
-                  ", the largest value the workload accepts (" + key + " does not bound memory here)";
+                  (out.capped ? ", where the search stops (the workload takes larger values; "
+                              : ", the largest value the workload accepts (") +
+                  key + " does not bound memory here)";
       return done(out);
     }
     std::vector<long long> points;

@@ -44,7 +44,8 @@ struct MaxResult {
   ReplayResult at;  // the whole replay at max_value: zero OOMs
   std::string spec, key;
   long long max_value = 0;
-  long long least = 0, greatest = 0;  // the key's accepted range
+  long long least = 0, greatest = 0;  // the key's range searched
+  bool capped = false;                // greatest is where the search stops, below what the workload accepts
   int replays = 0;
   double seconds = 0;
   std::string error;  // non-empty: no answer (names why)

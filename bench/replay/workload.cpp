@@ -484,7 +484,8 @@ bool spec_sets(const std::string& spec, const std::string& key) {
 }  // namespace
 
 bool workload_key_range(const std::string& spec, const std::string& key, long long* lo, long long* hi,
-                        std::string* error) {
+                        std::string* error, bool* capped) {
+  if (capped) *capped = false;
   if (spec.rfind("workload:", 0) != 0) {
     *error = spec + ": --max-of searches a key of a built-in workload; this input is a trace";
     return false;
@@ -514,9 +515,10 @@ bool workload_key_range(const std::string& spec, const std::string& key, long lo
     *hi = ik->most;
     return settable();
   }
-  if (key == "seed") {
+  if (key == "seed") {  // [0, 2^64) accepted; the search stops at 1e15, as for the zoo's seeds
     *lo = 0;
     *hi = 1000000000000000LL;
+    if (capped) *capped = true;
     return settable();
   }
   std::string names;

@@ -55,9 +55,11 @@ std::string transformer_help();
 
 // For a search over one key of a workload (fragless-replay --max-of): the integer range the key accepts.
 // False with *error when the spec is not a workload, or the key is unknown or not numeric (seqlen, dtype,
-// padding), naming the numeric keys, or the spec sets the key itself.
+// padding), naming the numeric keys, or the spec sets the key itself. *capped (when given) is set when *hi is
+// where the search stops rather than the largest value the workload accepts: a transformer workload's seed,
+// which takes [0, 2^64) and is searched up to 1e15.
 bool workload_key_range(const std::string& spec, const std::string& key, long long* lo, long long* hi,
-                        std::string* error);
+                        std::string* error, bool* capped = nullptr);
 // Whether the input draws its sequence lengths from --seqlen-file: a transformer workload (transformer-train,
 // transformer-infer, ckpt-accum) whose spec does not set seqlen.
 bool draws_seqlen_file(const std::string& input);

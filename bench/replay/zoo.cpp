@@ -466,19 +466,21 @@ void random_pattern(const std::map<std::string, double>& k, Emit& em) {
   for (const Live& l : keep) em.free(l.addr);
 }
 
+// A key's value is held as a double: seeds stop at 1e15, below 2^53, so that every seed accepted is its own
+// (past 2^53 neighbouring seeds would read as one). --max-of seed searches up to the same bound.
 const std::vector<Generator>& generators() {
   static const std::vector<Generator> g = {
       {"unet2d", "2D U-Net training: activations halve and double by level, skips kept, crops vary per step",
        {{"dims", 2, 2, 3, "spatial dimensions"}, {"base", 64, 1, 1024, "channels at the top level"},
         {"res", 512, 16, 8192, "mean input side"}, {"jitter", 0.25, 0, 0.9, "input side varies by this share"},
         {"levels", 4, 1, 8, "levels"}, {"batch", 8, 1, 1024, "batch"}, {"train", 1, 0, 1, "1 training, 0 inference"},
-        {"steps", 4, 1, 100000, "steps"}, {"seed", 1, 0, 1e18, "random seed"}},
+        {"steps", 4, 1, 100000, "steps"}, {"seed", 1, 0, 1e15, "random seed"}},
        unet},
       {"unet3d", "3D U-Net volume inference: GiB-scale activations that halve and double, volumes vary per step",
        {{"dims", 3, 2, 3, "spatial dimensions"}, {"base", 32, 1, 1024, "channels at the top level"},
         {"res", 160, 16, 4096, "mean volume side"}, {"jitter", 0.25, 0, 0.9, "volume side varies by this share"},
         {"levels", 4, 1, 8, "levels"}, {"batch", 2, 1, 1024, "batch"}, {"train", 0, 0, 1, "1 training, 0 inference"},
-        {"steps", 4, 1, 100000, "steps"}, {"seed", 1, 0, 1e18, "random seed"}},
+        {"steps", 4, 1, 100000, "steps"}, {"seed", 1, 0, 1e15, "random seed"}},
        unet},
       {"moe", "mixture-of-experts training: per-expert token counts drawn anew every step",
        {{"layers", 8, 1, 1000, "layers"}, {"experts", 16, 1, 1024, "experts per layer"},
@@ -486,27 +488,27 @@ const std::vector<Generator>& generators() {
         {"tokens", 16384, 1, 1e8, "mean tokens per step (±50%)"}, {"topk", 2, 1, 64, "experts per token"},
         {"skew", 1.0, 0.01, 100, "Dirichlet concentration of the routing (small: uneven)"},
         {"train", 1, 0, 1, "1 training, 0 inference"}, {"steps", 4, 1, 100000, "steps"},
-        {"seed", 1, 0, 1e18, "random seed"}},
+        {"seed", 1, 0, 1e15, "random seed"}},
        moe},
       {"serving", "LLM serving with continuous batching: per-request KV caches grow by blocks and finish at random",
        {{"layers", 32, 1, 1000, "layers"}, {"d_model", 4096, 1, 65536, "model width"},
         {"d_ff", 11008, 1, 262144, "MLP width"}, {"kv_heads", 8, 1, 1024, "KV heads"},
         {"head_dim", 128, 1, 4096, "head dimension"}, {"max_batch", 32, 1, 4096, "requests in flight"},
         {"block", 16, 1, 65536, "tokens a KV cache grows by"}, {"arrival", 0.3, 0.001, 1, "chance a request joins"},
-        {"steps", 400, 3, 1e6, "iterations"}, {"seed", 1, 0, 1e18, "random seed"}},
+        {"steps", 400, 3, 1e6, "iterations"}, {"seed", 1, 0, 1e15, "random seed"}},
        serving},
       {"fsdp", "sharded data parallel (ZeRO-3): parameters gathered on a communication stream, gradients reduce-scattered",
        {{"layers", 24, 1, 1000, "layers"}, {"d_model", 4096, 8, 65536, "model width"},
         {"world", 8, 1, 4096, "ranks the parameters are sharded over"}, {"batch", 4, 1, 4096, "sequences per step"},
         {"max_seq", 4096, 1, 1e6, "longest sequence"}, {"steps", 4, 1, 100000, "steps"},
-        {"seed", 1, 0, 1e18, "random seed"}},
+        {"seed", 1, 0, 1e15, "random seed"}},
        fsdp},
       {"pipeline", "pipeline parallel (1F1B) on one stage: micro-batches of varying length in flight",
        {{"stages", 4, 1, 1024, "pipeline stages"}, {"rank", 0, 0, 1023, "this stage"},
         {"micro", 8, 1, 4096, "micro-batches per step"}, {"layers", 6, 1, 1000, "layers on this stage"},
         {"d_model", 4096, 1, 65536, "model width"}, {"d_ff", 16384, 1, 262144, "MLP width"},
         {"batch", 2, 1, 4096, "sequences per micro-batch"}, {"max_seq", 4096, 1, 1e6, "longest sequence"},
-        {"steps", 3, 1, 100000, "steps"}, {"seed", 1, 0, 1e18, "random seed"}},
+        {"steps", 3, 1, 100000, "steps"}, {"seed", 1, 0, 1e15, "random seed"}},
        pipeline},
       {"random", "random sizes over six decades, random lifetimes, several streams, steps that differ; live_gib is "
                  "only a cap (an allocation that would pass it is skipped), not a target: above what the steps reach "
@@ -514,7 +516,7 @@ const std::vector<Generator>& generators() {
        {{"min_bytes", 512, 1, 1e9, "smallest size (the largest is 10^6 times it)"},
         {"lifetime", 40, 1, 1e6, "mean lifetime, in operations"}, {"ops", 3000, 1, 1e7, "operations per step"},
         {"streams", 3, 1, 64, "streams"}, {"live_gib", 16, 0.001, 1e4, "a cap on live bytes, GiB (not a target)"},
-        {"steps", 4, 1, 100000, "steps"}, {"seed", 1, 0, 1e18, "random seed"}},
+        {"steps", 4, 1, 100000, "steps"}, {"seed", 1, 0, 1e15, "random seed"}},
        random_pattern},
   };
   return g;

@@ -3,6 +3,7 @@
 #include <sstream>
 
 #include "driver/registry.h"
+#include "fragless/allocator.h"
 #include "fragless/config.h"
 
 using namespace fragless;
@@ -168,4 +169,19 @@ TEST_CASE("config: every row parses its own default, and every driver kind has i
   Options base;
   base.policy = PolicyKind::classic;
   CHECK(parse_config("expandable_segments:False", base).options.policy == PolicyKind::classic);
+}
+
+TEST_CASE("config: a driver refuses options it never takes when checked, with the message it starts with", "[config]") {
+  // The host driver cannot carry CUDA's fabric handles: driver_available (fragless_check_driver, enable())
+  // says so before anything is made, in the words make_driver uses at the first allocation.
+  const Options o = ok("driver:host,shareable_handles:fabric");
+  std::string checked, made;
+  CHECK_FALSE(driver_available(o, &checked));
+  CHECK(make_driver(o, 0, &made) == nullptr);
+  CHECK(checked == made);
+  CHECK(checked.find("shareable_handles:fabric needs the cuda driver") != std::string::npos);
+  std::string none;
+  CHECK(driver_available(ok("driver:host,shareable_handles:True"), &none));
+  CHECK(driver_available(ok("driver:sim"), &none));
+  CHECK(none.empty());
 }

@@ -122,6 +122,14 @@ def run_probe(**env):
     return r.stdout.strip()
 
 
+# check_driver refuses what the driver would refuse at its start, in the same words, creating nothing.
+try:
+    fragless.check_driver("driver:host,shareable_handles:fabric")
+    raise AssertionError("check_driver() took shareable_handles:fabric on the host driver")
+except RuntimeError as e:
+    check("shareable_handles:fabric needs the cuda driver" in str(e), str(e))
+fragless.check_driver("driver:host,shareable_handles:True")
+
 out = run_probe(FAKECUDA_DRIVER_VERSION="11020")
 check("supports CUDA 11.2; fragless needs CUDA 11.3 or newer" in out, out)
 check(run_probe(FAKECUDA_DRIVER_VERSION="11080") == "types 0")  # asked for 11.8 at most, else nothing resolves

@@ -140,7 +140,7 @@ with tempfile.TemporaryDirectory() as d:
         if fn is None:
             print("SKIPPED (loudly): torch.cuda._memory_viz of PyTorch %s has no '%s'" % (torch.__version__, name))
             continue
-        # PyTorch before 2.1 reads the list of segments (memory_snapshot()'s layout), later ones the whole dict.
+        # PyTorch 1.13 reads the list of segments (memory_snapshot()'s layout), 2.0 and later the whole dict.
         data = dumped if hasattr(viz, "trace") else dumped["segments"]
         out = fn(data) if name in ("stats", "trace", "segment_plot", "trace_plot") else fn(data, lines)
         check(out, name)

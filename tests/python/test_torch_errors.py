@@ -1,9 +1,10 @@
 """fragless.torch.enable() fails at once, with the message that says what is wrong, rather than at the first
 memory call: a bad key or value raises ValueError naming it (as written); where libcuda cannot be loaded
 (FRAGLESS_LIBCUDA points nowhere here) it raises RuntimeError saying so and naming driver:host for CPU
-use, within a second; and then enable("driver:host") works, saying that it does not use the environment's
-FRAGLESS_CONF; enable() again with other settings raises RuntimeError naming the ones in effect. Exits 77
-(skipped) without PyTorch. Run with FRAGLESS_LIBRARY set."""
+use, within a second; an option the driver never takes (shareable_handles:fabric on the host driver)
+raises RuntimeError in the words of the first allocation; and then enable("driver:host") works, saying
+that it does not use the environment's FRAGLESS_CONF; enable() again with other settings raises
+RuntimeError naming the ones in effect. Exits 77 (skipped) without PyTorch. Run with FRAGLESS_LIBRARY set."""
 import os
 import time
 import warnings
@@ -38,6 +39,15 @@ for conf in ("", "policy:classic"):
         check("driver:host" in msg and "libcuda" in msg, msg)
 check(time.monotonic() - start < 5, "enable() took %.1f s to fail" % (time.monotonic() - start))
 print("enable() without libcuda: RuntimeError at once: %s" % msg[:160])
+
+# A driver that refuses an option it never takes says so at enable(), in the words of the first allocation:
+# the host driver cannot carry CUDA's fabric handles.
+try:
+    ft.enable("driver:host,shareable_handles:fabric")
+    raise AssertionError("enable() took shareable_handles:fabric on the host driver")
+except RuntimeError as e:
+    check("shareable_handles:fabric needs the cuda driver" in str(e), str(e))
+    print("enable('driver:host,shareable_handles:fabric'): RuntimeError: %s" % str(e)[:120])
 check(ft._enabled is None)  # nothing was installed by the failed calls
 
 # A key given twice is refused, as any other mistake is (the first value would be silently dropped).
@@ -73,5 +83,9 @@ for other in ("driver:host,capacity_mb:512", "driver:host"):
         raise AssertionError("enable(%r) after enable(%r) did not raise" % (other, conf))
     except RuntimeError as e:
         check("already enabled" in str(e) and repr(conf) in str(e) and repr(other) in str(e), str(e))
+        # Without CUDAPluggableAllocator or a device, the first call warned that fragless is not PyTorch's
+        # allocator; the error does not say it is.
+        check(("once it is PyTorch's allocator" in str(e)) == bool(first), str(e))
+        check(("not PyTorch's allocator here" in str(e)) == (not first), str(e))
         print("enable(%r) again: RuntimeError: %s" % (other, str(e)[:140]))
 print("checks passed")

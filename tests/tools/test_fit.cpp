@@ -178,6 +178,18 @@ TEST_CASE("fit and max: bad questions are clear errors", "[fit][bad-input]") {
   m = max_value("workload:transformer-infer:layers=2,steps=2", "seed", PolicyKind::classic, 80 * kGiB, so);
   CHECK_THAT(m.error, Catch::Contains("cannot converge"));
   CHECK(m.replays > 1);
+  // It stops at seed=1e15, below the seeds a transformer workload takes ([0, 2^64)), and says so; a zoo
+  // workload's seeds end there.
+  CHECK_THAT(m.error, Catch::Contains("it still fits at seed=1000000000000000, where the search stops (the workload "
+                                      "takes larger values; seed does not bound memory here)"));
+  m = max_value("workload:random:ops=10,steps=1", "seed", PolicyKind::classic, 80 * kGiB, so);
+  CHECK_THAT(m.error, Catch::Contains("it still fits at seed=1000000000000000, the largest value the workload accepts"));
+  formats::Trace t;
+  std::string seed_err;
+  CHECK(make_workload("workload:transformer-infer:layers=2,steps=1,seed=18446744073709551615", &t, &seed_err));
+  CHECK(make_workload("workload:random:ops=10,steps=1,seed=1000000000000000", &t, &seed_err));
+  CHECK_FALSE(make_workload("workload:random:ops=10,steps=1,seed=1000000000000001", &t, &seed_err));
+  CHECK_THAT(seed_err, Catch::Contains("seed='1000000000000001' is not an integer in [0, 1e+15]"));
 
   // An allocation larger than any device, a trace with nothing to replay, a step too fine.
   formats::Trace huge;

@@ -356,6 +356,12 @@ check_error "a workload too large to generate" "workload:transformer-train:layer
   "$bin/fragless-replay" --policy classic "workload:transformer-train:layers=1000000"
 check_exit 1 "a search that cannot converge" "cannot converge" \
   "$bin/fragless-replay" --policy classic --max-of seed --capacity-gib 8 "workload:transformer-infer:layers=2,steps=2"
+check_exit 1 "... says it stopped below the seeds a transformer workload takes" \
+  "seed=1000000000000000, where the search stops (the workload takes larger values" \
+  "$bin/fragless-replay" --policy classic --max-of seed --capacity-gib 8 "workload:transformer-infer:layers=2,steps=2"
+check_output "--help: --max-of searches a seed up to 1e15" "a seed: up to 1e15" "$bin/fragless-replay" --help
+check_error "a zoo workload's seed past 1e15" "seed='1000000000000001' is not an integer in [0, 1e+15]" \
+  "$bin/fragless-replay" --policy classic "workload:random:ops=10,steps=1,seed=1000000000000001"
 check_output "--help exits 0 and documents --fit" "--fit" "$bin/fragless-replay" --help
 # Every program in the build's bin/ answers --help with its usage on stdout and exit 0 (Google Benchmark's
 # programs print their flags).

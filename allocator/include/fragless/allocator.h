@@ -23,7 +23,8 @@ namespace fragless {
 std::unique_ptr<Driver> make_driver(const Options& opts, int device, std::string* error);
 
 // Whether opts.driver can start on this machine, creating nothing (no engine, no context): the cuda driver
-// needs libcuda and at least one device; host and sim always can. False with *error saying why.
+// needs libcuda and at least one device; host and sim always can, with options they take (the host driver
+// refuses shareable_handles:fabric). False with *error saying why, as make_driver would.
 bool driver_available(const Options& opts, std::string* error);
 
 // A lock of code built on fragless (an event sink's own, a table a stack capture fills) that a forked child

@@ -500,13 +500,18 @@ HostDriverCensus host_driver_census(Driver& d) {
   return {};
 }
 
-// The registry's entry (driver/registry.h): the options the host driver reads.
-std::unique_ptr<Driver> make_host_driver_for(const Options& o, int device, std::string* error) {
+// The registry's entries (driver/registry.h): the options the host driver refuses, and those it reads.
+bool host_driver_accepts(const Options& o, std::string* error) {
   if (o.fabric_handles) {  // CUDA's handle type (R26): nothing here could carry it
     if (error) *error = "fragless: shareable_handles:fabric needs the cuda driver; the host driver shares memfds "
                         "(shareable_handles:True)";
-    return nullptr;
+    return false;
   }
+  return true;
+}
+
+std::unique_ptr<Driver> make_host_driver_for(const Options& o, int device, std::string* error) {
+  if (!host_driver_accepts(o, error)) return nullptr;
   HostDriverOptions h;
   h.device = device;
   h.page_size = o.page_size;

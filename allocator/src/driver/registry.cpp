@@ -12,12 +12,12 @@ constexpr const char* kNoCuda =
 // One line per driver (registry.h).
 constexpr DriverEntry kDrivers[] = {
 #if defined(FRAGLESS_HAVE_CUDA)
-    {DriverKind::cuda, "cuda", &make_cuda_driver_for, &cuda_device_count, nullptr},
+    {DriverKind::cuda, "cuda", &make_cuda_driver_for, &cuda_device_count, nullptr, nullptr},
 #else
-    {DriverKind::cuda, "cuda", nullptr, nullptr, kNoCuda},
+    {DriverKind::cuda, "cuda", nullptr, nullptr, nullptr, kNoCuda},
 #endif
-    {DriverKind::host, "host", &make_host_driver_for, nullptr, nullptr},
-    {DriverKind::sim, "sim", &make_sim_driver_for, nullptr, nullptr},
+    {DriverKind::host, "host", &make_host_driver_for, nullptr, &host_driver_accepts, nullptr},
+    {DriverKind::sim, "sim", &make_sim_driver_for, nullptr, nullptr, nullptr},
 };
 
 }  // namespace

@@ -18,6 +18,9 @@ struct DriverEntry {
   std::unique_ptr<Driver> (*make)(const Options& o, int device, std::string* error);
   // How many devices the driver has (-1 with *error set when it cannot tell); null: one device.
   int (*device_count)(std::string* error);
+  // Whether the driver takes the options on any machine (false with *error set); null: it takes every valid
+  // set. make refuses with the same message, so driver_available (check_driver) says it before the first use.
+  bool (*accepts)(const Options& o, std::string* error);
   const char* missing;  // when this build lacks the driver (make is null): why, and what to use instead
 };
 
@@ -25,6 +28,7 @@ struct DriverEntry {
 std::span<const DriverEntry> driver_registry();
 const DriverEntry& driver_entry(DriverKind kind);
 
+bool host_driver_accepts(const Options& o, std::string* error);
 std::unique_ptr<Driver> make_host_driver_for(const Options& o, int device, std::string* error);
 std::unique_ptr<Driver> make_sim_driver_for(const Options& o, int device, std::string* error);
 std::unique_ptr<Driver> make_cuda_driver_for(const Options& o, int device, std::string* error);

@@ -78,7 +78,8 @@ def check_config(conf):
 
 def check_driver(conf):
     """For a valid `conf`: raises RuntimeError saying why its driver cannot start here (the cuda driver
-    needs libcuda and a device), creating nothing (no engine, no CUDA context)."""
+    needs libcuda and a device; the host driver refuses shareable_handles:fabric), in the words the first
+    allocation would use, creating nothing (no engine, no CUDA context)."""
     check_config(conf)
     error = _check(library().fragless_check_driver, conf)
     if error:

@@ -109,9 +109,12 @@ def enable(conf=None):
         asked = os.environ.get("FRAGLESS_CONF", "") if conf is None else conf
         if _canonical(asked) != _canonical(_enabled_conf):
             raise RuntimeError("fragless.torch.enable(%r): fragless is already enabled in this process with %r, "
-                               "and its configuration cannot change once it is PyTorch's allocator; call enable() "
+                               "and its configuration cannot change %s; call enable() "
                                "once, at the top of the script%s" % (
-                                   asked, _enabled_conf, "" if conf is not None else
+                                   asked, _enabled_conf, "once it is PyTorch's allocator" if _enabled else
+                                   "in a process (fragless is not PyTorch's allocator here, as the first call "
+                                   "warned, but torch.cuda's memory functions report its devices)",
+                                   "" if conf is not None else
                                    " (FRAGLESS_CONF was changed after the first enable())"))
         return _enabled or None
     try:
