@@ -6,8 +6,10 @@
  * std::runtime_error) whose message starts as PyTorch's does ("CUDA out of memory. Tried to allocate ...")
  * and carries fragless's diagnosis; PyTorch turns it into a Python RuntimeError with that text. It never
  * returns NULL for a non-zero size: PyTorch's normal path would wrap NULL in a tensor that faults later.
- * fragless_pool_malloc, for torch.cuda.MemPool (whose path retries and raises torch.cuda.OutOfMemoryError
- * on NULL), returns NULL instead; fragless_last_error() then holds the diagnosis. */
+ * Any other failure (no driver can start, an invalid device) throws std::runtime_error with the reason. A
+ * caller with no C++ handler around the call (C, Python's ctypes) uses fragless_pool_malloc, for
+ * torch.cuda.MemPool (whose path retries and raises torch.cuda.OutOfMemoryError on NULL), which returns
+ * NULL instead; fragless_last_error() then holds the diagnosis. */
 #ifndef FRAGLESS_FRAGLESS_H_
 #define FRAGLESS_FRAGLESS_H_
 
