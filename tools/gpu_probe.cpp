@@ -35,6 +35,8 @@
 
 #include <cuda.h>
 
+#include "trace_model.h"
+
 namespace {
 
 constexpr std::size_t MiB = std::size_t{1} << 20;
@@ -545,10 +547,10 @@ int main(int argc, char** argv) {
   j += ",\"notes\":[";
   for (std::size_t i = 0; i < p.notes.size(); ++i) j += (i ? "," : "") + json_str(p.notes[i]);
   j += "],\"failure\":" + (p.failure.empty() ? std::string("null") : json_str(p.failure)) + "}\n";
-  if (!out.empty()) {
-    std::ofstream f(out);
-    f << j;
-    if (!f) return std::fprintf(stderr, "fragless-gpu-probe: cannot write %s\n", out.c_str()), 1;
+  if (!out.empty()) {  // atomically: a run killed part way leaves the last complete file (a --costs input)
+    std::string err;
+    if (!fragless::formats::write_file(out, j, &err))
+      return std::fprintf(stderr, "fragless-gpu-probe: %s\n", err.c_str()), 1;
   } else {
     std::fputs(j.c_str(), stdout);
   }
