@@ -132,7 +132,7 @@ std::string transformer_keys() {
 // Applies `options` (key=value,...) over *c. A key given twice in one spec is an error naming it: a later
 // value silently replacing an earlier one hides a typo.
 bool apply_options(const std::string& options, Config* c, std::string* error) {
-  if (!options.empty() && (options.front() == ',' || options.back() == ',' || options.find(",,") != std::string::npos)) {
+  if (has_empty_item(options)) {
     *error = "workload options '" + options + "': an empty item (a ',' too many)";
     return false;
   }
@@ -409,6 +409,11 @@ void infer(const Config& c, SeqLen& lens, Emitter& em) {
 }
 
 }  // namespace
+
+bool has_empty_item(const std::string& options) {
+  return !options.empty() &&
+         (options.front() == ',' || options.back() == ',' || options.find(",,") != std::string::npos);
+}
 
 bool make_workload(const std::string& spec, formats::Trace* out, std::string* error,
                    const std::vector<int>* lengths, bool* too_large) {

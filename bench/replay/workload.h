@@ -28,6 +28,9 @@ inline void check_room(const formats::Trace& t) {
 }
 // The error for a spec whose generation stopped: too many events, or no host memory left.
 std::string workload_too_large(const std::string& spec, bool out_of_memory);
+// Whether a workload's options (key=value,...) have an empty item: a ',' at either end or two together (a
+// ',' too many). Every workload refuses them rather than skipping the item.
+bool has_empty_item(const std::string& options);
 // A workload key's integer, written as decimal digits with an optional '-' and nothing else (no spaces, sign
 // '+', base prefix, fraction or exponent: '1.5', '0x10' and ' 5' are not integers here); false otherwise or
 // past 18 digits.

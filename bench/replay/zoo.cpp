@@ -616,7 +616,7 @@ bool make_zoo_workload(const std::string& name, const std::string& options, form
   std::stringstream kv(options);
   std::string item;
   std::vector<std::string> given;
-  if (!options.empty() && (options.front() == ',' || options.back() == ',' || options.find(",,") != std::string::npos)) {
+  if (has_empty_item(options)) {
     *error = "workload " + name + ": an empty item in '" + options + "' (a ',' too many)";
     return false;
   }
