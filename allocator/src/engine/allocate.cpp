@@ -241,16 +241,17 @@ bool DeviceEngine::State::release_available_cached_blocks(AllocParams& p) {
   return total >= p.rounded;
 }
 
-void DeviceEngine::State::release_cached_blocks(PoolSet* only) {
+bool DeviceEngine::State::release_cached_blocks(PoolSet* only) {
   background.quiesce();  // what a job holds is given back too (Note [Background work])
   // The wait for a job in flight lets the device lock go: a begin_allocate_to_pool (and the caller's capture
   // right after it) may have come in meanwhile, and a synchronisation now would invalidate that capture
   // (Note [Capture rules]). Nothing is released then, as when the capture was under way at the call.
-  if (capturing()) return;
+  if (capturing()) return false;
   synchronize_and_free_events();
   policy->release_free(only ? only : &default_pools, false);
   if (!only) maybe_free_private_pools();
   retry_deferred();
+  return true;
 }
 
 void DeviceEngine::State::maybe_free_private_pools() {
@@ -298,8 +299,7 @@ Block* DeviceEngine::State::allocate_slow(AllocParams& p, AllocError* err) {
     if (Block* b = take_large_remnant(p)) return b;
   Block* b = policy->grow(p);
   if (!b && p.status == Status::out_of_memory && release_available_cached_blocks(p)) b = policy->grow(p);
-  if (!b && p.status == Status::out_of_memory) {
-    release_cached_blocks(nullptr);
+  if (!b && p.status == Status::out_of_memory && release_cached_blocks(nullptr)) {
     ++stats.num_alloc_retries;
     // The pool may hold a fitting block again (events completed and merged): try the cache first.
     b = find_free_block(p);

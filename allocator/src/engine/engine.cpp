@@ -48,12 +48,18 @@ DeviceEngine::State::~State() {
   // Give everything back, live blocks too: the process is done with this device. Work on streams other than a
   // block's own (record_stream) may still use memory given back here: a block freed with events pending, one
   // freed during a capture whose events were deferred, a live block with stream uses. The per-stream waits of
-  // release_free cover only the blocks' own streams: a device-wide wait first covers the rest.
-  bool other_streams = !pending_events.empty() || !deferred_until_no_capture.empty();
-  active_blocks.for_each([&](DevicePtr, Block* b) { other_streams |= !b->stream_uses.empty(); });
+  // release_free cover only the blocks' own streams, and a device-wide wait only this device's: each pending
+  // event is waited for, and each stream a block still lists (another device's too).
+  std::set<Stream> used;
+  active_blocks.for_each([&](DevicePtr, Block* b) { used.insert(b->stream_uses.begin(), b->stream_uses.end()); });
   for (auto& [id, ev] : pending_events)
-    for (auto& [e, b] : ev) driver->release_event(e);
+    for (auto& [e, b] : ev) {
+      driver->synchronize_event(e);  // (a wait that fails is the driver's to report: the process is done here)
+      driver->release_event(e);
+    }
   pending_events.clear();
+  for (Stream st : used) driver->synchronize_stream(st);
+  const bool other_streams = !used.empty();
   active_blocks.for_each([](DevicePtr, Block* b) {
     b->state = BlockState::free;
     b->event_count = 0;

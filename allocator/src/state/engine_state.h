@@ -317,7 +317,8 @@ struct DeviceEngine::State {
 
   Block* allocate_slow(AllocParams& p, AllocError* err);
   Block* fail_allocation(AllocParams& p, AllocError* err);  // counts the OOM, fills err, returns nullptr
-  void release_cached_blocks(PoolSet* only);
+  // False when it released nothing: a capture began while it waited for the worker (Note [Capture rules]).
+  bool release_cached_blocks(PoolSet* only);
   // Before graph-private memory is released: a device-wide synchronisation (R17). False (a wait failure)
   // when it failed.
   bool synchronize_device();

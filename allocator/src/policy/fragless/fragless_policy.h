@@ -150,7 +150,8 @@ class FraglessPolicy final : public GrowablePolicy {
  public:
   using GrowablePolicy::GrowablePolicy;
   PolicyKind kind() const override { return PolicyKind::fragless; }
-  std::size_t idle_bytes() const override { return pool_.idle_pages() * page_; }
+  // Idle handles, and released ones a lent range still maps (LentRanges::hold_released): held, not mapped.
+  std::size_t idle_bytes() const override { return pool_.idle_pages() * page_ + lent_.held_bytes(); }
   bool small_from_large_remnants() const override { return s_.opts.small_in_remnants; }
   std::string check() const override;
   void release_free(PoolSet* only, bool device_synchronized) override;
@@ -205,7 +206,7 @@ class FraglessPolicy final : public GrowablePolicy {
   void give_back(Segment& seg, std::size_t first, std::size_t n, Growth* to_request);
   bool refills(const Segment& seg, std::size_t first, std::size_t missing);
   void move_reserved(bool to_small, std::size_t bytes);
-  void release_handle(PhysHandle h, std::size_t pages);
+  void release_handle(PhysHandle h, std::size_t pages, bool memory_goes = true);
 
   // reclaim.cpp
   bool reclaimable(const Block* b, const Growth& g, std::size_t* lo, std::size_t* hi) const;

@@ -1,16 +1,36 @@
 #include "policy/fragless/lent_ranges.h"
 
+#include <algorithm>
 #include <thread>
+
+#include "state/trace_emit.h"
 
 namespace fragless {
 
-void LentRanges::add(Segment& seg, std::size_t first, std::size_t n, Event event) {
+void LentRanges::add(Segment& seg, std::size_t first, std::size_t n, Event event, std::vector<PhysHandle> handles) {
   Range& r = ranges_.emplace_back();
   r.seg = &seg;
   r.first = first;
   r.n = n;
   r.event = event;
   r.id = next_id_++;
+  r.handles = std::move(handles);
+}
+
+bool LentRanges::hold_released(PhysHandle h, std::size_t bytes) {
+  for (Range& r : ranges_)
+    if (r.state.load(std::memory_order_acquire) != unmapped &&
+        std::find(r.handles.begin(), r.handles.end(), h) != r.handles.end()) {
+      r.held_bytes += bytes;
+      return true;
+    }
+  return false;
+}
+
+std::size_t LentRanges::held_bytes() const {
+  std::size_t n = 0;
+  for (const Range& r : ranges_) n += r.held_bytes;
+  return n;
 }
 
 std::size_t LentRanges::room_before(const Segment& seg, std::size_t first, std::size_t need, std::size_t room) const {
@@ -35,6 +55,10 @@ void LentRanges::drop(Range& r) {
   if (r.state.load(std::memory_order_acquire) != unmapped)
     s_.give_back_mapping(r.seg->base + r.first * page_, r.n * page_);
   s_.driver->release_event(r.event);
+  if (r.held_bytes) {  // the memory of handles released while this mapping held them goes now
+    s_.add_reserved(false, -static_cast<std::int64_t>(r.held_bytes));
+    emit(s_, TraceAction::phys_release, 0, 0, r.held_bytes, r.held_bytes);
+  }
 }
 
 bool LentRanges::poll(bool background) {

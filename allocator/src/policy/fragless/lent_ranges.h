@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cstdint>
 #include <list>
+#include <vector>
 
 #include "policy/policy.h"
 
@@ -25,9 +26,17 @@ class LentRanges {
  public:
   LentRanges(DeviceEngine::State& s, std::size_t page) : s_(s), page_(page) {}
 
-  // Pages [first, first + n) of seg were lent behind `event` (recorded on the segment's stream).
-  void add(Segment& seg, std::size_t first, std::size_t n, Event event);
+  // Pages [first, first + n) of seg, mapped to `handles` (each from its first page), were lent behind `event`
+  // (recorded on the segment's stream).
+  void add(Segment& seg, std::size_t first, std::size_t n, Event event, std::vector<PhysHandle> handles);
   bool empty() const { return ranges_.empty(); }
+  // Handle h of `bytes` goes back to the driver while a range lent from it may still map it at its old address
+  // (a failed growth whose lender's wait failed, FraglessPolicy::fail_request): the driver keeps its memory
+  // until that unmap (R8), so it stays in reserved until the range is dropped. False when no such range holds
+  // h (its memory goes with the release).
+  bool hold_released(PhysHandle h, std::size_t bytes);
+  // What released handles still hold through lent ranges' old mappings (counted in reserved).
+  std::size_t held_bytes() const;
 
   // The room a request may map into from `first` stops at the next lent range of the segment.
   std::size_t room_before(const Segment& seg, std::size_t first, std::size_t need, std::size_t room) const;
@@ -55,6 +64,8 @@ class LentRanges {
     Event event;
     std::uint64_t id;
     std::atomic<int> state{open};
+    std::vector<PhysHandle> handles;  // what the old mapping maps
+    std::size_t held_bytes = 0;       // of those, released while it still maps them (hold_released)
   };
   bool hits(const Range& r, const Segment* seg, std::size_t first, std::size_t n) const {
     return !seg || (r.seg == seg && r.first < first + n && first < r.first + r.n);

@@ -43,7 +43,9 @@ Status FraglessPolicy::map_pages(Segment& seg, std::size_t first, std::size_t* n
     if (lent_.overlaps(seg, first, need)) return fail_request(Status::out_of_memory, {});
   } else {
     if (lent_.poll(background())) s_.background.wake();
-    lent_.finish(&seg, first, need);  // the range may still be mapped to handles lent out without a sync
+    // The range may still be mapped to handles lent out without a sync. If a wait for one fails, its old mapping
+    // stays (Note [Failed waits]) and nothing can be mapped there: the growth fails with the wait's error.
+    if (!lent_.finish(&seg, first, need)) return fail_request(Status::driver_error, {});
     // An unmap of a lent range that failed just now is retried before anything maps over the range.
     if (s_.has_deferred()) s_.retry_deferred();
   }
@@ -138,7 +140,10 @@ std::size_t FraglessPolicy::unmap_pages(Segment& seg, std::size_t first, std::si
     Event e = 0;
     if (s_.driver->record_event(seg.stream, &e) == Status::ok &&
         (seg.stream == to || s_.driver->stream_wait_event(to, e) == Status::ok)) {
-      lent_.add(seg, first, n, e);
+      std::vector<PhysHandle> handles;
+      for (std::size_t i = first; i < first + n; ++i)
+        if (seg.pages[i].offset == 0) handles.push_back(seg.pages[i].handle);
+      lent_.add(seg, first, n, e, std::move(handles));
       s_.background.wake();  // Note [Unmaps in the background]
       give_back(seg, first, n, how.growth);
       if (seg.small) move_reserved(false, n * page_);
@@ -256,7 +261,9 @@ Status FraglessPolicy::fail_request(Status st, const std::vector<PhysHandle>& cr
   for (PhysHandle h : release) {
     const std::size_t pages = pool_.pages(h);
     pool_.remove_idle(h);
-    release_handle(h, pages);
+    // One a lent range still maps keeps its memory (and its place in reserved) until that range goes.
+    const bool held = !waited && lent_.hold_released(h, pages * page_);
+    release_handle(h, pages, /*memory_goes=*/!held);
   }
   return st;
 }
@@ -303,9 +310,10 @@ void FraglessPolicy::move_reserved(bool to_small, std::size_t bytes) {
   st.by_pool[kLargePool].add(to_small ? -b : b);
 }
 
-void FraglessPolicy::release_handle(PhysHandle h, std::size_t pages) {
+void FraglessPolicy::release_handle(PhysHandle h, std::size_t pages, bool memory_goes) {
   splitter_.released(h);
   s_.give_back_handle(h);
+  if (!memory_goes) return;  // LentRanges::hold_released: it goes when the range that maps it is dropped
   const std::size_t bytes = pages * page_;
   s_.add_reserved(false, -static_cast<std::int64_t>(bytes));
   emit(s_, TraceAction::phys_release, 0, 0, bytes, bytes);
