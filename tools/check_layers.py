@@ -31,7 +31,11 @@ def layer_of(path):
 def main(argv):
     root = argv[1] if len(argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     os.chdir(root)
-    files = subprocess.run(["git", "ls-files"], capture_output=True, text=True, check=True).stdout.split()
+    try:
+        files = subprocess.run(["git", "ls-files"], capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        print(f"check_layers: SKIPPED: {os.getcwd()} is not a git checkout (the tracked files are what is checked)")
+        return 77
     private = {f[len("allocator/src/"):] for f in files if f.startswith("allocator/src/") and f.endswith(".h")}
     problems = []
     for f in files:

@@ -390,9 +390,24 @@ Rule compute_rule(std::uintptr_t ra) {
 
 // --- The caches ---------------------------------------------------------------------------------------
 
+// Note [The loader's lock across fork]
+// dl_iterate_phdr takes glibc's loader write lock, which glibc does not reset in a forked child (it resets the
+// load lock only): a fork while another thread is inside dlopen, dlclose or dl_iterate_phdr leaves a child in
+// which every dl_iterate_phdr waits for ever. capi_fork's random draws, where three threads make their first
+// calls (one of them loading libcuda) while the main thread forks, hung 1 child in 300 under load, in this
+// function. So a forked child never calls it: it keeps the count its parent last saw. Code unloaded in the
+// child and other code loaded at the same addresses could then meet a stale rule: frames wrong, never a read
+// outside the thread's stack (every step checks the stack's bounds).
+std::atomic<bool> g_forked{false};
+std::atomic<unsigned long long> g_last_unloads{0};
+[[gnu::constructor]] void note_forks() {
+  pthread_atfork(nullptr, nullptr, [] { g_forked.store(true, std::memory_order_relaxed); });
+}
+
 // How many libraries were unloaded so far (dl_iterate_phdr's dlpi_subs): a rule is only valid while the
 // code it was read from is mapped, so every cache is dropped when this moves.
 unsigned long long unloads() {
+  if (g_forked.load(std::memory_order_relaxed)) return g_last_unloads.load(std::memory_order_relaxed);
   unsigned long long subs = 0;
   dl_iterate_phdr(
       [](dl_phdr_info* info, std::size_t size, void* data) {
@@ -401,6 +416,7 @@ unsigned long long unloads() {
         return 1;
       },
       &subs);
+  g_last_unloads.store(subs, std::memory_order_relaxed);
   return subs;
 }
 

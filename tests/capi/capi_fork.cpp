@@ -12,6 +12,7 @@
 // half with C++ frames recorded).
 // Usage: fragless-capi-fork LIBFRAGLESS LIBFAKECUDA [--random N [SEED]]
 #include <dlfcn.h>
+#include <link.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -301,6 +302,44 @@ int main(int argc, char** argv) {
     empty_cache_fn();
   }
   expect(arranged, "a fork while another thread was in fragless_record_history_ex (in one of three attempts)");
+
+  // 3. Another thread is inside dl_iterate_phdr (glibc's loader write lock, which a forked child inherits held:
+  // Note [The loader's lock across fork], unwind.cpp) at the fork, as one loading a library would be. The child
+  // records C++ frames (the unwinder asks the loader how many libraries were unloaded) and allocates. Not under
+  // a sanitizer, for the reason of step 2.
+  if (!kSanitized) {
+    history_fn(1000, 1, 2);  // C++ frames: the parent's unwinder is in use before the fork
+    void* q = malloc_fn(MiB, 0, nullptr);
+    expect(q != nullptr, "device 0 allocates with C++ frames recorded");
+    free_fn(q, MiB, 0, nullptr);
+    static std::atomic<int> phase{0};  // 1: inside the loader; 2: the fork is done
+    phase = 0;
+    std::thread loader([] {
+      dl_iterate_phdr(
+          [](dl_phdr_info*, std::size_t, void*) {
+            phase = 1;
+            while (phase.load() != 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            return 1;
+          },
+          nullptr);
+    });
+    wait_until([] { return phase.load() == 1; }, 10);
+    std::fflush(stdout);
+    const pid_t pid = fork();
+    if (pid == 0) {
+      alarm(static_cast<unsigned>(child_limit_s() + 30));
+      void* p = malloc_fn(3 * MiB, 0, nullptr);  // its stack is captured (C++ frames)
+      if (!p) _exit(40);
+      free_fn(p, 3 * MiB, 0, nullptr);
+      _exit(0);
+    }
+    phase = 2;
+    loader.join();
+    const std::string end = pid > 0 ? wait_for(pid) : "not forked";
+    expect(end == "exit 0", "a child forked while another thread was inside dl_iterate_phdr records C++ frames and "
+                            "allocates (" + end + "; exit 40: malloc)");
+    history_fn(0, 0, 0);
+  }
   free_fn(warm, MiB, 0, nullptr);
   flush_fn();
   expect(access(trace.c_str(), F_OK) == 0, "the parent traced");
