@@ -1,8 +1,7 @@
 // Note [Node slabs]: node containers on the allocation path take their nodes from a slab of their own
 // instead of operator new: the free-block sets of a BlockPool (std::set<Block*>) and the idle handles of
-// fragless's HandlePool. Every free, split and merge inserts or erases a
-// free-block node, so with the default allocator a cache-hit pair called malloc and free once or twice
-// under the device lock. A slab hands nodes out of 64-node chunks and keeps the ones given back on a free
+// fragless's HandlePool. Every free, split and merge inserts or erases a free-block node, so with the
+// default allocator a cache-hit pair called malloc and free once or twice under the device lock. A slab hands nodes out of 64-node chunks and keeps the ones given back on a free
 // list; it gives memory back only when its owner goes (a BlockPool goes with its engine or its private
 // pool). Bound: a container's nodes never outnumber the most elements it has held at once; for the free
 // sets, the most blocks the pool had free at once (a block is in at most one set), the same bound the

@@ -59,7 +59,6 @@ DeviceEngine::State::~State() {
     }
   pending_events.clear();
   for (Stream st : used) driver->synchronize_stream(st);
-  const bool other_streams = !used.empty();
   active_blocks.for_each([](DevicePtr, Block* b) {
     b->state = BlockState::free;
     b->event_count = 0;
@@ -78,7 +77,7 @@ DeviceEngine::State::~State() {
   routes.clear();
   external_captures = 0;
   // Graph-private memory may still be used by a replay on a stream the engine does not know (R17).
-  const bool device_synced = (!private_pools.empty() || other_streams) && synchronize_device();
+  const bool device_synced = !private_pools.empty() && synchronize_device();
   // Twice: a give-back that failed once (a transient driver error) gets another chance.
   for (int attempt = 0; attempt < 2; ++attempt) {
     policy->release_free(nullptr, false);

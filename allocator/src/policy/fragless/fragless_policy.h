@@ -204,6 +204,8 @@ class FraglessPolicy final : public GrowablePolicy {
   void take_idle(Growth& g, std::size_t need, std::size_t room);
   Status fail_request(Status st, const std::vector<PhysHandle>& created, const std::vector<PhysHandle>& idled = {});
   void give_back(Segment& seg, std::size_t first, std::size_t n, Growth* to_request);
+  // The handles mapped from pages [first, first + n) of seg, each at its first page.
+  static std::vector<PhysHandle> handles_at(const Segment& seg, std::size_t first, std::size_t n);
   bool refills(const Segment& seg, std::size_t first, std::size_t missing);
   void move_reserved(bool to_small, std::size_t bytes);
   void release_handle(PhysHandle h, std::size_t pages, bool memory_goes = true);

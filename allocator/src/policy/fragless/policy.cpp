@@ -121,9 +121,7 @@ Status FraglessPolicy::map_pages(Segment& seg, std::size_t first, std::size_t* n
   pool_.forget_taken(mapped);
   if (st != Status::ok) {
     // The handles mapped so far go idle too: some may have been lent (fail_request waits for them).
-    std::vector<PhysHandle> idled;
-    for (std::size_t i = first; i < at; ++i)
-      if (seg.pages[i].offset == 0) idled.push_back(seg.pages[i].handle);
+    const std::vector<PhysHandle> idled = handles_at(seg, first, at - first);
     if (at > first) s_.give_back_mapping(seg.base + first * page_, (at - first) * page_);
     give_back(seg, first, at - first, /*to_request=*/nullptr);
     return fail_request(st, created, idled);
@@ -140,10 +138,7 @@ std::size_t FraglessPolicy::unmap_pages(Segment& seg, std::size_t first, std::si
     Event e = 0;
     if (s_.driver->record_event(seg.stream, &e) == Status::ok &&
         (seg.stream == to || s_.driver->stream_wait_event(to, e) == Status::ok)) {
-      std::vector<PhysHandle> handles;
-      for (std::size_t i = first; i < first + n; ++i)
-        if (seg.pages[i].offset == 0) handles.push_back(seg.pages[i].handle);
-      lent_.add(seg, first, n, e, std::move(handles));
+      lent_.add(seg, first, n, e, handles_at(seg, first, n));
       s_.background.wake();  // Note [Unmaps in the background]
       give_back(seg, first, n, how.growth);
       if (seg.small) move_reserved(false, n * page_);
@@ -240,10 +235,10 @@ void FraglessPolicy::take_idle(Growth& g, std::size_t need, std::size_t room) {
 // A failed request: the handles it was lent (used or not) become idle, which any stream may take, so the
 // lenders' queued work must be done first; what it created goes back to the driver. `idled`: handles the
 // request had mapped and already gave back idle (a map or set_access that failed part way), which may have
-// been lent too. When a lender's wait fails, its range stays mapped at its old address (Note [Failed waits])
-// and nothing tells which handles it holds: every handle of the request then goes back to the driver
-// instead of becoming idle (a handle still mapped there keeps its memory until that unmap, R8), so none is
-// handed to another stream before the lender's work is done.
+// been lent too. When a lender's wait fails, its range stays mapped at its old address (Note [Failed waits]):
+// every handle of the request then goes back to the driver instead of becoming idle, so none is handed to
+// another stream before the lender's work is done; one that range still maps keeps its memory, and its place
+// in reserved, until the range goes (R8, LentRanges::hold_released).
 Status FraglessPolicy::fail_request(Status st, const std::vector<PhysHandle>& created,
                                     const std::vector<PhysHandle>& idled) {
   // (During a capture nothing was lent: the taken handles were idle or new, and nothing need wait.)
@@ -266,6 +261,13 @@ Status FraglessPolicy::fail_request(Status st, const std::vector<PhysHandle>& cr
     release_handle(h, pages, /*memory_goes=*/!held);
   }
   return st;
+}
+
+std::vector<PhysHandle> FraglessPolicy::handles_at(const Segment& seg, std::size_t first, std::size_t n) {
+  std::vector<PhysHandle> out;
+  for (std::size_t i = first; i < first + n; ++i)
+    if (seg.pages[i].offset == 0) out.push_back(seg.pages[i].handle);
+  return out;
 }
 
 // Unmapped pages [first, first + n) of seg: their handles go to the growth `to_request`, or idle when null.
