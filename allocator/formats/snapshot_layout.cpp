@@ -6,6 +6,18 @@
 namespace fragless::formats::layout {
 
 namespace {
+// Note [Names written once]
+// A snapshot repeats the same few keys in every dict, and the same actions and states: a million-entry history
+// written with each one spelt out took Python's pickle.loads 9 s to read (6 s with its collector off), most of it
+// making and hashing six new strings per entry. Python's pickler writes a string it meets again as a reference
+// to the first (MEMOIZE, BINGET), as PyTorch's snapshots are; so do these. Keys are this file's literals, found
+// again by address; values by content (shared_str), since a caller's text need not stay put.
+void key(PickleWriter& w, const char* literal) {
+  if (w.recall_object(literal)) return;
+  w.shared_str(literal);
+  w.also_known_as(literal);
+}
+
 // Note [Frames written once]
 // Each frame is written once and referred to wherever it recurs, as PyTorch's snapshots share theirs: most
 // stacks of a history share most of their frames (a snapshot of 100,000 events with C++ stacks was 276 MB
@@ -14,7 +26,7 @@ namespace {
 // the C ABI hands every event that captured the same stack the same vector (capi.cpp, DeviceSink::collect),
 // so after its first event a stack costs a lookup per frame, not a key built from its strings.
 void write_frames(PickleWriter& w, const std::vector<Frame>* frames) {
-  w.str("frames");
+  key(w, "frames");
   w.begin_list();
   if (frames)
     for (const Frame& f : *frames) {
@@ -39,24 +51,35 @@ void write_frames(PickleWriter& w, const std::vector<Frame>* frames) {
 
 void begin_segment(PickleWriter& w, const SegmentHeader& s) {
   w.begin_dict();
-  w.kv_int("device", s.device);
-  w.kv_uint("address", s.address);
-  w.kv_uint("total_size", s.total_size);
-  w.kv_uint("allocated_size", s.allocated_size);
-  w.kv_uint("active_size", s.active_size);
-  w.kv_uint("requested_size", s.requested_size);
-  w.kv_uint("stream", s.stream);
-  w.kv("segment_type", s.small ? "small" : "large");
-  w.str("segment_pool_id");
+  key(w, "device");
+  w.integer(s.device);
+  key(w, "address");
+  w.uinteger(s.address);
+  key(w, "total_size");
+  w.uinteger(s.total_size);
+  key(w, "allocated_size");
+  w.uinteger(s.allocated_size);
+  key(w, "active_size");
+  w.uinteger(s.active_size);
+  key(w, "requested_size");
+  w.uinteger(s.requested_size);
+  key(w, "stream");
+  w.uinteger(s.stream);
+  key(w, "segment_type");
+  w.shared_str(s.small ? "small" : "large");
+  key(w, "segment_pool_id");
   w.begin_tuple();
   w.uinteger(s.pool_first);
   w.uinteger(s.pool_second);
   w.end_tuple();
-  w.str("is_expandable");
+  key(w, "is_expandable");
   w.boolean(s.expandable);
-  if (s.exported_bytes) w.kv_uint("exported_bytes", s.exported_bytes);
+  if (s.exported_bytes) {
+    key(w, "exported_bytes");
+    w.uinteger(s.exported_bytes);
+  }
   write_frames(w, s.frames);
-  w.str("blocks");
+  key(w, "blocks");
   w.begin_list();
 }
 
@@ -68,16 +91,23 @@ void end_segment(PickleWriter& w) {
 void block(PickleWriter& w, std::uint64_t address, std::uint64_t size, std::uint64_t requested, const char* state,
            const std::vector<Frame>* frames, const Hold* hold) {
   w.begin_dict();
-  w.kv_uint("address", address);
-  w.kv_uint("size", size);
-  w.kv_uint("requested_size", requested);
-  w.kv("state", state);
+  key(w, "address");
+  w.uinteger(address);
+  key(w, "size");
+  w.uinteger(size);
+  key(w, "requested_size");
+  w.uinteger(requested);
+  key(w, "state");
+  w.shared_str(state);
   write_frames(w, frames);
   if (hold) {
-    w.kv_uint("exported_bytes", hold->exported_bytes);
-    w.kv_uint("leases", hold->leases);
-    w.kv_int("registrations", hold->registrations);
-    w.str("owner_freed");
+    key(w, "exported_bytes");
+    w.uinteger(hold->exported_bytes);
+    key(w, "leases");
+    w.uinteger(hold->leases);
+    key(w, "registrations");
+    w.integer(hold->registrations);
+    key(w, "owner_freed");
     w.boolean(hold->owner_freed);
   }
   w.end_dict();
@@ -86,11 +116,18 @@ void block(PickleWriter& w, std::uint64_t address, std::uint64_t size, std::uint
 void trace_entry(PickleWriter& w, const char* action, std::uint64_t address, std::uint64_t size, std::uint64_t stream,
                  std::int64_t time_us, const std::vector<Frame>* frames) {
   w.begin_dict();
-  w.kv("action", action);
-  w.kv_uint(std::strcmp(action, "oom") == 0 ? "device_free" : "addr", address);
-  w.kv_uint("size", size);
-  w.kv_uint("stream", stream);
-  if (time_us >= 0) w.kv_int("time_us", time_us);
+  key(w, "action");
+  w.shared_str(action);
+  key(w, std::strcmp(action, "oom") == 0 ? "device_free" : "addr");
+  w.uinteger(address);
+  key(w, "size");
+  w.uinteger(size);
+  key(w, "stream");
+  w.uinteger(stream);
+  if (time_us >= 0) {
+    key(w, "time_us");
+    w.integer(time_us);
+  }
   write_frames(w, frames);
   w.end_dict();
 }

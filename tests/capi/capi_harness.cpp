@@ -390,6 +390,15 @@ int main(int argc, char** argv) {
   std::string snap(static_cast<size_t>(need) + 1, '\0');
   EXPECT(snapshot_fn(snap.data(), snap.size()) == need);
   snap.resize(static_cast<size_t>(need));
+  // Keys and actions are written once and referred to after (Note [Names written once]).
+  auto count = [&](std::string_view text) {
+    std::size_t n = 0;
+    for (std::size_t at = snap.find(text); at != std::string::npos; at = snap.find(text, at + 1)) ++n;
+    return n;
+  };
+  EXPECT(count("\x8c\x06" "action") == 1);
+  EXPECT(count("\x8c\x0e" "free_completed") == 1);
+  EXPECT(count("\x8c\x07time_us") == 1);
   auto pr = fragless::formats::read_pickle(snap);
   EXPECT(pr.value != nullptr);
   if (pr.value) {
