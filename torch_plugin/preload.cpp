@@ -214,10 +214,10 @@ struct Interposer {
     }
     ++g_counts.fences;
     for (const Pending& p : batch) {
-      alloc->device(device)->free(p.ptr);
-      // A query between the program's free and this one (a buffer id asked for the block) kept the block
-      // in the driver half's book again: it goes now, so a new block at this address gets a new id (R25).
+      // Forgotten by the driver half again before the block can be reused (R25: a new block at this address
+      // gets a new id), then freed: free_deferred frees only a block defer_free marked, once.
       fragless_preload::forget(device, p.ptr);
+      alloc->device(device)->free_deferred(p.ptr);
     }
     return true;
   }
@@ -341,8 +341,8 @@ cudaError_t free_sync(void* p) {
     return real().free ? real().free(p) : kInvalidValue;
   }
   fragless_preload::Inside inside;
+  if (!fragless_preload::free_behind_fence(dev, p)) return kInvalidValue;  // freed already (cuda_runtime_api.h)
   ++g_counts.frees;
-  fragless_preload::free_behind_fence(dev, p);
   return kSuccess;
 }
 
@@ -435,13 +435,18 @@ int owner(const void* p) {
 // Note [Frees behind the fence]: cudaFree (and cuMemFree of memory not from the stream-ordered allocator)
 // promise that the memory is not reused while work queued before the free may still touch it. The free is
 // deferred; a batch of them goes back to the cache behind one device-wide synchronisation, when 1024 frees
-// or 256 MiB are pending or when an allocation would otherwise fail.
-void free_behind_fence(int device, void* p) {
+// or 256 MiB are pending or when an allocation would otherwise fail. The engine marks the block first
+// (DeviceEngine::defer_free), under its own lock: a second free of it, through either half and either call,
+// is refused from then on, and the fence frees each block it marked once (free_deferred), so a stale entry
+// can never free a block allocated anew at the same address.
+bool free_behind_fence(int device, void* p) {
+  Interposer& i = ip();
+  fragless::DeviceEngine* e = i.alloc->device(device);
+  if (e->defer_free(p) != fragless::Status::ok) return false;
   forget(device, p);
   forget_export(device, p);
-  Interposer& i = ip();
   std::size_t size = 0;
-  i.alloc->device(device)->base_allocation(p, &size);
+  e->base_allocation(p, &size);
   bool due = false;
   {
     DevicePending& d = i.of(device);
@@ -451,14 +456,7 @@ void free_behind_fence(int device, void* p) {
     due = d.list.size() >= 1024 || d.bytes >= (256u << 20);
   }
   if (due) i.drain(device);
-}
-
-bool free_pending(int device, const void* p) {
-  DevicePending& d = ip().of(device);
-  std::lock_guard lk(d.mu);
-  for (const Pending& q : d.list)
-    if (q.ptr == p) return true;
-  return false;
+  return true;
 }
 
 bool drain(int device) { return ip().drain(device); }

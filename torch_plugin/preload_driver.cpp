@@ -223,8 +223,8 @@ CUresult free_sync(CUdeviceptr p) {
     return real().mem_free(p);
   }
   Inside in;
+  if (!fragless_preload::free_behind_fence(dev, ptr)) return CUDA_ERROR_INVALID_VALUE;  // freed already (R21)
   ++counters().frees;
-  fragless_preload::free_behind_fence(dev, ptr);
   return CUDA_SUCCESS;
 }
 
@@ -239,25 +239,27 @@ CUresult free_async(CUdeviceptr p, CUstream s, bool ptsz) {
   Inside in;
   ++counters().frees;
   // No event may be recorded into a capture, nor on a stream of another device: behind the fence instead.
-  if (capturing(s, ptsz) || stream_device(s) != dev) {
-    fragless_preload::free_behind_fence(dev, ptr);
-    return CUDA_SUCCESS;
-  }
+  if (capturing(s, ptsz) || stream_device(s) != dev)
+    return fragless_preload::free_behind_fence(dev, ptr) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
   return fragless_preload::free_on_stream(dev, ptr, stream_key(s, ptsz)) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 // ---- Queries (R22) ------------------------------------------------------------------------------------------
 
-// The device and block of fragless memory holding p (any byte of it), or -1.
+// The device and block of fragless memory holding p (any byte of it), or -1. A block the program freed (behind
+// the fence, or held for other processes after its free) is not the program's any more: -1, the driver answers.
 int block_of(CUdeviceptr p, CUdeviceptr* base, size_t* size) {
   fragless::Allocator* a = p ? fragless_preload::allocator() : nullptr;
   if (!a) return -1;
   for (int d = 0; d < a->device_count(); ++d)
-    if (fragless::DeviceEngine* e = a->existing(d))
-      if (void* b = e->allocation_containing(reinterpret_cast<void*>(p), size)) {
+    if (fragless::DeviceEngine* e = a->existing(d)) {
+      bool freed = false;
+      if (void* b = e->allocation_containing(reinterpret_cast<void*>(p), size, &freed)) {
+        if (freed) return -1;
         *base = reinterpret_cast<CUdeviceptr>(b);
         return d;
       }
+    }
   return -1;
 }
 

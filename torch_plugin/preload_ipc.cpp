@@ -396,23 +396,25 @@ void Exporter::after_fork_in_child() {
   mu.unlock();
 }
 
-// The device whose engine holds p (its first byte or any inside it) and the allocation's base; -1 if none.
-int containing(const void* p, void** base) {
+// The device whose engine holds p (its first byte or any inside it) and the allocation's base, and whether the
+// program freed it already (*freed); -1 if none.
+int containing(const void* p, void** base, bool* freed) {
   fragless::Allocator* a = fragless_preload::allocator();
   if (!a || !p) return -1;
   for (int d = 0; d < a->device_count(); ++d)
     if (fragless::DeviceEngine* e = a->existing(d))
-      if ((*base = e->allocation_containing(const_cast<void*>(p), nullptr))) return d;
+      if ((*base = e->allocation_containing(const_cast<void*>(p), nullptr, freed))) return d;
   return -1;
 }
 
 cudaError_t get_handle(Handle* h, void* p) {
   void* base = nullptr;
-  const int dev = fragless_preload::recursing() ? -1 : containing(p, &base);
+  bool freed = false;
+  const int dev = fragless_preload::recursing() ? -1 : containing(p, &base, &freed);
   if (dev < 0) return real().get ? real().get(h, p) : kInvalidValue;
   fragless_preload::Inside inside;
   fragless::Allocator* a = fragless_preload::allocator();
-  if (fragless_preload::free_pending(dev, base)) {
+  if (freed) {
     std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: its allocation was freed (cudaFree); "
                  "nothing was exported\n", p);
     return kInvalidValue;
@@ -464,7 +466,7 @@ cudaError_t get_handle(Handle* h, void* p) {
     return kMemoryAllocation;
   }
   if (exported_already()) return kSuccess;  // e, the duplicate, is dropped
-  if (a->device(dev)->allocation_containing(base, nullptr) != base || fragless_preload::free_pending(dev, base)) {
+  if (a->device(dev)->allocation_containing(base, nullptr, &freed) != base || freed) {
     std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: its allocation was freed meanwhile; "
                  "nothing was exported\n", p);  // its free found no export to forget: e is dropped here
     return kInvalidValue;

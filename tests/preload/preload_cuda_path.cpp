@@ -182,6 +182,19 @@ int main(int argc, char** argv) {
   d.launch(a, z, 300 * MiB, 10);
   expect(cudaFree(z) == 0, "and its free fences both");
   expect(d.allocated(0) == 0, "after a fence that worked, both went back");
+  //    A pointer cudaFree'd already is refused by a second cudaFree and by cudaFreeAsync ("If cudaFree(devPtr)
+  //    has already been called before, an error is returned": cudaErrorInvalidValue), while it waits behind
+  //    the fence, and the fence frees it once.
+  void* twice = nullptr;
+  const unsigned long fences_before = d.fences();
+  expect(cudaMalloc(&twice, 8 * MiB) == 0 && twice && cudaFree(twice) == 0, "8 MiB, freed (behind the fence)");
+  if (d.fences() == fences_before) {  // else the fence freed it at once, and the runtime answers for the pointer
+    expect(cudaFree(twice) == 1, "a second cudaFree of it: cudaErrorInvalidValue");
+    expect(cudaFreeAsync(twice, a) == 1, "a cudaFreeAsync of it: cudaErrorInvalidValue");
+    void* fresh = nullptr;
+    expect(cudaMalloc(&fresh, 8 * MiB) == 0 && fresh != twice, "8 MiB again: not the block behind the fence");
+    expect(cudaFree(fresh) == 0, "freed");
+  }
 
   // 6. Per-thread default streams are a different stream on each thread: a block freed on thread A's is
   //    not handed to thread B without ordering.

@@ -528,6 +528,36 @@ int main(int argc, char** argv) {
   expect(id3 != 0 && id3 != id1 && id3 != id2, "the new block's id is a new one (" + std::to_string(id3) + ")");
   expect(a.free_async(b2, s) == CUDA_SUCCESS && a.free_async(b3, s) == CUDA_SUCCESS, "freed");
 
+  // 14. A pointer freed already is no longer the program's (R21: cuMemFree takes what an allocation call
+  //     returned): a second cuMemFree of a block waiting behind the fence, and a cuMemFreeAsync after its
+  //     cuMemFree, are CUDA_ERROR_INVALID_VALUE, and the queries answer for it as for memory fragless does
+  //     not own (the driver's answer). The fence then frees it once: a new block at a later allocation, in
+  //     use, is not freed under the program.
+  CUdeviceptr gone = 0, gone_base = 0;
+  size_t gone_size = 0;
+  expect(a.alloc(&gone, 4 * MiB) == CUDA_SUCCESS && d.fragless(gone, 0), "4 MiB with cuMemAlloc");
+  expect(a.free(gone) == CUDA_SUCCESS, "its cuMemFree (behind the fence)");
+  expect(a.address_range(&gone_base, &gone_size, gone + 64) != CUDA_SUCCESS,
+         "cuMemGetAddressRange of the freed block: the driver's answer (not found)");
+  expect(a.free(gone) == CUDA_ERROR_INVALID_VALUE, "a second cuMemFree of it: CUDA_ERROR_INVALID_VALUE");
+  expect(a.free_async(gone, s) == CUDA_ERROR_INVALID_VALUE, "a cuMemFreeAsync of it: CUDA_ERROR_INVALID_VALUE");
+  CUdeviceptr sa = 0, sb = 0, sc = 0;
+  expect(a.alloc_async(&sa, 4 * MiB, s) == CUDA_SUCCESS && d.fragless(sa, 0) && a.free(sa) == CUDA_SUCCESS,
+         "4 MiB with cuMemAllocAsync on s, freed with cuMemFree (behind the fence)");
+  expect(a.free_async(sa, s) == CUDA_ERROR_INVALID_VALUE, "then its cuMemFreeAsync: CUDA_ERROR_INVALID_VALUE");
+  expect(a.alloc_async(&sb, 4 * MiB, s) == CUDA_SUCCESS && d.fragless(sb, 0) && sb != sa,
+         "4 MiB again on s: not the block behind the fence");
+  expect(d.launch(s, as_ptr(sb), 4 * MiB, 100000) == 0, "a long kernel on the new block");
+  const unsigned long fences_before = d.fences();
+  for (int i = 0; i < 1100; ++i) {  // more frees than the fence waits for
+    CUdeviceptr x = 0;
+    if (a.alloc(&x, 4096) != CUDA_SUCCESS || a.free(x) != CUDA_SUCCESS) break;
+  }
+  expect(d.fences() > fences_before, "the fence ran");
+  expect(a.alloc_async(&sc, 4 * MiB, s) == CUDA_SUCCESS && sc != sb, "4 MiB on s: the new block (live) is not handed out");
+  expect(a.free_async(sb, s) == CUDA_SUCCESS && a.free_async(sc, s) == CUDA_SUCCESS, "both freed");
+  expect(d.census().faults == 0, std::string("no fault (") + d.first_fault() + ")");
+
   const auto census = d.census();
   expect(census.faults == 0, std::string("the double saw no fault (") + d.first_fault() + ")");
   expect(census.invalidated_captures == 0, "and no invalidated capture");

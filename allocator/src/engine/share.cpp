@@ -205,7 +205,7 @@ Status DeviceEngine::share(void* ptr, SharedBlock* out, AllocError* err) {
   State& s = *s_;
   std::lock_guard lk(s.mu);
   Block* b = s.active_blocks.get(reinterpret_cast<DevicePtr>(ptr));
-  if (!b || b->state != BlockState::allocated || (b->exported && s.exports.at(b->ptr).owner_freed)) {
+  if (!b || b->state != BlockState::allocated || b->deferred || (b->exported && s.exports.at(b->ptr).owner_freed)) {
     set_error(err, Status::invalid_argument,
               "fragless: share of pointer " + hex(ptr) + " on device " + std::to_string(s.driver->device()) +
                   ", which is not the start of a live fragless allocation; nothing was shared");

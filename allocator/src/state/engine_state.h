@@ -80,6 +80,9 @@ struct Block {
   bool multi : 1 = false;
   // Allocated and exported (Note [Sharing]): listed in State::exports; its free waits for every lease.
   bool exported : 1 = false;
+  // Allocated, but the program freed it already and its caller defers the free (DeviceEngine::defer_free:
+  // LD_PRELOAD's cudaFree behind the fence): no longer the program's; only free_deferred frees it.
+  bool deferred : 1 = false;
 
   bool mapped() const { return state != BlockState::unmapped; }
   bool is_split() const { return prev != nullptr || next != nullptr; }
