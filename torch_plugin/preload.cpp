@@ -444,7 +444,7 @@ bool free_behind_fence(int device, void* p) {
   fragless::DeviceEngine* e = i.alloc->device(device);
   if (e->defer_free(p) != fragless::Status::ok) return false;
   forget(device, p);
-  forget_export(device, p);
+  forget_export(device, p);  // after the engine took the free (Note [Exports and frees], preload_ipc.cpp)
   std::size_t size = 0;
   e->base_allocation(p, &size);
   bool due = false;
@@ -462,11 +462,14 @@ bool free_behind_fence(int device, void* p) {
 bool drain(int device) { return ip().drain(device); }
 
 bool free_on_stream(int device, void* p, fragless::Stream s) {
-  forget(device, p);
-  forget_export(device, p);
+  forget(device, p);  // before the free: once freed, the block may be another thread's new allocation
   fragless::DeviceEngine* e = ip().alloc->device(device);
   e->record_stream(p, s);  // a no-op when s is the allocation stream
-  return e->free(p) == fragless::Status::ok;
+  if (e->free(p) != fragless::Status::ok) return false;
+  // After the free (Note [Exports and frees], preload_ipc.cpp): an exported block is held by its share's lease
+  // until then; the exporter's copy closed, it goes now unless another process has it open.
+  if (forget_export(device, p)) e->reap_shared(0);
+  return true;
 }
 
 void retire_stream(fragless::Stream stream, int device) {

@@ -47,8 +47,9 @@ void forget(int device, const void* p);
 
 // Every free of fragless memory also drops the legacy IPC export of the allocation at p, if it has one
 // (preload_ipc.cpp, Note [Legacy IPC handles]): its handle is refused from then on, and the processes that
-// opened it keep the memory until they close it.
-void forget_export(int device, const void* p);
+// opened it keep the memory until they close it. Called once the engine took the free (Note [Exports and
+// frees], preload_ipc.cpp). True when there was an export.
+bool forget_export(int device, const void* p);
 
 // Runs the fence for `device` now and gives its deferred frees back; false when it could not run (a capture
 // is under way, or the synchronisation failed: the frees stay deferred).

@@ -41,9 +41,20 @@
 // close_shared (which synchronises the device). Two threads opening one handle at once both fetch and map;
 // the first to record it wins and the other's mapping is dropped. The exporter's lock (x.mu) is not held
 // across share() either: cudaIpcGetMemHandle shares first, then records the share unless another thread's
-// won meanwhile or the allocation was freed (its free found nothing to forget). Where both are held the order
-// is the exports' lock, then an engine's lock (the allocation check), never the reverse; the listener and
-// forget (every free while an export exists) take the exports' lock only, never across a blocking call.
+// won meanwhile or the allocation was freed (Note [Exports and frees]). Where both are held the order is the
+// exports' lock, then an engine's lock (the allocation check), never the reverse; the listener and forget
+// (every free while an export exists) take the exports' lock only, never across a blocking call.
+//
+// Note [Exports and frees]
+// A free and an export of one allocation may race: cudaIpcGetMemHandle shares (share() marks the block
+// exported, its lease open in the share) without x.mu, and only then records the share under x.mu. Every free
+// first has the engine take it (DeviceEngine::free, or defer_free behind the fence: from then on the engine
+// reports the block freed), and only then drops the allocation's export (forget_export, under x.mu). The
+// recording checks, under x.mu, that the engine has not taken a free of the block; so either the free was
+// taken first and the share is dropped (its lease closed, the block reaped: freed now if its owner freed it),
+// or the share is recorded first and the free's forget_export, which comes after, finds it and drops it.
+// Before, the free dropped the export first: a share recorded between the two (or a stream-ordered free,
+// which left the block allocated and held) kept the block for the life of the process, its handle openable.
 //
 // Lifetime. cudaFree of an exported allocation drops the exporter's copy of the share at once (so its handle
 // is refused from then on: stale), and the engine holds the block for every process that has it open, through
@@ -236,7 +247,7 @@ struct Exporter {
   void serve(int lfd, int stop_fd);
   void answer(int conn, int stop_fd);
   void stop();
-  void forget(int device, const void* p);
+  bool forget(int device, const void* p);
   void after_fork_in_child();
 };
 
@@ -371,14 +382,15 @@ void Exporter::stop() {
   ::close(std::exchange(listen_fd, -1));
 }
 
-void Exporter::forget(int device, const void* p) {
-  if (count.load(std::memory_order_acquire) == 0) return;
+bool Exporter::forget(int device, const void* p) {
+  if (count.load(std::memory_order_seq_cst) == 0) return false;  // none, and none being recorded (get_handle)
   std::lock_guard lk(mu);
   auto it = by_block.find({device, const_cast<void*>(p)});
-  if (it == by_block.end()) return;
+  if (it == by_block.end()) return false;
   exports.erase(it->second);  // closes the exporter's copy of the share's descriptors
   by_block.erase(it);
   count.store(static_cast<int>(exports.size()), std::memory_order_release);
+  return true;
 }
 
 // The child of a fork (single-threaded; mu is held, taken before the fork): the parent's listener and
@@ -466,9 +478,17 @@ cudaError_t get_handle(Handle* h, void* p) {
     return kMemoryAllocation;
   }
   if (exported_already()) return kSuccess;  // e, the duplicate, is dropped
+  // Note [Exports and frees]: a free the engine took before this check finds no export to forget: e is
+  // dropped here, its lease closed, and the block reaped (freed now if its owner freed it while it was held).
+  // The count covers the export about to be recorded from before the check: a free taken after the check
+  // then finds it non-zero and waits for x.mu (forget's fast path would otherwise miss the record).
+  x.count.store(static_cast<int>(x.exports.size()) + 1, std::memory_order_seq_cst);
   if (a->device(dev)->allocation_containing(base, nullptr, &freed) != base || freed) {
+    x.count.store(static_cast<int>(x.exports.size()), std::memory_order_release);
     std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: its allocation was freed meanwhile; "
-                 "nothing was exported\n", p);  // its free found no export to forget: e is dropped here
+                 "nothing was exported\n", p);
+    e.share.close_fds();
+    a->device(dev)->reap_shared(0);
     return kInvalidValue;
   }
   const std::uint64_t id = x.next_id++;
@@ -653,7 +673,7 @@ cudaError_t close_handle(void* p) {
 
 }  // namespace
 
-void fragless_preload::forget_export(int device, const void* p) { exporter().forget(device, p); }
+bool fragless_preload::forget_export(int device, const void* p) { return exporter().forget(device, p); }
 
 extern "C" {
 
