@@ -241,6 +241,8 @@ struct Exporter {
   int listen_fd = -1, wake[2] = {-1, -1};
   std::thread thread;
   std::atomic<int> count{0};  // exports.size(), read without the lock by every free
+  // The duplicates the listener is sending (a lease among them): a child forked meanwhile closes its copies.
+  std::vector<int> sending;
 
   // Starts the listener if this process has none. False (and *why) when it could not.
   bool listening(std::string* why);
@@ -361,6 +363,7 @@ void Exporter::answer(int conn, int stop_fd) {
       }
       fds.push_back(d);
     }
+    sending = fds;
   }
   r.fds = static_cast<std::uint32_t>(fds.size());
   r.description = description.size();
@@ -369,6 +372,8 @@ void Exporter::answer(int conn, int stop_fd) {
     ok = send_by(conn, deadline, stop_fd, description.data() + at, std::min(kPiece, description.size() - at), nullptr, 0);
   for (std::size_t at = 0; ok && at < fds.size(); at += kFdsPerMessage)
     ok = send_by(conn, deadline, stop_fd, nullptr, 0, fds.data() + at, std::min(kFdsPerMessage, fds.size() - at));
+  std::lock_guard lk(mu);
+  sending.clear();
   close_all(&fds);
 }
 
@@ -395,9 +400,11 @@ bool Exporter::forget(int device, const void* p) {
 
 // The child of a fork (single-threaded; mu is held, taken before the fork): the parent's listener and
 // exports are the parent's. Their descriptors are closed here (copies of the leases would hold the parent's
-// blocks); the thread object is the parent's thread, which does not exist here, and is left unjoined.
+// blocks), and so are the duplicates the listener was sending at the fork; the thread object is the parent's
+// thread, which does not exist here, and is left unjoined.
 void Exporter::after_fork_in_child() {
   for (auto& [id, e] : exports) e.share.close_fds();
+  close_all(&sending);  // the listener's duplicates in flight at the fork (its thread is not here)
   exports.clear();
   by_block.clear();
   count.store(0);

@@ -3,6 +3,8 @@
 // are in engine/allocate.cpp, the bookkeeping of blocks and pools in state/books.cpp.
 #include "fragless/engine.h"
 
+#include "fragless/allocator.h"
+
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
@@ -40,9 +42,12 @@ DeviceEngine::State::State(const Options& o, std::unique_ptr<Driver> d) : opts(o
   stats.max_split_size = opts.max_split_size == SIZE_MAX ? -1 : static_cast<std::int64_t>(opts.max_split_size);
   policy = make_policy(opts.policy, *this);
   background.set_work(policy.get(), driver.get());
+  // Note [Imports across fork] (engine/share.cpp): a forked child closes its copies of the imports' leases.
+  hold_across_fork_first(&State::fork_nothing, &State::fork_nothing, &State::imports_in_forked_child, this);
 }
 
 DeviceEngine::State::~State() {
+  stop_holding_across_fork(this);
   background.stop();  // Note [Background work]: the worker never outlives the engine
   close_all_shares();  // Note [Sharing]: what other processes opened keeps its memory through their handles
   // Give everything back, live blocks too: the process is done with this device. Work on streams other than a

@@ -391,6 +391,9 @@ struct DeviceEngine::State {
   std::string check_sharing() const;
   void describe_hold(const Block& b, BlockInfo* out) const;  // snapshots: how an exported block is held
   void close_all_shares();  // teardown: every lease and import goes
+  // fork(): nothing to hold; in the child, every import's lease is closed (Note [Imports across fork]).
+  static void fork_nothing(void*) {}
+  static void imports_in_forked_child(void* state);
 };
 
 // Fills `e` (when given) with a status and the message that explains it.
