@@ -7,7 +7,8 @@
 //    cuPointerGetAttribute(s), the pool calls whose answers fragless needs or changes (cuMemPoolCreate,
 //    cuDeviceGetDefaultMemPool, cuMemPoolSetAccess, cuMemPoolDestroy, cuDeviceSetMemPool, cuMemSetMemPool,
 //    cuMemPoolGetAttribute, cuMemPoolSetAttribute), the capture calls (cuStreamBeginCapture_v2,
-//    cuStreamEndCapture and _ptsz), cuStreamDestroy(_v2), cuGetProcAddress and cuGetProcAddress_v2;
+//    cuStreamBeginCaptureToGraph, cuStreamEndCapture and _ptsz), cuStreamDestroy(_v2), cuGetProcAddress and
+//    cuGetProcAddress_v2;
 //  - cuGetProcAddress(_v2) hands out the interposed entry point wherever the driver would hand out one of
 //    these, for the version and flags asked (the CUDA runtime takes all its driver pointers that way);
 //  - dlsym on a handle of the driver library (XLA and TensorFlow dlopen libcuda.so.1 with RTLD_LOCAL and
@@ -405,6 +406,32 @@ FRAGLESS_EXPORT CUresult cuStreamBeginCapture_v2_ptsz(CUstream s, CUstreamCaptur
   if (r != CUDA_SUCCESS && !capturing(s, true)) fragless_preload::capture_ended(stream_key(s, true));
   return r;
 }
+// CUDA 12.3's capture into an existing graph (XLA's StreamBeginCaptureToGraph calls it directly), told to the
+// engine as cuStreamBeginCapture_v2 is. A driver without the _ptsz form gets the legacy one with the
+// per-thread stream named.
+FRAGLESS_EXPORT CUresult cuStreamBeginCaptureToGraph(CUstream s, CUgraph g, const CUgraphNode* deps,
+                                                     const CUgraphEdgeData* data, size_t n, CUstreamCaptureMode mode) {
+  if (!real().begin_capture_to_graph) return CUDA_ERROR_NOT_SUPPORTED;
+  fragless_preload::capture_began(stream_key(s, false), stream_device(s));  // Note [Quiet before a capture]
+  const CUresult r = real().begin_capture_to_graph(s, g, deps, data, n, mode);
+  if (r != CUDA_SUCCESS && !capturing(s, false)) fragless_preload::capture_ended(stream_key(s, false));
+  return r;
+}
+FRAGLESS_EXPORT CUresult cuStreamBeginCaptureToGraph_ptsz(CUstream s, CUgraph g, const CUgraphNode* deps,
+                                                          const CUgraphEdgeData* data, size_t n, CUstreamCaptureMode mode) {
+  auto begin = real().begin_capture_to_graph_ptsz;
+  CUstream named = s;
+  if (!begin) {
+    begin = real().begin_capture_to_graph;
+    if (!s) named = CU_STREAM_PER_THREAD;
+  }
+  if (!begin) return CUDA_ERROR_NOT_SUPPORTED;
+  fragless_preload::capture_began(stream_key(s, true), stream_device(named));  // Note [Quiet before a capture]
+  const CUresult r = begin(named, g, deps, data, n, mode);
+  if (r != CUDA_SUCCESS && !capturing(s, true)) fragless_preload::capture_ended(stream_key(s, true));
+  return r;
+}
+
 FRAGLESS_EXPORT CUresult cuStreamEndCapture(CUstream s, CUgraph* g) {
   if (!real().end_capture) return CUDA_ERROR_NOT_SUPPORTED;
   const CUresult r = real().end_capture(s, g);

@@ -114,8 +114,8 @@ struct Driver {
   int (*stream_create)(void**, unsigned) = nullptr;
   int (*is_capturing)(void*, int*) = nullptr;
   int (*begin_capture)(void*, int) = nullptr;
-  // cuStreamBeginCaptureToGraph, which the interposer does not interpose: the runtime's ToGraph begin tells the
-  // driver nothing an interposer of cuStreamBeginCapture would see.
+  // cuStreamBeginCaptureToGraph (interposed too, found by name in the driver's handle as the others here): the
+  // runtime's ToGraph begin reaches it, as CUDA's runtime does.
   int (*begin_capture_to_graph)(void*, void*, const void*, const void*, size_t, int) = nullptr;
   int (*end_capture)(void*, void**) = nullptr;
   int (*stream_get_ctx)(void*, void**) = nullptr;

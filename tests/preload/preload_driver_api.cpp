@@ -34,6 +34,12 @@
 // The ABI before CUDA 4.0, which libcuda still exports (cuda.h declares it under __CUDA_API_VERSION_INTERNAL).
 extern "C" CUresult cuStreamDestroy(CUstream);
 
+#if CUDA_VERSION < 12030  // cuda.h before 12.3 declares neither (the double defines the entry point all the same)
+typedef void CUgraphEdgeData;
+extern "C" CUresult cuStreamBeginCaptureToGraph(CUstream, CUgraph, const CUgraphNode*, const CUgraphEdgeData*, size_t,
+                                                CUstreamCaptureMode);
+#endif
+
 // The per-thread default-stream entry points (cuda.h declares them only for code built for per-thread streams).
 extern "C" CUresult cuMemAllocAsync_ptsz(CUdeviceptr*, size_t, CUstream);
 extern "C" CUresult cuMemFreeAsync_ptsz(CUdeviceptr, CUstream);
@@ -75,6 +81,8 @@ struct Api {
   CUresult (*pointer_attribute)(void*, CUpointer_attribute, CUdeviceptr);
   CUresult (*pointer_attributes)(unsigned, CUpointer_attribute*, void**, CUdeviceptr);
   CUresult (*begin_capture)(CUstream, CUstreamCaptureMode);
+  CUresult (*begin_capture_to_graph)(CUstream, CUgraph, const CUgraphNode*, const CUgraphEdgeData*, size_t,
+                                     CUstreamCaptureMode);  // CUDA 12.3, as XLA calls it
   CUresult (*end_capture)(CUstream, CUgraph*);
 };
 
@@ -85,7 +93,7 @@ Api direct() {
           &cuMemPoolDestroy, &cuMemPoolSetAttribute, &cuMemPoolGetAttribute, &cuDeviceGetMemPool, &cuDeviceSetMemPool,
           &cuMemGetMemPool, &cuMemSetMemPool, &cuMemPoolSetAccess, &cuDeviceCanAccessPeer, &cuMemGetInfo_v2,
           &cuMemGetAddressRange_v2, &cuPointerGetAttribute, &cuPointerGetAttributes, &cuStreamBeginCapture_v2,
-          &cuStreamEndCapture};
+          &cuStreamBeginCaptureToGraph, &cuStreamEndCapture};
 }
 
 // As XLA's stub: each symbol by its exported name from an RTLD_LOCAL handle of the driver.
@@ -123,6 +131,7 @@ Api by_dlsym(void* lib) {
   get(&a.pointer_attribute, "cuPointerGetAttribute");
   get(&a.pointer_attributes, "cuPointerGetAttributes");
   get(&a.begin_capture, "cuStreamBeginCapture_v2");
+  get(&a.begin_capture_to_graph, "cuStreamBeginCaptureToGraph");
   get(&a.end_capture, "cuStreamEndCapture");
   return a;
 }
@@ -177,6 +186,7 @@ Api by_proc_address(void* lib, bool v1) {
   get(&a.pointer_attribute, "cuPointerGetAttribute");
   get(&a.pointer_attributes, "cuPointerGetAttributes");
   get(&a.begin_capture, "cuStreamBeginCapture");
+  get(&a.begin_capture_to_graph, "cuStreamBeginCaptureToGraph", CU_GET_PROC_ADDRESS_DEFAULT, 12030);
   get(&a.end_capture, "cuStreamEndCapture");
   return a;
 }
@@ -397,6 +407,20 @@ int main(int argc, char** argv) {
   expect(d.fences() == fences, "no fence ran during the capture");
   CUgraph graph = nullptr;
   expect(a.end_capture(c, &graph) == CUDA_SUCCESS && graph, "the capture ends valid");
+  //     The same with cuStreamBeginCaptureToGraph (CUDA 12.3; XLA's StreamBeginCaptureToGraph calls it): the
+  //     fence does not run during it either, and it ends valid.
+  expect(a.begin_capture_to_graph(c, graph, nullptr, nullptr, 0, CU_STREAM_CAPTURE_MODE_GLOBAL) == CUDA_SUCCESS,
+         "a global-mode capture on c into the graph (cuStreamBeginCaptureToGraph)");
+  const unsigned long fences_to_graph = d.fences();
+  for (int i = 0; i < 2; ++i) {
+    CUdeviceptr x = 0;
+    expect(a.alloc(&x, 160 * MiB) == CUDA_SUCCESS && d.fragless(x, 0) && a.free(x) == CUDA_SUCCESS,
+           "cuMemAlloc / cuMemFree during the capture into the graph (the fence is due)");
+  }
+  expect(d.fences() == fences_to_graph, "no fence ran during the capture into the graph");
+  CUgraph graph2 = nullptr;
+  expect(a.end_capture(c, &graph2) == CUDA_SUCCESS && graph2, "the capture into the graph ends valid");
+  expect(d.census().invalidated_captures == 0, "no capture was invalidated");
   CUdeviceptr after = 0;
   expect(a.alloc(&after, 900 * MiB) == CUDA_SUCCESS && a.free(after) == CUDA_SUCCESS,
          "900 MiB after the capture (the deferred frees went back)");
