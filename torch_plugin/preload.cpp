@@ -442,11 +442,10 @@ int owner(const void* p) {
 bool free_behind_fence(int device, void* p) {
   Interposer& i = ip();
   fragless::DeviceEngine* e = i.alloc->device(device);
-  if (e->defer_free(p) != fragless::Status::ok) return false;
+  std::size_t size = 0;  // the block's own: what the fence gives back (not its segment's, which it shares)
+  if (e->defer_free(p, nullptr, &size) != fragless::Status::ok) return false;
   forget(device, p);
   forget_export(device, p);  // after the engine took the free (Note [Exports and frees], preload_ipc.cpp)
-  std::size_t size = 0;
-  e->base_allocation(p, &size);
   bool due = false;
   {
     DevicePending& d = i.of(device);

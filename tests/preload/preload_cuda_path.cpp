@@ -185,9 +185,12 @@ int main(int argc, char** argv) {
   //    A pointer cudaFree'd already is refused by a second cudaFree and by cudaFreeAsync ("If cudaFree(devPtr)
   //    has already been called before, an error is returned": cudaErrorInvalidValue), while it waits behind
   //    the fence, and the fence frees it once.
+  //    The fence is due at 256 MiB of blocks pending, counted by the blocks' own sizes (not their segments'):
+  //    here 8 MiB, in a segment of 300 MiB or more, and then 200 small blocks in a few segments.
   void* twice = nullptr;
   const unsigned long fences_before = d.fences();
   expect(cudaMalloc(&twice, 8 * MiB) == 0 && twice && cudaFree(twice) == 0, "8 MiB, freed (behind the fence)");
+  expect(d.fences() == fences_before, "no fence: 8 MiB pending");
   if (d.fences() == fences_before) {  // else the fence freed it at once, and the runtime answers for the pointer
     expect(cudaFree(twice) == 1, "a second cudaFree of it: cudaErrorInvalidValue");
     expect(cudaFreeAsync(twice, a) == 1, "a cudaFreeAsync of it: cudaErrorInvalidValue");
@@ -195,6 +198,12 @@ int main(int argc, char** argv) {
     expect(cudaMalloc(&fresh, 8 * MiB) == 0 && fresh != twice, "8 MiB again: not the block behind the fence");
     expect(cudaFree(fresh) == 0, "freed");
   }
+  void* small[200] = {};
+  bool small_ok = true;
+  for (void*& q : small) small_ok = small_ok && cudaMalloc(&q, 64 << 10) == 0 && q;
+  for (void* q : small) small_ok = small_ok && cudaFree(q) == 0;
+  expect(small_ok && d.fences() == fences_before,
+         "200 blocks of 64 KiB freed: no fence (" + std::to_string(d.fences() - fences_before) + " ran)");
 
   // 6. Per-thread default streams are a different stream on each thread: a block freed on thread A's is
   //    not handed to thread B without ordering.

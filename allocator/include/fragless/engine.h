@@ -89,8 +89,9 @@ class DeviceEngine {
   // A free the caller does later (LD_PRELOAD's cudaFree behind its fence): the block at ptr stays allocated but
   // is no longer the program's: a second defer_free, free, record_stream and share of it are invalid_argument,
   // allocation_containing reports it freed, and only free_deferred frees it (once). invalid_argument for a
-  // pointer that is not the start of a live allocation (freed already, deferred or not).
-  Status defer_free(void* ptr, AllocError* error = nullptr);
+  // pointer that is not the start of a live allocation (freed already, deferred or not). *size (when given):
+  // the block's size.
+  Status defer_free(void* ptr, AllocError* error = nullptr, std::size_t* size = nullptr);
   Status free_deferred(void* ptr, AllocError* error = nullptr);
   // The block holding ptr is also used on `stream`: it is reused only after that stream's work queued
   // before its free completes. Ignored for the allocation stream. invalid_argument if ptr is unknown.

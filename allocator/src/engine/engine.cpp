@@ -137,18 +137,20 @@ enum class FreeKind { now, defer, deferred };
 }  // namespace
 
 // free, defer_free and free_deferred: one check of the block, then what each does.
-static Status free_as(DeviceEngine::State& s, void* ptr, FreeKind kind, AllocError* err);
+static Status free_as(DeviceEngine::State& s, void* ptr, FreeKind kind, AllocError* err, std::size_t* size = nullptr);
 
 Status DeviceEngine::free(void* ptr, AllocError* err) {
   if (ptr == nullptr) return Status::ok;
   return free_as(*s_, ptr, FreeKind::now, err);
 }
 
-Status DeviceEngine::defer_free(void* ptr, AllocError* err) { return free_as(*s_, ptr, FreeKind::defer, err); }
+Status DeviceEngine::defer_free(void* ptr, AllocError* err, std::size_t* size) {
+  return free_as(*s_, ptr, FreeKind::defer, err, size);
+}
 
 Status DeviceEngine::free_deferred(void* ptr, AllocError* err) { return free_as(*s_, ptr, FreeKind::deferred, err); }
 
-static Status free_as(DeviceEngine::State& s, void* ptr, FreeKind kind, AllocError* err) {
+static Status free_as(DeviceEngine::State& s, void* ptr, FreeKind kind, AllocError* err, std::size_t* size) {
   std::lock_guard lk(s.mu);
   Block* b = s.active_blocks.get(reinterpret_cast<DevicePtr>(ptr));
   // A deferred block is freed only by free_deferred, and a block whose owner freed it while exported is not
@@ -166,6 +168,7 @@ static Status free_as(DeviceEngine::State& s, void* ptr, FreeKind kind, AllocErr
   }
   if (kind == FreeKind::defer) {
     b->deferred = true;
+    if (size) *size = b->size;
     return Status::ok;
   }
   b->deferred = false;
