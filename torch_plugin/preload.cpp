@@ -17,7 +17,7 @@
 //    stream's context, through the driver), and only while fragless can serve that device's current memory
 //    pool (cudaDeviceSetMemPool), whose statistics then count the block: the driver half's rule (R24). On
 //    a capturing stream both calls go to the runtime: memory allocated in a capture belongs to the graph (a
-//    free of fragless memory on a capturing stream waits behind the fence instead).
+//    free of fragless memory on a capturing stream is refused: it is no graph allocation, R21).
 //  - cudaStreamBeginCapture / EndCapture (and their _ptsz and ToGraph forms) tell the device's engine that
 //    a capture is under way: it then records no event, synchronises nothing and releases nothing (Note
 //    [Capture rules], engine_state.h).
@@ -354,7 +354,9 @@ cudaError_t free_async(void* p, cudaStream_t s, bool ptsz) {
     auto f = ptsz && real().free_async_ptsz ? real().free_async_ptsz : real().free_async;
     return f ? f(p, s) : kInvalidValue;
   }
-  if (capturing(s, ptsz)) return free_sync(p);  // no event may be recorded into the capture: behind the fence
+  // cuda_runtime_api.h: during a capture cudaFreeAsync "must be passed the address of a graph allocation", and
+  // fragless's memory never is one (allocations on a capturing stream go to the runtime): refused (driver.h R21).
+  if (capturing(s, ptsz)) return kInvalidValue;
   fragless_preload::Inside inside;
   ++g_counts.frees;
   return fragless_preload::free_on_stream(dev, p, engine_stream(s, ptsz)) ? kSuccess : kInvalidValue;

@@ -237,10 +237,14 @@ CUresult free_async(CUdeviceptr p, CUstream s, bool ptsz) {
     auto f = ptsz ? real().free_async_ptsz : real().free_async;
     return f ? f(p, s) : CUDA_ERROR_NOT_SUPPORTED;
   }
+  // R21: during a capture cuMemFreeAsync "must be passed the address of a graph allocation", and memory
+  // fragless serves never is one (allocations on a capturing stream go to the driver): refused, as the driver
+  // refuses it.
+  if (capturing(s, ptsz)) return CUDA_ERROR_INVALID_VALUE;
   Inside in;
   ++counters().frees;
-  // No event may be recorded into a capture, nor on a stream of another device: behind the fence instead.
-  if (capturing(s, ptsz) || stream_device(s) != dev)
+  // No event may be recorded on a stream of another device: behind the fence instead.
+  if (stream_device(s) != dev)
     return fragless_preload::free_behind_fence(dev, ptr) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
   return fragless_preload::free_on_stream(dev, ptr, stream_key(s, ptsz)) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }

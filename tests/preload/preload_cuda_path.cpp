@@ -121,7 +121,11 @@ int main(int argc, char** argv) {
     d.launch(c, x, 3 * MiB, 100);
     expect(cudaFreeAsync(x, c) == 0, "its free on c");
   }
+  void* before_capture = nullptr;
+  expect(cudaMalloc(&before_capture, 2 * MiB) == 0 && d.device_of(before_capture) == 0, "a fragless block before the capture");
   expect(cudaStreamBeginCapture(c, kCaptureGlobal) == 0, "a global-mode capture begins on c");
+  //    During a capture cudaFreeAsync "must be passed the address of a graph allocation": fragless's is none.
+  expect(cudaFreeAsync(before_capture, c) == 1, "cudaFreeAsync on c of the fragless block: cudaErrorInvalidValue");
   void* big = nullptr;
   expect(cudaMallocAsync(&big, 20 * MiB, a) == 0 && big, "a growth on a during the capture");
   const unsigned long fences = d.fences();
@@ -135,6 +139,7 @@ int main(int argc, char** argv) {
   expect(cudaStreamEndCapture(c, &graph) == 0 && graph, "the capture ends valid");
   expect(d.census().invalidated_captures == 0, std::string("no capture was invalidated (") + d.first_fault() + ")");
   expect(cudaFreeAsync(big, a) == 0, "free on a");
+  expect(cudaFreeAsync(before_capture, a) == 0, "the block refused during the capture was still live: freed on a");
 
   //    Every form of the begin tells fragless before the runtime begins the capture (Note [Quiet before a
   //    capture]), the ToGraph forms (CUDA 12.3) too: work fragless does while the runtime's begin has not yet

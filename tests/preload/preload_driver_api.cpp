@@ -393,11 +393,21 @@ int main(int argc, char** argv) {
   // 10. Capture: allocations on a capturing stream are the graph's (the driver's); the fence does not run
   //     during the capture; the capture stays valid.
   CUstream c = nullptr;
+  CUdeviceptr before_capture = 0;
+  const CUdeviceptr driver_own = reinterpret_cast<CUdeviceptr>(d.foreign_alloc(0, MiB));
+  expect(a.alloc_async(&before_capture, 2 * MiB, s) == CUDA_SUCCESS && d.fragless(before_capture, 0) && driver_own,
+         "a fragless block and one of the driver's, before the capture");
   expect(a.stream_create(&c, 0) == CUDA_SUCCESS && a.begin_capture(c, CU_STREAM_CAPTURE_MODE_GLOBAL) == CUDA_SUCCESS,
          "a global-mode capture on c");
   CUdeviceptr g = 0;
   expect(a.alloc_async(&g, 2 * MiB, c) == CUDA_SUCCESS && !d.fragless(g, 0), "cuMemAllocAsync on c: the graph's, not fragless's");
   expect(a.free_async(g, c) == CUDA_SUCCESS, "its cuMemFreeAsync on c reaches the driver");
+  //     cuMemFreeAsync during a capture "must be passed the address of a graph allocation" (R21): fragless's
+  //     block is none, and is refused as the driver refuses one of its own.
+  expect(a.free_async(before_capture, c) == CUDA_ERROR_INVALID_VALUE,
+         "cuMemFreeAsync on c of the fragless block: CUDA_ERROR_INVALID_VALUE");
+  expect(a.free_async(driver_own, c) == CUDA_ERROR_INVALID_VALUE,
+         "cuMemFreeAsync on c of the driver's own block: CUDA_ERROR_INVALID_VALUE (the double refuses it too)");
   const unsigned long fences = d.fences();
   for (int i = 0; i < 2; ++i) {
     CUdeviceptr x = 0;
@@ -407,6 +417,8 @@ int main(int argc, char** argv) {
   expect(d.fences() == fences, "no fence ran during the capture");
   CUgraph graph = nullptr;
   expect(a.end_capture(c, &graph) == CUDA_SUCCESS && graph, "the capture ends valid");
+  expect(a.free_async(before_capture, s) == CUDA_SUCCESS && a.free(driver_own) == CUDA_SUCCESS,
+         "both blocks freed after the capture: they were still live");
   //     The same with cuStreamBeginCaptureToGraph (CUDA 12.3; XLA's StreamBeginCaptureToGraph calls it): the
   //     fence does not run during it either, and it ends valid.
   expect(a.begin_capture_to_graph(c, graph, nullptr, nullptr, 0, CU_STREAM_CAPTURE_MODE_GLOBAL) == CUDA_SUCCESS,
