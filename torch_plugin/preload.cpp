@@ -289,9 +289,23 @@ cudaError_t real_malloc(void** out, size_t size) {
   return real().malloc(out, size);
 }
 
+// cuda_runtime_api.h ("Initialization and Tear-Down"): "If no CUcontext is current to the calling thread when a
+// CUDA Runtime API call which requires an active context is made, then the primary context for a device will be
+// selected, made current to the calling thread, and initialized." A cudaMalloc fragless serves never reaches
+// the runtime, so a thread's first one has the runtime do that (cudaFree(0), which keeps a context already
+// current), once per thread: a program that goes on with the driver API finds the context CUDA would have made
+// current. (Later, cudaSetDevice makes its device's current itself.)
+thread_local bool t_runtime_context = false;
+void runtime_context_once() {
+  if (t_runtime_context) return;
+  t_runtime_context = true;
+  if (real().free) real().free(nullptr);
+}
+
 cudaError_t allocate(void** out, size_t size, cudaStream_t stream, bool async, bool ptsz = false) {
   if (!out) return kInvalidValue;
   if (fragless_preload::recursing()) return async ? real_malloc_async(out, size, stream, ptsz) : real_malloc(out, size);
+  runtime_context_once();
   fragless_preload::Inside inside;
   // Allocations on a capturing stream become graph-owned memory: only the runtime can serve them.
   if (async && capturing(stream, ptsz)) {

@@ -85,7 +85,13 @@ cudaError_t free_async(void* p, cudaStream_t s, bool ptsz) {
 }
 }  // namespace
 API cudaError_t cudaFree(void* p) {
-  count("cudaFree");
+  count(p ? "cudaFree" : "cudaFree(0)");  // the context idiom counted apart (the interposer makes one per thread)
+  // cudaFree(0), the classic idiom: a call that needs a context, so the runtime makes the current device's
+  // primary context current on a thread that has none (cuda_runtime_api.h, "Initialization and Tear-Down").
+  if (!p) {
+    make_current(t_device);  // (without a libcuda double there is no context to make)
+    return 0;
+  }
   if (cudaError_t r = 0; driver_free(p, &r)) return r;
   {
     std::lock_guard lk(mu);

@@ -100,6 +100,21 @@ int main(int argc, char** argv) {
   expect(cudaFree(fakecudart_foreign_alloc(4096)) == 0, "a foreign free while device 0's engine cannot be made");
   d.fail("cuDevicePrimaryCtxRetain", 0, 0);
 
+  //    A thread whose first CUDA call is a cudaMalloc fragless serves finds the device's primary context current
+  //    afterwards, as the runtime makes it ("made current to the calling thread"), for the driver API calls
+  //    that follow.
+  std::thread([&] {
+    using GetCurrent = int (*)(void**);
+    const auto get_current = reinterpret_cast<GetCurrent>(dlsym(d.lib, "cuCtxGetCurrent"));
+    void* before = reinterpret_cast<void*>(1);
+    void* after = nullptr;
+    void* first = nullptr;
+    expect(get_current && get_current(&before) == 0 && before == nullptr, "a new thread: no current context");
+    expect(cudaMalloc(&first, MiB) == 0 && d.device_of(first) == 0, "its first call, cudaMalloc: fragless's");
+    expect(get_current && get_current(&after) == 0 && after != nullptr, "and a context is current after it");
+    expect(cudaFree(first) == 0, "freed");
+  }).join();
+
   // 3. cudaMallocAsync allocates on the stream's device, with or without cudaStreamGetDevice (12.8+).
   cudaStream_t s1 = nullptr;
   expect(cudaStreamCreate(&s1) == 0 && s1, "a stream on device 1");
