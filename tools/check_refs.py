@@ -18,6 +18,7 @@ import sys
 # Files outside this tree that comments name on purpose.
 OUTSIDE = {
     "cuda.h",                      # CUDA's driver API header (its doc comments are the contract's source)
+    "cuda_runtime_api.h",          # CUDA's runtime API header (the same, for the runtime calls interposed)
     "MemoryViz.js",                # PyTorch's memory viewer (torch/utils/viz)
     "CUDACachingAllocator.cpp",    # PyTorch's allocator
     "CUDACachingAllocator.h",

@@ -17,7 +17,7 @@
 //    stream's context, through the driver), and only while fragless can serve that device's current memory
 //    pool (cudaDeviceSetMemPool), whose statistics then count the block: the driver half's rule (R24). On
 //    a capturing stream both calls go to the runtime: memory allocated in a capture belongs to the graph (a
-//    free of fragless memory on a capturing stream waits behind the fence instead).
+//    free of fragless memory on a capturing stream is refused: it is no graph allocation, R21).
 //  - cudaStreamBeginCapture / EndCapture (and their _ptsz and ToGraph forms) tell the device's engine that
 //    a capture is under way: it then records no event, synchronises nothing and releases nothing (Note
 //    [Capture rules], engine_state.h).
@@ -214,10 +214,10 @@ struct Interposer {
     }
     ++g_counts.fences;
     for (const Pending& p : batch) {
-      alloc->device(device)->free(p.ptr);
-      // A query between the program's free and this one (a buffer id asked for the block) kept the block
-      // in the driver half's book again: it goes now, so a new block at this address gets a new id (R25).
+      // Forgotten by the driver half again before the block can be reused (R25: a new block at this address
+      // gets a new id), then freed: free_deferred frees only a block defer_free marked, once.
       fragless_preload::forget(device, p.ptr);
+      alloc->device(device)->free_deferred(p.ptr);
     }
     return true;
   }
@@ -289,9 +289,23 @@ cudaError_t real_malloc(void** out, size_t size) {
   return real().malloc(out, size);
 }
 
+// cuda_runtime_api.h ("Initialization and Tear-Down"): "If no CUcontext is current to the calling thread when a
+// CUDA Runtime API call which requires an active context is made, then the primary context for a device will be
+// selected, made current to the calling thread, and initialized." A cudaMalloc fragless serves never reaches
+// the runtime, so a thread's first one has the runtime do that (cudaFree(0), which keeps a context already
+// current), once per thread: a program that goes on with the driver API finds the context CUDA would have made
+// current. (Later, cudaSetDevice makes its device's current itself.)
+thread_local bool t_runtime_context = false;
+void runtime_context_once() {
+  if (t_runtime_context) return;
+  t_runtime_context = true;
+  if (real().free) real().free(nullptr);
+}
+
 cudaError_t allocate(void** out, size_t size, cudaStream_t stream, bool async, bool ptsz = false) {
   if (!out) return kInvalidValue;
   if (fragless_preload::recursing()) return async ? real_malloc_async(out, size, stream, ptsz) : real_malloc(out, size);
+  runtime_context_once();
   fragless_preload::Inside inside;
   // Allocations on a capturing stream become graph-owned memory: only the runtime can serve them.
   if (async && capturing(stream, ptsz)) {
@@ -341,8 +355,8 @@ cudaError_t free_sync(void* p) {
     return real().free ? real().free(p) : kInvalidValue;
   }
   fragless_preload::Inside inside;
+  if (!fragless_preload::free_behind_fence(dev, p)) return kInvalidValue;  // freed already (cuda_runtime_api.h)
   ++g_counts.frees;
-  fragless_preload::free_behind_fence(dev, p);
   return kSuccess;
 }
 
@@ -354,7 +368,9 @@ cudaError_t free_async(void* p, cudaStream_t s, bool ptsz) {
     auto f = ptsz && real().free_async_ptsz ? real().free_async_ptsz : real().free_async;
     return f ? f(p, s) : kInvalidValue;
   }
-  if (capturing(s, ptsz)) return free_sync(p);  // no event may be recorded into the capture: behind the fence
+  // cuda_runtime_api.h: during a capture cudaFreeAsync "must be passed the address of a graph allocation", and
+  // fragless's memory never is one (allocations on a capturing stream go to the runtime): refused (driver.h R21).
+  if (capturing(s, ptsz)) return kInvalidValue;
   fragless_preload::Inside inside;
   ++g_counts.frees;
   return fragless_preload::free_on_stream(dev, p, engine_stream(s, ptsz)) ? kSuccess : kInvalidValue;
@@ -435,13 +451,17 @@ int owner(const void* p) {
 // Note [Frees behind the fence]: cudaFree (and cuMemFree of memory not from the stream-ordered allocator)
 // promise that the memory is not reused while work queued before the free may still touch it. The free is
 // deferred; a batch of them goes back to the cache behind one device-wide synchronisation, when 1024 frees
-// or 256 MiB are pending or when an allocation would otherwise fail.
-void free_behind_fence(int device, void* p) {
-  forget(device, p);
-  forget_export(device, p);
+// or 256 MiB are pending or when an allocation would otherwise fail. The engine marks the block first
+// (DeviceEngine::defer_free), under its own lock: a second free of it, through either half and either call,
+// is refused from then on, and the fence frees each block it marked once (free_deferred), so a stale entry
+// can never free a block allocated anew at the same address.
+bool free_behind_fence(int device, void* p) {
   Interposer& i = ip();
-  std::size_t size = 0;
-  i.alloc->device(device)->base_allocation(p, &size);
+  fragless::DeviceEngine* e = i.alloc->device(device);
+  std::size_t size = 0;  // the block's own: what the fence gives back (not its segment's, which it shares)
+  if (e->defer_free(p, nullptr, &size) != fragless::Status::ok) return false;
+  forget(device, p);
+  forget_export(device, p);  // after the engine took the free (Note [Exports and frees], preload_ipc.cpp)
   bool due = false;
   {
     DevicePending& d = i.of(device);
@@ -451,24 +471,20 @@ void free_behind_fence(int device, void* p) {
     due = d.list.size() >= 1024 || d.bytes >= (256u << 20);
   }
   if (due) i.drain(device);
-}
-
-bool free_pending(int device, const void* p) {
-  DevicePending& d = ip().of(device);
-  std::lock_guard lk(d.mu);
-  for (const Pending& q : d.list)
-    if (q.ptr == p) return true;
-  return false;
+  return true;
 }
 
 bool drain(int device) { return ip().drain(device); }
 
 bool free_on_stream(int device, void* p, fragless::Stream s) {
-  forget(device, p);
-  forget_export(device, p);
+  forget(device, p);  // before the free: once freed, the block may be another thread's new allocation
   fragless::DeviceEngine* e = ip().alloc->device(device);
   e->record_stream(p, s);  // a no-op when s is the allocation stream
-  return e->free(p) == fragless::Status::ok;
+  if (e->free(p) != fragless::Status::ok) return false;
+  // After the free (Note [Exports and frees], preload_ipc.cpp): an exported block is held by its share's lease
+  // until then; the exporter's copy closed, it goes now unless another process has it open.
+  if (forget_export(device, p)) e->reap_shared(0);
+  return true;
 }
 
 void retire_stream(fragless::Stream stream, int device) {

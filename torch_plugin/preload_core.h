@@ -19,8 +19,10 @@ fragless::Allocator* allocator();
 int owner(const void* p);
 
 // cudaFree's and cuMemFree's promise: p (owned by `device`'s engine) goes back to the cache only behind a
-// device-wide fence, run when enough frees are pending (Note [Frees behind the fence], preload.cpp).
-void free_behind_fence(int device, void* p);
+// device-wide fence, run when enough frees are pending (Note [Frees behind the fence], preload.cpp). From
+// this call on p is no longer the program's (DeviceEngine::defer_free). False: p was freed already (behind the
+// fence or otherwise): the caller returns the invalid-value error, as CUDA does for a second free.
+bool free_behind_fence(int device, void* p);
 
 // cudaFreeAsync's and cuMemFreeAsync's promise: p (owned by `device`'s engine) is reused by stream s (fragless's
 // key) at once and by other streams only after the work queued on s before the free is done. False: the
@@ -45,12 +47,9 @@ void forget(int device, const void* p);
 
 // Every free of fragless memory also drops the legacy IPC export of the allocation at p, if it has one
 // (preload_ipc.cpp, Note [Legacy IPC handles]): its handle is refused from then on, and the processes that
-// opened it keep the memory until they close it.
-void forget_export(int device, const void* p);
-
-// Whether p (an allocation of `device`'s engine) was freed by cudaFree or cuMemFree and waits for the fence:
-// still allocated in the engine, but no longer the program's. A walk of the pending frees (not for hot paths).
-bool free_pending(int device, const void* p);
+// opened it keep the memory until they close it. Called once the engine took the free (Note [Exports and
+// frees], preload_ipc.cpp). True when there was an export.
+bool forget_export(int device, const void* p);
 
 // Runs the fence for `device` now and gives its deferred frees back; false when it could not run (a capture
 // is under way, or the synchronisation failed: the frees stay deferred).

@@ -7,7 +7,8 @@
 //    cuPointerGetAttribute(s), the pool calls whose answers fragless needs or changes (cuMemPoolCreate,
 //    cuDeviceGetDefaultMemPool, cuMemPoolSetAccess, cuMemPoolDestroy, cuDeviceSetMemPool, cuMemSetMemPool,
 //    cuMemPoolGetAttribute, cuMemPoolSetAttribute), the capture calls (cuStreamBeginCapture_v2,
-//    cuStreamEndCapture and _ptsz), cuStreamDestroy(_v2), cuGetProcAddress and cuGetProcAddress_v2;
+//    cuStreamBeginCaptureToGraph, cuStreamEndCapture and _ptsz), cuStreamDestroy(_v2), cuGetProcAddress and
+//    cuGetProcAddress_v2;
 //  - cuGetProcAddress(_v2) hands out the interposed entry point wherever the driver would hand out one of
 //    these, for the version and flags asked (the CUDA runtime takes all its driver pointers that way);
 //  - dlsym on a handle of the driver library (XLA and TensorFlow dlopen libcuda.so.1 with RTLD_LOCAL and
@@ -223,8 +224,8 @@ CUresult free_sync(CUdeviceptr p) {
     return real().mem_free(p);
   }
   Inside in;
+  if (!fragless_preload::free_behind_fence(dev, ptr)) return CUDA_ERROR_INVALID_VALUE;  // freed already (R21)
   ++counters().frees;
-  fragless_preload::free_behind_fence(dev, ptr);
   return CUDA_SUCCESS;
 }
 
@@ -236,28 +237,34 @@ CUresult free_async(CUdeviceptr p, CUstream s, bool ptsz) {
     auto f = ptsz ? real().free_async_ptsz : real().free_async;
     return f ? f(p, s) : CUDA_ERROR_NOT_SUPPORTED;
   }
+  // R21: during a capture cuMemFreeAsync "must be passed the address of a graph allocation", and memory
+  // fragless serves never is one (allocations on a capturing stream go to the driver): refused, as the driver
+  // refuses it.
+  if (capturing(s, ptsz)) return CUDA_ERROR_INVALID_VALUE;
   Inside in;
   ++counters().frees;
-  // No event may be recorded into a capture, nor on a stream of another device: behind the fence instead.
-  if (capturing(s, ptsz) || stream_device(s) != dev) {
-    fragless_preload::free_behind_fence(dev, ptr);
-    return CUDA_SUCCESS;
-  }
+  // No event may be recorded on a stream of another device: behind the fence instead.
+  if (stream_device(s) != dev)
+    return fragless_preload::free_behind_fence(dev, ptr) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
   return fragless_preload::free_on_stream(dev, ptr, stream_key(s, ptsz)) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 // ---- Queries (R22) ------------------------------------------------------------------------------------------
 
-// The device and block of fragless memory holding p (any byte of it), or -1.
+// The device and block of fragless memory holding p (any byte of it), or -1. A block the program freed (behind
+// the fence, or held for other processes after its free) is not the program's any more: -1, the driver answers.
 int block_of(CUdeviceptr p, CUdeviceptr* base, size_t* size) {
   fragless::Allocator* a = p ? fragless_preload::allocator() : nullptr;
   if (!a) return -1;
   for (int d = 0; d < a->device_count(); ++d)
-    if (fragless::DeviceEngine* e = a->existing(d))
-      if (void* b = e->allocation_containing(reinterpret_cast<void*>(p), size)) {
+    if (fragless::DeviceEngine* e = a->existing(d)) {
+      bool freed = false;
+      if (void* b = e->allocation_containing(reinterpret_cast<void*>(p), size, &freed)) {
+        if (freed) return -1;
         *base = reinterpret_cast<CUdeviceptr>(b);
         return d;
       }
+    }
   return -1;
 }
 
@@ -403,6 +410,32 @@ FRAGLESS_EXPORT CUresult cuStreamBeginCapture_v2_ptsz(CUstream s, CUstreamCaptur
   if (r != CUDA_SUCCESS && !capturing(s, true)) fragless_preload::capture_ended(stream_key(s, true));
   return r;
 }
+// CUDA 12.3's capture into an existing graph (XLA's StreamBeginCaptureToGraph calls it directly), told to the
+// engine as cuStreamBeginCapture_v2 is. A driver without the _ptsz form gets the legacy one with the
+// per-thread stream named.
+FRAGLESS_EXPORT CUresult cuStreamBeginCaptureToGraph(CUstream s, CUgraph g, const CUgraphNode* deps,
+                                                     const CUgraphEdgeData* data, size_t n, CUstreamCaptureMode mode) {
+  if (!real().begin_capture_to_graph) return CUDA_ERROR_NOT_SUPPORTED;
+  fragless_preload::capture_began(stream_key(s, false), stream_device(s));  // Note [Quiet before a capture]
+  const CUresult r = real().begin_capture_to_graph(s, g, deps, data, n, mode);
+  if (r != CUDA_SUCCESS && !capturing(s, false)) fragless_preload::capture_ended(stream_key(s, false));
+  return r;
+}
+FRAGLESS_EXPORT CUresult cuStreamBeginCaptureToGraph_ptsz(CUstream s, CUgraph g, const CUgraphNode* deps,
+                                                          const CUgraphEdgeData* data, size_t n, CUstreamCaptureMode mode) {
+  auto begin = real().begin_capture_to_graph_ptsz;
+  CUstream named = s;
+  if (!begin) {
+    begin = real().begin_capture_to_graph;
+    if (!s) named = CU_STREAM_PER_THREAD;
+  }
+  if (!begin) return CUDA_ERROR_NOT_SUPPORTED;
+  fragless_preload::capture_began(stream_key(s, true), stream_device(named));  // Note [Quiet before a capture]
+  const CUresult r = begin(named, g, deps, data, n, mode);
+  if (r != CUDA_SUCCESS && !capturing(s, true)) fragless_preload::capture_ended(stream_key(s, true));
+  return r;
+}
+
 FRAGLESS_EXPORT CUresult cuStreamEndCapture(CUstream s, CUgraph* g) {
   if (!real().end_capture) return CUDA_ERROR_NOT_SUPPORTED;
   const CUresult r = real().end_capture(s, g);

@@ -15,12 +15,20 @@
 
 #define FRAGLESS_EXPORT __attribute__((visibility("default")))
 
+#if CUDA_VERSION < 12030  // cuda.h before 12.3 has neither: the entry point takes a pointer all the same
+typedef void CUgraphEdgeData;
+extern "C" CUresult cuStreamBeginCaptureToGraph(CUstream, CUgraph, const CUgraphNode*, const CUgraphEdgeData*, size_t,
+                                                CUstreamCaptureMode);
+#endif
+
 // The entry points cuda.h does not declare under these names (the per-thread forms, the older ABIs).
 extern "C" {
 CUresult cuMemAllocAsync_ptsz(CUdeviceptr*, size_t, CUstream);
 CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr*, size_t, CUmemoryPool, CUstream);
 CUresult cuMemFreeAsync_ptsz(CUdeviceptr, CUstream);
 CUresult cuStreamBeginCapture_v2_ptsz(CUstream, CUstreamCaptureMode);
+CUresult cuStreamBeginCaptureToGraph_ptsz(CUstream, CUgraph, const CUgraphNode*, const CUgraphEdgeData*, size_t,
+                                          CUstreamCaptureMode);
 CUresult cuStreamEndCapture_ptsz(CUstream, CUgraph*);
 CUresult cuStreamDestroy(CUstream);
 CUresult cuGetProcAddress(const char*, void**, int, cuuint64_t);
@@ -55,6 +63,8 @@ CUresult cuGetProcAddress(const char*, void**, int, cuuint64_t);
   X(cuMemSetMemPool, "cuMemSetMemPool", 13000, kAnyVersion, kEitherStream)                       \
   X(cuStreamBeginCapture_v2, "cuStreamBeginCapture", 10010, kAnyVersion, kLegacyStream)          \
   X(cuStreamBeginCapture_v2_ptsz, "cuStreamBeginCapture", 10010, kAnyVersion, kPerThreadStream)  \
+  X(cuStreamBeginCaptureToGraph, "cuStreamBeginCaptureToGraph", 12030, kAnyVersion, kLegacyStream) \
+  X(cuStreamBeginCaptureToGraph_ptsz, "cuStreamBeginCaptureToGraph", 12030, kAnyVersion, kPerThreadStream) \
   X(cuStreamEndCapture, "cuStreamEndCapture", 10000, kAnyVersion, kLegacyStream)                 \
   X(cuStreamEndCapture_ptsz, "cuStreamEndCapture", 10000, kAnyVersion, kPerThreadStream)         \
   X(cuStreamDestroy, "cuStreamDestroy", 0, 4000, kEitherStream)                                  \
@@ -99,6 +109,10 @@ struct Real {
   CUresult (*mem_set_pool)(CUmemLocation*, CUmemAllocationType, CUmemoryPool);
   CUresult (*begin_capture)(CUstream, CUstreamCaptureMode);
   CUresult (*begin_capture_ptsz)(CUstream, CUstreamCaptureMode);
+  CUresult (*begin_capture_to_graph)(CUstream, CUgraph, const CUgraphNode*, const CUgraphEdgeData*, size_t,
+                                     CUstreamCaptureMode);
+  CUresult (*begin_capture_to_graph_ptsz)(CUstream, CUgraph, const CUgraphNode*, const CUgraphEdgeData*, size_t,
+                                          CUstreamCaptureMode);
   CUresult (*end_capture)(CUstream, CUgraph*);
   CUresult (*end_capture_ptsz)(CUstream, CUgraph*);
   CUresult (*is_capturing)(CUstream, CUstreamCaptureStatus*);

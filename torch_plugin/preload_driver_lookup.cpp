@@ -85,6 +85,8 @@ Real::Real() {
   resolve_in(lib, &mem_set_pool, "cuMemSetMemPool");  // CUDA 13
   resolve_in(lib, &begin_capture, "cuStreamBeginCapture_v2");
   resolve_in(lib, &begin_capture_ptsz, "cuStreamBeginCapture_v2_ptsz");
+  resolve_in(lib, &begin_capture_to_graph, "cuStreamBeginCaptureToGraph");  // CUDA 12.3+
+  resolve_in(lib, &begin_capture_to_graph_ptsz, "cuStreamBeginCaptureToGraph_ptsz");
   resolve_in(lib, &end_capture, "cuStreamEndCapture");
   resolve_in(lib, &end_capture_ptsz, "cuStreamEndCapture_ptsz");
   resolve_in(lib, &is_capturing, "cuStreamIsCapturing");

@@ -41,9 +41,20 @@
 // close_shared (which synchronises the device). Two threads opening one handle at once both fetch and map;
 // the first to record it wins and the other's mapping is dropped. The exporter's lock (x.mu) is not held
 // across share() either: cudaIpcGetMemHandle shares first, then records the share unless another thread's
-// won meanwhile or the allocation was freed (its free found nothing to forget). Where both are held the order
-// is the exports' lock, then an engine's lock (the allocation check), never the reverse; the listener and
-// forget (every free while an export exists) take the exports' lock only, never across a blocking call.
+// won meanwhile or the allocation was freed (Note [Exports and frees]). Where both are held the order is the
+// exports' lock, then an engine's lock (the allocation check), never the reverse; the listener and forget
+// (every free while an export exists) take the exports' lock only, never across a blocking call.
+//
+// Note [Exports and frees]
+// A free and an export of one allocation may race: cudaIpcGetMemHandle shares (share() marks the block
+// exported, its lease open in the share) without x.mu, and only then records the share under x.mu. Every free
+// first has the engine take it (DeviceEngine::free, or defer_free behind the fence: from then on the engine
+// reports the block freed), and only then drops the allocation's export (forget_export, under x.mu). The
+// recording checks, under x.mu, that the engine has not taken a free of the block; so either the free was
+// taken first and the share is dropped (its lease closed, the block reaped: freed now if its owner freed it),
+// or the share is recorded first and the free's forget_export, which comes after, finds it and drops it.
+// Before, the free dropped the export first: a share recorded between the two (or a stream-ordered free,
+// which left the block allocated and held) kept the block for the life of the process, its handle openable.
 //
 // Lifetime. cudaFree of an exported allocation drops the exporter's copy of the share at once (so its handle
 // is refused from then on: stale), and the engine holds the block for every process that has it open, through
@@ -230,13 +241,15 @@ struct Exporter {
   int listen_fd = -1, wake[2] = {-1, -1};
   std::thread thread;
   std::atomic<int> count{0};  // exports.size(), read without the lock by every free
+  // The duplicates the listener is sending (a lease among them): a child forked meanwhile closes its copies.
+  std::vector<int> sending;
 
   // Starts the listener if this process has none. False (and *why) when it could not.
   bool listening(std::string* why);
   void serve(int lfd, int stop_fd);
   void answer(int conn, int stop_fd);
   void stop();
-  void forget(int device, const void* p);
+  bool forget(int device, const void* p);
   void after_fork_in_child();
 };
 
@@ -350,6 +363,7 @@ void Exporter::answer(int conn, int stop_fd) {
       }
       fds.push_back(d);
     }
+    sending = fds;
   }
   r.fds = static_cast<std::uint32_t>(fds.size());
   r.description = description.size();
@@ -358,6 +372,8 @@ void Exporter::answer(int conn, int stop_fd) {
     ok = send_by(conn, deadline, stop_fd, description.data() + at, std::min(kPiece, description.size() - at), nullptr, 0);
   for (std::size_t at = 0; ok && at < fds.size(); at += kFdsPerMessage)
     ok = send_by(conn, deadline, stop_fd, nullptr, 0, fds.data() + at, std::min(kFdsPerMessage, fds.size() - at));
+  std::lock_guard lk(mu);
+  sending.clear();
   close_all(&fds);
 }
 
@@ -371,21 +387,24 @@ void Exporter::stop() {
   ::close(std::exchange(listen_fd, -1));
 }
 
-void Exporter::forget(int device, const void* p) {
-  if (count.load(std::memory_order_acquire) == 0) return;
+bool Exporter::forget(int device, const void* p) {
+  if (count.load(std::memory_order_seq_cst) == 0) return false;  // none, and none being recorded (get_handle)
   std::lock_guard lk(mu);
   auto it = by_block.find({device, const_cast<void*>(p)});
-  if (it == by_block.end()) return;
+  if (it == by_block.end()) return false;
   exports.erase(it->second);  // closes the exporter's copy of the share's descriptors
   by_block.erase(it);
   count.store(static_cast<int>(exports.size()), std::memory_order_release);
+  return true;
 }
 
 // The child of a fork (single-threaded; mu is held, taken before the fork): the parent's listener and
 // exports are the parent's. Their descriptors are closed here (copies of the leases would hold the parent's
-// blocks); the thread object is the parent's thread, which does not exist here, and is left unjoined.
+// blocks), and so are the duplicates the listener was sending at the fork; the thread object is the parent's
+// thread, which does not exist here, and is left unjoined.
 void Exporter::after_fork_in_child() {
   for (auto& [id, e] : exports) e.share.close_fds();
+  close_all(&sending);  // the listener's duplicates in flight at the fork (its thread is not here)
   exports.clear();
   by_block.clear();
   count.store(0);
@@ -396,23 +415,25 @@ void Exporter::after_fork_in_child() {
   mu.unlock();
 }
 
-// The device whose engine holds p (its first byte or any inside it) and the allocation's base; -1 if none.
-int containing(const void* p, void** base) {
+// The device whose engine holds p (its first byte or any inside it) and the allocation's base, and whether the
+// program freed it already (*freed); -1 if none.
+int containing(const void* p, void** base, bool* freed) {
   fragless::Allocator* a = fragless_preload::allocator();
   if (!a || !p) return -1;
   for (int d = 0; d < a->device_count(); ++d)
     if (fragless::DeviceEngine* e = a->existing(d))
-      if ((*base = e->allocation_containing(const_cast<void*>(p), nullptr))) return d;
+      if ((*base = e->allocation_containing(const_cast<void*>(p), nullptr, freed))) return d;
   return -1;
 }
 
 cudaError_t get_handle(Handle* h, void* p) {
   void* base = nullptr;
-  const int dev = fragless_preload::recursing() ? -1 : containing(p, &base);
+  bool freed = false;
+  const int dev = fragless_preload::recursing() ? -1 : containing(p, &base, &freed);
   if (dev < 0) return real().get ? real().get(h, p) : kInvalidValue;
   fragless_preload::Inside inside;
   fragless::Allocator* a = fragless_preload::allocator();
-  if (fragless_preload::free_pending(dev, base)) {
+  if (freed) {
     std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: its allocation was freed (cudaFree); "
                  "nothing was exported\n", p);
     return kInvalidValue;
@@ -464,9 +485,17 @@ cudaError_t get_handle(Handle* h, void* p) {
     return kMemoryAllocation;
   }
   if (exported_already()) return kSuccess;  // e, the duplicate, is dropped
-  if (a->device(dev)->allocation_containing(base, nullptr) != base || fragless_preload::free_pending(dev, base)) {
+  // Note [Exports and frees]: a free the engine took before this check finds no export to forget: e is
+  // dropped here, its lease closed, and the block reaped (freed now if its owner freed it while it was held).
+  // The count covers the export about to be recorded from before the check: a free taken after the check
+  // then finds it non-zero and waits for x.mu (forget's fast path would otherwise miss the record).
+  x.count.store(static_cast<int>(x.exports.size()) + 1, std::memory_order_seq_cst);
+  if (a->device(dev)->allocation_containing(base, nullptr, &freed) != base || freed) {
+    x.count.store(static_cast<int>(x.exports.size()), std::memory_order_release);
     std::fprintf(stderr, "fragless (LD_PRELOAD): cudaIpcGetMemHandle of %p: its allocation was freed meanwhile; "
-                 "nothing was exported\n", p);  // its free found no export to forget: e is dropped here
+                 "nothing was exported\n", p);
+    e.share.close_fds();
+    a->device(dev)->reap_shared(0);
     return kInvalidValue;
   }
   const std::uint64_t id = x.next_id++;
@@ -651,7 +680,7 @@ cudaError_t close_handle(void* p) {
 
 }  // namespace
 
-void fragless_preload::forget_export(int device, const void* p) { exporter().forget(device, p); }
+bool fragless_preload::forget_export(int device, const void* p) { return exporter().forget(device, p); }
 
 extern "C" {
 

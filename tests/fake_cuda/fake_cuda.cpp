@@ -154,6 +154,7 @@ struct OwnAllocation {
   unsigned long long buffer_id = 0;
   CUmemoryPool pool = nullptr;
   bool async = false;
+  bool graph = false;  // allocated on a capturing stream: a graph allocation (cuMemFreeAsync during a capture)
 };
 // A memory pool (cuMemPoolCreate, or a device's default pool): its properties, access and attributes.
 struct MemPool {
@@ -1430,6 +1431,7 @@ CUresult alloc_async(CUdeviceptr* p, size_t size, CUmemoryPool pool, CUstream h)
   }
   const CUresult r = own_alloc(s, size, dev, pool, true, p);
   if (r == CUDA_SUCCESS) {
+    s.own[*p].graph = fs->capture != 0;
     MemPool& m = s.pools[pool];
     m.used += size;
     m.used_high = std::max(m.used_high, m.used);
@@ -1444,6 +1446,9 @@ CUresult free_async(CUdeviceptr p, CUstream h) {
   FakeStream* fs = stream_of(h);
   auto it = s.own.find(p);
   if (!fs || it == s.own.end()) return CUDA_ERROR_INVALID_VALUE;
+  // cuda.h: "During stream capture, this function results in the creation of a free node and must therefore be
+  // passed the address of a graph allocation" (driver.h R21); the stricter reading: anything else is refused.
+  if (fs->capture && !it->second.graph) return CUDA_ERROR_INVALID_VALUE;
   if (!fs->capture) wait_for(fs->tail);
   own_release(s, it);
   return CUDA_SUCCESS;

@@ -85,7 +85,13 @@ cudaError_t free_async(void* p, cudaStream_t s, bool ptsz) {
 }
 }  // namespace
 API cudaError_t cudaFree(void* p) {
-  count("cudaFree");
+  count(p ? "cudaFree" : "cudaFree(0)");  // the context idiom counted apart (the interposer makes one per thread)
+  // cudaFree(0), the classic idiom: a call that needs a context, so the runtime makes the current device's
+  // primary context current on a thread that has none (cuda_runtime_api.h, "Initialization and Tear-Down").
+  if (!p) {
+    make_current(t_device);  // (without a libcuda double there is no context to make)
+    return 0;
+  }
   if (cudaError_t r = 0; driver_free(p, &r)) return r;
   {
     std::lock_guard lk(mu);
@@ -114,8 +120,8 @@ struct Driver {
   int (*stream_create)(void**, unsigned) = nullptr;
   int (*is_capturing)(void*, int*) = nullptr;
   int (*begin_capture)(void*, int) = nullptr;
-  // cuStreamBeginCaptureToGraph, which the interposer does not interpose: the runtime's ToGraph begin tells the
-  // driver nothing an interposer of cuStreamBeginCapture would see.
+  // cuStreamBeginCaptureToGraph (interposed too, found by name in the driver's handle as the others here): the
+  // runtime's ToGraph begin reaches it, as CUDA's runtime does.
   int (*begin_capture_to_graph)(void*, void*, const void*, const void*, size_t, int) = nullptr;
   int (*end_capture)(void*, void**) = nullptr;
   int (*stream_get_ctx)(void*, void**) = nullptr;

@@ -100,6 +100,21 @@ int main(int argc, char** argv) {
   expect(cudaFree(fakecudart_foreign_alloc(4096)) == 0, "a foreign free while device 0's engine cannot be made");
   d.fail("cuDevicePrimaryCtxRetain", 0, 0);
 
+  //    A thread whose first CUDA call is a cudaMalloc fragless serves finds the device's primary context current
+  //    afterwards, as the runtime makes it ("made current to the calling thread"), for the driver API calls
+  //    that follow.
+  std::thread([&] {
+    using GetCurrent = int (*)(void**);
+    const auto get_current = reinterpret_cast<GetCurrent>(dlsym(d.lib, "cuCtxGetCurrent"));
+    void* before = reinterpret_cast<void*>(1);
+    void* after = nullptr;
+    void* first = nullptr;
+    expect(get_current && get_current(&before) == 0 && before == nullptr, "a new thread: no current context");
+    expect(cudaMalloc(&first, MiB) == 0 && d.device_of(first) == 0, "its first call, cudaMalloc: fragless's");
+    expect(get_current && get_current(&after) == 0 && after != nullptr, "and a context is current after it");
+    expect(cudaFree(first) == 0, "freed");
+  }).join();
+
   // 3. cudaMallocAsync allocates on the stream's device, with or without cudaStreamGetDevice (12.8+).
   cudaStream_t s1 = nullptr;
   expect(cudaStreamCreate(&s1) == 0 && s1, "a stream on device 1");
@@ -121,7 +136,11 @@ int main(int argc, char** argv) {
     d.launch(c, x, 3 * MiB, 100);
     expect(cudaFreeAsync(x, c) == 0, "its free on c");
   }
+  void* before_capture = nullptr;
+  expect(cudaMalloc(&before_capture, 2 * MiB) == 0 && d.device_of(before_capture) == 0, "a fragless block before the capture");
   expect(cudaStreamBeginCapture(c, kCaptureGlobal) == 0, "a global-mode capture begins on c");
+  //    During a capture cudaFreeAsync "must be passed the address of a graph allocation": fragless's is none.
+  expect(cudaFreeAsync(before_capture, c) == 1, "cudaFreeAsync on c of the fragless block: cudaErrorInvalidValue");
   void* big = nullptr;
   expect(cudaMallocAsync(&big, 20 * MiB, a) == 0 && big, "a growth on a during the capture");
   const unsigned long fences = d.fences();
@@ -135,6 +154,7 @@ int main(int argc, char** argv) {
   expect(cudaStreamEndCapture(c, &graph) == 0 && graph, "the capture ends valid");
   expect(d.census().invalidated_captures == 0, std::string("no capture was invalidated (") + d.first_fault() + ")");
   expect(cudaFreeAsync(big, a) == 0, "free on a");
+  expect(cudaFreeAsync(before_capture, a) == 0, "the block refused during the capture was still live: freed on a");
 
   //    Every form of the begin tells fragless before the runtime begins the capture (Note [Quiet before a
   //    capture]), the ToGraph forms (CUDA 12.3) too: work fragless does while the runtime's begin has not yet
@@ -182,6 +202,28 @@ int main(int argc, char** argv) {
   d.launch(a, z, 300 * MiB, 10);
   expect(cudaFree(z) == 0, "and its free fences both");
   expect(d.allocated(0) == 0, "after a fence that worked, both went back");
+  //    A pointer cudaFree'd already is refused by a second cudaFree and by cudaFreeAsync ("If cudaFree(devPtr)
+  //    has already been called before, an error is returned": cudaErrorInvalidValue), while it waits behind
+  //    the fence, and the fence frees it once.
+  //    The fence is due at 256 MiB of blocks pending, counted by the blocks' own sizes (not their segments'):
+  //    here 8 MiB, in a segment of 300 MiB or more, and then 200 small blocks in a few segments.
+  void* twice = nullptr;
+  const unsigned long fences_before = d.fences();
+  expect(cudaMalloc(&twice, 8 * MiB) == 0 && twice && cudaFree(twice) == 0, "8 MiB, freed (behind the fence)");
+  expect(d.fences() == fences_before, "no fence: 8 MiB pending");
+  if (d.fences() == fences_before) {  // else the fence freed it at once, and the runtime answers for the pointer
+    expect(cudaFree(twice) == 1, "a second cudaFree of it: cudaErrorInvalidValue");
+    expect(cudaFreeAsync(twice, a) == 1, "a cudaFreeAsync of it: cudaErrorInvalidValue");
+    void* fresh = nullptr;
+    expect(cudaMalloc(&fresh, 8 * MiB) == 0 && fresh != twice, "8 MiB again: not the block behind the fence");
+    expect(cudaFree(fresh) == 0, "freed");
+  }
+  void* small[200] = {};
+  bool small_ok = true;
+  for (void*& q : small) small_ok = small_ok && cudaMalloc(&q, 64 << 10) == 0 && q;
+  for (void* q : small) small_ok = small_ok && cudaFree(q) == 0;
+  expect(small_ok && d.fences() == fences_before,
+         "200 blocks of 64 KiB freed: no fence (" + std::to_string(d.fences() - fences_before) + " ran)");
 
   // 6. Per-thread default streams are a different stream on each thread: a block freed on thread A's is
   //    not handed to thread B without ordering.

@@ -34,6 +34,12 @@
 // The ABI before CUDA 4.0, which libcuda still exports (cuda.h declares it under __CUDA_API_VERSION_INTERNAL).
 extern "C" CUresult cuStreamDestroy(CUstream);
 
+#if CUDA_VERSION < 12030  // cuda.h before 12.3 declares neither (the double defines the entry point all the same)
+typedef void CUgraphEdgeData;
+extern "C" CUresult cuStreamBeginCaptureToGraph(CUstream, CUgraph, const CUgraphNode*, const CUgraphEdgeData*, size_t,
+                                                CUstreamCaptureMode);
+#endif
+
 // The per-thread default-stream entry points (cuda.h declares them only for code built for per-thread streams).
 extern "C" CUresult cuMemAllocAsync_ptsz(CUdeviceptr*, size_t, CUstream);
 extern "C" CUresult cuMemFreeAsync_ptsz(CUdeviceptr, CUstream);
@@ -75,6 +81,8 @@ struct Api {
   CUresult (*pointer_attribute)(void*, CUpointer_attribute, CUdeviceptr);
   CUresult (*pointer_attributes)(unsigned, CUpointer_attribute*, void**, CUdeviceptr);
   CUresult (*begin_capture)(CUstream, CUstreamCaptureMode);
+  CUresult (*begin_capture_to_graph)(CUstream, CUgraph, const CUgraphNode*, const CUgraphEdgeData*, size_t,
+                                     CUstreamCaptureMode);  // CUDA 12.3, as XLA calls it
   CUresult (*end_capture)(CUstream, CUgraph*);
 };
 
@@ -85,7 +93,7 @@ Api direct() {
           &cuMemPoolDestroy, &cuMemPoolSetAttribute, &cuMemPoolGetAttribute, &cuDeviceGetMemPool, &cuDeviceSetMemPool,
           &cuMemGetMemPool, &cuMemSetMemPool, &cuMemPoolSetAccess, &cuDeviceCanAccessPeer, &cuMemGetInfo_v2,
           &cuMemGetAddressRange_v2, &cuPointerGetAttribute, &cuPointerGetAttributes, &cuStreamBeginCapture_v2,
-          &cuStreamEndCapture};
+          &cuStreamBeginCaptureToGraph, &cuStreamEndCapture};
 }
 
 // As XLA's stub: each symbol by its exported name from an RTLD_LOCAL handle of the driver.
@@ -123,6 +131,7 @@ Api by_dlsym(void* lib) {
   get(&a.pointer_attribute, "cuPointerGetAttribute");
   get(&a.pointer_attributes, "cuPointerGetAttributes");
   get(&a.begin_capture, "cuStreamBeginCapture_v2");
+  get(&a.begin_capture_to_graph, "cuStreamBeginCaptureToGraph");
   get(&a.end_capture, "cuStreamEndCapture");
   return a;
 }
@@ -177,6 +186,7 @@ Api by_proc_address(void* lib, bool v1) {
   get(&a.pointer_attribute, "cuPointerGetAttribute");
   get(&a.pointer_attributes, "cuPointerGetAttributes");
   get(&a.begin_capture, "cuStreamBeginCapture");
+  get(&a.begin_capture_to_graph, "cuStreamBeginCaptureToGraph", CU_GET_PROC_ADDRESS_DEFAULT, 12030);
   get(&a.end_capture, "cuStreamEndCapture");
   return a;
 }
@@ -383,11 +393,21 @@ int main(int argc, char** argv) {
   // 10. Capture: allocations on a capturing stream are the graph's (the driver's); the fence does not run
   //     during the capture; the capture stays valid.
   CUstream c = nullptr;
+  CUdeviceptr before_capture = 0;
+  const CUdeviceptr driver_own = reinterpret_cast<CUdeviceptr>(d.foreign_alloc(0, MiB));
+  expect(a.alloc_async(&before_capture, 2 * MiB, s) == CUDA_SUCCESS && d.fragless(before_capture, 0) && driver_own,
+         "a fragless block and one of the driver's, before the capture");
   expect(a.stream_create(&c, 0) == CUDA_SUCCESS && a.begin_capture(c, CU_STREAM_CAPTURE_MODE_GLOBAL) == CUDA_SUCCESS,
          "a global-mode capture on c");
   CUdeviceptr g = 0;
   expect(a.alloc_async(&g, 2 * MiB, c) == CUDA_SUCCESS && !d.fragless(g, 0), "cuMemAllocAsync on c: the graph's, not fragless's");
   expect(a.free_async(g, c) == CUDA_SUCCESS, "its cuMemFreeAsync on c reaches the driver");
+  //     cuMemFreeAsync during a capture "must be passed the address of a graph allocation" (R21): fragless's
+  //     block is none, and is refused as the driver refuses one of its own.
+  expect(a.free_async(before_capture, c) == CUDA_ERROR_INVALID_VALUE,
+         "cuMemFreeAsync on c of the fragless block: CUDA_ERROR_INVALID_VALUE");
+  expect(a.free_async(driver_own, c) == CUDA_ERROR_INVALID_VALUE,
+         "cuMemFreeAsync on c of the driver's own block: CUDA_ERROR_INVALID_VALUE (the double refuses it too)");
   const unsigned long fences = d.fences();
   for (int i = 0; i < 2; ++i) {
     CUdeviceptr x = 0;
@@ -397,6 +417,22 @@ int main(int argc, char** argv) {
   expect(d.fences() == fences, "no fence ran during the capture");
   CUgraph graph = nullptr;
   expect(a.end_capture(c, &graph) == CUDA_SUCCESS && graph, "the capture ends valid");
+  expect(a.free_async(before_capture, s) == CUDA_SUCCESS && a.free(driver_own) == CUDA_SUCCESS,
+         "both blocks freed after the capture: they were still live");
+  //     The same with cuStreamBeginCaptureToGraph (CUDA 12.3; XLA's StreamBeginCaptureToGraph calls it): the
+  //     fence does not run during it either, and it ends valid.
+  expect(a.begin_capture_to_graph(c, graph, nullptr, nullptr, 0, CU_STREAM_CAPTURE_MODE_GLOBAL) == CUDA_SUCCESS,
+         "a global-mode capture on c into the graph (cuStreamBeginCaptureToGraph)");
+  const unsigned long fences_to_graph = d.fences();
+  for (int i = 0; i < 2; ++i) {
+    CUdeviceptr x = 0;
+    expect(a.alloc(&x, 160 * MiB) == CUDA_SUCCESS && d.fragless(x, 0) && a.free(x) == CUDA_SUCCESS,
+           "cuMemAlloc / cuMemFree during the capture into the graph (the fence is due)");
+  }
+  expect(d.fences() == fences_to_graph, "no fence ran during the capture into the graph");
+  CUgraph graph2 = nullptr;
+  expect(a.end_capture(c, &graph2) == CUDA_SUCCESS && graph2, "the capture into the graph ends valid");
+  expect(d.census().invalidated_captures == 0, "no capture was invalidated");
   CUdeviceptr after = 0;
   expect(a.alloc(&after, 900 * MiB) == CUDA_SUCCESS && a.free(after) == CUDA_SUCCESS,
          "900 MiB after the capture (the deferred frees went back)");
@@ -527,6 +563,36 @@ int main(int argc, char** argv) {
   std::printf("the new block %s b1's address\n", b3 == b1 ? "has" : "does not have");
   expect(id3 != 0 && id3 != id1 && id3 != id2, "the new block's id is a new one (" + std::to_string(id3) + ")");
   expect(a.free_async(b2, s) == CUDA_SUCCESS && a.free_async(b3, s) == CUDA_SUCCESS, "freed");
+
+  // 14. A pointer freed already is no longer the program's (R21: cuMemFree takes what an allocation call
+  //     returned): a second cuMemFree of a block waiting behind the fence, and a cuMemFreeAsync after its
+  //     cuMemFree, are CUDA_ERROR_INVALID_VALUE, and the queries answer for it as for memory fragless does
+  //     not own (the driver's answer). The fence then frees it once: a new block at a later allocation, in
+  //     use, is not freed under the program.
+  CUdeviceptr gone = 0, gone_base = 0;
+  size_t gone_size = 0;
+  expect(a.alloc(&gone, 4 * MiB) == CUDA_SUCCESS && d.fragless(gone, 0), "4 MiB with cuMemAlloc");
+  expect(a.free(gone) == CUDA_SUCCESS, "its cuMemFree (behind the fence)");
+  expect(a.address_range(&gone_base, &gone_size, gone + 64) != CUDA_SUCCESS,
+         "cuMemGetAddressRange of the freed block: the driver's answer (not found)");
+  expect(a.free(gone) == CUDA_ERROR_INVALID_VALUE, "a second cuMemFree of it: CUDA_ERROR_INVALID_VALUE");
+  expect(a.free_async(gone, s) == CUDA_ERROR_INVALID_VALUE, "a cuMemFreeAsync of it: CUDA_ERROR_INVALID_VALUE");
+  CUdeviceptr sa = 0, sb = 0, sc = 0;
+  expect(a.alloc_async(&sa, 4 * MiB, s) == CUDA_SUCCESS && d.fragless(sa, 0) && a.free(sa) == CUDA_SUCCESS,
+         "4 MiB with cuMemAllocAsync on s, freed with cuMemFree (behind the fence)");
+  expect(a.free_async(sa, s) == CUDA_ERROR_INVALID_VALUE, "then its cuMemFreeAsync: CUDA_ERROR_INVALID_VALUE");
+  expect(a.alloc_async(&sb, 4 * MiB, s) == CUDA_SUCCESS && d.fragless(sb, 0) && sb != sa,
+         "4 MiB again on s: not the block behind the fence");
+  expect(d.launch(s, as_ptr(sb), 4 * MiB, 100000) == 0, "a long kernel on the new block");
+  const unsigned long fences_before = d.fences();
+  for (int i = 0; i < 1100; ++i) {  // more frees than the fence waits for
+    CUdeviceptr x = 0;
+    if (a.alloc(&x, 4096) != CUDA_SUCCESS || a.free(x) != CUDA_SUCCESS) break;
+  }
+  expect(d.fences() > fences_before, "the fence ran");
+  expect(a.alloc_async(&sc, 4 * MiB, s) == CUDA_SUCCESS && sc != sb, "4 MiB on s: the new block (live) is not handed out");
+  expect(a.free_async(sb, s) == CUDA_SUCCESS && a.free_async(sc, s) == CUDA_SUCCESS, "both freed");
+  expect(d.census().faults == 0, std::string("no fault (") + d.first_fault() + ")");
 
   const auto census = d.census();
   expect(census.faults == 0, std::string("the double saw no fault (") + d.first_fault() + ")");

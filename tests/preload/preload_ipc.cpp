@@ -5,17 +5,22 @@
 // driver with shareable_handles:True, or the cuda driver on the libcuda double with shareable_handles:True
 // or fabric (FAKECUDA_FABRIC=1). Both keep memory in host pages: both sides read and write it directly.
 //
-//   preload_ipc SCENARIO     bytes | free_while_held | forged | stall | peers | squatter | other_user
+//   preload_ipc SCENARIO     bytes | free_while_held | forged | stall | peers | squatter | other_user | race |
+//                            import_fork
 // (other_user: the exporter runs as another user than this root importer, which it answers; without root it
-// says SKIPPED and exits 77.)
+// says SKIPPED and exits 77. race and import_fork run in one process: an export racing its allocation's free;
+// a fork after an import.)
 // Exit 0 when every check held; 1 with the failed checks on stderr.
 #include <dirent.h>
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -35,6 +40,7 @@ struct IpcHandle {  // cudaIpcMemHandle_t
 };
 cudaError_t cudaMalloc(void**, size_t);
 cudaError_t cudaFree(void*);
+cudaError_t cudaFreeAsync(void*, void*);
 cudaError_t cudaIpcGetMemHandle(IpcHandle*, void*);
 cudaError_t cudaIpcOpenMemHandle(void**, IpcHandle, unsigned);
 cudaError_t cudaIpcCloseMemHandle(void*);
@@ -426,6 +432,86 @@ int scenario_peers(int sock, pid_t exporter_pid) {
   return 0;
 }
 
+// One process: cudaIpcGetMemHandle on one thread races the allocation's free on another (cudaFreeAsync and
+// cudaFree by turns, after a varying spin), over and over (Note [Exports and frees]). However each race ends,
+// nothing stays allocated once every block was freed and the deferred frees went back: a share recorded after
+// its allocation's free would hold the block (and keep its handle openable) for the life of the process.
+int scenario_race() {
+  constexpr int kRounds = 2000;
+  int given = 0;
+  for (int i = 0; i < kRounds; ++i) {
+    void* p = nullptr;
+    REQUIRE(cudaMalloc(&p, MiB) == 0 && p);
+    std::atomic<int> go{0};
+    cudaError_t got = -1;
+    IpcHandle h{};
+    std::thread asker([&] {
+      go.fetch_add(1);
+      while (go.load() < 2) {
+      }
+      got = cudaIpcGetMemHandle(&h, p);
+    });
+    go.fetch_add(1);
+    while (go.load() < 2) {
+    }
+    for (int k = 0; k < (i % 200) * 10; ++k) asm volatile("" ::: "memory");  // a varying spin
+    CHECK((i % 2 ? cudaFreeAsync(p, nullptr) : cudaFree(p)) == 0);
+    asker.join();
+    given += got == 0;
+  }
+  void* too_big = nullptr;  // fails: the fence runs and the engine reaps the exports first
+  CHECK(cudaMalloc(&too_big, 64 * MiB) != 0);
+  size_t allocated = 1, reserved = 0;
+  const auto memory = reinterpret_cast<int (*)(int, size_t*, size_t*)>(dlsym(RTLD_DEFAULT, "fragless_preload_memory"));
+  REQUIRE(memory && memory(0, &allocated, &reserved) == 0);
+  std::fprintf(stderr, "race: %d handles given in %d rounds; %zu bytes allocated after every free\n", given, kRounds,
+               allocated);
+  CHECK(allocated == 0);
+  return 0;
+}
+
+// One process opens its own handle (as another process would: through the listener), then forks a child that
+// makes no CUDA call (a DataLoader worker) and stays. The parent's close and free give the block back while
+// the child lives: the child closed its copy of the import's lease (Note [Imports across fork], share.cpp).
+int scenario_import_fork() {
+  void* p = nullptr;
+  void* q = nullptr;
+  IpcHandle h{};
+  REQUIRE(cudaMalloc(&p, kSize) == 0 && p && cudaIpcGetMemHandle(&h, p) == 0);
+  REQUIRE(cudaIpcOpenMemHandle(&q, h, 1) == 0 && q);
+  int gate[2], up[2];
+  REQUIRE(pipe(gate) == 0 && pipe(up) == 0);
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {  // says it runs (its fork handlers ran), then waits until the parent is done, touching nothing
+    close(gate[1]);
+    close(up[0]);
+    char b = 1;
+    if (write(up[1], &b, 1) != 1) _exit(2);
+    while (read(gate[0], &b, 1) < 0 && errno == EINTR) {
+    }
+    _exit(0);
+  }
+  close(gate[0]);
+  close(up[1]);
+  char b = 0;
+  CHECK(read(up[0], &b, 1) == 1);
+  close(up[0]);
+  CHECK(cudaIpcCloseMemHandle(q) == 0);
+  CHECK(cudaFree(p) == 0);
+  void* too_big = nullptr;  // fails: the fence runs and the engine reaps the exports first
+  CHECK(cudaMalloc(&too_big, 64 * MiB) != 0);
+  size_t allocated = 1, reserved = 0;
+  const auto memory = reinterpret_cast<int (*)(int, size_t*, size_t*)>(dlsym(RTLD_DEFAULT, "fragless_preload_memory"));
+  REQUIRE(memory && memory(0, &allocated, &reserved) == 0);
+  std::fprintf(stderr, "import_fork: %zu bytes allocated after the close and the free, the child alive\n", allocated);
+  CHECK(allocated == 0);
+  close(gate[1]);
+  int status = -1;
+  CHECK(waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -434,9 +520,9 @@ int main(int argc, char** argv) {
   const std::string s = argc == 2 ? argv[1] : "";
   const bool help = s == "--help" || s == "-h";
   if (help || (s != "bytes" && s != "free_while_held" && s != "forged" && s != "stall" && s != "peers" && s != "squatter" &&
-                s != "other_user")) {
+                s != "other_user" && s != "race" && s != "import_fork")) {
     std::fprintf(help ? stdout : stderr,
-                 "usage: %s bytes|free_while_held|forged|stall|peers|squatter|other_user\n"
+                 "usage: %s bytes|free_while_held|forged|stall|peers|squatter|other_user|race|import_fork\n"
                  "Two processes, both under LD_PRELOAD=libfragless_preload.so with FRAGLESS_CONF asking for\n"
                  "shareable handles (driver:host, or the libcuda double), share fragless memory through cudaIpcGetMemHandle,\n"
                  "cudaIpcOpenMemHandle and cudaIpcCloseMemHandle; exit 0 when every check held in both.\n",
@@ -446,6 +532,12 @@ int main(int argc, char** argv) {
   if (s == "other_user" && geteuid() != 0) {
     std::printf("SKIPPED: other_user needs root, to run the exporter as another user\n");
     return 77;
+  }
+  if (s == "race" || s == "import_fork") {  // one process
+    if (s == "race") scenario_race();
+    else scenario_import_fork();
+    if (process_checks::failures == 0) std::printf("%s: every check held\n", s.c_str());
+    return process_checks::failures ? 1 : 0;
   }
   int pair[2];
   REQUIRE(socketpair(AF_UNIX, SOCK_SEQPACKET, 0, pair) == 0);

@@ -136,9 +136,16 @@
 //     CU_DEVICE_ATTRIBUTE_TEXTURE_PITCH_ALIGNMENT and refuses a pitch above CU_DEVICE_ATTRIBUTE_MAX_PITCH.
 //     cuMemAlloc of 0 bytes is CUDA_ERROR_INVALID_VALUE (the driver's answer is passed on). cuMemFree takes
 //     only an address an allocation call returned and "may perform implicit synchronization" (for memory not
-//     from the stream-ordered allocator); cuMemFreeAsync is stream-ordered; during a capture cuMemAllocAsync
+//     from the stream-ordered allocator); a pointer freed already, by either API, is no allocation any more:
+//     its second free (cuMemFree, cuMemFreeAsync; cuda_runtime_api.h, cudaFree: "If cudaFree(devPtr) has
+//     already been called before, an error is returned") is CUDA_ERROR_INVALID_VALUE (cudaErrorInvalidValue),
+//     also while fragless defers the first behind its fence, and R22's queries no longer answer for it as
+//     fragless's; cuMemFreeAsync is stream-ordered; during a capture cuMemAllocAsync
 //     and cuMemAllocFromPoolAsync create graph-owned memory and cuMemFreeAsync "must be passed the address
-//     of a graph allocation": those go to the driver.
+//     of a graph allocation" (cuda.h and cuda_runtime_api.h, cudaFreeAsync, in the same words): those go to
+//     the driver, and a cuMemFreeAsync or cudaFreeAsync of fragless memory on a capturing stream (never a
+//     graph allocation) is refused with CUDA_ERROR_INVALID_VALUE (cudaErrorInvalidValue; the stricter reading
+//     of "must", which the libcuda double applies to its own non-graph allocations too).
 //  R22 queries (cuda.h): cuMemGetAddressRange answers for "the allocation by cuMemAlloc() or
 //     cuMemAllocPitch()"; for cuMemMap'd memory it gives "the size of the mapped region" and
 //     CU_POINTER_ATTRIBUTE_RANGE_START_ADDR/RANGE_SIZE "the mappable address range (e.g. from

@@ -83,8 +83,16 @@ class DeviceEngine {
 
   // nullptr for size 0 (legal, nothing allocated, error->status ok) and on failure (error filled).
   void* allocate(std::size_t size, Stream stream, AllocError* error);
-  // Status::invalid_argument for a pointer this engine does not own (unknown or already freed).
+  // Status::invalid_argument for a pointer this engine does not own (unknown or already freed, deferred
+  // frees included).
   Status free(void* ptr, AllocError* error = nullptr);
+  // A free the caller does later (LD_PRELOAD's cudaFree behind its fence): the block at ptr stays allocated but
+  // is no longer the program's: a second defer_free, free, record_stream and share of it are invalid_argument,
+  // allocation_containing reports it freed, and only free_deferred frees it (once). invalid_argument for a
+  // pointer that is not the start of a live allocation (freed already, deferred or not). *size (when given):
+  // the block's size.
+  Status defer_free(void* ptr, AllocError* error = nullptr, std::size_t* size = nullptr);
+  Status free_deferred(void* ptr, AllocError* error = nullptr);
   // The block holding ptr is also used on `stream`: it is reused only after that stream's work queued
   // before its free completes. Ignored for the allocation stream. invalid_argument if ptr is unknown.
   Status record_stream(void* ptr, Stream stream);
@@ -92,9 +100,10 @@ class DeviceEngine {
   void* base_allocation(void* ptr, std::size_t* size);
   bool owns(void* ptr);
   // The allocated block holding ptr (its first byte or any byte inside it): its address, and its size in
-  // *size; nullptr when no allocated block of this engine holds ptr. Walks the segments (for queries such as
-  // LD_PRELOAD's cuMemGetAddressRange, not for the allocation path).
-  void* allocation_containing(void* ptr, std::size_t* size);
+  // *size; nullptr when no allocated block of this engine holds ptr. *freed (when given): whether the program
+  // freed it already (defer_free, or an exported block held for other processes after its owner's free).
+  // Walks the segments (for queries such as LD_PRELOAD's cuMemGetAddressRange, not for the allocation path).
+  void* allocation_containing(void* ptr, std::size_t* size, bool* freed = nullptr);
 
   // Gives back every cached byte it can. A wait that failed keeps the memory under that work cached (tried
   // again at the next release) and is reported: driver_error with *error's message (Note [Failed waits]).

@@ -3,6 +3,8 @@
 // are in engine/allocate.cpp, the bookkeeping of blocks and pools in state/books.cpp.
 #include "fragless/engine.h"
 
+#include "fragless/allocator.h"
+
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
@@ -40,9 +42,12 @@ DeviceEngine::State::State(const Options& o, std::unique_ptr<Driver> d) : opts(o
   stats.max_split_size = opts.max_split_size == SIZE_MAX ? -1 : static_cast<std::int64_t>(opts.max_split_size);
   policy = make_policy(opts.policy, *this);
   background.set_work(policy.get(), driver.get());
+  // Note [Imports across fork] (engine/share.cpp): a forked child closes its copies of the imports' leases.
+  hold_across_fork_first(&State::fork_nothing, &State::fork_nothing, &State::imports_in_forked_child, this);
 }
 
 DeviceEngine::State::~State() {
+  stop_holding_across_fork(this);
   background.stop();  // Note [Background work]: the worker never outlives the engine
   close_all_shares();  // Note [Sharing]: what other processes opened keeps its memory through their handles
   // Give everything back, live blocks too: the process is done with this device. Work on streams other than a
@@ -127,12 +132,31 @@ void* DeviceEngine::allocate(std::size_t size, Stream stream, AllocError* err) {
   return reinterpret_cast<void*>(s.take_block(b, p)->ptr);
 }
 
+namespace {
+enum class FreeKind { now, defer, deferred };
+}  // namespace
+
+// free, defer_free and free_deferred: one check of the block, then what each does.
+static Status free_as(DeviceEngine::State& s, void* ptr, FreeKind kind, AllocError* err, std::size_t* size = nullptr);
+
 Status DeviceEngine::free(void* ptr, AllocError* err) {
   if (ptr == nullptr) return Status::ok;
-  State& s = *s_;
+  return free_as(*s_, ptr, FreeKind::now, err);
+}
+
+Status DeviceEngine::defer_free(void* ptr, AllocError* err, std::size_t* size) {
+  return free_as(*s_, ptr, FreeKind::defer, err, size);
+}
+
+Status DeviceEngine::free_deferred(void* ptr, AllocError* err) { return free_as(*s_, ptr, FreeKind::deferred, err); }
+
+static Status free_as(DeviceEngine::State& s, void* ptr, FreeKind kind, AllocError* err, std::size_t* size) {
   std::lock_guard lk(s.mu);
   Block* b = s.active_blocks.get(reinterpret_cast<DevicePtr>(ptr));
-  if (!b || b->state != BlockState::allocated) {
+  // A deferred block is freed only by free_deferred, and a block whose owner freed it while exported is not
+  // deferred again (free_exported refuses its second free itself).
+  if (!b || b->state != BlockState::allocated || b->deferred != (kind == FreeKind::deferred) ||
+      (kind == FreeKind::defer && b->exported && s.exports.at(b->ptr).owner_freed)) {
     char buf[160];
     std::snprintf(buf, sizeof buf,
                   "fragless: free of pointer %p on device %d that fragless did not allocate or already freed; "
@@ -142,6 +166,12 @@ Status DeviceEngine::free(void* ptr, AllocError* err) {
     set_error(err, Status::invalid_argument, opened ? s.imported_free_message(ptr) : std::string(buf));
     return Status::invalid_argument;
   }
+  if (kind == FreeKind::defer) {
+    b->deferred = true;
+    if (size) *size = b->size;
+    return Status::ok;
+  }
+  b->deferred = false;
   if (b->exported) return s.free_exported(b, err);  // Note [Sharing]: held while another process has it open
   s.free_live(b);
   return Status::ok;
@@ -191,7 +221,7 @@ Status DeviceEngine::record_stream(void* ptr, Stream stream) {
   State& s = *s_;
   std::lock_guard lk(s.mu);
   Block* b = s.active_blocks.get(reinterpret_cast<DevicePtr>(ptr));
-  if (!b || b->state != BlockState::allocated) return Status::invalid_argument;
+  if (!b || b->state != BlockState::allocated || b->deferred) return Status::invalid_argument;
   if (stream == b->stream) return Status::ok;
   b->stream_uses.add(stream);
   return Status::ok;
@@ -215,7 +245,7 @@ void* DeviceEngine::base_allocation(void* ptr, std::size_t* size) {
   return reinterpret_cast<void*>(b->segment->base);
 }
 
-void* DeviceEngine::allocation_containing(void* ptr, std::size_t* size) {
+void* DeviceEngine::allocation_containing(void* ptr, std::size_t* size, bool* freed) {
   State& s = *s_;
   const auto p = reinterpret_cast<DevicePtr>(ptr);
   std::lock_guard lk(s.mu);
@@ -225,6 +255,7 @@ void* DeviceEngine::allocation_containing(void* ptr, std::size_t* size) {
       if (p >= b->ptr && p < b->ptr + b->size) {
         if (b->state != BlockState::allocated) return nullptr;
         if (size) *size = b->size;
+        if (freed) *freed = b->deferred || (b->exported && s.exports.at(b->ptr).owner_freed);
         return reinterpret_cast<void*>(b->ptr);
       }
     return nullptr;

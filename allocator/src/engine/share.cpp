@@ -44,6 +44,7 @@
 #include <cstdio>
 #include <cstring>
 #include <thread>
+#include <utility>
 
 #include "state/engine_state.h"
 #include "fragless/engine.h"
@@ -205,7 +206,7 @@ Status DeviceEngine::share(void* ptr, SharedBlock* out, AllocError* err) {
   State& s = *s_;
   std::lock_guard lk(s.mu);
   Block* b = s.active_blocks.get(reinterpret_cast<DevicePtr>(ptr));
-  if (!b || b->state != BlockState::allocated || (b->exported && s.exports.at(b->ptr).owner_freed)) {
+  if (!b || b->state != BlockState::allocated || b->deferred || (b->exported && s.exports.at(b->ptr).owner_freed)) {
     set_error(err, Status::invalid_argument,
               "fragless: share of pointer " + hex(ptr) + " on device " + std::to_string(s.driver->device()) +
                   ", which is not the start of a live fragless allocation; nothing was shared");
@@ -409,9 +410,22 @@ Status DeviceEngine::close_shared(void* ptr, AllocError* err) {
   s.imports.erase(it);
   s.give_back_mapping(im.va, im.span);
   s.give_back_reservation(im.va, im.span);
-  ::close(im.lease);
+  if (im.lease >= 0) ::close(im.lease);  // none in a forked child (Note [Imports across fork])
   s.stats.imported_bytes.add(im.small, -static_cast<std::int64_t>(im.span));
   return Status::ok;
+}
+
+// Note [Imports across fork]
+// A process that opened other processes' memory and then forks (a DataLoader's workers, by default) gives the
+// child a copy of every import's lease; each copy holds the exporter's block, so the parent's close_shared
+// would no longer reach the exporter and the block would stay held until every such child exited. The engine
+// registers with fork() (hold_across_fork_first, from its construction) and the child closes its copies: a
+// child cannot use the parent's CUDA memory anyway, and its mappings, kept, hold nothing in the exporter.
+// The child runs this on its one thread, the parent's device locks released (or held by itself, forked from
+// an event sink): the books are read without the lock. A close_shared in the child closes no lease again.
+void DeviceEngine::State::imports_in_forked_child(void* state) {
+  for (auto& [p, im] : static_cast<State*>(state)->imports)
+    if (im.lease >= 0) ::close(std::exchange(im.lease, -1));
 }
 
 std::string DeviceEngine::State::imported_free_message(void* ptr) const {
@@ -423,7 +437,7 @@ void DeviceEngine::State::close_all_shares() {
   for (auto& [p, im] : imports) {
     give_back_mapping(im.va, im.span);
     give_back_reservation(im.va, im.span);
-    ::close(im.lease);
+    if (im.lease >= 0) ::close(im.lease);
   }
   imports.clear();
   for (auto& [p, e] : exports)

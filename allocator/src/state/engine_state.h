@@ -80,6 +80,9 @@ struct Block {
   bool multi : 1 = false;
   // Allocated and exported (Note [Sharing]): listed in State::exports; its free waits for every lease.
   bool exported : 1 = false;
+  // Allocated, but the program freed it already and its caller defers the free (DeviceEngine::defer_free:
+  // LD_PRELOAD's cudaFree behind the fence): no longer the program's; only free_deferred frees it.
+  bool deferred : 1 = false;
 
   bool mapped() const { return state != BlockState::unmapped; }
   bool is_split() const { return prev != nullptr || next != nullptr; }
@@ -388,6 +391,9 @@ struct DeviceEngine::State {
   std::string check_sharing() const;
   void describe_hold(const Block& b, BlockInfo* out) const;  // snapshots: how an exported block is held
   void close_all_shares();  // teardown: every lease and import goes
+  // fork(): nothing to hold; in the child, every import's lease is closed (Note [Imports across fork]).
+  static void fork_nothing(void*) {}
+  static void imports_in_forked_child(void* state);
 };
 
 // Fills `e` (when given) with a status and the message that explains it.
