@@ -206,6 +206,8 @@
 #include <utility>
 #include <vector>
 
+#include "fragless/node_slab.h"
+
 namespace fragless {
 
 using DevicePtr = std::uintptr_t;
@@ -276,9 +278,22 @@ class BackgroundCalls {
 // What the driver holds, as the contract sees it: reservations, handles and mappings. The base class keeps
 // one and checks every VMM call against it (R1-R9 above); each check returns nullptr when the call may go
 // ahead, else the rule it breaks.
+//
+// Note [The contract's tables]
+// Every VMM call of every driver passes through these tables, so they are on the replay's hot path: a
+// fragless replay makes about one create and one map per event, mostly of single pages, and releases tens
+// of thousands of handles at its end. No check needs mappings in address order: a range of whole, adjacent
+// mappings (R6, R7) is walked from its start, one exact lookup per mapping (the next must start where the
+// last ended), and an overlap (R3, R5) is a question about pages, which a bitmap of mapped pages answers
+// (one bit per page of granularity, in 64-page words kept only while a page of theirs is mapped). So the
+// mappings and handles are hash tables, whose nodes, like the bitmap's words, come from slabs of their own
+// (Note [Node slabs]): neither the checks nor the records call malloc once the slabs have grown. Only the
+// reservations, few (one per segment), stay ordered, to find the one an address falls in.
 class DriverContract {
  public:
   explicit DriverContract(std::size_t granularity) : g_(granularity) {}
+  DriverContract(const DriverContract&) = delete;
+  DriverContract& operator=(const DriverContract&) = delete;
   const char* check_reserve(std::size_t size) const;
   const char* check_free_reservation(DevicePtr va, std::size_t size) const;
   const char* check_create(std::size_t size) const;
@@ -301,7 +316,11 @@ class DriverContract {
   // Mappings inside [va, va+size) (a range check_unmap accepted: whole, adjacent mappings).
   std::size_t mappings_in(DevicePtr va, std::size_t size) const {
     std::size_t n = 0;
-    for (auto it = mappings_.find(va); it != mappings_.end() && it->first < va + size; ++it) ++n;
+    for (DevicePtr at = va; at < va + size; ++n) {
+      auto it = mappings_.find(at);
+      if (it == mappings_.end()) break;
+      at += it->second.size;
+    }
     return n;
   }
   std::size_t mapping_size(DevicePtr va) const {
@@ -317,13 +336,26 @@ class DriverContract {
  private:
   struct HandleState { std::size_t size, map_count; bool released; };
   struct MappingState { std::size_t size; PhysHandle handle; };
+  template <class K, class V>
+  using Table = std::unordered_map<K, V, std::hash<K>, std::equal_to<K>, SlabAllocator<std::pair<const K, V>>>;
   bool aligned(std::size_t v) const { return v % g_ == 0; }
   bool whole_mappings(DevicePtr va, std::size_t size) const;
+  // The bitmap of mapped pages (Note [The contract's tables]): whether a page of [va, va+size) is mapped;
+  // marks the pages of [va, va+size) mapped (on) or not.
+  bool any_mapped(DevicePtr va, std::size_t size) const;
+  void mark(DevicePtr va, std::size_t size, bool on);
 
   std::size_t g_;
   std::map<DevicePtr, std::size_t> reservations_;
-  std::unordered_map<PhysHandle, HandleState> handles_;
-  std::map<DevicePtr, MappingState> mappings_;
+  NodeSlab handle_nodes_, mapping_nodes_, word_nodes_;  // declared before the tables, which they outlive
+  Table<PhysHandle, HandleState> handles_{0, std::hash<PhysHandle>(), std::equal_to<PhysHandle>(),
+                                          SlabAllocator<std::pair<const PhysHandle, HandleState>>(&handle_nodes_)};
+  Table<DevicePtr, MappingState> mappings_{0, std::hash<DevicePtr>(), std::equal_to<DevicePtr>(),
+                                           SlabAllocator<std::pair<const DevicePtr, MappingState>>(&mapping_nodes_)};
+  // By page / 64: bit i of word w is page 64w + i (a page is an address / granularity).
+  Table<std::uint64_t, std::uint64_t> mapped_pages_{
+      0, std::hash<std::uint64_t>(), std::equal_to<std::uint64_t>(),
+      SlabAllocator<std::pair<const std::uint64_t, std::uint64_t>>(&word_nodes_)};
 };
 
 // R26: a CUmemFabricHandle's bytes.

@@ -1,5 +1,6 @@
 #include "fragless/driver.h"
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 
@@ -64,15 +65,47 @@ namespace fragless {
 
 // ---- The contract (driver.h, R1-R9) ----
 
+// Walked from va, one exact lookup per mapping: the next must start where the last ended (Note [The
+// contract's tables]).
 bool DriverContract::whole_mappings(DevicePtr va, std::size_t size) const {
-  auto it = mappings_.find(va);
   DevicePtr at = va;
   while (at < va + size) {
-    if (it == mappings_.end() || it->first != at) return false;
+    auto it = mappings_.find(at);
+    if (it == mappings_.end()) return false;
     at += it->second.size;
-    ++it;
   }
   return at == va + size;
+}
+
+bool DriverContract::any_mapped(DevicePtr va, std::size_t size) const {
+  const std::uint64_t first = va / g_, last = (va + size) / g_ - 1;  // pages; [va, va+size) is aligned, non-empty
+  auto bits = [&](std::uint64_t w) {  // word w's bits inside [first, last]
+    const std::uint64_t lo = std::max(first, w * 64) - w * 64, hi = std::min(last, w * 64 + 63) - w * 64;
+    return (~std::uint64_t{0} >> (63 - hi)) & (~std::uint64_t{0} << lo);
+  };
+  // Whichever is fewer: the range's words, or the words with a page mapped (a whole reservation of a
+  // large device spans many words, of which few may be in use).
+  if (last / 64 - first / 64 >= mapped_pages_.size()) {
+    for (const auto& [w, word] : mapped_pages_)
+      if (w >= first / 64 && w <= last / 64 && (word & bits(w))) return true;
+    return false;
+  }
+  for (std::uint64_t w = first / 64; w <= last / 64; ++w)
+    if (auto it = mapped_pages_.find(w); it != mapped_pages_.end() && (it->second & bits(w))) return true;
+  return false;
+}
+
+void DriverContract::mark(DevicePtr va, std::size_t size, bool on) {
+  const std::uint64_t first = va / g_, last = (va + size) / g_ - 1;
+  for (std::uint64_t w = first / 64; w <= last / 64; ++w) {
+    const std::uint64_t lo = std::max(first, w * 64) - w * 64, hi = std::min(last, w * 64 + 63) - w * 64;
+    const std::uint64_t bits = (~std::uint64_t{0} >> (63 - hi)) & (~std::uint64_t{0} << lo);
+    if (on) {
+      mapped_pages_[w] |= bits;
+    } else if (auto it = mapped_pages_.find(w); it != mapped_pages_.end() && !(it->second &= ~bits)) {
+      mapped_pages_.erase(it);  // a word is kept only while a page of it is mapped
+    }
+  }
 }
 
 const char* DriverContract::check_reserve(std::size_t size) const {
@@ -84,8 +117,7 @@ const char* DriverContract::check_free_reservation(DevicePtr va, std::size_t siz
   auto it = reservations_.find(va);
   if (it == reservations_.end() || it->second != size)
     return "free_reservation: (address, size) must be exactly one reservation (R3)";
-  auto m = mappings_.lower_bound(va);
-  if (m != mappings_.end() && m->first < va + size) return "free_reservation: the range still has mappings (R3)";
+  if (any_mapped(va, size)) return "free_reservation: the range still has mappings (R3)";
   return nullptr;
 }
 
@@ -110,10 +142,7 @@ const char* DriverContract::check_map(DevicePtr va, std::size_t size, PhysHandle
   auto r = reservations_.upper_bound(va);
   if (r == reservations_.begin() || va + size > std::prev(r)->first + std::prev(r)->second)
     return "map: range must lie inside one reservation (R5)";
-  auto m = mappings_.lower_bound(va);
-  if (m != mappings_.end() && m->first < va + size) return "map: range overlaps a mapping (R5)";
-  if (m != mappings_.begin() && std::prev(m)->first + std::prev(m)->second.size > va)
-    return "map: range overlaps a mapping (R5)";
+  if (any_mapped(va, size)) return "map: range overlaps a mapping (R5)";
   return nullptr;
 }
 
@@ -146,19 +175,23 @@ bool DriverContract::released(PhysHandle h) {
 
 void DriverContract::mapped(DevicePtr va, std::size_t size, PhysHandle h) {
   mappings_[va] = MappingState{size, h};
+  mark(va, size, true);
   ++handles_[h].map_count;
 }
 
 void DriverContract::unmapped(DevicePtr va, std::size_t size, std::vector<PhysHandle>* gone) {
-  auto first = mappings_.find(va), last = mappings_.lower_bound(va + size);
-  for (auto it = first; it != last; ++it) {
-    auto h = handles_.find(it->second.handle);
+  for (DevicePtr at = va; at < va + size;) {  // whole, adjacent mappings (check_unmap), in address order
+    auto m = mappings_.find(at);
+    if (m == mappings_.end()) break;
+    auto h = handles_.find(m->second.handle);
     if (--h->second.map_count == 0 && h->second.released) {
       gone->push_back(h->first);
       handles_.erase(h);
     }
+    at += m->second.size;
+    mappings_.erase(m);
   }
-  mappings_.erase(first, last);
+  mark(va, size, false);
 }
 
 // ---- Counting, and errors per thread ----
