@@ -472,6 +472,7 @@ class Driver {
   // A failure the implementation reported: its own text is the last error now (for this thread).
   Status fail_through(Status st);
   void charge(DriverCall c, std::size_t bytes = 0);
+  void charge_locked(DriverCall c, std::size_t bytes = 0);  // mu_ held: a check's lock counts the call too
   // Event calls: counted, then run (one at a time unless concurrent_calls()).
   template <class F>
   Status event_call(DriverCall c, F&& f) {

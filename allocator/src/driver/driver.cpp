@@ -229,8 +229,12 @@ Status Driver::fail_through(Status st) {
 }
 
 void Driver::charge(DriverCall c, std::size_t bytes) {
-  const int i = static_cast<int>(c);
   std::lock_guard lk(mu_);
+  charge_locked(c, bytes);
+}
+
+void Driver::charge_locked(DriverCall c, std::size_t bytes) {
+  const int i = static_cast<int>(c);
   const double us = costs_.us[i] + costs_.per_mib[i] * (static_cast<double>(bytes) / (1 << 20));
   ++counters_.calls[i];
   counters_.modelled_us += us;
@@ -283,9 +287,9 @@ Status Driver::reserve(std::size_t size, DevicePtr* va) {
 }
 
 Status Driver::free_reservation(DevicePtr va, std::size_t size) {
-  charge(DriverCall::free_reservation, size);
   {
     std::lock_guard lk(mu_);
+    charge_locked(DriverCall::free_reservation, size);
     if (const char* r = contract_.check_free_reservation(va, size)) return refuse(r);
   }
   return run_and_record(impl_lock(), mu_, [&] { return fail_through(do_free_reservation(va, size)); },
@@ -302,14 +306,9 @@ Status Driver::create(std::size_t size, PhysHandle* h) {
 
 Status Driver::release(PhysHandle h) {
   memory_changes_.fetch_add(1, std::memory_order_acq_rel);
-  std::size_t size;
   {
     std::lock_guard lk(mu_);
-    size = contract_.handle_size(h);
-  }
-  charge(DriverCall::release, size);
-  {
-    std::lock_guard lk(mu_);
+    charge_locked(DriverCall::release, contract_.handle_size(h));
     if (const char* r = contract_.check_release(h)) return refuse(r);
   }
   auto lk = impl_lock();
@@ -324,9 +323,9 @@ Status Driver::release(PhysHandle h) {
 }
 
 Status Driver::map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t offset) {
-  charge(DriverCall::map, size);
   {
     std::lock_guard lk(mu_);
+    charge_locked(DriverCall::map, size);
     if (const char* r = contract_.check_map(va, size, h, offset)) return refuse(r);
   }
   return run_and_record(impl_lock(), mu_, [&] { return fail_through(do_map(va, size, h, offset)); },
@@ -383,9 +382,9 @@ Status Driver::unmap_each_mapping(DevicePtr va, std::size_t size) {
 }
 
 Status Driver::set_access(DevicePtr va, std::size_t size) {
-  charge(DriverCall::set_access, size);
   {
     std::lock_guard lk(mu_);
+    charge_locked(DriverCall::set_access, size);
     if (const char* r = contract_.check_set_access(va, size)) return refuse(r);
   }
   auto lk = impl_lock();
@@ -394,9 +393,9 @@ Status Driver::set_access(DevicePtr va, std::size_t size) {
 
 template <class Call>
 Status Driver::exporting(PhysHandle h, Call call) {
-  charge(DriverCall::export_handle);
   {
     std::lock_guard lk(mu_);
+    charge_locked(DriverCall::export_handle);
     if (const char* r = contract_.check_export(h)) return refuse(r);
   }
   auto lk = impl_lock();
