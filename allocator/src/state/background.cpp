@@ -254,8 +254,9 @@ void Background::stop() {
 }
 
 bool Background::run_one(bool manual) {
-  BackgroundJob job;
   if (!may_take() || !work_source_) return false;  // the work waits for the routing (or the fork) to end
+  BackgroundJob& job = job_;
+  job.reset();
   if (!work_source_->take_background_job(&job)) {
     work_ = false;
     return false;

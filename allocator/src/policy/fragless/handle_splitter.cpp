@@ -140,14 +140,13 @@ bool HandleSplitter::take(BackgroundJob* job) {
 // ---- The driver calls (no lock) ----
 
 // Note [Split in the background]: 1, 1, 2, 4, ... from the bottom, the last piece what is left.
-std::vector<std::size_t> HandleSplitter::piece_sizes(std::size_t pages) {
-  std::vector<std::size_t> sizes{1};
+void HandleSplitter::piece_sizes(std::size_t pages, std::vector<std::size_t>* sizes) {
+  sizes->assign(1, 1);
   for (std::size_t total = 1; total < pages;) {
     const std::size_t k = std::min(total, pages - total);
-    sizes.push_back(k);
+    sizes->push_back(k);
     total += k;
   }
-  return sizes;
 }
 
 void HandleSplitter::run(Driver& d, std::size_t page, BackgroundJob& job, const std::atomic<bool>& abort,
@@ -172,7 +171,10 @@ void HandleSplitter::run(Driver& d, std::size_t page, BackgroundJob& job, const 
     job.release_failed = true;
     return;
   }
-  job.sizes = job.to_pages ? std::vector<std::size_t>(job.pages, 1) : piece_sizes(job.pages);
+  if (job.to_pages)
+    job.sizes.assign(job.pages, 1);
+  else
+    piece_sizes(job.pages, &job.sizes);
   for (std::size_t k : job.sizes) {
     PhysHandle h = 0;
     if (aborted() || d.create(k * page, &h) != Status::ok) break;

@@ -85,7 +85,7 @@ class HandleSplitter {
   std::string check() const;
 
  private:
-  static std::vector<std::size_t> piece_sizes(std::size_t pages);  // what a split of `pages` creates
+  static void piece_sizes(std::size_t pages, std::vector<std::size_t>* sizes);  // what a split of `pages` creates
   // A queued split names its handle, not a place: re-backing may move a queued handle, and its split follows
   // it there (where_), keeping its turn. hints_ keeps, per queued handle, the free block last seen over it (each
   // freed() that finds the handle under its block renews it), where covering() starts looking.
