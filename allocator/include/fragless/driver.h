@@ -206,7 +206,7 @@
 #include <utility>
 #include <vector>
 
-#include "fragless/node_slab.h"
+#include "fragless/flat_table.h"
 
 namespace fragless {
 
@@ -286,9 +286,9 @@ class BackgroundCalls {
 // mappings (R6, R7) is walked from its start, one exact lookup per mapping (the next must start where the
 // last ended), and an overlap (R3, R5) is a question about pages, which a bitmap of mapped pages answers
 // (one bit per page of granularity, in 64-page words kept only while a page of theirs is mapped). So the
-// mappings and handles are hash tables, whose nodes, like the bitmap's words, come from slabs of their own
-// (Note [Node slabs]): neither the checks nor the records call malloc once the slabs have grown. Only the
-// reservations, few (one per segment), stay ordered, to find the one an address falls in.
+// mappings, the handles and the bitmap's words are flat hash tables (Note [Flat tables]): a lookup is a
+// cache line or two, and neither the checks nor the records call malloc once the tables have grown. Only
+// the reservations, few (one per segment), stay ordered, to find the one an address falls in.
 class DriverContract {
  public:
   explicit DriverContract(std::size_t granularity) : g_(granularity) {}
@@ -313,31 +313,22 @@ class DriverContract {
   void unmapped(DevicePtr va, std::size_t size, std::vector<PhysHandle>* gone);
 
   std::size_t mapping_count() const { return mappings_.size(); }
-  // Mappings inside [va, va+size) (a range check_unmap accepted: whole, adjacent mappings).
-  std::size_t mappings_in(DevicePtr va, std::size_t size) const {
-    std::size_t n = 0;
-    for (DevicePtr at = va; at < va + size; ++n) {
-      auto it = mappings_.find(at);
-      if (it == mappings_.end()) break;
-      at += it->second.size;
-    }
-    return n;
-  }
+  // Whether [va, va+size), a range check_unmap accepted (whole, adjacent mappings), holds more than one:
+  // whether the first ends before it does.
+  bool several_mappings(DevicePtr va, std::size_t size) const { return mapping_size(va) < size; }
   std::size_t mapping_size(DevicePtr va) const {
-    auto it = mappings_.find(va);
-    return it == mappings_.end() ? 0 : it->second.size;
+    const MappingState* m = mappings_.find(va);
+    return m ? m->size : 0;
   }
   std::size_t handle_size(PhysHandle h) const {
-    auto it = handles_.find(h);
-    return it == handles_.end() ? 0 : it->second.size;
+    const HandleState* s = handles_.find(h);
+    return s ? s->size : 0;
   }
   std::size_t handle_count() const { return handles_.size(); }
 
  private:
-  struct HandleState { std::size_t size, map_count; bool released; };
-  struct MappingState { std::size_t size; PhysHandle handle; };
-  template <class K, class V>
-  using Table = std::unordered_map<K, V, std::hash<K>, std::equal_to<K>, SlabAllocator<std::pair<const K, V>>>;
+  struct HandleState { std::size_t size = 0, map_count = 0; bool released = false; };
+  struct MappingState { std::size_t size = 0; PhysHandle handle = 0; };
   bool aligned(std::size_t v) const { return v % g_ == 0; }
   bool whole_mappings(DevicePtr va, std::size_t size) const;
   // The bitmap of mapped pages (Note [The contract's tables]): whether a page of [va, va+size) is mapped;
@@ -347,15 +338,10 @@ class DriverContract {
 
   std::size_t g_;
   std::map<DevicePtr, std::size_t> reservations_;
-  NodeSlab handle_nodes_, mapping_nodes_, word_nodes_;  // declared before the tables, which they outlive
-  Table<PhysHandle, HandleState> handles_{0, std::hash<PhysHandle>(), std::equal_to<PhysHandle>(),
-                                          SlabAllocator<std::pair<const PhysHandle, HandleState>>(&handle_nodes_)};
-  Table<DevicePtr, MappingState> mappings_{0, std::hash<DevicePtr>(), std::equal_to<DevicePtr>(),
-                                           SlabAllocator<std::pair<const DevicePtr, MappingState>>(&mapping_nodes_)};
-  // By page / 64: bit i of word w is page 64w + i (a page is an address / granularity).
-  Table<std::uint64_t, std::uint64_t> mapped_pages_{
-      0, std::hash<std::uint64_t>(), std::equal_to<std::uint64_t>(),
-      SlabAllocator<std::pair<const std::uint64_t, std::uint64_t>>(&word_nodes_)};
+  FlatTable<HandleState> handles_;
+  FlatTable<MappingState> mappings_;  // by start address
+  // The bitmap's words, by page / 64: bit i of word w is page 64w + i (a page: an address / granularity).
+  FlatTable<std::uint64_t> mapped_pages_;
 };
 
 // R26: a CUmemFabricHandle's bytes.

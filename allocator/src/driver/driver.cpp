@@ -70,9 +70,9 @@ namespace fragless {
 bool DriverContract::whole_mappings(DevicePtr va, std::size_t size) const {
   DevicePtr at = va;
   while (at < va + size) {
-    auto it = mappings_.find(at);
-    if (it == mappings_.end()) return false;
-    at += it->second.size;
+    const MappingState* m = mappings_.find(at);
+    if (!m) return false;
+    at += m->size;
   }
   return at == va + size;
 }
@@ -86,12 +86,14 @@ bool DriverContract::any_mapped(DevicePtr va, std::size_t size) const {
   // Whichever is fewer: the range's words, or the words with a page mapped (a whole reservation of a
   // large device spans many words, of which few may be in use).
   if (last / 64 - first / 64 >= mapped_pages_.size()) {
-    for (const auto& [w, word] : mapped_pages_)
-      if (w >= first / 64 && w <= last / 64 && (word & bits(w))) return true;
-    return false;
+    bool any = false;
+    mapped_pages_.for_each([&](std::uint64_t w, std::uint64_t word) {
+      any = any || (w >= first / 64 && w <= last / 64 && (word & bits(w)));
+    });
+    return any;
   }
   for (std::uint64_t w = first / 64; w <= last / 64; ++w)
-    if (auto it = mapped_pages_.find(w); it != mapped_pages_.end() && (it->second & bits(w))) return true;
+    if (const std::uint64_t* word = mapped_pages_.find(w); word && (*word & bits(w))) return true;
   return false;
 }
 
@@ -102,8 +104,8 @@ void DriverContract::mark(DevicePtr va, std::size_t size, bool on) {
     const std::uint64_t bits = (~std::uint64_t{0} >> (63 - hi)) & (~std::uint64_t{0} << lo);
     if (on) {
       mapped_pages_[w] |= bits;
-    } else if (auto it = mapped_pages_.find(w); it != mapped_pages_.end() && !(it->second &= ~bits)) {
-      mapped_pages_.erase(it);  // a word is kept only while a page of it is mapped
+    } else if (std::uint64_t* word = mapped_pages_.find(w); word && !(*word &= ~bits)) {
+      mapped_pages_.erase(w);  // a word is kept only while a page of it is mapped
     }
   }
 }
@@ -127,18 +129,18 @@ const char* DriverContract::check_create(std::size_t size) const {
 }
 
 const char* DriverContract::check_release(PhysHandle h) const {
-  auto it = handles_.find(h);
-  if (it == handles_.end() || it->second.released) return "release: unknown or already released handle (R8)";
+  const HandleState* s = handles_.find(h);
+  if (!s || s->released) return "release: unknown or already released handle (R8)";
   return nullptr;
 }
 
 const char* DriverContract::check_map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t offset) const {
   if (size == 0 || !aligned(va) || !aligned(size) || !aligned(offset))
     return "map: address, size and offset must be multiples of the granularity (R1)";
-  auto hit = handles_.find(h);
-  if (hit == handles_.end() || hit->second.released) return "map: unknown or released handle (R5)";
+  const HandleState* s = handles_.find(h);
+  if (!s || s->released) return "map: unknown or released handle (R5)";
   if (offset != 0) return "map: offset into the handle must be 0 (R5; cuda.h: 'currently must be zero')";
-  if (size != hit->second.size) return "map: a mapping must be the whole handle (R5)";
+  if (size != s->size) return "map: a mapping must be the whole handle (R5)";
   auto r = reservations_.upper_bound(va);
   if (r == reservations_.begin() || va + size > std::prev(r)->first + std::prev(r)->second)
     return "map: range must lie inside one reservation (R5)";
@@ -158,18 +160,18 @@ const char* DriverContract::check_unmap(DevicePtr va, std::size_t size) const {
 }
 
 const char* DriverContract::check_export(PhysHandle h) const {
-  auto it = handles_.find(h);
-  if (it == handles_.end() || it->second.released) return "export_handle: unknown or released handle (R18)";
+  const HandleState* s = handles_.find(h);
+  if (!s || s->released) return "export_handle: unknown or released handle (R18)";
   return nullptr;
 }
 
 bool DriverContract::released(PhysHandle h) {
-  auto it = handles_.find(h);
-  if (it->second.map_count == 0) {
-    handles_.erase(it);
+  HandleState* s = handles_.find(h);
+  if (s->map_count == 0) {
+    handles_.erase(h);
     return true;
   }
-  it->second.released = true;
+  s->released = true;
   return false;
 }
 
@@ -181,15 +183,16 @@ void DriverContract::mapped(DevicePtr va, std::size_t size, PhysHandle h) {
 
 void DriverContract::unmapped(DevicePtr va, std::size_t size, std::vector<PhysHandle>* gone) {
   for (DevicePtr at = va; at < va + size;) {  // whole, adjacent mappings (check_unmap), in address order
-    auto m = mappings_.find(at);
-    if (m == mappings_.end()) break;
-    auto h = handles_.find(m->second.handle);
-    if (--h->second.map_count == 0 && h->second.released) {
-      gone->push_back(h->first);
-      handles_.erase(h);
+    const MappingState* found = mappings_.find(at);
+    if (!found) break;
+    const MappingState m = *found;  // copied: the erases below move the table's entries
+    mappings_.erase(at);
+    HandleState* h = handles_.find(m.handle);
+    if (--h->map_count == 0 && h->released) {
+      gone->push_back(m.handle);
+      handles_.erase(m.handle);
     }
-    at += m->second.size;
-    mappings_.erase(m);
+    at += m.size;
   }
   mark(va, size, false);
 }
@@ -344,7 +347,7 @@ Status Driver::unmap(DevicePtr va, std::size_t size) {
   {
     std::lock_guard lk(mu_);
     rule = contract_.check_unmap(va, size);
-    several = !rule && contract_.mappings_in(va, size) > 1;
+    several = !rule && contract_.several_mappings(va, size);
   }
   if (several && g_unmap_each_mapping.load(std::memory_order_relaxed)) return unmap_each_mapping(va, size);
   charge(DriverCall::unmap, size);

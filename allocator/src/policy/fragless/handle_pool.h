@@ -151,9 +151,9 @@ class HandlePool {
   };
 
   NodeSlab info_nodes_;  // Note [Node slabs]; declared before info_, which it outlives
-  std::unordered_map<PhysHandle, Info, std::hash<PhysHandle>, std::equal_to<PhysHandle>,
-                     SlabAllocator<std::pair<const PhysHandle, Info>>>
-      info_{0, std::hash<PhysHandle>(), std::equal_to<PhysHandle>(), SlabAllocator<std::pair<const PhysHandle, Info>>(&info_nodes_)};
+  using InfoAllocator = SlabAllocator<std::pair<const PhysHandle, Info>>;
+  std::unordered_map<PhysHandle, Info, std::hash<PhysHandle>, std::equal_to<PhysHandle>, InfoAllocator> info_{
+      0, std::hash<PhysHandle>(), std::equal_to<PhysHandle>(), InfoAllocator(&info_nodes_)};
   // By size in pages, none empty. A list per size, not a tree node per handle: an empty_cache or the
   // engine's end makes every free handle idle at once (tens of thousands in a replay), then releases them.
   std::map<std::size_t, IdleList> idle_;
