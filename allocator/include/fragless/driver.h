@@ -428,6 +428,7 @@ class Driver {
   const DriverContract& contract() const { return contract_; }
 
   DriverCounters counters() const;
+  double background_us() const;  // counters().background_us, without copying the rest
   void reset_counters();
   void set_cost_model(const CostModel& m);
   // Calls begun so far that can change the device's free memory (create, release, unmap), from any thread;

@@ -252,6 +252,11 @@ DriverCounters Driver::counters() const {
   return counters_;
 }
 
+double Driver::background_us() const {
+  std::lock_guard lk(mu_);
+  return counters_.background_us;
+}
+
 void Driver::reset_counters() {
   std::lock_guard lk(mu_);
   counters_ = DriverCounters{};

@@ -277,9 +277,9 @@ double Background::step(double budget_us) {
   double spent = 0;
   std::lock_guard lk(mu_);
   while (work_ && spent < budget_us) {
-    const double before = driver_->counters().background_us;
+    const double before = driver_->background_us();
     if (!run_one(/*manual=*/true)) break;
-    spent += driver_->counters().background_us - before;
+    spent += driver_->background_us() - before;
   }
   return spent;
 }
