@@ -87,9 +87,12 @@ class FlatTable {
     mask_ = capacity - 1;
     shift_ = 64;
     for (std::size_t c = capacity; c > 1; c >>= 1) --shift_;
-    size_ = 0;
-    for (Slot& s : old)
-      if (s.used) (*this)[s.key] = std::move(s.value);
+    for (Slot& s : old) {  // the keys are distinct: each goes to the first free slot from its home
+      if (!s.used) continue;
+      std::size_t i = home(s.key);
+      while (slots_[i].used) i = (i + 1) & mask_;
+      slots_[i] = std::move(s);
+    }
   }
 
   std::vector<Slot> slots_;
