@@ -584,6 +584,17 @@ int fragless_reset_accumulated_stats(int device) {
 }
 
 long fragless_snapshot(char* buf, size_t len) {
+  // The buffer protocol asks twice, first for the size (no buffer); a million-entry history's pickle takes
+  // seconds to build. So a sizing call keeps what it built for this thread's next call with a buffer, which
+  // gets that snapshot (the state when it was sized) instead of building another.
+  thread_local std::string sized;
+  thread_local bool have_sized = false;
+  if (buf && len && have_sized) {
+    have_sized = false;
+    const std::string s = std::move(sized);
+    sized = std::string();
+    return copy_out(s, buf, len);  // too small: the caller asks again, and gets a new snapshot
+  }
   Allocator* a = get();
   if (!a) return -1;
   std::vector<formats::DeviceState> devices;
@@ -597,7 +608,13 @@ long fragless_snapshot(char* buf, size_t len) {
     proc().sinks[static_cast<std::size_t>(d)]->collect(&s);
     devices.push_back(std::move(s));
   }
-  return copy_out(formats::engine_snapshot_pickle(devices, a->options().settings), buf, len);
+  std::string s = formats::engine_snapshot_pickle(devices, a->options().settings);
+  const long n = copy_out(s, buf, len);
+  if (!buf || !len) {
+    sized = std::move(s);
+    have_sized = true;
+  }
+  return n;
 }
 
 namespace {

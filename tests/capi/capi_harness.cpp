@@ -372,6 +372,17 @@ int main(int argc, char** argv) {
   EXPECT(stats_fn(7, buf, sizeof buf) == -1);
   EXPECT(std::string(last_error()).find("invalid device 7") != std::string::npos);
 
+  // A sizing call keeps the snapshot it built for this thread's next call with a buffer, which returns it as it
+  // was sized: not one built anew after the allocation in between (whose history has an event more).
+  {
+    const long sized = snapshot_fn(nullptr, 0);
+    void* between = malloc_fn(1 << 20, 0, s1);
+    std::string kept(static_cast<size_t>(sized) + 1, '\0');
+    EXPECT(snapshot_fn(kept.data(), kept.size()) == sized);
+    EXPECT(snapshot_fn(nullptr, 0) > sized);  // a new sizing call builds anew: the allocation is in it
+    free_fn(between, 1 << 20, 0, s1);
+  }
+
   // A snapshot in PyTorch's layout, with the recorded history as device_traces.
   void* e = malloc_fn(5 << 20, 0, s1);
   const long need = snapshot_fn(nullptr, 0);

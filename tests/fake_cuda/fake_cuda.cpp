@@ -36,6 +36,9 @@
 //    launched on a capturing stream is recorded, not run.
 //  - per-thread default streams: CU_STREAM_PER_THREAD is a different stream on every thread (and context),
 //    never the legacy stream; a thread that exits leaves its per-thread stream behind, never to another thread.
+//  - memory handles (R8): a handle's value comes back for a later handle (created, imported, or the double's
+//    own allocation) once its memory is gone, the most recently gone value first; work is judged on the
+//    handle's serial number, never its value, so work on the old memory is never taken for work on the new.
 //  - stream handles: cuStreamDestroy returns at once and the stream's work still completes; its handle value
 //    is given to a later stream only once that work is done (as CUDA may reuse it). cuStreamGetCtx and
 //    cuCtxGetDevice tell a stream's device.
@@ -110,7 +113,17 @@ using NodeP = std::shared_ptr<Node>;
 
 // types: requestedHandleTypes at cuMemCreate (what it may be exported as, R18); imported: made by
 // cuMemImportFromShareableHandle (another allocation's memory: no capacity of this device's).
-struct Handle { int fd; std::size_t size; int device; int map_count; bool released; unsigned types = 0; bool imported = false; };
+// serial: the handle's identity, never reused (its value is, once its memory is gone: R8).
+struct Handle {
+  int fd;
+  std::size_t size;
+  int device;
+  int map_count;
+  bool released;
+  unsigned types = 0;
+  bool imported = false;
+  std::uint64_t serial = 0;
+};
 struct Mapping { std::size_t size; CUmemGenericAllocationHandle handle; bool accessible; };
 struct Fault { int countdown; CUresult error; };
 struct FakeEvent { CUcontext ctx; NodeP node; unsigned long long capture = 0; };
@@ -125,8 +138,8 @@ struct FakeStream {
   std::uint64_t id = 0;         // identity for happens-before (a reused handle value is a new stream)
   std::uint64_t positions = 0;  // nodes queued so far
 };
-// Physical memory: bytes [lo, hi) of a handle.
-struct PhysRange { CUmemGenericAllocationHandle handle; std::size_t lo, hi; };
+// Physical memory: bytes [lo, hi) of a handle, named by its serial (Handle::serial).
+struct PhysRange { std::uint64_t serial; std::size_t lo, hi; };
 // Work that touches memory: the addresses it was launched on (an unmap is judged on them) and the physical
 // memory they resolved to at launch (ordering between streams and releases are judged on it: one handle
 // may be mapped at several addresses, R9).
@@ -160,6 +173,8 @@ struct State {
   std::vector<Primary> primaries;
   std::unordered_map<CUmemGenericAllocationHandle, Handle> handles;
   CUmemGenericAllocationHandle next_handle = 1;
+  std::vector<CUmemGenericAllocationHandle> gone_handles;  // values free to come back, the most recent last
+  std::uint64_t next_handle_serial = 1;
   std::map<CUdeviceptr, std::size_t> reservations;
   std::map<CUdeviceptr, Mapping> mappings;
   std::unordered_map<std::string, Fault> faults;
@@ -509,7 +524,7 @@ std::vector<PhysRange> physical(State& s, CUdeviceptr va, std::size_t size) {
   for (CUdeviceptr at = va; at < va + size;) {
     auto it = std::prev(s.mappings.upper_bound(at));
     const CUdeviceptr end = std::min<CUdeviceptr>(va + size, it->first + it->second.size);
-    out.push_back({it->second.handle, at - it->first, end - it->first});  // mappings start at offset 0 (R5)
+    out.push_back({s.handles.at(it->second.handle).serial, at - it->first, end - it->first});  // mappings start at offset 0 (R5)
     at = end;
   }
   return out;
@@ -518,7 +533,7 @@ std::vector<PhysRange> physical(State& s, CUdeviceptr va, std::size_t size) {
 bool overlap(const std::vector<PhysRange>& a, const std::vector<PhysRange>& b) {
   for (const PhysRange& x : a)
     for (const PhysRange& y : b)
-      if (x.handle == y.handle && x.lo < y.hi && y.lo < x.hi) return true;
+      if (x.serial == y.serial && x.lo < y.hi && y.lo < x.hi) return true;
   return false;
 }
 
@@ -529,7 +544,7 @@ void drop_if_unused(State& s, CUmemGenericAllocationHandle h) {
   auto it = s.handles.find(h);
   if (it == s.handles.end() || !it->second.released || it->second.map_count > 0) return;
   for (const Touch& w : s.touches)
-    if (!node_done(w.node) && std::any_of(w.phys.begin(), w.phys.end(), [&](const PhysRange& r) { return r.handle == h; })) {
+    if (!node_done(w.node) && std::any_of(w.phys.begin(), w.phys.end(), [&](const PhysRange& r) { return r.serial == it->second.serial; })) {
       fault("the memory of handle " + std::to_string(h) + " went (released, last mapping gone) while unfinished work on stream " +
             stream_name(w.stream) + " still uses it");
       break;
@@ -537,6 +552,21 @@ void drop_if_unused(State& s, CUmemGenericAllocationHandle h) {
   close(it->second.fd);
   if (!it->second.imported) s.used[it->second.device] -= it->second.size;
   s.handles.erase(it);
+  s.gone_handles.push_back(h);
+}
+
+// A value for a new handle (caller holds the lock): the most recently gone one, else a new one (R8).
+CUmemGenericAllocationHandle new_handle(State& s, const Handle& hd) {
+  CUmemGenericAllocationHandle h = s.next_handle;
+  if (s.gone_handles.empty()) {
+    ++s.next_handle;
+  } else {
+    h = s.gone_handles.back();
+    s.gone_handles.pop_back();
+  }
+  Handle& made = s.handles[h] = hd;
+  made.serial = s.next_handle_serial++;
+  return h;
 }
 
 bool in_reservation(State& s, CUdeviceptr va, std::size_t size) {
@@ -839,8 +869,7 @@ FAKE_API CUresult cuMemCreate(CUmemGenericAllocationHandle* h, size_t size, cons
   }
   s.used[dev] += size;
   s.last_handle_types = static_cast<unsigned>(prop->requestedHandleTypes);
-  *h = s.next_handle++;
-  s.handles[*h] = {fd, size, dev, 0, false, static_cast<unsigned>(prop->requestedHandleTypes)};
+  *h = new_handle(s, {fd, size, dev, 0, false, static_cast<unsigned>(prop->requestedHandleTypes)});
   return CUDA_SUCCESS;
 }
 
@@ -929,8 +958,7 @@ FAKE_API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* h
     if (own < 0) return CUDA_ERROR_INVALID_VALUE;
     struct stat sb{};
     fstat(own, &sb);
-    *h = s.next_handle++;
-    s.handles[*h] = {own, static_cast<std::size_t>(sb.st_size), ctx_device(current()), 0, false, 0, true};
+    *h = new_handle(s, {own, static_cast<std::size_t>(sb.st_size), ctx_device(current()), 0, false, 0, true});
     return CUDA_SUCCESS;
   }
   if (!h || type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_INVALID_VALUE;
@@ -943,8 +971,7 @@ FAKE_API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* h
     return CUDA_ERROR_INVALID_VALUE;  // not memory the double exported
   const int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
   if (own < 0) return CUDA_ERROR_OUT_OF_MEMORY;
-  *h = s.next_handle++;
-  s.handles[*h] = {own, static_cast<std::size_t>(sb.st_size), ctx_device(current()), 0, false, 0, true};
+  *h = new_handle(s, {own, static_cast<std::size_t>(sb.st_size), ctx_device(current()), 0, false, 0, true});
   return CUDA_SUCCESS;
 }
 
@@ -1345,8 +1372,7 @@ CUresult own_alloc(State& s, std::size_t size, int dev, CUmemoryPool pool, bool 
   }
   const auto va = reinterpret_cast<CUdeviceptr>(m);
   s.used[dev] += mapped;
-  const CUmemGenericAllocationHandle h = s.next_handle++;
-  s.handles[h] = {fd, mapped, dev, 1, true};  // released at once: the mapping keeps it, as cuMemFree's unmap ends it
+  const CUmemGenericAllocationHandle h = new_handle(s, {fd, mapped, dev, 1, true});  // released at once: the mapping keeps it, as cuMemFree's unmap ends it
   s.reservations[va] = mapped;
   s.mappings[va] = {mapped, h, true};
   s.access_of[va].insert(dev);

@@ -36,6 +36,12 @@
 //  R8 release: the handle is known and not yet released. Releasing a handle that is still mapped is
 //     allowed: its memory stays until its last mapping is unmapped (cuMemRelease: "the memory will be
 //     freed when all outstanding mappings to the memory are unmapped"), and it can no longer be mapped.
+//     A handle's value names it until its memory is gone; then the driver may give the same value to a later
+//     handle (cuda.h promises no uniqueness; cuMemRetainAllocationHandle's handle "is guaranteed to be the
+//     same handle value used to map the memory" and is released again, so a value names a counted driver
+//     object, whose value a later one may take; RMM's issue 649 reports CUDA reusing stream values at once). The host
+//     and sim drivers and the libcuda double give the most recently gone value first
+//     (allocator/src/driver/handle_ids.h), so an engine that kept a value past its handle meets it again.
 //  R9 one handle may be mapped at several addresses at once; all of them see the same bytes.
 //  R10 (cuda driver) cuGetProcAddress is asked for at most the driver's own version (cuDriverGetVersion);
 //     the stricter reading of cuda.h ("cudaVersion: the CUDA version to look for the requested driver
@@ -212,6 +218,9 @@ namespace fragless {
 
 using DevicePtr = std::uintptr_t;
 using PhysHandle = std::uint64_t;
+// R8: driver handle values are nonzero and below 2^63 (the cuda driver refuses others); the engine names a
+// handle with this bit set while the driver may already have given its value to another (Note [Handle aliases]).
+inline constexpr PhysHandle kEngineHandleBit = PhysHandle{1} << 63;
 using Stream = std::uintptr_t;  // a cudaStream_t as an integer; 0 is the default stream
 using Event = std::uint64_t;
 

@@ -219,8 +219,8 @@ constexpr OptionInfo kOptions[] = {
      &flag<&Options::small_in_remnants>},
     {"background", "True or False", "True",
      "A worker thread per device does the driver work no request waits for: with the fragless policy it "
-     "splits multi-page handles into 2 MiB pages once they are free (so their memory can be re-backed page "
-     "by page), unmaps ranges lent across streams once their stream is done, and asks the driver for free "
+     "splits a multi-page handle, once it is free, into pieces of 1, 1, 2, 4, ... pages in place (so its memory "
+     "can be re-backed a piece at a time; a piece used and freed again becomes 2 MiB pages), unmaps ranges lent across streams once their stream is done, and asks the driver for free "
      "memory (`cuMemGetInfo`) every 32 growths so that growths need not (once a split or a lent range has "
      "started it). It stops at process exit, before the CUDA driver tears down. False: none is done "
      "(growths then ask every 64).",

@@ -1,5 +1,6 @@
 // host driver: cuMemMap semantics over real host memory (see host_driver.h).
 #include "fragless/host_driver.h"
+#include "driver/handle_ids.h"
 #include "driver/host_fork.h"
 #include "driver/registry.h"
 
@@ -234,7 +235,7 @@ class HostDriver final : public Driver {
                     Status::driver_error);
       }
       used_ += size;
-      *h = next_handle_++;
+      *h = ids_.take();
       handles_.emplace(*h, Handle{fd_, offset, size});
       return Status::ok;
     }
@@ -274,7 +275,7 @@ class HostDriver final : public Driver {
       return fail("create: memfd: " + why, Status::driver_error);
     }
     used_ += size;
-    *h = next_handle_++;
+    *h = ids_.take();
     // Its own memfd, at offset 0 (the device range's offset is kept only for memory_gone).
     handles_.emplace(*h, Handle{fd, offset, size, true});
     return Status::ok;
@@ -308,7 +309,7 @@ class HostDriver final : public Driver {
                   std::to_string(size));
     const int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
     if (own < 0) return fail(std::string("import_handle: dup: ") + std::strerror(errno), Status::driver_error);
-    *h = next_handle_++;
+    *h = ids_.take();
     handles_.emplace(*h, Handle{own, 0, size, true, true});
     return Status::ok;
   }
@@ -317,6 +318,7 @@ class HostDriver final : public Driver {
     auto it = handles_.find(h);
     const Handle hd = it->second;
     handles_.erase(it);
+    ids_.gone(h);
     if (hd.inherited) {  // the parent's pages as well: not punched; its budget range is free again
       close_inherited_fd(hd);
       used_ -= hd.size;
@@ -449,7 +451,7 @@ class HostDriver final : public Driver {
   bool shareable_;
   std::size_t capacity_;
   std::size_t used_ = 0;
-  PhysHandle next_handle_ = 1;
+  HandleIds ids_;
   std::map<std::size_t, std::size_t> free_ranges_;  // offset -> length, in the memfd
   std::map<PhysHandle, Handle> handles_;
   std::map<DevicePtr, std::size_t> reservations_;   // base -> size

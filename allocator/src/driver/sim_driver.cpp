@@ -1,5 +1,6 @@
 // sim driver: numbers instead of memory. Fast enough for millions of events per second in the replay.
 #include "fragless/sim_driver.h"
+#include "driver/handle_ids.h"
 #include "driver/registry.h"
 
 #include <unordered_map>
@@ -47,7 +48,7 @@ class SimDriver final : public Driver {
       return Status::out_of_memory;
     }
     used_ += size;
-    *h = next_handle_++;
+    *h = ids_.take();
     sizes_.emplace(*h, size);
     return Status::ok;
   }
@@ -57,6 +58,7 @@ class SimDriver final : public Driver {
     auto it = sizes_.find(h);
     used_ -= it->second;
     sizes_.erase(it);
+    ids_.gone(h);
   }
   Status do_map(DevicePtr, std::size_t, PhysHandle, std::size_t) override { return Status::ok; }
   Status do_unmap(DevicePtr, std::size_t) override { return Status::ok; }
@@ -93,7 +95,7 @@ class SimDriver final : public Driver {
   DevicePtr next_down_ = 0x7ff000000000ull;
   bool top_down_ = false;
   std::function<void(bool)> on_query_;  // SimDriverOptions::on_memory_info
-  PhysHandle next_handle_ = 1;
+  HandleIds ids_;
   std::unordered_map<PhysHandle, std::size_t> sizes_;
   TestEvents events_;
   std::string last_error_;

@@ -54,7 +54,8 @@ struct BackgroundJob {
   Block* busy = nullptr;             // the range, held out of every pool while the job runs
   std::size_t first = 0, pages = 0;  // the range, in segment pages
   DevicePtr va = 0;                  // its address
-  PhysHandle handle = 0;             // split: the multi-page handle mapped there
+  PhysHandle handle = 0;             // split: the multi-page handle mapped there (the driver's value)
+  PhysHandle alias = 0;              // split: the engine's name for it while the job runs (Note [Handle aliases])
   Stream stream = 0;                 // whose queued work used the range
   std::vector<PhysHandle> created;   // split: the new handles, in address order
   std::vector<std::size_t> sizes;    // split: their pages (Note [Split in the background])

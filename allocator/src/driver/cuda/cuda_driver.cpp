@@ -274,8 +274,20 @@ class CudaDriver final : public Driver {
     OnDevice on(primary_, true);
     CUmemGenericAllocationHandle handle = 0;
     const Status st = check("cuMemCreate", api().memCreate(&handle, size, &prop_, 0));
-    if (st == Status::ok) *h = static_cast<PhysHandle>(handle);
-    return st;
+    return st == Status::ok ? adopt("cuMemCreate", handle, h) : st;
+  }
+  // R8: the engine takes 0 for no handle and values with the top bit for its own names of handles
+  // (kEngineHandleBit); a driver that gave one of those would be misread, so it is given back, and the call fails.
+  Status adopt(const char* call, CUmemGenericAllocationHandle handle, PhysHandle* h) {
+    if (handle != 0 && (handle & kEngineHandleBit) == 0) {
+      *h = static_cast<PhysHandle>(handle);
+      return Status::ok;
+    }
+    if (handle != 0) api().memRelease(handle);
+    std::lock_guard lk(err_mu_);
+    last_error_ = std::string(call) + " returned handle value " + std::to_string(handle) +
+                  ", which fragless cannot tell from its own names (R8: values are nonzero and below 2^63)";
+    return Status::driver_error;
   }
   Status do_release(PhysHandle h) override {
     OnDevice on(primary_, true);
@@ -321,8 +333,7 @@ class CudaDriver final : public Driver {
     CUmemGenericAllocationHandle handle = 0;
     const Status st = check("cuMemImportFromShareableHandle",
                             api().memImportFromShareableHandle(&handle, &bytes, CU_MEM_HANDLE_TYPE_FABRIC));
-    if (st == Status::ok) *h = static_cast<PhysHandle>(handle);
-    return st;
+    return st == Status::ok ? adopt("cuMemImportFromShareableHandle", handle, h) : st;
   }
   // R19: the descriptor is passed as the pointer-sized osHandle and stays the caller's.
   Status do_import_handle(int fd, std::size_t, PhysHandle* h) override {
@@ -333,8 +344,7 @@ class CudaDriver final : public Driver {
                             api().memImportFromShareableHandle(
                                 &handle, reinterpret_cast<void*>(static_cast<std::uintptr_t>(fd)),
                                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
-    if (st == Status::ok) *h = static_cast<PhysHandle>(handle);
-    return st;
+    return st == Status::ok ? adopt("cuMemImportFromShareableHandle", handle, h) : st;
   }
   Status unshareable(const char* why) {
     std::lock_guard lk(err_mu_);

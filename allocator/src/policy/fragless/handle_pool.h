@@ -72,6 +72,12 @@ class HandlePool {
       total_pages_ += pages[i];
     }
   }
+  // Mapped handle `from` is called `to` from now on (Note [Handle aliases]).
+  void rename_mapped(PhysHandle from, PhysHandle to) {
+    auto node = info_.extract(from);
+    node.key() = to;
+    info_.insert(std::move(node));
+  }
   // Mapped handle h was unmapped and released (a split that gave its range back).
   void remove_mapped(PhysHandle h) {
     total_pages_ -= info_.at(h).pages;

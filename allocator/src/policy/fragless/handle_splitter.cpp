@@ -127,6 +127,8 @@ bool HandleSplitter::take(BackgroundJob* job) {
     job->to_pages = !coarse_ && pieces_.find(h);
     job->stream = b->stream;
     job->busy = carve(b, va, k * page_);
+    job->alias = kEngineHandleBit | next_alias_++;
+    rename(seg, first, h, job->alias);
     job->created.clear();
     job->unreleased.clear();
     job->still_mapped.clear();
@@ -135,6 +137,16 @@ bool HandleSplitter::take(BackgroundJob* job) {
     return true;
   }
   return false;
+}
+
+// Note [Handle aliases]: while the job runs, the engine calls the handle job.alias (driver.h, R8).
+void HandleSplitter::rename(Segment& seg, std::size_t first, PhysHandle from, PhysHandle to) {
+  const std::size_t k = pool_.pages(from);
+  pool_.rename_mapped(from, to);
+  where_.erase(from);
+  where_[to] = {&seg, first};
+  if (pieces_.erase(from)) pieces_.insert(to);
+  for (std::size_t i = 0; i < k; ++i) seg.pages.slot(first + i).handle = to;
 }
 
 // ---- The driver calls (no lock) ----
@@ -215,7 +227,8 @@ void HandleSplitter::finish(BackgroundJob& job) {
   using Outcome = BackgroundJob::Outcome;
   Segment& seg = *job.segment;
   const std::size_t bytes = job.pages * page_;
-  if (job.outcome == Outcome::cancelled) {
+  if (job.outcome == Outcome::cancelled) {  // the handle is still the driver's (never released)
+    rename(seg, job.first, job.alias, job.handle);
     job.busy->state = BlockState::free;
     Block* back = s_.merge_free(job.busy);
     s_.pool_insert(back);
@@ -227,14 +240,14 @@ void HandleSplitter::finish(BackgroundJob& job) {
     return;
   }
   multi_.erase({&seg, job.first});
-  where_.erase(job.handle);
+  where_.erase(job.alias);
   if (job.release_failed) s_.deferred_handles.push_back(job.handle);
   s_.deferred_unmaps.insert(s_.deferred_unmaps.end(), job.still_mapped.begin(), job.still_mapped.end());
   s_.deferred_handles.insert(s_.deferred_handles.end(), job.unreleased.begin(), job.unreleased.end());
   emit(s_, TraceAction::phys_release, 0, 0, bytes, bytes);
   if (job.outcome == Outcome::done) {
-    pool_.replace_mapped(job.handle, job.created, job.sizes);
-    pieces_.erase(job.handle);
+    pool_.replace_mapped(job.alias, job.created, job.sizes);
+    pieces_.erase(job.alias);
     bool multi = false;
     for (std::size_t i = 0, at = job.first; i < job.created.size(); at += job.sizes[i], ++i) {
       for (std::size_t j = 0; j < job.sizes[i]; ++j) seg.pages.slot(at + j) = PageRef{job.created[i], j * page_};
@@ -249,8 +262,8 @@ void HandleSplitter::finish(BackgroundJob& job) {
     return;
   }
   // Gave back: the range is unmapped and its memory released (or deferred), as by a release.
-  pool_.remove_mapped(job.handle);
-  pieces_.erase(job.handle);
+  pool_.remove_mapped(job.alias);
+  pieces_.erase(job.alias);
   for (std::size_t i = 0; i < job.pages; ++i) seg.pages.slot(job.first + i) = PageRef{};
   seg.mapped_bytes -= bytes;
   s_.add_reserved(seg.small, -static_cast<std::int64_t>(bytes));

@@ -36,6 +36,19 @@
 // compute time between their events), what it has split by the peak is what re-backing can move there. Measured
 // at 3486302 against oldest-first, over the inputs of docs/RESULTS.md's driver table: `random` 6.73% → 3.38% over
 // live, `unet3d` 1.71% → 1.01%, no peak up by more than 4 MiB, the path's driver time +0.7% (2,713 → 2,732 ms).
+//
+// Note [Handle aliases]
+// A split releases its old handle without the device lock (run) and the books forget it only under the lock
+// (finish). In between, the driver may give the same value to a new handle (driver.h, R8: a value comes back
+// once its memory is gone, and the unmap just before the release made it go), and a growth on the allocation path
+// may map that new handle while the books still hold the old one under the value: the pool's, the splitter's and
+// the page table's entries of two handles would then be one, and finish would erase the new one's. So when a
+// split is taken, under the lock, the engine renames the old handle everywhere it keeps it (HandlePool, where_,
+// pieces_, the range's page-table entries) to an alias no driver gives (kEngineHandleBit and a serial); finish
+// forgets the alias, or, when the split was cancelled before anything was released, renames it back. The pieces
+// a split creates are new values the books take only in finish, after the alias is gone. Only the driver's own
+// value (job.handle) goes to the driver: run releases it, and a release that failed defers it (the handle is
+// then still the driver's, so its value cannot have come back).
 #pragma once
 #include <atomic>
 #include <deque>
@@ -93,6 +106,8 @@ class HandleSplitter {
   Block* covering(Segment& seg, Block* hint, DevicePtr va, std::size_t len) const;
   Block* carve(Block* b, DevicePtr va, std::size_t len);  // b's [va, va + len) becomes a busy block
   void release_busy(Block* busy, bool mapped, bool multi = false);  // busy back to free (mapped) or unmapped
+  // Mapped multi-page handle `from`, at pages [first, ...) of seg, is called `to` in the books from now on.
+  void rename(Segment& seg, std::size_t first, PhysHandle from, PhysHandle to);
 
   DeviceEngine::State& s_;
   HandlePool& pool_;
@@ -110,6 +125,7 @@ class HandleSplitter {
   std::vector<PhysHandle> retry_;                           // cancelled: queued again at the next freed()
   FlatTable<bool> pieces_;                                  // multi-page pieces of earlier splits (split into pages)
   bool coarse_ = false;                                     // ...or into pieces, after a release (coarse())
+  PhysHandle next_alias_ = 1;                               // Note [Handle aliases]
 };
 
 }  // namespace fragless
