@@ -145,7 +145,7 @@ void HandleSplitter::rename(Segment& seg, std::size_t first, PhysHandle from, Ph
   pool_.rename_mapped(from, to);
   where_.erase(from);
   where_[to] = {&seg, first};
-  if (pieces_.erase(from)) pieces_.insert(to);
+  if (pieces_.erase(from)) pieces_[to] = true;
   for (std::size_t i = 0; i < k; ++i) seg.pages.slot(first + i).handle = to;
 }
 
