@@ -2,10 +2,10 @@
 
 #include <algorithm>
 #include <chrono>
-#include <unordered_map>
 #include <unordered_set>
 
 #include "fragless/engine.h"
+#include "fragless/flat_table.h"
 #include "fragless/rounding.h"
 #include "fragless/sim_driver.h"
 
@@ -98,8 +98,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
   // Checked at the start too, which also has the policy audit each creation from here on (the fragless
   // policy's Note [Auditing creations]); the broken rule is reported at the end.
   if (opt.check) e.check_invariants();
-  std::unordered_map<std::uint64_t, void*> ptrs;  // trace address -> replayed block
-  ptrs.reserve(t.events.size() / 2 + t.seed.size());
+  FlatTable<void*> ptrs;  // trace address -> replayed block (Note [Flat tables])
   std::unordered_set<std::uint64_t> failed;  // trace addresses whose allocation ran out of memory
   // Note [Frees an empty_cache completes]: blocks with a free_requested and no `free` yet; blocks freed at
   // an empty_cache whose `free` record is still to come.
@@ -226,21 +225,21 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
       case formats::Op::free: {
         requested.erase(ev.address);
         if (completed_early.erase(ev.address)) break;  // freed at the empty_cache it follows
-        auto it = ptrs.find(ev.address);
-        if (it == ptrs.end()) {
+        void** it = ptrs.find(ev.address);
+        if (!it) {
           if (failed.erase(ev.address)) continue;  // its allocation failed with OOM
           r.error = t.source + ": event " + std::to_string(index) + ": free of an address never allocated";
           return r;
         }
-        e.free(it->second);
-        ptrs.erase(it);
+        e.free(*it);
+        ptrs.erase(ev.address);
         break;
       }
       case formats::Op::empty_cache:
         for (std::uint64_t a : completed_by_empty_cache(t, index - 1, device, requested))
-          if (auto it = ptrs.find(a); it != ptrs.end()) {
-            e.free(it->second);
-            ptrs.erase(it);
+          if (void** it = ptrs.find(a)) {
+            e.free(*it);
+            ptrs.erase(a);
             completed_early.insert(a);
           }
         e.empty_cache();

@@ -150,6 +150,22 @@ TEST_CASE("driver contract: every rule is enforced by the host and sim drivers",
     CHECK(d->unmap(va, 6 * MiB) == Status::ok);  // several adjacent mappings in one call
     CHECK(d->contract().mapping_count() == 0);
   }
+  SECTION("R5, R3: overlaps are found across the contract's 64-page words (Note [The contract's tables])") {
+    // A reservation of 200 pages: a mapping that ends in one word and starts the next, met from either side.
+    DevicePtr big = 0;
+    const std::size_t g = d->granularity();
+    REQUIRE(d->reserve(200 * g, &big) == Status::ok);
+    REQUIRE(g == 2 * MiB);
+    const DevicePtr word = (big / g / 64 + 1) * 64 * g;  // the first 64-page boundary after its first page
+    REQUIRE(d->map(word - 2 * MiB, 4 * MiB, h4, 0) == Status::ok);  // its last page and the next word's first
+    refused(*d, d->map(word, 2 * MiB, h2, 0), "overlaps");
+    refused(*d, d->map(word - 2 * MiB, 2 * MiB, h2, 0), "overlaps");
+    refused(*d, d->free_reservation(big, 200 * g), "mappings");
+    CHECK(d->map(word + 2 * MiB, 2 * MiB, h2, 0) == Status::ok);  // just after it
+    refused(*d, d->unmap(word, 4 * MiB), "R7");                    // half of one, all of the other
+    CHECK(d->unmap(word - 2 * MiB, 6 * MiB) == Status::ok);
+    CHECK(d->free_reservation(big, 200 * g) == Status::ok);
+  }
   SECTION("R3: a reservation is freed whole, and only with nothing mapped inside") {
     REQUIRE(d->map(va, 4 * MiB, h4, 0) == Status::ok);
     refused(*d, d->free_reservation(va, 16 * MiB), "mappings");

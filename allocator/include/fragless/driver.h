@@ -219,6 +219,8 @@
 #include <utility>
 #include <vector>
 
+#include "fragless/flat_table.h"
+
 namespace fragless {
 
 using DevicePtr = std::uintptr_t;
@@ -292,9 +294,22 @@ class BackgroundCalls {
 // What the driver holds, as the contract sees it: reservations, handles and mappings. The base class keeps
 // one and checks every VMM call against it (R1-R9 above); each check returns nullptr when the call may go
 // ahead, else the rule it breaks.
+//
+// Note [The contract's tables]
+// Every VMM call of every driver passes through these tables, so they are on the replay's hot path: a
+// fragless replay makes about one create and one map per event, mostly of single pages, and releases tens
+// of thousands of handles at its end. No check needs mappings in address order: a range of whole, adjacent
+// mappings (R6, R7) is walked from its start, one exact lookup per mapping (the next must start where the
+// last ended), and an overlap (R3, R5) is a question about pages, which a bitmap of mapped pages answers
+// (one bit per page of granularity, in 64-page words kept only while a page of theirs is mapped). So the
+// mappings, the handles and the bitmap's words are flat hash tables (Note [Flat tables]): a lookup is a
+// cache line or two, and neither the checks nor the records call malloc once the tables have grown. Only
+// the reservations, few (one per segment), stay ordered, to find the one an address falls in.
 class DriverContract {
  public:
   explicit DriverContract(std::size_t granularity) : g_(granularity) {}
+  DriverContract(const DriverContract&) = delete;
+  DriverContract& operator=(const DriverContract&) = delete;
   const char* check_reserve(std::size_t size) const;
   const char* check_free_reservation(DevicePtr va, std::size_t size) const;
   const char* check_create(std::size_t size) const;
@@ -314,32 +329,35 @@ class DriverContract {
   void unmapped(DevicePtr va, std::size_t size, std::vector<PhysHandle>* gone);
 
   std::size_t mapping_count() const { return mappings_.size(); }
-  // Mappings inside [va, va+size) (a range check_unmap accepted: whole, adjacent mappings).
-  std::size_t mappings_in(DevicePtr va, std::size_t size) const {
-    std::size_t n = 0;
-    for (auto it = mappings_.find(va); it != mappings_.end() && it->first < va + size; ++it) ++n;
-    return n;
-  }
+  // Whether [va, va+size), a range check_unmap accepted (whole, adjacent mappings), holds more than one:
+  // whether the first ends before it does.
+  bool several_mappings(DevicePtr va, std::size_t size) const { return mapping_size(va) < size; }
   std::size_t mapping_size(DevicePtr va) const {
-    auto it = mappings_.find(va);
-    return it == mappings_.end() ? 0 : it->second.size;
+    const MappingState* m = mappings_.find(va);
+    return m ? m->size : 0;
   }
   std::size_t handle_size(PhysHandle h) const {
-    auto it = handles_.find(h);
-    return it == handles_.end() ? 0 : it->second.size;
+    const HandleState* s = handles_.find(h);
+    return s ? s->size : 0;
   }
   std::size_t handle_count() const { return handles_.size(); }
 
  private:
-  struct HandleState { std::size_t size, map_count; bool released; };
-  struct MappingState { std::size_t size; PhysHandle handle; };
+  struct HandleState { std::size_t size = 0, map_count = 0; bool released = false; };
+  struct MappingState { std::size_t size = 0; PhysHandle handle = 0; };
   bool aligned(std::size_t v) const { return v % g_ == 0; }
   bool whole_mappings(DevicePtr va, std::size_t size) const;
+  // The bitmap of mapped pages (Note [The contract's tables]): whether a page of [va, va+size) is mapped;
+  // marks the pages of [va, va+size) mapped (on) or not.
+  bool any_mapped(DevicePtr va, std::size_t size) const;
+  void mark(DevicePtr va, std::size_t size, bool on);
 
   std::size_t g_;
   std::map<DevicePtr, std::size_t> reservations_;
-  std::unordered_map<PhysHandle, HandleState> handles_;
-  std::map<DevicePtr, MappingState> mappings_;
+  FlatTable<HandleState> handles_;
+  FlatTable<MappingState> mappings_;  // by start address
+  // The bitmap's words, by page / 64: bit i of word w is page 64w + i (a page: an address / granularity).
+  FlatTable<std::uint64_t> mapped_pages_;
 };
 
 // R26: a CUmemFabricHandle's bytes.
@@ -426,6 +444,7 @@ class Driver {
   const DriverContract& contract() const { return contract_; }
 
   DriverCounters counters() const;
+  double background_us() const;  // counters().background_us, without copying the rest
   void reset_counters();
   void set_cost_model(const CostModel& m);
   // Calls begun so far that can change the device's free memory (create, release, unmap), from any thread;
@@ -456,6 +475,7 @@ class Driver {
   // A failure the implementation reported: its own text is the last error now (for this thread).
   Status fail_through(Status st);
   void charge(DriverCall c, std::size_t bytes = 0);
+  void charge_locked(DriverCall c, std::size_t bytes = 0);  // mu_ held: a check's lock counts the call too
   // Event calls: counted, then run (one at a time unless concurrent_calls()).
   template <class F>
   Status event_call(DriverCall c, F&& f) {

@@ -1,13 +1,15 @@
 // Note [Node slabs]: node containers on the allocation path take their nodes from a slab of their own
-// instead of operator new: the free-block sets of a BlockPool (std::set<Block*>) and the idle handles of
-// fragless's HandlePool. Every free, split and merge inserts or erases a free-block node, so with the
-// default allocator a cache-hit pair called malloc and free once or twice under the device lock. A slab hands nodes out of 64-node chunks and keeps the ones given back on a free
-// list; it gives memory back only when its owner goes (a BlockPool goes with its engine or its private
-// pool). Bound: a container's nodes never outnumber the most elements it has held at once; for the free
-// sets, the most blocks the pool had free at once (a block is in at most one set), the same bound the
-// engine's block slabs have. Whatever guards the container guards its slab (the device lock for the
-// engine's); a slab is never shared between two containers that different locks guard. A request of
-// another size than the slab's first (several nodes at once, a bucket array) goes to operator new.
+// instead of operator new: the free-block sets of a BlockPool (std::set<Block*>), and the handle table and
+// the splitter's multi-page mappings of the fragless policy. Every free, split and merge inserts or erases
+// a free-block node, so with the default allocator a cache-hit pair called malloc and free once or twice
+// under the device lock; every handle the fragless policy creates or releases, a node of the others. A slab
+// hands nodes out of 64-node chunks and keeps the ones given back on a free list; it gives memory back only
+// when its owner goes (a BlockPool goes with its engine or its private pool). Bound: a container's nodes
+// never outnumber the most elements it has held at once; for the free sets, the most blocks the pool had
+// free at once (a block is in at most one set), the same bound the engine's block slabs have. Whatever
+// guards the container guards its slab (the device lock for the engine's); a slab is never shared between
+// two containers that different locks guard. A request of another size than the slab's first (several nodes
+// at once, a bucket array) goes to operator new.
 #pragma once
 #include <cstddef>
 #include <memory>

@@ -1,5 +1,6 @@
 #include "fragless/driver.h"
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 
@@ -64,15 +65,49 @@ namespace fragless {
 
 // ---- The contract (driver.h, R1-R9) ----
 
+// Walked from va, one exact lookup per mapping: the next must start where the last ended (Note [The
+// contract's tables]).
 bool DriverContract::whole_mappings(DevicePtr va, std::size_t size) const {
-  auto it = mappings_.find(va);
   DevicePtr at = va;
   while (at < va + size) {
-    if (it == mappings_.end() || it->first != at) return false;
-    at += it->second.size;
-    ++it;
+    const MappingState* m = mappings_.find(at);
+    if (!m) return false;
+    at += m->size;
   }
   return at == va + size;
+}
+
+bool DriverContract::any_mapped(DevicePtr va, std::size_t size) const {
+  const std::uint64_t first = va / g_, last = (va + size) / g_ - 1;  // pages; [va, va+size) is aligned, non-empty
+  auto bits = [&](std::uint64_t w) {  // word w's bits inside [first, last]
+    const std::uint64_t lo = std::max(first, w * 64) - w * 64, hi = std::min(last, w * 64 + 63) - w * 64;
+    return (~std::uint64_t{0} >> (63 - hi)) & (~std::uint64_t{0} << lo);
+  };
+  // Whichever is fewer: the range's words, or the words with a page mapped (a whole reservation of a
+  // large device spans many words, of which few may be in use).
+  if (last / 64 - first / 64 >= mapped_pages_.size()) {
+    bool any = false;
+    mapped_pages_.for_each([&](std::uint64_t w, std::uint64_t word) {
+      any = any || (w >= first / 64 && w <= last / 64 && (word & bits(w)));
+    });
+    return any;
+  }
+  for (std::uint64_t w = first / 64; w <= last / 64; ++w)
+    if (const std::uint64_t* word = mapped_pages_.find(w); word && (*word & bits(w))) return true;
+  return false;
+}
+
+void DriverContract::mark(DevicePtr va, std::size_t size, bool on) {
+  const std::uint64_t first = va / g_, last = (va + size) / g_ - 1;
+  for (std::uint64_t w = first / 64; w <= last / 64; ++w) {
+    const std::uint64_t lo = std::max(first, w * 64) - w * 64, hi = std::min(last, w * 64 + 63) - w * 64;
+    const std::uint64_t bits = (~std::uint64_t{0} >> (63 - hi)) & (~std::uint64_t{0} << lo);
+    if (on) {
+      mapped_pages_[w] |= bits;
+    } else if (std::uint64_t* word = mapped_pages_.find(w); word && !(*word &= ~bits)) {
+      mapped_pages_.erase(w);  // a word is kept only while a page of it is mapped
+    }
+  }
 }
 
 const char* DriverContract::check_reserve(std::size_t size) const {
@@ -84,8 +119,7 @@ const char* DriverContract::check_free_reservation(DevicePtr va, std::size_t siz
   auto it = reservations_.find(va);
   if (it == reservations_.end() || it->second != size)
     return "free_reservation: (address, size) must be exactly one reservation (R3)";
-  auto m = mappings_.lower_bound(va);
-  if (m != mappings_.end() && m->first < va + size) return "free_reservation: the range still has mappings (R3)";
+  if (any_mapped(va, size)) return "free_reservation: the range still has mappings (R3)";
   return nullptr;
 }
 
@@ -95,25 +129,22 @@ const char* DriverContract::check_create(std::size_t size) const {
 }
 
 const char* DriverContract::check_release(PhysHandle h) const {
-  auto it = handles_.find(h);
-  if (it == handles_.end() || it->second.released) return "release: unknown or already released handle (R8)";
+  const HandleState* s = handles_.find(h);
+  if (!s || s->released) return "release: unknown or already released handle (R8)";
   return nullptr;
 }
 
 const char* DriverContract::check_map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t offset) const {
   if (size == 0 || !aligned(va) || !aligned(size) || !aligned(offset))
     return "map: address, size and offset must be multiples of the granularity (R1)";
-  auto hit = handles_.find(h);
-  if (hit == handles_.end() || hit->second.released) return "map: unknown or released handle (R5)";
+  const HandleState* s = handles_.find(h);
+  if (!s || s->released) return "map: unknown or released handle (R5)";
   if (offset != 0) return "map: offset into the handle must be 0 (R5; cuda.h: 'currently must be zero')";
-  if (size != hit->second.size) return "map: a mapping must be the whole handle (R5)";
+  if (size != s->size) return "map: a mapping must be the whole handle (R5)";
   auto r = reservations_.upper_bound(va);
   if (r == reservations_.begin() || va + size > std::prev(r)->first + std::prev(r)->second)
     return "map: range must lie inside one reservation (R5)";
-  auto m = mappings_.lower_bound(va);
-  if (m != mappings_.end() && m->first < va + size) return "map: range overlaps a mapping (R5)";
-  if (m != mappings_.begin() && std::prev(m)->first + std::prev(m)->second.size > va)
-    return "map: range overlaps a mapping (R5)";
+  if (any_mapped(va, size)) return "map: range overlaps a mapping (R5)";
   return nullptr;
 }
 
@@ -129,36 +160,41 @@ const char* DriverContract::check_unmap(DevicePtr va, std::size_t size) const {
 }
 
 const char* DriverContract::check_export(PhysHandle h) const {
-  auto it = handles_.find(h);
-  if (it == handles_.end() || it->second.released) return "export_handle: unknown or released handle (R18)";
+  const HandleState* s = handles_.find(h);
+  if (!s || s->released) return "export_handle: unknown or released handle (R18)";
   return nullptr;
 }
 
 bool DriverContract::released(PhysHandle h) {
-  auto it = handles_.find(h);
-  if (it->second.map_count == 0) {
-    handles_.erase(it);
+  HandleState* s = handles_.find(h);
+  if (s->map_count == 0) {
+    handles_.erase(h);
     return true;
   }
-  it->second.released = true;
+  s->released = true;
   return false;
 }
 
 void DriverContract::mapped(DevicePtr va, std::size_t size, PhysHandle h) {
   mappings_[va] = MappingState{size, h};
+  mark(va, size, true);
   ++handles_[h].map_count;
 }
 
 void DriverContract::unmapped(DevicePtr va, std::size_t size, std::vector<PhysHandle>* gone) {
-  auto first = mappings_.find(va), last = mappings_.lower_bound(va + size);
-  for (auto it = first; it != last; ++it) {
-    auto h = handles_.find(it->second.handle);
-    if (--h->second.map_count == 0 && h->second.released) {
-      gone->push_back(h->first);
-      handles_.erase(h);
+  for (DevicePtr at = va; at < va + size;) {  // whole, adjacent mappings (check_unmap), in address order
+    const MappingState* found = mappings_.find(at);
+    if (!found) break;
+    const MappingState m = *found;  // copied: the erases below move the table's entries
+    mappings_.erase(at);
+    HandleState* h = handles_.find(m.handle);
+    if (--h->map_count == 0 && h->released) {
+      gone->push_back(m.handle);
+      handles_.erase(m.handle);
     }
+    at += m.size;
   }
-  mappings_.erase(first, last);
+  mark(va, size, false);
 }
 
 // ---- Counting, and errors per thread ----
@@ -196,8 +232,12 @@ Status Driver::fail_through(Status st) {
 }
 
 void Driver::charge(DriverCall c, std::size_t bytes) {
-  const int i = static_cast<int>(c);
   std::lock_guard lk(mu_);
+  charge_locked(c, bytes);
+}
+
+void Driver::charge_locked(DriverCall c, std::size_t bytes) {
+  const int i = static_cast<int>(c);
   const double us = costs_.us[i] + costs_.per_mib[i] * (static_cast<double>(bytes) / (1 << 20));
   ++counters_.calls[i];
   counters_.modelled_us += us;
@@ -210,6 +250,11 @@ void Driver::charge(DriverCall c, std::size_t bytes) {
 DriverCounters Driver::counters() const {
   std::lock_guard lk(mu_);
   return counters_;
+}
+
+double Driver::background_us() const {
+  std::lock_guard lk(mu_);
+  return counters_.background_us;
 }
 
 void Driver::reset_counters() {
@@ -250,9 +295,9 @@ Status Driver::reserve(std::size_t size, DevicePtr* va) {
 }
 
 Status Driver::free_reservation(DevicePtr va, std::size_t size) {
-  charge(DriverCall::free_reservation, size);
   {
     std::lock_guard lk(mu_);
+    charge_locked(DriverCall::free_reservation, size);
     if (const char* r = contract_.check_free_reservation(va, size)) return refuse(r);
   }
   return run_and_record(impl_lock(), mu_, [&] { return fail_through(do_free_reservation(va, size)); },
@@ -269,14 +314,9 @@ Status Driver::create(std::size_t size, PhysHandle* h) {
 
 Status Driver::release(PhysHandle h) {
   memory_changes_.fetch_add(1, std::memory_order_acq_rel);
-  std::size_t size;
   {
     std::lock_guard lk(mu_);
-    size = contract_.handle_size(h);
-  }
-  charge(DriverCall::release, size);
-  {
-    std::lock_guard lk(mu_);
+    charge_locked(DriverCall::release, contract_.handle_size(h));
     if (const char* r = contract_.check_release(h)) return refuse(r);
   }
   auto lk = impl_lock();
@@ -291,9 +331,9 @@ Status Driver::release(PhysHandle h) {
 }
 
 Status Driver::map(DevicePtr va, std::size_t size, PhysHandle h, std::size_t offset) {
-  charge(DriverCall::map, size);
   {
     std::lock_guard lk(mu_);
+    charge_locked(DriverCall::map, size);
     if (const char* r = contract_.check_map(va, size, h, offset)) return refuse(r);
   }
   return run_and_record(impl_lock(), mu_, [&] { return fail_through(do_map(va, size, h, offset)); },
@@ -312,7 +352,7 @@ Status Driver::unmap(DevicePtr va, std::size_t size) {
   {
     std::lock_guard lk(mu_);
     rule = contract_.check_unmap(va, size);
-    several = !rule && contract_.mappings_in(va, size) > 1;
+    several = !rule && contract_.several_mappings(va, size);
   }
   if (several && g_unmap_each_mapping.load(std::memory_order_relaxed)) return unmap_each_mapping(va, size);
   charge(DriverCall::unmap, size);
@@ -350,9 +390,9 @@ Status Driver::unmap_each_mapping(DevicePtr va, std::size_t size) {
 }
 
 Status Driver::set_access(DevicePtr va, std::size_t size) {
-  charge(DriverCall::set_access, size);
   {
     std::lock_guard lk(mu_);
+    charge_locked(DriverCall::set_access, size);
     if (const char* r = contract_.check_set_access(va, size)) return refuse(r);
   }
   auto lk = impl_lock();
@@ -361,9 +401,9 @@ Status Driver::set_access(DevicePtr va, std::size_t size) {
 
 template <class Call>
 Status Driver::exporting(PhysHandle h, Call call) {
-  charge(DriverCall::export_handle);
   {
     std::lock_guard lk(mu_);
+    charge_locked(DriverCall::export_handle);
     if (const char* r = contract_.check_export(h)) return refuse(r);
   }
   auto lk = impl_lock();

@@ -254,8 +254,9 @@ void Background::stop() {
 }
 
 bool Background::run_one(bool manual) {
-  BackgroundJob job;
   if (!may_take() || !work_source_) return false;  // the work waits for the routing (or the fork) to end
+  BackgroundJob& job = job_;
+  job.reset();
   if (!work_source_->take_background_job(&job)) {
     work_ = false;
     return false;
@@ -276,9 +277,9 @@ double Background::step(double budget_us) {
   double spent = 0;
   std::lock_guard lk(mu_);
   while (work_ && spent < budget_us) {
-    const double before = driver_->counters().background_us;
+    const double before = driver_->background_us();
     if (!run_one(/*manual=*/true)) break;
-    spent += driver_->counters().background_us - before;
+    spent += driver_->background_us() - before;
   }
   return spent;
 }

@@ -73,6 +73,25 @@ struct BackgroundJob {
   // and its old handle released, or handed to the deferred releases when release_failed).
   enum class Outcome : std::uint8_t { cancelled, done, gave_back } outcome = Outcome::cancelled;
   bool release_failed = false;
+
+  // A new job's values, keeping the lists' storage: the worker takes every job into the same object, so a
+  // split's lists are not allocated and freed again for each one (the replay makes tens of thousands).
+  void reset() {
+    auto emptied = [](auto& v) {
+      auto kept = std::move(v);
+      kept.clear();
+      return kept;
+    };
+    auto c = emptied(created);
+    auto s = emptied(sizes);
+    auto u = emptied(unreleased);
+    auto m = emptied(still_mapped);
+    *this = BackgroundJob{};
+    created = std::move(c);
+    sizes = std::move(s);
+    unreleased = std::move(u);
+    still_mapped = std::move(m);
+  }
 };
 
 // What the worker runs: the three steps of Note [Background work]. The policy implements it
@@ -147,6 +166,7 @@ class Background {
  private:
   void loop();
   bool run_one(bool manual);  // takes, runs and finishes one job; false when there was none
+  BackgroundJob job_;         // the job in flight, or the last one (BackgroundJob::reset)
   bool may_take() const { return !stop_ && !routed_ && !fork_paused_ && quiet_ == 0; }
 
   SpinMutex& mu_;

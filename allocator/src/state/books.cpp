@@ -135,7 +135,8 @@ void DeviceEngine::State::pool_insert(Block* b) {
 }
 
 void DeviceEngine::State::pool_erase(Block* b) {
-  b->pool->blocks.erase(b);
+  // By iterator: std::set's erase by key looks for the equal range, a second walk down the tree.
+  if (auto it = b->pool->blocks.find(b); it != b->pool->blocks.end()) b->pool->blocks.erase(it);
   b->in_size_set = false;
   if (!b->segment->growable && b->is_split()) {
     stats.inactive_split.add(b->pool->small, -1);

@@ -7,6 +7,7 @@
 // operations. A handle lent without a sync (Note [Lending pages without a sync]) is also still mapped at
 // its old address until its event completes; the pool sees only the engine's mapping.
 #pragma once
+#include <algorithm>
 #include <cstddef>
 #include <map>
 #include <string>
@@ -36,15 +37,15 @@ class HandlePool {
   // need; 0 if no idle handle fits. After a loop of picks ends, no idle handle fits the room left.
   PhysHandle pick(std::size_t need, std::size_t room) const {
     auto it = idle_.lower_bound(need);
-    if (it != idle_.end() && it->first <= room) return it->second;
+    if (it != idle_.end() && it->first <= room) return it->second.oldest();
     if (it == idle_.begin()) return 0;
     --it;
-    return it->first <= room ? it->second : 0;
+    return it->first <= room ? it->second.oldest() : 0;
   }
   // Pages of the idle handles no larger than `room` (what could still be put under a request).
   std::size_t idle_pages_within(std::size_t room) const {
     std::size_t n = 0;
-    for (auto it = idle_.begin(); it != idle_.end() && it->first <= room; ++it) n += it->first;
+    for (auto it = idle_.begin(); it != idle_.end() && it->first <= room; ++it) n += it->first * it->second.count();
     return n;
   }
 
@@ -98,11 +99,13 @@ class HandlePool {
   // Removes every idle handle, calling f(handle, pages) for each (to release it).
   template <class F>
   void release_idle(F&& f) {
-    for (auto& [pages, h] : idle_) {
-      f(h, pages);
-      info_.erase(h);
-      total_pages_ -= pages;
-    }
+    for (auto& [pages, list] : idle_)
+      for (std::size_t i = list.head; i < list.handles.size(); ++i) {
+        const PhysHandle h = list.handles[i];
+        f(h, pages);
+        info_.erase(h);
+        total_pages_ -= pages;
+      }
     idle_.clear();
     idle_pages_ = 0;
   }
@@ -123,22 +126,43 @@ class HandlePool {
   void to_idle(PhysHandle h) {
     Info& i = info_.at(h);
     i.state = State::idle;
-    idle_.emplace(i.pages, h);
+    idle_[i.pages].handles.push_back(h);
     idle_pages_ += i.pages;
   }
   void erase_idle(PhysHandle h, std::size_t pages) {
-    for (auto [it, end] = idle_.equal_range(pages); it != end; ++it)
-      if (it->second == h) {
-        idle_.erase(it);
-        idle_pages_ -= pages;
-        return;
-      }
+    auto it = idle_.find(pages);
+    if (it == idle_.end()) return;
+    IdleList& l = it->second;
+    auto at = std::find(l.handles.begin() + static_cast<std::ptrdiff_t>(l.head), l.handles.end(), h);
+    if (at == l.handles.end()) return;
+    if (at == l.handles.begin() + static_cast<std::ptrdiff_t>(l.head))
+      ++l.head;  // the oldest: pick()'s choice
+    else
+      l.handles.erase(at);
+    idle_pages_ -= pages;
+    if (l.count() == 0) {
+      idle_.erase(it);
+    } else if (l.head >= 32 && 2 * l.head >= l.handles.size()) {  // the taken front is dropped now and then
+      l.handles.erase(l.handles.begin(), l.handles.begin() + static_cast<std::ptrdiff_t>(l.head));
+      l.head = 0;
+    }
   }
 
-  std::unordered_map<PhysHandle, Info> info_;
-  NodeSlab idle_nodes_;  // Note [Node slabs]; declared before idle_, which it outlives
-  std::multimap<std::size_t, PhysHandle, std::less<>, SlabAllocator<std::pair<const std::size_t, PhysHandle>>> idle_{
-      SlabAllocator<std::pair<const std::size_t, PhysHandle>>(&idle_nodes_)};  // by size in pages
+  // The idle handles of one size, oldest first: those from `head` on (the ones before it were taken).
+  struct IdleList {
+    std::vector<PhysHandle> handles;
+    std::size_t head = 0;
+    PhysHandle oldest() const { return handles[head]; }
+    std::size_t count() const { return handles.size() - head; }
+  };
+
+  NodeSlab info_nodes_;  // Note [Node slabs]; declared before info_, which it outlives
+  using InfoAllocator = SlabAllocator<std::pair<const PhysHandle, Info>>;
+  std::unordered_map<PhysHandle, Info, std::hash<PhysHandle>, std::equal_to<PhysHandle>, InfoAllocator> info_{
+      0, std::hash<PhysHandle>(), std::equal_to<PhysHandle>(), InfoAllocator(&info_nodes_)};
+  // By size in pages, none empty. A list per size, not a tree node per handle: an empty_cache or the
+  // engine's end makes every free handle idle at once (tens of thousands in a replay), then releases them.
+  std::map<std::size_t, IdleList> idle_;
   std::vector<PhysHandle> taken_;                // in the order they are to be mapped
   std::size_t idle_pages_ = 0, total_pages_ = 0;
 };

@@ -45,12 +45,12 @@ bool HandleSplitter::freed(Block* b, DevicePtr lo_va, DevicePtr hi_va) {
     const DevicePtr va = seg.base + start * page_, va_end = seg.base + end * page_;
     if (va < b->ptr || va_end > b->ptr + b->size) continue;  // a live neighbour still uses part of it
     if (seg.owner != &s_.default_pools) continue;
-    if (queued_.count(h)) {  // already queued: b is where its split will look first
+    if (queued_.find(h)) {  // already queued: b is where its split will look first
       hints_[h] = b;
       continue;
     }
     if (va_end <= lo_va || va >= hi_va) continue;  // untouched since it was created: left whole
-    queued_.insert(h);
+    queued_[h] = true;
     hints_[h] = b;
     queue_[pool_.pages(h)].push_back(h);
     queued = true;
@@ -58,7 +58,7 @@ bool HandleSplitter::freed(Block* b, DevicePtr lo_va, DevicePtr hi_va) {
   if (!overlaps) b->multi = false;
   if (!retry_.empty()) {  // new activity: what was cancelled gets another chance
     for (PhysHandle h : retry_) {
-      if (where_.count(h)) {
+      if (where_.find(h)) {
         queue_[pool_.pages(h)].push_back(h);
       } else {  // idle, or gone: queued again when it is freed where it is mapped next
         queued_.erase(h);
@@ -104,17 +104,17 @@ bool HandleSplitter::take(BackgroundJob* job) {
     if (largest->second.empty()) queue_.erase(largest);
     if (!queued_.erase(h)) continue;  // stale: its handle went back to the driver after it was queued
     Block* hint = nullptr;
-    if (auto it = hints_.find(h); it != hints_.end()) {
-      hint = it->second;
-      hints_.erase(it);
+    if (Block** kept = hints_.find(h)) {
+      hint = *kept;
+      hints_.erase(h);
     }
-    const auto w = where_.find(h);
-    if (w == where_.end()) continue;  // idle, or gone: queued again when it is freed where it is mapped next
-    Segment& seg = *w->second.first;
+    const auto* w = where_.find(h);
+    if (!w) continue;  // idle, or gone: queued again when it is freed where it is mapped next
+    Segment& seg = *w->first;
     // Queued in the default pool, a handle may since have gone idle and been taken by a private pool's growth:
     // a graph may replay into it on a stream the split's event does not cover, so it is never split there.
     if (seg.owner != &s_.default_pools) continue;
-    const std::size_t first = w->second.second, k = pool_.pages(h);
+    const std::size_t first = w->second, k = pool_.pages(h);
     const DevicePtr va = seg.base + first * page_;
     Block* b = covering(seg, hint, va, k * page_);
     if (!b) continue;  // reused, or merged into a range with a live block
@@ -124,7 +124,7 @@ bool HandleSplitter::take(BackgroundJob* job) {
     job->pages = k;
     job->va = va;
     job->handle = h;
-    job->to_pages = !coarse_ && pieces_.count(h) > 0;
+    job->to_pages = !coarse_ && pieces_.find(h);
     job->stream = b->stream;
     job->busy = carve(b, va, k * page_);
     job->alias = kEngineHandleBit | next_alias_++;
@@ -145,21 +145,20 @@ void HandleSplitter::rename(Segment& seg, std::size_t first, PhysHandle from, Ph
   pool_.rename_mapped(from, to);
   where_.erase(from);
   where_[to] = {&seg, first};
-  if (pieces_.erase(from)) pieces_.insert(to);
+  if (pieces_.erase(from)) pieces_[to] = true;
   for (std::size_t i = 0; i < k; ++i) seg.pages.slot(first + i).handle = to;
 }
 
 // ---- The driver calls (no lock) ----
 
 // Note [Split in the background]: 1, 1, 2, 4, ... from the bottom, the last piece what is left.
-std::vector<std::size_t> HandleSplitter::piece_sizes(std::size_t pages) {
-  std::vector<std::size_t> sizes{1};
+void HandleSplitter::piece_sizes(std::size_t pages, std::vector<std::size_t>* sizes) {
+  sizes->assign(1, 1);
   for (std::size_t total = 1; total < pages;) {
     const std::size_t k = std::min(total, pages - total);
-    sizes.push_back(k);
+    sizes->push_back(k);
     total += k;
   }
-  return sizes;
 }
 
 void HandleSplitter::run(Driver& d, std::size_t page, BackgroundJob& job, const std::atomic<bool>& abort,
@@ -184,7 +183,10 @@ void HandleSplitter::run(Driver& d, std::size_t page, BackgroundJob& job, const 
     job.release_failed = true;
     return;
   }
-  job.sizes = job.to_pages ? std::vector<std::size_t>(job.pages, 1) : piece_sizes(job.pages);
+  if (job.to_pages)
+    job.sizes.assign(job.pages, 1);
+  else
+    piece_sizes(job.pages, &job.sizes);
   for (std::size_t k : job.sizes) {
     PhysHandle h = 0;
     if (aborted() || d.create(k * page, &h) != Status::ok) break;
@@ -230,7 +232,10 @@ void HandleSplitter::finish(BackgroundJob& job) {
     job.busy->state = BlockState::free;
     Block* back = s_.merge_free(job.busy);
     s_.pool_insert(back);
-    if (queued_.insert(job.handle).second) retry_.push_back(job.handle);
+    if (!queued_.find(job.handle)) {
+      queued_[job.handle] = true;
+      retry_.push_back(job.handle);
+    }
     hints_[job.handle] = back;
     return;
   }
@@ -249,7 +254,7 @@ void HandleSplitter::finish(BackgroundJob& job) {
       mapped(seg, at, job.created[i]);
       if (job.sizes[i] > 1) {
         multi = true;
-        pieces_.insert(job.created[i]);
+        pieces_[job.created[i]] = true;
       }
       emit(s_, TraceAction::phys_create, 0, 0, job.sizes[i] * page_, job.sizes[i] * page_);
     }
@@ -269,13 +274,14 @@ void HandleSplitter::finish(BackgroundJob& job) {
 
 std::string HandleSplitter::check() const {
   if (where_.size() != multi_.size()) return "fragless splitter: multi-page mappings miscounted by handle";
-  for (const auto& hint : hints_)
-    if (!queued_.count(hint.first)) return "fragless splitter: a hint kept for a handle that is not queued";
-  for (const auto& [h, at] : where_) {
+  bool unqueued_hint = false, misplaced = false;
+  hints_.for_each([&](PhysHandle h, Block*) { unqueued_hint = unqueued_hint || !queued_.find(h); });
+  if (unqueued_hint) return "fragless splitter: a hint kept for a handle that is not queued";
+  where_.for_each([&](PhysHandle h, const std::pair<Segment*, std::size_t>& at) {
     const auto& [seg, first] = at;
-    if (!multi_.count({seg, first}) || !s_.has_segment(seg) || seg->pages[first].handle != h)
-      return "fragless splitter: a multi-page handle is not where the splitter has it";
-  }
+    misplaced = misplaced || !multi_.count({seg, first}) || !s_.has_segment(seg) || seg->pages[first].handle != h;
+  });
+  if (misplaced) return "fragless splitter: a multi-page handle is not where the splitter has it";
   for (const auto& [seg, first] : multi_) {
     if (first >= seg->pages.size() || !seg->pages[first].valid() || seg->pages[first].offset != 0)
       return "fragless splitter: a recorded multi-page mapping is not mapped";

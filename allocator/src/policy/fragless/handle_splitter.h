@@ -55,9 +55,10 @@
 #include <functional>
 #include <map>
 #include <set>
-#include <unordered_map>
-#include <unordered_set>
 #include <utility>
+
+#include "fragless/flat_table.h"
+#include "fragless/node_slab.h"
 
 #include "policy/fragless/handle_pool.h"
 #include "policy/policy.h"
@@ -98,7 +99,7 @@ class HandleSplitter {
   std::string check() const;
 
  private:
-  static std::vector<std::size_t> piece_sizes(std::size_t pages);  // what a split of `pages` creates
+  static void piece_sizes(std::size_t pages, std::vector<std::size_t>* sizes);  // what a split of `pages` creates
   // A queued split names its handle, not a place: re-backing may move a queued handle, and its split follows
   // it there (where_), keeping its turn. hints_ keeps, per queued handle, the free block last seen over it (each
   // freed() that finds the handle under its block renews it), where covering() starts looking.
@@ -111,14 +112,18 @@ class HandleSplitter {
   DeviceEngine::State& s_;
   HandlePool& pool_;
   std::size_t page_;
-  std::set<std::pair<const Segment*, std::size_t>> multi_;  // (segment, first page) of multi-page mappings
-  std::unordered_map<PhysHandle, std::pair<Segment*, std::size_t>> where_;  // the same, by handle
+  // The tables by handle are flat (Note [Flat tables]): a split's finish and every release touch them.
+  using Place = std::pair<const Segment*, std::size_t>;
+  NodeSlab multi_nodes_;  // Note [Node slabs]; declared before multi_, which it outlives
+  // (segment, first page) of multi-page mappings
+  std::set<Place, std::less<>, SlabAllocator<Place>> multi_{SlabAllocator<Place>(&multi_nodes_)};
+  FlatTable<std::pair<Segment*, std::size_t>> where_;  // the same, by handle
   // Free multi-page handles to split, by pages, the largest first; oldest first among equals.
   std::map<std::size_t, std::deque<PhysHandle>, std::greater<>> queue_;
-  std::unordered_set<PhysHandle> queued_;                   // the handles in queue_ or retry_
-  std::unordered_map<PhysHandle, Block*> hints_;            // for some of them: the free block last seen over it
+  FlatTable<bool> queued_;                                  // the handles in queue_ or retry_
+  FlatTable<Block*> hints_;                                 // for some of them: the free block last seen over it
   std::vector<PhysHandle> retry_;                           // cancelled: queued again at the next freed()
-  std::unordered_set<PhysHandle> pieces_;                   // multi-page pieces of earlier splits (split into pages)
+  FlatTable<bool> pieces_;                                  // multi-page pieces of earlier splits (split into pages)
   bool coarse_ = false;                                     // ...or into pieces, after a release (coarse())
   PhysHandle next_alias_ = 1;                               // Note [Handle aliases]
 };
