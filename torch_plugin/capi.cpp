@@ -585,15 +585,16 @@ int fragless_reset_accumulated_stats(int device) {
 
 long fragless_snapshot(char* buf, size_t len) {
   // The buffer protocol asks twice, first for the size (no buffer); a million-entry history's pickle takes
-  // seconds to build. So a sizing call keeps what it built for this thread's next call with a buffer, which
-  // gets that snapshot (the state when it was sized) instead of building another.
+  // seconds to build. So a sizing call keeps what it built for this thread's next call, which, when its buffer
+  // is exactly the size that call gave plus the NUL (the protocol's second step), gets that snapshot (the
+  // state when it was sized) instead of building another; any other call builds anew and drops it.
   thread_local std::string sized;
   thread_local bool have_sized = false;
   if (buf && len && have_sized) {
     have_sized = false;
-    const std::string s = std::move(sized);
+    std::string s = std::move(sized);
     sized = std::string();
-    return copy_out(s, buf, len);  // too small: the caller asks again, and gets a new snapshot
+    if (len == s.size() + 1) return copy_out(s, buf, len);
   }
   Allocator* a = get();
   if (!a) return -1;

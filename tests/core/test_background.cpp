@@ -734,3 +734,36 @@ TEST_CASE("background: a handle value the driver gives again while a split is in
   require_consistent(e);
   CHECK(reserved(e) == 0);
 }
+
+// One job at a time: a manual step that comes while a job runs (here from inside the job's own driver calls; it
+// could come from another thread) does nothing. The worker keeps one job object, which a second job would reset
+// and refill under the first one's run (its finish then applied the second job's fields).
+TEST_CASE("background: a manual step while a job runs does nothing", "[background]") {
+  auto parsed = parse_config("handles:ends,handle_max_mb:1024");
+  REQUIRE(parsed.ok);
+  Options o = parsed.options;
+  o.policy = PolicyKind::fragless;
+  o.background = BackgroundMode::manual;
+  auto owned = std::make_unique<ReusingDriver>();
+  ReusingDriver& d = *owned;
+  DeviceEngine e(o, std::move(owned));
+  void* a = e.allocate(8 * MiB, kStream, nullptr);  // bodies of 3 and 5 pages, each last page alone
+  void* keep1 = e.allocate(2 * MiB, kStream, nullptr);
+  void* b = e.allocate(12 * MiB, kStream, nullptr);
+  void* keep2 = e.allocate(2 * MiB, kStream, nullptr);
+  REQUIRE((a && keep1 && b && keep2));
+  REQUIRE(e.free(a) == Status::ok);
+  REQUIRE(e.free(b) == Status::ok);  // two splits queued
+  double nested = -1;
+  d.between = [&] { nested = e.run_background(1e18); };
+  d.armed = true;
+  CHECK(e.run_background(1e18) > 0);  // both splits, one after the other
+  CHECK(nested == 0);
+  require_consistent(e);
+  CHECK(e.run_background(1e18) == 0);  // nothing left
+  REQUIRE(e.free(keep1) == Status::ok);
+  REQUIRE(e.free(keep2) == Status::ok);
+  e.empty_cache();
+  require_consistent(e);
+  CHECK(reserved(e) == 0);
+}

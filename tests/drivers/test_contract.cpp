@@ -4,6 +4,9 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
+#include <map>
+#include <vector>
 #include <string>
 
 #include "helpers.h"
@@ -251,4 +254,119 @@ TEST_CASE("driver contract: every policy keeps it on a randomized workload (sim)
   CHECK(e->driver().contract().mapping_count() == 0);
   CHECK(e->driver().contract().handle_count() == 0);
   CHECK(reserved(*e) == 0);
+}
+
+namespace {
+
+// A driver whose calls run concurrently (as the cuda driver's do) and which gives a handle's value again as
+// soon as its memory is gone (R8). `during` runs inside the next release or unmap after the value went: what
+// another thread could do before the base class records that call.
+class ConcurrentReuse final : public Driver {
+ public:
+  ConcurrentReuse() : Driver(0, 2 * MiB) {}
+  const char* name() const override { return "concurrent-reuse"; }
+  std::function<void()> during;
+  std::vector<PhysHandle> released_unmapped;  // released handles whose memory an unmap would end
+
+ private:
+  bool concurrent_calls() const override { return true; }
+  std::string do_last_error() const override { return {}; }
+  void do_memory_info(std::size_t* f, std::size_t* t) override { *f = *t = 1024 * MiB; }
+  void hand_out_again(PhysHandle h) {
+    gone_.push_back(h);
+    if (auto f = std::move(during)) f();
+  }
+  Status do_reserve(std::size_t size, DevicePtr* va) override {
+    *va = next_va_;
+    next_va_ += size + granularity();
+    return Status::ok;
+  }
+  Status do_free_reservation(DevicePtr, std::size_t) override { return Status::ok; }
+  Status do_create(std::size_t, PhysHandle* h) override {
+    if (gone_.empty()) {
+      *h = next_++;
+    } else {
+      *h = gone_.back();
+      gone_.pop_back();
+    }
+    return Status::ok;
+  }
+  Status do_release(PhysHandle h) override {
+    if (!mapped_.count(h)) hand_out_again(h);
+    else released_unmapped.push_back(h);
+    return Status::ok;
+  }
+  Status do_map(DevicePtr va, std::size_t, PhysHandle h, std::size_t) override {
+    mapped_[h] = va;
+    return Status::ok;
+  }
+  Status do_unmap(DevicePtr va, std::size_t) override {
+    for (auto it = mapped_.begin(); it != mapped_.end(); ++it)
+      if (it->second == va) {
+        const PhysHandle h = it->first;
+        mapped_.erase(it);
+        if (std::erase(released_unmapped, h)) hand_out_again(h);
+        break;
+      }
+    return Status::ok;
+  }
+  Status do_set_access(DevicePtr, std::size_t) override { return Status::ok; }
+  Status do_record_event(Stream, Event* e) override {
+    *e = 1;
+    return Status::ok;
+  }
+  Status do_query_event(Event) override { return Status::ok; }
+  Status do_synchronize_event(Event) override { return Status::ok; }
+  Status do_release_event(Event) override { return Status::ok; }
+  Status do_stream_wait_event(Stream, Event) override { return Status::ok; }
+  Status do_synchronize_stream(Stream) override { return Status::ok; }
+  Status do_synchronize_device() override { return Status::ok; }
+
+  DevicePtr next_va_ = 0x7f0000000000ull;
+  PhysHandle next_ = 1;
+  std::vector<PhysHandle> gone_;
+  std::map<PhysHandle, DevicePtr> mapped_;
+};
+
+}  // namespace
+
+// R8 with concurrent calls: the driver may give a released handle's value to another thread's create before
+// the release is recorded. The record must not take the new handle for the old: before the entries had
+// serials, the release's record erased the new handle's entry (its map then refused: "unknown or released
+// handle"), and an unmap's record decremented the new handle's mapping count below zero.
+TEST_CASE("driver contract: a value given again before its release or unmap is recorded is a new handle",
+          "[driver][contract]") {
+  ConcurrentReuse d;
+  DevicePtr va = 0;
+  REQUIRE(d.reserve(16 * MiB, &va) == Status::ok);
+  SECTION("release") {
+    PhysHandle h = 0, again = 0;
+    REQUIRE(d.create(2 * MiB, &h) == Status::ok);
+    d.during = [&] { REQUIRE(d.create(2 * MiB, &again) == Status::ok); };
+    REQUIRE(d.release(h) == Status::ok);
+    REQUIRE(again == h);  // the driver gave the value again
+    CHECK(d.map(va, 2 * MiB, again, 0) == Status::ok);
+    CHECK(d.set_access(va, 2 * MiB) == Status::ok);
+    CHECK(d.unmap(va, 2 * MiB) == Status::ok);
+    CHECK(d.release(again) == Status::ok);
+    CHECK(d.contract().handle_count() == 0);
+  }
+  SECTION("unmap") {
+    PhysHandle h = 0, again = 0;
+    REQUIRE(d.create(2 * MiB, &h) == Status::ok);
+    REQUIRE(d.map(va, 2 * MiB, h, 0) == Status::ok);
+    REQUIRE(d.release(h) == Status::ok);  // still mapped: its memory goes with the unmap
+    d.during = [&] {
+      REQUIRE(d.create(2 * MiB, &again) == Status::ok);
+      REQUIRE(d.map(va + 4 * MiB, 2 * MiB, again, 0) == Status::ok);
+    };
+    REQUIRE(d.unmap(va, 2 * MiB) == Status::ok);
+    REQUIRE(again == h);
+    CHECK(d.contract().handle_count() == 1);  // the new handle, mapped once
+    CHECK(d.release(again) == Status::ok);
+    CHECK(d.contract().handle_count() == 1);  // still mapped: it stays until its unmap
+    CHECK(d.unmap(va + 4 * MiB, 2 * MiB) == Status::ok);
+    CHECK(d.contract().handle_count() == 0);
+  }
+  CHECK(d.free_reservation(va, 16 * MiB) == Status::ok);
 }

@@ -321,9 +321,18 @@ class DriverContract {
 
   void reserved(DevicePtr va, std::size_t size) { reservations_[va] = size; }
   void freed_reservation(DevicePtr va) { reservations_.erase(va); }
-  void created(PhysHandle h, std::size_t size) { handles_[h] = HandleState{size, 0, false}; }
-  // Returns true when the memory goes now (no mapping left); else it goes with the last unmap.
-  bool released(PhysHandle h);
+  // A value the driver gives again while another thread's release or unmap of the handle that had it is not yet
+  // recorded (R8; the cuda driver's calls run concurrently) replaces that entry: each entry has its own serial,
+  // and a record that finds another serial than its check saw leaves the entry alone (the old handle's memory
+  // went before the driver could give its value again).
+  void created(PhysHandle h, std::size_t size) { handles_[h] = HandleState{size, 0, false, next_serial_++}; }
+  std::uint64_t serial_of(PhysHandle h) const {
+    const HandleState* s = handles_.find(h);
+    return s ? s->serial : 0;
+  }
+  // The release of h (as its check saw it: `serial`) went through. Returns true when the memory goes now (no
+  // mapping left); else it goes with the last unmap.
+  bool released(PhysHandle h, std::uint64_t serial);
   void mapped(DevicePtr va, std::size_t size, PhysHandle h);
   // Appends to `gone` the released handles whose last mapping this unmap removed.
   void unmapped(DevicePtr va, std::size_t size, std::vector<PhysHandle>* gone);
@@ -343,8 +352,16 @@ class DriverContract {
   std::size_t handle_count() const { return handles_.size(); }
 
  private:
-  struct HandleState { std::size_t size = 0, map_count = 0; bool released = false; };
-  struct MappingState { std::size_t size = 0; PhysHandle handle = 0; };
+  struct HandleState {
+    std::size_t size = 0, map_count = 0;
+    bool released = false;
+    std::uint64_t serial = 0;
+  };
+  struct MappingState {
+    std::size_t size = 0;
+    PhysHandle handle = 0;
+    std::uint64_t serial = 0;  // the handle's, when it was mapped
+  };
   bool aligned(std::size_t v) const { return v % g_ == 0; }
   bool whole_mappings(DevicePtr va, std::size_t size) const;
   // The bitmap of mapped pages (Note [The contract's tables]): whether a page of [va, va+size) is mapped;
@@ -358,6 +375,7 @@ class DriverContract {
   FlatTable<MappingState> mappings_;  // by start address
   // The bitmap's words, by page / 64: bit i of word w is page 64w + i (a page: an address / granularity).
   FlatTable<std::uint64_t> mapped_pages_;
+  std::uint64_t next_serial_ = 1;
 };
 
 // R26: a CUmemFabricHandle's bytes.

@@ -165,8 +165,9 @@ const char* DriverContract::check_export(PhysHandle h) const {
   return nullptr;
 }
 
-bool DriverContract::released(PhysHandle h) {
+bool DriverContract::released(PhysHandle h, std::uint64_t serial) {
   HandleState* s = handles_.find(h);
+  if (!s || s->serial != serial) return false;  // its value is another handle's now (created)
   if (s->map_count == 0) {
     handles_.erase(h);
     return true;
@@ -176,9 +177,10 @@ bool DriverContract::released(PhysHandle h) {
 }
 
 void DriverContract::mapped(DevicePtr va, std::size_t size, PhysHandle h) {
-  mappings_[va] = MappingState{size, h};
+  HandleState& s = handles_[h];
+  mappings_[va] = MappingState{size, h, s.serial};
   mark(va, size, true);
-  ++handles_[h].map_count;
+  ++s.map_count;
 }
 
 void DriverContract::unmapped(DevicePtr va, std::size_t size, std::vector<PhysHandle>* gone) {
@@ -188,6 +190,10 @@ void DriverContract::unmapped(DevicePtr va, std::size_t size, std::vector<PhysHa
     const MappingState m = *found;  // copied: the erases below move the table's entries
     mappings_.erase(at);
     HandleState* h = handles_.find(m.handle);
+    if (!h || h->serial != m.serial) {  // its memory went with this unmap, and its value is another's now
+      at += m.size;
+      continue;
+    }
     if (--h->map_count == 0 && h->released) {
       gone->push_back(m.handle);
       handles_.erase(m.handle);
@@ -314,17 +320,19 @@ Status Driver::create(std::size_t size, PhysHandle* h) {
 
 Status Driver::release(PhysHandle h) {
   memory_changes_.fetch_add(1, std::memory_order_acq_rel);
+  std::uint64_t serial = 0;
   {
     std::lock_guard lk(mu_);
     charge_locked(DriverCall::release, contract_.handle_size(h));
     if (const char* r = contract_.check_release(h)) return refuse(r);
+    serial = contract_.serial_of(h);
   }
   auto lk = impl_lock();
   const Status st = fail_through(do_release(h));
   bool gone = false;
   {
     std::lock_guard tl(mu_);
-    gone = st == Status::ok && contract_.released(h);
+    gone = st == Status::ok && contract_.released(h, serial);
   }
   if (gone) memory_gone(h);
   return st;

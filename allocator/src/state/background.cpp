@@ -255,6 +255,9 @@ void Background::stop() {
 
 bool Background::run_one(bool manual) {
   if (!may_take() || !work_source_) return false;  // the work waits for the routing (or the fork) to end
+  // One job at a time (job_ is the one in flight): a manual step while another runs, from another thread or
+  // from inside the job's own driver calls, does nothing.
+  if (in_flight_) return false;
   BackgroundJob& job = job_;
   job.reset();
   if (!work_source_->take_background_job(&job)) {

@@ -91,7 +91,8 @@ FRAGLESS_API int fragless_mem_get_info(int device, size_t* free_bytes, size_t* t
  * device and, when history is on, recent events as device_traces; blocks held for other processes carry
  * fragless's extra keys and other processes' memory mapped here is listed as "imported" (README "Sharing
  * across processes"). Same buffer protocol; -1 on error. A call without a buffer keeps the snapshot it built
- * for the calling thread's next call with one, which returns that snapshot (the state when it was sized). */
+ * for the calling thread's next call: one with a buffer of exactly the returned length + 1 gets that snapshot
+ * (the state when it was sized); any other call builds anew. */
 FRAGLESS_API long fragless_snapshot(char* buf, size_t len);
 /* Keep the last max_entries events per device for snapshots (max_entries 0 turns it off). */
 FRAGLESS_API void fragless_record_history(size_t max_entries);
