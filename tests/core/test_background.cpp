@@ -692,6 +692,15 @@ class ReusingDriver final : public Driver {
   TestEvents events_;
 };
 
+// A fragless engine with split_spec's options (background stepped by hand) on a ReusingDriver, *d.
+std::unique_ptr<DeviceEngine> reusing_engine(ReusingDriver** d) {
+  Options o = split_spec(BackgroundMode::manual).base;
+  o.policy = PolicyKind::fragless;
+  auto owned = std::make_unique<ReusingDriver>();
+  *d = owned.get();
+  return std::make_unique<DeviceEngine>(o, std::move(owned));
+}
+
 }  // namespace
 
 // Note [Handle aliases]: the split releases its old handle without the lock; a growth that creates before the
@@ -700,14 +709,10 @@ class ReusingDriver final : public Driver {
 // then counted fewer mapped pages than the segments map.
 TEST_CASE("background: a handle value the driver gives again while a split is in flight is a new handle",
           "[background]") {
-  auto parsed = parse_config("handles:ends,handle_max_mb:1024");
-  REQUIRE(parsed.ok);
-  Options o = parsed.options;
-  o.policy = PolicyKind::fragless;
-  o.background = BackgroundMode::manual;
-  auto owned = std::make_unique<ReusingDriver>();
-  ReusingDriver& d = *owned;
-  DeviceEngine e(o, std::move(owned));
+  ReusingDriver* driver = nullptr;
+  auto engine = reusing_engine(&driver);
+  ReusingDriver& d = *driver;
+  DeviceEngine& e = *engine;
   void* body = e.allocate(8 * MiB, kStream, nullptr);  // a body of 3 pages, the last page alone
   void* keep = e.allocate(2 * MiB, kStream, nullptr);
   REQUIRE((body && keep));
@@ -739,14 +744,10 @@ TEST_CASE("background: a handle value the driver gives again while a split is in
 // could come from another thread) does nothing. The worker keeps one job object, which a second job would reset
 // and refill under the first one's run (its finish then applied the second job's fields).
 TEST_CASE("background: a manual step while a job runs does nothing", "[background]") {
-  auto parsed = parse_config("handles:ends,handle_max_mb:1024");
-  REQUIRE(parsed.ok);
-  Options o = parsed.options;
-  o.policy = PolicyKind::fragless;
-  o.background = BackgroundMode::manual;
-  auto owned = std::make_unique<ReusingDriver>();
-  ReusingDriver& d = *owned;
-  DeviceEngine e(o, std::move(owned));
+  ReusingDriver* driver = nullptr;
+  auto engine = reusing_engine(&driver);
+  ReusingDriver& d = *driver;
+  DeviceEngine& e = *engine;
   void* a = e.allocate(8 * MiB, kStream, nullptr);  // bodies of 3 and 5 pages, each last page alone
   void* keep1 = e.allocate(2 * MiB, kStream, nullptr);
   void* b = e.allocate(12 * MiB, kStream, nullptr);
