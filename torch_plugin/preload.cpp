@@ -324,6 +324,9 @@ cudaError_t allocate(void** out, size_t size, cudaStream_t stream, bool async, b
   fragless_preload::cu::KnownPool* pool = nullptr;
   if (async && size != 0 && !(pool = fragless_preload::current_pool_served(dev))) {
     ++g_counts.fallbacks;
+    const cudaError_t r = real_malloc_async(out, size, stream, ptsz);
+    // Note [Forwarded allocations out of memory] (preload_core.h)
+    if (r != kMemoryAllocation || !fragless_preload::release_for_forwarded(dev)) return r;
     return real_malloc_async(out, size, stream, ptsz);
   }
   ++g_counts.mallocs;
@@ -485,6 +488,17 @@ bool free_on_stream(int device, void* p, fragless::Stream s) {
   // until then; the exporter's copy closed, it goes now unless another process has it open.
   if (forget_export(device, p)) e->reap_shared(0);
   return true;
+}
+
+bool release_for_forwarded(int device) {
+  fragless::Allocator* a = ip().ready.load(std::memory_order_acquire);
+  fragless::DeviceEngine* e = a && device >= 0 ? a->existing(device) : nullptr;
+  if (!e) return false;
+  const std::size_t before = e->usage().reserved;
+  ip().drain(device);
+  fragless::AllocError err;
+  if (e->empty_cache(&err) != fragless::Status::ok) std::fprintf(stderr, "%s\n", err.message.c_str());
+  return e->usage().reserved < before;
 }
 
 void retire_stream(fragless::Stream stream, int device) {

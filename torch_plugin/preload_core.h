@@ -60,10 +60,21 @@ bool drain(int device);
 void capture_began(fragless::Stream stream, int device);
 void capture_ended(fragless::Stream stream);
 
-// The program destroys `stream` (fragless's key of it) of `device` (cudaStreamDestroy, cuStreamDestroy): its
-// blocks are settled first (its work waited for), so nothing of fragless's need name it again and a later
-// stream given the same handle value is a new stream. Nothing for a device without an engine.
+// The program destroys `stream` (fragless's key of it) of `device` (cudaStreamDestroy, cuStreamDestroy): it is
+// retired without waiting for its work (Note [Destroyed streams], engine_state.h), so nothing of fragless's
+// names it again and a later stream given the same handle value is a new stream. Nothing for a device
+// without an engine.
 void retire_stream(fragless::Stream stream, int device);
+
+// Note [Forwarded allocations out of memory]
+// An allocation fragless hands to the runtime or the driver on a device where it has an engine (a memory pool
+// it cannot serve as the driver would, a stream of another device than the pool's) competes with fragless's
+// cache for the device's memory. When the runtime or the driver says it is out of memory, the caller calls
+// this and, when it returns true, tries once more: the fence's deferred frees go back, then fragless's cached
+// memory on the device (empty_cache), as a caching allocator's own retry would free its cache. True when
+// fragless's reserved memory there fell. An allocation forwarded during a capture is not retried this way
+// (empty_cache releases nothing then).
+bool release_for_forwarded(int device);
 
 // Note [Free memory at one moment]: cudaMemGetInfo and cuMemGetInfo answer the driver's free memory plus what
 // fragless holds cached (reserved less allocated). The real call comes first, with no lock held (its error,

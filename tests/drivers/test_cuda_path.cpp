@@ -487,6 +487,101 @@ TEST_CASE("cuda driver: a destroyed stream's handle value, reused, never makes f
   }
 }
 
+TEST_CASE("cuda driver: a retired stream is not waited for at its destroy and its value given again at once "
+          "comes after its work (virtual clock)",
+          "[cuda][streams]") {
+  // Note [Destroyed streams]: what LD_PRELOAD's cudaStreamDestroy does (retire_stream, then the destroy),
+  // with the double giving the value to the next stream at once, work or not (RMM's issue 649).
+  auto waits = [] {
+    return fake().calls("cuStreamSynchronize") + fake().calls("cuEventSynchronize") + fake().calls("cuCtxSynchronize");
+  };
+  fake().reuse_streams_at_once(1);
+  for (PolicyKind p : kPolicies) {
+    INFO(policy_name(p));
+    for (bool by_record_stream : {false, true}) {
+      INFO("the value named again by " << (by_record_stream ? "a record_stream" : "an allocation"));
+      {
+        auto a = make_lazy(p);
+        DeviceEngine& e = *a->device(0);
+        void* s = fake().stream_create(0);
+        REQUIRE(s);
+        const auto S = reinterpret_cast<Stream>(s);
+        void* x = must_allocate(e, 8 * MiB, S);
+        REQUIRE(fake().work(S, x, 8 * MiB, 1000) == CUDA_SUCCESS);
+        REQUIRE(e.free(x) == Status::ok);
+        const auto t0 = fake().clock();
+        const auto w0 = waits();
+        REQUIRE(e.retire_stream(S) == Status::ok);
+        REQUIRE(e.retire_stream(S) == Status::ok);  // the runtime's destroy goes on to the driver's: nothing more
+        REQUIRE(fake().stream_destroy(s) == CUDA_SUCCESS);
+        CHECK(fake().clock() == t0);  // the host did not wait for the kernel
+        CHECK(waits() == w0);
+        void* s2 = fake().stream_create(0);
+        REQUIRE(s2 == s);  // the same value, the old kernel still queued
+        void* y = nullptr;
+        if (by_record_stream) {
+          // A block of the default stream used on the new stream, then freed: its reuse waits for the new
+          // stream's work, which the new stream queued after the old kernel.
+          void* z = must_allocate(e, 8 * MiB, 0);
+          REQUIRE(e.record_stream(z, S) == Status::ok);
+          REQUIRE(fake().work(S, z, 8 * MiB, 10) == CUDA_SUCCESS);
+          REQUIRE(e.free(z) == Status::ok);
+          y = must_allocate(e, 8 * MiB, S);  // the old stream's cached block
+        } else {
+          y = must_allocate(e, 8 * MiB, S);
+        }
+        CHECK(y == x);
+        REQUIRE(fake().work(S, y, 8 * MiB, 10) == CUDA_SUCCESS);
+        fake().advance(5000);
+        CHECK(fake().now().faults == 0);  // the new stream's work came after the old one's
+        CHECK(fake().first_fault() == std::string());
+        REQUIRE(e.free(y) == Status::ok);
+        CHECK(e.empty_cache() == Status::ok);
+        CHECK(e.usage().reserved == 0);
+        fake().stream_destroy(s2);
+      }
+      require_nothing_held();
+    }
+  }
+  fake().reuse_streams_at_once(0);
+}
+
+TEST_CASE("cuda driver: a retired stream's blocks go back after its work and no driver call names it (virtual "
+          "clock)",
+          "[cuda][streams]") {
+  // Blocks freed on a stream the program then destroyed, one still used there by record_stream when it is
+  // destroyed: empty_cache and the block's free wait for the retired stream's event, never for the stream
+  // (the double refuses a destroyed handle), and release everything once the work is done.
+  for (PolicyKind p : kPolicies) {
+    INFO(policy_name(p));
+    {
+      auto a = make_lazy(p);
+      DeviceEngine& e = *a->device(0);
+      void* s = fake().stream_create(0);
+      REQUIRE(s);
+      const auto S = reinterpret_cast<Stream>(s);
+      void* x = must_allocate(e, 8 * MiB, S);
+      void* u = must_allocate(e, 4 * MiB, 0);
+      REQUIRE(e.record_stream(u, S) == Status::ok);
+      REQUIRE(fake().work(S, x, 8 * MiB, 1000) == CUDA_SUCCESS);
+      REQUIRE(fake().work(S, u, 4 * MiB, 1000) == CUDA_SUCCESS);
+      REQUIRE(e.free(x) == Status::ok);
+      REQUIRE(e.retire_stream(S) == Status::ok);
+      REQUIRE(fake().stream_destroy(s) == CUDA_SUCCESS);
+      const auto records = fake().calls("cuEventRecord");
+      REQUIRE(e.free(u) == Status::ok);  // its use on the destroyed stream: the retired event stands in
+      CHECK(fake().calls("cuEventRecord") == records);  // nothing recorded on the destroyed handle
+      AllocError err;
+      CHECK(e.empty_cache(&err) == Status::ok);
+      INFO(err.message);
+      CHECK(e.usage().reserved == 0);
+      CHECK(fake().now().faults == 0);
+      CHECK(fake().clock() >= 1000);  // what went back waited for the kernels
+    }
+    require_nothing_held();
+  }
+}
+
 TEST_CASE("cuda driver: lending across streams waits for what it must, not for newer work (virtual clock)",
           "[cuda][lend]") {
   // A block freed on A, then a long kernel queued on A that has nothing to do with it (a pending NCCL

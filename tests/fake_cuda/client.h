@@ -50,6 +50,7 @@ struct Fake {
   decltype(&fakecuda_injected_failures) injected = nullptr;
   decltype(&fakecuda_stream_destroy) stream_destroy = nullptr;
   decltype(&fakecuda_refuse_multi_mapping_unmap) refuse_multi_unmap = nullptr;
+  decltype(&fakecuda_reuse_stream_values_at_once) reuse_streams_at_once = nullptr;
   Fake() {
     // Every test in this process uses the double (the cuda driver reads this once).
     setenv("FRAGLESS_LIBCUDA", FRAGLESS_FAKECUDA_PATH, 1);
@@ -76,6 +77,7 @@ struct Fake {
     load(&injected, "fakecuda_injected_failures");
     load(&stream_destroy, "fakecuda_stream_destroy");
     load(&refuse_multi_unmap, "fakecuda_refuse_multi_mapping_unmap");
+    load(&reuse_streams_at_once, "fakecuda_reuse_stream_values_at_once");
     // The fixed stream numbers of these tests, as streams of their device (the double refuses others).
     for (int d = 0; d < 2; ++d)
       for (Stream s : {kFaultStreamA, kFaultStreamB, kFaultStreamUse})

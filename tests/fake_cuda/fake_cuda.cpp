@@ -40,7 +40,9 @@
 //    own allocation) once its memory is gone, the most recently gone value first; work is judged on the
 //    handle's serial number, never its value, so work on the old memory is never taken for work on the new.
 //  - stream handles: cuStreamDestroy returns at once and the stream's work still completes; its handle value
-//    is given to a later stream only once that work is done (as CUDA may reuse it). cuStreamGetCtx and
+//    is given to a later stream only once that work is done (as CUDA may reuse it), or at once while
+//    fakecuda_reuse_stream_values_at_once is set (RMM's issue 649 reports CUDA doing so); the new stream's
+//    work is not ordered after the old one's. cuStreamGetCtx and
 //    cuCtxGetDevice tell a stream's device.
 //  - memory pools: each device's default pool and its current pool (cuDeviceSetMemPool, cuMemSetMemPool: a
 //    pool of that device only), which cuMemAllocAsync allocates from; a pool's statistics (the sizes asked,
@@ -193,6 +195,7 @@ struct State {
   // Destroyed streams: a handle value is given to a new stream only once the old one's work is done.
   std::vector<std::pair<CUstream, NodeP>> destroyed_streams;
   bool refuse_multi_unmap = false;  // fakecuda_refuse_multi_mapping_unmap
+  bool reuse_streams_at_once = false;  // fakecuda_reuse_stream_values_at_once
   std::vector<NodeP> blocked;                      // in enqueue order
   std::vector<Touch> touches;                      // work that touches memory, until it is done
   std::map<unsigned long long, Capture> captures;  // capture id -> capture under way
@@ -1081,6 +1084,11 @@ namespace {
 // resources are released once the work completes, and CUDA may hand the value out again), else a new one.
 CUstream new_stream_handle() {
   State& s = st();
+  if (s.reuse_streams_at_once && !s.destroyed_streams.empty()) {  // the most recently destroyed, work or not
+    const CUstream h = s.destroyed_streams.back().first;
+    s.destroyed_streams.pop_back();
+    return h;
+  }
   for (auto it = s.destroyed_streams.begin(); it != s.destroyed_streams.end(); ++it)
     if (node_done(it->second)) {
       const CUstream h = it->first;
@@ -2005,6 +2013,11 @@ FAKE_API int fakecuda_stream_destroy(void* stream) {
   st().destroyed_streams.emplace_back(it->first, it->second.tail);
   st().streams.erase(it);
   return CUDA_SUCCESS;
+}
+
+FAKE_API void fakecuda_reuse_stream_values_at_once(int at_once) {
+  std::lock_guard lk(st().mu);
+  st().reuse_streams_at_once = at_once != 0;
 }
 
 FAKE_API void fakecuda_refuse_multi_mapping_unmap(int refuse) {

@@ -43,6 +43,9 @@ int fakecuda_adopt_stream(void* handle, int device);
 // Destroys a stream made by fakecuda_stream_create (its queued work still completes). CUDA may give its
 // handle value to a later stream once that work is done, and the double does.
 int fakecuda_stream_destroy(void* stream);
+// While set, a new stream takes the most recently destroyed stream's handle value at once, its work done or
+// not (RMM's issue 649 reports CUDA reusing stream values at once); the two streams' work stays unordered.
+void fakecuda_reuse_stream_values_at_once(int at_once);
 // While set, cuMemUnmap refuses a range of more than one mapping (the strict reading of cuda.h's "the entire
 // contiguous address range that was mapped to").
 void fakecuda_refuse_multi_mapping_unmap(int refuse);

@@ -245,21 +245,26 @@ int main(int argc, char** argv) {
   expect(d.census().faults == 0, std::string("no memory shared between the threads' streams unordered (") +
                                      d.first_fault() + ")");
 
-  // 7. cudaStreamDestroy settles the stream: its work is waited for, later releases need not name it, and a
-  //    new stream that gets the same handle value is a new stream.
+  // 7. cudaStreamDestroy retires the stream without waiting for its work (Note [Destroyed streams]): an
+  //    event recorded on it stands in for it, later releases wait for that event and never name the
+  //    destroyed handle, and a new stream that gets the same handle value is a new stream.
   cudaStream_t t = nullptr;
   expect(cudaStreamCreate(&t) == 0, "a stream t");
   void* w = nullptr;
   expect(cudaMallocAsync(&w, 64 * MiB, t) == 0 && w, "64 MiB on t");
   d.launch(t, w, 64 * MiB, 5000);
   expect(cudaFreeAsync(w, t) == 0, "freed on t while its kernel runs");
-  //    The runtime's cudaStreamDestroy goes on to the driver's cuStreamDestroy, which the interposer settles
-  //    too: the second retirement of the same stream is a no-op (one synchronisation of t, not two).
-  const unsigned long syncs = d.calls("cuStreamSynchronize");
+  //    The runtime's cudaStreamDestroy goes on to the driver's cuStreamDestroy, which the interposer retires
+  //    too: the second retirement of the same stream is a no-op (one event, not two).
+  const unsigned long syncs = d.calls("cuStreamSynchronize") + d.calls("cuEventSynchronize");
+  const unsigned long records = d.calls("cuEventRecord");
   expect(cudaStreamDestroy(t) == 0, "t destroyed");
-  expect(d.calls("cuStreamSynchronize") == syncs + 1,
-         "t synchronised once, though both cudaStreamDestroy and cuStreamDestroy settle it (" +
-             std::to_string(d.calls("cuStreamSynchronize") - syncs) + ")");
+  expect(d.calls("cuStreamSynchronize") + d.calls("cuEventSynchronize") == syncs,
+         "the destroy waited for nothing (" +
+             std::to_string(d.calls("cuStreamSynchronize") + d.calls("cuEventSynchronize") - syncs) + " waits)");
+  expect(d.calls("cuEventRecord") == records + 1,
+         "one event recorded on t, though both cudaStreamDestroy and cuStreamDestroy retire it (" +
+             std::to_string(d.calls("cuEventRecord") - records) + ")");
   cudaStream_t t2 = nullptr;
   expect(cudaStreamCreate(&t2) == 0, "a new stream");
   std::printf("the new stream %s the destroyed one's handle value\n", t2 == t ? "reuses" : "does not reuse");
@@ -368,6 +373,24 @@ int main(int argc, char** argv) {
   expect(cudaFreeAsync(x, q) == 0, "its free reached the runtime");
   expect(cudaMallocAsync_ptsz(&x, 2 * MiB, q) == 0 && d.device_of(x) < 0 && cudaFreeAsync_ptsz(x, q) == 0,
          "cudaMallocAsync_ptsz too: the runtime's, freed there");
+  //    Note [Forwarded allocations out of memory]: with fragless's cache filling the device, the runtime's
+  //    allocation succeeds once fragless has given that cache back.
+  {
+    void* big = nullptr;
+    if (d.free_bytes(0) >= 48 * MiB)
+      expect(cudaMalloc(&big, d.free_bytes(0) - 24 * MiB) == 0 && d.device_of(big) == 0 && cudaFree(big) == 0,
+             "fragless's cache fills device 0");
+    size_t fa = 0, fr = 0;
+    const std::size_t room = d.free_bytes(0);
+    const bool read = d.preload_memory(0, &fa, &fr) == 0;
+    expect(read && fr - fa >= 48 * MiB && room < 48 * MiB,
+           "fragless holds " + std::to_string((fr - fa) >> 20) + " MiB cached or behind its fence, the driver " +
+               std::to_string(room >> 20) + " MiB free");
+    expect(cudaMallocAsync(&x, 48 * MiB, q) == 0 && d.device_of(x) < 0,
+           "48 MiB from the limited pool: the runtime's, once fragless gave its cache back");
+    expect(d.preload_memory(0, &fa, &fr) == 0 && fr - fa < 48 * MiB, "fragless's cache went back");
+    expect(cudaFreeAsync(x, q) == 0, "freed to the runtime");
+  }
   // The runtime implements cudaMallocAsync with cuMemAllocAsync (the runtime double too), so what the runtime
   // half forwarded came back through the driver half: forwarded on to the driver, and not a recursion (Note [No
   // recursion]).

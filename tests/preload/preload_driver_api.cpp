@@ -521,6 +521,24 @@ int main(int argc, char** argv) {
              attr(lim, CU_MEMPOOL_ATTR_USED_MEM_CURRENT) == 2 * MiB,
          "cuMemAllocAsync: the driver's, from the limited pool");
   expect(a.free_async(y, s) == CUDA_SUCCESS && d.census().own_allocations == 0, "its free reached the driver");
+  //     Note [Forwarded allocations out of memory]: with fragless's cache filling the device, a driver
+  //     allocation forwarded there succeeds once fragless has given that cache back.
+  {
+    CUdeviceptr big = 0, z = 0;
+    if (d.free_bytes(0) >= 48 * MiB)
+      expect(a.alloc(&big, d.free_bytes(0) - 24 * MiB) == CUDA_SUCCESS && d.fragless(big, 0) && a.free(big) == CUDA_SUCCESS,
+             "fragless's cache fills device 0");
+    size_t fa = 0, fr = 0;
+    const std::size_t room = d.free_bytes(0);
+    const bool read = d.preload_memory(0, &fa, &fr) == 0;
+    expect(read && fr - fa >= 48 * MiB && room < 48 * MiB,
+           "fragless holds " + std::to_string((fr - fa) >> 20) + " MiB cached or behind its fence, the driver " +
+               std::to_string(room >> 20) + " MiB free");
+    expect(a.alloc_async(&z, 48 * MiB, s) == CUDA_SUCCESS && !d.fragless(z, 0) && d.census().own_allocations == 1,
+           "48 MiB from the limited pool: the driver's, once fragless gave its cache back");
+    expect(d.preload_memory(0, &fa, &fr) == 0 && fr - fa < 48 * MiB, "fragless's cache went back");
+    expect(a.free_async(z, s) == CUDA_SUCCESS && d.census().own_allocations == 0, "freed to the driver");
+  }
   expect(a.mem_set_pool(&loc0, CU_MEM_ALLOCATION_TYPE_PINNED, mine) == CUDA_SUCCESS &&
              a.mem_get_pool(&current, &loc0, CU_MEM_ALLOCATION_TYPE_PINNED) == CUDA_SUCCESS && current == mine,
          "cuMemSetMemPool(device 0, the plain pool)");

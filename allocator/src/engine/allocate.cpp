@@ -116,6 +116,10 @@ void DeviceEngine::State::free_block(Block* b, bool traced) {
 bool DeviceEngine::State::insert_events(Block* b) {
   StreamUses left;
   for (Stream st : b->stream_uses) {
+    if (retired(st)) {  // Note [Destroyed streams]: no event on a destroyed stream; its own, now
+      if (!retired_done(st) && forced_sync(st) != Status::ok) left.add(st);
+      continue;
+    }
     Event e = 0;
     if (driver->record_event(st, &e) != Status::ok) {
       // Could not record: wait for the stream instead, so the block is safe to reuse; if that fails too,

@@ -63,7 +63,7 @@ DeviceEngine::State::~State() {
       driver->release_event(e);
     }
   pending_events.clear();
-  for (Stream st : used) driver->synchronize_stream(st);
+  for (Stream st : used) forced_sync(st);  // a destroyed stream's event, another thread's per-thread mark
   active_blocks.for_each([](DevicePtr, Block* b) {
     b->state = BlockState::free;
     b->event_count = 0;
@@ -93,6 +93,8 @@ DeviceEngine::State::~State() {
   retry_deferred();
   for (auto& [st, m] : per_thread_marks)
     if (m.valid) driver->release_event(m.event);
+  for (auto& [st, r] : retired_streams)
+    if (r.pending) driver->release_event(r.event);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -120,7 +122,12 @@ void* DeviceEngine::allocate(std::size_t size, Stream stream, AllocError* err) {
     if (!s.deferred_until_no_capture.empty()) s.after_capture();
     if (s.pending_event_count) s.process_events();
   }
-  if (!s.retired_streams.empty()) s.retired_streams.erase(stream);  // a new stream with that handle value
+  // Note [Destroyed streams]: a value retired before is a new stream, after the old one's work.
+  if (!s.retired_streams.empty() && s.stream_named(stream) != Status::ok) {
+    set_error(err, Status::driver_error, std::move(s.wait_error));
+    s.wait_error.clear();
+    return nullptr;
+  }
   AllocParams p;
   p.requested = size;
   p.rounded = round_size(size, s.opts);
@@ -223,6 +230,9 @@ Status DeviceEngine::record_stream(void* ptr, Stream stream) {
   Block* b = s.active_blocks.get(reinterpret_cast<DevicePtr>(ptr));
   if (!b || b->state != BlockState::allocated || b->deferred) return Status::invalid_argument;
   if (stream == b->stream) return Status::ok;
+  // Note [Destroyed streams]: a value retired before is a new stream. If its old work could not be ordered
+  // (a failed wait), it stays retired: this use then waits for that work too, and the block for both.
+  if (!s.retired_streams.empty()) s.stream_named(stream);
   b->stream_uses.add(stream);
   return Status::ok;
 }
@@ -301,8 +311,12 @@ void DeviceEngine::capture_ended() {
 Status DeviceEngine::retire_stream(Stream stream, AllocError* err) {
   State& s = *s_;
   std::lock_guard lk(s.mu);
-  if (s.capturing()) return Status::ok;  // no synchronisation during a capture; the stream stays as it was
-  if (s.forced_sync(stream) == Status::ok) s.retired_streams.insert(stream);
+  if (s.capturing()) return Status::ok;  // no event recorded during a capture; the stream stays as it was
+  if (s.retired(stream)) return Status::ok;  // retired already (the runtime's destroy goes on to the driver's)
+  // Note [Destroyed streams]: an event stands in for the stream; no wait now. Without one, the wait.
+  State::Retired r;
+  r.pending = s.driver->record_event(stream, &r.event) == Status::ok;
+  if (r.pending || s.forced_sync(stream) == Status::ok) s.retired_streams.emplace(stream, r);
   return report_waits(&s.wait_error, err);
 }
 

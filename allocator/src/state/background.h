@@ -64,7 +64,9 @@ struct BackgroundJob {
   std::vector<PhysHandle> unreleased;
   std::vector<std::pair<DevicePtr, std::size_t>> still_mapped;  // mapping by mapping
   bool to_pages = false;             // split: the handle is a piece of an earlier split: make pages
-  Event event = 0;                   // unmap_lent: the event the range's old mapping waits for
+  Event event = 0;                   // unmap_lent: the event the range's old mapping waits for; split: the
+                                     // event recorded on `stream` at the take (when `waits`)
+  bool waits = false;                // split: `event` was recorded (and run releases it)
   std::uint64_t id = 0;              // unmap_lent: the range; memory_info: the policy's answers so far
   std::atomic<int>* claim = nullptr; // unmap_lent: the range's state, which the run sets when it lets go
   std::size_t free_bytes = 0, total_bytes = 0;  // memory_info: the driver's answer

@@ -205,7 +205,15 @@ void DeviceEngine::State::add_reserved(bool small, std::int64_t bytes) {
 }
 
 Status DeviceEngine::State::forced_sync(Stream st) {
-  if (retired_streams.count(st)) return Status::ok;  // waited for when it was destroyed
+  if (retired(st)) {  // Note [Destroyed streams]: its event stands in for it
+    Retired& r = retired_streams[st];
+    if (!r.pending) return Status::ok;
+    ++stats.num_forced_syncs;
+    if (driver->synchronize_event(r.event) != Status::ok) return wait_failed("the synchronisation of a destroyed stream's work");
+    driver->release_event(r.event);
+    r.pending = false;
+    return Status::ok;
+  }
   ++stats.num_forced_syncs;
   Status r = Status::ok;
   if (is_per_thread_stream(st) && st != per_thread_stream()) {
@@ -235,8 +243,34 @@ void DeviceEngine::State::mark_per_thread_free(Stream st) {
   m.valid = driver->record_event(st, &m.event) == Status::ok;
 }
 
+bool DeviceEngine::State::retired_done(Stream st) {
+  Retired& r = retired_streams[st];
+  if (r.pending && driver->query_event(r.event) == Status::ok) {
+    driver->release_event(r.event);
+    r.pending = false;
+  }
+  return !r.pending;
+}
+
+Status DeviceEngine::State::stream_named(Stream st) {
+  auto it = retired_streams.find(st);
+  if (it == retired_streams.end()) return Status::ok;
+  if (it->second.pending) {
+    // A wait on the stream is not made during a capture: the stream may be the one capturing, and the wait
+    // would become a node of its graph.
+    const Event e = it->second.event;
+    if (driver->query_event(e) != Status::ok && (capturing() || driver->stream_wait_event(st, e) != Status::ok)) {
+      ++stats.num_forced_syncs;
+      if (driver->synchronize_event(e) != Status::ok) return wait_failed("the synchronisation of a destroyed stream's work");
+    }
+    driver->release_event(e);
+  }
+  retired_streams.erase(it);
+  return Status::ok;
+}
+
 bool DeviceEngine::State::stream_idle(Stream st) {
-  if (retired_streams.count(st)) return true;
+  if (retired(st)) return retired_done(st);
   if (is_per_thread_stream(st) && st != per_thread_stream()) {
     auto it = per_thread_marks.find(st);
     return it == per_thread_marks.end() || (it->second.valid && driver->query_event(it->second.event) == Status::ok);

@@ -254,9 +254,34 @@ struct DeviceEngine::State {
   struct Mark { Event event = 0; bool valid = false; };
   std::unordered_map<Stream, Mark> per_thread_marks;
   void mark_per_thread_free(Stream s);
-  // Streams the program destroyed (retire_stream): their work is done; nothing waits for them again until
-  // a stream with the same handle value is used.
-  std::set<Stream> retired_streams;
+  // Note [Destroyed streams]
+  // cuStreamDestroy returns at once and the stream's queued work still runs; the driver may then give its
+  // handle value to a new stream (as soon as that work is done, the libcuda double's reading; RMM's issue 649
+  // reports CUDA reusing stream values at once). A destroyed handle may not be named in a driver call again:
+  // it is a freed driver object. retire_stream records one event on the stream before the program destroys
+  // it, without waiting (the wait under the device lock held every thread of the device for as long as that
+  // work ran) and from then on stands in for the stream: a forced sync synchronises it, an idle test queries
+  // it, and a path that would record an event on the stream (a free's stream uses, a lend, a split) waits for
+  // it instead, at once when it is done. When the program names the value again (an allocation on it, a
+  // record_stream onto it) it is a stream again: while the old work is still pending, the new stream first
+  // waits for the event (cuStreamWaitEvent, asynchronous), so that everything queued on the value after it,
+  // which may reuse the old stream's free blocks, comes after the old work (during a capture the wait would
+  // be a node of the graph if the value is the capturing stream: the engine synchronises the event then).
+  // The event is recorded outside every capture (retire_stream records nothing while one may be under way),
+  // so querying or synchronising it during one is allowed (R14 forbids it for captured events and capturing
+  // streams; the driver makes such calls in relaxed mode).
+  struct Retired {
+    Event event = 0;
+    bool pending = false;  // event recorded and not yet seen complete
+  };
+  std::unordered_map<Stream, Retired> retired_streams;
+  bool retired(Stream st) const { return !retired_streams.empty() && retired_streams.count(st) != 0; }
+  // A retired stream whose work is done (its event queried).
+  bool retired_done(Stream st);
+  // The program names st (an allocation or a record_stream on it): a value retired before is a new stream,
+  // ordered after the old one's pending work. driver_error when neither the stream wait nor a synchronisation
+  // could order it (wait_error says which); st stays retired then.
+  Status stream_named(Stream st);
   // Whether all work queued on s is done now (an event recorded and queried; a mark for another thread's
   // per-thread stream); a driver error counts as not idle.
   bool stream_idle(Stream s);

@@ -118,6 +118,20 @@ bool HandleSplitter::take(BackgroundJob* job) {
     const DevicePtr va = seg.base + first * page_;
     Block* b = covering(seg, hint, va, k * page_);
     if (!b) continue;  // reused, or merged into a range with a live block
+    // The range's last users queued their work on its stream before it went back to the pool; an event
+    // recorded now completes after all of it (R13: what is unmapped must not be in use). It is recorded
+    // here, under the lock: once the lock is free the program may destroy the stream (Note [Destroyed
+    // streams]). A destroyed stream's work is waited for by its own event: the split waits until it is done.
+    Event e = 0;
+    const bool retired = s_.retired(b->stream);
+    if (retired ? !s_.retired_done(b->stream) : s_.driver->record_event(b->stream, &e) != Status::ok) {
+      queued_[h] = true;  // another chance at the next free, as a cancelled split gets
+      retry_.push_back(h);
+      hints_[h] = b;
+      continue;
+    }
+    job->event = e;
+    job->waits = !retired;
     job->kind = BackgroundJob::Kind::split;
     job->segment = &seg;
     job->first = first;
@@ -165,17 +179,16 @@ void HandleSplitter::run(Driver& d, std::size_t page, BackgroundJob& job, const 
                          bool manual) {
   using Outcome = BackgroundJob::Outcome;
   auto aborted = [&] { return abort.load(std::memory_order_relaxed); };
-  // The range's last users queued their work on its stream before it went back to the pool; an event
-  // recorded now completes after all of it (R13: what is unmapped must not be in use).
-  Event e = 0;
-  if (d.record_event(job.stream, &e) != Status::ok) return;
-  Status q;
-  for (auto wait = std::chrono::microseconds(20); (q = d.query_event(e)) == Status::not_ready;) {
-    if (manual || aborted() || wait > std::chrono::milliseconds(50)) break;  // try again later
-    std::this_thread::sleep_for(wait);
-    wait *= 2;
+  // The event take() recorded on the range's stream (R13: what is unmapped must not be in use).
+  Status q = Status::ok;
+  if (job.waits) {
+    for (auto wait = std::chrono::microseconds(20); (q = d.query_event(job.event)) == Status::not_ready;) {
+      if (manual || aborted() || wait > std::chrono::milliseconds(50)) break;  // try again later
+      std::this_thread::sleep_for(wait);
+      wait *= 2;
+    }
+    d.release_event(job.event);
   }
-  d.release_event(e);
   if (q != Status::ok || aborted()) return;
   if (d.unmap(job.va, job.pages * page) != Status::ok) return;  // nothing changed
   job.outcome = Outcome::gave_back;  // from here on, a failure leaves the range unmapped and released

@@ -136,7 +136,7 @@ std::size_t FraglessPolicy::unmap_pages(Segment& seg, std::size_t first, std::si
     // Note [Lending pages without a sync]: the old mappings stay until the stream's queued work is done.
     const Stream to = how.growth->stream;
     Event e = 0;
-    if (s_.driver->record_event(seg.stream, &e) == Status::ok &&
+    if (!s_.retired(seg.stream) && s_.driver->record_event(seg.stream, &e) == Status::ok &&
         (seg.stream == to || s_.driver->stream_wait_event(to, e) == Status::ok)) {
       lent_.add(seg, first, n, e, handles_at(seg, first, n));
       s_.background.wake();  // Note [Unmaps in the background]
@@ -144,7 +144,8 @@ std::size_t FraglessPolicy::unmap_pages(Segment& seg, std::size_t first, std::si
       if (seg.small) move_reserved(false, n * page_);
       return n;
     }
-    // No event: wait for the stream instead, then unmap at once; a failed wait unmaps nothing.
+    // No event (or a destroyed stream, Note [Destroyed streams]): wait for the stream instead, then unmap at
+    // once; a failed wait unmaps nothing.
     if (s_.forced_sync(seg.stream) != Status::ok) return 0;
   }
   if (s_.driver->unmap(seg.base + first * page_, n * page_) != Status::ok) {
