@@ -79,6 +79,7 @@ struct Real {
   cudaError_t (*get_device)(int*) = next<decltype(get_device)>("cudaGetDevice");
   cudaError_t (*set_device)(int) = next<decltype(set_device)>("cudaSetDevice");
   cudaError_t (*device_synchronize)() = next<decltype(device_synchronize)>("cudaDeviceSynchronize");
+  cudaError_t (*get_last_error)() = next<decltype(get_last_error)>("cudaGetLastError");
   cudaError_t (*stream_is_capturing)(cudaStream_t, int*) = next<decltype(stream_is_capturing)>("cudaStreamIsCapturing");
   cudaError_t (*stream_is_capturing_ptsz)(cudaStream_t, int*) =
       next<decltype(stream_is_capturing_ptsz)>("cudaStreamIsCapturing_ptsz");
@@ -326,8 +327,12 @@ cudaError_t allocate(void** out, size_t size, cudaStream_t stream, bool async, b
     ++g_counts.fallbacks;
     const cudaError_t r = real_malloc_async(out, size, stream, ptsz);
     // Note [Forwarded allocations out of memory] (preload_core.h)
-    if (r != kMemoryAllocation || !fragless_preload::release_for_forwarded(dev)) return r;
-    return real_malloc_async(out, size, stream, ptsz);
+    if (r != kMemoryAllocation || fragless_preload::current_pool_cap_reached(dev, size) ||
+        !fragless_preload::release_for_forwarded(dev))
+      return r;
+    const cudaError_t again = real_malloc_async(out, size, stream, ptsz);
+    if (again == kSuccess && real().get_last_error) real().get_last_error();  // the first try's error, taken back
+    return again;
   }
   ++g_counts.mallocs;
   if (size == 0) {
@@ -494,7 +499,7 @@ bool release_for_forwarded(int device) {
   fragless::Allocator* a = ip().ready.load(std::memory_order_acquire);
   fragless::DeviceEngine* e = a && device >= 0 ? a->existing(device) : nullptr;
   if (!e) return false;
-  const std::size_t before = e->usage().reserved;
+  const std::int64_t before = e->usage().reserved;
   ip().drain(device);
   fragless::AllocError err;
   if (e->empty_cache(&err) != fragless::Status::ok) std::fprintf(stderr, "%s\n", err.message.c_str());
@@ -609,7 +614,9 @@ FRAGLESS_EXPORT cudaError_t cudaStreamEndCapture_ptsz(cudaStream_t s, cudaGraph_
 // The stream's blocks are settled first (fragless_preload::retire_stream).
 FRAGLESS_EXPORT cudaError_t cudaStreamDestroy(cudaStream_t s) {
   const auto v = reinterpret_cast<std::uintptr_t>(s);
-  if (ip().ready.load(std::memory_order_acquire) && v > kStreamPerThread) fragless_preload::retire_stream(v, device_of(s));
+  // A capturing stream is not retired: its destroy fails, and an event recorded on it would be a graph node.
+  if (ip().ready.load(std::memory_order_acquire) && v > kStreamPerThread && !capturing(s, false))
+    fragless_preload::retire_stream(v, device_of(s));
   return real().stream_destroy ? real().stream_destroy(s) : kInvalidValue;
 }
 

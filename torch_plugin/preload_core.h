@@ -67,14 +67,21 @@ void capture_ended(fragless::Stream stream);
 void retire_stream(fragless::Stream stream, int device);
 
 // Note [Forwarded allocations out of memory]
-// An allocation fragless hands to the runtime or the driver on a device where it has an engine (a memory pool
-// it cannot serve as the driver would, a stream of another device than the pool's) competes with fragless's
-// cache for the device's memory. When the runtime or the driver says it is out of memory, the caller calls
-// this and, when it returns true, tries once more: the fence's deferred frees go back, then fragless's cached
-// memory on the device (empty_cache), as a caching allocator's own retry would free its cache. True when
-// fragless's reserved memory there fell. An allocation forwarded during a capture is not retried this way
-// (empty_cache releases nothing then).
+// An allocation fragless hands to the driver on a device where it has an engine (cuMemAllocAsync from a
+// current pool fragless cannot serve as the driver would, cuMemAllocFromPoolAsync from such a pool or on a
+// stream of another device than the pool's; the runtime's cudaMallocAsync to such a pool, which reaches the
+// driver half as a recursion and is retried by the runtime half) competes with fragless's cache for the
+// device's memory. When the driver (or the runtime) says it is out of
+// memory, the caller calls this and, when it returns true, tries once more: the fence's deferred frees
+// go back, then fragless's cached memory on the device (empty_cache), as a caching allocator frees its cache
+// before it fails. True when fragless's reserved memory there fell. Not for a pool whose own maximum size
+// explains the failure (its reserved memory and the request exceed it: no cache of fragless's is in the way),
+// and not during a capture (empty_cache releases nothing then). The driver API keeps no last error; the
+// runtime does, and a retry that succeeds takes the first try's error back (cudaGetLastError), as PyTorch does
+// after an allocation it retries.
 bool release_for_forwarded(int device);
+// Whether an allocation of `size` from `device`'s current pool fails for that pool's own maximum size.
+bool current_pool_cap_reached(int device, size_t size);
 
 // Note [Free memory at one moment]: cudaMemGetInfo and cuMemGetInfo answer the driver's free memory plus what
 // fragless holds cached (reserved less allocated). The real call comes first, with no lock held (its error,

@@ -172,12 +172,13 @@ CUresult alloc_sync(CUdeviceptr* out, size_t size) {
 
 std::atomic<bool> g_said_pool{false}, g_said_stream{false};
 
-// A forwarded allocation on `device`, tried once more when the driver is out of memory and fragless gave its
-// cache there back (Note [Forwarded allocations out of memory], preload_core.h).
+// A forwarded allocation of `size` from pool k (nullptr: unknown) of `device`, tried once more when the driver
+// is out of memory and fragless gave its cache there back (Note [Forwarded allocations out of memory],
+// preload_core.h).
 template <class F>
-CUresult forward_on(int device, F&& forward) {
+CUresult forward_on(int device, const KnownPool* k, size_t size, F&& forward) {
   const CUresult r = forward();
-  if (r != CUDA_ERROR_OUT_OF_MEMORY) return r;
+  if (r != CUDA_ERROR_OUT_OF_MEMORY || pool_cap_reached(k, size)) return r;
   bool released = false;
   {
     Inside in;
@@ -198,7 +199,7 @@ CUresult alloc_async(CUdeviceptr* out, size_t size, CUstream s, bool ptsz) {
   fragless::DeviceEngine* e = engine_for(dev);
   if (!e) return forward();
   KnownPool* k = fragless_preload::current_pool_served(dev);
-  if (!k) return forward_on(dev, forward);
+  if (!k) return forward_on(dev, current_pool(dev), size, forward);
   const CUresult r = serve(e, dev, size, stream_key(s, ptsz), out);
   if (r == CUDA_SUCCESS) fragless_preload::count_in(dev, reinterpret_cast<void*>(*out), k, size);
   return r;
@@ -216,12 +217,12 @@ CUresult alloc_from_pool(CUdeviceptr* out, size_t size, CUmemoryPool pool, CUstr
     say_once(g_said_pool,
              "a memory pool fragless cannot serve as the driver would (unknown to it, or with a shareable handle "
              "type, a maximum size, a usage, or access for a peer it does not grant): its allocations go to the driver");
-    return k ? forward_on(k->device.load(std::memory_order_relaxed), forward) : forward();
+    return k ? forward_on(k->device.load(std::memory_order_relaxed), k, size, forward) : forward();
   }
   const int dev = k->device.load(std::memory_order_relaxed);
   if (stream_device(s) != dev) {  // fragless orders a block only on streams of its own device
     say_once(g_said_stream, "cuMemAllocFromPoolAsync on a stream of another device than the pool's goes to the driver");
-    return forward_on(dev, forward);
+    return forward_on(dev, k, size, forward);
   }
   fragless::DeviceEngine* e = engine_for(dev);
   if (!e) return forward();
@@ -315,7 +316,9 @@ bool answer(CUpointer_attribute attr, void* data, int device, CUdeviceptr p, CUd
 // stream's blocks.
 CUresult destroy_stream(CUstream s, CUresult (*destroy)(CUstream)) {
   if (!destroy) return CUDA_ERROR_NOT_SUPPORTED;
-  if (!default_stream(s) && !recursing()) fragless_preload::retire_stream(stream_key(s, false), stream_device(s));
+  // A capturing stream is not retired: its destroy fails, and an event recorded on it would be a graph node.
+  if (!default_stream(s) && !recursing() && !capturing(s, false))
+    fragless_preload::retire_stream(stream_key(s, false), stream_device(s));
   return destroy(s);
 }
 

@@ -159,14 +159,20 @@ bool capturing(CUstream s, bool ptsz);
 // a lock (pool calls are rare), read without one.
 struct KnownPool {
   std::atomic<CUmemoryPool> pool{nullptr};
-  std::atomic<int> device{-1};
+  std::atomic<int> device{-1};  // the pool's device (for a pool of device memory, servable or not)
   std::atomic<bool> servable{false};
+  std::atomic<std::uint64_t> max_size{0};  // CUmemPoolProps::maxSize at its creation (0: none)
   // R24: fragless memory allocated from the pool and not freed yet (the sizes asked), and its high-water
   // marks since the program last reset CU_MEMPOOL_ATTR_USED_MEM_HIGH and RESERVED_MEM_HIGH.
   std::atomic<std::uint64_t> used{0}, used_high{0}, reserved_high{0};
 };
 
 KnownPool* find_pool(CUmemoryPool p);
+// The pool cuMemAllocAsync on `device` allocates from, if the interposer knows it (nullptr otherwise).
+KnownPool* current_pool(int device);
+// Whether a driver allocation of `size` from k fails for k's own maximum size (its reserved memory and the
+// request exceed it), not for the device's memory (Note [Forwarded allocations out of memory]).
+bool pool_cap_reached(const KnownPool* k, size_t size);
 // The buffer id of the block at `base` on `device` (0: none can be kept; R25).
 unsigned long long buffer_id(int device, CUdeviceptr base);
 // The pool the block at `base` was allocated from (nullptr: none, or not from a pool).

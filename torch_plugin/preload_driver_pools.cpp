@@ -44,6 +44,7 @@ void remember_pool(CUmemoryPool p, int device, bool servable) {
     k->pool.store(nullptr, std::memory_order_release);
     k->used_high.store(0, std::memory_order_relaxed);
     k->reserved_high.store(0, std::memory_order_relaxed);
+    k->max_size.store(0, std::memory_order_relaxed);
   }
   k->device.store(device, std::memory_order_relaxed);
   k->servable.store(servable, std::memory_order_relaxed);
@@ -77,7 +78,6 @@ void remember_default_pool(CUmemoryPool p, int device) {
 // before it followed pools, where the driver's own would fail.
 KnownPool g_no_pools;
 
-// The pool cuMemAllocAsync on `device` allocates from, if the interposer knows it (nullptr otherwise).
 KnownPool* current_pool(int device) {
   if (device < 0 || device >= kMaxDevices) return nullptr;
   if (CUmemoryPool p = g_current_pools[device].load(std::memory_order_acquire)) return find_pool(p);
@@ -92,6 +92,15 @@ KnownPool* current_pool(int device) {
     }
   }
   return p ? find_pool(p) : nullptr;
+}
+
+bool pool_cap_reached(const KnownPool* k, size_t size) {
+  const std::uint64_t cap = k ? k->max_size.load(std::memory_order_relaxed) : 0;
+  if (cap == 0) return false;
+  cuuint64_t reserved = 0;
+  const CUmemoryPool p = k->pool.load(std::memory_order_acquire);
+  return real().pool_get_attribute && real().pool_get_attribute(p, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &reserved) == CUDA_SUCCESS &&
+         reserved + size > cap;
 }
 
 void raise_to(std::atomic<std::uint64_t>& high, std::uint64_t v) {
@@ -177,8 +186,10 @@ FRAGLESS_EXPORT CUresult cuMemPoolCreate(CUmemoryPool* pool, const CUmemPoolProp
                   props->handleTypes == CU_MEM_HANDLE_TYPE_NONE && props->maxSize == 0 && props->usage == 0;
   int dev = -1;
   CUdevice d = -1;
-  if (servable && real().device_get(&d, props->location.id) == CUDA_SUCCESS) dev = props->location.id;
+  if (props->location.type == CU_MEM_LOCATION_TYPE_DEVICE && real().device_get(&d, props->location.id) == CUDA_SUCCESS)
+    dev = props->location.id;  // known for a pool fragless cannot serve too (Note [Forwarded allocations out of memory])
   remember_pool(*pool, dev, servable && dev >= 0);
+  if (KnownPool* k = find_pool(*pool)) k->max_size.store(props->maxSize, std::memory_order_relaxed);
   return r;
 }
 
@@ -262,6 +273,10 @@ fragless_preload::cu::KnownPool* fragless_preload::current_pool_served(int devic
            "driver would (unknown to it, or with a shareable handle type, a maximum size, a usage, or access for a "
            "peer it does not grant): its allocations go to the runtime or the driver");
   return nullptr;
+}
+
+bool fragless_preload::current_pool_cap_reached(int device, size_t size) {
+  return pool_cap_reached(current_pool(device), size);
 }
 
 void fragless_preload::count_in(int device, const void* p, cu::KnownPool* k, std::uint64_t asked) {

@@ -15,5 +15,6 @@ cu::KnownPool g_served;
 cu::KnownPool* current_pool_served(int) { return &g_served; }
 void count_in(int, const void*, cu::KnownPool*, std::uint64_t) {}
 void forget(int, const void*) {}
+bool current_pool_cap_reached(int, size_t) { return false; }
 
 }  // namespace fragless_preload

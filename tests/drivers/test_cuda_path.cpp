@@ -16,6 +16,14 @@ constexpr std::size_t MiB = 1u << 20;
 constexpr PolicyKind kPolicies[] = {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless};
 
 // A block of `size` bytes on `stream`; the test cannot go on without it.
+// The double gives a destroyed stream's value to the next stream at once while one lives (RMM's issue 649).
+struct ReuseStreamsAtOnce {
+  ReuseStreamsAtOnce() { fake().reuse_streams_at_once(1); }
+  ~ReuseStreamsAtOnce() { fake().reuse_streams_at_once(0); }
+  ReuseStreamsAtOnce(const ReuseStreamsAtOnce&) = delete;
+  ReuseStreamsAtOnce& operator=(const ReuseStreamsAtOnce&) = delete;
+};
+
 void* must_allocate(DeviceEngine& e, std::size_t size, Stream stream) {
   void* p = e.allocate(size, stream, nullptr);
   REQUIRE(p);
@@ -495,7 +503,7 @@ TEST_CASE("cuda driver: a retired stream is not waited for at its destroy and it
   auto waits = [] {
     return fake().calls("cuStreamSynchronize") + fake().calls("cuEventSynchronize") + fake().calls("cuCtxSynchronize");
   };
-  fake().reuse_streams_at_once(1);
+  ReuseStreamsAtOnce at_once;
   for (PolicyKind p : kPolicies) {
     INFO(policy_name(p));
     for (bool by_record_stream : {false, true}) {
@@ -543,7 +551,42 @@ TEST_CASE("cuda driver: a retired stream is not waited for at its destroy and it
       require_nothing_held();
     }
   }
-  fake().reuse_streams_at_once(0);
+}
+
+TEST_CASE("cuda driver: a block live when its stream is destroyed and freed on a stream given the same value is "
+          "waited for on the new stream (virtual clock)",
+          "[cuda][streams]") {
+  // RMM's issue 649 with the block still live: allocated on S, S destroyed (retired), a new stream given S's
+  // value at once uses the block and frees it there (the interposer's cudaFreeAsync: a record_stream onto the
+  // new stream, which is the block's own value, then the free). What goes back after must wait for the new
+  // stream's work, not only for the old stream's event.
+  ReuseStreamsAtOnce at_once;
+  for (PolicyKind p : kPolicies) {
+    INFO(policy_name(p));
+    {
+      auto a = make_lazy(p);
+      DeviceEngine& e = *a->device(0);
+      void* s = fake().stream_create(0);
+      REQUIRE(s);
+      const auto S = reinterpret_cast<Stream>(s);
+      void* x = must_allocate(e, 8 * MiB, S);
+      REQUIRE(fake().work(S, x, 8 * MiB, 10) == CUDA_SUCCESS);
+      REQUIRE(e.retire_stream(S) == Status::ok);
+      REQUIRE(fake().stream_destroy(s) == CUDA_SUCCESS);
+      void* s2 = fake().stream_create(0);
+      REQUIRE(s2 == s);
+      fake().advance(100);  // the old stream's kernel is done (the program orders its own uses of the block)
+      REQUIRE(fake().work(S, x, 8 * MiB, 5000) == CUDA_SUCCESS);  // the new stream's long kernel on the block
+      REQUIRE(e.record_stream(x, S) == Status::ok);
+      REQUIRE(e.free(x) == Status::ok);
+      CHECK(e.empty_cache() == Status::ok);  // unmaps only after the new stream's kernel
+      CHECK(fake().now().faults == 0);
+      CHECK(fake().first_fault() == std::string());
+      CHECK(e.usage().reserved == 0);
+      fake().stream_destroy(s2);
+    }
+    require_nothing_held();
+  }
 }
 
 TEST_CASE("cuda driver: a retired stream's blocks go back after its work and no driver call names it (virtual "
@@ -566,8 +609,10 @@ TEST_CASE("cuda driver: a retired stream's blocks go back after its work and no 
       REQUIRE(fake().work(S, x, 8 * MiB, 1000) == CUDA_SUCCESS);
       REQUIRE(fake().work(S, u, 4 * MiB, 1000) == CUDA_SUCCESS);
       REQUIRE(e.free(x) == Status::ok);
+      const auto t0 = fake().clock();
       REQUIRE(e.retire_stream(S) == Status::ok);
       REQUIRE(fake().stream_destroy(s) == CUDA_SUCCESS);
+      CHECK(fake().clock() == t0);  // the destroy did not wait
       const auto records = fake().calls("cuEventRecord");
       REQUIRE(e.free(u) == Status::ok);  // its use on the destroyed stream: the retired event stands in
       CHECK(fake().calls("cuEventRecord") == records);  // nothing recorded on the destroyed handle
@@ -580,6 +625,41 @@ TEST_CASE("cuda driver: a retired stream's blocks go back after its work and no 
     }
     require_nothing_held();
   }
+}
+
+TEST_CASE("cuda driver: a hole of a destroyed stream is lent in device order without a host wait (virtual clock)",
+          "[cuda][lend][streams]") {
+  // Note [Destroyed streams]: the device is full and the only free memory is a hole freed on a stream the
+  // program has since destroyed, its kernel still running. The growth on B lends it as it would a live
+  // stream's: B waits for the destroyed stream's event on the device, and the host does not wait.
+  constexpr unsigned long long kLong = 100000;
+  const Stream B = kFaultStreamB;
+  {
+    auto a = make_lazy(PolicyKind::fragless);
+    DeviceEngine& e = *a->device(0);
+    void* s = fake().stream_create(0);
+    REQUIRE(s);
+    const auto A = reinterpret_cast<Stream>(s);
+    void* x = must_allocate(e, 16 * MiB, A);
+    REQUIRE(fake().work(A, x, 16 * MiB, kLong) == CUDA_SUCCESS);
+    REQUIRE(e.free(x) == Status::ok);
+    REQUIRE(e.retire_stream(A) == Status::ok);
+    REQUIRE(fake().stream_destroy(s) == CUDA_SUCCESS);
+    fake().capacity(0, e.usage().reserved + 8 * MiB);
+    const auto syncs = e.stats().num_forced_syncs;
+    const auto start = fake().clock();
+    void* y = must_allocate(e, 16 * MiB, B);
+    CHECK(fake().clock() == start);  // the host did not wait for the destroyed stream's kernel
+    CHECK(e.stats().num_forced_syncs == syncs);
+    REQUIRE(fake().work(B, y, 16 * MiB, 10) == CUDA_SUCCESS);
+    CHECK(fake().done_at(as_ptr(B)) >= start + kLong);  // B's kernel came after it on the device
+    CHECK(fake().now().faults == 0);
+    REQUIRE(e.free(y) == Status::ok);
+    fake().advance(2 * kLong);
+    CHECK(e.empty_cache() == Status::ok);
+    fake().capacity(0, 1024 * MiB);
+  }
+  require_nothing_held();
 }
 
 TEST_CASE("cuda driver: lending across streams waits for what it must, not for newer work (virtual clock)",

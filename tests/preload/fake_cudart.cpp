@@ -4,7 +4,8 @@
 // each device's primary context is retained on its first use and made current on the calling thread
 // (cudaSetDevice initialises the device, as CUDA 12's does); streams, stream capture, cudaStreamGetDevice,
 // cudaDeviceSynchronize (cuCtxSynchronize) and the memory pools are the double's. Built with FAKECUDART_BEFORE_12_8 it has no
-// cudaStreamGetDevice, as runtimes before CUDA 12.8.
+// cudaStreamGetDevice, as runtimes before CUDA 12.8. The stream-ordered allocations keep the thread's last error
+// (cudaGetLastError, cudaPeekAtLastError).
 #include <dlfcn.h>
 
 #include <cstdint>
@@ -100,9 +101,25 @@ API cudaError_t cudaFree(void* p) {
   std::free(p);
   return 0;
 }
+namespace {
+// The runtime's last error, per thread (cudaGetLastError returns it and resets it; an error of a later call
+// replaces it; a success leaves it). Only the allocation calls set it here.
+thread_local cudaError_t t_last_error = 0;
+cudaError_t noted(cudaError_t r) {
+  if (r) t_last_error = r;
+  return r;
+}
+}  // namespace
+API cudaError_t cudaGetLastError() {
+  count("cudaGetLastError");
+  const cudaError_t r = t_last_error;
+  t_last_error = 0;
+  return r;
+}
+API cudaError_t cudaPeekAtLastError() { return t_last_error; }
 API cudaError_t cudaMallocAsync(void** p, size_t size, cudaStream_t s) {
   count("cudaMallocAsync");
-  return malloc_async(p, size, s, false);
+  return noted(malloc_async(p, size, s, false));
 }
 API cudaError_t cudaFreeAsync(void* p, cudaStream_t s) {
   count("cudaFreeAsync");
@@ -396,7 +413,7 @@ API cudaError_t cudaStreamEndCapture_ptsz(cudaStream_t s, void** graph) {
 }
 API cudaError_t cudaMallocAsync_ptsz(void** p, size_t size, cudaStream_t s) {
   count("cudaMallocAsync_ptsz");
-  return malloc_async(p, size, s, true);
+  return noted(malloc_async(p, size, s, true));
 }
 API cudaError_t cudaFreeAsync_ptsz(void* p, cudaStream_t s) {
   count("cudaFreeAsync_ptsz");

@@ -522,22 +522,38 @@ int main(int argc, char** argv) {
          "cuMemAllocAsync: the driver's, from the limited pool");
   expect(a.free_async(y, s) == CUDA_SUCCESS && d.census().own_allocations == 0, "its free reached the driver");
   //     Note [Forwarded allocations out of memory]: with fragless's cache filling the device, a driver
-  //     allocation forwarded there succeeds once fragless has given that cache back.
+  //     allocation forwarded there (from the current pool, and from the pool by name: one fragless refused at
+  //     its creation) succeeds once fragless has given that cache back; one that fails for the pool's own
+  //     maximum size leaves fragless's cache alone.
   {
-    CUdeviceptr big = 0, z = 0;
-    if (d.free_bytes(0) >= 48 * MiB)
-      expect(a.alloc(&big, d.free_bytes(0) - 24 * MiB) == CUDA_SUCCESS && d.fragless(big, 0) && a.free(big) == CUDA_SUCCESS,
-             "fragless's cache fills device 0");
-    size_t fa = 0, fr = 0;
-    const std::size_t room = d.free_bytes(0);
-    const bool read = d.preload_memory(0, &fa, &fr) == 0;
-    expect(read && fr - fa >= 48 * MiB && room < 48 * MiB,
-           "fragless holds " + std::to_string((fr - fa) >> 20) + " MiB cached or behind its fence, the driver " +
-               std::to_string(room >> 20) + " MiB free");
-    expect(a.alloc_async(&z, 48 * MiB, s) == CUDA_SUCCESS && !d.fragless(z, 0) && d.census().own_allocations == 1,
-           "48 MiB from the limited pool: the driver's, once fragless gave its cache back");
-    expect(d.preload_memory(0, &fa, &fr) == 0 && fr - fa < 48 * MiB, "fragless's cache went back");
-    expect(a.free_async(z, s) == CUDA_SUCCESS && d.census().own_allocations == 0, "freed to the driver");
+    auto reserved = [&] {
+      size_t fa = 0, fr = 0;
+      return d.preload_memory(0, &fa, &fr) == 0 ? fr : 0;
+    };
+    auto fill = [&] {
+      CUdeviceptr big = 0;
+      if (d.free_bytes(0) >= 48 * MiB)
+        expect(a.alloc(&big, d.free_bytes(0) - 24 * MiB) == CUDA_SUCCESS && d.fragless(big, 0) && a.free(big) == CUDA_SUCCESS,
+               "fragless's cache fills device 0");
+      const std::size_t held = reserved(), room = d.free_bytes(0);
+      expect(held >= 64 * MiB && room < 32 * MiB,
+             "fragless reserves " + std::to_string(held >> 20) + " MiB, the driver has " + std::to_string(room >> 20) + " MiB free");
+      return held;
+    };
+    CUdeviceptr z[2] = {0, 0};
+    for (int by_name = 0; by_name < 2; ++by_name) {
+      const std::string how = by_name ? "cuMemAllocFromPoolAsync(the limited pool)" : "cuMemAllocAsync (the limited pool current)";
+      const std::size_t held = fill();
+      const CUresult r = by_name ? a.alloc_pool(&z[by_name], 32 * MiB, lim, s) : a.alloc_async(&z[by_name], 32 * MiB, s);
+      expect(r == CUDA_SUCCESS && !d.fragless(z[by_name], 0), how + ": 32 MiB, the driver's, once fragless gave its cache back");
+      expect(reserved() + 32 * MiB <= held, "fragless's cache went back (" + std::to_string(reserved() >> 20) + " MiB reserved)");
+    }
+    const std::size_t held = fill();
+    CUdeviceptr w = 0;
+    expect(a.alloc_pool(&w, 2 * MiB, lim, s) == CUDA_ERROR_OUT_OF_MEMORY && reserved() == held,
+           "the limited pool at its 64 MiB: out of memory for the pool's own limit, fragless's cache kept");
+    expect(a.free_async(z[0], s) == CUDA_SUCCESS && a.free_async(z[1], s) == CUDA_SUCCESS && d.census().own_allocations == 0,
+           "freed to the driver");
   }
   expect(a.mem_set_pool(&loc0, CU_MEM_ALLOCATION_TYPE_PINNED, mine) == CUDA_SUCCESS &&
              a.mem_get_pool(&current, &loc0, CU_MEM_ALLOCATION_TYPE_PINNED) == CUDA_SUCCESS && current == mine,

@@ -131,8 +131,10 @@ class DeviceEngine {
   // ends; while one is under way the engine follows Note [Capture rules] (engine_state.h).
   void capture_began();
   void capture_ended();
-  // `stream` is about to be destroyed (cudaStreamDestroy): waits for its work, so that nothing need name it
-  // again; a later stream with the same handle value is a new stream. Failed waits are reported.
+  // `stream` is about to be destroyed (cudaStreamDestroy) and is not capturing: an event recorded on it stands
+  // in for it from now on, without a wait (Note [Destroyed streams], engine_state.h), so nothing names it
+  // again; a later stream with the same handle value is a new stream, ordered after that event. Failed waits
+  // (where no event could be recorded) are reported.
   Status retire_stream(Stream stream, AllocError* error = nullptr);
 
   // Sharing across processes (Note [Sharing], engine/share.cpp). share: the block that starts at ptr (an

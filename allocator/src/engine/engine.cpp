@@ -229,10 +229,11 @@ Status DeviceEngine::record_stream(void* ptr, Stream stream) {
   std::lock_guard lk(s.mu);
   Block* b = s.active_blocks.get(reinterpret_cast<DevicePtr>(ptr));
   if (!b || b->state != BlockState::allocated || b->deferred) return Status::invalid_argument;
-  if (stream == b->stream) return Status::ok;
-  // Note [Destroyed streams]: a value retired before is a new stream. If its old work could not be ordered
-  // (a failed wait), it stays retired: this use then waits for that work too, and the block for both.
+  // Note [Destroyed streams]: a value retired before is a new stream, even the block's own (a stream given the
+  // value of the one it was allocated on, as CUDA may do at once). If the old work could not be ordered (a
+  // failed wait), the value stays retired, named: later waits then cover both streams' work.
   if (!s.retired_streams.empty()) s.stream_named(stream);
+  if (stream == b->stream) return Status::ok;
   b->stream_uses.add(stream);
   return Status::ok;
 }
@@ -311,12 +312,13 @@ void DeviceEngine::capture_ended() {
 Status DeviceEngine::retire_stream(Stream stream, AllocError* err) {
   State& s = *s_;
   std::lock_guard lk(s.mu);
-  if (s.capturing()) return Status::ok;  // no event recorded during a capture; the stream stays as it was
   if (s.retired(stream)) return Status::ok;  // retired already (the runtime's destroy goes on to the driver's)
-  // Note [Destroyed streams]: an event stands in for the stream; no wait now. Without one, the wait.
+  // Note [Destroyed streams]: an event stands in for the stream; no wait now. The stream is not capturing (the
+  // caller's promise), so its event is no node of a graph, also while another stream captures. Without an
+  // event, the wait, which a capture under way forbids (the stream then stays as it was).
   State::Retired r;
   r.pending = s.driver->record_event(stream, &r.event) == Status::ok;
-  if (r.pending || s.forced_sync(stream) == Status::ok) s.retired_streams.emplace(stream, r);
+  if (r.pending || (!s.capturing() && s.forced_sync(stream) == Status::ok)) s.retired_streams.emplace(stream, r);
   return report_waits(&s.wait_error, err);
 }
 

@@ -207,12 +207,14 @@ void DeviceEngine::State::add_reserved(bool small, std::int64_t bytes) {
 Status DeviceEngine::State::forced_sync(Stream st) {
   if (retired(st)) {  // Note [Destroyed streams]: its event stands in for it
     Retired& r = retired_streams[st];
-    if (!r.pending) return Status::ok;
-    ++stats.num_forced_syncs;
-    if (driver->synchronize_event(r.event) != Status::ok) return wait_failed("the synchronisation of a destroyed stream's work");
-    driver->release_event(r.event);
-    r.pending = false;
-    return Status::ok;
+    if (r.pending) {
+      ++stats.num_forced_syncs;
+      if (driver->synchronize_event(r.event) != Status::ok) return wait_failed("the synchronisation of a destroyed stream's work");
+      driver->release_event(r.event);
+      r.pending = false;
+    }
+    if (!r.named) return Status::ok;
+    retired_streams.erase(st);  // the old work is done: the value is the new stream's alone, waited for below
   }
   ++stats.num_forced_syncs;
   Status r = Status::ok;
@@ -243,27 +245,46 @@ void DeviceEngine::State::mark_per_thread_free(Stream st) {
   m.valid = driver->record_event(st, &m.event) == Status::ok;
 }
 
+bool DeviceEngine::State::retired(Stream st) {
+  if (retired_streams.empty()) return false;
+  auto it = retired_streams.find(st);
+  if (it == retired_streams.end()) return false;
+  Retired& r = it->second;
+  if (!r.named) return true;
+  if (r.pending && driver->query_event(r.event) == Status::ok) {
+    driver->release_event(r.event);
+    r.pending = false;
+  }
+  if (r.pending) return true;
+  retired_streams.erase(it);  // named again and the old work done: a stream like any other
+  return false;
+}
+
 bool DeviceEngine::State::retired_done(Stream st) {
   Retired& r = retired_streams[st];
   if (r.pending && driver->query_event(r.event) == Status::ok) {
     driver->release_event(r.event);
     r.pending = false;
   }
-  return !r.pending;
+  // Named again after a failed wait: the new stream's work counts too, and is not covered by the event.
+  return !r.pending && !r.named;
 }
 
 Status DeviceEngine::State::stream_named(Stream st) {
   auto it = retired_streams.find(st);
   if (it == retired_streams.end()) return Status::ok;
-  if (it->second.pending) {
+  Retired& r = it->second;
+  if (r.pending) {
     // A wait on the stream is not made during a capture: the stream may be the one capturing, and the wait
     // would become a node of its graph.
-    const Event e = it->second.event;
-    if (driver->query_event(e) != Status::ok && (capturing() || driver->stream_wait_event(st, e) != Status::ok)) {
+    if (driver->query_event(r.event) != Status::ok && (capturing() || driver->stream_wait_event(st, r.event) != Status::ok)) {
       ++stats.num_forced_syncs;
-      if (driver->synchronize_event(e) != Status::ok) return wait_failed("the synchronisation of a destroyed stream's work");
+      if (driver->synchronize_event(r.event) != Status::ok) {
+        r.named = true;  // both streams' work counts from now on (retired, retired_done, forced_sync)
+        return wait_failed("the synchronisation of a destroyed stream's work");
+      }
     }
-    driver->release_event(e);
+    driver->release_event(r.event);
   }
   retired_streams.erase(it);
   return Status::ok;

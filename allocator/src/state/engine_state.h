@@ -270,17 +270,22 @@ struct DeviceEngine::State {
   // The event is recorded outside every capture (retire_stream records nothing while one may be under way),
   // so querying or synchronising it during one is allowed (R14 forbids it for captured events and capturing
   // streams; the driver makes such calls in relaxed mode).
+  // A value named again while neither the stream wait nor a synchronisation could order it after the old
+  // work (a failed wait, Note [Failed waits]) stays retired, `named`, until the old work is seen done: until
+  // then every wait for it waits for the event and then the stream, so both streams' work counts.
   struct Retired {
     Event event = 0;
     bool pending = false;  // event recorded and not yet seen complete
+    bool named = false;    // named again before the old work could be ordered
   };
   std::unordered_map<Stream, Retired> retired_streams;
-  bool retired(Stream st) const { return !retired_streams.empty() && retired_streams.count(st) != 0; }
-  // A retired stream whose work is done (its event queried).
+  // Whether st stands retired now (a named entry whose old work is done is forgotten here).
+  bool retired(Stream st);
+  // A retired stream whose work is done (its event queried); never for a named one.
   bool retired_done(Stream st);
   // The program names st (an allocation or a record_stream on it): a value retired before is a new stream,
   // ordered after the old one's pending work. driver_error when neither the stream wait nor a synchronisation
-  // could order it (wait_error says which); st stays retired then.
+  // could order it (wait_error says which); st stays retired, `named`, then.
   Status stream_named(Stream st);
   // Whether all work queued on s is done now (an event recorded and queried; a mark for another thread's
   // per-thread stream); a driver error counts as not idle.

@@ -136,16 +136,26 @@ std::size_t FraglessPolicy::unmap_pages(Segment& seg, std::size_t first, std::si
     // Note [Lending pages without a sync]: the old mappings stay until the stream's queued work is done.
     const Stream to = how.growth->stream;
     Event e = 0;
-    if (!s_.retired(seg.stream) && s_.driver->record_event(seg.stream, &e) == Status::ok &&
-        (seg.stream == to || s_.driver->stream_wait_event(to, e) == Status::ok)) {
+    bool recorded = false, ordered = false;
+    if (!s_.retired(seg.stream)) {
+      recorded = s_.driver->record_event(seg.stream, &e) == Status::ok;
+      ordered = recorded && (seg.stream == to || s_.driver->stream_wait_event(to, e) == Status::ok);
+    } else if (const auto& r = s_.retired_streams[seg.stream]; !r.named && !s_.capturing()) {
+      // Note [Destroyed streams]: `to` waits for the destroyed stream's event, and an event recorded on `to`
+      // then follows both (never on a stream that may be capturing: it would be a node of the graph).
+      ordered = (!r.pending || s_.driver->stream_wait_event(to, r.event) == Status::ok) &&
+                (recorded = s_.driver->record_event(to, &e) == Status::ok);
+    }
+    if (recorded && !ordered) s_.driver->release_event(e);
+    if (ordered) {
       lent_.add(seg, first, n, e, handles_at(seg, first, n));
       s_.background.wake();  // Note [Unmaps in the background]
       give_back(seg, first, n, how.growth);
       if (seg.small) move_reserved(false, n * page_);
       return n;
     }
-    // No event (or a destroyed stream, Note [Destroyed streams]): wait for the stream instead, then unmap at
-    // once; a failed wait unmaps nothing.
+    // No event: wait for the stream (a destroyed one's event) instead, then unmap at once; a failed wait
+    // unmaps nothing.
     if (s_.forced_sync(seg.stream) != Status::ok) return 0;
   }
   if (s_.driver->unmap(seg.base + first * page_, n * page_) != Status::ok) {
