@@ -80,6 +80,7 @@ struct Real {
   cudaError_t (*set_device)(int) = next<decltype(set_device)>("cudaSetDevice");
   cudaError_t (*device_synchronize)() = next<decltype(device_synchronize)>("cudaDeviceSynchronize");
   cudaError_t (*get_last_error)() = next<decltype(get_last_error)>("cudaGetLastError");
+  cudaError_t (*peek_last_error)() = next<decltype(peek_last_error)>("cudaPeekAtLastError");
   cudaError_t (*stream_is_capturing)(cudaStream_t, int*) = next<decltype(stream_is_capturing)>("cudaStreamIsCapturing");
   cudaError_t (*stream_is_capturing_ptsz)(cudaStream_t, int*) =
       next<decltype(stream_is_capturing_ptsz)>("cudaStreamIsCapturing_ptsz");
@@ -330,9 +331,11 @@ cudaError_t allocate(void** out, size_t size, cudaStream_t stream, bool async, b
     if (r != kMemoryAllocation || fragless_preload::current_pool_cap_reached(dev, size) ||
         !fragless_preload::release_for_forwarded(dev))
       return r;
-    const cudaError_t again = real_malloc_async(out, size, stream, ptsz);
-    if (again == kSuccess && real().get_last_error) real().get_last_error();  // the first try's error, taken back
-    return again;
+    // The first try's error is taken back unless something since replaced it (the release's synchronisation
+    // reporting a kernel's fault): the retry's own outcome is the call's.
+    if (real().peek_last_error && real().get_last_error && real().peek_last_error() == kMemoryAllocation)
+      real().get_last_error();
+    return real_malloc_async(out, size, stream, ptsz);
   }
   ++g_counts.mallocs;
   if (size == 0) {

@@ -77,8 +77,9 @@ void retire_stream(fragless::Stream stream, int device);
 // before it fails. True when fragless's reserved memory there fell. Not for a pool whose own maximum size
 // explains the failure (its reserved memory and the request exceed it: no cache of fragless's is in the way),
 // and not during a capture (empty_cache releases nothing then). The driver API keeps no last error; the
-// runtime does, and a retry that succeeds takes the first try's error back (cudaGetLastError), as PyTorch does
-// after an allocation it retries.
+// runtime does, and before the retry the first try's error is taken back (cudaGetLastError, when
+// cudaPeekAtLastError still shows it), as PyTorch does after an allocation it retries: a failed retry sets
+// it again.
 bool release_for_forwarded(int device);
 // Whether an allocation of `size` from `device`'s current pool fails for that pool's own maximum size.
 bool current_pool_cap_reached(int device, size_t size);

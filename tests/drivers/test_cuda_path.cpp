@@ -509,7 +509,9 @@ TEST_CASE("cuda driver: a retired stream is not waited for at its destroy and it
     for (bool by_record_stream : {false, true}) {
       INFO("the value named again by " << (by_record_stream ? "a record_stream" : "an allocation"));
       {
-        auto a = make_lazy(p);
+        Options o;
+        o.background = BackgroundMode::off;  // no split takes x's range out of the pool before y is allocated
+        auto a = make_lazy(p, o);
         DeviceEngine& e = *a->device(0);
         void* s = fake().stream_create(0);
         REQUIRE(s);
@@ -625,6 +627,71 @@ TEST_CASE("cuda driver: a retired stream's blocks go back after its work and no 
     }
     require_nothing_held();
   }
+}
+
+TEST_CASE("cuda driver: a value named again while its ordering fails then destroyed again is waited for and "
+          "never named after (virtual clock)",
+          "[cuda][streams]") {
+  // Note [Destroyed streams], the named state: S destroyed with its kernel running, a new stream given S's
+  // value at once, a record_stream onto it whose stream wait and synchronisation both fail (injected), then the
+  // new stream destroyed too. Nothing may name the destroyed handle afterwards (the double refuses it: a wait
+  // would fail and the memory stay), and nothing may be unmapped under either stream's work.
+  ReuseStreamsAtOnce at_once;
+  for (PolicyKind p : kPolicies) {
+    INFO(policy_name(p));
+    {
+      auto a = make_lazy(p);
+      DeviceEngine& e = *a->device(0);
+      void* s = fake().stream_create(0);
+      REQUIRE(s);
+      const auto S = reinterpret_cast<Stream>(s);
+      void* x = must_allocate(e, 8 * MiB, S);
+      REQUIRE(fake().work(S, x, 8 * MiB, 1000) == CUDA_SUCCESS);
+      REQUIRE(e.free(x) == Status::ok);
+      REQUIRE(e.retire_stream(S) == Status::ok);
+      REQUIRE(fake().stream_destroy(s) == CUDA_SUCCESS);
+      void* s2 = fake().stream_create(0);
+      REQUIRE(s2 == s);
+      void* z = must_allocate(e, 4 * MiB, 0);
+      const auto failed = e.stats().num_failed_waits;
+      fake().fail("cuStreamWaitEvent", 1, 999);  // CUDA_ERROR_UNKNOWN
+      fake().fail("cuEventSynchronize", 1, 999);
+      REQUIRE(e.record_stream(z, S) == Status::ok);
+      fake().reset();
+      CHECK(e.stats().num_failed_waits > failed);  // the ordering failed: the value stays retired, named
+      REQUIRE(fake().work(S, z, 4 * MiB, 10) == CUDA_SUCCESS);  // the new stream's work on z
+      AllocError ignored;  // (it reports the earlier failed wait)
+      e.retire_stream(S, &ignored);
+      REQUIRE(fake().stream_destroy(s2) == CUDA_SUCCESS);
+      REQUIRE(e.free(z) == Status::ok);
+      AllocError err;
+      CHECK(e.empty_cache(&err) == Status::ok);
+      INFO(err.message);
+      CHECK(e.usage().reserved == 0);
+      CHECK(fake().now().faults == 0);
+    }
+    require_nothing_held();
+  }
+}
+
+TEST_CASE("cuda driver: the events of retired streams nobody asks about are released once done", "[cuda][streams]") {
+  // A program that makes and destroys streams without end (a stream per request) holds an event only for those
+  // whose work still runs (Note [Destroyed streams]: a sweep every 64 retirements).
+  {
+    auto a = make_lazy(PolicyKind::fragless);
+    DeviceEngine& e = *a->device(0);
+    void* x = must_allocate(e, MiB, 0);  // the engine and its context exist
+    const long events = fake().now().events;
+    for (int i = 0; i < 200; ++i) {
+      void* s = fake().stream_create(0);
+      REQUIRE(s);
+      REQUIRE(e.retire_stream(reinterpret_cast<Stream>(s)) == Status::ok);
+      REQUIRE(fake().stream_destroy(s) == CUDA_SUCCESS);
+    }
+    CHECK(fake().now().events - events <= 64);
+    REQUIRE(e.free(x) == Status::ok);
+  }
+  require_nothing_held();
 }
 
 TEST_CASE("cuda driver: a hole of a destroyed stream is lent in device order without a host wait (virtual clock)",

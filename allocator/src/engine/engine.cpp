@@ -312,12 +312,28 @@ void DeviceEngine::capture_ended() {
 Status DeviceEngine::retire_stream(Stream stream, AllocError* err) {
   State& s = *s_;
   std::lock_guard lk(s.mu);
-  if (s.retired(stream)) return Status::ok;  // retired already (the runtime's destroy goes on to the driver's)
   // Note [Destroyed streams]: an event stands in for the stream; no wait now. The stream is not capturing (the
   // caller's promise), so its event is no node of a graph, also while another stream captures. Without an
   // event, the wait, which a capture under way forbids (the stream then stays as it was).
+  if (auto it = s.retired_streams.find(stream); it != s.retired_streams.end()) {
+    if (!it->second.named) return Status::ok;  // retired already (the runtime's destroy goes on to the driver's)
+    // Named again after a failed wait and destroyed again: both streams' work, waited for now; failing that,
+    // the new stream's event replaces the old one (the failed waits are reported).
+    if (s.forced_sync(stream) == Status::ok) {
+      s.retired_streams[stream] = State::Retired{};
+      return report_waits(&s.wait_error, err);
+    }
+    State::Retired& r = s.retired_streams[stream];
+    if (r.pending) s.driver->release_event(r.event);
+    r = State::Retired{};
+    r.pending = s.driver->record_event(stream, &r.event) == Status::ok;
+    if (r.pending) s.retired_unchecked.push_back(stream);
+    return report_waits(&s.wait_error, err);
+  }
+  if (s.retired_unchecked.size() >= 64) s.sweep_retired();
   State::Retired r;
   r.pending = s.driver->record_event(stream, &r.event) == Status::ok;
+  if (r.pending) s.retired_unchecked.push_back(stream);
   if (r.pending || (!s.capturing() && s.forced_sync(stream) == Status::ok)) s.retired_streams.emplace(stream, r);
   return report_waits(&s.wait_error, err);
 }

@@ -260,6 +260,21 @@ bool DeviceEngine::State::retired(Stream st) {
   return false;
 }
 
+void DeviceEngine::State::sweep_retired() {
+  std::size_t kept = 0;
+  for (Stream st : retired_unchecked) {
+    auto it = retired_streams.find(st);
+    if (it == retired_streams.end() || !it->second.pending || it->second.named) continue;
+    if (driver->query_event(it->second.event) == Status::ok) {
+      driver->release_event(it->second.event);
+      it->second.pending = false;
+      continue;
+    }
+    retired_unchecked[kept++] = st;
+  }
+  retired_unchecked.resize(kept);
+}
+
 bool DeviceEngine::State::retired_done(Stream st) {
   Retired& r = retired_streams[st];
   if (r.pending && driver->query_event(r.event) == Status::ok) {

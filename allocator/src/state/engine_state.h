@@ -226,7 +226,8 @@ struct DeviceEngine::State {
   std::map<PoolId, std::unique_ptr<PoolSet>> private_pools;
   std::vector<std::pair<PoolSet*, StreamFilter>> routes;  // begin_allocate_to_pool, newest last
   // Note [Capture rules]: while any pool routing is active a CUDA graph capture may be under way. The engine
-  // then queries no event, synchronises nothing, unmaps and releases nothing, lends no page, and defers the
+  // then queries no event (a destroyed stream's excepted, Note [Destroyed streams]), synchronises nothing,
+  // unmaps and releases nothing, lends no page, and defers the
   // events of frees with uses on other streams until the routing ends (PyTorch's
   // needs_events_deferred_until_no_capture): an event query or a synchronisation during a capture fails and
   // invalidates it, and an unmap is not stream-ordered. It only grows (create and map, in relaxed capture
@@ -261,28 +262,39 @@ struct DeviceEngine::State {
   // it is a freed driver object. retire_stream records one event on the stream before the program destroys
   // it, without waiting (the wait under the device lock held every thread of the device for as long as that
   // work ran) and from then on stands in for the stream: a forced sync synchronises it, an idle test queries
-  // it, and a path that would record an event on the stream (a free's stream uses, a lend, a split) waits for
-  // it instead, at once when it is done. When the program names the value again (an allocation on it, a
+  // it, and a path that would record an event on the stream uses it instead: a lend makes the growth's stream
+  // wait for it on the device, a split waits until it is done, and a free whose block the destroyed stream
+  // still used waits for it on the host (rare: a record_stream onto a stream destroyed before the block's
+  // free, its work still running). When the program names the value again (an allocation on it, a
   // record_stream onto it) it is a stream again: while the old work is still pending, the new stream first
   // waits for the event (cuStreamWaitEvent, asynchronous), so that everything queued on the value after it,
   // which may reuse the old stream's free blocks, comes after the old work (during a capture the wait would
   // be a node of the graph if the value is the capturing stream: the engine synchronises the event then).
-  // The event is recorded outside every capture (retire_stream records nothing while one may be under way),
-  // so querying or synchronising it during one is allowed (R14 forbids it for captured events and capturing
-  // streams; the driver makes such calls in relaxed mode).
+  // The stream is not capturing when it is retired (the interposer retires no capturing stream, whose destroy
+  // fails), so the event is no node of a graph, and querying or synchronising it while another stream
+  // captures is allowed: R14 forbids that for captured events and capturing streams only, and the driver
+  // makes such calls in relaxed mode. This is the one exception to Note [Capture rules].
   // A value named again while neither the stream wait nor a synchronisation could order it after the old
   // work (a failed wait, Note [Failed waits]) stays retired, `named`, until the old work is seen done: until
-  // then every wait for it waits for the event and then the stream, so both streams' work counts.
+  // then every wait for it waits for the event and then the stream, so both streams' work counts. Destroyed
+  // again in that state, it is waited for at once (the stream's work and the old event), or, if that fails,
+  // retired with a new event in place of the old one.
+  // The events of retired streams nothing asked about are queried every 64 retirements and released once done,
+  // so a program that makes and destroys streams without end holds only those whose work still runs; the
+  // entries themselves (a few bytes each) stay until their value is named again.
   struct Retired {
     Event event = 0;
     bool pending = false;  // event recorded and not yet seen complete
     bool named = false;    // named again before the old work could be ordered
   };
   std::unordered_map<Stream, Retired> retired_streams;
+  std::vector<Stream> retired_unchecked;  // retired with a pending event, since the last sweep (retire_stream)
   // Whether st stands retired now (a named entry whose old work is done is forgotten here).
   bool retired(Stream st);
   // A retired stream whose work is done (its event queried); never for a named one.
   bool retired_done(Stream st);
+  // Queries the pending events of retired_unchecked, releasing those done.
+  void sweep_retired();
   // The program names st (an allocation or a record_stream on it): a value retired before is a new stream,
   // ordered after the old one's pending work. driver_error when neither the stream wait nor a synchronisation
   // could order it (wait_error says which); st stays retired, `named`, then.
