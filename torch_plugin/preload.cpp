@@ -20,9 +20,9 @@
 //    free of fragless memory on a capturing stream is refused: it is no graph allocation, R21).
 //  - cudaStreamBeginCapture / EndCapture (and their _ptsz and ToGraph forms) tell the device's engine that
 //    a capture is under way: it then records no event, synchronises nothing and releases nothing (Note
-//    [Capture rules], engine_state.h).
-//  - cudaStreamDestroy settles the stream first (its work waited for), so a later stream that gets the same
-//    handle value is a new stream to fragless.
+//    [Capture rules], engine_state.h; a destroyed stream's event excepted, Note [Destroyed streams]).
+//  - cudaStreamDestroy retires the stream first, without waiting for its work (Note [Destroyed streams]), so
+//    a later stream that gets the same handle value is a new stream to fragless.
 //  - Per-thread default streams (cudaStreamPerThread; stream 0 of the _ptsz variants, which code built with
 //    --default-stream per-thread calls) are keyed by thread (driver.h, R16).
 //  - cudaIpcGetMemHandle, cudaIpcOpenMemHandle and cudaIpcCloseMemHandle share fragless memory between two
@@ -614,7 +614,7 @@ FRAGLESS_EXPORT cudaError_t cudaStreamEndCapture_ptsz(cudaStream_t s, cudaGraph_
   return r;
 }
 
-// The stream's blocks are settled first (fragless_preload::retire_stream).
+// The stream is retired first, without a wait (fragless_preload::retire_stream).
 FRAGLESS_EXPORT cudaError_t cudaStreamDestroy(cudaStream_t s) {
   const auto v = reinterpret_cast<std::uintptr_t>(s);
   // A capturing stream is not retired: its destroy fails, and an event recorded on it would be a graph node.

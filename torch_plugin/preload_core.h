@@ -61,14 +61,16 @@ void capture_began(fragless::Stream stream, int device);
 void capture_ended(fragless::Stream stream);
 
 // The program destroys `stream` (fragless's key of it) of `device` (cudaStreamDestroy, cuStreamDestroy): it is
-// retired without waiting for its work (Note [Destroyed streams], engine_state.h), so nothing of fragless's
-// names it again and a later stream given the same handle value is a new stream. Nothing for a device
-// without an engine.
+// retired without waiting for its work (Note [Destroyed streams], engine_state.h), so that device's engine
+// names it no more and a later stream given the same handle value is a new stream. Nothing for a device
+// without an engine; another device's engine (a block of its used on the stream by record_stream) is not
+// told.
 void retire_stream(fragless::Stream stream, int device);
 
 // Note [Forwarded allocations out of memory]
 // An allocation fragless hands to the driver on a device where it has an engine (cuMemAllocAsync from a
-// current pool fragless cannot serve as the driver would, cuMemAllocFromPoolAsync from such a pool or on a
+// current pool fragless cannot serve as the driver would, cuMemAllocFromPoolAsync from such a pool the
+// interposer knows (one it never saw made is forwarded as it is) or on a
 // stream of another device than the pool's; the runtime's cudaMallocAsync to such a pool, which reaches the
 // driver half as a recursion and is retried by the runtime half) competes with fragless's cache for the
 // device's memory. When the driver (or the runtime) says it is out of

@@ -312,8 +312,8 @@ bool answer(CUpointer_attribute attr, void* data, int device, CUdeviceptr p, CUd
 
 // ---- Streams ------------------------------------------------------------------------------------------------
 
-// cuStreamDestroy through `destroy` (the driver's entry point of the ABI asked), once fragless has settled the
-// stream's blocks.
+// cuStreamDestroy through `destroy` (the driver's entry point of the ABI asked), once fragless has retired the
+// stream (without a wait, Note [Destroyed streams]).
 CUresult destroy_stream(CUstream s, CUresult (*destroy)(CUstream)) {
   if (!destroy) return CUDA_ERROR_NOT_SUPPORTED;
   // A capturing stream is not retired: its destroy fails, and an event recorded on it would be a graph node.
@@ -466,7 +466,7 @@ FRAGLESS_EXPORT CUresult cuStreamEndCapture_ptsz(CUstream s, CUgraph* g) {
   return r;
 }
 
-// The stream's blocks are settled first, as for cudaStreamDestroy (fragless_preload::retire_stream). The
+// The stream is retired first, without a wait, as for cudaStreamDestroy (fragless_preload::retire_stream). The
 // CUDA 4.0 ABI (cuStreamDestroy_v2) and the older one (cuStreamDestroy) take the same argument.
 FRAGLESS_EXPORT CUresult cuStreamDestroy_v2(CUstream s) { return destroy_stream(s, real().stream_destroy); }
 FRAGLESS_EXPORT CUresult cuStreamDestroy(CUstream s) {

@@ -192,7 +192,8 @@ struct State {
   // Each thread's per-thread default stream of each context (CU_STREAM_PER_THREAD): one per thread, as CUDA's.
   // Keyed by a serial number per thread, never reused (a thread id may be, once its thread has exited).
   std::map<std::pair<std::uint64_t, CUcontext>, FakeStream> per_thread_streams;
-  // Destroyed streams: a handle value is given to a new stream only once the old one's work is done.
+  // Destroyed streams: a handle value is given to a new stream only once the old one's work is done (at once,
+  // work or not, while reuse_streams_at_once is set).
   std::vector<std::pair<CUstream, NodeP>> destroyed_streams;
   bool refuse_multi_unmap = false;  // fakecuda_refuse_multi_mapping_unmap
   bool reuse_streams_at_once = false;  // fakecuda_reuse_stream_values_at_once
@@ -1081,7 +1082,8 @@ FAKE_API CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
 
 namespace {
 // A new stream's handle: the value of a destroyed stream whose work is done (cuda.h, cuStreamDestroy: its
-// resources are released once the work completes, and CUDA may hand the value out again), else a new one.
+// resources are released once the work completes, and CUDA may hand the value out again), or the most
+// recently destroyed one's at once while reuse_streams_at_once is set; else a new one.
 CUstream new_stream_handle() {
   State& s = st();
   if (s.reuse_streams_at_once && !s.destroyed_streams.empty()) {  // the most recently destroyed, work or not

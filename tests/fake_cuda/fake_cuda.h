@@ -41,7 +41,8 @@ unsigned fakecuda_last_handle_types();
 void* fakecuda_stream_create(int device);
 int fakecuda_adopt_stream(void* handle, int device);
 // Destroys a stream made by fakecuda_stream_create (its queued work still completes). CUDA may give its
-// handle value to a later stream once that work is done, and the double does.
+// handle value to a later stream once that work is done, and the double does (at once while
+// fakecuda_reuse_stream_values_at_once is set).
 int fakecuda_stream_destroy(void* stream);
 // While set, a new stream takes the most recently destroyed stream's handle value at once, its work done or
 // not (RMM's issue 649 reports CUDA reusing stream values at once); the two streams' work stays unordered.

@@ -437,7 +437,7 @@ int main(int argc, char** argv) {
   expect(a.alloc(&after, 900 * MiB) == CUDA_SUCCESS && a.free(after) == CUDA_SUCCESS,
          "900 MiB after the capture (the deferred frees went back)");
 
-  // 11. cuStreamDestroy settles the stream first, as cudaStreamDestroy: its work is waited for, and a new
+  // 11. cuStreamDestroy retires the stream first without waiting, as cudaStreamDestroy does, and a new
   //     stream that gets the same handle value is a new stream to fragless. Through both ABIs: CUDA 4.0's
   //     cuStreamDestroy_v2 and the older cuStreamDestroy libcuda still exports.
   for (auto destroy : {a.stream_destroy, a.stream_destroy_v1}) {

@@ -132,9 +132,10 @@ class DeviceEngine {
   void capture_began();
   void capture_ended();
   // `stream` is about to be destroyed (cudaStreamDestroy) and is not capturing: an event recorded on it stands
-  // in for it from now on, without a wait (Note [Destroyed streams], engine_state.h), so nothing names it
-  // again; a later stream with the same handle value is a new stream, ordered after that event. Failed waits
-  // (where no event could be recorded) are reported.
+  // in for it from now on, without a wait (Note [Destroyed streams], engine_state.h), so this engine names it
+  // no more; a later stream with the same handle value is a new stream, ordered after that event. Without an
+  // event, it waits for the stream (not during a capture: the stream then stays as it was). Failed waits (no
+  // event and the wait failed, or a value named again after a failed wait destroyed again) are reported.
   Status retire_stream(Stream stream, AllocError* error = nullptr);
 
   // Sharing across processes (Note [Sharing], engine/share.cpp). share: the block that starts at ptr (an

@@ -226,8 +226,8 @@ struct DeviceEngine::State {
   std::map<PoolId, std::unique_ptr<PoolSet>> private_pools;
   std::vector<std::pair<PoolSet*, StreamFilter>> routes;  // begin_allocate_to_pool, newest last
   // Note [Capture rules]: while any pool routing is active a CUDA graph capture may be under way. The engine
-  // then queries no event (a destroyed stream's excepted, Note [Destroyed streams]), synchronises nothing,
-  // unmaps and releases nothing, lends no page, and defers the
+  // then queries no event and synchronises nothing (a destroyed stream's event excepted, Note [Destroyed
+  // streams]), unmaps and releases nothing, lends no page, and defers the
   // events of frees with uses on other streams until the routing ends (PyTorch's
   // needs_events_deferred_until_no_capture): an event query or a synchronisation during a capture fails and
   // invalidates it, and an unmap is not stream-ordered. It only grows (create and map, in relaxed capture
@@ -278,7 +278,8 @@ struct DeviceEngine::State {
   // work (a failed wait, Note [Failed waits]) stays retired, `named`, until the old work is seen done: until
   // then every wait for it waits for the event and then the stream, so both streams' work counts. Destroyed
   // again in that state, it is waited for at once (the stream's work and the old event), or, if that fails,
-  // retired with a new event in place of the old one.
+  // retired with a new event in place of the old one, which covers only the new stream's work (none if it
+  // cannot be recorded either: a device whose waits fail is in error, Note [Failed waits]).
   // The events of retired streams nothing asked about are queried every 64 retirements and released once done,
   // so a program that makes and destroys streams without end holds only those whose work still runs; the
   // entries themselves (a few bytes each) stay until their value is named again.
