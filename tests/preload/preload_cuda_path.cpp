@@ -366,7 +366,9 @@ int main(int argc, char** argv) {
   const unsigned long runtime_allocs = fakecudart_calls("cudaMallocAsync");
   expect(cudaDeviceSetMemPool(0, lim) == 0 && cudaDeviceGetMemPool(&current, 0) == 0 && current == lim,
          "cudaDeviceSetMemPool(0, the limited pool)");
-  expect(cudaMallocAsync(&x, 2 * MiB, q) == 0 && d.device_of(x) < 0 && fakecudart_calls("cudaMallocAsync") == runtime_allocs + 1,
+  // (Two calls reach the runtime when the first ran out of memory for fragless's cache and was tried again:
+  // Note [Forwarded allocations out of memory].)
+  expect(cudaMallocAsync(&x, 2 * MiB, q) == 0 && d.device_of(x) < 0 && fakecudart_calls("cudaMallocAsync") > runtime_allocs,
          "cudaMallocAsync: the runtime's (fragless cannot serve a pool with a maximum size)");
   expect(cudaFreeAsync(x, q) == 0, "its free reached the runtime");
   expect(cudaMallocAsync_ptsz(&x, 2 * MiB, q) == 0 && d.device_of(x) < 0 && cudaFreeAsync_ptsz(x, q) == 0,
