@@ -640,6 +640,16 @@ FRAGLESS_EXPORT int fragless_preload_memory(int device, size_t* allocated, size_
   return 0;
 }
 
+// Returns once the device's background worker has no job in flight or queued (DeviceEngine::drain_background):
+// for tests and tools that read the driver's free memory, which moves for a moment during a split. 0, or -1
+// when the interposer is off; a device fragless has not used has nothing to wait for.
+FRAGLESS_EXPORT int fragless_preload_drain(int device) {
+  fragless::Allocator* a = ip().get();
+  if (!a) return -1;
+  if (fragless::DeviceEngine* e = a->existing(device)) e->drain_background();
+  return 0;
+}
+
 FRAGLESS_EXPORT cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
   if (!real().mem_get_info) return kInvalidValue;
   if (fragless_preload::reading_free_memory() || fragless_preload::recursing()) return real().mem_get_info(free_bytes, total);

@@ -87,11 +87,13 @@ struct Interposed : Double {
   int (*preload_memory)(int, size_t*, size_t*) = nullptr;
   void (*counters)(unsigned long*) = nullptr;
   void (*driver_counters)(unsigned long*) = nullptr;  // only the driver half has them
+  int (*drain)(int) = nullptr;                        // waits for the device's background worker
   Interposed() : Double(open()) {
     need(&device_of, dlsym(RTLD_DEFAULT, "fragless_preload_device_of"), "fragless_preload_device_of");
     preload_memory = reinterpret_cast<decltype(preload_memory)>(dlsym(RTLD_DEFAULT, "fragless_preload_memory"));
     expect(preload_memory != nullptr, "the interposer exports fragless_preload_memory");
     need(&counters, dlsym(RTLD_DEFAULT, "fragless_preload_counters"), "fragless_preload_counters");
+    need(&drain, dlsym(RTLD_DEFAULT, "fragless_preload_drain"), "fragless_preload_drain");
     driver_counters =
         reinterpret_cast<decltype(driver_counters)>(dlsym(RTLD_DEFAULT, "fragless_preload_driver_counters"));
   }
