@@ -26,6 +26,14 @@ std::unique_ptr<Policy> make_policy(PolicyKind k, DeviceEngine::State& s) {
   return make_fragless_policy(s);
 }
 
+// The wait failures of an operation (Note [Failed waits]) as its result.
+Status report_waits(std::string* wait_error, AllocError* err) {
+  if (wait_error->empty()) return Status::ok;
+  set_error(err, Status::driver_error, std::move(*wait_error));
+  wait_error->clear();
+  return Status::driver_error;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------------
@@ -124,8 +132,7 @@ void* DeviceEngine::allocate(std::size_t size, Stream stream, AllocError* err) {
   }
   // Note [Destroyed streams]: a value retired before is a new stream, after the old one's work.
   if (!s.retired_streams.empty() && s.stream_named(stream) != Status::ok) {
-    set_error(err, Status::driver_error, std::move(s.wait_error));
-    s.wait_error.clear();
+    report_waits(&s.wait_error, err);
     return nullptr;
   }
   AllocParams p;
@@ -273,16 +280,6 @@ void* DeviceEngine::allocation_containing(void* ptr, std::size_t* size, bool* fr
   }
   return nullptr;
 }
-
-namespace {
-// The wait failures of an operation (Note [Failed waits]) as its result.
-Status report_waits(std::string* wait_error, AllocError* err) {
-  if (wait_error->empty()) return Status::ok;
-  set_error(err, Status::driver_error, std::move(*wait_error));
-  wait_error->clear();
-  return Status::driver_error;
-}
-}  // namespace
 
 Status DeviceEngine::empty_cache(AllocError* err) {
   std::lock_guard lk(s_->mu);

@@ -250,12 +250,7 @@ bool DeviceEngine::State::retired(Stream st) {
   auto it = retired_streams.find(st);
   if (it == retired_streams.end()) return false;
   Retired& r = it->second;
-  if (!r.named) return true;
-  if (r.pending && driver->query_event(r.event) == Status::ok) {
-    driver->release_event(r.event);
-    r.pending = false;
-  }
-  if (r.pending) return true;
+  if (!r.named || !r.done(*driver)) return true;
   retired_streams.erase(it);  // named again and the old work done: a stream like any other
   return false;
 }
@@ -264,12 +259,7 @@ void DeviceEngine::State::sweep_retired() {
   std::size_t kept = 0;
   for (Stream st : retired_unchecked) {
     auto it = retired_streams.find(st);
-    if (it == retired_streams.end() || !it->second.pending || it->second.named) continue;
-    if (driver->query_event(it->second.event) == Status::ok) {
-      driver->release_event(it->second.event);
-      it->second.pending = false;
-      continue;
-    }
+    if (it == retired_streams.end() || it->second.named || it->second.done(*driver)) continue;
     retired_unchecked[kept++] = st;
   }
   retired_unchecked.resize(kept);
@@ -277,12 +267,8 @@ void DeviceEngine::State::sweep_retired() {
 
 bool DeviceEngine::State::retired_done(Stream st) {
   Retired& r = retired_streams[st];
-  if (r.pending && driver->query_event(r.event) == Status::ok) {
-    driver->release_event(r.event);
-    r.pending = false;
-  }
   // Named again after a failed wait: the new stream's work counts too, and is not covered by the event.
-  return !r.pending && !r.named;
+  return r.done(*driver) && !r.named;
 }
 
 Status DeviceEngine::State::stream_named(Stream st) {

@@ -287,6 +287,14 @@ struct DeviceEngine::State {
     Event event = 0;
     bool pending = false;  // event recorded and not yet seen complete
     bool named = false;    // named again before the old work could be ordered
+    // Queries a pending event and releases it once its work is done; true when nothing is pending.
+    bool done(Driver& d) {
+      if (pending && d.query_event(event) == Status::ok) {
+        d.release_event(event);
+        pending = false;
+      }
+      return !pending;
+    }
   };
   std::unordered_map<Stream, Retired> retired_streams;
   std::vector<Stream> retired_unchecked;  // retired with a pending event, since the last sweep (retire_stream)
