@@ -618,12 +618,57 @@ TEST_CASE("cuda driver: a retired stream's blocks go back after its work and no 
       const auto records = fake().calls("cuEventRecord");
       REQUIRE(e.free(u) == Status::ok);  // its use on the destroyed stream: the retired event stands in
       CHECK(fake().calls("cuEventRecord") == records);  // nothing recorded on the destroyed handle
+      CHECK(fake().clock() == t0);                       // nor waited for on the host: u waits, listed
+      void* v = must_allocate(e, 4 * MiB, 0);
+      CHECK(v != u);  // not handed out while the destroyed stream's kernel may still use it
+      REQUIRE(e.free(v) == Status::ok);
       AllocError err;
       CHECK(e.empty_cache(&err) == Status::ok);
       INFO(err.message);
       CHECK(e.usage().reserved == 0);
       CHECK(fake().now().faults == 0);
       CHECK(fake().clock() >= 1000);  // what went back waited for the kernels
+    }
+    require_nothing_held();
+  }
+}
+
+TEST_CASE("cuda driver: a block a destroyed stream still uses goes back at a later allocation once that work is "
+          "done with no host wait (virtual clock)",
+          "[cuda][streams]") {
+  // Note [Destroyed streams]: a block of the default stream used on S (record_stream), S destroyed with its
+  // kernel still running, then the block freed. The free neither records on the destroyed handle nor waits;
+  // the block waits, listed, and an allocation after the kernel ends finds its retired event done and hands
+  // the block out again, with no synchronisation on the way.
+  for (PolicyKind p : kPolicies) {
+    INFO(policy_name(p));
+    {
+      Options o;
+      o.background = BackgroundMode::off;  // no split moves the block's range before it is asked for again
+      auto a = make_lazy(p, o);
+      DeviceEngine& e = *a->device(0);
+      void* s = fake().stream_create(0);
+      REQUIRE(s);
+      const auto S = reinterpret_cast<Stream>(s);
+      void* u = must_allocate(e, 4 * MiB, 0);
+      REQUIRE(e.record_stream(u, S) == Status::ok);
+      REQUIRE(fake().work(S, u, 4 * MiB, 1000) == CUDA_SUCCESS);
+      REQUIRE(e.retire_stream(S) == Status::ok);
+      REQUIRE(fake().stream_destroy(s) == CUDA_SUCCESS);
+      const auto t0 = fake().clock();
+      const auto syncs = e.stats().num_forced_syncs;
+      REQUIRE(e.free(u) == Status::ok);
+      CHECK(fake().clock() == t0);
+      fake().advance(2000);  // the kernel is done
+      void* y = must_allocate(e, 4 * MiB, 0);
+      CHECK(y == u);
+      CHECK(fake().clock() == t0 + 2000);  // no host wait on the way
+      CHECK(e.stats().num_forced_syncs == syncs);
+      REQUIRE(e.free(y) == Status::ok);
+      CHECK(e.empty_cache() == Status::ok);
+      CHECK(e.usage().reserved == 0);
+      CHECK(fake().now().faults == 0);
+      CHECK(fake().first_fault() == std::string());
     }
     require_nothing_held();
   }

@@ -113,11 +113,13 @@ void DeviceEngine::State::free_block(Block* b, bool traced) {
   if (b->multi) policy->freed(b, lo, hi);
 }
 
-bool DeviceEngine::State::insert_events(Block* b) {
+bool DeviceEngine::State::insert_events(Block* b, bool wait_retired) {
   StreamUses left;
   for (Stream st : b->stream_uses) {
-    if (retired(st)) {  // Note [Destroyed streams]: no event on a destroyed stream; its own, now
-      if (!retired_done(st) && forced_sync(st) != Status::ok) left.add(st);
+    if (retired(st)) {
+      // Note [Destroyed streams]: no event on a destroyed stream. Its own, queried now; while its work runs
+      // the use stays (the block waits in deferred_until_no_capture), or is waited for by a release.
+      if (!retired_done(st) && (!wait_retired || forced_sync(st) != Status::ok)) left.add(st);
       continue;
     }
     Event e = 0;
@@ -251,6 +253,8 @@ bool DeviceEngine::State::release_cached_blocks(PoolSet* only) {
   // right after it) may have come in meanwhile, and a synchronisation now would invalidate that capture
   // (Note [Capture rules]). Nothing is released then, as when the capture was under way at the call.
   if (capturing()) return false;
+  // Blocks waiting for a destroyed stream's work (Note [Destroyed streams]) are waited for, as events are.
+  if (!deferred_until_no_capture.empty()) after_capture(/*wait_retired=*/true);
   synchronize_and_free_events();
   policy->release_free(only ? only : &default_pools, false);
   if (!only) maybe_free_private_pools();
@@ -277,12 +281,12 @@ void DeviceEngine::State::maybe_free_private_pools() {
   }
 }
 
-void DeviceEngine::State::after_capture() {
+void DeviceEngine::State::after_capture(bool wait_retired) {
   std::vector<Block*> blocks;
   blocks.swap(deferred_until_no_capture);
   for (Block* b : blocks) {
     --b->event_count;  // its placeholder
-    if (!insert_events(b)) defer_events(b);
+    if (!insert_events(b, wait_retired)) defer_events(b);
     else if (b->event_count == 0) free_block(b);
   }
   maybe_free_private_pools();

@@ -235,11 +235,14 @@ struct DeviceEngine::State {
   // Captures the engine does not allocate for (LD_PRELOAD: cudaStreamBeginCapture on this device) count too.
   bool capturing() const { return !routes.empty() || external_captures > 0; }
   int external_captures = 0;
-  // Freed with uses on other streams whose events are still to be recorded: during a capture, or after a
-  // record and the wait that stands in for it both failed (Note [Failed waits]). Each holds one placeholder
-  // in its event_count while listed.
+  // Freed with uses on other streams whose events are still to be recorded: during a capture, after a
+  // record and the wait that stands in for it both failed (Note [Failed waits]), or with a use on a destroyed
+  // stream whose work still runs (Note [Destroyed streams]). Each holds one placeholder in its event_count
+  // while listed; each allocation (and free) outside a capture tries them again.
   std::vector<Block*> deferred_until_no_capture;
-  void after_capture();  // their events, and the pools released meanwhile
+  // Their events, and the pools released meanwhile; wait_retired: a destroyed stream's work is waited for on
+  // the host (a release: the OOM retry, empty_cache) instead of leaving the block listed.
+  void after_capture(bool wait_retired = false);
 
   // Note [Failed waits]
   // A synchronisation that fails (a driver error) proves nothing about the work it was to wait for. Memory
@@ -264,8 +267,9 @@ struct DeviceEngine::State {
   // work ran) and from then on stands in for the stream: a forced sync synchronises it, an idle test queries
   // it, and a path that would record an event on the stream uses it instead: a lend makes the growth's stream
   // wait for it on the device, a split waits until it is done, and a free whose block the destroyed stream
-  // still used waits for it on the host (rare: a record_stream onto a stream destroyed before the block's
-  // free, its work still running). When the program names the value again (an allocation on it, a
+  // still used (a record_stream onto a stream destroyed before the block's free) leaves the block listed in
+  // deferred_until_no_capture while that work runs: each later allocation queries the event, and a release
+  // (the OOM retry, empty_cache) waits for it, as it waits for events. When the program names the value again (an allocation on it, a
   // record_stream onto it) it is a stream again: while the old work is still pending, the new stream first
   // waits for the event (cuStreamWaitEvent, asynchronous), so that everything queued on the value after it,
   // which may reuse the old stream's free blocks, comes after the old work (during a capture the wait would
@@ -365,8 +369,9 @@ struct DeviceEngine::State {
   void process_events();
   void synchronize_and_free_events();
   // Records an event on each stream use of b (or waits for the stream where recording fails); true when
-  // every use is covered. The uses it could not cover stay on b.
-  bool insert_events(Block* b);
+  // every use is covered. The uses it could not cover stay on b: a destroyed stream whose work still runs
+  // among them unless wait_retired (see after_capture).
+  bool insert_events(Block* b, bool wait_retired = false);
   void defer_events(Block* b);  // to deferred_until_no_capture, with its placeholder
 
   Block* allocate_slow(AllocParams& p, AllocError* err);
