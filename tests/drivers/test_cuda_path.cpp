@@ -633,6 +633,20 @@ TEST_CASE("cuda driver: a retired stream's blocks go back after its work and no 
   }
 }
 
+namespace {
+// A new stream uses block u (record_stream) and queues a kernel of 1000 ticks on it; the stream is then
+// retired and destroyed with the kernel still queued, as LD_PRELOAD's cudaStreamDestroy does.
+void destroy_while_using(DeviceEngine& e, void* u, std::size_t bytes) {
+  void* s = fake().stream_create(0);
+  REQUIRE(s);
+  const auto S = reinterpret_cast<Stream>(s);
+  REQUIRE(e.record_stream(u, S) == Status::ok);
+  REQUIRE(fake().work(S, u, bytes, 1000) == CUDA_SUCCESS);
+  REQUIRE(e.retire_stream(S) == Status::ok);
+  REQUIRE(fake().stream_destroy(s) == CUDA_SUCCESS);
+}
+}  // namespace
+
 TEST_CASE("cuda driver: a block a destroyed stream still uses goes back at a later allocation once that work is "
           "done with no host wait (virtual clock)",
           "[cuda][streams]") {
@@ -647,14 +661,8 @@ TEST_CASE("cuda driver: a block a destroyed stream still uses goes back at a lat
       o.background = BackgroundMode::off;  // no split moves the block's range before it is asked for again
       auto a = make_lazy(p, o);
       DeviceEngine& e = *a->device(0);
-      void* s = fake().stream_create(0);
-      REQUIRE(s);
-      const auto S = reinterpret_cast<Stream>(s);
       void* u = must_allocate(e, 4 * MiB, 0);
-      REQUIRE(e.record_stream(u, S) == Status::ok);
-      REQUIRE(fake().work(S, u, 4 * MiB, 1000) == CUDA_SUCCESS);
-      REQUIRE(e.retire_stream(S) == Status::ok);
-      REQUIRE(fake().stream_destroy(s) == CUDA_SUCCESS);
+      destroy_while_using(e, u, 4 * MiB);
       const auto t0 = fake().clock();
       const auto syncs = e.stats().num_forced_syncs;
       REQUIRE(e.free(u) == Status::ok);
@@ -665,6 +673,45 @@ TEST_CASE("cuda driver: a block a destroyed stream still uses goes back at a lat
       CHECK(fake().clock() == t0 + 2000);  // no host wait on the way
       CHECK(e.stats().num_forced_syncs == syncs);
       REQUIRE(e.free(y) == Status::ok);
+      CHECK(e.empty_cache() == Status::ok);
+      CHECK(e.usage().reserved == 0);
+      CHECK(fake().now().faults == 0);
+      CHECK(fake().first_fault() == std::string());
+    }
+    require_nothing_held();
+  }
+}
+
+TEST_CASE("cuda driver: allocations while a block waits for a destroyed stream do not synchronise the device "
+          "for a released graph pool still in use (virtual clock)",
+          "[cuda][streams][graphs]") {
+  // A graph's pool released while a tensor from it is still live stays until that tensor goes (a device-wide
+  // wait before its memory does). Meanwhile a block a destroyed stream still uses waits, listed, and each
+  // allocation tries it again: that retry frees no private pool, so no allocation synchronises the device.
+  const Stream capture = kFaultStreamB;
+  const PoolId pool{9, 1};
+  for (PolicyKind p : kPolicies) {
+    INFO(policy_name(p));
+    {
+      Options o;
+      o.background = BackgroundMode::off;
+      auto a = make_lazy(p, o);
+      DeviceEngine& e = *a->device(0);
+      e.begin_allocate_to_pool(pool, [capture](Stream s) { return s == capture; });
+      void* g = must_allocate(e, 6 * MiB, capture);
+      e.end_allocate_to_pool(pool);
+      REQUIRE(e.release_pool(pool) == Status::ok);  // g is still live: the pool stays
+      void* u = must_allocate(e, 4 * MiB, 0);
+      destroy_while_using(e, u, 4 * MiB);
+      REQUIRE(e.free(u) == Status::ok);  // waits, listed, for the destroyed stream's kernel
+      const auto device_syncs = fake().calls("cuCtxSynchronize");
+      const auto t0 = fake().clock();
+      std::vector<void*> xs;
+      for (int i = 0; i < 8; ++i) xs.push_back(must_allocate(e, MiB, 0));
+      CHECK(fake().calls("cuCtxSynchronize") == device_syncs);
+      CHECK(fake().clock() == t0);
+      for (void* x : xs) REQUIRE(e.free(x) == Status::ok);
+      REQUIRE(e.free(g) == Status::ok);
       CHECK(e.empty_cache() == Status::ok);
       CHECK(e.usage().reserved == 0);
       CHECK(fake().now().faults == 0);

@@ -254,7 +254,7 @@ bool DeviceEngine::State::release_cached_blocks(PoolSet* only) {
   // (Note [Capture rules]). Nothing is released then, as when the capture was under way at the call.
   if (capturing()) return false;
   // Blocks waiting for a destroyed stream's work (Note [Destroyed streams]) are waited for, as events are.
-  if (!deferred_until_no_capture.empty()) after_capture(/*wait_retired=*/true);
+  if (!deferred_until_no_capture.empty()) retry_deferred_events(/*wait_retired=*/true);
   synchronize_and_free_events();
   policy->release_free(only ? only : &default_pools, false);
   if (!only) maybe_free_private_pools();
@@ -281,7 +281,7 @@ void DeviceEngine::State::maybe_free_private_pools() {
   }
 }
 
-void DeviceEngine::State::after_capture(bool wait_retired) {
+void DeviceEngine::State::retry_deferred_events(bool wait_retired) {
   std::vector<Block*> blocks;
   blocks.swap(deferred_until_no_capture);
   for (Block* b : blocks) {
@@ -289,6 +289,10 @@ void DeviceEngine::State::after_capture(bool wait_retired) {
     if (!insert_events(b, wait_retired)) defer_events(b);
     else if (b->event_count == 0) free_block(b);
   }
+}
+
+void DeviceEngine::State::after_capture() {
+  retry_deferred_events();
   maybe_free_private_pools();
 }
 

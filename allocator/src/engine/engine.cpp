@@ -127,7 +127,7 @@ void* DeviceEngine::allocate(std::size_t size, Stream stream, AllocError* err) {
   }
   std::lock_guard lk(s.mu);
   if (!s.capturing()) {  // Note [Capture rules]: no event query while a capture may be under way
-    if (!s.deferred_until_no_capture.empty()) s.after_capture();
+    if (!s.deferred_until_no_capture.empty()) s.retry_deferred_events();
     if (s.pending_event_count) s.process_events();
   }
   // Note [Destroyed streams]: a value retired before is a new stream, after the old one's work.
@@ -216,7 +216,7 @@ void DeviceEngine::State::free_live(Block* b) {
       s.defer_events(b);
       return;
     }
-    if (!s.deferred_until_no_capture.empty()) s.after_capture();
+    if (!s.deferred_until_no_capture.empty()) s.retry_deferred_events();
     if (!s.insert_events(b)) {
       s.defer_events(b);  // Note [Failed waits]: tried again at the next allocation
       return;
@@ -285,7 +285,7 @@ Status DeviceEngine::empty_cache(AllocError* err) {
   std::lock_guard lk(s_->mu);
   if (s_->capturing()) return Status::ok;  // Note [Capture rules]: nothing is released while a capture may be under way
   emit(*s_, TraceAction::empty_cache, 0, 0, 0, 0);
-  if (!s_->deferred_until_no_capture.empty()) s_->after_capture();
+  if (!s_->deferred_until_no_capture.empty()) s_->retry_deferred_events();
   if (!s_->exports.empty()) s_->reap_exports();
   s_->release_cached_blocks(nullptr);
   return report_waits(&s_->wait_error, err);

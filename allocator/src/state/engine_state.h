@@ -240,9 +240,12 @@ struct DeviceEngine::State {
   // stream whose work still runs (Note [Destroyed streams]). Each holds one placeholder in its event_count
   // while listed; each allocation (and free) outside a capture tries them again.
   std::vector<Block*> deferred_until_no_capture;
-  // Their events, and the pools released meanwhile; wait_retired: a destroyed stream's work is waited for on
-  // the host (a release: the OOM retry, empty_cache) instead of leaving the block listed.
-  void after_capture(bool wait_retired = false);
+  // Their events again (each allocation, free and release outside a capture); wait_retired: a destroyed
+  // stream's work is waited for on the host (a release: the OOM retry, empty_cache) instead of leaving the
+  // block listed. No private pool is freed here: a released one whose blocks are still live would make each
+  // call synchronise the device.
+  void retry_deferred_events(bool wait_retired = false);
+  void after_capture();  // a routing or capture ended: their events, and the private pools released meanwhile
 
   // Note [Failed waits]
   // A synchronisation that fails (a driver error) proves nothing about the work it was to wait for. Memory
@@ -370,7 +373,7 @@ struct DeviceEngine::State {
   void synchronize_and_free_events();
   // Records an event on each stream use of b (or waits for the stream where recording fails); true when
   // every use is covered. The uses it could not cover stay on b: a destroyed stream whose work still runs
-  // among them unless wait_retired (see after_capture).
+  // among them unless wait_retired (see retry_deferred_events).
   bool insert_events(Block* b, bool wait_retired = false);
   void defer_events(Block* b);  // to deferred_until_no_capture, with its placeholder
 
