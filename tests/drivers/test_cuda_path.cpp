@@ -595,12 +595,15 @@ TEST_CASE("cuda driver: a retired stream's blocks go back after its work and no 
           "clock)",
           "[cuda][streams]") {
   // Blocks freed on a stream the program then destroyed, one still used there by record_stream when it is
-  // destroyed: empty_cache and the block's free wait for the retired stream's event, never for the stream
-  // (the double refuses a destroyed handle), and release everything once the work is done.
+  // destroyed: the block's free neither waits nor hands it out while the work runs, empty_cache waits for
+  // the retired stream's event, never for the stream (the double refuses a destroyed handle), and releases
+  // everything once the work is done.
   for (PolicyKind p : kPolicies) {
     INFO(policy_name(p));
     {
-      auto a = make_lazy(p);
+      Options o;
+      o.background = BackgroundMode::off;  // no split carves u's range: v != u below is the free's doing
+      auto a = make_lazy(p, o);
       DeviceEngine& e = *a->device(0);
       void* s = fake().stream_create(0);
       REQUIRE(s);
@@ -634,6 +637,30 @@ TEST_CASE("cuda driver: a retired stream's blocks go back after its work and no 
 }
 
 namespace {
+// Each policy's engine without the background worker (no split moves a block's range between the test's
+// steps), then a check that nothing is held.
+template <typename F>
+void each_policy_without_worker(F f) {
+  for (PolicyKind p : kPolicies) {
+    INFO(policy_name(p));
+    {
+      Options o;
+      o.background = BackgroundMode::off;
+      auto a = make_lazy(p, o);
+      f(*a->device(0));
+    }
+    require_nothing_held();
+  }
+}
+
+// A block of a graph's private pool: allocated on the capture stream while allocations there go to the pool.
+void* graph_block(DeviceEngine& e, PoolId pool, Stream capture, std::size_t bytes) {
+  e.begin_allocate_to_pool(pool, [capture](Stream s) { return s == capture; });
+  void* g = must_allocate(e, bytes, capture);
+  e.end_allocate_to_pool(pool);
+  return g;
+}
+
 // A new stream uses block u (record_stream) and queues a kernel of 1000 ticks on it; the stream is then
 // retired and destroyed with the kernel still queued, as LD_PRELOAD's cudaStreamDestroy does.
 void destroy_while_using(DeviceEngine& e, void* u, std::size_t bytes) {
@@ -654,32 +681,27 @@ TEST_CASE("cuda driver: a block a destroyed stream still uses goes back at a lat
   // kernel still running, then the block freed. The free neither records on the destroyed handle nor waits;
   // the block waits, listed, and an allocation after the kernel ends finds its retired event done and hands
   // the block out again, with no synchronisation on the way.
-  for (PolicyKind p : kPolicies) {
-    INFO(policy_name(p));
-    {
-      Options o;
-      o.background = BackgroundMode::off;  // no split moves the block's range before it is asked for again
-      auto a = make_lazy(p, o);
-      DeviceEngine& e = *a->device(0);
-      void* u = must_allocate(e, 4 * MiB, 0);
-      destroy_while_using(e, u, 4 * MiB);
-      const auto t0 = fake().clock();
-      const auto syncs = e.stats().num_forced_syncs;
-      REQUIRE(e.free(u) == Status::ok);
-      CHECK(fake().clock() == t0);
-      fake().advance(2000);  // the kernel is done
-      void* y = must_allocate(e, 4 * MiB, 0);
-      CHECK(y == u);
-      CHECK(fake().clock() == t0 + 2000);  // no host wait on the way
-      CHECK(e.stats().num_forced_syncs == syncs);
-      REQUIRE(e.free(y) == Status::ok);
-      CHECK(e.empty_cache() == Status::ok);
-      CHECK(e.usage().reserved == 0);
-      CHECK(fake().now().faults == 0);
-      CHECK(fake().first_fault() == std::string());
-    }
-    require_nothing_held();
-  }
+  each_policy_without_worker([&](DeviceEngine& e) {
+    void* u = must_allocate(e, 4 * MiB, 0);
+    destroy_while_using(e, u, 4 * MiB);
+    const auto t0 = fake().clock();
+    const auto syncs = e.stats().num_forced_syncs;
+    REQUIRE(e.free(u) == Status::ok);
+    CHECK(fake().clock() == t0);
+    void* w = must_allocate(e, 4 * MiB, 0);
+    CHECK(w != u);  // not while the kernel may still use it
+    REQUIRE(e.free(w) == Status::ok);
+    fake().advance(2000);  // the kernel is done
+    void* y = must_allocate(e, 4 * MiB, 0);
+    CHECK(y == u);
+    CHECK(fake().clock() == t0 + 2000);  // no host wait on the way
+    CHECK(e.stats().num_forced_syncs == syncs);
+    REQUIRE(e.free(y) == Status::ok);
+    CHECK(e.empty_cache() == Status::ok);
+    CHECK(e.usage().reserved == 0);
+    CHECK(fake().now().faults == 0);
+    CHECK(fake().first_fault() == std::string());
+  });
 }
 
 TEST_CASE("cuda driver: allocations while a block waits for a destroyed stream do not synchronise the device "
@@ -690,35 +712,81 @@ TEST_CASE("cuda driver: allocations while a block waits for a destroyed stream d
   // allocation tries it again: that retry frees no private pool, so no allocation synchronises the device.
   const Stream capture = kFaultStreamB;
   const PoolId pool{9, 1};
-  for (PolicyKind p : kPolicies) {
-    INFO(policy_name(p));
-    {
-      Options o;
-      o.background = BackgroundMode::off;
-      auto a = make_lazy(p, o);
-      DeviceEngine& e = *a->device(0);
-      e.begin_allocate_to_pool(pool, [capture](Stream s) { return s == capture; });
-      void* g = must_allocate(e, 6 * MiB, capture);
-      e.end_allocate_to_pool(pool);
-      REQUIRE(e.release_pool(pool) == Status::ok);  // g is still live: the pool stays
-      void* u = must_allocate(e, 4 * MiB, 0);
-      destroy_while_using(e, u, 4 * MiB);
-      REQUIRE(e.free(u) == Status::ok);  // waits, listed, for the destroyed stream's kernel
-      const auto device_syncs = fake().calls("cuCtxSynchronize");
-      const auto t0 = fake().clock();
-      std::vector<void*> xs;
-      for (int i = 0; i < 8; ++i) xs.push_back(must_allocate(e, MiB, 0));
-      CHECK(fake().calls("cuCtxSynchronize") == device_syncs);
-      CHECK(fake().clock() == t0);
-      for (void* x : xs) REQUIRE(e.free(x) == Status::ok);
-      REQUIRE(e.free(g) == Status::ok);
-      CHECK(e.empty_cache() == Status::ok);
-      CHECK(e.usage().reserved == 0);
-      CHECK(fake().now().faults == 0);
-      CHECK(fake().first_fault() == std::string());
+  each_policy_without_worker([&](DeviceEngine& e) {
+    void* g = graph_block(e, pool, capture, 6 * MiB);
+    REQUIRE(e.release_pool(pool) == Status::ok);  // g is still live: the pool stays
+    void* u = must_allocate(e, 4 * MiB, 0);
+    destroy_while_using(e, u, 4 * MiB);
+    REQUIRE(e.free(u) == Status::ok);  // waits, listed, for the destroyed stream's kernel
+    const auto device_syncs = fake().calls("cuCtxSynchronize");
+    const auto t0 = fake().clock();
+    std::vector<void*> xs;
+    for (int i = 0; i < 8; ++i) xs.push_back(must_allocate(e, MiB, 0));
+    CHECK(fake().calls("cuCtxSynchronize") == device_syncs);
+    CHECK(fake().clock() == t0);
+    for (void* x : xs) REQUIRE(e.free(x) == Status::ok);
+    REQUIRE(e.free(g) == Status::ok);
+    CHECK(e.empty_cache() == Status::ok);
+    CHECK(e.usage().reserved == 0);
+    CHECK(fake().now().faults == 0);
+    CHECK(fake().first_fault() == std::string());
+  });
+}
+
+TEST_CASE("cuda driver: blocks waiting for one destroyed stream cost one event query per allocation (virtual "
+          "clock)",
+          "[cuda][streams]") {
+  // 32 blocks used on S (record_stream), S destroyed with its kernel queued, the blocks freed: each is listed,
+  // and each later allocation tries them again. The retry queries S's event once, not once per block.
+  each_policy_without_worker([&](DeviceEngine& e) {
+    void* s = fake().stream_create(0);
+    REQUIRE(s);
+    const auto S = reinterpret_cast<Stream>(s);
+    std::vector<void*> us;
+    for (int i = 0; i < 32; ++i) {
+      us.push_back(must_allocate(e, MiB, 0));
+      REQUIRE(e.record_stream(us.back(), S) == Status::ok);
     }
-    require_nothing_held();
-  }
+    REQUIRE(fake().work(S, us.front(), MiB, 1000) == CUDA_SUCCESS);
+    REQUIRE(e.retire_stream(S) == Status::ok);
+    REQUIRE(fake().stream_destroy(s) == CUDA_SUCCESS);
+    for (void* u : us) REQUIRE(e.free(u) == Status::ok);
+    const auto queries = fake().calls("cuEventQuery");
+    void* x = must_allocate(e, MiB, 0);
+    CHECK(fake().calls("cuEventQuery") - queries <= 2);
+    REQUIRE(e.free(x) == Status::ok);
+    CHECK(e.stats().active.all().current == 32);  // the listed blocks
+    fake().advance(2000);
+    void* y = must_allocate(e, MiB, 0);
+    CHECK(e.stats().active.all().current == 1);  // the listed blocks went back at this allocation
+    REQUIRE(e.free(y) == Status::ok);
+    CHECK(e.empty_cache() == Status::ok);
+    CHECK(e.usage().reserved == 0);
+    CHECK(fake().now().faults == 0);
+  });
+}
+
+TEST_CASE("cuda driver: a graph pool's block waiting for a destroyed stream goes with the pool when the pool is "
+          "released (virtual clock)",
+          "[cuda][streams][graphs]") {
+  // A block of a graph's private pool, used on S (record_stream), S destroyed with its kernel queued, the block
+  // freed (listed, waiting for S's event), then the pool released: the device-wide wait before graph memory
+  // goes covers S's work, so the block goes back and the pool with it, without an empty_cache.
+  const Stream capture = kFaultStreamB;
+  const PoolId pool{9, 2};
+  each_policy_without_worker([&](DeviceEngine& e) {
+    void* g = graph_block(e, pool, capture, 6 * MiB);
+    destroy_while_using(e, g, 6 * MiB);
+    REQUIRE(e.free(g) == Status::ok);
+    CHECK(e.usage().reserved > 0);
+    AllocError err;
+    CHECK(e.release_pool(pool, &err) == Status::ok);
+    INFO(err.message);
+    CHECK(e.usage().reserved == 0);
+    CHECK(fake().clock() >= 1000);
+    CHECK(fake().now().faults == 0);
+    CHECK(fake().first_fault() == std::string());
+  });
 }
 
 TEST_CASE("cuda driver: a value named again while its ordering fails then destroyed again is waited for and "

@@ -195,6 +195,10 @@ struct State {
   // Destroyed streams: a handle value is given to a new stream only once the old one's work is done (at once,
   // work or not, while reuse_streams_at_once is set).
   std::vector<std::pair<CUstream, NodeP>> destroyed_streams;
+  // The queued work of destroyed streams, by context: cuCtxSynchronize (and cuMemFree's implicit
+  // synchronisation) waits for all preceding work of the context (cuda.h), a destroyed stream's included,
+  // whether or not its handle value was given to a new stream since.
+  std::vector<std::pair<CUcontext, NodeP>> orphaned_work;
   bool refuse_multi_unmap = false;  // fakecuda_refuse_multi_mapping_unmap
   bool reuse_streams_at_once = false;  // fakecuda_reuse_stream_values_at_once
   std::vector<NodeP> blocked;                      // in enqueue order
@@ -372,6 +376,12 @@ void for_each_stream(CUcontext c, F f) {
     if (fs.ctx == c) f(fs);
 }
 
+// A stream destroyed with its work still queued: that work still completes (cuStreamDestroy returns at once).
+void stream_destroyed(CUstream h, const FakeStream& fs) {
+  st().destroyed_streams.emplace_back(h, fs.tail);
+  if (fs.tail) st().orphaned_work.emplace_back(fs.ctx, fs.tail);
+}
+
 // Using a stream while a capture is under way: the legacy stream synchronises with every blocking stream of
 // its context, so using it while one of them captures invalidates that capture (cudaStreamLegacy semantics).
 CUresult legacy_use(CUstream h, FakeStream* fs) {
@@ -475,6 +485,16 @@ void wait_for(const NodeP& n) {
     resolve();
   }
   if (!n->blocked) advance_to(n->done);
+}
+
+// All work queued on the context so far: its streams', its legacy stream's and its destroyed streams'.
+void wait_for_context(CUcontext c) {
+  for_each_stream(c, [&](FakeStream& fs) { wait_for(fs.tail); });
+  if (auto n = st().null_streams.find(c); n != st().null_streams.end()) wait_for(n->second.tail);
+  auto& orphans = st().orphaned_work;
+  for (auto& [ctx, n] : orphans)
+    if (ctx == c) wait_for(n);
+  std::erase_if(orphans, [&](const auto& o) { return o.first == c; });
 }
 
 // Unfinished work touching [va, va+size): an unmap, release or free of it is an illegal-address fault.
@@ -801,8 +821,7 @@ FAKE_API CUresult cuCtxSynchronize() {
   });
   if (capturing) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
   UNSAFE_DURING_CAPTURE();
-  for_each_stream(c, [&](FakeStream& fs) { wait_for(fs.tail); });
-  if (auto n = st().null_streams.find(c); n != st().null_streams.end()) wait_for(n->second.tail);
+  wait_for_context(c);
   return CUDA_SUCCESS;
 }
 
@@ -1117,7 +1136,7 @@ FAKE_API CUresult cuStreamDestroy_v2(CUstream h) {
   if (it == st().streams.end()) return CUDA_ERROR_INVALID_HANDLE;
   if (it->second.capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
   // Queued work still completes (cuStreamDestroy returns at once); the handle value may be reused after.
-  st().destroyed_streams.emplace_back(h, it->second.tail);
+  stream_destroyed(h, it->second);
   st().streams.erase(it);
   return CUDA_SUCCESS;
 }
@@ -1505,8 +1524,7 @@ FAKE_API CUresult cuMemFree_v2(CUdeviceptr p) {
   auto it = s.own.find(p);
   if (it == s.own.end()) return CUDA_ERROR_INVALID_VALUE;  // not an address an allocation call returned
   if (!it->second.async) {  // implicit synchronisation: the context's work is waited for
-    for_each_stream(current(), [&](FakeStream& fs) { wait_for(fs.tail); });
-    if (auto n = s.null_streams.find(current()); n != s.null_streams.end()) wait_for(n->second.tail);
+    wait_for_context(current());
   }
   own_release(s, it);
   return CUDA_SUCCESS;
@@ -2012,7 +2030,7 @@ FAKE_API int fakecuda_stream_destroy(void* stream) {
   std::lock_guard lk(st().mu);
   auto it = st().streams.find(reinterpret_cast<CUstream>(stream));
   if (it == st().streams.end() || !it->second.runtime) return CUDA_ERROR_INVALID_HANDLE;
-  st().destroyed_streams.emplace_back(it->first, it->second.tail);
+  stream_destroyed(it->first, it->second);
   st().streams.erase(it);
   return CUDA_SUCCESS;
 }

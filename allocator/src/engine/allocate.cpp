@@ -113,13 +113,21 @@ void DeviceEngine::State::free_block(Block* b, bool traced) {
   if (b->multi) policy->freed(b, lo, hi);
 }
 
-bool DeviceEngine::State::insert_events(Block* b, bool wait_retired) {
+bool DeviceEngine::State::insert_events(Block* b, bool wait_retired, std::vector<Stream>* running) {
   StreamUses left;
   for (Stream st : b->stream_uses) {
+    if (running && std::find(running->begin(), running->end(), st) != running->end()) {
+      left.add(st);  // a destroyed stream this retry already found running: not queried again per block
+      continue;
+    }
     if (retired(st)) {
       // Note [Destroyed streams]: no event on a destroyed stream. Its own, queried now; while its work runs
       // the use stays (the block waits in deferred_until_no_capture), or is waited for by a release.
-      if (!retired_done(st) && (!wait_retired || forced_sync(st) != Status::ok)) left.add(st);
+      if (retired_done(st)) continue;
+      if (!wait_retired || forced_sync(st) != Status::ok) {
+        left.add(st);
+        if (running && !wait_retired) running->push_back(st);
+      }
       continue;
     }
     Event e = 0;
@@ -271,6 +279,9 @@ void DeviceEngine::State::maybe_free_private_pools() {
                                               [&](const auto& seg) { return seg->owner == kv.second.get(); });
   });
   if (capturing() || (any && !synchronize_device())) return;
+  // The device is idle now: blocks listed for a destroyed stream's work (Note [Destroyed streams]) go back
+  // first, so that a pool they are in can go with the rest.
+  if (any && !deferred_until_no_capture.empty()) retry_deferred_events();
   for (auto it = private_pools.begin(); it != private_pools.end();) {
     PoolSet* ps = it->second.get();
     if (!ps->released) { ++it; continue; }
@@ -282,13 +293,17 @@ void DeviceEngine::State::maybe_free_private_pools() {
 }
 
 void DeviceEngine::State::retry_deferred_events(bool wait_retired) {
-  std::vector<Block*> blocks;
+  // The list is swapped with a kept, empty one, so that a retry that leaves blocks listed allocates nothing.
+  std::vector<Block*>& blocks = deferred_retrying;
+  blocks.clear();
   blocks.swap(deferred_until_no_capture);
+  std::vector<Stream> running;  // destroyed streams found still running, each queried once per retry
   for (Block* b : blocks) {
     --b->event_count;  // its placeholder
-    if (!insert_events(b, wait_retired)) defer_events(b);
+    if (!insert_events(b, wait_retired, &running)) defer_events(b);
     else if (b->event_count == 0) free_block(b);
   }
+  blocks.clear();
 }
 
 void DeviceEngine::State::after_capture() {

@@ -245,6 +245,7 @@ struct DeviceEngine::State {
   // block listed. No private pool is freed here: a released one whose blocks are still live would make each
   // call synchronise the device.
   void retry_deferred_events(bool wait_retired = false);
+  std::vector<Block*> deferred_retrying;  // retry_deferred_events' list while it runs (its storage kept)
   void after_capture();  // a routing or capture ended: their events, and the private pools released meanwhile
 
   // Note [Failed waits]
@@ -271,8 +272,9 @@ struct DeviceEngine::State {
   // it, and a path that would record an event on the stream uses it instead: a lend makes the growth's stream
   // wait for it on the device, a split waits until it is done, and a free whose block the destroyed stream
   // still used (a record_stream onto a stream destroyed before the block's free) leaves the block listed in
-  // deferred_until_no_capture while that work runs: each later allocation queries the event, and a release
-  // (the OOM retry, empty_cache) waits for it, as it waits for events. When the program names the value again (an allocation on it, a
+  // deferred_until_no_capture while that work runs: each later allocation or free queries the event (once
+  // per retry, however many blocks wait for it), a release (the OOM retry, empty_cache) waits for it, as it
+  // waits for events, and a device-wide wait before graph memory goes covers it. When the program names the value again (an allocation on it, a
   // record_stream onto it) it is a stream again: while the old work is still pending, the new stream first
   // waits for the event (cuStreamWaitEvent, asynchronous), so that everything queued on the value after it,
   // which may reuse the old stream's free blocks, comes after the old work (during a capture the wait would
@@ -286,7 +288,8 @@ struct DeviceEngine::State {
   // then every wait for it waits for the event and then the stream, so both streams' work counts. Destroyed
   // again in that state, it is waited for at once (the stream's work and the old event), or, if that fails,
   // retired with a new event in place of the old one, which covers only the new stream's work (none if it
-  // cannot be recorded either: a device whose waits fail is in error, Note [Failed waits]).
+  // cannot be recorded either: a device whose waits fail is in error, Note [Failed waits]); a block listed
+  // for the old stream's work then waits only for that event.
   // The events of retired streams nothing asked about are queried every 64 retirements and released once done,
   // so a program that makes and destroys streams without end holds only those whose work still runs; the
   // entries themselves (a few bytes each) stay until their value is named again.
@@ -373,8 +376,9 @@ struct DeviceEngine::State {
   void synchronize_and_free_events();
   // Records an event on each stream use of b (or waits for the stream where recording fails); true when
   // every use is covered. The uses it could not cover stay on b: a destroyed stream whose work still runs
-  // among them unless wait_retired (see retry_deferred_events).
-  bool insert_events(Block* b, bool wait_retired = false);
+  // among them unless wait_retired (see retry_deferred_events). running: the destroyed streams this retry
+  // found still running, added to and not queried again.
+  bool insert_events(Block* b, bool wait_retired = false, std::vector<Stream>* running = nullptr);
   void defer_events(Block* b);  // to deferred_until_no_capture, with its placeholder
 
   Block* allocate_slow(AllocParams& p, AllocError* err);
