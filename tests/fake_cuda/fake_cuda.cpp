@@ -376,12 +376,6 @@ void for_each_stream(CUcontext c, F f) {
     if (fs.ctx == c) f(fs);
 }
 
-// A stream destroyed with its work still queued: that work still completes (cuStreamDestroy returns at once).
-void stream_destroyed(CUstream h, const FakeStream& fs) {
-  st().destroyed_streams.emplace_back(h, fs.tail);
-  if (fs.tail) st().orphaned_work.emplace_back(fs.ctx, fs.tail);
-}
-
 // Using a stream while a capture is under way: the legacy stream synchronises with every blocking stream of
 // its context, so using it while one of them captures invalidates that capture (cudaStreamLegacy semantics).
 CUresult legacy_use(CUstream h, FakeStream* fs) {
@@ -495,6 +489,12 @@ void wait_for_context(CUcontext c) {
   for (auto& [ctx, n] : orphans)
     if (ctx == c) wait_for(n);
   std::erase_if(orphans, [&](const auto& o) { return o.first == c; });
+}
+
+// A stream destroyed with its work still queued: that work still completes (cuStreamDestroy returns at once).
+void stream_destroyed(CUstream h, const FakeStream& fs) {
+  st().destroyed_streams.emplace_back(h, fs.tail);
+  if (fs.tail && !node_done(fs.tail)) st().orphaned_work.emplace_back(fs.ctx, fs.tail);
 }
 
 // Unfinished work touching [va, va+size): an unmap, release or free of it is an illegal-address fault.
@@ -753,6 +753,7 @@ FAKE_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) {
     const CUcontext c = primary_ctx(d);
     std::erase_if(st().streams, [&](const auto& kv) { return kv.second.ctx == c && !kv.second.runtime; });
     std::erase_if(st().events, [&](const auto& kv) { return kv.second.ctx == c; });
+    std::erase_if(st().orphaned_work, [&](const auto& o) { return o.first == c; });
     st().null_streams.erase(c);
   }
   return CUDA_SUCCESS;

@@ -293,7 +293,7 @@ void DeviceEngine::State::maybe_free_private_pools() {
 }
 
 void DeviceEngine::State::retry_deferred_events(bool wait_retired) {
-  // The list is swapped with a kept, empty one, so that a retry that leaves blocks listed allocates nothing.
+  // The list is swapped with a kept, empty one, so that the list's storage is reused from retry to retry.
   std::vector<Block*>& blocks = deferred_retrying;
   blocks.clear();
   blocks.swap(deferred_until_no_capture);
