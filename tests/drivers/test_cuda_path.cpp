@@ -766,6 +766,40 @@ TEST_CASE("cuda driver: blocks waiting for one destroyed stream cost one event q
   });
 }
 
+TEST_CASE("cuda driver: a release whose wait for a destroyed stream fails tries it once for all the blocks "
+          "waiting for it (virtual clock)",
+          "[cuda][streams]") {
+  // 8 blocks listed for S's work (S destroyed with its kernel queued), then empty_cache with S's event
+  // synchronisation failing once: one failed wait, reported, and every block still listed (a failed wait
+  // proves nothing, Note [Failed waits]); the next release waits and gives everything back.
+  each_policy_without_worker([&](DeviceEngine& e) {
+    void* s = fake().stream_create(0);
+    REQUIRE(s);
+    const auto S = reinterpret_cast<Stream>(s);
+    std::vector<void*> us;
+    for (int i = 0; i < 8; ++i) {
+      us.push_back(must_allocate(e, MiB, 0));
+      REQUIRE(e.record_stream(us.back(), S) == Status::ok);
+    }
+    REQUIRE(fake().work(S, us.front(), MiB, 1000) == CUDA_SUCCESS);
+    REQUIRE(e.retire_stream(S) == Status::ok);
+    REQUIRE(fake().stream_destroy(s) == CUDA_SUCCESS);
+    for (void* u : us) REQUIRE(e.free(u) == Status::ok);
+    const auto failed = e.stats().num_failed_waits;
+    fake().fail("cuEventSynchronize", 1, 999);  // CUDA_ERROR_UNKNOWN
+    AllocError err;
+    CHECK(e.empty_cache(&err) == Status::driver_error);
+    CHECK(e.stats().num_failed_waits == failed + 1);
+    CHECK(e.stats().active.all().current == 8);
+    CHECK(fake().now().faults == 0);
+    fake().reset();
+    CHECK(e.empty_cache() == Status::ok);
+    CHECK(e.stats().active.all().current == 0);
+    CHECK(e.usage().reserved == 0);
+    CHECK(fake().now().faults == 0);
+  });
+}
+
 TEST_CASE("cuda driver: a graph pool's block waiting for a destroyed stream goes with the pool when the pool is "
           "released (virtual clock)",
           "[cuda][streams][graphs]") {

@@ -126,7 +126,7 @@ bool DeviceEngine::State::insert_events(Block* b, bool wait_retired, std::vector
       if (retired_done(st)) continue;
       if (!wait_retired || forced_sync(st) != Status::ok) {
         left.add(st);
-        if (running && !wait_retired) running->push_back(st);
+        if (running) running->push_back(st);  // still running, or its wait failed: once per retry
       }
       continue;
     }
