@@ -1,7 +1,7 @@
 // libFuzzer: operation sequences over the engine (every policy, sim driver with a small capacity):
-// allocate, free, record_stream, empty_cache, memory fraction, and another user of the device taking and
-// giving back memory the engine does not see (Note [Asking for free memory]); the invariant checker after
-// every operation.
+// allocate, free, record_stream, retire_stream, empty_cache, memory fraction, and another user of the device
+// taking and giving back memory the engine does not see (Note [Asking for free memory]); the invariant checker
+// after every operation.
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -24,7 +24,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::size_t i = 1;
   auto byte = [&]() -> std::uint32_t { return i < size ? data[i++] : 0; };
   while (i < size) {
-    const std::uint32_t op = byte() % 10;
+    const std::uint32_t op = byte() % 11;
     switch (op) {
       case 0:
       case 1:
@@ -60,6 +60,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
           if (e.driver().release(theirs[k]) != Status::ok) __builtin_trap();
           theirs.erase(theirs.begin() + static_cast<long>(k));
         }
+        break;
+      case 10:  // a stream destroyed (Note [Destroyed streams]); a later use of the value names a new stream
+        if (e.retire_stream(1 + byte() % 3) != Status::ok) __builtin_trap();
         break;
     }
     if (!e.check_invariants().empty()) __builtin_trap();
