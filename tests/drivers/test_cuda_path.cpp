@@ -896,7 +896,12 @@ TEST_CASE("cuda driver: a hole of a destroyed stream is lent in device order wit
   constexpr unsigned long long kLong = 100000;
   const Stream B = kFaultStreamB;
   {
-    auto a = make_lazy(PolicyKind::fragless);
+    // Without the worker: a split of x's handles taken between x's free and the stream's retirement (an
+    // event on the live stream, waited for up to 50 ms of real time) would hold the hole while B grows, and
+    // B would then reach the OOM retry's waits (about one run in 200 on a loaded machine).
+    Options o;
+    o.background = BackgroundMode::off;
+    auto a = make_lazy(PolicyKind::fragless, o);
     DeviceEngine& e = *a->device(0);
     void* s = fake().stream_create(0);
     REQUIRE(s);
