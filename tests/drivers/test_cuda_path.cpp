@@ -661,14 +661,15 @@ void* graph_block(DeviceEngine& e, PoolId pool, Stream capture, std::size_t byte
   return g;
 }
 
-// A new stream uses block u (record_stream) and queues a kernel of 1000 ticks on it; the stream is then
-// retired and destroyed with the kernel still queued, as LD_PRELOAD's cudaStreamDestroy does.
-void destroy_while_using(DeviceEngine& e, void* u, std::size_t bytes) {
+// A new stream uses the blocks (record_stream) and queues a kernel of 1000 ticks on the first (`bytes` of
+// it); the stream is then retired and destroyed with the kernel still queued, as LD_PRELOAD's
+// cudaStreamDestroy does.
+void destroy_while_using(DeviceEngine& e, const std::vector<void*>& blocks, std::size_t bytes) {
   void* s = fake().stream_create(0);
   REQUIRE(s);
   const auto S = reinterpret_cast<Stream>(s);
-  REQUIRE(e.record_stream(u, S) == Status::ok);
-  REQUIRE(fake().work(S, u, bytes, 1000) == CUDA_SUCCESS);
+  for (void* u : blocks) REQUIRE(e.record_stream(u, S) == Status::ok);
+  REQUIRE(fake().work(S, blocks.front(), bytes, 1000) == CUDA_SUCCESS);
   REQUIRE(e.retire_stream(S) == Status::ok);
   REQUIRE(fake().stream_destroy(s) == CUDA_SUCCESS);
 }
@@ -683,7 +684,7 @@ TEST_CASE("cuda driver: a block a destroyed stream still uses goes back at a lat
   // the block out again, with no synchronisation on the way.
   each_policy_without_worker([&](DeviceEngine& e) {
     void* u = must_allocate(e, 4 * MiB, 0);
-    destroy_while_using(e, u, 4 * MiB);
+    destroy_while_using(e, {u}, 4 * MiB);
     const auto t0 = fake().clock();
     const auto syncs = e.stats().num_forced_syncs;
     REQUIRE(e.free(u) == Status::ok);
@@ -716,7 +717,7 @@ TEST_CASE("cuda driver: allocations while a block waits for a destroyed stream d
     void* g = graph_block(e, pool, capture, 6 * MiB);
     REQUIRE(e.release_pool(pool) == Status::ok);  // g is still live: the pool stays
     void* u = must_allocate(e, 4 * MiB, 0);
-    destroy_while_using(e, u, 4 * MiB);
+    destroy_while_using(e, {u}, 4 * MiB);
     REQUIRE(e.free(u) == Status::ok);  // waits, listed, for the destroyed stream's kernel
     const auto device_syncs = fake().calls("cuCtxSynchronize");
     const auto t0 = fake().clock();
@@ -739,17 +740,9 @@ TEST_CASE("cuda driver: blocks waiting for one destroyed stream cost one event q
   // 32 blocks used on S (record_stream), S destroyed with its kernel queued, the blocks freed: each is listed,
   // and each later allocation tries them again. The retry queries S's event once, not once per block.
   each_policy_without_worker([&](DeviceEngine& e) {
-    void* s = fake().stream_create(0);
-    REQUIRE(s);
-    const auto S = reinterpret_cast<Stream>(s);
     std::vector<void*> us;
-    for (int i = 0; i < 32; ++i) {
-      us.push_back(must_allocate(e, MiB, 0));
-      REQUIRE(e.record_stream(us.back(), S) == Status::ok);
-    }
-    REQUIRE(fake().work(S, us.front(), MiB, 1000) == CUDA_SUCCESS);
-    REQUIRE(e.retire_stream(S) == Status::ok);
-    REQUIRE(fake().stream_destroy(s) == CUDA_SUCCESS);
+    for (int i = 0; i < 32; ++i) us.push_back(must_allocate(e, MiB, 0));
+    destroy_while_using(e, us, MiB);
     for (void* u : us) REQUIRE(e.free(u) == Status::ok);
     const auto queries = fake().calls("cuEventQuery");
     void* x = must_allocate(e, MiB, 0);
@@ -773,17 +766,9 @@ TEST_CASE("cuda driver: a release whose wait for a destroyed stream fails tries 
   // synchronisation failing once: one failed wait, reported, and every block still listed (a failed wait
   // proves nothing, Note [Failed waits]); the next release waits and gives everything back.
   each_policy_without_worker([&](DeviceEngine& e) {
-    void* s = fake().stream_create(0);
-    REQUIRE(s);
-    const auto S = reinterpret_cast<Stream>(s);
     std::vector<void*> us;
-    for (int i = 0; i < 8; ++i) {
-      us.push_back(must_allocate(e, MiB, 0));
-      REQUIRE(e.record_stream(us.back(), S) == Status::ok);
-    }
-    REQUIRE(fake().work(S, us.front(), MiB, 1000) == CUDA_SUCCESS);
-    REQUIRE(e.retire_stream(S) == Status::ok);
-    REQUIRE(fake().stream_destroy(s) == CUDA_SUCCESS);
+    for (int i = 0; i < 8; ++i) us.push_back(must_allocate(e, MiB, 0));
+    destroy_while_using(e, us, MiB);
     for (void* u : us) REQUIRE(e.free(u) == Status::ok);
     const auto failed = e.stats().num_failed_waits;
     fake().fail("cuEventSynchronize", 1, 999);  // CUDA_ERROR_UNKNOWN
@@ -810,7 +795,7 @@ TEST_CASE("cuda driver: a graph pool's block waiting for a destroyed stream goes
   const PoolId pool{9, 2};
   each_policy_without_worker([&](DeviceEngine& e) {
     void* g = graph_block(e, pool, capture, 6 * MiB);
-    destroy_while_using(e, g, 6 * MiB);
+    destroy_while_using(e, {g}, 6 * MiB);
     REQUIRE(e.free(g) == Status::ok);
     CHECK(e.usage().reserved > 0);
     AllocError err;

@@ -94,8 +94,8 @@
 //     of every stream of the device, those the allocator does not know among them (a graph replayed on the
 //     caller's stream), and of streams destroyed with work still queued (cuda.h, cuCtxSynchronize: "Blocks
 //     until the current context has completed all preceding requested tasks"; cuStreamDestroy: the stream's
-//     resources are released "once the device has completed all work" in it, the call returning at once). It fails, and would invalidate it, while a capture on the device is
-//     under way.
+//     resources are released "once the device has completed all work" in it, the call returning at once).
+//     It fails, and would invalidate it, while a capture on the device is under way.
 //  R18 export (cuda.h, cuMemExportToShareableHandle; CU_MEM_HANDLE_TYPE_NONE "does not allow any export
 //     mechanism"): a handle is exported only if it was created with the type asked for among its
 //     requestedHandleTypes (CUmemAllocationProp; R11 says when fragless asks), else the call fails (the

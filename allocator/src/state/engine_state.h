@@ -274,8 +274,8 @@ struct DeviceEngine::State {
   // still used (a record_stream onto a stream destroyed before the block's free) leaves the block listed in
   // deferred_until_no_capture while that work runs: each later allocation or free queries the event (once
   // per retry, however many blocks wait for it), a release (the OOM retry, empty_cache) waits for it, as it
-  // waits for events, and a device-wide wait before graph memory goes covers it. When the program names the value again (an allocation on it, a
-  // record_stream onto it) it is a stream again: while the old work is still pending, the new stream first
+  // waits for events, and a device-wide wait before graph memory goes covers it. When the program names the
+  // value again (an allocation on it, a record_stream onto it) it is a stream again: while the old work is still pending, the new stream first
   // waits for the event (cuStreamWaitEvent, asynchronous), so that everything queued on the value after it,
   // which may reuse the old stream's free blocks, comes after the old work (during a capture the wait would
   // be a node of the graph if the value is the capturing stream: the engine synchronises the event then).
