@@ -324,6 +324,7 @@ int main(int argc, char** argv) {
           nullptr);
     });
     wait_until([] { return phase.load() == 1; }, 10);
+    expect(phase.load() == 1, "the loader thread is inside dl_iterate_phdr, holding the loader's lock");
     std::fflush(stdout);
     const pid_t pid = fork();
     if (pid == 0) {

@@ -539,15 +539,16 @@ TEST_CASE("background: the worker's free-memory answer is dropped when memory ch
 // empty_cache waits for the job in flight with the device lock let go (Background::quiesce); a
 // begin_allocate_to_pool can come in meanwhile, and PyTorch begins the capture right after it returns. The
 // release must then synchronise nothing (a stream synchronisation invalidates a capture in every mode).
-// PyTorch holds its lock through the whole release, so the capture cannot begin in the middle of one. Run
-// twelve times: when the release gets the lock back first, its synchronisations come before the capture
-// began, which is allowed, and the round says nothing (here the capture came first in a third of the rounds,
-// and every such round failed before the fix).
+// PyTorch holds its lock through the whole release, so the capture cannot begin in the middle of one. When
+// the release gets the lock back first, its synchronisations come before the capture began, which is allowed,
+// and the round says nothing; which thread wins is the scheduler's choice (the capture, in 1 to 2 rounds of 12
+// here), so rounds go on until the capture has come first in three of them (every such round failed before
+// the fix), and a run in which it never did fails rather than pass having checked nothing.
 TEST_CASE("background: an empty_cache that waited for the worker synchronises nothing once a capture has begun",
           "[background][concurrency][graphs]") {
   Watchdog dog("empty_cache racing a capture", 120);
-  int capture_first = 0;
-  for (int round = 0; round < 12; ++round) {
+  int capture_first = 0, round = 0;
+  for (; round < 300 && capture_first < 3; ++round) {
     Gate gate;
     auto e = gated_engine(&gate);
     void* keep = nullptr;
@@ -583,7 +584,8 @@ TEST_CASE("background: an empty_cache that waited for the worker synchronises no
     for (std::size_t i = 1; i < live.size(); i += 2) REQUIRE(e->free(live[i]) == Status::ok);
     REQUIRE(e->free(keep) == Status::ok);
   }
-  WARN("rounds where the capture began while the release waited: " << capture_first << " of 12");
+  INFO("rounds where the capture began while the release waited: " << capture_first << " of " << round);
+  REQUIRE(capture_first > 0);
 }
 
 // A question alone starts no worker thread: starting one (tens of microseconds) would fall on the path of the

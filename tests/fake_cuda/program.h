@@ -53,6 +53,7 @@ struct Double {
   decltype(&fakecuda_foreign_alloc) foreign_alloc = nullptr;
   decltype(&fakecuda_free_bytes) free_bytes = nullptr;
   decltype(&fakecuda_set_delay) set_delay = nullptr;
+  decltype(&fakecuda_reuse_stream_values_at_once) reuse_streams_at_once = nullptr;
   int (*primary_state)(int, unsigned*, int*) = nullptr;  // cuDevicePrimaryCtxGetState
   explicit Double(void* handle) : lib(handle) {
     need(&census_, dlsym(lib, "fakecuda_get_census"), "fakecuda_get_census");
@@ -65,6 +66,8 @@ struct Double {
     need(&foreign_alloc, dlsym(lib, "fakecuda_foreign_alloc"), "fakecuda_foreign_alloc");
     need(&free_bytes, dlsym(lib, "fakecuda_free_bytes"), "fakecuda_free_bytes");
     need(&set_delay, dlsym(lib, "fakecuda_set_delay"), "fakecuda_set_delay");
+    need(&reuse_streams_at_once, dlsym(lib, "fakecuda_reuse_stream_values_at_once"),
+         "fakecuda_reuse_stream_values_at_once");
     need(&primary_state, dlsym(lib, "cuDevicePrimaryCtxGetState"), "cuDevicePrimaryCtxGetState");
   }
   fakecuda_census census() const {

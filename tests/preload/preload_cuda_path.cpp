@@ -264,13 +264,17 @@ int main(int argc, char** argv) {
          "the destroy waited for nothing, though both cudaStreamDestroy and cuStreamDestroy retire t (" +
              std::to_string(d.calls("cuStreamSynchronize") + d.calls("cuEventSynchronize") + d.calls("cuCtxSynchronize") - syncs) +
              " waits)");
+  //    The double gives the value to the next stream at once, t's kernel still queued (RMM's issue 649 saw
+  //    CUDA do so): the new stream's kernel faults on t's memory unless fragless orders it after t's work.
   cudaStream_t t2 = nullptr;
-  expect(cudaStreamCreate(&t2) == 0, "a new stream");
-  std::printf("the new stream %s the destroyed one's handle value\n", t2 == t ? "reuses" : "does not reuse");
+  d.reuse_streams_at_once(1);
+  expect(cudaStreamCreate(&t2) == 0 && t2 == t, "a new stream, with t's handle value");
+  d.reuse_streams_at_once(0);
   void* huge = nullptr;  // more than the device has free unless t's cached memory goes back
   expect(cudaMallocAsync(&huge, 900 * MiB, t2) == 0 && huge, "a large allocation on the new stream succeeds");
-  d.launch(t2, huge, 900 * MiB, 10);
+  expect(d.launch(t2, huge, 900 * MiB, 10) == 0, "a kernel on it");
   expect(cudaFreeAsync(huge, t2) == 0, "its free");
+  expect(d.census().faults == 0, std::string("the new stream's kernel came after t's (") + d.first_fault() + ")");
   expect(cudaStreamDestroy(t2) == 0 && cudaStreamDestroy(a) == 0 && cudaStreamDestroy(c) == 0 &&
              cudaStreamDestroy(s1) == 0,
          "streams destroyed");

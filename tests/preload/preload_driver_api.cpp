@@ -440,7 +440,14 @@ int main(int argc, char** argv) {
 
   // 11. cuStreamDestroy retires the stream first without waiting, as cudaStreamDestroy does, and a new
   //     stream that gets the same handle value is a new stream to fragless. Through both ABIs: CUDA 4.0's
-  //     cuStreamDestroy_v2 and the older cuStreamDestroy libcuda still exports.
+  //     cuStreamDestroy_v2 and the older cuStreamDestroy libcuda still exports. The double gives the value
+  //     to the next stream at once (as RMM's issue 649 saw CUDA do), u's kernel still queued: the new
+  //     stream's work is not ordered after it unless fragless orders it, and the double counts a fault if
+  //     the new stream's kernel touches u's memory first.
+  const auto waits = [&] {
+    return d.calls("cuStreamSynchronize") + d.calls("cuEventSynchronize") + d.calls("cuCtxSynchronize");
+  };
+  d.reuse_streams_at_once(1);
   for (auto destroy : {a.stream_destroy, a.stream_destroy_v1}) {
     const std::string abi = destroy == a.stream_destroy ? "cuStreamDestroy_v2" : "cuStreamDestroy (before CUDA 4.0)";
     CUstream u = nullptr, u2 = nullptr;
@@ -449,15 +456,21 @@ int main(int argc, char** argv) {
            "64 MiB on a stream u");
     expect(d.launch(u, as_ptr(w), 64 * MiB, 5000) == 0 && a.free_async(w, u) == CUDA_SUCCESS,
            "freed on u while its kernel runs");
-    expect(destroy(u) == CUDA_SUCCESS && a.stream_create(&u2, 0) == CUDA_SUCCESS, "u destroyed with " + abi + ", a new stream");
-    std::printf("the new stream %s the destroyed one's handle value\n", u2 == u ? "reuses" : "does not reuse");
+    const unsigned long before = waits();
+    expect(destroy(u) == CUDA_SUCCESS, "u destroyed with " + abi);
+    expect(waits() == before, "the destroy waited for nothing (" + abi + ", " + std::to_string(waits() - before) +
+                                  " waits)");
+    expect(a.stream_create(&u2, 0) == CUDA_SUCCESS && u2 == u, "a new stream, with u's handle value");
+    const unsigned long before_alloc = waits();
     expect(a.alloc_async(&huge, 1000 * MiB, u2) == CUDA_SUCCESS && d.fragless(huge, 0) &&
                d.launch(u2, as_ptr(huge), 1000 * MiB, 10) == 0 && a.free_async(huge, u2) == CUDA_SUCCESS,
            "1000 MiB on the new stream (u's cached 64 MiB among them), used");
+    std::printf("%s: %lu host waits during the 1000 MiB allocation\n", abi.c_str(), waits() - before_alloc);
     expect(destroy(u2) == CUDA_SUCCESS, "the new stream destroyed");
     expect(d.census().faults == 0,
            "no block of u handed out before u's work was done (" + abi + "; " + d.first_fault() + ")");
   }
+  d.reuse_streams_at_once(0);
 
   // 12. Pools as XLA's and TensorFlow's async allocator use them. The default pool's statistics (read by
   //     GpuCudaMallocAsyncAllocator::PrintAllocatorStatistics) count fragless's memory allocated from it,
