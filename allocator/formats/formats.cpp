@@ -91,6 +91,10 @@ bool detect_format(const std::string& bytes, Format* f) {
     *f = Format::native;
   else if (bytes.size() >= 2 && static_cast<unsigned char>(bytes[0]) == 0x80 && bytes[1] >= 2 && bytes[1] <= 5)
     *f = Format::snapshot;
+  // Protocols 0 and 1 have no PROTO opcode: a snapshot (a dict, or the oldest, a list of segments) then
+  // begins MARK DICT/LIST (protocol 0: "(d", "(l") or EMPTY_DICT/EMPTY_LIST (protocol 1: '}', ']').
+  else if (bytes.rfind("(d", 0) == 0 || bytes.rfind("(l", 0) == 0 || bytes.rfind("}", 0) == 0 || bytes.rfind("]", 0) == 0)
+    *f = Format::snapshot;
   else if (bytes.rfind("Thread,", 0) == 0 || bytes.substr(0, bytes.find('\n')).find("Action") != std::string::npos)
     *f = Format::rmm_csv;
   else

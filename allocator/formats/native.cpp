@@ -107,11 +107,21 @@ LoadResult trace_from_native_bytes(const std::string& bytes, const std::string& 
     if (const std::string why = event_out_of_bounds(e); !why.empty())
       return fail("record " + std::to_string(i) + " at byte " + std::to_string(off) + ": " + why);
     if (timed) {
+      if (rec.time_ns > UINT64_MAX - h.origin_unix_ns || (h.origin_unix_ns + rec.time_ns) / 1000 > INT64_MAX)
+        return fail("record " + std::to_string(i) + " at byte " + std::to_string(off) + ": its time, " +
+                    std::to_string(rec.time_ns) + " ns after the header's origin of " + std::to_string(h.origin_unix_ns) +
+                    " ns, is past the latest time a trace holds (2^63 microseconds)");
       e.time_us = static_cast<std::int64_t>((h.origin_unix_ns + rec.time_ns) / 1000);
       t.has_time = true;
     }
     if (live_by_device.size() <= rec.device) live_by_device.resize(rec.device + 1u);
     auto& lv = live_by_device[rec.device];
+    const bool present = rec.action == static_cast<std::uint8_t>(TraceAction::segment_present) ||
+                         rec.action == static_cast<std::uint8_t>(TraceAction::block_present);
+    if (present && !t.events.empty())  // written first (trace.h): one present later would be a phantom
+      return fail("record " + std::to_string(i) + " at byte " + std::to_string(off) + ": a " +
+                  trace_action_name(static_cast<TraceAction>(rec.action)) +
+                  " record after the trace's first event (such records come before it)");
     if (rec.action == static_cast<std::uint8_t>(TraceAction::segment_present)) {
       e.op = rec.block ? Op::segment_map : Op::segment_alloc;
       e.block_size = 0;
@@ -124,7 +134,9 @@ LoadResult trace_from_native_bytes(const std::string& bytes, const std::string& 
       t.seed.push_back(e);
       continue;
     }
-    if (e.op == Op::alloc) {
+    if (e.address == 0 && e.size == 0 && (e.op == Op::alloc || e.op == Op::free)) {
+      // A null pointer for 0 bytes (an RMM log's): it holds nothing and pairs with nothing.
+    } else if (e.op == Op::alloc) {
       if (!lv.insert(e.address).second)
         return fail("record " + std::to_string(i) + " at byte " + std::to_string(off) + ": address 0x" +
                     [&] { char b[24]; std::snprintf(b, sizeof b, "%" PRIx64, e.address); return std::string(b); }() +

@@ -11,9 +11,25 @@ namespace fragless::formats {
 
 const PyValue* PyValue::get(std::string_view key) const {
   if (type != Type::dict) return nullptr;
-  for (const auto& [k, v] : entries)
-    if (k->type == Type::str && k->s == key) return v.get();
-  return nullptr;
+  constexpr std::size_t kScan = 16;  // PyTorch's dicts hold fewer keys: a scan is quicker than an index
+  if (entries.size() <= kScan || entries.size() > UINT32_MAX) {
+    for (std::size_t i = entries.size(); i-- > 0;)
+      if (entries[i].first->type == Type::str && entries[i].first->s == key) return entries[i].second.get();
+    return nullptr;
+  }
+  if (indexed_ != entries.size()) {
+    index_.clear();
+    for (std::size_t i = 0; i < entries.size(); ++i)
+      if (entries[i].first->type == Type::str) index_.push_back(static_cast<std::uint32_t>(i));
+    std::stable_sort(index_.begin(), index_.end(),
+                     [&](std::uint32_t a, std::uint32_t b) { return entries[a].first->s < entries[b].first->s; });
+    indexed_ = entries.size();
+  }
+  // The last position among equal keys: the value set last.
+  auto it = std::upper_bound(index_.begin(), index_.end(), key,
+                             [&](std::string_view k, std::uint32_t i) { return k < entries[i].first->s; });
+  if (it == index_.begin() || entries[*std::prev(it)].first->s != key) return nullptr;
+  return entries[*std::prev(it)].second.get();
 }
 
 namespace {

@@ -35,8 +35,12 @@ struct PyValue {
   // A list read with ReadOptions::count_only under its key: its items were dropped once its dict took it,
   // and this is how many there were (items is then empty).
   std::size_t dropped = 0;
+  mutable std::vector<std::uint32_t> index_;  // get(): entries' positions by key, then position (large dicts)
+  mutable std::size_t indexed_ = 0;           // entries.size() when index_ was made
 
-  // Dict lookup by string key (nullptr if absent or not a dict).
+  // Dict lookup by string key (nullptr if absent or not a dict). A key set twice gives its last value, as
+  // Python's dict does. Large dicts are searched through an index made at the first lookup (a hostile
+  // file may look one dict of many keys up once per reference to it).
   const PyValue* get(std::string_view key) const;
   bool is_number() const { return type == Type::integer || type == Type::real || type == Type::boolean; }
   std::int64_t as_int() const { return type == Type::real ? static_cast<std::int64_t>(f) : i; }

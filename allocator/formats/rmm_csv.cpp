@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <map>
+#include <set>
 #include <sstream>
 #include <vector>
 
@@ -65,6 +66,15 @@ bool parse_dec(const std::string& s, std::uint64_t* v) {
   return true;
 }
 
+// Note [Times of day in an RMM log]
+// RMM's logger writes the local time of day ("%H:%M:%S.%f", no date), so a run that passes midnight starts
+// again at 00:00:00. A clock time more than half a day before the latest one read is taken as the next day's
+// (a log whose rows are more than 12 hours apart with none between is read wrong; RMM writes a row per
+// call). Rows written by several threads may be slightly out of order (the time is taken before the
+// logger's lock): up to a second back is kept as recorded; more (a clock set back, a daylight-saving change)
+// is refused, naming both rows. Plain microseconds never wrap. A time on some rows and not others is refused.
+constexpr std::int64_t kDayUs = 86400LL * 1000000, kHalfDayUs = kDayUs / 2, kOutOfOrderUs = 1000000;
+
 // HH:MM:SS[.f...] (RMM's form, up to six digits of the second: ".5" is half a second) or plain microseconds
 // -> microseconds; -1 when empty, -2 when malformed or out of range (fields beyond a clock's, more digits than
 // a microsecond's, or a value that would overflow).
@@ -110,15 +120,20 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
                   " and " + std::to_string(i + 1) + ")");
   for (const char* need : {"Action", "Pointer", "Size"})
     if (!col.count(need)) return fail(std::string("missing column '") + need + "' in the header");
-  const bool has_stream = col.count("Stream"), has_time = col.count("Time");
+  const bool has_stream = col.count("Stream"), has_time = col.count("Time"), has_thread = col.count("Thread");
   Trace& t = r.trace;
   t.source = name;
   std::map<std::uint64_t, std::size_t> live;  // address -> the line that allocated it
+  // Note [Times of day in an RMM log]: the clock's days passed, the latest time read and its line.
+  std::int64_t days_us = 0, latest = -1;
+  std::size_t latest_line = 0, timed = 0, untimed = 0;
+  std::set<std::uint64_t> threads;  // ids other than 0 (what the writer gives every row)
   while (std::getline(in, line)) {
     ++lineno;
     if (line.empty() || line == "\r") continue;
     const auto f = split(line);
-    if (f.size() < header.size()) return fail("expected " + std::to_string(header.size()) + " fields, found " + std::to_string(f.size()));
+    if (f.size() != header.size())
+      return fail("expected " + std::to_string(header.size()) + " fields (the header's), found " + std::to_string(f.size()));
     Event e;
     const std::string& action = f[col["Action"]];
     if (action == "allocate") e.op = Op::alloc;
@@ -129,9 +144,35 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
     if (!parse_dec(f[col["Size"]], &e.size)) return fail("bad size '" + f[col["Size"]] + "'");
     if (has_stream && !parse_hex(f[col["Stream"]], &e.stream)) return fail("bad stream '" + f[col["Stream"]] + "'");
     if (const std::string why = event_out_of_bounds(e); !why.empty()) return fail(why);
+    if (has_thread) {
+      std::uint64_t id = 0;
+      const std::string& th = f[col["Thread"]];
+      if (!parse_dec(th, &id) && !((th.rfind("0x", 0) == 0 || th.rfind("0X", 0) == 0) && parse_hex(th, &id)))
+        return fail("bad thread id '" + th + "' (expected a number, as RMM's logger writes it)");
+      if (id) threads.insert(id);
+    }
     if (has_time) {
-      e.time_us = parse_time(f[col["Time"]]);
-      if (e.time_us == -2) return fail("bad time '" + f[col["Time"]] + "' (expected HH:MM:SS.ffffff or microseconds)");
+      const std::string& when = f[col["Time"]];
+      e.time_us = parse_time(when);
+      if (e.time_us == -2) return fail("bad time '" + when + "' (expected HH:MM:SS.ffffff or microseconds)");
+      ++(e.time_us >= 0 ? timed : untimed);
+      if (timed && untimed)
+        return fail(e.time_us >= 0 ? "a time where the rows before had none" : "no time where the rows before had one");
+      if (e.time_us >= 0 && when.find(':') != std::string::npos) {
+        e.time_us += days_us;
+        if (latest >= 0 && e.time_us + kHalfDayUs < latest) {  // past midnight
+          days_us += kDayUs;
+          e.time_us += kDayUs;
+        }
+      }
+      if (e.time_us >= 0 && latest >= 0 && e.time_us + kOutOfOrderUs < latest)
+        return fail("time " + when + " is " + std::to_string((latest - e.time_us) / 1000000) +
+                    " s before line " + std::to_string(latest_line) + "'s (a clock set back? RMM logs the local time " +
+                    "of day); rows may be out of order by at most 1 s");
+      if (e.time_us > latest) {
+        latest = e.time_us;
+        latest_line = lineno;
+      }
       t.has_time |= e.time_us >= 0;
     }
     const std::string address = [&] {
@@ -139,8 +180,9 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
       std::snprintf(b, sizeof b, "0x%" PRIx64, e.address);
       return std::string(b);
     }();
-    if (e.op == Op::oom) {
-      // Nothing was allocated: no address to pair with a free.
+    if (e.op == Op::oom || (e.address == 0 && e.size == 0)) {
+      // Nothing was allocated: no address to pair with a free. RMM's pools answer a request of 0 bytes with
+      // a null pointer, and the adaptor logs it ("(nil)") and its free as any other.
     } else if (e.op == Op::alloc) {
       // As the native reader: a log records every call, so a second allocate of a live address means the
       // log is corrupt (or rows were lost), and replaying it would hold memory the program never held.
@@ -152,6 +194,9 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
     }
     t.events.push_back(e);
   }
+  if (!threads.empty())
+    r.dropped = "the Thread column (" + std::to_string(threads.size()) + (threads.size() == 1 ? " thread" : " threads") +
+                "; a log written from the trace names thread 0 on every row)";
   r.ok = true;
   return r;
 }

@@ -107,13 +107,15 @@ std::vector<std::pair<SegOut, std::vector<std::pair<std::uint64_t, LiveBlock>>>>
     }
     if (open) segs[lo] = {lo, hi - lo, 0, false};
   }
-  std::vector<std::pair<SegOut, std::vector<std::pair<std::uint64_t, LiveBlock>>>> out;
+  using Out = std::pair<SegOut, std::vector<std::pair<std::uint64_t, LiveBlock>>>;
+  std::vector<Out> out;
   for (auto& [addr, s] : segs) out.push_back({s, {}});
+  // Blocks no recorded segment holds (allocated before any segment event) get segments of their own, kept
+  // apart until every block is placed: `out` stays sorted for the search.
+  std::vector<Out> own;
   for (auto& [addr, b] : live) {
-    // The recorded segment holding the block; else a segment of its own (allocated before any
-    // recorded segment event).
     auto it = std::upper_bound(out.begin(), out.end(), addr,
-                               [](std::uint64_t a, const auto& seg) { return a < seg.first.address; });
+                               [](std::uint64_t a, const Out& seg) { return a < seg.first.address; });
     if (it != out.begin()) {
       auto& seg = *std::prev(it);
       if (addr < seg.first.address + seg.first.size) {
@@ -125,9 +127,14 @@ std::vector<std::pair<SegOut, std::vector<std::pair<std::uint64_t, LiveBlock>>>>
         }
       }
     }
-    out.push_back({SegOut{addr, b.size, b.stream, false}, {{addr, b}}});
+    // Its own segment ends where the next segment (recorded, or of the block after it) begins: segments
+    // are disjoint ranges in PyTorch's snapshots, and its viewer draws them so.
+    LiveBlock c = b;
+    if (it != out.end()) c.size = std::min(c.size, it->first.address - addr);
+    own.push_back({SegOut{addr, c.size, c.stream, false}, {{addr, c}}});
   }
-  std::sort(out.begin(), out.end(), [](const auto& x, const auto& y) { return x.first.address < y.first.address; });
+  out.insert(out.end(), own.begin(), own.end());
+  std::sort(out.begin(), out.end(), [](const Out& x, const Out& y) { return x.first.address < y.first.address; });
   return out;
 }
 

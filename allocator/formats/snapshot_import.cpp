@@ -137,11 +137,28 @@ struct Device {
   std::map<std::uint64_t, DumpSeg> segments_at_dump;
 };
 
+// Note [Work bounded by the input]
+// A pickle refers back to an object it already wrote in two bytes, so a small file can name one segment a
+// thousand times, each holding a thousand references to one block with a long history: the reader builds
+// each object once (Note [The unpickler's memory budget]), but the import would read every reference of
+// every reference. PyTorch pickles each segment, block and trace entry as a dict of its own, at least a few
+// bytes each, so the import reads at most one block, history record or entry per byte of input, plus a
+// floor for small files; past that it stops with an error instead of working for minutes.
+constexpr std::uint64_t kVisitFloor = std::uint64_t{1} << 22;
+
 struct Counts {
   std::size_t framed_blocks = 0, framed_segments = 0, framed_events = 0, context_events = 0, metadata_events = 0;
   std::size_t entries = 0, allocs = 0, frees = 0, live_blocks = 0;
   std::map<std::string, std::size_t> unknown_actions;
   std::vector<std::string> notes;  // warnings
+  std::uint64_t visits = 0, visit_limit = kVisitFloor;  // Note [Work bounded by the input]
+  void visit(std::uint64_t n, const std::string& where) {
+    visits += n;
+    if (visits > visit_limit)
+      bad(where + ": the snapshot names more than " + std::to_string(visit_limit) + " blocks, history records and " +
+          "trace entries (one per byte of the file, at least " + std::to_string(kVisitFloor) +
+          "), through references to the same objects: not a snapshot PyTorch writes");
+  }
 };
 
 void read_segment(const PyValue& seg, const std::string& where, std::vector<Device>& devs, Counts& c) {
@@ -170,6 +187,7 @@ void read_segment(const PyValue& seg, const std::string& where, std::vector<Devi
     const std::uint64_t size = need(b, "size", Int::size, bw);
     const std::uint64_t baddr = opt(b, "address", Int::address, bw, at);
     const PyValue* history = list_or_null(b, "history", bw);
+    c.visit(1 + (history ? history->items.size() : 0), bw);
     bool framed = has_frames(b);
     if (history)
       for (const auto& h : history->items) framed |= h->type == PyValue::Type::dict && has_frames(*h);
@@ -209,6 +227,7 @@ void read_trace(const PyValue& list, std::size_t dev, const std::string& where, 
   for (const auto& ep : list.items) {
     const PyValue& e = *ep;
     const std::string ew = where + "[" + std::to_string(index++) + "]";
+    c.visit(1, ew);
     if (e.type != PyValue::Type::dict) bad(ew + " is " + type_name(e) + ", not a dict");
     const std::string action = text(e, "action", ew);
     ++c.entries;
@@ -239,15 +258,16 @@ void read_trace(const PyValue& list, std::size_t dev, const std::string& where, 
     }
     if (action != "oom" && action != "snapshot" && ev.address + ev.size < ev.address)
       bad(aw + ": addr + size is past 2^64");
+    const bool null = ev.address == 0 && ev.size == 0;  // a null pointer for 0 bytes: pairs with nothing
     if (action == "alloc") {
       ev.op = Op::alloc;
-      reallocated += !allocated_in_window.insert(ev.address).second;
+      reallocated += !null && !allocated_in_window.insert(ev.address).second;
       ++c.allocs;
     } else if (action == "free_completed" || (action == "free_requested" && requested_frees)) {
       ev.op = Op::free;
       ++c.frees;
       taken += action == "free_requested";
-      if (!allocated_in_window.count(ev.address)) {  // allocated before the window: seed it
+      if (!null && !allocated_in_window.count(ev.address)) {  // allocated before the window: seed it
         Event s = ev;
         s.op = Op::alloc;
         t.seed.push_back(s);
@@ -348,7 +368,7 @@ void add_pre_segments(Trace& t, std::size_t first_event, std::size_t dev, const 
   }
 }
 
-LoadResult import(const PyValue& root, const std::string& name) {
+LoadResult import(const PyValue& root, const std::string& name, std::uint64_t input_bytes) {
   const PyValue* segments = nullptr;
   const PyValue* traces = nullptr;
   if (root.type == PyValue::Type::list) {
@@ -369,6 +389,7 @@ LoadResult import(const PyValue& root, const std::string& name) {
   Trace& t = r.trace;
   t.source = name;
   Counts c;
+  c.visit_limit = std::max(kVisitFloor, input_bytes);
   std::vector<Device> devs(std::max<std::size_t>(traces ? traces->items.size() : 0, 1));
   for (std::size_t i = 0; i < segments->items.size(); ++i)
     read_segment(*segments->items[i], "segments[" + std::to_string(i) + "]", devs, c);
@@ -480,7 +501,7 @@ LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string
     return r;
   }
   try {
-    return import(*pr.value, name);
+    return import(*pr.value, name, bytes.size());
   } catch (const Bad& b) {
     r.error = name + ": " + b.what;
     return r;

@@ -200,13 +200,16 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
     double dt = 1;
     if (ev.time_us >= 0) {
       if (first_time < 0) first_time = ev.time_us;
-      dt = last_time < 0 ? 0 : static_cast<double>(ev.time_us - last_time);
-      last_time = ev.time_us;
+      // Rows a little out of order (an RMM log's threads; Note [Times of day in an RMM log]) weigh nothing
+      // and do not move the clock back.
+      dt = last_time < 0 ? 0 : static_cast<double>(std::max<std::int64_t>(0, ev.time_us - last_time));
+      last_time = std::max(last_time, ev.time_us);
     }
     allocated_integral += static_cast<double>(u.allocated) * dt;
     reserved_integral += static_cast<double>(u.reserved) * dt;
     switch (ev.op) {
       case formats::Op::alloc: {
+        if (ev.address == 0 && ev.size == 0) break;  // a null pointer for 0 bytes (RMM logs them): nothing held
         AllocError err;
         void* p = e.allocate(ev.size, ev.stream, &err);
         if (!p && ev.size) {
@@ -223,6 +226,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
         break;
       }
       case formats::Op::free: {
+        if (ev.address == 0 && ev.size == 0) break;  // the free of such a null pointer
         requested.erase(ev.address);
         if (completed_early.erase(ev.address)) break;  // freed at the empty_cache it follows
         void** it = ptrs.find(ev.address);
