@@ -621,6 +621,7 @@ class ReusingDriver final : public Driver {
   const char* name() const override { return "reusing"; }
   std::function<void()> between;
   bool armed = false;
+  std::uint64_t reuses = 0;  // creates given a value a released handle had
 
  private:
   bool concurrent_calls() const override { return true; }  // no driver lock: `between` calls the engine
@@ -647,6 +648,7 @@ class ReusingDriver final : public Driver {
     } else {
       *h = gone_.back();
       gone_.pop_back();
+      ++reuses;
     }
     sizes_[*h] = size;
     return Status::ok;
@@ -721,17 +723,20 @@ TEST_CASE("background: a handle value the driver gives again while a split is in
   REQUIRE(e.free(body) == Status::ok);  // the body is queued for a split
   std::vector<void*> grown;
   const auto creates = [&] { return e.driver_counters()[DriverCall::create]; };
-  std::uint64_t created_between = 0;
+  std::uint64_t created_between = 0, reused_between = 0;
   d.between = [&] {  // the split's old handle was just released: its value is the next one given
     const auto before = creates();
+    const auto reused = d.reuses;
     grown.push_back(e.allocate(6 * MiB, kStream, nullptr));  // the free last page and a new handle
     created_between = creates() - before;
+    reused_between = d.reuses - reused;
   };
   d.armed = true;
   CHECK(e.run_background(1e18) > 0);
   REQUIRE(grown.size() == 1);
   REQUIRE(grown[0]);
   CHECK(created_between >= 1);
+  CHECK(reused_between >= 1);  // the growth's handle has the split's old handle's value
   require_consistent(e);
   for (void* p : grown) REQUIRE(e.free(p) == Status::ok);
   REQUIRE(e.free(keep) == Status::ok);

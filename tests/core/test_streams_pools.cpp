@@ -243,10 +243,15 @@ TEST_CASE("fragless: during a capture a growth passes over a lent range instead 
   REQUIRE(ev);
   const std::vector<void*> live = make_holes(*e, 1);
   ev->hold(1);                                 // stream 1's work is still running: the lending event stays pending
+  const auto lent_before = e->driver_counters()[DriverCall::unmap];
   void* big = e->allocate(8 * MiB, 1, nullptr);  // lends holes' pages; their old mappings wait for stream 1
   REQUIRE(big);
+  // The holes' pages were lent, not unmapped: their old mappings wait for stream 1's event, pending.
+  CHECK(e->driver_counters()[DriverCall::unmap] == lent_before);
+  CHECK(ev->pending() > 0);
   const PoolId pool{5, 5};
   e->begin_allocate_to_pool(pool, [](Stream s) { return s == 99; });  // a graph captured on stream 99
+  const DriverCounters at_begin = e->driver_counters();
   std::vector<void*> more;
   for (int i = 0; i < 20; ++i) {
     AllocError err;
@@ -255,6 +260,13 @@ TEST_CASE("fragless: during a capture a growth passes over a lent range instead 
     REQUIRE(more.back());
   }
   CHECK(e->stats().num_forced_syncs == 0);  // nothing waited for during the capture
+  const DriverCounters at_end = e->driver_counters();
+  for (DriverCall c : {DriverCall::query_event, DriverCall::synchronize_event, DriverCall::synchronize_stream,
+                       DriverCall::synchronize_device}) {
+    INFO(driver_call_name(c));
+    CHECK(at_end[c] == at_begin[c]);  // the lent range neither polled nor waited for
+  }
+  CHECK(ev->pending() > 0);  // and still lent when the capture ended
   require_consistent(*e);
   e->end_allocate_to_pool(pool);
   ev->complete(1);
