@@ -103,7 +103,7 @@ int run(int argc, char** argv) {
                  argc - 1);
     return 2;
   }
-  const ConfigResult r = argc > 1 ? parse_config(argv[1]) : config_from_environment();
+  const ConfigResult r = argc > 1 ? parse_allocator_config(argv[1]) : config_from_environment();
   if (!r.ok) {
     std::fprintf(stderr, "%s\n", r.error.c_str());
     return 2;
@@ -124,8 +124,7 @@ int run(int argc, char** argv) {
     if ((key == "roundup_power2_divisions" && v == "0") || (key == "garbage_collection_threshold" && v == "0"))
       remarks.push_back("off");
     if (given(key)) {
-      if ((key == "capacity_mb" || key == "page_size_mb") && o.driver == DriverKind::cuda)
-        remarks.push_back("read by the host and sim drivers only; the cuda driver uses the device's own");
+      // (A key that does nothing under this policy or driver was refused: Note [Keys that do nothing].)
     } else if (key == "policy" && given("expandable_segments") && o.policy == PolicyKind::expandable) {
       remarks.push_back("from expandable_segments:True");
     } else if (key == "capacity_mb" && o.driver != DriverKind::cuda) {

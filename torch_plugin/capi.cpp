@@ -421,13 +421,13 @@ void fragless_set_oom_note(const char* note) {
 }
 
 long fragless_check_config(const char* conf, char* buf, size_t len) {
-  const ConfigResult r = parse_config(conf ? conf : "");
+  const ConfigResult r = parse_allocator_config(conf ? conf : "");
   if (r.ok) return copy_out("", buf, len);
   return copy_out(r.error, buf, len);
 }
 
 long fragless_check_driver(const char* conf, char* buf, size_t len) {
-  const ConfigResult r = parse_config(conf ? conf : "");
+  const ConfigResult r = parse_allocator_config(conf ? conf : "");
   std::string err;
   if (!r.ok) return copy_out(r.error, buf, len);
   if (driver_available(r.options, &err)) return copy_out("", buf, len);

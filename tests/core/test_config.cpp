@@ -62,6 +62,49 @@ TEST_CASE("config: expandable_segments selects expandable unless policy is given
   CHECK(bad("expandable_segments:true").find("True or False") != std::string::npos);
 }
 
+// Note [Keys that do nothing]: an allocator's text refuses what its policy or driver would ignore; a replay's
+// --conf, run under every policy, keeps them.
+TEST_CASE("config: an allocator refuses keys that do nothing under its policy or driver", "[config][bad-input]") {
+  auto refused = [](std::string_view text) {
+    const ConfigResult r = parse_allocator_config(text);
+    CHECK_FALSE(r.ok);
+    return r.error;
+  };
+  CHECK(refused("policy:classic,handles:pages") ==
+        "FRAGLESS_CONF: key 'handles' configures the fragless policy only, and this configuration selects the "
+        "classic policy on the cuda driver: leave it out");
+  CHECK(refused("policy:expandable,background:False").find("key 'background' configures the fragless policy only") !=
+        std::string::npos);
+  CHECK(refused("garbage_collection_threshold:0.5").find("key 'garbage_collection_threshold' configures the classic "
+                                                         "policy only") != std::string::npos);
+  CHECK(refused("capacity_mb:100").find("the host and sim drivers only") != std::string::npos);
+  CHECK(refused("page_size_mb:4").find("key 'page_size_mb'") != std::string::npos);
+  CHECK(refused("policy:classic,expandable_segments:True") ==
+        "FRAGLESS_CONF: expandable_segments:True contradicts policy:classic (give one of the two)");
+  CHECK(refused("expandable_segments:False,policy:fragless") ==
+        "FRAGLESS_CONF: expandable_segments:False contradicts policy:fragless (give one of the two)");
+  CHECK(refused("driver:host,capacity_mb:3") ==
+        "FRAGLESS_CONF: capacity_mb:3 is not a whole number of pages of 2 MiB (page_size_mb)");
+  for (const char* fine : {"policy:classic,garbage_collection_threshold:0.5,per_process_memory_fraction:0.9",
+                           "handles:pages,reserve_slack:0.01", "expandable_segments:True,policy:fragless",
+                           "expandable_segments:True", "driver:host,capacity_mb:4", "driver:sim,page_size_mb:4,capacity_mb:8"}) {
+    INFO(fine);
+    CHECK(parse_allocator_config(fine).ok);
+  }
+  // A replay compares policies under one text: it keeps a key that tunes one of them.
+  CHECK(parse_config("policy:classic,handles:pages").ok);
+}
+
+TEST_CASE("config: empty items are refused and any whitespace is dropped, as PyTorch's parser does", "[config][bad-input]") {
+  CHECK(bad(",").find("an empty item") != std::string::npos);
+  CHECK(bad(",max_split_size_mb:256").find("an empty item (a ',' with no key:value before it at the start)") !=
+        std::string::npos);
+  CHECK(bad("max_split_size_mb:256,,garbage_collection_threshold:0.5").find("after another ','") != std::string::npos);
+  CHECK(ok("max_split_size_mb:256,").max_split_size == std::size_t{256} << 20);  // a trailing ',' is fine
+  CHECK(ok("expandable_segments:True\v").expandable_segments);
+  CHECK(ok("\fpolicy:classic").policy == PolicyKind::classic);
+}
+
 TEST_CASE("config: roundup_power2_divisions lists follow PyTorch's tests", "[config]") {
   auto div = [](const Options& o, std::size_t mb) {
     std::size_t i = 0;
@@ -76,6 +119,16 @@ TEST_CASE("config: roundup_power2_divisions lists follow PyTorch's tests", "[con
   const std::size_t sizes2[] = {64, 128, 256, 512, 1024, 2048, 4096};
   const std::size_t want2[] = {8, 8, 16, 1, 0, 8, 2};
   for (int i = 0; i < 7; ++i) CHECK(div(o, sizes2[i]) == want2[i]);
+  // '>' before any size: it fills from interval 1 (requests under 2 MiB keep 0), and the first size named
+  // after it still fills the intervals below it (PyTorch's parseRoundUpPower2Divisions).
+  o = ok("roundup_power2_divisions:[>:4,256:2]");
+  const std::size_t sizes3[] = {1, 2, 64, 256, 512, 4096};
+  const std::size_t want3[] = {2, 2, 2, 2, 4, 4};
+  for (int i = 0; i < 6; ++i) CHECK(div(o, sizes3[i]) == want3[i]);
+  o = ok("roundup_power2_divisions:[>:4]");
+  CHECK(div(o, 1) == 0);
+  CHECK(div(o, 2) == 4);
+  CHECK(div(o, 8192) == 4);
   o = ok("roundup_power2_divisions:4");
   CHECK(div(o, 64) == 4);
   CHECK(div(o, 256) == 4);

@@ -69,6 +69,9 @@ struct OptionInfo {
   // Parses a value of this key into the options: "" when it was right, else the forms it may take. Null for
   // the one key whose value is a list (roundup_power2_divisions), which the grammar parses.
   std::string (*parse)(std::string_view value, Options& o) = nullptr;
+  // For a key that configures one policy or driver only: nullptr when it does something under `o`, else
+  // what it configures (an allocator refuses it then: Note [Keys that do nothing]). Null: every policy.
+  const char* (*applies)(const Options& o) = nullptr;
 };
 std::span<const OptionInfo> option_table();
 
@@ -82,7 +85,13 @@ struct ConfigResult {
 // Parses `text` over `base` (keys not mentioned keep base's values).
 ConfigResult parse_config(std::string_view text, const Options& base = Options{});
 
-// Reads FRAGLESS_CONF (empty when unset).
+// parse_config for an allocator (FRAGLESS_CONF, fragless_check_config, fragless-config): a key the text gives
+// that does nothing under the policy and driver it selects is refused, as are a policy and
+// expandable_segments that disagree and a host or sim capacity that is not a whole number of pages (Note
+// [Keys that do nothing]). A replay, which runs one text under every policy, uses parse_config.
+ConfigResult parse_allocator_config(std::string_view text);
+
+// Reads FRAGLESS_CONF (empty when unset), as parse_allocator_config.
 ConfigResult config_from_environment();
 
 }  // namespace fragless

@@ -1,6 +1,7 @@
 #include "fragless/config.h"
 
 #include <algorithm>
+#include <cctype>
 #include <bit>
 #include <cerrno>
 #include <cmath>
@@ -100,6 +101,19 @@ std::string fraction_field(std::string_view v, Options& o) {
 // README's table, `fragless-config --table` and `--help` print these) and the function that parses its
 // value into Options. The parser knows no key by name but the list-valued one (whose row has no function:
 // its value is the list grammar, divisions()) and the policy/expandable_segments rule (run()).
+const char* fragless_policy_only(const Options& o) {
+  return o.policy == PolicyKind::fragless ? nullptr : "the fragless policy only";
+}
+const char* classic_policy_only(const Options& o) {
+  return o.policy == PolicyKind::classic
+             ? nullptr
+             : "the classic policy only (PyTorch's expandable segments ignore it too; the growable policies hold "
+               "no whole segment it could free)";
+}
+const char* simulated_drivers_only(const Options& o) {
+  return o.driver == DriverKind::cuda ? "the host and sim drivers only (the cuda driver's device has its own)" : nullptr;
+}
+
 constexpr OptionInfo kOptions[] = {
     {"policy", "classic, expandable or fragless", "fragless",
      "How address space and physical pages back blocks: PyTorch's native behaviour, PyTorch's "
@@ -109,10 +123,13 @@ constexpr OptionInfo kOptions[] = {
        return "classic, expandable or fragless";
      }},
     {"expandable_segments", "True or False", "False",
-     "PyTorch's key: True selects the expandable policy unless `policy` is also given.",
+     "PyTorch's key: True selects the expandable policy unless `policy` is also given; an allocator refuses it "
+     "when it contradicts that policy (True with classic, False with expandable or fragless).",
      &flag<&Options::expandable_segments>},
     {"max_split_size_mb", "integer >= 20 (MiB)", "unlimited",
-     "Blocks this large or larger are never split; smaller requests never take them (PyTorch's semantics).",
+     "Cached blocks this large or larger serve only requests at least this large (and at most "
+     "max_non_split_rounding_mb smaller than the block); with the classic policy they are never split (PyTorch's "
+     "semantics, which its expandable segments share).",
      &mib_field<&Options::max_split_size, 20, SIZE_MAX>},
     {"max_non_split_rounding_mb", "integer >= 20 (MiB)", "20",
      "An oversize request may take a cached block at most this much larger.",
@@ -123,7 +140,7 @@ constexpr OptionInfo kOptions[] = {
     {"garbage_collection_threshold", "number in (0, 1)", "0 (off)",
      "With a memory fraction below 1: above this share of the limit, free the oldest whole cached segments "
      "(classic policy).",
-     &fraction_field<&Options::garbage_collection_threshold, true>},
+     &fraction_field<&Options::garbage_collection_threshold, true>, &classic_policy_only},
     {"per_process_memory_fraction", "number in [0, 1]", "1",
      "Cap on physical memory this process may reserve, as a fraction of the device's total; any value below 1 is "
      "a cap, 0 included (nothing new can be reserved), as in PyTorch.",
@@ -140,10 +157,10 @@ constexpr OptionInfo kOptions[] = {
        if (!parse_uint(v, &n) || n == 0 || n > 1024 || !std::has_single_bit(n))
          return "a power of two between 1 and 1024 (MiB)";
        return o.page_size = n << 20, std::string{};
-     }},
+     }, &simulated_drivers_only},
     {"capacity_mb", "integer in [1, 2^30] (MiB)", "host 4096, sim 81920",
      "Physical memory of one host or sim device; creating beyond it fails as out of memory.",
-     &mib_field<&Options::capacity, 1, std::size_t{1} << 30>},
+     &mib_field<&Options::capacity, 1, std::size_t{1} << 30>, &simulated_drivers_only},
     {"on_oom", "throw", "throw",
      "libfragless.so: fragless_malloc throws a C++ exception carrying the diagnosis on out of memory (PyTorch's "
      "normal path crashes on NULL). The value null was removed: torch.cuda.MemPool takes fragless_pool_malloc, "
@@ -185,38 +202,38 @@ constexpr OptionInfo kOptions[] = {
        for (const auto& [name, shape] : shapes)
          if (v == name) return o.handle_shape = shape, std::string{};
        return "pages, ends, whole or cells";
-     }},
+     }, &fragless_policy_only},
     {"handle_max_mb", "integer in [1, 2^20] (MiB)", "64",
      "fragless policy (handles ends or cells): the body of a growth is created in handles of at most this much; "
      "a live block that straddles a handle pins less than this of it, and one background split replaces at "
      "most this much. Near the limit (a growth that would leave less than half of the process's memory still "
      "creatable) no handle is larger than chunk_size_mb.",
-     &mib_field<&Options::handle_max, 1, std::size_t{1} << 20>},
+     &mib_field<&Options::handle_max, 1, std::size_t{1} << 20>, &fragless_policy_only},
     {"chunk_size_mb", "integer in [1, 2^20] (MiB)", "20",
      "fragless policy: with handles ends or whole, a growth's new handle may be rounded up to this much, mapped "
      "as free space after the request, to save cuMemCreate calls, never past reserve_slack of live bytes; with "
      "handles cells, the largest cell.",
-     &mib_field<&Options::chunk_size, 1, std::size_t{1} << 20>},
+     &mib_field<&Options::chunk_size, 1, std::size_t{1} << 20>, &fragless_policy_only},
     {"reserve_slack", "number in [0, 1]", "0.0078125 (1/128)",
      "fragless policy: memory is only created when the memory held cannot be put under the request; this "
      "share of live bytes bounds what a growth may create past its request (a cell of handles cells, the "
      "rounding of ends or whole) and what a refill that ends a re-backing cycle may add past the peak of live "
      "bytes (plus two pages).",
-     &fraction_field<&Options::reserve_slack, false>},
+     &fraction_field<&Options::reserve_slack, false>, &fragless_policy_only},
     {"lend_pages", "True or False", "True",
      "fragless policy: pages of a hole on the requesting stream are mapped where needed without a "
      "synchronisation (the old mapping goes once the stream's queued work is done). False: synchronise and "
      "unmap first, as PyTorch does.",
-     &flag<&Options::lend_pages>},
+     &flag<&Options::lend_pages>, &fragless_policy_only},
     {"lend_across_streams", "True or False", "True",
      "fragless policy (with lend_pages): pages of a hole on another stream are lent too; the requesting stream "
      "waits on the device (cuStreamWaitEvent) for the hole's stream, the host never waits. False: such holes "
      "are taken only after synchronising their stream, when the device is full.",
-     &flag<&Options::lend_across_streams>},
+     &flag<&Options::lend_across_streams>, &fragless_policy_only},
     {"small_in_remnants", "True or False", "True",
      "fragless policy: a small request (<= 1 MiB) that would grow the small pool may take a free large-pool "
      "block under 1 MiB, which no large request fits.",
-     &flag<&Options::small_in_remnants>},
+     &flag<&Options::small_in_remnants>, &fragless_policy_only},
     {"background", "True or False", "True",
      "A worker thread per device does the driver work no request waits for: with the fragless policy it "
      "splits a multi-page handle, once it is free, into pieces of 1, 1, 2, 4, ... pages in place (so its memory "
@@ -228,10 +245,10 @@ constexpr OptionInfo kOptions[] = {
        bool on = false;
        if (std::string e = boolean(v, &on); !e.empty()) return e;
        return o.background = on ? BackgroundMode::thread : BackgroundMode::off, std::string{};
-     }},
+     }, &fragless_policy_only},
     {"trace", "file path; %p pid, %d device, %r rank, %% percent", "off",
      "Record every allocator event to this file in fragless's native format (one file per device with %d; "
-     "use %r under torchrun). The path may not contain ',' or ':'.",
+     "use %r under torchrun). The path may not contain ',', ':', '[', ']' or whitespace.",
      [](std::string_view v, Options& o) -> std::string {
        for (std::size_t i = 0; i < v.size(); ++i)
          if (v[i] == '%' && (i + 1 >= v.size() || std::string_view("pdr%").find(v[i + 1]) == std::string_view::npos))
@@ -242,7 +259,8 @@ constexpr OptionInfo kOptions[] = {
      }},
 };
 
-bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+// Any character std::isspace takes, as PyTorch's ConfigTokenizer drops (c10/core/AllocatorConfig.h).
+bool is_space(char c) { return std::isspace(static_cast<unsigned char>(c)) != 0; }
 
 // PyTorch's tokenizer: ',' ':' '[' ']' are tokens, whitespace is dropped. Each token also keeps the text
 // as written (inner whitespace included), which is what an error shows: "handles ends" is the token
@@ -299,6 +317,12 @@ std::string bad_value(std::string_view key, std::string_view value, std::string_
          std::string(expected);
 }
 
+const OptionInfo* row_of(std::string_view key) {
+  for (const auto& o : kOptions)
+    if (o.key == key) return &o;
+  return nullptr;
+}
+
 class Parser {
  public:
   Parser(std::string_view text, const Options& base) : o_(base) {
@@ -313,7 +337,9 @@ class Parser {
     while (i_ < toks_.size()) {
       const std::size_t key_at = i_;
       const std::string key = toks_[i_++];
-      if (key == "," ) continue;
+      if (key == ",")  // ",x:1", "x:1,,y:2": PyTorch refuses an empty item too ("Unrecognized key ','")
+        return fail("FRAGLESS_CONF: an empty item (a ',' with no key:value before it" +
+                    std::string(key_at == 0 ? " at the start)" : " after another ','") + ")");
       if (key == ":")  // ":fragless", "policy:classic,:x": the tokenizer drops nothing but whitespace before ':'
         return fail("FRAGLESS_CONF: an empty key before ':'" +
                     (i_ < toks_.size() && toks_[i_] != "," ? " (value '" + written_[i_] + "')" : std::string()) +
@@ -344,6 +370,7 @@ class Parser {
       }
       if (i_ < toks_.size() && toks_[i_] != ",")
         return fail("FRAGLESS_CONF: expected ',' after the value of '" + key + "', found '" + toks_[i_] + "'");
+      if (i_ < toks_.size()) ++i_;  // the ',' (one at the end is allowed, as PyTorch allows it)
     }
     // PyTorch's rule: expandable_segments:True selects the expandable policy unless this text names one.
     const auto given = [&](std::string_view k) { return std::find(keys.begin(), keys.end(), k) != keys.end(); };
@@ -398,12 +425,6 @@ class Parser {
     return true;
   }
 
-  static const OptionInfo* row_of(std::string_view key) {
-    for (const auto& o : kOptions)
-      if (o.key == key) return &o;
-    return nullptr;
-  }
-
   // roundup_power2_divisions: a single power of two, or [K:V,...,>:V] (PyTorch's semantics).
   bool divisions(const std::string& key) {
     auto& table = o_.roundup_power2_divisions;
@@ -417,8 +438,11 @@ class Parser {
     }
     ++i_;
     table.fill(0);
+    // As PyTorch's parser (c10/core/AllocatorConfig.cpp, parseRoundUpPower2Divisions): '>' fills the
+    // intervals after the last one named, counting from interval 0 when none was (so interval 0, requests
+    // under 2 MiB, keeps 0); the first size named also fills the intervals below it, even after a '>'.
     bool first = true;
-    int last_index = -1;
+    int last_index = 0;
     while (i_ < toks_.size() && toks_[i_] != "]") {
       const std::string k = toks_[i_++];
       if (i_ + 1 >= toks_.size() || toks_[i_] != ":")
@@ -437,10 +461,10 @@ class Parser {
         const int index = std::min<int>(std::bit_width(mb) - 1, kRoundUpPowerOfTwoIntervals - 1);
         if (first)
           for (int j = 0; j < index; ++j) table[static_cast<std::size_t>(j)] = v;
+        first = false;
         table[static_cast<std::size_t>(index)] = v;
         last_index = index;
       }
-      first = false;
       if (i_ < toks_.size() && toks_[i_] == ",") ++i_;
     }
     if (i_ >= toks_.size()) return err("FRAGLESS_CONF: unterminated list for key '" + key + "' (missing ']')");
@@ -466,9 +490,41 @@ std::span<const OptionInfo> option_table() { return kOptions; }
 
 ConfigResult parse_config(std::string_view text, const Options& base) { return Parser(text, base).run(); }
 
+// Note [Keys that do nothing]
+// A key that configures one policy or driver (its row's `applies`) given with another would be silently
+// ignored by the allocator, so an allocator's text refuses it, naming the key, what it configures and the
+// policy or driver the text selects. So does a contradiction: expandable_segments:True with the classic
+// policy, or False with a growable one. And a host or sim capacity must be a whole number of pages (the driver
+// would round it down, or fail at the first allocation). A replay runs one --conf under every policy it
+// compares, so it parses with parse_config and keeps keys that tune one policy.
+ConfigResult parse_allocator_config(std::string_view text) {
+  ConfigResult r = parse_config(text);
+  if (!r.ok) return r;
+  const Options& o = r.options;
+  const auto given = [&](std::string_view k) { return std::find(r.keys.begin(), r.keys.end(), k) != r.keys.end(); };
+  auto refuse = [&](std::string msg) {
+    ConfigResult bad;
+    bad.error = "FRAGLESS_CONF: " + std::move(msg);
+    return bad;
+  };
+  for (const std::string& key : r.keys)
+    if (const OptionInfo* row = row_of(key); row && row->applies)
+      if (const char* what = row->applies(o))
+        return refuse("key '" + key + "' configures " + what + ", and this configuration selects the " +
+                      std::string(policy_name(o.policy)) + " policy on the " + driver_kind_name(o.driver) +
+                      " driver: leave it out");
+  if (given("expandable_segments") && given("policy") && o.expandable_segments == (o.policy == PolicyKind::classic))
+    return refuse(std::string("expandable_segments:") + (o.expandable_segments ? "True" : "False") +
+                  " contradicts policy:" + policy_name(o.policy) + " (give one of the two)");
+  if (o.driver != DriverKind::cuda && o.capacity && o.capacity % o.page_size != 0)
+    return refuse("capacity_mb:" + std::to_string(o.capacity >> 20) + " is not a whole number of pages of " +
+                  std::to_string(o.page_size >> 20) + " MiB (page_size_mb)");
+  return r;
+}
+
 ConfigResult config_from_environment() {
   const char* env = std::getenv("FRAGLESS_CONF");
-  return parse_config(env ? env : "");
+  return parse_allocator_config(env ? env : "");
 }
 
 }  // namespace fragless
