@@ -311,17 +311,27 @@ def fit_table(files):
     pols = ("classic", "expandable", "fragless")
     header("trace", "dev", "peak live GiB", "classic (1/4 GiB)", "expandable", "fragless", "classic (1/16 GiB)",
            "expandable", "fragless", "fragless ÷ classic (1/16)", "PyTorch recorded peak reserved GiB")
+    # The totals add up the rows every policy answered, so that they compare the same traces; a row without
+    # an answer (no capacity fits, shown "-") is left out of them, and counted.
     total = {p: 0 for p in pols}
+    unanswered = 0
     for (name, dev), row in sorted(rows.items()):
         c = [gib(row.get(("coarse", p))) for p in pols]
         f = [gib(row.get(("fine", p))) for p in pols]
-        for p in pols:
-            total[p] += row.get(("fine", p)) or 0
-        ratio = row.get(("fine", "fragless")) / row.get(("fine", "classic"))
-        print(f"| {name} | {dev} | {gib(row['live'])} | {' | '.join(c)} | {' | '.join(f)} | {ratio:.3f} | "
+        fine_all = [row.get(("fine", p)) for p in pols]
+        if all(v is not None for v in fine_all):
+            for p in pols:
+                total[p] += row[("fine", p)]
+        else:
+            unanswered += 1
+        fr, cl = row.get(("fine", "fragless")), row.get(("fine", "classic"))
+        ratio = "-" if fr is None or not cl else f"{fr / cl:.3f}"
+        print(f"| {name} | {dev} | {gib(row['live'])} | {' | '.join(c)} | {' | '.join(f)} | {ratio} | "
               f"{gib(row['pytorch'])} |")
     print(f"| **total** | | | | | | {' | '.join(gib(total[p]) for p in pols)} | "
-          f"{total['fragless'] / total['classic']:.3f} | |")
+          f"{total['fragless'] / total['classic'] if total['classic'] else float('nan'):.3f} | |")
+    if unanswered:
+        print(f"\n{unanswered} row(s) where a policy found no capacity (\"-\") are left out of the totals.")
     print()
     print(f"Searches: {len(coarse['results'])} at 1/4 GiB in {coarse['seconds']:.2f} s ({coarse['replays']} replays), "
           f"{len(fine['results'])} at 1/16 GiB in {fine['seconds']:.2f} s ({fine['replays']} replays).")
@@ -350,7 +360,9 @@ def maxbatch_table(_):
                 v = {p: found.get((spec, p)) for p in ("classic", "expandable", "fragless")}
                 def ratio(b):
                     return "-" if not v["fragless"] or not v[b] else f"{v['fragless'] / v[b]:.2f}"
-                shown = {p: "does not fit" if v[p] is None else str(v[p]) for p in v}
+                at_limit = {(r["input"], r["policy"]) for r in doc["results"] if r.get("at_limit")}
+                shown = {p: "does not fit" if v[p] is None else str(v[p]) + (" (the workload's largest)" if (spec, p) in at_limit else "")
+                         for p in v}
                 print(f"| {name} | {dist} | {key} | {cap} | {shown['classic']} | {shown['expandable']} | "
                       f"{shown['fragless']} | {ratio('classic')} | {ratio('expandable')} |")
     print()

@@ -53,6 +53,7 @@ struct Trace {
   // PyTorch's own peak reserved over the window per device, when the snapshot tells it (segments at dump
   // time rolled back through the window's segment events); empty otherwise.
   std::vector<std::optional<std::uint64_t>> recorded_peak_reserved;
+  bool window = false;  // cut from a longer trace by fragless-replay --window (bench/replay/window.cpp)
   int devices() const;
 };
 

@@ -170,7 +170,7 @@ bool plot_is_script(const std::string& path) { return path.size() > 3 && path.co
 std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
   CommandLine& cl = *out;
   cl.jobs = std::max(1u, std::thread::hardware_concurrency());
-  bool fit_step_given = false, policy_given = false;
+  bool fit_step_given = false, policy_given = false, plot_x_given = false;
   std::optional<PolicyKind> conf_policy;
   std::vector<std::string> conf_keys;  // every key of every --conf so far
   std::vector<std::string> valued;     // the options with a value given so far (each once; --conf may repeat)
@@ -242,6 +242,7 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
       plot_given = true;
     } else if (a == "--plot-x" && has_value) {
       const std::string v = argv[++i];
+      plot_x_given = true;
       if (v == "time") cl.plot_x = PlotX::time;
       else if (v == "event") cl.plot_x = PlotX::event;
       else if (v == "auto") cl.plot_x = PlotX::auto_;
@@ -279,6 +280,7 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
   if (cl.fit && !cl.max_key.empty()) return usage("--fit finds a capacity and --max-of a value: ask one at a time");
   if (cl.fit && cl.capacity) return usage("--fit searches the capacity: drop --capacity-gib");
   if (fit_step_given && !cl.fit) return usage("--fit-step applies to --fit");
+  if (plot_x_given && cl.plot.empty()) return usage("--plot-x applies to --plot");
   if (!cl.max_key.empty() && !cl.capacity) return usage("--max-batch / --max-of need the device's size (--capacity-gib N)");
   if (!cl.max_key.empty())
     for (const auto& in : cl.inputs) {

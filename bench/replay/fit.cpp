@@ -219,10 +219,16 @@ MaxResult max_value(const std::string& spec, const std::string& key, PolicyKind 
   long long pass = out.least, fail = -1;
   while (fail < 0) {
     if (pass >= out.greatest) {
+      if (!out.capped) {  // the largest value the workload accepts fits: that is the answer
+        out.max_value = pass;
+        out.at = best.result;
+        out.at.input = spec;
+        out.at_limit = true;
+        return done(out);
+      }
       out.error = where + ": the search cannot converge: it still fits at " + key + "=" + std::to_string(pass) +
-                  (out.capped ? ", where the search stops (the workload takes larger values; "
-                              : ", the largest value the workload accepts (") +
-                  key + " does not bound memory here)";
+                  ", where the search stops (the workload takes larger values; " + key +
+                  " does not bound memory here)";
       return done(out);
     }
     std::vector<long long> points;

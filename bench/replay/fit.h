@@ -46,6 +46,7 @@ struct MaxResult {
   long long max_value = 0;
   long long least = 0, greatest = 0;  // the key's range searched
   bool capped = false;                // greatest is where the search stops, below what the workload accepts
+  bool at_limit = false;  // max_value is the largest value the workload accepts: it fits, no value above it to fail
   int replays = 0;
   double seconds = 0;
   std::string error;  // non-empty: no answer (names why)

@@ -164,6 +164,7 @@ void print_max_json(const std::vector<std::string>& inputs, const std::vector<Ma
       [&](std::size_t k, Json& o) {
         o["key"] = key;
         o["max_value"] = found[k].max_value;
+        o["at_limit"] = found[k].at_limit;  // the largest value the workload accepts (nothing above it to fail)
       },
       [&](std::size_t k, Json& o) {
         o["input"] = inputs[tasks[k].input];

@@ -46,20 +46,30 @@ bool load_inputs(const std::vector<std::string>& inputs, const std::vector<int>*
   return true;
 }
 
-// One task per input, device with allocations, and policy; an input without any is skipped, said on stderr.
+// One task per input, device with an allocation of more than 0 bytes, and policy; for a --window, also a
+// device whose window only frees blocks live at its start (the run goes on there). An input with none is
+// skipped, said on stderr: its rows would be zeros, or, for a snapshot whose history holds no allocation (the
+// legacy one-entry history: its reader says so), the blocks live at the dump and nothing else, and a search
+// would answer nothing.
 std::vector<Task> replay_tasks(const std::vector<formats::Trace>& traces, const std::vector<PolicyKind>& policies) {
   std::vector<Task> tasks;
   for (std::size_t i = 0; i < traces.size(); ++i) {
     bool input_has_allocs = false;
     for (int d = 0; d < traces[i].devices(); ++d) {
-      bool any = false;
-      for (auto& e : traces[i].events) any |= e.device == d && e.op == formats::Op::alloc;
-      if (!any) continue;
+      bool any = false, frees = false, held = false;
+      for (auto& e : traces[i].events) {
+        any |= e.device == d && e.op == formats::Op::alloc && e.size > 0;
+        frees |= e.device == d && e.op == formats::Op::free;
+      }
+      for (auto& e : traces[i].seed) held |= e.device == d && e.size > 0;
+      if (!any && !(traces[i].window && frees && held)) continue;
       input_has_allocs = true;
       for (PolicyKind p : policies) tasks.push_back({i, d, p});
     }
     if (!input_has_allocs)
-      print_error("warning: " + traces[i].source + " has no allocation events to replay (skipped)");
+      print_error("warning: " + traces[i].source + " has no allocation events to replay (no allocation of more than "
+                  "0 bytes" + (traces[i].window ? ", nor a free of a block live when the window begins" : "") +
+                  "): skipped");
   }
   return tasks;
 }

@@ -220,6 +220,9 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
           ++r.ooms;  // a result, not a failure: this allocation and its free are skipped
           if (opt.stop_at_first_oom) return r;
           failed.insert(ev.address);
+          // The OOM retry may have given cached memory back: the usage the next interval is weighed by.
+          u = e.usage();
+          detail_peak(r.events, u);
           continue;
         }
         ptrs[ev.address] = p;

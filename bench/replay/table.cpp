@@ -165,15 +165,20 @@ void print_max_table(const std::vector<std::string>& inputs, const std::vector<M
       if (double r = ratio(k, PolicyKind::classic); r > 0) std::snprintf(vc, sizeof vc, "%.2f", r);
       if (double r = ratio(k, PolicyKind::expandable); r > 0) std::snprintf(ve, sizeof ve, "%.2f", r);
     }
-    std::printf("%-44s %7.4g %-10s %-8s %8lld %9s %9s %10.1f %11.1f %8d\n", short_name(inputs[tasks[k].input]).c_str(),
-                gib(capacity), policy_name(tasks[k].policy), key.c_str(), f.max_value, vc, ve, mib(f.at.peak_live),
+    const std::string value = std::to_string(f.max_value) + (f.at_limit ? "*" : "");
+    std::printf("%-44s %7.4g %-10s %-8s %8s %9s %9s %10.1f %11.1f %8d\n", short_name(inputs[tasks[k].input]).c_str(),
+                gib(capacity), policy_name(tasks[k].policy), key.c_str(), value.c_str(), vc, ve, mib(f.at.peak_live),
                 mib(f.at.peak_reserved), f.replays);
   }
+  const auto at_limit = std::count_if(found.begin(), found.end(), [](const MaxResult& f) { return f.error.empty() && f.at_limit; });
   std::vector<std::string> cut;
   for (const auto& t : tasks) cut.push_back(inputs[t.input]);
   print_cut_names(cut);
-  std::printf("max: %zu searches, %d replays, %.2f s; %s\n", found.size(), search.replays, search.seconds,
-              checked_answers(found.size(), search.failed, "one above it").c_str());
+  std::printf("max: %zu searches, %d replays, %.2f s; %s%s\n", found.size(), search.replays, search.seconds,
+              checked_answers(found.size(), search.failed, "one above it").c_str(),
+              at_limit ? ("; except the " + std::to_string(at_limit) + " marked '*': the largest value the workload "
+                          "accepts, which fits, with no value above it").c_str()
+                       : "");
 }
 
 }  // namespace fragless::replay

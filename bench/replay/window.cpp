@@ -53,8 +53,21 @@ bool parse_window(const std::string& text, Window* out, std::string* error) {
 
 void cut_window(formats::Trace* t, const Window& w, const std::string& text) {
   if (w.whole()) return;
-  const std::size_t n = t->events.size();
-  const std::size_t lo = index_at(w.from, n), hi = std::max(lo, index_at(w.to, n));
+  // Each device's events are cut at the fractions of its own: a snapshot holds one device's events after
+  // another's, so fractions of the whole list would cut by device.
+  std::map<std::int32_t, std::size_t> count;
+  std::vector<std::size_t> nth(t->events.size());  // the event's index among its device's
+  for (std::size_t i = 0; i < t->events.size(); ++i) nth[i] = count[t->events[i].device]++;
+  std::map<std::int32_t, std::pair<std::size_t, std::size_t>> bounds;  // device -> [lo, hi) of its events
+  for (const auto& [d, n] : count) {
+    const std::size_t lo = index_at(w.from, n);
+    bounds[d] = {lo, std::max(lo, index_at(w.to, n))};
+  }
+  auto before = [&](std::size_t i) { return nth[i] < bounds[t->events[i].device].first; };
+  auto inside = [&](std::size_t i) {
+    const auto [lo, hi] = bounds[t->events[i].device];
+    return nth[i] >= lo && nth[i] < hi;
+  };
   // What is live at event lo, by (device, address), in the order it was allocated (the seed's order is the
   // order in which the replay allocates it), by the replay's own rules: a `free` frees, a free_requested
   // marks a block whose `free` may come at an empty_cache (Note [Frees an empty_cache completes]).
@@ -81,7 +94,8 @@ void cut_window(formats::Trace* t, const Window& w, const std::string& text) {
     }
   };
   for (const auto& s : t->seed) add(s);
-  for (std::size_t i = 0; i < lo; ++i) {
+  for (std::size_t i = 0; i < t->events.size(); ++i) {
+    if (!before(i)) continue;
     const auto& e = t->events[i];
     const Key k{e.device, e.address};
     if (e.op == formats::Op::alloc) {
@@ -102,7 +116,8 @@ void cut_window(formats::Trace* t, const Window& w, const std::string& text) {
   for (std::size_t i = 0; i < order.size(); ++i)
     if (!gone[i]) seed.push_back(order[i]);
   t->seed = std::move(seed);
-  if (lo > 0) t->pre_segments.clear();
+  // Classic's cache before the trace is known at its start only.
+  std::erase_if(t->pre_segments, [&](const formats::Event& e) { return bounds[e.device].first > 0; });
   t->recorded_peak_reserved.clear();
   // The window: first the free_requested marks still pending (an empty_cache in the window may complete
   // them), at the window's first time; then its events, less the `free` records of blocks an empty_cache
@@ -110,10 +125,14 @@ void cut_window(formats::Trace* t, const Window& w, const std::string& text) {
   std::vector<formats::Event> events;
   std::vector<std::int64_t> times;
   const bool modelled = !t->model_time_us.empty();
-  const std::int64_t t0 = lo < n ? (modelled ? t->model_time_us[lo] : t->events[lo].time_us) : -1;
+  std::map<std::int32_t, std::int64_t> first_time;  // per device, its window's first event's time
+  for (std::size_t i = t->events.size(); i-- > 0;)
+    if (inside(i)) first_time[t->events[i].device] = modelled ? t->model_time_us[i] : t->events[i].time_us;
   for (const auto& [device, addrs] : requested)
     for (std::uint64_t a : addrs) {
       if (!live.count({device, a})) continue;
+      const auto ft = first_time.find(device);
+      const std::int64_t t0 = ft == first_time.end() ? -1 : ft->second;
       formats::Event m;
       m.op = formats::Op::free_requested;
       m.device = device;
@@ -122,7 +141,8 @@ void cut_window(formats::Trace* t, const Window& w, const std::string& text) {
       events.push_back(m);
       if (modelled) times.push_back(t0);
     }
-  for (std::size_t i = lo; i < hi; ++i) {
+  for (std::size_t i = 0; i < t->events.size(); ++i) {
+    if (!inside(i)) continue;
     const auto& e = t->events[i];
     if (e.op == formats::Op::free && freed_early.erase({e.device, e.address})) continue;
     events.push_back(e);
@@ -131,6 +151,7 @@ void cut_window(formats::Trace* t, const Window& w, const std::string& text) {
   t->events = std::move(events);
   if (modelled) t->model_time_us = std::move(times);
   t->source += "@" + text;
+  t->window = true;
 }
 
 }  // namespace fragless::replay

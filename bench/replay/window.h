@@ -16,7 +16,7 @@ struct Window {
 // Parses "FROM:TO" (two numbers in [0, 1], FROM < TO). False with *error naming what was wrong.
 bool parse_window(const std::string& text, Window* out, std::string* error);
 
-// Cuts t to events [floor(from * n), floor(to * n)) of its n events, in place. The blocks live at the
+// Cuts t to events [floor(from * n), floor(to * n)) of each device's n events, in place. The blocks live at the
 // window's start by the replay's rules (the trace's own seed, less what was freed before it, then every
 // earlier allocation not freed before it, in trace order; a block an empty_cache before the window completed
 // is freed there, and its later `free` record dropped, Note [Frees an empty_cache completes]) become the seed,

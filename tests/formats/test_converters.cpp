@@ -11,6 +11,8 @@
 
 #include "fragless/trace_format.h"
 #include "pickle.h"
+#include "replay.h"
+#include "window.h"
 #include "trace_model.h"
 
 using namespace fragless;
@@ -20,8 +22,8 @@ namespace {
 
 const std::string kData = FRAGLESS_SOURCE_DIR "/../shared/data/traces/torch";
 
-Event ev(Op op, std::uint64_t address, std::uint64_t size) {
-  Event e;
+formats::Event ev(Op op, std::uint64_t address, std::uint64_t size) {
+  formats::Event e;
   e.op = op;
   e.address = address;
   e.size = size;
@@ -190,10 +192,10 @@ TEST_CASE("native traces: state records after the first event and times past the
   Trace t;
   t.source = "t";
   t.has_time = true;
-  Event seed = ev(Op::alloc, 0x1000, 512);
+  formats::Event seed = ev(Op::alloc, 0x1000, 512);
   seed.time_us = 1;
   t.seed.push_back(seed);
-  for (Event e : {ev(Op::alloc, 0x2000, 512), ev(Op::free, 0x2000, 512)}) {
+  for (formats::Event e : {ev(Op::alloc, 0x2000, 512), ev(Op::free, 0x2000, 512)}) {
     e.time_us = 2;
     t.events.push_back(e);
   }
@@ -279,4 +281,70 @@ TEST_CASE("snapshots: protocols 0 and 1 are told from their first bytes", "[form
     CHECK(r.ok);
     CHECK(r.format == Format::snapshot);
   }
+}
+
+TEST_CASE("replay: the time after an OOM is weighed by what the OOM retry left reserved", "[replay]") {
+  // 60 MiB for 10 us, freed; 200 MiB fails on a 100 MiB device (the retry gives the cached 60 MiB back);
+  // 20 MiB for 10 us. Allocated over time: 60*10 + 20*10; reserved: 60*20 (until the OOM) + 20*20.
+  constexpr std::uint64_t M = 1u << 20;
+  Trace t;
+  t.source = "oom";
+  t.has_time = true;
+  auto at = [&](Op op, std::uint64_t a, std::uint64_t size, std::int64_t us) {
+    formats::Event e = ev(op, a, size);
+    e.time_us = us;
+    t.events.push_back(e);
+  };
+  at(Op::alloc, 0x1000000, 60 * M, 0);
+  at(Op::free, 0x1000000, 60 * M, 10);
+  at(Op::alloc, 0x9000000, 200 * M, 20);
+  at(Op::alloc, 0x2000000, 20 * M, 1000);
+  at(Op::free, 0x2000000, 20 * M, 1010);
+  at(Op::free, 0x9000000, 200 * M, 1020);
+  for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless}) {
+    INFO(policy_name(p));
+    replay::ReplayOptions o;
+    o.capacity = 100 * M;
+    o.base.background = BackgroundMode::off;
+    const auto r = replay::replay(t, 0, p, o);
+    REQUIRE(r.error.empty());
+    CHECK(r.ooms == 1);
+    // 1 - (600 + 200) / (600 + 600 + 200 + 200 + 0 * 980): the 980 us after the OOM hold nothing.
+    CHECK(r.time_weighted_fragmentation == Approx(0.5));
+  }
+}
+
+TEST_CASE("replay: a window cuts each device's events at its own fractions", "[replay]") {
+  // A snapshot holds one device's events after the other's: fractions of the whole list cut by device.
+  Trace t;
+  t.source = "two";
+  t.has_time = true;
+  for (std::int32_t d : {0, 1}) {
+    const std::uint64_t base = 0x100000u * (d + 1);
+    std::int64_t us = 0;
+    for (auto [op, a] : {std::pair{Op::alloc, base}, {Op::alloc, base + 0x1000}, {Op::free, base}, {Op::free, base + 0x1000}}) {
+      formats::Event e = ev(op, a, 512);
+      e.device = d;
+      e.time_us = us += 10;
+      t.events.push_back(e);
+    }
+  }
+  Trace first = t, second = t;
+  replay::cut_window(&first, {0, 0.5}, "0:0.5");
+  replay::cut_window(&second, {0.5, 1}, "0.5:1");
+  auto ops = [](const Trace& x, std::int32_t d) {
+    std::vector<Op> v;
+    for (const auto& e : x.events)
+      if (e.device == d) v.push_back(e.op);
+    return v;
+  };
+  for (std::int32_t d : {0, 1}) {
+    INFO("device " << d);
+    CHECK(ops(first, d) == std::vector<Op>{Op::alloc, Op::alloc});
+    CHECK(ops(second, d) == std::vector<Op>{Op::free, Op::free});
+    std::size_t seeded = 0;
+    for (const auto& e : second.seed) seeded += e.device == d;
+    CHECK(seeded == 2);  // both blocks were live when the second half began
+  }
+  CHECK(first.seed.empty());
 }

@@ -360,6 +360,11 @@ check_exit 1 "... says it stopped below the seeds a transformer workload takes" 
   "seed=1000000000000000, where the search stops (the workload takes larger values" \
   "$bin/fragless-replay" --policy classic --max-of seed --capacity-gib 8 "workload:transformer-infer:layers=2,steps=2"
 check_output "--help: --max-of searches a seed up to 1e15" "a seed: up to 1e15" "$bin/fragless-replay" --help
+check_error "--plot-x without --plot" "--plot-x applies to --plot" "$bin/fragless-replay" --plot-x event "$small"
+check_output "--max-of: the largest value a workload accepts is an answer when it fits" "live_gib +10000\* " \
+  "$bin/fragless-replay" --policy classic --max-of live_gib --capacity-gib 100 "workload:random:ops=50,steps=1"
+check_output "... marked as such" "except the 1 marked '\*': the largest value the workload accepts" \
+  "$bin/fragless-replay" --policy classic --max-of live_gib --capacity-gib 100 "workload:random:ops=50,steps=1"
 check_error "a zoo workload's seed past 1e15" "seed='1000000000000001' is not an integer in [0, 1e+15]" \
   "$bin/fragless-replay" --policy classic "workload:random:ops=10,steps=1,seed=1000000000000001"
 check_output "--help exits 0 and documents --fit" "--fit" "$bin/fragless-replay" --help
