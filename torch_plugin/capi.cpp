@@ -426,6 +426,11 @@ long fragless_check_config(const char* conf, char* buf, size_t len) {
   return copy_out(r.error, buf, len);
 }
 
+long fragless_settings(char* buf, size_t len) {
+  Allocator* a = proc().ready.load(std::memory_order_acquire);  // made by an earlier call, or not: nothing made here
+  return a ? copy_out(a->options().settings, buf, len) : -1;
+}
+
 long fragless_check_driver(const char* conf, char* buf, size_t len) {
   const ConfigResult r = parse_allocator_config(conf ? conf : "");
   std::string err;

@@ -49,6 +49,7 @@ except RuntimeError as e:
     check("shareable_handles:fabric needs the cuda driver" in str(e), str(e))
     print("enable('driver:host,shareable_handles:fabric'): RuntimeError: %s" % str(e)[:120])
 check(ft._enabled is None)  # nothing was installed by the failed calls
+check("FRAGLESS_CONF" not in os.environ, os.environ.get("FRAGLESS_CONF"))  # nor left in the environment
 
 # A key given twice is refused, as any other mistake is (the first value would be silently dropped).
 try:
@@ -58,13 +59,18 @@ except ValueError as e:
     check("'policy' is given more than once" in str(e), str(e))
 
 # An explicit conf replaces the environment's FRAGLESS_CONF: enable() says so rather than dropping its keys.
+# PyTorch's own allocator settings get a warning too: they configure the allocator fragless replaces.
 os.environ["FRAGLESS_CONF"] = "policy:classic"
+os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 conf = "driver:host,capacity_mb:256"
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     first = ft.enable(conf)
+del os.environ["PYTORCH_CUDA_ALLOC_CONF"]
 said = [str(w.message) for w in caught if "FRAGLESS_CONF='policy:classic'" in str(w.message)]
 check(len(said) == 1 and "not used" in said[0], [str(w.message) for w in caught])
+pytorch_said = [str(w.message) for w in caught if "PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True'" in str(w.message)]
+check(len(pytorch_said) == 1 and "do not apply" in pytorch_said[0], [str(w.message) for w in caught])
 check(os.environ["FRAGLESS_CONF"] == conf, os.environ["FRAGLESS_CONF"])
 check(fragless.memory_stats(0)["reserved_bytes.all.current"] == 0)
 print("enable('driver:host') then works, warning that the environment's FRAGLESS_CONF is not used: %s" % said[0][:120])
@@ -88,4 +94,44 @@ for other in ("driver:host,capacity_mb:512", "driver:host"):
         check(("once it is PyTorch's allocator" in str(e)) == bool(first), str(e))
         check(("not PyTorch's allocator here" in str(e)) == (not first), str(e))
         print("enable(%r) again: RuntimeError: %s" % (other, str(e)[:140]))
+
+# Device arguments are PyTorch's: a torch.cuda.device object names its index; an int that does not fit a C int
+# is an error, not device 0 (ctypes would wrap 2**32 to 0); record_history takes no negative size.
+import torch  # noqa: E402
+check(torch.cuda.memory_allocated(torch.cuda.device(0)) == torch.cuda.memory_allocated(0))
+for bad in (lambda: fragless.memory_stats(2**32), lambda: torch.cuda.memory_allocated(2**32),
+            lambda: fragless.record_history(-1)):
+    try:
+        bad()
+        raise AssertionError("accepted")
+    except (ValueError, RuntimeError) as e:
+        print("refused: %s" % e)
+
+# A first enable() after another fragless call made the allocator: with other settings it raises (they cannot
+# apply), with the same ones it works. In a fresh process.
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+script = r"""
+import os, fragless, fragless.torch as ft
+os.environ["FRAGLESS_CONF"] = "driver:host,capacity_mb:64"
+fragless.memory_stats(0)  # makes the allocator
+if fragless.settings() != "driver:host,capacity_mb:64":
+    raise SystemExit("settings: %r" % fragless.settings())
+try:
+    ft.enable("driver:host,capacity_mb:128")
+    raise SystemExit("enable() with other settings did not raise")
+except RuntimeError as e:
+    if "already made" not in str(e) or "capacity_mb:64" not in str(e):
+        raise SystemExit(str(e))
+import warnings
+warnings.simplefilter("ignore")
+ft.enable("driver:host,capacity_mb:64")
+print("made first:", fragless.settings())
+"""
+env = dict(os.environ)
+env.pop("FRAGLESS_CONF", None)
+env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the package as this process finds it
+r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+check(r.returncode == 0 and "made first: driver:host,capacity_mb:64" in r.stdout, (r.returncode, r.stdout, r.stderr))
+print("enable() after another call made the allocator: %s" % r.stdout.strip())
 print("checks passed")

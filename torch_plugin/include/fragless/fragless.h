@@ -49,6 +49,10 @@ FRAGLESS_API long fragless_check_config(const char* conf, char* buf, size_t len)
 /* The same, and then whether the configuration's driver can start here (the cuda driver needs libcuda and a
  * device), creating nothing: 0, or the length of the message saying why not. */
 FRAGLESS_API long fragless_check_driver(const char* conf, char* buf, size_t len);
+/* The FRAGLESS_CONF string the process's allocator was made with (its length, the text written into buf as
+ * fragless_memory_stats writes its text), or -1 while no call has made the allocator yet; makes nothing. A
+ * configuration given after the allocator was made cannot apply: fragless.torch.enable() checks it here. */
+FRAGLESS_API long fragless_settings(char* buf, size_t len);
 /* The same allocation, NULL on failure (torch.cuda.MemPool's allocator: PyTorch retries and raises). */
 FRAGLESS_API void* fragless_pool_malloc(size_t size, int device, cudaStream_t stream);
 

@@ -1,7 +1,7 @@
 """fragless from Python: the ctypes binding of libfragless.so and PyTorch-shaped helpers.
 
     import fragless.torch
-    fragless.torch.enable()            # before the first CUDA allocation
+    fragless.torch.enable()            # before CUDA is initialised
     ...
     fragless.torch.memory_stats()      # torch.cuda.memory_stats() key names
     fragless.torch.dump_snapshot("snap.pickle")   # open at pytorch.org/memory_viz
@@ -16,7 +16,7 @@ import json
 import os
 import pickle
 
-__all__ = ["library", "library_path", "preload_library_path", "build_info", "check_config", "check_driver", "memory_stats",
+__all__ = ["library", "library_path", "preload_library_path", "build_info", "check_config", "check_driver", "settings", "memory_stats",
            "memory_summary", "snapshot", "dump_snapshot", "empty_cache", "record_history", "memory_fraction", "last_error",
            "device_count", "Shared", "share", "open_shared", "close_shared", "reap_shared"]
 
@@ -65,6 +65,30 @@ def _check(fn, conf):
         return None
     buf = ctypes.create_string_buffer(need + 1)
     fn(conf.encode(), buf, need + 1)
+    return buf.value.decode()
+
+
+def _device(device):
+    """A device index as the C ABI takes it (a C int): an int that does not fit is a ValueError, not another
+    device (ctypes would wrap 2**32 to 0)."""
+    if isinstance(device, bool) or not isinstance(device, int):
+        try:
+            device = _device(device)
+        except (TypeError, ValueError):
+            raise ValueError("expected a device index, got %r" % (device,)) from None
+    if not -2**31 <= device < 2**31:
+        raise ValueError("device index %d is out of range" % device)
+    return device
+
+
+def settings():
+    """The FRAGLESS_CONF string the process's allocator was made with, or None while it is not made yet (it is
+    made by the first fragless call that needs it: an allocation, memory_stats, record_history, ...)."""
+    n = library().fragless_settings(None, 0)
+    if n < 0:
+        return None
+    buf = ctypes.create_string_buffer(n + 1)
+    library().fragless_settings(buf, n + 1)
     return buf.value.decode()
 
 
@@ -119,6 +143,8 @@ def library():
     _lib.fragless_set_memory_fraction.argtypes = [c.c_double, c.c_int]
     _lib.fragless_last_error.restype = c.c_char_p
     _lib.fragless_device_count.restype = c.c_int
+    _lib.fragless_settings.argtypes = [c.c_char_p, c.c_size_t]
+    _lib.fragless_settings.restype = c.c_long
     _lib.fragless_reset_peak_stats.argtypes = [c.c_int]
     _lib.fragless_reset_accumulated_stats.argtypes = [c.c_int]
     _lib.fragless_mem_get_info.argtypes = [c.c_int, c.POINTER(c.c_size_t), c.POINTER(c.c_size_t)]
@@ -159,7 +185,7 @@ def _read(fn, *args):
 
 def memory_stats(device=0):
     """fragless's statistics for `device` with torch.cuda.memory_stats() key names, sorted."""
-    stats = json.loads(_read(library().fragless_memory_stats, int(device)).decode())
+    stats = json.loads(_read(library().fragless_memory_stats, _device(device)).decode())
     return dict(sorted(stats.items()))
 
 
@@ -213,6 +239,8 @@ def record_history(max_entries=100000, context=None, stacks="all", clear_history
     stacks: "python" (the frames of a thread holding the GIL), "cpp" or "all". clear_history: drop the events
     kept so far. Frames are kept as addresses and code objects and turned into names only when a snapshot is
     taken."""
+    if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
+        raise ValueError("record_history: max_entries must be an int >= 0 (0: off), got %r" % (max_entries,))
     if context not in _CONTEXT:
         raise ValueError("record_history: context must be None, 'state', 'alloc' or 'all', got %r" % (context,))
     if stacks not in _STACKS:
@@ -224,7 +252,7 @@ def record_history(max_entries=100000, context=None, stacks="all", clear_history
 def memory_fraction(device=0):
     """The device's memory fraction: the last one set (PyTorch's set_per_process_memory_fraction, through the
     allocator's hook), else the configuration's per_process_memory_fraction."""
-    f = library().fragless_get_memory_fraction(int(device))
+    f = library().fragless_get_memory_fraction(_device(device))
     if f < 0:
         raise RuntimeError(last_error())
     return f
@@ -235,20 +263,20 @@ def empty_cache():
 
 
 def reset_peak_stats(device=0):
-    if library().fragless_reset_peak_stats(int(device)) < 0:
+    if library().fragless_reset_peak_stats(_device(device)) < 0:
         raise RuntimeError(last_error())
 
 
 def reset_accumulated_stats(device=0):
     """Zeroes the counters that only grow (allocations and frees made, retries, OOMs)."""
-    if library().fragless_reset_accumulated_stats(int(device)) < 0:
+    if library().fragless_reset_accumulated_stats(_device(device)) < 0:
         raise RuntimeError(last_error())
 
 
 def mem_get_info(device=0):
     """(free, total) bytes of the device as the driver reports them (what cudaMemGetInfo says)."""
     free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-    if library().fragless_mem_get_info(int(device), ctypes.byref(free), ctypes.byref(total)) < 0:
+    if library().fragless_mem_get_info(_device(device), ctypes.byref(free), ctypes.byref(total)) < 0:
         raise RuntimeError(last_error())
     return free.value, total.value
 

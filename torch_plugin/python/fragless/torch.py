@@ -2,7 +2,7 @@
 PyTorch's own memory API answering from fragless.
 
     import fragless.torch
-    fragless.torch.enable("policy:fragless")   # before the first CUDA allocation
+    fragless.torch.enable("policy:fragless")   # before CUDA is initialised
 
 Under CUDAPluggableAllocator PyTorch's memory functions raise (its getDeviceStats is not implemented for a
 pluggable allocator) and its history sees nothing. enable() puts fragless's answers behind the public names,
@@ -94,7 +94,7 @@ def _canonical(conf):
 def enable(conf=None):
     """Make fragless PyTorch's CUDA allocator and let torch.cuda's memory API answer from it. `conf` is a
     FRAGLESS_CONF string (else the environment's; given, it replaces the environment's, with a warning when
-    FRAGLESS_CONF held other settings). Must run before the first CUDA allocation; raises RuntimeError saying
+    FRAGLESS_CONF held other settings). Must run before PyTorch initialises CUDA; raises RuntimeError saying
     so otherwise. Everything that would fail later fails here: a bad `conf` raises ValueError naming the key;
     a driver that cannot start (no libcuda on a machine without a GPU) raises RuntimeError saying so, and
     naming driver:host for CPU use. Called again, it returns what the first call returned when `conf` is the
@@ -129,12 +129,18 @@ def enable(conf=None):
         _f.check_config(conf)
     except ValueError as e:
         raise ValueError("fragless.torch.enable(%r): %s" % (conf, e)) from None
+    made = _f.settings()
+    if made is not None and _canonical(made) != _canonical(conf):
+        raise RuntimeError("fragless.torch.enable(%r): fragless's allocator was already made in this process, by "
+                           "an earlier fragless call (memory_stats, record_history, an allocation, ...), with "
+                           "FRAGLESS_CONF=%r, and its configuration cannot change; call enable() before any "
+                           "other fragless call" % (conf, made))
     if env and _canonical(env) != _canonical(conf):
         warnings.warn("fragless.torch.enable(%r): FRAGLESS_CONF=%r is also set in the environment; its settings "
                       "are not used (the string given to enable() replaces it, in this process and the ones it "
                       "starts)" % (conf, env), RuntimeWarning, stacklevel=2)
-    os.environ["FRAGLESS_CONF"] = conf
     _check_driver(conf)
+    _warn_pytorch_conf(conf)
     path = _f.library_path()
     pluggable = getattr(torch.cuda.memory, "CUDAPluggableAllocator", None)
     if not torch.cuda.is_available() or pluggable is None:
@@ -142,6 +148,7 @@ def enable(conf=None):
                       "torch.cuda's memory functions now report fragless's own devices"
                       % (torch.__version__, "has no CUDA device" if pluggable else "has no CUDAPluggableAllocator"),
                       RuntimeWarning, stacklevel=2)
+        os.environ["FRAGLESS_CONF"] = conf  # only now: a failed enable() leaves the environment as it was
         _install_api(torch)
         _install_oom_error(torch)
         _enabled, _enabled_conf = False, conf
@@ -151,18 +158,41 @@ def enable(conf=None):
     graph_set, graph_setters = _graph_hooks_of(torch, backend)
     for setter, fn in [h for h in _HOOKS if hasattr(backend, h[0])] + graph_setters:
         getattr(backend, setter)(ctypes.cast(getattr(lib, fn), ctypes.c_void_p).value)
+    # The allocator reads FRAGLESS_CONF when its first call makes it, which comes after this; set before
+    # change_current_allocator (which allocates nothing) and taken back if it refuses.
+    previous = os.environ.get("FRAGLESS_CONF")
+    os.environ["FRAGLESS_CONF"] = conf
     try:
         torch.cuda.memory.change_current_allocator(alloc)
     except RuntimeError as e:
-        raise RuntimeError("fragless.torch.enable() must run before the first CUDA allocation of this process "
-                           "(PyTorch said: %s). Call it at the top of your script, before any tensor is put "
-                           "on a GPU." % e) from None
+        if previous is None:
+            del os.environ["FRAGLESS_CONF"]
+        else:
+            os.environ["FRAGLESS_CONF"] = previous
+        raise RuntimeError("fragless.torch.enable() must run before PyTorch initialises CUDA in this process "
+                           "(PyTorch said: %s): before the first tensor is put on a GPU, and before "
+                           "torch.cuda.set_device() or any other call that initialises CUDA. Call it at the top "
+                           "of your script." % e) from None
     _install_api(torch)
     _install_oom_error(torch)
     from . import torch_share  # torch.multiprocessing sends fragless's CUDA tensors through fragless.share
     torch_share.install(torch)
     _enabled, _enabled_conf, graph_hooks = alloc, conf, graph_set
     return alloc
+
+
+def _warn_pytorch_conf(conf):
+    """PyTorch's own allocator settings (PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF, as PyTorch reads
+    them) configure the allocator fragless replaces: say so, rather than let them look applied."""
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        value = os.environ.get(name)
+        if value:
+            warnings.warn("fragless.torch.enable(%r): %s=%r configures PyTorch's own CUDA allocator, which fragless "
+                          "replaces: those settings do not apply. FRAGLESS_CONF takes PyTorch's keys "
+                          "(max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold with "
+                          "policy:classic, expandable_segments:True for PyTorch's expandable segments); give them "
+                          "there to have them" % (conf, name, value), RuntimeWarning, stacklevel=3)
+            return
 
 
 def _graph_hooks_of(torch, backend):
@@ -295,6 +325,8 @@ def _device_index(torch, device):
         raise ValueError("Expected a cuda device, but got: %r" % (device,))
     if isinstance(device, int):
         return device
+    if isinstance(device, torch.cuda.device):  # torch.cuda.device(0), as torch.cuda._utils reads it
+        return device.idx
     if isinstance(device, str):
         device = torch.device(device)
     if isinstance(device, torch.device):
