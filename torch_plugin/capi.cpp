@@ -116,12 +116,14 @@ class DeviceSink final : public EventSink {
   // The history, and the frames of live blocks' allocations, named now (each stack once). The ring is copied
   // under the lock and named after it: naming may take the GIL, which an allocating thread may hold while
   // it waits for this lock.
-  void collect(formats::DeviceState* out) {
+  // with_history false: the blocks' and segments' frames only, no trace entries (a snapshot without traces,
+  // which a history of a million entries would take seconds to name and write).
+  void collect(formats::DeviceState* out, bool with_history = true) {
     std::vector<Rec> ring;
     std::vector<std::pair<std::uint64_t, std::shared_ptr<const stacks::Stack>>> blocks, segments;
     {
       std::lock_guard lk(mu_);
-      ring.assign(ring_.begin(), ring_.end());
+      if (with_history) ring.assign(ring_.begin(), ring_.end());
       blocks.assign(block_stacks_.begin(), block_stacks_.end());
       segments.assign(segment_stacks_.begin(), segment_stacks_.end());
     }
@@ -588,18 +590,20 @@ int fragless_reset_accumulated_stats(int device) {
   return 0;
 }
 
-long fragless_snapshot(char* buf, size_t len) {
+namespace {
+long snapshot_out(char* buf, size_t len, bool with_history) {
   // The buffer protocol asks twice, first for the size (no buffer); a million-entry history's pickle takes
   // seconds to build. So a sizing call keeps what it built for this thread's next call, which, when its buffer
-  // is exactly the size that call gave plus the NUL (the protocol's second step), gets that snapshot (the
-  // state when it was sized) instead of building another; any other call builds anew and drops it.
+  // is exactly the size that call gave plus the NUL (the protocol's second step) and asks the same kind,
+  // gets that snapshot (the state when it was sized) instead of building another; any other call builds anew
+  // and drops it.
   thread_local std::string sized;
-  thread_local bool have_sized = false;
+  thread_local bool have_sized = false, sized_history = false;
   if (buf && len && have_sized) {
     have_sized = false;
     std::string s = std::move(sized);
     sized = std::string();
-    if (len == s.size() + 1) return copy_out(s, buf, len);
+    if (len == s.size() + 1 && sized_history == with_history) return copy_out(s, buf, len);
   }
   Allocator* a = get();
   if (!a) return -1;
@@ -611,7 +615,7 @@ long fragless_snapshot(char* buf, size_t len) {
       s.segments = e->snapshot();
       s.imports = e->imports();
     }
-    proc().sinks[static_cast<std::size_t>(d)]->collect(&s);
+    proc().sinks[static_cast<std::size_t>(d)]->collect(&s, with_history);
     devices.push_back(std::move(s));
   }
   std::string s = formats::engine_snapshot_pickle(devices, a->options().settings);
@@ -619,9 +623,15 @@ long fragless_snapshot(char* buf, size_t len) {
   if (!buf || !len) {
     sized = std::move(s);
     have_sized = true;
+    sized_history = with_history;
   }
   return n;
 }
+}  // namespace
+
+long fragless_snapshot(char* buf, size_t len) { return snapshot_out(buf, len, true); }
+
+long fragless_snapshot_segments(char* buf, size_t len) { return snapshot_out(buf, len, false); }
 
 namespace {
 void record_history(size_t max_entries, int context, int stacks, bool clear) {

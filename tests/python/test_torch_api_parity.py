@@ -76,6 +76,21 @@ def memory_snapshot_takes_a_pool_and_include_traces():
 
 
 @case
+def a_snapshot_without_traces_leaves_the_history_out():
+    # include_traces=False (and memory_summary) build the segments only: the history is neither named nor
+    # written, as PyTorch's "lightweight" snapshot promises.
+    import fragless
+    mem._record_memory_history(max_entries=1000)
+    p = alloc(3 * MiB)
+    full, light = fragless.snapshot(), fragless.snapshot(include_traces=False)
+    check(len(full["device_traces"][0]) > 0, full["device_traces"])
+    check(all(t == [] for t in light["device_traces"]), light["device_traces"])
+    check(light["segments"] == full["segments"])
+    del p
+    mem._record_memory_history(enabled=None)
+
+
+@case
 def snapshot_functions_take_augment_with_fx_traces():
     # torch/cuda/memory.py: _snapshot(device=None, augment_with_fx_traces=False) and
     # _dump_snapshot(filename="dump_snapshot.pickle", augment_with_fx_traces=False), which apply

@@ -114,6 +114,14 @@ std::string DeviceEngine::State::check_invariants() {
         m << "I5: " << name << "[" << k << "] is " << a.by_pool[k].current << ", recount " << want[k];
         fail(m.str(), nullptr);
       }
+    // As in PyTorch's stats: `all` is the two pools' sum, in what is reserved and freed over time too.
+    const Stat &all = a.by_pool[kAllPools], &sm = a.by_pool[kSmallPool], &lg = a.by_pool[kLargePool];
+    if (all.allocated != sm.allocated + lg.allocated || all.freed != sm.freed + lg.freed) {
+      std::ostringstream m;
+      m << "I5: " << name << ".all's allocated/freed " << all.allocated << "/" << all.freed
+        << " are not the pools' sums " << sm.allocated + lg.allocated << "/" << sm.freed + lg.freed;
+      fail(m.str(), nullptr);
+    }
   };
   cmp("allocation", stats.allocation, rc.allocation);
   cmp("allocated_bytes", stats.allocated_bytes, rc.allocated_bytes);

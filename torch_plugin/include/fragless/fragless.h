@@ -98,6 +98,9 @@ FRAGLESS_API int fragless_mem_get_info(int device, size_t* free_bytes, size_t* t
  * for the calling thread's next call: one with a buffer of exactly the returned length + 1 gets that snapshot
  * (the state when it was sized); any other call builds anew. */
 FRAGLESS_API long fragless_snapshot(char* buf, size_t len);
+/* The same snapshot without its trace entries (device_traces empty lists; the blocks' and segments' frames
+ * kept): what torch.cuda.memory_snapshot() and memory_summary() need, at the cost of the segments alone. */
+FRAGLESS_API long fragless_snapshot_segments(char* buf, size_t len);
 /* Keep the last max_entries events per device for snapshots (max_entries 0 turns it off). */
 FRAGLESS_API void fragless_record_history(size_t max_entries);
 /* The same, with stack frames (torch.cuda.memory._record_memory_history's context and stacks): context 0 no

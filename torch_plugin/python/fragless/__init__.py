@@ -135,6 +135,8 @@ def library():
     _lib.fragless_memory_stats.argtypes = [c.c_int, c.c_char_p, c.c_size_t]
     _lib.fragless_snapshot.restype = c.c_long
     _lib.fragless_snapshot.argtypes = [c.c_char_p, c.c_size_t]
+    _lib.fragless_snapshot_segments.restype = c.c_long
+    _lib.fragless_snapshot_segments.argtypes = [c.c_char_p, c.c_size_t]
     _lib.fragless_record_history.argtypes = [c.c_size_t]
     _lib.fragless_record_history_ex.argtypes = [c.c_size_t, c.c_int, c.c_int]
     _lib.fragless_record_history_v2.argtypes = [c.c_size_t, c.c_int, c.c_int, c.c_int]
@@ -213,14 +215,15 @@ class _DataOnly(pickle.Unpickler):
         raise pickle.UnpicklingError("fragless snapshot refers to %s.%s" % (module, name))
 
 
-def snapshot_bytes():
-    """The snapshot as the pickle torch.cuda.memory._dump_snapshot writes."""
-    return _read(library().fragless_snapshot)
+def snapshot_bytes(include_traces=True):
+    """The snapshot as the pickle torch.cuda.memory._dump_snapshot writes; without include_traces its
+    device_traces are empty (the history is neither named nor written: quick with a long one)."""
+    return _read(library().fragless_snapshot if include_traces else library().fragless_snapshot_segments)
 
 
-def snapshot():
+def snapshot(include_traces=True):
     """A dict in PyTorch's snapshot layout: segments + device_traces (torch.cuda._memory_viz reads it)."""
-    return _DataOnly(io.BytesIO(snapshot_bytes())).load()
+    return _DataOnly(io.BytesIO(snapshot_bytes(include_traces))).load()
 
 
 def dump_snapshot(path="dump_snapshot.pickle"):

@@ -467,7 +467,7 @@ def _install_api(torch):
         stats = _ZeroMissing(_f.memory_stats(d))
         # "GPU reserved segments": the mapped ranges a snapshot shows (PyTorch's segment stat skips expandable
         # segments, which would read 0 with memory reserved under the expandable and fragless policies).
-        segs = [seg for seg in _f.snapshot()["segments"] if seg.get("device", 0) == d]
+        segs = [seg for seg in _f.snapshot(include_traces=False)["segments"] if seg.get("device", 0) == d]
         for pool, kind in (("all", None), ("large_pool", "large"), ("small_pool", "small")):
             n = sum(1 for seg in segs if kind is None or seg.get("segment_type") == kind)
             key = "segment.%s.current" % pool
@@ -489,7 +489,7 @@ def _install_api(torch):
     def snapshot_of(mempool_id, include_traces):
         """The snapshot, its segments those of the pool `mempool_id` when one is named ((0, 0) or None: every
         pool, as in PyTorch), its device_traces empty without include_traces."""
-        s = _f.snapshot()
+        s = _f.snapshot(include_traces)
         if mempool_id is not None:
             pool = tuple(int(x) for x in mempool_id)
             if len(pool) != 2:

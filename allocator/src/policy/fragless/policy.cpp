@@ -321,6 +321,10 @@ void FraglessPolicy::move_reserved(bool to_small, std::size_t bytes) {
   auto& st = s_.stats.reserved_bytes;
   st.by_pool[kSmallPool].add(to_small ? b : -b);
   st.by_pool[kLargePool].add(to_small ? -b : b);
+  // One pool gave the pages up and the other took them: in `all`, reserved as much as freed, so that every
+  // field of `all` stays the sum of the two pools' (PyTorch's stats keep that, and memory_summary shows both).
+  st.by_pool[kAllPools].allocated += b;
+  st.by_pool[kAllPools].freed += b;
 }
 
 void FraglessPolicy::release_handle(PhysHandle h, std::size_t pages, bool memory_goes) {
