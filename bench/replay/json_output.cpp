@@ -48,6 +48,12 @@ Json result_json(const ReplayResult& r) {
   o["overhead_over_live"] = fixed(r.overhead_over_live, 6);
   o["time_weighted_fragmentation"] = fixed(r.time_weighted_fragmentation, 6);
   o["ooms"] = r.ooms;
+  if (r.ooms) {
+    o["external_fragmentation_at_oom"] = {{"mean", fixed(r.external_fragmentation_at_oom_mean, 6)},
+                                          {"max", fixed(r.external_fragmentation_at_oom_max, 6)}};
+  } else {
+    o["external_fragmentation_at_oom"] = nullptr;
+  }
   o["driver_calls"] = {{"reserve", d[DriverCall::reserve]}, {"create", d[DriverCall::create]},
                        {"map", d[DriverCall::map]},         {"set_access", d[DriverCall::set_access]},
                        {"unmap", d[DriverCall::unmap]},     {"release", d[DriverCall::release]},

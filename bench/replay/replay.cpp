@@ -166,6 +166,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
   const auto seed_syncs = e.stats().num_forced_syncs;
   double allocated_integral = 0, reserved_integral = 0;
   std::int64_t last_time = -1, first_time = -1;
+  double external_sum = 0;  // external fragmentation summed over the OOMs
   DeviceEngine::Usage u = e.usage();
   std::size_t index = 0;
   const std::size_t stride = opt.curve_points ? std::max<std::size_t>(1, t.events.size() / opt.curve_points) : 0;
@@ -218,6 +219,19 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
             return r;
           }
           ++r.ooms;  // a result, not a failure: this allocation and its free are skipped
+          {  // what the OOM met: the free cached ranges, the largest against them all
+            std::uint64_t largest = 0, total = 0;
+            for (const SegmentInfo& sg : e.snapshot())
+              for (const BlockInfo& b : sg.blocks)
+                if (b.state == BlockInfo::inactive) {
+                  largest = std::max<std::uint64_t>(largest, b.size);
+                  total += b.size;
+                }
+            const double x = total ? 1.0 - static_cast<double>(largest) / static_cast<double>(total) : 0.0;
+            external_sum += x;
+            r.external_fragmentation_at_oom_max = std::max(r.external_fragmentation_at_oom_max, x);
+            r.external_fragmentation_at_oom_mean = external_sum / static_cast<double>(r.ooms);
+          }
           if (opt.stop_at_first_oom) return r;
           failed.insert(ev.address);
           // The OOM retry may have given cached memory back: the usage the next interval is weighed by.

@@ -20,6 +20,9 @@ struct ReplayResult {
   std::int64_t peak_live = 0, peak_allocated = 0, peak_reserved = 0;
   double fragmentation_at_peak = 0, overhead_over_live = 0, time_weighted_fragmentation = 0;
   std::uint64_t ooms = 0;
+  // External fragmentation (DESIGN.md: 1 - largest free range / total free, 0 with nothing free) at each OOM:
+  // its mean and its largest over the OOMs (both 0 without one).
+  double external_fragmentation_at_oom_mean = 0, external_fragmentation_at_oom_max = 0;
   DriverCounters driver;  // calls made during the window (seeding excluded); background ones counted apart
   // Modelled driver time the program waited for (inside its allocation, free and empty_cache calls), and
   // the time background work took on the trace's clock; their sum is driver.modelled_us.

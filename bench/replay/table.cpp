@@ -10,9 +10,12 @@ namespace {
 
 // The table's columns, in one line under it.
 constexpr const char* kLegend =
-    "columns: events = alloc, free and empty_cache events replayed on the device; live, reserv = peaks (MiB); "
+    "columns: events = alloc, free and empty_cache events replayed on the device; live, alloc, reserv = peaks "
+    "(MiB: requested bytes, blocks handed out, physical memory held); "
     "overhead = peak reserved / peak live - 1; frag@pk = 1 - peak allocated / peak reserved (each peak taken on "
-    "its own, not at one moment); tw-frag = 1 - time integral of allocated / that of reserved; OOMs = allocations that did not fit --capacity-gib; create, map, unmap = driver "
+    "its own, not at one moment); tw-frag = 1 - time integral of allocated / that of reserved; OOMs = allocations "
+    "that did not fit --capacity-gib; x@OOM = external fragmentation when they failed, 1 - largest free range / "
+    "total free, the mean over the OOMs ('-' without one); create, map, unmap = driver "
     "calls; syncs = synchronisations forced; path ms, bg ms = the calls' modelled time (A100 costs, or --costs) "
     "inside allocation and free calls, and done by the background worker; "
     "Mev/s = replay speed; pytorch MiB = PyTorch's own peak reserved, where the snapshot tells it";
@@ -73,17 +76,18 @@ int fail(const std::string& message) {
 }
 
 void print_replay_table(const std::vector<ReplayResult>& results) {
-  std::printf("%-44s %3s %-10s %9s %11s %11s %9s %8s %8s %5s %7s %7s %7s %6s %9s %9s %8s %11s\n", "input", "dev",
-              "policy", "events", "live MiB", "reserv MiB", "overhead", "frag@pk", "tw-frag", "OOMs", "create", "map",
-              "unmap", "syncs", "path ms", "bg ms", "Mev/s", "pytorch MiB");
+  std::printf("%-44s %3s %-10s %9s %11s %11s %11s %9s %8s %8s %5s %7s %7s %7s %7s %6s %9s %9s %8s %11s\n", "input",
+              "dev", "policy", "events", "live MiB", "alloc MiB", "reserv MiB", "overhead", "frag@pk", "tw-frag", "OOMs",
+              "x@OOM", "create", "map", "unmap", "syncs", "path ms", "bg ms", "Mev/s", "pytorch MiB");
   for (const auto& r : results) {
-    char pyt[32] = "-";
+    char pyt[32] = "-", ext[32] = "-";
     pytorch_cell(r, pyt);
-    std::printf("%-44s %3d %-10s %9" PRIu64 " %11.1f %11.1f %8.2f%% %7.2f%% %7.2f%% %5" PRIu64 " %7" PRIu64 " %7" PRIu64
-                " %7" PRIu64 " %6" PRId64 " %9.2f %9.2f %8.2f %11s\n",
+    if (r.ooms) std::snprintf(ext, sizeof ext, "%.2f%%", 100 * r.external_fragmentation_at_oom_mean);
+    std::printf("%-44s %3d %-10s %9" PRIu64 " %11.1f %11.1f %11.1f %8.2f%% %7.2f%% %7.2f%% %5" PRIu64 " %7s %7" PRIu64
+                " %7" PRIu64 " %7" PRIu64 " %6" PRId64 " %9.2f %9.2f %8.2f %11s\n",
                 short_name(r.input).c_str(), r.device, policy_name(r.policy), r.events, mib(r.peak_live),
-                mib(r.peak_reserved), 100 * r.overhead_over_live, 100 * r.fragmentation_at_peak,
-                100 * r.time_weighted_fragmentation, r.ooms, r.driver[DriverCall::create], r.driver[DriverCall::map],
+                mib(r.peak_allocated), mib(r.peak_reserved), 100 * r.overhead_over_live, 100 * r.fragmentation_at_peak,
+                100 * r.time_weighted_fragmentation, r.ooms, ext, r.driver[DriverCall::create], r.driver[DriverCall::map],
                 r.driver[DriverCall::unmap], r.forced_syncs, r.alloc_path_driver_us() / 1000,
                 r.background_driver_us() / 1000, r.events_per_second / 1e6, pyt);
     if (const auto& p = r.at_peak)  // --peak-detail

@@ -7,6 +7,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "fragless/trace_format.h"
@@ -347,4 +348,28 @@ TEST_CASE("replay: a window cuts each device's events at its own fractions", "[r
     CHECK(seeded == 2);  // both blocks were live when the second half began
   }
   CHECK(first.seed.empty());
+}
+
+TEST_CASE("replay: external fragmentation is measured at each OOM", "[replay]") {
+  // Classic on a 100 MiB device: one 90 MiB segment, split into three 30 MiB blocks; the first and last
+  // freed leave 60 MiB free in two ranges of 30 around a live one, which no retry can give back. A request of
+  // 40 MiB then fails: 1 - 30 / 60 = 0.5 (DESIGN.md's external fragmentation).
+  constexpr std::uint64_t M = 1u << 20;
+  Trace t;
+  t.source = "split";
+  for (auto [op, a, size] : {std::tuple{Op::alloc, 0x10000000ull, 90 * M}, {Op::free, 0x10000000ull, 90 * M},
+                             {Op::alloc, 0x20000000ull, 30 * M}, {Op::alloc, 0x30000000ull, 30 * M},
+                             {Op::alloc, 0x40000000ull, 30 * M}, {Op::free, 0x20000000ull, 30 * M},
+                             {Op::free, 0x40000000ull, 30 * M}, {Op::alloc, 0x50000000ull, 40 * M}})
+    t.events.push_back(ev(op, a, size));
+  replay::ReplayOptions o;
+  o.capacity = 100 * M;
+  const auto r = replay::replay(t, 0, PolicyKind::classic, o);
+  REQUIRE(r.error.empty());
+  REQUIRE(r.ooms == 1);
+  CHECK(r.external_fragmentation_at_oom_mean == Approx(0.5));
+  CHECK(r.external_fragmentation_at_oom_max == Approx(0.5));
+  const auto none = replay::replay(t, 0, PolicyKind::classic, replay::ReplayOptions{});
+  CHECK(none.ooms == 0);
+  CHECK(none.external_fragmentation_at_oom_mean == 0);
 }
