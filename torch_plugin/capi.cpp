@@ -200,6 +200,7 @@ struct Process {
   std::unique_ptr<Allocator> alloc;         // set by the maker, read after once.begin() or ready
   std::vector<std::unique_ptr<DeviceSink>> sinks;  // one per device, chained into its engine when it is created
   std::string init_error;                          // why there is no allocator, when there is none
+  std::atomic<bool> failed{false};                 // the making ended without an allocator (init_error says why)
 
   Process() {
     hold_across_fork_from_load([](void*) {}, [](void*) {}, [](void* p) {
@@ -275,6 +276,7 @@ Allocator* get(int devices = -1) {
       p.init_error = std::move(err);
       p.sinks = std::move(sinks);
       p.alloc = std::move(made);
+      p.failed.store(!p.alloc, std::memory_order_release);
       p.ready.store(p.alloc.get(), std::memory_order_release);
     });
   } else if (!p.ready.load(std::memory_order_acquire) && p.init_error.empty()) {
@@ -429,8 +431,19 @@ long fragless_check_config(const char* conf, char* buf, size_t len) {
 }
 
 long fragless_settings(char* buf, size_t len) {
-  Allocator* a = proc().ready.load(std::memory_order_acquire);  // made by an earlier call, or not: nothing made here
-  return a ? copy_out(a->options().settings, buf, len) : -1;
+  Process& p = proc();
+  if (Allocator* a = p.ready.load(std::memory_order_acquire)) return copy_out(a->options().settings, buf, len);
+  if (p.failed.load(std::memory_order_acquire)) {  // init_error was written before `failed`, and never after
+    t_last_error = p.init_error;
+    return -2;
+  }
+  return -1;  // not made yet (or being made by another thread right now): nothing is made here
+}
+
+int fragless_same_config(const char* a, const char* b) {
+  const ConfigResult x = parse_allocator_config(a ? a : ""), y = parse_allocator_config(b ? b : "");
+  if (!x.ok || !y.ok) return -1;
+  return same_settings(x.options, y.options) ? 1 : 0;
 }
 
 long fragless_check_driver(const char* conf, char* buf, size_t len) {

@@ -107,10 +107,10 @@ LoadResult trace_from_native_bytes(const std::string& bytes, const std::string& 
     if (const std::string why = event_out_of_bounds(e); !why.empty())
       return fail("record " + std::to_string(i) + " at byte " + std::to_string(off) + ": " + why);
     if (timed) {
-      if (rec.time_ns > UINT64_MAX - h.origin_unix_ns || (h.origin_unix_ns + rec.time_ns) / 1000 > INT64_MAX)
+      if (rec.time_ns > UINT64_MAX - h.origin_unix_ns)
         return fail("record " + std::to_string(i) + " at byte " + std::to_string(off) + ": its time, " +
                     std::to_string(rec.time_ns) + " ns after the header's origin of " + std::to_string(h.origin_unix_ns) +
-                    " ns, is past the latest time a trace holds (2^63 microseconds)");
+                    " ns, is past the latest time a trace holds (2^64 ns)");
       e.time_us = static_cast<std::int64_t>((h.origin_unix_ns + rec.time_ns) / 1000);
       t.has_time = true;
     }

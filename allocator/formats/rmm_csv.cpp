@@ -70,7 +70,8 @@ bool parse_dec(const std::string& s, std::uint64_t* v) {
 // RMM's logger writes the local time of day ("%H:%M:%S.%f", no date), so a run that passes midnight starts
 // again at 00:00:00. A clock time more than half a day before the latest one read is taken as the next day's
 // (a log whose rows are more than 12 hours apart with none between is read wrong; RMM writes a row per
-// call). Rows written by several threads may be slightly out of order (the time is taken before the
+// call), and one more than half a day after it, once a midnight has passed, as the day before's (a row of
+// another thread stamped just before that midnight and written just after it). Rows written by several threads may be slightly out of order (the time is taken before the
 // logger's lock): up to a second back is kept as recorded; more (a clock set back, a daylight-saving change)
 // is refused, naming both rows. Plain microseconds never wrap. A time on some rows and not others is refused.
 constexpr std::int64_t kDayUs = 86400LL * 1000000, kHalfDayUs = kDayUs / 2, kOutOfOrderUs = 1000000;
@@ -158,11 +159,14 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
       ++(e.time_us >= 0 ? timed : untimed);
       if (timed && untimed)
         return fail(e.time_us >= 0 ? "a time where the rows before had none" : "no time where the rows before had one");
-      if (e.time_us >= 0 && when.find(':') != std::string::npos) {
+      // A clock of 24 hours or more (fragless's writer, for a run longer than a day) is taken as written.
+      if (e.time_us >= 0 && e.time_us < kDayUs && when.find(':') != std::string::npos) {
         e.time_us += days_us;
         if (latest >= 0 && e.time_us + kHalfDayUs < latest) {  // past midnight
           days_us += kDayUs;
           e.time_us += kDayUs;
+        } else if (latest >= 0 && e.time_us > latest + kHalfDayUs && e.time_us >= kDayUs) {
+          e.time_us -= kDayUs;  // a row a little out of order from just before the midnight already passed
         }
       }
       if (e.time_us >= 0 && latest >= 0 && e.time_us + kOutOfOrderUs < latest)

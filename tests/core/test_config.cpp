@@ -1,5 +1,6 @@
 #include <catch2/catch.hpp>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include "driver/registry.h"
@@ -93,6 +94,38 @@ TEST_CASE("config: an allocator refuses keys that do nothing under its policy or
   }
   // A replay compares policies under one text: it keeps a key that tunes one of them.
   CHECK(parse_config("policy:classic,handles:pages").ok);
+}
+
+TEST_CASE("config: same_settings compares every key's value, not the text", "[config]") {
+  auto opts = [](const char* text) {
+    const ConfigResult r = parse_config(text);
+    INFO(text << " -> " << r.error);
+    REQUIRE(r.ok);
+    return r.options;
+  };
+  CHECK(same_settings(opts(""), opts("policy:fragless,background:True")));  // defaults given or not
+  CHECK(same_settings(opts("expandable_segments:True"), opts("policy:expandable")));
+  CHECK(same_settings(opts("driver:host, capacity_mb:256"), opts("capacity_mb:256,driver:host")));
+  // Every key of the table, at a value other than its default, makes the settings differ: a key added to
+  // the table without a place in same_settings fails here.
+  const std::map<std::string_view, const char*> other = {
+      {"policy", "policy:classic"}, {"expandable_segments", "expandable_segments:True"},
+      {"max_split_size_mb", "max_split_size_mb:64"}, {"max_non_split_rounding_mb", "max_non_split_rounding_mb:64"},
+      {"roundup_power2_divisions", "roundup_power2_divisions:4"},
+      {"garbage_collection_threshold", "garbage_collection_threshold:0.5"},
+      {"per_process_memory_fraction", "per_process_memory_fraction:0.5"}, {"driver", "driver:host"},
+      {"page_size_mb", "page_size_mb:4"}, {"capacity_mb", "capacity_mb:64"}, {"on_oom", nullptr},
+      {"peer_access", "peer_access:False"}, {"shareable_handles", "shareable_handles:True"},
+      {"handles", "handles:pages"}, {"handle_max_mb", "handle_max_mb:8"}, {"chunk_size_mb", "chunk_size_mb:8"},
+      {"reserve_slack", "reserve_slack:0.5"}, {"lend_pages", "lend_pages:False"},
+      {"lend_across_streams", "lend_across_streams:False"}, {"small_in_remnants", "small_in_remnants:False"},
+      {"background", "background:False"}, {"trace", "trace:t.fgt"}};
+  for (const auto& row : option_table()) {
+    INFO(row.key);
+    const auto it = other.find(row.key);
+    REQUIRE(it != other.end());
+    if (it->second) CHECK_FALSE(same_settings(opts(""), opts(it->second)));  // on_oom has one value only
+  }
 }
 
 TEST_CASE("config: empty items are refused and any whitespace is dropped, as PyTorch's parser does", "[config][bad-input]") {

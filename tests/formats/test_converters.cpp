@@ -133,6 +133,16 @@ TEST_CASE("RMM logs: a run past midnight goes on the next day", "[formats]") {
   CHECK(times(r.trace) == std::vector<std::int64_t>{day - 10 * s, day - s, day + 9 * s, day + 10 * s + s / 2});
 }
 
+TEST_CASE("RMM logs: a row stamped just before midnight and written just after it stays on its day", "[formats]") {
+  auto r = rmm("101,23:59:59.900000,allocate,0x7f0000000000,1048576,0x0\n"
+               "102,00:00:00.100000,allocate,0x7f0000100000,1048576,0x0\n"
+               "101,23:59:59.950000,free,0x7f0000000000,1048576,0x0\n"
+               "102,00:00:00.200000,free,0x7f0000100000,1048576,0x0\n");
+  REQUIRE(r.ok);
+  const std::int64_t ms = 1000, day = 86400LL * 1000000;
+  CHECK(times(r.trace) == std::vector<std::int64_t>{day - 100 * ms, day + 100 * ms, day - 50 * ms, day + 200 * ms});
+}
+
 TEST_CASE("RMM logs: rows a little out of order are kept, a clock set back is refused", "[formats]") {
   // Threads take the time before the logger's lock: a row may be a little older than the one before it.
   auto r = rmm("1,10:00:00.500000,allocate,0x1000,512,0\n"

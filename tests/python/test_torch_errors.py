@@ -107,10 +107,31 @@ for bad in (lambda: fragless.memory_stats(2**32), lambda: torch.cuda.memory_allo
     except (ValueError, RuntimeError) as e:
         print("refused: %s" % e)
 
+# numpy's integers are device indices, as PyTorch takes them.
+try:
+    import numpy  # noqa: E402
+    check(fragless.memory_stats(numpy.int64(0)) == fragless.memory_stats(0))
+except ImportError:
+    print("numpy is not here: its integers as device indices not checked")
+
 # A first enable() after another fragless call made the allocator: with other settings it raises (they cannot
-# apply), with the same ones it works. In a fresh process.
+# apply), with the same ones (however spelled) it works. In a fresh process.
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+
+
+def fresh(script, want, **extra):
+    """Runs `script` in a fresh interpreter (the package as this one finds it, no FRAGLESS_CONF) and checks
+    that it succeeds and prints `want`; returns what it printed."""
+    env = dict(os.environ)
+    env.pop("FRAGLESS_CONF", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env.update(extra)
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    check(r.returncode == 0 and want in r.stdout, (r.returncode, r.stdout, r.stderr))
+    return r.stdout.strip()
+
+
 script = r"""
 import os, fragless, fragless.torch as ft
 os.environ["FRAGLESS_CONF"] = "driver:host,capacity_mb:64"
@@ -125,13 +146,26 @@ except RuntimeError as e:
         raise SystemExit(str(e))
 import warnings
 warnings.simplefilter("ignore")
-ft.enable("driver:host,capacity_mb:64")
+ft.enable("capacity_mb:64, driver:host,policy:fragless")  # the same settings, spelled otherwise
 print("made first:", fragless.settings())
 """
-env = dict(os.environ)
-env.pop("FRAGLESS_CONF", None)
-env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the package as this process finds it
-r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-check(r.returncode == 0 and "made first: driver:host,capacity_mb:64" in r.stdout, (r.returncode, r.stdout, r.stderr))
-print("enable() after another call made the allocator: %s" % r.stdout.strip())
+print("enable() after another call made the allocator: %s" % fresh(script, "made first: driver:host,capacity_mb:64"))
+
+# An earlier call that failed to make the allocator (here: no libcuda for the default cuda driver) fixed
+# the process without one: enable() says so instead of passing.
+script = r"""
+import fragless, fragless.torch as ft
+try:
+    fragless.memory_stats(0)
+except RuntimeError:
+    pass
+try:
+    ft.enable("driver:host")
+    raise SystemExit("enable() passed after a failed making")
+except RuntimeError as e:
+    if "could not be made" not in str(e) or "libcuda" not in str(e):
+        raise SystemExit(str(e))
+    print("failed first:", str(e)[:100])
+"""
+print("enable() after a failed making: %s" % fresh(script, "failed first:", FRAGLESS_LIBCUDA="/nonexistent/libcuda.so.1"))
 print("checks passed")

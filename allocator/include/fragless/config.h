@@ -91,6 +91,10 @@ ConfigResult parse_config(std::string_view text, const Options& base = Options{}
 // [Keys that do nothing]). A replay, which runs one text under every policy, uses parse_config.
 ConfigResult parse_allocator_config(std::string_view text);
 
+// Whether two parsed configurations set every key to the same value (the text they came from, and
+// expandable_segments, which only selects the policy, aside).
+bool same_settings(const Options& a, const Options& b);
+
 // Reads FRAGLESS_CONF (empty when unset), as parse_allocator_config.
 ConfigResult config_from_environment();
 

@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -520,6 +521,17 @@ ConfigResult parse_allocator_config(std::string_view text) {
     return refuse("capacity_mb:" + std::to_string(o.capacity >> 20) + " is not a whole number of pages of " +
                   std::to_string(o.page_size >> 20) + " MiB (page_size_mb)");
   return r;
+}
+
+bool same_settings(const Options& a, const Options& b) {
+  auto key = [](const Options& o) {
+    return std::tie(o.policy, o.driver, o.max_split_size, o.max_non_split_rounding_size, o.roundup_power2_divisions,
+                    o.garbage_collection_threshold, o.per_process_memory_fraction, o.page_size, o.capacity,
+                    o.peer_access, o.shareable_handles, o.fabric_handles, o.trace, o.handle_shape, o.handle_max,
+                    o.chunk_size, o.reserve_slack, o.lend_pages, o.lend_across_streams, o.small_in_remnants,
+                    o.background);
+  };
+  return key(a) == key(b);
 }
 
 ConfigResult config_from_environment() {

@@ -50,9 +50,13 @@ FRAGLESS_API long fragless_check_config(const char* conf, char* buf, size_t len)
  * device), creating nothing: 0, or the length of the message saying why not. */
 FRAGLESS_API long fragless_check_driver(const char* conf, char* buf, size_t len);
 /* The FRAGLESS_CONF string the process's allocator was made with (its length, the text written into buf as
- * fragless_memory_stats writes its text), or -1 while no call has made the allocator yet; makes nothing. A
- * configuration given after the allocator was made cannot apply: fragless.torch.enable() checks it here. */
+ * fragless_memory_stats writes its text); -1 while no call has made the allocator yet; -2 when an earlier call
+ * failed to make it (for good: fragless_last_error says why). Makes nothing. A configuration given after the
+ * allocator was made cannot apply: fragless.torch.enable() checks it here. */
 FRAGLESS_API long fragless_settings(char* buf, size_t len);
+/* 1 when two FRAGLESS_CONF strings select the same settings (the same value of every key, however spelled,
+ * a key at its default given or not), 0 when they differ, -1 when either is not valid. */
+FRAGLESS_API int fragless_same_config(const char* a, const char* b);
 /* The same allocation, NULL on failure (torch.cuda.MemPool's allocator: PyTorch retries and raises). */
 FRAGLESS_API void* fragless_pool_malloc(size_t size, int device, cudaStream_t stream);
 

@@ -13,10 +13,11 @@ import ctypes
 import ctypes.util
 import io
 import json
+import operator
 import os
 import pickle
 
-__all__ = ["library", "library_path", "preload_library_path", "build_info", "check_config", "check_driver", "settings", "memory_stats",
+__all__ = ["library", "library_path", "preload_library_path", "build_info", "check_config", "check_driver", "settings", "same_config", "memory_stats",
            "memory_summary", "snapshot", "dump_snapshot", "empty_cache", "record_history", "memory_fraction", "last_error",
            "device_count", "Shared", "share", "open_shared", "close_shared", "reap_shared"]
 
@@ -71,10 +72,12 @@ def _check(fn, conf):
 def _device(device):
     """A device index as the C ABI takes it (a C int): an int that does not fit is a ValueError, not another
     device (ctypes would wrap 2**32 to 0)."""
-    if isinstance(device, bool) or not isinstance(device, int):
+    if isinstance(device, bool):
+        raise ValueError("expected a device index, got %r" % (device,))
+    if not isinstance(device, int):
         try:
-            device = _device(device)
-        except (TypeError, ValueError):
+            device = operator.index(device)  # an int-like value (numpy's integers), as PyTorch takes them
+        except TypeError:
             raise ValueError("expected a device index, got %r" % (device,)) from None
     if not -2**31 <= device < 2**31:
         raise ValueError("device index %d is out of range" % device)
@@ -85,11 +88,21 @@ def settings():
     """The FRAGLESS_CONF string the process's allocator was made with, or None while it is not made yet (it is
     made by the first fragless call that needs it: an allocation, memory_stats, record_history, ...)."""
     n = library().fragless_settings(None, 0)
+    if n == -2:
+        raise RuntimeError("fragless's allocator could not be made in this process: %s" % last_error())
     if n < 0:
         return None
     buf = ctypes.create_string_buffer(n + 1)
     library().fragless_settings(buf, n + 1)
     return buf.value.decode()
+
+
+def same_config(a, b):
+    """Whether two FRAGLESS_CONF strings select the same settings (every key's value, however spelled, a key
+    at its default given or not). A string that is not valid raises ValueError, as check_config."""
+    for conf in (a, b):
+        check_config(conf)
+    return library().fragless_same_config((a or "").encode(), (b or "").encode()) == 1
 
 
 def check_config(conf):
@@ -147,6 +160,8 @@ def library():
     _lib.fragless_device_count.restype = c.c_int
     _lib.fragless_settings.argtypes = [c.c_char_p, c.c_size_t]
     _lib.fragless_settings.restype = c.c_long
+    _lib.fragless_same_config.argtypes = [c.c_char_p, c.c_char_p]
+    _lib.fragless_same_config.restype = c.c_int
     _lib.fragless_reset_peak_stats.argtypes = [c.c_int]
     _lib.fragless_reset_accumulated_stats.argtypes = [c.c_int]
     _lib.fragless_mem_get_info.argtypes = [c.c_int, c.POINTER(c.c_size_t), c.POINTER(c.c_size_t)]

@@ -75,20 +75,13 @@ _api_installed = False
 _originals = {}
 
 
-def _canonical(conf):
-    """A configuration string's items, whitespace dropped and sorted, so that two spellings of the same
-    settings compare equal ("a:1, b:2" and "b:2,a:1"); a key may be given once, so this is the set it sets."""
-    text = "".join((conf or "").split())
-    items, depth, cur = [], 0, ""
-    for c in text:
-        depth += {"[": 1, "]": -1}.get(c, 0)
-        if c == "," and depth == 0:
-            items.append(cur)
-            cur = ""
-        else:
-            cur += c
-    items.append(cur)
-    return sorted(i for i in items if i)
+def _same(a, b):
+    """Whether two configuration strings select the same settings (fragless.same_config: every key's value,
+    however spelled, a key at its default given or not); a string that is not valid is not the same."""
+    try:
+        return _f.same_config(a or "", b or "")
+    except ValueError:
+        return False
 
 
 def enable(conf=None):
@@ -107,7 +100,7 @@ def enable(conf=None):
     global _enabled, _enabled_conf, graph_hooks
     if _enabled is not None:
         asked = os.environ.get("FRAGLESS_CONF", "") if conf is None else conf
-        if _canonical(asked) != _canonical(_enabled_conf):
+        if not _same(asked, _enabled_conf):
             raise RuntimeError("fragless.torch.enable(%r): fragless is already enabled in this process with %r, "
                                "and its configuration cannot change %s; call enable() "
                                "once, at the top of the script%s" % (
@@ -129,13 +122,18 @@ def enable(conf=None):
         _f.check_config(conf)
     except ValueError as e:
         raise ValueError("fragless.torch.enable(%r): %s" % (conf, e)) from None
-    made = _f.settings()
-    if made is not None and _canonical(made) != _canonical(conf):
+    try:
+        made = _f.settings()
+    except RuntimeError as e:  # an earlier fragless call failed to make it, for good: enable() cannot either
+        raise RuntimeError("fragless.torch.enable(%r): %s; an earlier fragless call tried to make it, and the "
+                           "allocator is made once per process: call enable() before any other fragless call"
+                           % (conf, e)) from None
+    if made is not None and not _same(made, conf):
         raise RuntimeError("fragless.torch.enable(%r): fragless's allocator was already made in this process, by "
                            "an earlier fragless call (memory_stats, record_history, an allocation, ...), with "
                            "FRAGLESS_CONF=%r, and its configuration cannot change; call enable() before any "
                            "other fragless call" % (conf, made))
-    if env and _canonical(env) != _canonical(conf):
+    if env and not _same(env, conf):
         warnings.warn("fragless.torch.enable(%r): FRAGLESS_CONF=%r is also set in the environment; its settings "
                       "are not used (the string given to enable() replaces it, in this process and the ones it "
                       "starts)" % (conf, env), RuntimeWarning, stacklevel=2)
