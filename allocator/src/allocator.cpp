@@ -257,6 +257,11 @@ void Allocator::at_exit() {
   stop_background();
   if (tracing_) tracing_->go_synchronous();
   flush_traces();  // what the sinks still hold, written now (Note [Tracing at exit])
+  // A file whose writes failed (a full disk) said so once, at the first; the loss is counted here.
+  if (tracing_)
+    if (const std::uint64_t lost = tracing_->dropped_records())
+      std::fprintf(stderr, "fragless: %llu trace records were not written (the trace files' writes failed)\n",
+                   static_cast<unsigned long long>(lost));
 }
 
 void Allocator::stop_background() {

@@ -6,6 +6,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "fragless/allocator.h"
@@ -52,6 +53,35 @@ TEST_CASE("tracer: path patterns expand pid, device and rank", "[tracer]") {
   auto good = parse_config("trace:/tmp/x-%p-%d.fgt");
   REQUIRE(good.ok);
   CHECK(good.options.trace == "/tmp/x-%p-%d.fgt");
+}
+
+// Note [Opening a trace file], from a review of the tracer: "%%d" is no device token; a FIFO is refused instead
+// of blocking the first allocation; a file another open holds is refused instead of truncated under it.
+TEST_CASE("tracer: %%d is one file, a FIFO and a file already being written are refused", "[tracer]") {
+  const std::string dir = temp_dir();
+  std::string err;
+  {
+    auto t = Tracing::open(dir + "/pct%%d.fgt", 2, "fragless", &err);
+    INFO(err);
+    REQUIRE(t);
+    REQUIRE(t->paths().size() == 1);
+    CHECK(t->paths()[0] == dir + "/pct%d.fgt");
+  }
+  const std::string fifo = dir + "/fifo";
+  std::filesystem::remove(fifo);
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  CHECK_FALSE(Tracing::open(fifo, 1, "fragless", &err));  // returns at once: no reader needed
+  CHECK(err == "fragless: the trace path '" + fifo + "' is a FIFO (a trace is written to a regular file)");
+  {
+    auto first = Tracing::open(dir + "/busy.fgt", 1, "fragless", &err);
+    REQUIRE(first);
+    err.clear();
+    CHECK_FALSE(Tracing::open(dir + "/busy.fgt", 1, "fragless", &err));
+    CHECK(err.find("another process is writing the trace file '" + dir + "/busy.fgt'") != std::string::npos);
+    CHECK(std::filesystem::file_size(dir + "/busy.fgt") > 0);  // the first one's header is still there
+  }
+  CHECK(Tracing::open(dir + "/busy.fgt", 1, "fragless", &err));  // free again once the first is closed
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("tracer: records every event, per device, and replays to the same reserved peak", "[tracer][seeded]") {

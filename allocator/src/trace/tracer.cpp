@@ -2,6 +2,8 @@
 
 #include <fcntl.h>
 #include <pthread.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -159,10 +161,11 @@ class TraceFile {
   void submit(const NativeTraceRecord* p, std::size_t n, bool* busy) {
     {
       std::unique_lock lk(mu_);
-      if (dead_) return written(false, n);
+      if (dead_) return written(false, n, 0);
       if (stop_) {
         done_.wait(lk, [&] { return jobs_.empty(); });  // the writer's last buffers go first
-        written(!dropped_ && write_all(reinterpret_cast<const char*>(p), n * sizeof(NativeTraceRecord)), n);
+        std::size_t kept = 0;
+        written(!dropped_ && write_all(reinterpret_cast<const char*>(p), n * sizeof(NativeTraceRecord), &kept), n, kept);
         return;
       }
       *busy = true;
@@ -211,10 +214,11 @@ class TraceFile {
       const Job j = jobs_.front();
       const bool failed = dropped_ != 0;
       lk.unlock();
-      const bool ok = !failed && write_all(reinterpret_cast<const char*>(j.p), j.n * sizeof(NativeTraceRecord));
+      std::size_t kept = 0;
+      const bool ok = !failed && write_all(reinterpret_cast<const char*>(j.p), j.n * sizeof(NativeTraceRecord), &kept);
       lk.lock();
       jobs_.pop_front();
-      written(ok, j.n);
+      written(ok, j.n, kept);
       *j.busy = false;
       done_.notify_all();
     }
@@ -222,20 +226,26 @@ class TraceFile {
 
   // mu_ held: counts `n` records lost when their write failed or an earlier one did (a file that failed
   // once is written no more); one line on stderr, at the first.
-  void written(bool ok, std::size_t n) {
+  void written(bool ok, std::size_t n, std::size_t kept) {
     if (ok) return;
     if (!dropped_)
       std::fprintf(stderr, "fragless: writing the trace to %s failed (%s); later records are dropped\n",
                    path_.c_str(), std::strerror(errno));
-    dropped_ += n;
+    dropped_ += n - std::min(n, kept);
   }
 
-  // Without mu_ on the writer thread (a job's buffer is the writer's alone), with mu_ once stopped.
-  bool write_all(const char* p, std::size_t n) {
+  // Without mu_ on the writer thread (a job's buffer is the writer's alone), with mu_ once stopped. A write
+  // that fails part way (a full disk) leaves the whole records before it in the file: they are not lost.
+  // *kept: the whole records written before a failure.
+  bool write_all(const char* p, std::size_t n, std::size_t* kept) {
+    const char* const start = p;
     while (n) {
       const ssize_t w = ::write(fd_, p, n);
       if (w < 0 && errno == EINTR) continue;
-      if (w <= 0) return false;
+      if (w <= 0) {
+        *kept = static_cast<std::size_t>(p - start) / sizeof(NativeTraceRecord);
+        return false;
+      }
       p += w;
       n -= static_cast<std::size_t>(w);
     }
@@ -372,17 +382,47 @@ std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, co
   auto t = std::unique_ptr<Tracing>(new Tracing());
   const int pid = static_cast<int>(::getpid());
   const int rank = rank_from_environment();
-  const bool per_device = pattern.find("%d") != std::string_view::npos;
+  // A '%d' token makes a file per device; "%%d" is a percent sign and a 'd' (one file for all devices).
+  bool per_device = false;
+  for (std::size_t i = 0; i + 1 < pattern.size(); ++i)
+    if (pattern[i] == '%') per_device |= pattern[++i] == 'd';
   const int nfiles = per_device ? devices : 1;
   (void)clock();  // calibrate before the first event
   for (int f = 0; f < nfiles; ++f) {
     const std::string path = expand_trace_path(pattern, f, pid, rank, error);
     if (path.empty()) return nullptr;
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    // Note [Opening a trace file]: a FIFO would block the open until a reader came (inside the first
+    // allocation), so only a regular file or a character device (/dev/null) is taken; a regular file is locked
+    // before it is emptied, so a second process given the same path (%r without RANK is rank 0) is refused
+    // instead of truncating the first one's trace under it.
+    struct stat st {};
+    if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode) && !S_ISCHR(st.st_mode)) {
+      if (error)
+        *error = "fragless: the trace path '" + path + "' is " +
+                 (S_ISFIFO(st.st_mode) ? "a FIFO" : S_ISDIR(st.st_mode) ? "a directory" : "not a regular file") +
+                 " (a trace is written to a regular file)";
+      return nullptr;
+    }
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0644);
     if (fd < 0) {
       if (error) *error = "fragless: cannot open trace file '" + path + "': " + std::strerror(errno);
       return nullptr;
     }
+    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) {
+      if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        if (error)
+          *error = "fragless: another process is writing the trace file '" + path +
+                   "' (give each process its own: %p, or %r with RANK set)";
+        ::close(fd);
+        return nullptr;
+      }
+      if (::ftruncate(fd, 0) != 0) {
+        if (error) *error = "fragless: cannot empty trace file '" + path + "': " + std::strerror(errno);
+        ::close(fd);
+        return nullptr;
+      }
+    }
+    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
     NativeTraceHeader h{};
     std::memcpy(h.magic, kTraceMagic, sizeof h.magic);
     h.version = kTraceVersion;
