@@ -134,8 +134,8 @@ LoadResult trace_from_native_bytes(const std::string& bytes, const std::string& 
       t.seed.push_back(e);
       continue;
     }
-    if (e.address == 0 && e.size == 0 && (e.op == Op::alloc || e.op == Op::free)) {
-      // A null pointer for 0 bytes (an RMM log's): it holds nothing and pairs with nothing.
+    if (holds_nothing(e)) {
+      // pairs with nothing (trace_model.h)
     } else if (e.op == Op::alloc) {
       if (!lv.insert(e.address).second)
         return fail("record " + std::to_string(i) + " at byte " + std::to_string(off) + ": address 0x" +

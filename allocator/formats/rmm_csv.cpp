@@ -184,9 +184,8 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
       std::snprintf(b, sizeof b, "0x%" PRIx64, e.address);
       return std::string(b);
     }();
-    if (e.op == Op::oom || (e.address == 0 && e.size == 0)) {
-      // Nothing was allocated: no address to pair with a free. RMM's pools answer a request of 0 bytes with
-      // a null pointer, and the adaptor logs it ("(nil)") and its free as any other.
+    if (e.op == Op::oom || holds_nothing(e)) {
+      // Nothing was allocated: no address to pair with a free.
     } else if (e.op == Op::alloc) {
       // As the native reader: a log records every call, so a second allocate of a live address means the
       // log is corrupt (or rows were lost), and replaying it would hold memory the program never held.

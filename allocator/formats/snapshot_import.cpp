@@ -258,7 +258,7 @@ void read_trace(const PyValue& list, std::size_t dev, const std::string& where, 
     }
     if (action != "oom" && action != "snapshot" && ev.address + ev.size < ev.address)
       bad(aw + ": addr + size is past 2^64");
-    const bool null = ev.address == 0 && ev.size == 0;  // a null pointer for 0 bytes: pairs with nothing
+    const bool null = holds_nothing(ev);
     if (action == "alloc") {
       ev.op = Op::alloc;
       reallocated += !null && !allocated_in_window.insert(ev.address).second;

@@ -57,6 +57,10 @@ struct Trace {
   int devices() const;
 };
 
+// A null pointer for 0 bytes (RMM's pools answer a request of 0 bytes so, and its logging adaptor logs it
+// and its free as "(nil)"): it holds nothing, so every reader pairs it with nothing and the replay skips it.
+inline bool holds_nothing(const Event& e) { return e.address == 0 && e.size == 0; }
+
 enum class Format { native, rmm_csv, snapshot };
 
 struct LoadResult {

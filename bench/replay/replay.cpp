@@ -210,7 +210,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
     reserved_integral += static_cast<double>(u.reserved) * dt;
     switch (ev.op) {
       case formats::Op::alloc: {
-        if (ev.address == 0 && ev.size == 0) break;  // a null pointer for 0 bytes (RMM logs them): nothing held
+        if (formats::holds_nothing(ev)) break;
         AllocError err;
         void* p = e.allocate(ev.size, ev.stream, &err);
         if (!p && ev.size) {
@@ -243,7 +243,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
         break;
       }
       case formats::Op::free: {
-        if (ev.address == 0 && ev.size == 0) break;  // the free of such a null pointer
+        if (formats::holds_nothing(ev)) break;
         requested.erase(ev.address);
         if (completed_early.erase(ev.address)) break;  // freed at the empty_cache it follows
         void** it = ptrs.find(ev.address);

@@ -382,10 +382,9 @@ std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, co
   auto t = std::unique_ptr<Tracing>(new Tracing());
   const int pid = static_cast<int>(::getpid());
   const int rank = rank_from_environment();
-  // A '%d' token makes a file per device; "%%d" is a percent sign and a 'd' (one file for all devices).
-  bool per_device = false;
-  for (std::size_t i = 0; i + 1 < pattern.size(); ++i)
-    if (pattern[i] == '%') per_device |= pattern[++i] == 'd';
+  // A file per device when the pattern names the device ("%%d" is a percent sign and a 'd'): read from the
+  // expansion itself, so that the path grammar is in one place.
+  const bool per_device = expand_trace_path(pattern, 0, pid, rank, nullptr) != expand_trace_path(pattern, 1, pid, rank, nullptr);
   const int nfiles = per_device ? devices : 1;
   (void)clock();  // calibrate before the first event
   for (int f = 0; f < nfiles; ++f) {
