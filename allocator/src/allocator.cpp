@@ -40,8 +40,18 @@ std::unique_ptr<Allocator> Allocator::create(const Options& opts, int devices, s
     if (devices < 0) return nullptr;
   }
   if (!opts.trace.empty()) {
-    a->tracing_ = Tracing::open(opts.trace, devices, policy_name(opts.policy), error);
-    if (!a->tracing_) return nullptr;
+    // A file another process is writing (two processes given one path, e.g. a process and a child forked
+    // before either made its allocator) leaves this process untraced, said on stderr: its trace is a
+    // diagnosis, not worth the process, and the other's file is not touched (Note [Opening a trace file]).
+    bool busy = false;
+    std::string why;
+    a->tracing_ = Tracing::open(opts.trace, devices, policy_name(opts.policy), &why, &busy);
+    if (!a->tracing_ && busy) {
+      std::fprintf(stderr, "%s; process %d is not traced\n", why.c_str(), static_cast<int>(getpid()));
+    } else if (!a->tracing_) {
+      if (error) *error = why;
+      return nullptr;
+    }
   }
   a->slots_ = std::vector<std::atomic<DeviceEngine*>>(static_cast<std::size_t>(devices));
   a->failed_.resize(static_cast<std::size_t>(devices));

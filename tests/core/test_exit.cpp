@@ -5,6 +5,9 @@
 #include <catch2/catch.hpp>
 #include <fcntl.h>
 #include <signal.h>
+#include <sched.h>
+#include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -328,5 +331,172 @@ TEST_CASE("exit: a forked child exits at once while another thread of the parent
   stop = true;
   busy.join();
   a.reset();
+  std::filesystem::remove_all(dir);
+}
+
+// ---- a process that ends without its exit handlers (Note [Writing a buffer being filled]) ----
+
+namespace {
+
+// In a child: an allocator of its own (never destroyed), `pairs` alloc+free pairs on device 0 and 100 on
+// device 1, then the end `how` makes.
+enum class End { kill, abort };
+[[noreturn]] void trace_then_die(const std::string& conf, std::size_t pairs, End how) {
+  const rlimit no_core{0, 0};
+  ::setrlimit(RLIMIT_CORE, &no_core);
+  auto parsed = parse_config(conf);
+  if (!parsed.ok) _exit(102);
+  std::string err;
+  Allocator* a = Allocator::create(parsed.options, 2, &err).release();
+  if (!a) _exit(103);
+  for (int d = 0; d < 2; ++d) {
+    DeviceEngine* e = a->device(d);
+    for (std::size_t i = 0; i < (d == 0 ? pairs : 100); ++i)
+      if (e->free(e->allocate(4096 + 512 * (i % 7), 0, nullptr)) != Status::ok) _exit(104);
+  }
+  // The writer's periodic write (Note [Writing a buffer being filled]) has run by then.
+  ::usleep(400 * 1000);
+  if (how == End::kill) ::kill(::getpid(), SIGKILL);
+  ::signal(SIGABRT, SIG_DFL);  // the test framework's handler, inherited, would report the abort as a failure
+  std::abort();
+}
+
+}  // namespace
+
+TEST_CASE("exit: a process killed or aborted keeps every record it made", "[exit][tracer]") {
+  // 20,000 pairs are 40,000 records on device 0: four full buffers of 8192 and part of a fifth, which a trace
+  // written only a full buffer at a time lost with device 1's 200; in a shared file the devices interleave.
+  const std::size_t pairs = 20000;
+  for (const End how : {End::kill, End::abort})
+    for (const char* pattern : {"/own-%d.fgt", "/shared.fgt"}) {
+      INFO((how == End::kill ? "SIGKILL, " : "abort(), ") << pattern);
+      const std::string dir = temp_dir("killed");
+      const std::string conf = "driver:sim,trace:" + dir + pattern;
+      const int status = run_child("a traced process that kills itself", [&] {
+        stderr_to(dir);
+        trace_then_die(conf, pairs, how);
+      });
+      INFO("the child's stderr:\n" << slurp(dir + "/stderr"));
+      REQUIRE(WIFSIGNALED(status));
+      CHECK(WTERMSIG(status) == (how == End::kill ? SIGKILL : SIGABRT));
+      for (int d = 0; d < 2; ++d) {
+        const std::string path = dir + (std::string(pattern) == "/shared.fgt" ? "/shared.fgt" : "/own-" + std::to_string(d) + ".fgt");
+        const auto r = formats::load_trace(path);
+        INFO(path << ": " << r.error);
+        REQUIRE(r.ok);
+        CHECK(r.warning.empty());
+        const Counts c = counts(r.trace, d);
+        CHECK(c.allocs == (d == 0 ? pairs : 100));
+        CHECK(c.frees == (d == 0 ? pairs : 100));
+      }
+      std::filesystem::remove_all(dir);
+    }
+}
+
+// In a child: a 1 MiB tmpfs mounted on `dir` in a mount namespace of its own (as root, or in a user namespace
+// where those are allowed). False where neither can be had.
+bool small_filesystem_at(const std::string& dir) {
+  auto mount_it = [&] {
+    return ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) == 0 &&
+           ::mount("tmpfs", dir.c_str(), "tmpfs", 0, "size=1m") == 0;
+  };
+  if (::unshare(CLONE_NEWNS) == 0 && mount_it()) return true;
+  const uid_t uid = ::getuid();
+  const gid_t gid = ::getgid();
+  if (::unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0) return false;
+  auto put = [](const char* file, const std::string& text) {
+    const int fd = ::open(file, O_WRONLY);
+    const bool ok = fd >= 0 && ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+    if (fd >= 0) ::close(fd);
+    return ok;
+  };
+  put("/proc/self/setgroups", "deny");
+  return put("/proc/self/uid_map", "0 " + std::to_string(uid) + " 1") &&
+         put("/proc/self/gid_map", "0 " + std::to_string(gid) + " 1") && mount_it();
+}
+
+TEST_CASE("exit: a trace file on a full disk drops the later records and says how many", "[exit][tracer]") {
+  // Where no small file system can be mounted, a file size limit stands in (EFBIG where ENOSPC would be).
+  const std::string dir = temp_dir("full");
+  const std::string disk = dir + "/disk";
+  std::filesystem::create_directories(disk);
+  const std::size_t pairs = 20000;  // 40,000 records, 1.9 MB
+  const int status = run_child("a traced process whose file cannot grow", [&] {
+    stderr_to(dir);
+    if (!small_filesystem_at(disk)) {
+      std::fprintf(stderr, "no small file system: a file size limit instead\n");
+      ::signal(SIGXFSZ, SIG_IGN);
+      const rlimit one_mib{1u << 20, 1u << 20};
+      if (::setrlimit(RLIMIT_FSIZE, &one_mib) != 0) _exit(105);
+    }
+    auto parsed = parse_config("driver:sim,trace:" + disk + "/full.fgt");
+    if (!parsed.ok) _exit(102);
+    std::string err;
+    Allocator* a = Allocator::create(parsed.options, 1, &err).release();
+    if (!a) _exit(103);
+    DeviceEngine* e = a->device(0);
+    for (std::size_t i = 0; i < pairs; ++i)
+      if (e->free(e->allocate(4096 + 512 * (i % 7), 0, nullptr)) != Status::ok) _exit(104);
+    a->at_exit();
+    std::fflush(stderr);
+    // The parent cannot see the child's tmpfs: the file comes out through a copy on the disk outside it.
+    const std::string bytes = slurp(disk + "/full.fgt");
+    std::FILE* out = std::fopen((dir + "/copy.fgt").c_str(), "wb");
+    if (!out || std::fwrite(bytes.data(), 1, bytes.size(), out) != bytes.size() || std::fclose(out) != 0) _exit(106);
+    _exit(0);
+  });
+  const std::string err = slurp(dir + "/stderr");
+  INFO("the child's stderr:\n" << err);
+  if (err.find("no small file system") != std::string::npos)
+    WARN("no small file system could be mounted here: a file size limit stood in for a full disk");
+  REQUIRE(WIFEXITED(status));
+  REQUIRE(WEXITSTATUS(status) == 0);
+  CHECK(err.find("fragless: writing the trace to " + disk + "/full.fgt failed") != std::string::npos);
+  const auto r = formats::load_trace(dir + "/copy.fgt");
+  INFO(r.error);
+  REQUIRE(r.ok);
+  const Counts c = counts(r.trace, 0);
+  const std::size_t kept = c.allocs + c.frees;
+  CHECK(kept > 0);
+  CHECK(kept < 2 * pairs);
+  // What the file holds and what was said to be lost add up to every record made.
+  CHECK(err.find("fragless: " + std::to_string(2 * pairs - kept) + " trace records were not written") != std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("exit: a process given the trace file another process writes goes on untraced and says so", "[exit][tracer]") {
+  // A child forked before either made its allocator (as a launcher's workers may be) makes its own with the
+  // same path: it allocates, untraced, and the parent's trace keeps every event of the parent's.
+  const std::string dir = temp_dir("busy");
+  const std::string conf = "driver:sim,trace:" + dir + "/one.fgt";
+  auto a = test::allocator_from(conf, 1);
+  const std::string path = a->trace_paths().at(0);
+  DeviceEngine* e = a->device(0);
+  for (int i = 0; i < 10; ++i) REQUIRE(e->free(e->allocate(MiB, 0, nullptr)) == Status::ok);
+  const int status = run_child("a second process given the same trace path", [&] {
+    stderr_to(dir);
+    auto parsed = parse_config(conf);
+    std::string err;
+    auto own = Allocator::create(parsed.options, 1, &err);
+    if (!own) _exit(102);
+    if (!own->trace_paths().empty()) _exit(103);
+    DeviceEngine* ce = own->device(0);
+    for (int i = 0; i < 100; ++i)
+      if (ce->free(ce->allocate(MiB, 0, nullptr)) != Status::ok) _exit(104);
+    std::fflush(stderr);
+    _exit(0);
+  });
+  const std::string err = slurp(dir + "/stderr");
+  INFO("the child's stderr:\n" << err);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK(err.find("another process is writing the trace file '" + path + "'") != std::string::npos);
+  CHECK(err.find("is not traced") != std::string::npos);
+  for (int i = 0; i < 5; ++i) REQUIRE(e->free(e->allocate(MiB, 0, nullptr)) == Status::ok);
+  a.reset();
+  const auto r = formats::load_trace(path);
+  INFO(r.error);
+  REQUIRE(r.ok);
+  CHECK(counts(r.trace, 0).allocs == 15);
   std::filesystem::remove_all(dir);
 }

@@ -84,6 +84,52 @@ TEST_CASE("classic: garbage collection frees old whole segments above the thresh
   require_consistent(*e);
 }
 
+// PyTorch's garbage_collect_cached_blocks: a block's age counts the pool's searches since it was freed
+// (insert_into_blocks), and every whole block of at least the average age goes, past the target too.
+TEST_CASE("classic: garbage collection ages a block from its free and frees every block of the average age or more", "[pools]") {
+  EngineSpec spec;
+  spec.policy = PolicyKind::classic;
+  spec.capacity = 1024 * MiB;
+  spec.base.garbage_collection_threshold = 0.5;
+  auto e = make_engine(spec);
+  REQUIRE(e->set_memory_fraction(0.5) == Status::ok);  // limit 512 MiB, collection above 256 MiB
+  const auto M = static_cast<std::int64_t>(MiB);
+  // Each search of the pool (a 30 MiB allocation that finds the cached `c`) ages the blocks in it by one.
+  auto age_everything = [&](void* c) {
+    for (int i = 0; i < 100; ++i) {
+      void* p = e->allocate(30 * MiB, 0, nullptr);
+      REQUIRE(p == c);
+      REQUIRE(e->free(p) == Status::ok);
+    }
+  };
+  SECTION("the block freed long ago goes, not the one allocated long ago and freed just now") {
+    void* a = e->allocate(120 * MiB, 0, nullptr);
+    void* b = e->allocate(120 * MiB, 0, nullptr);
+    void* c = e->allocate(30 * MiB, 0, nullptr);
+    REQUIRE(e->free(b) == Status::ok);
+    REQUIRE(e->free(c) == Status::ok);
+    age_everything(c);
+    REQUIRE(e->free(a) == Status::ok);  // allocated as long ago as b, freed now: young
+    // 270 MiB reserved: a miss collects 14 MiB or more. Ages: b 101, a and c 1: b alone is old.
+    REQUIRE(e->allocate(130 * MiB, 0, nullptr));
+    CHECK(reserved(*e) == 280 * M);
+    CHECK(e->allocate(120 * MiB, 0, nullptr) == a);  // a is still cached
+  }
+  SECTION("past the target: each old block goes") {
+    void* a = e->allocate(60 * MiB, 0, nullptr);  // live throughout
+    void* b = e->allocate(120 * MiB, 0, nullptr);
+    void* d = e->allocate(60 * MiB, 0, nullptr);
+    void* c = e->allocate(30 * MiB, 0, nullptr);
+    for (void* p : {b, d, c}) REQUIRE(e->free(p) == Status::ok);
+    age_everything(c);
+    // 270 MiB reserved: the target is 14 MiB, which d alone (60 MiB, searched first) covers; b is as old.
+    REQUIRE(e->allocate(130 * MiB, 0, nullptr));
+    CHECK(reserved(*e) == (60 + 30 + 130) * M);
+    REQUIRE(e->free(a) == Status::ok);
+  }
+  require_consistent(*e);
+}
+
 // Interleaved 3 MiB blocks on `stream` with every other one freed: ten holes, each holding a whole page.
 // Returns the blocks still live.
 static std::vector<void*> make_holes(DeviceEngine& e, Stream stream) {

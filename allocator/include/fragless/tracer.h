@@ -1,6 +1,8 @@
 // The runtime tracer: one EventSink per device that appends fixed-size records (trace_format.h) to an
 // in-memory buffer and hands full buffers to a writer thread, so the hot path never calls the kernel (until
-// process exit, when each record is written as it comes: Note [Tracing at exit], tracer.cpp).
+// process exit, when each record is written as it comes: Note [Tracing at exit], tracer.cpp). The writer
+// also writes what a buffer being filled holds every 100 ms, so a process killed by a signal loses at most
+// the last 100 ms of records (Note [Writing a buffer being filled]).
 // Enabled by FRAGLESS_CONF's `trace` key; the path may contain %p (pid), %d (device), %r (rank from RANK)
 // and %% (a percent sign). Without %d, every device of the process writes to the same file.
 #pragma once
@@ -24,8 +26,10 @@ class TraceFile;
 class Tracing {
  public:
   // Opens (truncates) the files for `devices` devices. nullptr with *error naming the path on failure.
+  // *busy (when given) is set when the failure is a file another process is writing (Note [Opening a trace
+  // file], tracer.cpp).
   static std::unique_ptr<Tracing> open(std::string_view pattern, int devices, const char* policy,
-                                       std::string* error);
+                                       std::string* error, bool* busy = nullptr);
   ~Tracing();  // writes everything still buffered and closes the files
 
   // At process exit (Note [Tracing at exit], tracer.cpp): writes what the writer threads were given and joins

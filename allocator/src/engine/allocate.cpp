@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "fragless/engine.h"
+#include "fragless/rounding.h"
 #include "policy/policy.h"
 #include "state/engine_state.h"
 #include "state/trace_emit.h"
@@ -14,13 +15,14 @@ namespace fragless {
 
 namespace {
 
+// PyTorch's format_size: a unit is used up to and including 1024 of it (1024 bytes, 1024.00 MiB).
 std::string format_bytes(std::size_t b) {
   char buf[64];
   const double v = static_cast<double>(b);
-  if (b >= (1ull << 30)) std::snprintf(buf, sizeof buf, "%.2f GiB", v / (1ull << 30));
-  else if (b >= (1ull << 20)) std::snprintf(buf, sizeof buf, "%.2f MiB", v / (1ull << 20));
-  else if (b >= (1ull << 10)) std::snprintf(buf, sizeof buf, "%.2f KiB", v / (1ull << 10));
-  else std::snprintf(buf, sizeof buf, "%zu bytes", b);
+  if (b <= (1ull << 10)) std::snprintf(buf, sizeof buf, "%zu bytes", b);
+  else if (b <= (1ull << 20)) std::snprintf(buf, sizeof buf, "%.2f KiB", v / (1ull << 10));
+  else if (b <= (1ull << 30)) std::snprintf(buf, sizeof buf, "%.2f MiB", v / (1ull << 20));
+  else std::snprintf(buf, sizeof buf, "%.2f GiB", v / (1ull << 30));
   return buf;
 }
 
@@ -81,7 +83,6 @@ Block* DeviceEngine::State::take_block(Block* b, AllocParams& p) {
   if (policy->should_split(b, p.rounded)) pool_insert(split_after(b, b->ptr + p.rounded));
   b->state = BlockState::allocated;
   b->requested = p.requested;
-  b->gc_count_base = static_cast<std::uint32_t>(p.pool->get_free_blocks_call_count);
   const auto size = static_cast<std::int64_t>(b->size);
   const auto req = static_cast<std::int64_t>(p.requested);
   stats.allocation.add(small, 1);
@@ -166,8 +167,8 @@ void DeviceEngine::State::process_events() {
 }
 
 void DeviceEngine::State::synchronize_and_free_events() {
+  ++stats.num_sync_all_streams;  // counted with no event to wait for too, as PyTorch counts it
   if (pending_events.empty()) return;
-  ++stats.num_sync_all_streams;
   for (auto it = pending_events.begin(); it != pending_events.end();) {
     auto& q = it->second;
     while (!q.empty()) {
@@ -217,8 +218,9 @@ bool DeviceEngine::State::garbage_collect(AllocParams& p) {
       if (eligible(b) &&
           static_cast<double>(static_cast<std::uint32_t>(pool.get_free_blocks_call_count) - b->gc_count_base) >= age_threshold)
         victims.push_back(b);
+    // Every block of at least the average age goes, past the target too (PyTorch's garbage_collect_cached_blocks:
+    // a collection that stopped at the target would run again at the next miss).
     for (Block* b : victims) {
-      if (reclaimed >= target) break;
       const std::size_t size = b->size;
       if (policy->release_whole_segment(b)) {
         reclaimed += size;
@@ -358,7 +360,13 @@ std::string DeviceEngine::State::oom_message(const AllocParams& p, const std::st
         total_free += b->size;
       }
   }
-  const std::size_t allocated = static_cast<std::size_t>(stats.allocated_bytes.all().current);
+  // As PyTorch: the free blocks of graphs' private pools are memory no other allocation can have, counted as
+  // allocated ("in private pools"), not as reserved but unallocated.
+  std::size_t in_private_pools = 0;
+  for (const auto& [id, ps] : private_pools)
+    for (BlockPool* bp : {&ps->small, &ps->large})
+      for (Block* b : bp->blocks) in_private_pools += b->size;
+  const std::size_t allocated = static_cast<std::size_t>(stats.allocated_bytes.all().current) + in_private_pools;
   const std::size_t unallocated = total_reserved > allocated ? total_reserved - allocated : 0;
   std::string m;
   if (p.status != Status::out_of_memory) {
@@ -366,17 +374,21 @@ std::string DeviceEngine::State::oom_message(const AllocParams& p, const std::st
         std::to_string(driver->device()) + ": " + driver_error;
     return m;
   }
-  // PyTorch's sentences first, word for word (tools and tests match them: accelerate's batch-size finder, "is
-  // reserved by PyTorch but unallocated"), the memory limit where PyTorch's pattern puts it; then fragless's own.
-  m = "CUDA out of memory. Tried to allocate " + format_bytes(p.requested) + ". GPU " +
+  // PyTorch's sentences first, word for word up to "reserved by PyTorch but unallocated." (tools and tests match
+  // them: accelerate's batch-size finder): the size PyTorch's allocator would have asked cudaMalloc for
+  // (get_allocation_size), its units (format_size), its "allowed; " for a memory fraction and its clause for
+  // private pools; no per-process line (PyTorch's comes from NVML). Its last sentence, advice to set
+  // expandable_segments, which does nothing to a pluggable allocator, gives way to fragless's own.
+  m = "CUDA out of memory. Tried to allocate " + format_bytes(classic_segment_size(p.rounded)) + ". GPU " +
       std::to_string(driver->device()) + " has a total capacity of " + format_bytes(total_b) + " of which " +
       format_bytes(free_b) + " is free. ";
-  if (memory_limited)
-    m += "This process is limited to " + format_bytes(allowed_memory_maximum) + " (per_process_memory_fraction). ";
-  m += "Of the allocated memory " + format_bytes(allocated) + " is allocated by PyTorch, and " +
-       format_bytes(unallocated) + " is reserved by PyTorch but unallocated. fragless (policy " +
-       std::string(policy_name(opts.policy)) + "): " + format_bytes(p.rounded) +
-       " after rounding; the largest free cached range is " + format_bytes(largest);
+  if (memory_limited) m += format_bytes(allowed_memory_maximum) + " allowed; ";
+  m += "Of the allocated memory " + format_bytes(allocated) + " is allocated by PyTorch, ";
+  if (in_private_pools > 0)
+    m += "with " + format_bytes(in_private_pools) + " allocated in private pools (e.g., CUDA Graphs), ";
+  m += "and " + format_bytes(unallocated) + " is reserved by PyTorch but unallocated. fragless (policy " +
+       std::string(policy_name(opts.policy)) + "): " + format_bytes(p.requested) + " requested, " +
+       format_bytes(p.rounded) + " after rounding; the largest free cached range is " + format_bytes(largest);
   if (total_free > 0) {
     char pct[32];
     std::snprintf(pct, sizeof pct, "%.1f%%",

@@ -121,9 +121,7 @@ void* DeviceEngine::allocate(std::size_t size, Stream stream, AllocError* err) {
     set_error(err, Status::out_of_memory,
               "CUDA out of memory. Tried to allocate more than 1EB memory. (fragless: " + std::to_string(size) +
                   " bytes requested on device " + std::to_string(s.driver->device()) + ")");
-    std::lock_guard lk(s.mu);
-    ++s.stats.num_ooms;
-    return nullptr;
+    return nullptr;  // refused before any search, and not counted as an out-of-memory (PyTorch checks it first too)
   }
   std::lock_guard lk(s.mu);
   if (!s.capturing()) {  // Note [Capture rules]: no event query while a capture may be under way

@@ -126,6 +126,7 @@ void DeviceEngine::State::delete_block(Block* b) {
 }
 
 void DeviceEngine::State::pool_insert(Block* b) {
+  b->gc_count_base = static_cast<std::uint32_t>(b->pool->get_free_blocks_call_count);  // its age starts as it is freed
   b->pool->blocks.insert(b);
   b->in_size_set = true;
   if (!b->segment->growable && b->is_split()) {

@@ -71,7 +71,7 @@ struct Block {
   BlockPool* pool = nullptr;
   Stream stream = 0;
   StreamUses stream_uses;           // streams recorded with record_stream (not the allocation stream)
-  std::uint32_t gc_count_base = 0;  // the pool's GC clock at allocation (ages compare modulo 2^32)
+  std::uint32_t gc_count_base = 0;  // the pool's GC clock when it went into the pool (ages compare modulo 2^32)
   std::uint16_t event_count = 0;    // outstanding events recorded at free, one per stream use
   BlockState state = BlockState::free;
   bool in_size_set : 1 = false;

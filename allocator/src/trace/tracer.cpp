@@ -13,9 +13,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <deque>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "base/quiet_thread.h"
 #include "fragless/trace_format.h"
@@ -136,6 +138,9 @@ const Clock& clock() {
 class TraceFile {
  public:
   static constexpr std::size_t kBuffers = 2;
+  // How long a record may wait in a buffer being filled before it is written (Note [Writing a buffer being
+  // filled]): what a process killed by a signal or abort() can lose.
+  static constexpr std::chrono::milliseconds kWriteEvery{100};
 
   TraceFile(int fd, std::string path) : fd_(fd), path_(std::move(path)), thread_(start_quiet_thread([this] { run(); })) {}
   // Whether the calling process is the one that opened the file (Note [Tracing in a forked child]).
@@ -156,11 +161,35 @@ class TraceFile {
     return dropped_;
   }
 
-  // Queues `n` records at `p`; *busy stays true until they are written. Once the writer is stopped, writes
-  // them now, after whatever it still had, and *busy stays false.
-  void submit(const NativeTraceRecord* p, std::size_t n, bool* busy) {
+  // A sink's buffer being filled, for the writer's periodic writes (Note [Writing a buffer being filled]):
+  // the buffer, the count of records the sink has stored in it (published with release after each), and how
+  // many of them the file already has. Owned by the sink; registered with the file while the sink lives.
+  struct Filling {
+    const NativeTraceRecord* buf = nullptr;
+    std::atomic<std::size_t> stored{0};
+    std::size_t written = 0;  // under mu_
+  };
+  void add_filling(Filling* f) {
+    std::lock_guard lk(mu_);
+    filling_.push_back(f);
+  }
+  void remove_filling(Filling* f) {
+    std::lock_guard lk(mu_);
+    filling_.erase(std::remove(filling_.begin(), filling_.end(), f), filling_.end());
+  }
+
+  // Queues the `n` records at `p`, the buffer `f` was filling, less what the writer already wrote of it, and
+  // makes `next` the buffer `f` fills; *busy stays true until they are written. Once the writer is stopped,
+  // writes them now, after whatever it still had, and *busy stays false.
+  void submit(Filling* f, const NativeTraceRecord* p, std::size_t n, bool* busy, const NativeTraceRecord* next) {
     {
       std::unique_lock lk(mu_);
+      const std::size_t from = std::min(f->written, n);
+      f->buf = next;
+      f->written = 0;
+      f->stored.store(0, std::memory_order_relaxed);
+      p += from;
+      n -= from;
       if (dead_) return written(false, n, 0);
       if (stop_) {
         done_.wait(lk, [&] { return jobs_.empty(); });  // the writer's last buffers go first
@@ -206,10 +235,14 @@ class TraceFile {
   };
 
   // A job stays queued until it is written, so that a synchronous write (submit, once stopped) waits for it.
+  // With no job for kWriteEvery, the records stored so far in the buffers being filled are written.
   void run() {
     std::unique_lock lk(mu_);
     for (;;) {
-      cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
+      if (!cv_.wait_for(lk, kWriteEvery, [&] { return stop_ || !jobs_.empty(); })) {
+        write_filling(lk);
+        continue;
+      }
       if (jobs_.empty()) return;  // stop_ and nothing left
       const Job j = jobs_.front();
       const bool failed = dropped_ != 0;
@@ -221,6 +254,27 @@ class TraceFile {
       written(ok, j.n, kept);
       *j.busy = false;
       done_.notify_all();
+    }
+  }
+
+  // mu_ held, on the writer (Note [Writing a buffer being filled]): writes what each filling buffer holds beyond
+  // what the file has. The sink goes on storing after the count read here, into slots this write does not
+  // read; it reuses the buffer only once the buffer's job, which the writer makes after this, is done, and a
+  // sink is destroyed only after its last job. The list may change while a write runs without mu_: by index,
+  // an entry that moved is looked at again (nothing new then) or next time.
+  void write_filling(std::unique_lock<std::mutex>& lk) {
+    for (std::size_t i = 0; i < filling_.size(); ++i) {
+      Filling* const f = filling_[i];
+      const std::size_t stored = f->stored.load(std::memory_order_acquire);
+      if (stored <= f->written || dropped_) continue;
+      const NativeTraceRecord* p = f->buf + f->written;
+      const std::size_t n = stored - f->written;
+      f->written = stored;
+      lk.unlock();
+      std::size_t kept = 0;
+      const bool ok = write_all(reinterpret_cast<const char*>(p), n * sizeof(NativeTraceRecord), &kept);
+      lk.lock();
+      written(ok, n, kept);
     }
   }
 
@@ -258,6 +312,7 @@ class TraceFile {
   mutable std::mutex mu_;
   std::condition_variable cv_, done_;
   std::deque<Job> jobs_;
+  std::vector<Filling*> filling_;
   bool stop_ = false;
   bool dead_ = false;  // stopped on the writer thread itself: nothing more is written
   std::uint64_t dropped_ = 0;
@@ -293,11 +348,14 @@ class TraceSink final : public EventSink {
   TraceSink(TraceFile* f, int device) : file_(f), clock_(&clock()), device_(static_cast<std::uint16_t>(device)) {
     for (auto& b : bufs_) b.reset(new NativeTraceRecord[kCapacity]);
     cur_ = bufs_[0].get();
+    filling_.buf = cur_;
     node_ = register_sink(this);
+    f->add_filling(&filling_);
   }
   ~TraceSink() override {
     node_->sink.store(nullptr, std::memory_order_relaxed);
     flush();
+    if (!forked_) file_->remove_filling(&filling_);
   }
 
   void on_event(const TraceEvent& e) override {
@@ -312,6 +370,7 @@ class TraceSink final : public EventSink {
     r.action = static_cast<std::uint8_t>(e.action);
     r.marker = kTraceRecordMarker;
     r.sequence = seq_++;
+    filling_.stored.store(n_, std::memory_order_release);  // Note [Writing a buffer being filled]
     if (synchronous_.load(std::memory_order_relaxed)) hand_off();  // Note [Tracing at exit]
   }
 
@@ -334,7 +393,7 @@ class TraceSink final : public EventSink {
  private:
   void hand_off() {
     if (forked_) return drop_in_child();
-    file_->submit(cur_, n_, &busy_[active_]);
+    file_->submit(&filling_, cur_, n_, &busy_[active_], bufs_[active_ ^ 1].get());
     active_ ^= 1;
     file_->wait_until_written(&busy_[active_]);  // normally long done
     cur_ = bufs_[active_].get();
@@ -361,6 +420,7 @@ class TraceSink final : public EventSink {
   std::uint16_t device_;
   std::uint32_t seq_ = 0;
   std::unique_ptr<NativeTraceRecord[]> bufs_[2];
+  TraceFile::Filling filling_;  // cur_ and how much of it is stored, for the writer's periodic writes
   bool busy_[2] = {false, false};
   int active_ = 0;
   NativeTraceRecord* cur_ = nullptr;
@@ -378,7 +438,8 @@ void sinks_after_fork_child() {
 }  // namespace
 
 std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, const char* policy,
-                                       std::string* error) {
+                                       std::string* error, bool* busy) {
+  if (busy) *busy = false;
   auto t = std::unique_ptr<Tracing>(new Tracing());
   const int pid = static_cast<int>(::getpid());
   const int rank = rank_from_environment();
@@ -393,7 +454,8 @@ std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, co
     // Note [Opening a trace file]: a FIFO would block the open until a reader came (inside the first
     // allocation), so only a regular file or a character device (/dev/null) is taken; a regular file is locked
     // before it is emptied, so a second process given the same path (%r without RANK is rank 0) is refused
-    // instead of truncating the first one's trace under it.
+    // instead of truncating the first one's trace under it (its allocator then goes on untraced, saying so:
+    // Allocator::create).
     struct stat st {};
     if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode) && !S_ISCHR(st.st_mode)) {
       if (error)
@@ -409,6 +471,7 @@ std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, co
     }
     if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) {
       if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        if (busy) *busy = true;
         if (error)
           *error = "fragless: another process is writing the trace file '" + path +
                    "' (give each process its own: %p, or %r with RANK set)";
@@ -455,6 +518,21 @@ std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, co
 // stderr at the child's first event on that device, so a child that makes no event says nothing, and one
 // that does is told at once. (Allocator::at_exit does nothing in a child.) A child that execs a program starts a new allocator with a trace
 // of its own (a `%p` in the path keeps the files apart).
+
+// Note [Writing a buffer being filled]
+// A trace is most wanted from the run that died: killed by the kernel's OOM killer or a scheduler's time
+// limit, or ended by abort(). A sink's buffer was written only when full (8192 records) or at a normal exit,
+// so such a run lost up to two buffers a device, the last events before its end: at a slow job's allocation
+// rate minutes of them. So the writer, when it has had no full buffer to write for kWriteEvery (100 ms), also
+// writes what each buffer being filled holds beyond what the file already has: the sink publishes its count
+// after each record (a release store, on x86 a plain one), and the writer takes the slots up to that count,
+// which the sink no longer touches. When the buffer is later handed off full, its job is what the periodic
+// writes left. A process killed by a signal then loses at most the last 100 ms or so of records (and still
+// ends on a record boundary, so its reader cannot tell). Storing straight into a shared mapping of the file
+// would lose nothing, and was measured and dropped: a first store to each page of a file mapping is a page
+// fault, about 18 µs each on the virtual machines here (1.2 to 1.8 ms per 384 KiB against 54 µs for a
+// write(2) of it), so the writer fell far behind the saturating benchmark (docs/RESULTS.md, "The tracer's
+// cost").
 
 // Note [Tracing at exit]
 // An allocator that is never destroyed (the C ABI, the CPU allocator, the interposer: frees come from static
