@@ -67,6 +67,23 @@ TEST_CASE("classic: max_split_size keeps oversize blocks whole and releases them
   require_consistent(*e);
 }
 
+TEST_CASE("classic: an oversize request takes a cached oversize block whatever max_non_split_rounding_mb", "[pools]") {
+  // The largest value the parser takes saturates to SIZE_MAX bytes: no limit on how much larger the block
+  // may be. Added to the request it wrapped, and every cached oversize block was passed over.
+  auto parsed = parse_config("policy:classic,driver:sim,max_split_size_mb:20,max_non_split_rounding_mb:9999999999999999999");
+  REQUIRE(parsed.ok);
+  EngineSpec spec;
+  spec.policy = PolicyKind::classic;
+  spec.base = parsed.options;
+  auto e = make_engine(spec);
+  void* a = e->allocate(100 * MiB, 0, nullptr);
+  REQUIRE(a);
+  REQUIRE(e->free(a) == Status::ok);
+  CHECK(e->allocate(60 * MiB, 0, nullptr) == a);  // 40 MiB larger, within an unlimited rounding
+  CHECK(reserved(*e) == 100 * static_cast<std::int64_t>(MiB));
+  require_consistent(*e);
+}
+
 TEST_CASE("classic: garbage collection frees old whole segments above the threshold", "[pools]") {
   EngineSpec spec;
   spec.policy = PolicyKind::classic;

@@ -58,7 +58,8 @@ Block* DeviceEngine::State::find_free_block(AllocParams& p) {
   // Oversize rules: small requests never take an oversize block; an oversize request takes a block at
   // most max_non_split_rounding_size larger.
   if (p.rounded < opts.max_split_size && b->size >= opts.max_split_size) return nullptr;
-  if (p.rounded >= opts.max_split_size && b->size >= p.rounded + opts.max_non_split_rounding_size) return nullptr;
+  // (As a difference: the sum wraps for a max_non_split_rounding_mb the parser saturated, which PyTorch's does.)
+  if (p.rounded >= opts.max_split_size && b->size - p.rounded >= opts.max_non_split_rounding_size) return nullptr;
   pool_erase(b);
   return b;
 }
