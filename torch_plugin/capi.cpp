@@ -1,15 +1,19 @@
 // libfragless.so: the C ABI over one process-wide Allocator (fragless.h). Only fragless_* symbols are
 // exported (exports.map).
+#include <cxxabi.h>
+#include <pthread.h>
+
+#include <atomic>
 #include <chrono>
+#include <cstdarg>
 #include <cstdio>
 #include <cstring>
-#include <atomic>
 #include <deque>
 #include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
-
+#include <string_view>
 #include <unordered_map>
 
 #include "engine_snapshot.h"
@@ -27,9 +31,49 @@ class OutOfMemoryError : public std::runtime_error {
 
 namespace {
 
-thread_local std::string t_last_error;
+// Note [Per-thread state at exit]
+// Programs call in from thread_local objects' destructors, static destructors and atexit handlers (CUDA
+// programs free memory there), after the C++ runtime has run the calling thread's thread_local destructors:
+// a thread's run when it ends, and the main thread's when exit() begins, before the static destructors and
+// the atexit handlers. So every per-thread variable here is trivially destructible, and a call at any point
+// of a thread's or the process's end finds it as it was: the last error is a fixed buffer (a longer message is
+// cut at a character's boundary and ends with "..."), the call's stack a pointer to the CallStack of the call
+// under way, and the snapshot a sizing call keeps a pointer that a pthread key's destructor frees when the
+// thread ends (that runs after the thread_local destructors, and resets the pointer). Before 2026-12-05 they
+// were a std::string and a std::shared_ptr, and such a call wrote into the freed string
+// (tests/capi/capi_bad_input.cpp, "exit").
+constexpr std::size_t kErrorBytes = 4096;
+thread_local char t_last_error[kErrorBytes];
 // The stack of the C ABI call under way on this thread (Note [Stacks before locks]); events it causes carry it.
-thread_local std::shared_ptr<const stacks::Stack> t_call_stack;
+thread_local const std::shared_ptr<const stacks::Stack>* t_call_stack = nullptr;
+
+void clear_error() { t_last_error[0] = '\0'; }
+
+void set_error(std::string_view s) {
+  std::size_t n = s.size();
+  if (n < kErrorBytes) {
+    std::memmove(t_last_error, s.data(), n);
+    t_last_error[n] = '\0';
+    return;
+  }
+  n = kErrorBytes - 4;  // room for "..." and the NUL
+  while (n > 0 && (static_cast<unsigned char>(s[n]) & 0xC0) == 0x80) --n;  // not inside a UTF-8 character
+  std::memmove(t_last_error, s.data(), n);
+  std::memcpy(t_last_error + n, "...", 4);
+}
+
+// The same from a format, with no allocation (what a caught std::bad_alloc reports).
+__attribute__((format(printf, 1, 2))) void set_errorf(const char* format, ...) {
+  char buf[kErrorBytes + 1];  // one more: a message longer than the buffer is cut as set_error cuts it
+  std::va_list args;
+  va_start(args, format);
+  const int n = std::vsnprintf(buf, sizeof buf, format, args);
+  va_end(args);
+  set_error(std::string_view(buf, n < 0 ? 0 : std::min(static_cast<std::size_t>(n), sizeof buf - 1)));
+}
+
+// The last error, and the same on stderr: what the hooks PyTorch calls without looking at a result report.
+void report_error() { std::fprintf(stderr, "%s\n", t_last_error); }
 // fragless_set_oom_thrower: throws the host framework's own out-of-memory exception (torch.cuda.OutOfMemoryError).
 std::atomic<void (*)(const char*)> g_oom_thrower{nullptr};
 // fragless_set_oom_note: appended to the out-of-memory message when there is no thrower (why the error is not
@@ -72,7 +116,7 @@ class DeviceSink final : public EventSink {
     std::lock_guard lk(mu_);
     if (max_entries_ == 0) return;
     std::shared_ptr<const stacks::Stack> st;
-    if (stacks_ && (alloc || segment_made || (context_ >= kContextAll && free_call))) st = t_call_stack;
+    if (stacks_ && t_call_stack && (alloc || segment_made || (context_ >= kContextAll && free_call))) st = *t_call_stack;
     if (context_ >= kContextAlloc) {  // context "state": frames for live blocks only
       r.stack = st;
       // An entry with no stack of its own carries what made the memory, as PyTorch's do (free() and
@@ -280,11 +324,11 @@ Allocator* get(int devices = -1) {
       p.ready.store(p.alloc.get(), std::memory_order_release);
     });
   } else if (!p.ready.load(std::memory_order_acquire) && p.init_error.empty()) {
-    t_last_error = "fragless: called from inside the making of its own allocator (on the same thread)";
+    set_error("fragless: called from inside the making of its own allocator (on the same thread)");
     return nullptr;
   }
   if (Allocator* a = p.ready.load(std::memory_order_acquire)) return a;
-  t_last_error = p.init_error;
+  set_error(p.init_error);
   return nullptr;
 }
 
@@ -294,7 +338,7 @@ DeviceEngine* engine(int device) {
   if (!a) return nullptr;
   std::string err;
   DeviceEngine* e = a->device(device, &err);
-  if (!e) t_last_error = err;
+  if (!e) set_error(err);
   return e;
 }
 
@@ -315,15 +359,22 @@ DeviceEngine* owner(void* ptr) {
 // stack too, as they did when the stack was read at the event.
 class CallStack {
  public:
-  CallStack(int device, bool alloc) {
+  CallStack(int device, bool alloc) : outer_(t_call_stack) {
     Allocator* a = proc().ready.load(std::memory_order_acquire);
     if (!a || device < 0 || device >= a->device_count()) return;
     const DeviceSink& s = *proc().sinks[static_cast<std::size_t>(device)];
-    if (const int which = alloc ? s.stacks_for_alloc() : s.stacks_for_free()) t_call_stack = stacks::capture(which, 1);
+    if (const int which = alloc ? s.stacks_for_alloc() : s.stacks_for_free()) {
+      stack_ = stacks::capture(which, 1);
+      t_call_stack = &stack_;  // Note [Per-thread state at exit]: the thread's variable points here
+    }
   }
-  ~CallStack() { t_call_stack.reset(); }
+  ~CallStack() { t_call_stack = outer_; }
   CallStack(const CallStack&) = delete;
   CallStack& operator=(const CallStack&) = delete;
+
+ private:
+  std::shared_ptr<const stacks::Stack> stack_;
+  const std::shared_ptr<const stacks::Stack>* outer_;  // a call made from inside another (an OOM observer's)
 };
 
 long copy_out(const std::string& s, char* buf, std::size_t len) {
@@ -335,6 +386,76 @@ long copy_out(const std::string& s, char* buf, std::size_t len) {
   return static_cast<long>(s.size());
 }
 
+// Note [No exception leaves the C ABI]
+// PyTorch calls most entry points from its deleters and hooks, which are noexcept, and ctypes and C have no
+// handler: an exception that left one would end the process. So every entry point but fragless_malloc (which
+// throws by PyTorch's contract) runs inside guarded, or guard for those that return nothing: what the engine
+// or a caller's function throws (out of host memory, a graph pool's stream filter) becomes the call's error,
+// with the result of a failure; one that returns nothing says it on stderr too. Each clears the thread's last
+// error first, so that what is read after a call is that call's. Before 2026-12-05 an empty stream filter
+// threw std::bad_function_call out of fragless_pool_malloc (tests/capi/capi_bad_input.cpp, "filters").
+template <class R, class F>
+R guarded(const char* fn, R failed, F&& f) {
+  clear_error();
+  try {
+    return f();
+  } catch (abi::__forced_unwind&) {
+    throw;  // a thread's cancellation goes on unwinding
+  } catch (const std::exception& e) {
+    set_errorf("fragless: %s: %s", fn, e.what());
+  } catch (...) {
+    set_errorf("fragless: %s: an exception that is not a std::exception", fn);
+  }
+  return failed;
+}
+
+template <class F>
+void guard(const char* fn, F&& f) {
+  if (!guarded(fn, false, [&] {
+        f();
+        return true;
+      }))
+    report_error();
+}
+
+// Whether ptr is inside another process's block mapped here by fragless_open_shared. Walks the imports: for
+// the error paths only.
+bool imported(void* ptr) {
+  Allocator* a = proc().ready.load(std::memory_order_acquire);
+  if (!a) return false;
+  const auto at = reinterpret_cast<std::uint64_t>(ptr);
+  for (int d = 0; d < a->device_count(); ++d)
+    if (DeviceEngine* e = a->existing(d))
+      for (const ImportInfo& i : e->imports())
+        if (at >= i.address && at - i.address < i.size) return true;
+  return false;
+}
+
+// Note [Device counts]
+// fragless_init(n) makes the allocator for n devices (PyTorch's init hook passes its device count), each with
+// its slot, event sink and fork handler. A count above the driver's names devices that do not exist, and a
+// huge one took seconds and gigabytes (100,000 devices 3 s; 50,000,000 ran out of memory). So a count above
+// device_limit (the cuda driver's devices; kMaxDevices for host and sim, which report none) is refused and
+// nothing is made: the next call makes the allocator for the driver's count. Once the allocator is made the
+// count changes nothing, as before.
+bool device_count_allowed(int n) {
+  if (proc().ready.load(std::memory_order_acquire)) return true;
+  const ConfigResult conf = config_from_environment();
+  if (!conf.ok) return true;  // get() reports it
+  std::string err;
+  const int limit = device_limit(conf.options, &err);
+  if (limit < 0 || n <= limit) return true;  // a driver that cannot tell: get() says why
+  const char* driver = driver_kind_name(conf.options.driver);
+  if (conf.options.driver == DriverKind::cuda)
+    set_errorf("fragless: fragless_init(%d): %d devices, more than the %d the cuda driver reports; nothing was made "
+               "(the next call makes the allocator for the driver's devices)", n, n, limit);
+  else
+    set_errorf("fragless: fragless_init(%d): %d devices, more than the %d fragless takes with the %s driver (which "
+               "reports no device count); nothing was made (the next call makes the allocator for 1 device)",
+               n, n, limit, driver);
+  return false;
+}
+
 }  // namespace
 }  // namespace fragless
 
@@ -343,17 +464,21 @@ using namespace fragless;
 extern "C" {
 
 namespace {
-// One allocation; nullptr with t_last_error set on failure, *oom telling whether memory ran out.
-void* allocate(size_t size, int device, cudaStream_t stream, bool* oom) {
-  t_last_error.clear();
+// One allocation; nullptr with the last error set on failure (*message: its whole text), *oom telling
+// whether memory ran out.
+void* allocate(size_t size, int device, cudaStream_t stream, bool* oom, std::string* message) {
   *oom = false;
   DeviceEngine* e = engine(device);
-  if (!e) return nullptr;
+  if (!e) {
+    *message = t_last_error;
+    return nullptr;
+  }
   CallStack stack(device, /*alloc=*/true);
   AllocError err;
   void* p = e->allocate(size, reinterpret_cast<Stream>(stream), &err);
   if (!p) {
-    t_last_error = err.message;
+    set_error(err.message);
+    *message = std::move(err.message);
     *oom = err.status == Status::out_of_memory;
   }
   return p;
@@ -364,21 +489,22 @@ namespace {
 void notify_oom_observers(int device, size_t size);  // fragless_attach_oom_observer's, below
 }  // namespace
 
+// Note [No exception leaves the C ABI]: fragless_malloc is the exception, by PyTorch's contract; what a graph
+// pool's stream filter throws goes through it too.
 void* fragless_malloc(size_t size, int device, cudaStream_t stream) {
-  if (size == 0) {  // legal: nothing to allocate
-    t_last_error.clear();
-    return nullptr;
-  }
+  clear_error();
+  if (size == 0) return nullptr;  // legal: nothing to allocate
   bool oom = false;
-  if (void* p = allocate(size, device, stream, &oom)) return p;
+  std::string message;
+  if (void* p = allocate(size, device, stream, &oom, &message)) return p;
   // Never NULL: PyTorch's normal path would wrap it in a tensor whose first kernel faults.
   if (oom) {
     notify_oom_observers(device, size);
-    if (auto thrower = g_oom_thrower.load(std::memory_order_acquire)) thrower(t_last_error.c_str());
-    if (const std::string* note = g_oom_note.load(std::memory_order_acquire)) throw OutOfMemoryError(t_last_error + " " + *note);
-    throw OutOfMemoryError(t_last_error);
+    if (auto thrower = g_oom_thrower.load(std::memory_order_acquire)) thrower(message.c_str());
+    if (const std::string* note = g_oom_note.load(std::memory_order_acquire)) throw OutOfMemoryError(message + " " + *note);
+    throw OutOfMemoryError(message);
   }
-  throw std::runtime_error(t_last_error);
+  throw std::runtime_error(message);
 }
 
 namespace {
@@ -395,25 +521,26 @@ void notify_oom_observers(int device, size_t size) {
       fraction >= 0 && fraction < 1 ? static_cast<std::size_t>(fraction * static_cast<double>(total_b)) : total_b;
   for (int i = 0; i < n; ++i)
     if (OomObserver obs = g_oom_observers[i].load(std::memory_order_acquire)) obs(device, size, limit, free_b);
-  t_last_error = error;
+  set_error(error);
 }
 }  // namespace
 
 int fragless_attach_oom_observer(void (*observer)(int device, size_t alloc, size_t limit, size_t device_free)) {
-  t_last_error.clear();
-  if (!observer) {
-    t_last_error = "fragless_attach_oom_observer: a null observer";
-    return -1;
-  }
-  const int i = g_oom_observer_count.fetch_add(1, std::memory_order_acq_rel);
-  if (i >= kMaxOomObservers) {
-    g_oom_observer_count.fetch_sub(1, std::memory_order_acq_rel);
-    t_last_error = "fragless_attach_oom_observer: " + std::to_string(kMaxOomObservers) +
-                   " observers are already attached (they are never removed)";
-    return -1;
-  }
-  g_oom_observers[i].store(observer, std::memory_order_release);
-  return 0;
+  return guarded("fragless_attach_oom_observer", -1, [&] {
+    if (!observer) {
+      set_error("fragless_attach_oom_observer: a null observer");
+      return -1;
+    }
+    const int i = g_oom_observer_count.fetch_add(1, std::memory_order_acq_rel);
+    if (i >= kMaxOomObservers) {
+      g_oom_observer_count.fetch_sub(1, std::memory_order_acq_rel);
+      set_errorf("fragless_attach_oom_observer: %d observers are already attached (they are never removed)",
+                 kMaxOomObservers);
+      return -1;
+    }
+    g_oom_observers[i].store(observer, std::memory_order_release);
+    return 0;
+  });
 }
 
 void fragless_set_oom_thrower(void (*thrower)(const char* message)) {
@@ -421,131 +548,213 @@ void fragless_set_oom_thrower(void (*thrower)(const char* message)) {
 }
 
 void fragless_set_oom_note(const char* note) {
-  g_oom_note.store(note && *note ? new std::string(note) : nullptr, std::memory_order_release);
+  guard("fragless_set_oom_note", [&] {
+    g_oom_note.store(note && *note ? new std::string(note) : nullptr, std::memory_order_release);
+  });
 }
 
 long fragless_check_config(const char* conf, char* buf, size_t len) {
-  const ConfigResult r = parse_allocator_config(conf ? conf : "");
-  if (r.ok) return copy_out("", buf, len);
-  return copy_out(r.error, buf, len);
+  return guarded("fragless_check_config", -1L, [&] {
+    const ConfigResult r = parse_allocator_config(conf ? conf : "");
+    return copy_out(r.ok ? std::string() : r.error, buf, len);
+  });
 }
 
 long fragless_settings(char* buf, size_t len) {
-  Process& p = proc();
-  if (Allocator* a = p.ready.load(std::memory_order_acquire)) return copy_out(a->options().settings, buf, len);
-  if (p.failed.load(std::memory_order_acquire)) {  // init_error was written before `failed`, and never after
-    t_last_error = p.init_error;
-    return -2;
-  }
-  return -1;  // not made yet (or being made by another thread right now): nothing is made here
+  return guarded("fragless_settings", -2L, [&] {
+    Process& p = proc();
+    if (Allocator* a = p.ready.load(std::memory_order_acquire)) return copy_out(a->options().settings, buf, len);
+    if (p.failed.load(std::memory_order_acquire)) {  // init_error was written before `failed`, and never after
+      set_error(p.init_error);
+      return -2L;
+    }
+    return -1L;  // not made yet (or being made by another thread right now): nothing is made here
+  });
 }
 
 int fragless_same_config(const char* a, const char* b) {
-  const ConfigResult x = parse_allocator_config(a ? a : ""), y = parse_allocator_config(b ? b : "");
-  if (!x.ok || !y.ok) return -1;
-  return same_settings(x.options, y.options) ? 1 : 0;
+  return guarded("fragless_same_config", -1, [&] {
+    const ConfigResult x = parse_allocator_config(a ? a : ""), y = parse_allocator_config(b ? b : "");
+    if (!x.ok || !y.ok) {
+      set_error(std::string("fragless: same_config: the ") + (x.ok ? "second" : "first") +
+                " configuration is not valid: " + (x.ok ? y.error : x.error));
+      return -1;
+    }
+    return same_settings(x.options, y.options) ? 1 : 0;
+  });
 }
 
 long fragless_check_driver(const char* conf, char* buf, size_t len) {
-  const ConfigResult r = parse_allocator_config(conf ? conf : "");
-  std::string err;
-  if (!r.ok) return copy_out(r.error, buf, len);
-  if (driver_available(r.options, &err)) return copy_out("", buf, len);
-  return copy_out(err, buf, len);
+  return guarded("fragless_check_driver", -1L, [&] {
+    const ConfigResult r = parse_allocator_config(conf ? conf : "");
+    std::string err;
+    if (!r.ok) return copy_out(r.error, buf, len);
+    if (driver_available(r.options, &err)) return copy_out("", buf, len);
+    return copy_out(err, buf, len);
+  });
 }
 
 void* fragless_pool_malloc(size_t size, int device, cudaStream_t stream) {
-  bool oom = false;
-  return size == 0 ? nullptr : allocate(size, device, stream, &oom);
+  return guarded("fragless_pool_malloc", static_cast<void*>(nullptr), [&]() -> void* {
+    bool oom = false;
+    std::string message;
+    return size == 0 ? nullptr : allocate(size, device, stream, &oom, &message);
+  });
 }
 
 void fragless_free(void* ptr, size_t, int device, cudaStream_t) {
-  if (!ptr) return;
-  // PyTorch passes the allocation's device: one lookup. Only a refused free looks at the other devices.
-  DeviceEngine* e = engine(device);
-  CallStack stack(device, /*alloc=*/false);
-  AllocError err;
-  if (e && e->free(ptr, &err) == Status::ok) return;
-  if (DeviceEngine* o = owner(ptr); o && o != e && o->free(ptr, &err) == Status::ok) return;
-  t_last_error = err.message.empty() ? "fragless: free of a pointer fragless did not allocate" : err.message;
-  std::fprintf(stderr, "%s\n", t_last_error.c_str());
+  guard("fragless_free", [&] {
+    if (!ptr) return;
+    Allocator* a = get();
+    if (!a) return;  // no allocator (the last error says why), so nothing of it to free
+    // PyTorch passes the allocation's device: one lookup. Only a refused free looks at the other devices, the
+    // owner's engine answering; a device never used has no engine, and none is made here.
+    DeviceEngine* e = a->existing(device);
+    CallStack stack(device, /*alloc=*/false);
+    AllocError err;
+    if (e && e->free(ptr, &err) == Status::ok) return;
+    if (DeviceEngine* o = owner(ptr); o && o != e && o->free(ptr, &err) == Status::ok) return;
+    if (err.message.empty())
+      set_errorf("fragless: free of pointer %p (device %d) that fragless did not allocate or already freed; nothing "
+                 "was changed", ptr, device);
+    else
+      set_error(err.message);
+    report_error();
+  });
 }
 
-void fragless_init(int device_count) { get(device_count > 0 ? device_count : -1); }
+void fragless_init(int device_count) {
+  guard("fragless_init", [&] {
+    if (device_count > 0 && !device_count_allowed(device_count)) return report_error();
+    get(device_count > 0 ? device_count : -1);
+  });
+}
 
 void fragless_empty_cache(void) {
-  t_last_error.clear();
-  if (Allocator* a = get())
-    for (int d = 0; d < a->device_count(); ++d)
-      if (DeviceEngine* e = a->existing(d)) {  // a device never used holds nothing
-        AllocError err;
-        if (e->empty_cache(&err) != Status::ok) t_last_error = err.message;  // Note [Failed waits]
-      }
+  guard("fragless_empty_cache", [&] {
+    if (Allocator* a = get())
+      for (int d = 0; d < a->device_count(); ++d)
+        if (DeviceEngine* e = a->existing(d)) {  // a device never used holds nothing
+          AllocError err;
+          if (e->empty_cache(&err) != Status::ok) set_error(err.message);  // Note [Failed waits]
+        }
+  });
 }
 
 void fragless_set_memory_fraction(double fraction, int device) {
-  if (DeviceEngine* e = engine(device)) {
-    if (e->set_memory_fraction(fraction) != Status::ok)
-      t_last_error = "fragless: memory fraction " + std::to_string(fraction) + " is not in [0, 1]";
-    else
-      proc().sinks[static_cast<std::size_t>(device)]->fraction.store(fraction, std::memory_order_relaxed);
-  }
+  guard("fragless_set_memory_fraction", [&] {
+    if (DeviceEngine* e = engine(device)) {
+      if (e->set_memory_fraction(fraction) != Status::ok)
+        set_error("fragless: memory fraction " + std::to_string(fraction) + " is not in [0, 1]");
+      else
+        proc().sinks[static_cast<std::size_t>(device)]->fraction.store(fraction, std::memory_order_relaxed);
+    }
+  });
 }
 
 double fragless_get_memory_fraction(int device) {
-  t_last_error.clear();
-  Allocator* a = get();
-  if (!a) return -1.0;
-  if (device < 0 || device >= a->device_count()) {
-    t_last_error = "fragless: invalid device " + std::to_string(device) + " (fragless manages " +
-                   std::to_string(a->device_count()) + " devices)";
-    return -1.0;
-  }
-  const double set = proc().sinks[static_cast<std::size_t>(device)]->fraction.load(std::memory_order_relaxed);
-  return set >= 0 ? set : a->options().per_process_memory_fraction;
+  return guarded("fragless_get_memory_fraction", -1.0, [&] {
+    Allocator* a = get();
+    if (!a) return -1.0;
+    if (device < 0 || device >= a->device_count()) {
+      set_errorf("fragless: invalid device %d (fragless manages %d devices)", device, a->device_count());
+      return -1.0;
+    }
+    const double set = proc().sinks[static_cast<std::size_t>(device)]->fraction.load(std::memory_order_relaxed);
+    return set >= 0 ? set : a->options().per_process_memory_fraction;
+  });
 }
 
 void* fragless_get_base_allocation(void* ptr, size_t* size) {
-  DeviceEngine* e = owner(ptr);
-  return e ? e->base_allocation(ptr, size) : ptr;
+  return guarded("fragless_get_base_allocation", ptr, [&] {
+    DeviceEngine* e = owner(ptr);
+    return e ? e->base_allocation(ptr, size) : ptr;
+  });
 }
 
 void fragless_record_stream(void* ptr, cudaStream_t stream) {
-  if (DeviceEngine* e = owner(ptr)) e->record_stream(ptr, reinterpret_cast<Stream>(stream));
+  guard("fragless_record_stream", [&] {
+    // NULL is what a 0-byte allocation returned (an empty tensor's storage): nothing to record, as free(NULL)
+    // frees nothing and PyTorch's own allocator ignores it.
+    if (!ptr) return;
+    if (DeviceEngine* e = owner(ptr); e && e->record_stream(ptr, reinterpret_cast<Stream>(stream)) == Status::ok)
+      return;
+    if (!proc().ready.load(std::memory_order_acquire)) return;  // no allocator: the last error says why
+    // Another process's block mapped here (fragless_open_shared): its owner's work is ordered when it is
+    // closed (a device-wide synchronisation), so there is nothing to record.
+    if (imported(ptr)) return;
+    set_errorf("fragless: record_stream of pointer %p that fragless did not allocate or already freed; nothing was "
+               "changed", ptr);
+    report_error();
+  });
 }
 
 void fragless_begin_allocate_to_pool(int device, fragless_pool_id pool, std::function<bool(cudaStream_t)> filter) {
-  if (DeviceEngine* e = engine(device))
-    e->begin_allocate_to_pool({pool.first, pool.second},
-                              [f = std::move(filter)](Stream s) { return f(reinterpret_cast<cudaStream_t>(s)); });
+  guard("fragless_begin_allocate_to_pool", [&] {
+    DeviceEngine* e = engine(device);
+    if (!e) return;
+    // An empty filter is every stream, as the engine takes it (DeviceEngine::State::pool_set_for); calling
+    // it would throw std::bad_function_call. A filter that throws is named by the allocation it fails.
+    StreamFilter routed;
+    if (filter)
+      routed = [f = std::move(filter), pool](Stream s) {
+        try {
+          return f(reinterpret_cast<cudaStream_t>(s));
+        } catch (abi::__forced_unwind&) {
+          throw;
+        } catch (const std::exception& x) {
+          throw std::runtime_error("the stream filter of graph pool (" + std::to_string(pool.first) + ", " +
+                                   std::to_string(pool.second) + ") threw: " + x.what() + "; nothing was allocated");
+        } catch (...) {
+          throw std::runtime_error("the stream filter of graph pool (" + std::to_string(pool.first) + ", " +
+                                   std::to_string(pool.second) + ") threw something that is not a std::exception; "
+                                   "nothing was allocated");
+        }
+      };
+    e->begin_allocate_to_pool({pool.first, pool.second}, std::move(routed));
+  });
 }
 
 void fragless_end_allocate_to_pool(int device, fragless_pool_id pool) {
-  if (DeviceEngine* e = engine(device)) e->end_allocate_to_pool({pool.first, pool.second});
+  guard("fragless_end_allocate_to_pool", [&] {
+    DeviceEngine* e = engine(device);
+    if (!e) return;
+    if (e->end_allocate_to_pool({pool.first, pool.second}) == Status::ok) return;
+    set_errorf("fragless: end_allocate_to_pool: pool (%llu, %llu) of device %d has no allocation routed to it (no "
+               "begin_allocate_to_pool for it, or ended already); nothing changed", pool.first, pool.second, device);
+    report_error();
+  });
 }
 
 void fragless_begin_allocate_stream_to_pool(int device, cudaStream_t stream, fragless_pool_id pool) {
-  t_last_error.clear();
-  if (DeviceEngine* e = engine(device))
-    e->begin_allocate_stream_to_pool({pool.first, pool.second}, reinterpret_cast<Stream>(stream));
+  guard("fragless_begin_allocate_stream_to_pool", [&] {
+    if (DeviceEngine* e = engine(device))
+      e->begin_allocate_stream_to_pool({pool.first, pool.second}, reinterpret_cast<Stream>(stream));
+  });
 }
 
 void fragless_end_allocate_stream_to_pool(int device, cudaStream_t stream) {
-  t_last_error.clear();
-  DeviceEngine* e = engine(device);
-  if (e && e->end_allocate_stream_to_pool(reinterpret_cast<Stream>(stream)) != Status::ok) {
-    char name[32];
-    std::snprintf(name, sizeof name, "%p", static_cast<void*>(stream));
-    t_last_error = "fragless: end_allocate_stream_to_pool: stream " + std::string(name) + " of device " +
-                   std::to_string(device) + " allocates to no pool (no begin_allocate_stream_to_pool for it, or "
-                   "ended already); nothing changed";
-  }
+  guard("fragless_end_allocate_stream_to_pool", [&] {
+    DeviceEngine* e = engine(device);
+    if (!e) return;
+    if (e->end_allocate_stream_to_pool(reinterpret_cast<Stream>(stream)) == Status::ok) return;
+    set_errorf("fragless: end_allocate_stream_to_pool: stream %p of device %d allocates to no pool (no "
+               "begin_allocate_stream_to_pool for it, or ended already); nothing changed",
+               static_cast<void*>(stream), device);
+    report_error();
+  });
 }
 
 void fragless_release_pool(int device, fragless_pool_id pool) {
-  AllocError err;
-  if (DeviceEngine* e = engine(device); e && e->release_pool({pool.first, pool.second}, &err) != Status::ok)
-    t_last_error = err.message;  // Note [Failed waits]
+  guard("fragless_release_pool", [&] {
+    DeviceEngine* e = engine(device);
+    if (!e) return;
+    AllocError err;
+    const Status st = e->release_pool({pool.first, pool.second}, &err);
+    if (st == Status::ok) return;
+    set_error(err.message);  // a failed wait (Note [Failed waits]), or a pool with no use to release
+    if (st == Status::invalid_argument) report_error();
+  });
 }
 
 namespace {
@@ -556,8 +765,7 @@ DeviceEngine* stats_engine(int device, bool* bad) {
   Allocator* a = get();
   *bad = !a || device < 0 || device >= a->device_count();
   if (*bad) {
-    if (a) t_last_error = "fragless: invalid device " + std::to_string(device) + " (fragless manages " +
-                          std::to_string(a->device_count()) + " devices)";
+    if (a) set_errorf("fragless: invalid device %d (fragless manages %d devices)", device, a->device_count());
     return nullptr;
   }
   return a->existing(device);
@@ -565,58 +773,97 @@ DeviceEngine* stats_engine(int device, bool* bad) {
 }  // namespace
 
 long fragless_memory_stats(int device, char* buf, size_t len) {
-  bool bad = false;
-  DeviceEngine* e = stats_engine(device, &bad);
-  if (bad) return -1;
-  std::string json = "{";
-  DeviceStats zeros;  // a device not used yet: what its engine would start with
-  const std::size_t split = get()->options().max_split_size;
-  zeros.max_split_size = split == SIZE_MAX ? -1 : static_cast<std::int64_t>(split);
-  for (const auto& [k, v] : (e ? e->stats() : zeros).flatten()) {
-    if (json.size() > 1) json += ",";
-    json += "\"" + k + "\":" + std::to_string(v);
-  }
-  json += "}";
-  return copy_out(json, buf, len);
+  return guarded("fragless_memory_stats", -1L, [&] {
+    bool bad = false;
+    DeviceEngine* e = stats_engine(device, &bad);
+    if (bad) return -1L;
+    std::string json = "{";
+    DeviceStats zeros;  // a device not used yet: what its engine would start with
+    const std::size_t split = get()->options().max_split_size;
+    zeros.max_split_size = split == SIZE_MAX ? -1 : static_cast<std::int64_t>(split);
+    for (const auto& [k, v] : (e ? e->stats() : zeros).flatten()) {
+      if (json.size() > 1) json += ",";
+      json += "\"" + k + "\":" + std::to_string(v);
+    }
+    json += "}";
+    return copy_out(json, buf, len);
+  });
 }
 
 int fragless_reset_peak_stats(int device) {
-  bool bad = false;
-  DeviceEngine* e = stats_engine(device, &bad);
-  if (bad) return -1;
-  if (e) e->reset_peak_stats();
-  return 0;
+  return guarded("fragless_reset_peak_stats", -1, [&] {
+    bool bad = false;
+    DeviceEngine* e = stats_engine(device, &bad);
+    if (bad) return -1;
+    if (e) e->reset_peak_stats();
+    return 0;
+  });
 }
 
 int fragless_mem_get_info(int device, size_t* free_bytes, size_t* total_bytes) {
-  DeviceEngine* e = engine(device);
-  if (!e || !free_bytes || !total_bytes) return -1;
-  e->memory_info(free_bytes, total_bytes);
-  return 0;
+  return guarded("fragless_mem_get_info", -1, [&] {
+    if (!free_bytes || !total_bytes) {  // named before any engine is made for the device
+      set_errorf("fragless: mem_get_info(device %d): %s NULL; nothing was asked", device,
+                 !free_bytes && !total_bytes ? "free_bytes and total_bytes are"
+                 : !free_bytes               ? "free_bytes is"
+                                             : "total_bytes is");
+      return -1;
+    }
+    DeviceEngine* e = engine(device);
+    if (!e) return -1;
+    e->memory_info(free_bytes, total_bytes);
+    return 0;
+  });
 }
 
 int fragless_reset_accumulated_stats(int device) {
-  bool bad = false;
-  DeviceEngine* e = stats_engine(device, &bad);
-  if (bad) return -1;
-  if (e) e->reset_accumulated_stats();
-  return 0;
+  return guarded("fragless_reset_accumulated_stats", -1, [&] {
+    bool bad = false;
+    DeviceEngine* e = stats_engine(device, &bad);
+    if (bad) return -1;
+    if (e) e->reset_accumulated_stats();
+    return 0;
+  });
 }
 
 namespace {
+// What a sizing call of the snapshot keeps for the calling thread's next call (Note [Per-thread state at exit]).
+struct SizedSnapshot {
+  std::string pickle;
+  bool with_history = false;
+};
+thread_local SizedSnapshot* t_sized = nullptr;
+
+// Frees a thread's kept snapshot when the thread ends (after its thread_local destructors).
+pthread_key_t sized_key() {
+  static const pthread_key_t key = [] {
+    pthread_key_t k{};
+    pthread_key_create(&k, [](void* kept) {
+      if (t_sized == kept) t_sized = nullptr;
+      delete static_cast<SizedSnapshot*>(kept);
+    });
+    return k;
+  }();
+  return key;
+}
+
+void keep_sized(SizedSnapshot* s) {
+  delete t_sized;
+  t_sized = s;
+  pthread_setspecific(sized_key(), s);
+}
+
 long snapshot_out(char* buf, size_t len, bool with_history) {
   // The buffer protocol asks twice, first for the size (no buffer); a million-entry history's pickle takes
   // seconds to build. So a sizing call keeps what it built for this thread's next call, which, when its buffer
   // is exactly the size that call gave plus the NUL (the protocol's second step) and asks the same kind,
   // gets that snapshot (the state when it was sized) instead of building another; any other call builds anew
   // and drops it.
-  thread_local std::string sized;
-  thread_local bool have_sized = false, sized_history = false;
-  if (buf && len && have_sized) {
-    have_sized = false;
-    std::string s = std::move(sized);
-    sized = std::string();
-    if (len == s.size() + 1 && sized_history == with_history) return copy_out(s, buf, len);
+  if (buf && len && t_sized) {
+    std::unique_ptr<SizedSnapshot> s(t_sized);
+    t_sized = nullptr;
+    pthread_setspecific(sized_key(), nullptr);
+    if (len == s->pickle.size() + 1 && s->with_history == with_history) return copy_out(s->pickle, buf, len);
   }
   Allocator* a = get();
   if (!a) return -1;
@@ -633,18 +880,18 @@ long snapshot_out(char* buf, size_t len, bool with_history) {
   }
   std::string s = formats::engine_snapshot_pickle(devices, a->options().settings);
   const long n = copy_out(s, buf, len);
-  if (!buf || !len) {
-    sized = std::move(s);
-    have_sized = true;
-    sized_history = with_history;
-  }
+  if (!buf || !len) keep_sized(new SizedSnapshot{std::move(s), with_history});
   return n;
 }
 }  // namespace
 
-long fragless_snapshot(char* buf, size_t len) { return snapshot_out(buf, len, true); }
+long fragless_snapshot(char* buf, size_t len) {
+  return guarded("fragless_snapshot", -1L, [&] { return snapshot_out(buf, len, true); });
+}
 
-long fragless_snapshot_segments(char* buf, size_t len) { return snapshot_out(buf, len, false); }
+long fragless_snapshot_segments(char* buf, size_t len) {
+  return guarded("fragless_snapshot_segments", -1L, [&] { return snapshot_out(buf, len, false); });
+}
 
 namespace {
 void record_history(size_t max_entries, int context, int stacks, bool clear) {
@@ -654,36 +901,51 @@ void record_history(size_t max_entries, int context, int stacks, bool clear) {
   for (auto& s : proc().sinks) s->set_history(max_entries, context, stacks, clear);
   attach_sinks(proc(), *a);
 }
+
+bool stacks_valid(int stacks) { return (stacks & ~(stacks::python | stacks::cpp)) == 0; }
 }  // namespace
 
-void fragless_record_history(size_t max_entries) { record_history(max_entries, kContextNever, 0, false); }
+void fragless_record_history(size_t max_entries) {
+  guard("fragless_record_history", [&] { record_history(max_entries, kContextNever, 0, false); });
+}
 
 void fragless_record_history_ex(size_t max_entries, int context, int stacks) {
-  // Its context 1 (frames of allocations) and 2 (of frees too) are RecordContext's ALLOC and ALL.
-  record_history(max_entries, context <= 0 ? kContextNever : context == 1 ? kContextAlloc : kContextAll, stacks,
-                 false);
+  guard("fragless_record_history_ex", [&] {
+    if (context < 0 || context > 2 || !stacks_valid(stacks)) {
+      set_errorf("fragless: record_history_ex: context %d is not 0-2 (none, alloc, all) or stacks %d is not a mask "
+                 "of 1 (python) and 2 (cpp); nothing was changed", context, stacks);
+      return;
+    }
+    // Its context 1 (frames of allocations) and 2 (of frees too) are RecordContext's ALLOC and ALL.
+    record_history(max_entries, context == 0 ? kContextNever : context == 1 ? kContextAlloc : kContextAll, stacks,
+                   false);
+  });
 }
 
 void fragless_record_history_v2(size_t max_entries, int context, int stacks, int clear_history) {
-  t_last_error.clear();
-  if (context < kContextNever || context > kContextAll || (stacks & ~(stacks::python | stacks::cpp))) {
-    t_last_error = "fragless: record_history: context " + std::to_string(context) + " is not 0-3 (never, state, " +
-                   "alloc, all) or stacks " + std::to_string(stacks) + " is not a mask of 1 (python) and 2 (cpp); " +
-                   "nothing was changed";
-    return;
-  }
-  record_history(max_entries, context, stacks, clear_history != 0);
+  guard("fragless_record_history_v2", [&] {
+    if (context < kContextNever || context > kContextAll || !stacks_valid(stacks)) {
+      set_errorf("fragless: record_history: context %d is not 0-3 (never, state, alloc, all) or stacks %d is not a "
+                 "mask of 1 (python) and 2 (cpp); nothing was changed", context, stacks);
+      return;
+    }
+    record_history(max_entries, context, stacks, clear_history != 0);
+  });
 }
 
-const char* fragless_last_error(void) { return t_last_error.c_str(); }
+const char* fragless_last_error(void) { return t_last_error; }
 
 void fragless_trace_flush(void) {
-  if (Allocator* a = get()) a->flush_traces();
+  guard("fragless_trace_flush", [&] {
+    if (Allocator* a = get()) a->flush_traces();
+  });
 }
 
 int fragless_device_count(void) {
-  Allocator* a = get();
-  return a ? a->device_count() : -1;
+  return guarded("fragless_device_count", -1, [&] {
+    Allocator* a = get();
+    return a ? a->device_count() : -1;
+  });
 }
 
 // ---- Sharing across processes (engine.h, Note [Sharing] in engine/share.cpp) ----
@@ -693,20 +955,21 @@ struct fragless_share {
 };
 
 fragless_share* fragless_share_export(void* ptr) {
-  t_last_error.clear();
-  DeviceEngine* e = owner(ptr);
-  if (!e) {
-    t_last_error = "fragless: share of a pointer fragless did not allocate (or already freed); nothing was shared";
-    return nullptr;
-  }
-  auto* s = new fragless_share();
-  AllocError err;
-  if (e->share(ptr, &s->block, &err) != Status::ok) {
-    t_last_error = err.message;
-    delete s;
-    return nullptr;
-  }
-  return s;
+  return guarded("fragless_share_export", static_cast<fragless_share*>(nullptr), [&]() -> fragless_share* {
+    DeviceEngine* e = owner(ptr);
+    if (!e) {
+      if (proc().ready.load(std::memory_order_acquire))  // else the last error says why there is no allocator
+        set_error("fragless: share of a pointer fragless did not allocate (or already freed); nothing was shared");
+      return nullptr;
+    }
+    auto s = std::make_unique<fragless_share>();
+    AllocError err;
+    if (e->share(ptr, &s->block, &err) != Status::ok) {
+      set_error(err.message);
+      return nullptr;
+    }
+    return s.release();
+  });
 }
 
 size_t fragless_share_description(const fragless_share* s, const char** bytes) {
@@ -722,40 +985,44 @@ size_t fragless_share_fds(const fragless_share* s, const int** fds) {
 void fragless_share_free(fragless_share* s) { delete s; }
 
 void* fragless_open_shared(int device, const char* bytes, size_t len, const int* fds, size_t nfds, size_t* size) {
-  t_last_error.clear();
-  DeviceEngine* e = engine(device);
-  if (!e) return nullptr;
-  if (!bytes && len) {
-    t_last_error = "fragless: open_shared: no description";
-    return nullptr;
-  }
-  AllocError err;
-  void* p = e->open_shared(std::string(bytes ? bytes : "", len), fds, nfds, size, &err);
-  if (!p) t_last_error = err.message;
-  return p;
+  return guarded("fragless_open_shared", static_cast<void*>(nullptr), [&]() -> void* {
+    DeviceEngine* e = engine(device);
+    if (!e) return nullptr;
+    if (!bytes && len) {
+      set_error("fragless: open_shared: no description");
+      return nullptr;
+    }
+    AllocError err;
+    void* p = e->open_shared(std::string(bytes ? bytes : "", len), fds, nfds, size, &err);
+    if (!p) set_error(err.message);
+    return p;
+  });
 }
 
 int fragless_close_shared(void* ptr) {
-  t_last_error.clear();
-  Allocator* a = get();
-  if (!a) return -1;
-  AllocError err;
-  for (int d = 0; d < a->device_count(); ++d)
-    if (DeviceEngine* e = a->existing(d)) {
-      AllocError mine;
-      if (e->close_shared(ptr, &mine) == Status::ok) return 0;
-      if (err.message.empty() || mine.status != Status::invalid_argument) err = mine;
-    }
-  t_last_error = err.message.empty() ? "fragless: close_shared of a pointer open_shared did not return" : err.message;
-  return -1;
+  return guarded("fragless_close_shared", -1, [&] {
+    Allocator* a = get();
+    if (!a) return -1;
+    AllocError err;
+    for (int d = 0; d < a->device_count(); ++d)
+      if (DeviceEngine* e = a->existing(d)) {
+        AllocError mine;
+        if (e->close_shared(ptr, &mine) == Status::ok) return 0;
+        if (err.message.empty() || mine.status != Status::invalid_argument) err = mine;
+      }
+    set_error(err.message.empty() ? "fragless: close_shared of a pointer open_shared did not return" : err.message);
+    return -1;
+  });
 }
 
 size_t fragless_reap_shared(void) {
-  size_t n = 0;
-  if (Allocator* a = get())
-    for (int d = 0; d < a->device_count(); ++d)
-      if (DeviceEngine* e = a->existing(d)) n += e->reap_shared();
-  return n;
+  return guarded("fragless_reap_shared", size_t{0}, [&] {
+    size_t n = 0;
+    if (Allocator* a = get())
+      for (int d = 0; d < a->device_count(); ++d)
+        if (DeviceEngine* e = a->existing(d)) n += e->reap_shared();
+    return n;
+  });
 }
 
 extern "C++" {
@@ -764,26 +1031,29 @@ namespace {
 // owner lookup).
 template <class F>
 int on_some_engine(F f, const char* none) {
-  t_last_error.clear();
   Allocator* a = get();
   if (!a) return -1;
   AllocError err;
   for (int d = 0; d < a->device_count(); ++d)
     if (DeviceEngine* e = a->existing(d); e && f(*e, &err) == Status::ok) return 0;
-  t_last_error = err.message.empty() ? none : err.message;
+  set_error(err.message.empty() ? none : err.message);
   return -1;
 }
 }  // namespace
 }  // extern "C++"
 
 int fragless_register_range(void* ptr, size_t size) {
-  return on_some_engine([&](DeviceEngine& e, AllocError* err) { return e.register_range(ptr, size, err); },
-                        "fragless: register_range: no device has been used yet");
+  return guarded("fragless_register_range", -1, [&] {
+    return on_some_engine([&](DeviceEngine& e, AllocError* err) { return e.register_range(ptr, size, err); },
+                          "fragless: register_range: no device has been used yet");
+  });
 }
 
 int fragless_deregister_range(void* ptr) {
-  return on_some_engine([&](DeviceEngine& e, AllocError* err) { return e.deregister_range(ptr, err); },
-                        "fragless: deregister_range: no device has been used yet");
+  return guarded("fragless_deregister_range", -1, [&] {
+    return on_some_engine([&](DeviceEngine& e, AllocError* err) { return e.deregister_range(ptr, err); },
+                          "fragless: deregister_range: no device has been used yet");
+  });
 }
 
 }  // extern "C"

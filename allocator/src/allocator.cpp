@@ -30,6 +30,11 @@ bool driver_available(const Options& opts, std::string* error) {
   return n > 0;
 }
 
+int device_limit(const Options& opts, std::string* error) {
+  const DriverEntry& e = driver_entry(opts.driver);
+  return e.make && e.device_count ? e.device_count(error) : kMaxDevices;
+}
+
 std::unique_ptr<Allocator> Allocator::create(const Options& opts, int devices, std::string* error, bool eager) {
   auto a = std::unique_ptr<Allocator>(new Allocator());
   a->opts_ = opts;

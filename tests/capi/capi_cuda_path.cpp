@@ -63,6 +63,13 @@ int main(int argc, char** argv) {
   expect(!d.active(1), "and device 1's primary context was not created for them");
   expect(memory_stats(9, unused, sizeof unused) == -1 && std::string(last_error()).find("invalid device 9") != std::string::npos,
          "an invalid device is refused, and named");
+  // A free naming a device never used (PyTorch names the allocation's own; a caller may not) frees the block
+  // through its owner, leaves no error, and makes no engine nor context for that device.
+  void* z = malloc_fn(MiB, 0, nullptr);
+  free_fn(z, MiB, 1, nullptr);
+  expect(std::string(last_error()).empty() && !d.active(1),
+         std::string("a free of device 0's block naming device 1: no error, no context for device 1 (\"") +
+             last_error() + "\")");
   size_t free_b = 0, total_b = 0;
   expect(mem_get_info(1, &free_b, &total_b) == 0 && total_b > 0 && d.active(1),
          "mem_get_info gives the driver's figures, creating the context as PyTorch's does");

@@ -773,8 +773,15 @@ TEST_CASE("a private pool shared by two graphs is freed at the last release only
   REQUIRE(e->release_pool(pool) == Status::ok);
   e->empty_cache();
   CHECK(reserved(*e) < before_g2);
-  REQUIRE(e->release_pool(pool) == Status::ok);
-  REQUIRE(e->release_pool(PoolId{9, 0}) == Status::ok);
+  const auto after_g2 = reserved(*e);  // its live output
+  AllocError too_many;
+  REQUIRE(e->release_pool(pool, &too_many) == Status::invalid_argument);
+  CHECK(too_many.message.find("has no use to release") != std::string::npos);
+  REQUIRE(e->release_pool(PoolId{9, 0}) == Status::invalid_argument);
+  CHECK(e->end_allocate_to_pool(PoolId{9, 0}) == Status::invalid_argument);  // no routing to end
+  e->empty_cache();
+  CHECK(reserved(*e) == after_g2);
+  require_consistent(*e);
   REQUIRE(e->free(out) == Status::ok);
   e->empty_cache();
   CHECK(reserved(*e) == 0);

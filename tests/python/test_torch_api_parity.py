@@ -207,6 +207,9 @@ def unknown_keywords_raise():
     raises(TypeError, mem._record_memory_history, "all", trace_alloc_max_entries=10)
     check("expected context" in raises(RuntimeError, mem._record_memory_history, "all", context="everything"))
     check("expected stacks" in raises(RuntimeError, mem._record_memory_history, "all", stacks="cpp"))
+    # max_entries is a size_t in PyTorch's binding (pybind11): a negative, too large or non-int one is a TypeError.
+    for bad in (-5, 2**64, "x", 1.5):
+        raises(TypeError, mem._record_memory_history, max_entries=bad)
     # What fragless does not record is an error, not ignored.
     check("compile_context" in raises(NotImplementedError, mem._record_memory_history, compile_context=True))
     check("skip_actions" in raises(NotImplementedError, mem._record_memory_history, skip_actions=["alloc"]))

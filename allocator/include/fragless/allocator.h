@@ -27,6 +27,13 @@ std::unique_ptr<Driver> make_driver(const Options& opts, int device, std::string
 // refuses shareable_handles:fabric). False with *error saying why, as make_driver would.
 bool driver_available(const Options& opts, std::string* error);
 
+// The most devices an Allocator for `opts` has a use for: as many as the driver reports (the cuda driver), or
+// kMaxDevices with a driver that reports none (host and sim, whose devices are all alike; PyTorch's device
+// index, c10::DeviceIndex, is an int8_t). -1 with *error set when the driver cannot tell. The C ABI refuses a
+// larger count (Note [Device counts], torch_plugin/capi.cpp).
+constexpr int kMaxDevices = 128;
+int device_limit(const Options& opts, std::string* error);
+
 // A lock of code built on fragless (an event sink's own, a table a stack capture fills) that a forked child
 // must find free (Note [Device locks across fork], state/background.cpp): fork() takes each, in the order
 // added, after every device's lock, and releases them, in the reverse order, in the parent and in the child

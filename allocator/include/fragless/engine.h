@@ -112,9 +112,11 @@ class DeviceEngine {
   Status set_memory_fraction(double fraction);
 
   // Private pools (CUDA graph capture, MemPool): while routed, allocations on streams accepted by
-  // `filter` come from pool `id`, kept apart from everything else until released.
+  // `filter` (an empty one: every stream) come from pool `id`, kept apart from everything else until
+  // released. What the filter throws leaves allocate, which then changed nothing. The end takes away the
+  // pool's newest routing; invalid_argument, changing nothing, when it has none.
   void begin_allocate_to_pool(PoolId id, StreamFilter filter);
-  void end_allocate_to_pool(PoolId id);
+  Status end_allocate_to_pool(PoolId id);
   // The same routing by stream (PyTorch 2.1 and 2.2's beginAllocateStreamToPool): allocations on `stream`
   // alone come from pool `id`, a use of the pool counted as begin_allocate_to_pool counts one. The end names
   // the stream, not the pool, and ends that stream's newest routing (Note [Routing by stream], engine.cpp);
@@ -124,7 +126,8 @@ class DeviceEngine {
   // Each begin counts a use of the pool and each release ends one (Note [Shared private pools], engine.cpp);
   // when none is left the pool's memory goes once its blocks are free, after a device-wide synchronisation (a
   // replay may run on any stream), never while a capture may be under way. Failed waits are reported as
-  // empty_cache's.
+  // empty_cache's. A release of a pool with no use left (never begun, or released as often as begun) is
+  // invalid_argument with *error's message, and changes nothing.
   Status release_pool(PoolId id, AllocError* error = nullptr);
 
   // A capture this engine does not allocate for (LD_PRELOAD: cudaStreamBeginCapture on the device) begins or

@@ -390,12 +390,14 @@ struct OnStream {
 };
 }  // namespace
 
-void DeviceEngine::end_allocate_to_pool(PoolId id) {
+Status DeviceEngine::end_allocate_to_pool(PoolId id) {
   State& s = *s_;
   std::lock_guard lk(s.mu);
   auto it = std::find_if(s.routes.rbegin(), s.routes.rend(), [&](auto& r) { return r.first->id == id; });
-  if (it != s.routes.rend()) s.routes.erase(std::next(it).base());
+  if (it == s.routes.rend()) return Status::invalid_argument;  // no begin for this pool (or ended since)
+  s.routes.erase(std::next(it).base());
   routing_ended(s);
+  return Status::ok;
 }
 
 void DeviceEngine::begin_allocate_stream_to_pool(PoolId id, Stream stream) {
@@ -422,14 +424,21 @@ Status DeviceEngine::end_allocate_stream_to_pool(Stream stream, PoolId* id) {
 // allocator counts the uses (create_or_incref_pool, releasePool's use_count) and frees the pool's memory only
 // when the last one is released; a pool freed at the first release would hand g2's addresses to other tensors
 // while g2 still replays into them. So each begin_allocate_to_pool counts a use and each release_pool ends one;
-// the pool is released when none is left. A release of a pool with no use left, or of one never begun, does
-// nothing (PyTorch asserts; a plug-in cannot throw into PyTorch).
+// the pool is released when none is left. A release of a pool with no use left, or of one never begun, changes
+// nothing and is invalid_argument (PyTorch asserts; a plug-in cannot throw into PyTorch).
 Status DeviceEngine::release_pool(PoolId id, AllocError* err) {
   State& s = *s_;
   std::lock_guard lk(s.mu);
   auto it = s.private_pools.find(id);
+  if (it == s.private_pools.end() || it->second->uses == 0) {
+    set_error(err, Status::invalid_argument,
+              "fragless: release_pool: pool (" + std::to_string(id.first) + ", " + std::to_string(id.second) +
+                  ") of device " + std::to_string(s.driver->device()) + " has no use to release (never begun with "
+                  "begin_allocate_to_pool, or released as many times as it was begun); nothing changed");
+    return Status::invalid_argument;
+  }
   // Note [Shared private pools]: another graph (or a later use of the pool) still holds it.
-  if (it == s.private_pools.end() || it->second->uses == 0 || --it->second->uses > 0) return Status::ok;
+  if (--it->second->uses > 0) return Status::ok;
   std::erase_if(s.routes, [&](auto& r) { return r.first == it->second.get(); });
   it->second->released = true;
   // Freed now (after a device-wide synchronisation), or once no capture may be under way (Note [Capture

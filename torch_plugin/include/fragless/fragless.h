@@ -9,7 +9,15 @@
  * Any other failure (no driver can start, an invalid device) throws std::runtime_error with the reason. A
  * caller with no C++ handler around the call (C, Python's ctypes) uses fragless_pool_malloc, for
  * torch.cuda.MemPool (whose path retries and raises torch.cuda.OutOfMemoryError on NULL), which returns
- * NULL instead; fragless_last_error() then holds the diagnosis. */
+ * NULL instead; fragless_last_error() then holds the diagnosis.
+ *
+ * Errors: no other function lets an exception out (PyTorch calls them from noexcept code): what is thrown
+ * inside one (out of host memory, a graph pool's stream filter) is its error. Each function that can fail
+ * clears the calling thread's last error when it starts and sets it when it fails, so fragless_last_error()
+ * after a call says how that call went; those that return nothing and that PyTorch calls as hooks (free,
+ * record_stream, init, the pool hooks) also print the refusal of bad input as one line on stderr. Every
+ * function works when called from a thread_local or static destructor or an atexit handler, at any point of a
+ * thread's or the process's end. README "The C ABI" lists the functions and their results for bad input. */
 #ifndef FRAGLESS_FRAGLESS_H_
 #define FRAGLESS_FRAGLESS_H_
 
@@ -26,7 +34,10 @@ extern "C" {
 struct CUstream_st;
 typedef struct CUstream_st* cudaStream_t; /* the CUDA runtime's own definition */
 
-/* CUDAPluggableAllocator(path, "fragless_malloc", "fragless_free") */
+/* CUDAPluggableAllocator(path, "fragless_malloc", "fragless_free"). fragless_free frees through the engine
+ * that owns ptr, whatever device is named (no engine is made for a device named but never used); NULL frees
+ * nothing; a pointer fragless did not allocate (or freed already, or inside an allocation) changes nothing and
+ * is named in fragless_last_error and on stderr. */
 FRAGLESS_API void* fragless_malloc(size_t size, int device, cudaStream_t stream);
 FRAGLESS_API void fragless_free(void* ptr, size_t size, int device, cudaStream_t stream);
 /* Out of memory in fragless_malloc calls thrower(message) first, which is expected to throw the host
@@ -44,7 +55,7 @@ FRAGLESS_API void fragless_set_oom_note(const char* note);
 FRAGLESS_API int fragless_attach_oom_observer(void (*observer)(int device, size_t alloc, size_t limit, size_t device_free));
 /* Checks a FRAGLESS_CONF string without creating anything: 0 when it is valid, else the length of the error
  * message (naming the key, the value and the accepted forms), written into buf as fragless_memory_stats
- * writes its text. */
+ * writes its text; -1 when it could not be checked (out of host memory: fragless_last_error says so). */
 FRAGLESS_API long fragless_check_config(const char* conf, char* buf, size_t len);
 /* The same, and then whether the configuration's driver can start here (the cuda driver needs libcuda and a
  * device), creating nothing: 0, or the length of the message saying why not. */
@@ -55,12 +66,16 @@ FRAGLESS_API long fragless_check_driver(const char* conf, char* buf, size_t len)
  * allocator was made cannot apply: fragless.torch.enable() checks it here. */
 FRAGLESS_API long fragless_settings(char* buf, size_t len);
 /* 1 when two FRAGLESS_CONF strings select the same settings (the same value of every key, however spelled,
- * a key at its default given or not), 0 when they differ, -1 when either is not valid. */
+ * a key at its default given or not), 0 when they differ, -1 when either is not valid (fragless_last_error
+ * says which, and why). */
 FRAGLESS_API int fragless_same_config(const char* a, const char* b);
 /* The same allocation, NULL on failure (torch.cuda.MemPool's allocator: PyTorch retries and raises). */
 FRAGLESS_API void* fragless_pool_malloc(size_t size, int device, cudaStream_t stream);
 
-/* Optional hooks, with the signatures PyTorch's setters expect. */
+/* Optional hooks, with the signatures PyTorch's setters expect. fragless_init makes the allocator for
+ * device_count devices (0 or less: as many as the driver reports), unless a call made it already; a count
+ * above the driver's (above 128 with host and sim, which report none) is refused, named in
+ * fragless_last_error and on stderr, and makes nothing. */
 FRAGLESS_API void fragless_init(int device_count);                         /* set_init_fn */
 FRAGLESS_API void fragless_empty_cache(void);                              /* set_reset_fn */
 FRAGLESS_API void fragless_set_memory_fraction(double fraction, int device); /* set_memory_fraction_fn */
@@ -68,22 +83,32 @@ FRAGLESS_API void fragless_set_memory_fraction(double fraction, int device); /* 
  * configuration's per_process_memory_fraction; -1 for an invalid device (see fragless_last_error). */
 FRAGLESS_API double fragless_get_memory_fraction(int device);
 FRAGLESS_API void* fragless_get_base_allocation(void* ptr, size_t* size);  /* set_base_alloc_fn */
-FRAGLESS_API void fragless_record_stream(void* ptr, cudaStream_t stream);  /* set_record_stream_fn */
+/* set_record_stream_fn: the allocation at ptr is also used on `stream`. A pointer fragless did not allocate
+ * (or freed, or inside an allocation) changes nothing and is named in fragless_last_error and on stderr; NULL
+ * (what a 0-byte allocation returns) and a block fragless_open_shared mapped are nothing to record. */
+FRAGLESS_API void fragless_record_stream(void* ptr, cudaStream_t stream);
 typedef struct { unsigned long long first, second; } fragless_pool_id; /* MempoolId_t's layout */
 #ifdef __cplusplus
-/* set_begin_allocate_to_pool: PyTorch passes a C++ std::function by value (a C++ ABI dependency). */
+/* set_begin_allocate_to_pool: PyTorch passes a C++ std::function by value (a C++ ABI dependency). An empty
+ * filter takes every stream. A filter that throws fails the allocation that called it: fragless_pool_malloc
+ * returns NULL with the filter's message in fragless_last_error, fragless_malloc throws it. */
 FRAGLESS_API void fragless_begin_allocate_to_pool(int device, fragless_pool_id pool, std::function<bool(cudaStream_t)> filter);
 #endif
-FRAGLESS_API void fragless_end_allocate_to_pool(int device, fragless_pool_id pool); /* set_end_allocate_to_pool_fn */
+/* set_end_allocate_to_pool_fn: ends the pool's newest routing. A pool with none (never begun, or ended
+ * already) changes nothing and is named in fragless_last_error and on stderr. */
+FRAGLESS_API void fragless_end_allocate_to_pool(int device, fragless_pool_id pool);
 /* PyTorch 2.1 and 2.2's form of the two above, which route by stream (2.3 replaced them):
  * set_begin_allocate_stream_to_pool: allocations on exactly `stream` come from `pool` (a capture on that
  * stream), a use of the pool counted as fragless_begin_allocate_to_pool counts one. */
 FRAGLESS_API void fragless_begin_allocate_stream_to_pool(int device, cudaStream_t stream, fragless_pool_id pool);
 /* set_end_allocate_stream_to_pool_fn: ends the routing begun for `stream` (the newest, when it was begun
  * twice), whatever its pool: two graphs sharing a pool may be captured at once on two streams. A stream with
- * no routing changes nothing and sets fragless_last_error. */
+ * no routing changes nothing and is named in fragless_last_error and on stderr. */
 FRAGLESS_API void fragless_end_allocate_stream_to_pool(int device, cudaStream_t stream);
-FRAGLESS_API void fragless_release_pool(int device, fragless_pool_id pool);         /* set_release_pool */
+/* set_release_pool: ends a use of the pool (each begin counts one); its memory goes when none is left. A pool
+ * with no use left (never begun, or released as often as begun) changes nothing and is named in
+ * fragless_last_error and on stderr; a synchronisation that failed is in fragless_last_error. */
+FRAGLESS_API void fragless_release_pool(int device, fragless_pool_id pool);
 
 /* Statistics with torch.cuda.memory_stats() key names (and fragless's own: fragless.*, and sharing's
  * exported_bytes.* and imported_bytes.* in PyTorch's key style), as one JSON object, written into buf
@@ -93,7 +118,7 @@ FRAGLESS_API long fragless_memory_stats(int device, char* buf, size_t len);
 FRAGLESS_API int fragless_reset_peak_stats(int device);
 FRAGLESS_API int fragless_reset_accumulated_stats(int device);
 /* The device's free and total memory as the driver reports them (torch.cuda.mem_get_info); -1 for an invalid
- * device. */
+ * device or a NULL out-parameter (fragless_last_error names it). */
 FRAGLESS_API int fragless_mem_get_info(int device, size_t* free_bytes, size_t* total_bytes);
 /* A snapshot in PyTorch's layout (the pickle torch.cuda.memory._dump_snapshot writes): segments of every
  * device and, when history is on, recent events as device_traces; blocks held for other processes carry
@@ -109,7 +134,8 @@ FRAGLESS_API long fragless_snapshot_segments(char* buf, size_t len);
 FRAGLESS_API void fragless_record_history(size_t max_entries);
 /* The same, with stack frames (torch.cuda.memory._record_memory_history's context and stacks): context 0 no
  * frames, 1 frames of each allocation, 2 of each free too; stacks 1 Python (of a thread holding the GIL), 2
- * C++, 3 both. Frames are captured as addresses and code objects and symbolised when a snapshot is taken. */
+ * C++, 3 both. Frames are captured as addresses and code objects and symbolised when a snapshot is taken.
+ * Another context or stacks value changes nothing and sets fragless_last_error. */
 FRAGLESS_API void fragless_record_history_ex(size_t max_entries, int context, int stacks);
 /* The same with torch.cuda.memory._record_memory_history's meanings: context is PyTorch's RecordContext, 0 no
  * frames, 1 frames of live blocks' allocations only ("state": none on history entries), 2 of allocations on
@@ -117,7 +143,8 @@ FRAGLESS_API void fragless_record_history_ex(size_t max_entries, int context, in
  * events kept so far (turning history off, max_entries 0, always does). Another context or stacks value changes
  * nothing and sets fragless_last_error. */
 FRAGLESS_API void fragless_record_history_v2(size_t max_entries, int context, int stacks, int clear_history);
-/* The last error of this thread ("" if none). */
+/* The last error of this thread: "" when its last call that can fail did not. Valid until the thread's next
+ * call; at most 4095 bytes (a longer message is cut at a character's boundary and ends with "..."). */
 FRAGLESS_API const char* fragless_last_error(void);
 /* Writes buffered trace records (the tracer also flushes at exit). */
 FRAGLESS_API void fragless_trace_flush(void);

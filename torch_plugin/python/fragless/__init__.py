@@ -60,13 +60,35 @@ def build_info():
         return {}
 
 
-def _check(fn, conf):
-    need = fn(conf.encode(), None, 0)
-    if need <= 0:
+def _conf_bytes(conf, caller):
+    """A FRAGLESS_CONF string as the C ABI takes it: a str (anything else is a TypeError naming what was given)
+    with no NUL character (C would end the string there, and check what comes before it alone: a ValueError),
+    encoded as os.environ encodes (UTF-8, bytes that are not UTF-8 kept as they came)."""
+    if not isinstance(conf, str):
+        raise TypeError("%s: expected a str (a FRAGLESS_CONF string), got %s %r" % (caller, type(conf).__name__, conf))
+    at = conf.find("\0")
+    if at >= 0:
+        raise ValueError("%s: the configuration %r has a NUL character at index %d, where C would take it to end"
+                         % (caller, conf, at))
+    return conf.encode("utf-8", "surrogateescape")
+
+
+def _text(raw):
+    """What the library wrote (an error message, settings), as text: a byte that is not UTF-8 (from
+    FRAGLESS_CONF, a path) becomes U+FFFD rather than turning the message into a UnicodeDecodeError."""
+    return raw.decode("utf-8", "replace")
+
+
+def _check(fn, conf, caller):
+    raw = _conf_bytes(conf, caller)
+    need = fn(raw, None, 0)
+    if need < 0:
+        raise RuntimeError(last_error())
+    if need == 0:
         return None
     buf = ctypes.create_string_buffer(need + 1)
-    fn(conf.encode(), buf, need + 1)
-    return buf.value.decode()
+    fn(raw, buf, need + 1)
+    return _text(buf.value)
 
 
 def _device(device):
@@ -84,6 +106,23 @@ def _device(device):
     return device
 
 
+def _pointer(ptr, caller):
+    """An address as the C ABI takes it (a void*): an int, an int-like value or a ctypes.c_void_p (anything else
+    is a TypeError) in [0, 2**64 - 1] (a ValueError outside: ctypes would wrap 2**64 + p to p)."""
+    if isinstance(ptr, ctypes.c_void_p):
+        return ptr.value or 0
+    if isinstance(ptr, bool):
+        raise TypeError("%s: expected a pointer (an int), got %r" % (caller, ptr))
+    try:
+        ptr = operator.index(ptr)
+    except TypeError:
+        raise TypeError("%s: expected a pointer (an int), got %s %r" % (caller, type(ptr).__name__, ptr)) from None
+    if not 0 <= ptr < 2**(8 * ctypes.sizeof(ctypes.c_void_p)):
+        raise ValueError("%s: pointer %#x is not an address (not in [0, 2**%d - 1])"
+                         % (caller, ptr, 8 * ctypes.sizeof(ctypes.c_void_p)))
+    return ptr
+
+
 def settings():
     """The FRAGLESS_CONF string the process's allocator was made with, or None while it is not made yet (it is
     made by the first fragless call that needs it: an allocation, memory_stats, record_history, ...)."""
@@ -94,21 +133,26 @@ def settings():
         return None
     buf = ctypes.create_string_buffer(n + 1)
     library().fragless_settings(buf, n + 1)
-    return buf.value.decode()
+    return buf.value.decode("utf-8", "surrogateescape")  # as os.environ would hold it
 
 
 def same_config(a, b):
     """Whether two FRAGLESS_CONF strings select the same settings (every key's value, however spelled, a key
-    at its default given or not). A string that is not valid raises ValueError, as check_config."""
+    at its default given or not). A string that is not valid raises ValueError, and anything but a str
+    TypeError, as check_config."""
     for conf in (a, b):
-        check_config(conf)
-    return library().fragless_same_config((a or "").encode(), (b or "").encode()) == 1
+        check_config(conf, "fragless.same_config")
+    n = library().fragless_same_config(_conf_bytes(a, "fragless.same_config"), _conf_bytes(b, "fragless.same_config"))
+    if n < 0:
+        raise ValueError(last_error())
+    return n == 1
 
 
-def check_config(conf):
+def check_config(conf, caller="fragless.check_config"):
     """Raises ValueError with the parser's message (naming the key, the value and the accepted forms) if
-    `conf`, a FRAGLESS_CONF string, is not valid; creates nothing."""
-    error = _check(library().fragless_check_config, conf)
+    `conf`, a FRAGLESS_CONF string, is not valid, or has a NUL character; TypeError when it is not a str;
+    creates nothing."""
+    error = _check(library().fragless_check_config, conf, caller)
     if error:
         raise ValueError(error)
 
@@ -117,8 +161,8 @@ def check_driver(conf):
     """For a valid `conf`: raises RuntimeError saying why its driver cannot start here (the cuda driver
     needs libcuda and a device; the host driver refuses shareable_handles:fabric), in the words the first
     allocation would use, creating nothing (no engine, no CUDA context)."""
-    check_config(conf)
-    error = _check(library().fragless_check_driver, conf)
+    check_config(conf, "fragless.check_driver")
+    error = _check(library().fragless_check_driver, conf, "fragless.check_driver")
     if error:
         raise RuntimeError(error)
 
@@ -176,7 +220,8 @@ def library():
 
 
 def last_error():
-    return library().fragless_last_error().decode()
+    """The calling thread's last error from the library ("" if its last call had none)."""
+    return _text(library().fragless_last_error())
 
 
 def device_count():
@@ -257,8 +302,9 @@ def record_history(max_entries=100000, context=None, stacks="all", clear_history
     stacks: "python" (the frames of a thread holding the GIL), "cpp" or "all". clear_history: drop the events
     kept so far. Frames are kept as addresses and code objects and turned into names only when a snapshot is
     taken."""
-    if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
-        raise ValueError("record_history: max_entries must be an int >= 0 (0: off), got %r" % (max_entries,))
+    if isinstance(max_entries, bool) or not isinstance(max_entries, int) or not 0 <= max_entries < 2**64:
+        raise ValueError("record_history: max_entries must be an int in [0, 2**64 - 1] (a size_t; 0: off), got %r"
+                         % (max_entries,))
     if context not in _CONTEXT:
         raise ValueError("record_history: context must be None, 'state', 'alloc' or 'all', got %r" % (context,))
     if stacks not in _STACKS:

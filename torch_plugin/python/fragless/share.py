@@ -13,7 +13,7 @@ memory_stats() count it (exported_bytes.*, imported_bytes.*) and snapshot() show
 import ctypes
 import os
 
-from . import library, last_error
+from . import _device, _pointer, library, last_error
 
 __all__ = ["Shared", "share", "open_shared", "close_shared", "reap_shared"]
 
@@ -82,9 +82,10 @@ def _rebuild(description, dupfds):
 
 def share(ptr):
     """Exports the fragless allocation that starts at `ptr` (an int or ctypes pointer). Raises RuntimeError
-    with fragless's reason (not a live allocation; memory not created exportable) when it cannot."""
+    with fragless's reason (not a live allocation; memory not created exportable) when it cannot, TypeError
+    for what is no pointer and ValueError for an int that is not an address."""
+    ptr = _pointer(ptr, "fragless.share")
     lib = _lib()
-    ptr = ptr.value if isinstance(ptr, ctypes.c_void_p) else int(ptr)
     s = lib.fragless_share_export(ptr)
     if not s:
         raise RuntimeError(last_error())
@@ -107,10 +108,11 @@ def open_shared(shared, device=0):
         raise TypeError("fragless.open_shared: expected a fragless.Shared, got %s" % type(shared).__name__)
     if not shared._fds:
         raise ValueError("fragless.open_shared: this share was closed")
+    device = _device(device)
     lib = _lib()
     fds = (ctypes.c_int * len(shared._fds))(*shared._fds)
     size = ctypes.c_size_t(0)
-    p = lib.fragless_open_shared(int(device), shared.description, len(shared.description), fds, len(shared._fds),
+    p = lib.fragless_open_shared(device, shared.description, len(shared.description), fds, len(shared._fds),
                                  ctypes.byref(size))
     if not p:
         raise RuntimeError(last_error())
@@ -118,9 +120,10 @@ def open_shared(shared, device=0):
 
 
 def close_shared(ptr):
-    """Unmaps what open_shared mapped and drops its reference; RuntimeError when ptr is not such a pointer."""
+    """Unmaps what open_shared mapped and drops its reference; RuntimeError when ptr is not such a pointer
+    (TypeError when it is no pointer at all, ValueError when it is not an address)."""
+    ptr = _pointer(ptr, "fragless.close_shared")
     lib = _lib()
-    ptr = ptr.value if isinstance(ptr, ctypes.c_void_p) else int(ptr)
     if lib.fragless_close_shared(ptr) != 0:
         raise RuntimeError(last_error())
 

@@ -27,6 +27,7 @@ API is tested without a GPU. enable() configures a process once: again with othe
 """
 import collections
 import ctypes
+import operator
 import os
 import sys
 import warnings
@@ -98,6 +99,8 @@ def enable(conf=None):
     it raises RuntimeError and makes no allocator PyTorch's; fragless.torch.graph_hooks names the graph-pool
     hooks it installed."""
     global _enabled, _enabled_conf, graph_hooks
+    if conf is not None:
+        _f._conf_bytes(conf, "fragless.torch.enable")  # a TypeError or a NUL's ValueError now, torch or not
     if _enabled is not None:
         asked = os.environ.get("FRAGLESS_CONF", "") if conf is None else conf
         if not _same(asked, _enabled_conf):
@@ -375,9 +378,10 @@ def _record_history_current(enabled="all", context="all", stacks="all", max_entr
                             skip_actions=None, record_pinned_host_memory=False, record_cuda=True):
     """torch.cuda.memory._record_memory_history's current form, with PyTorch's rules
     (torch/csrc/cuda/memory_snapshot.cpp): enabled None / 'state' / 'all', the history's length max_entries
-    only with 'all' (1 with 'state'), context None / 'state' / 'alloc' / 'all', stacks 'python' / 'all'. As in
-    PyTorch, `device` is not used (every device records). What fragless cannot record raises
-    NotImplementedError."""
+    only with 'all' (1 with 'state'), context None / 'state' / 'alloc' / 'all', stacks 'python' / 'all', and
+    max_entries a size_t (anything else a TypeError, whatever `enabled` is). As in PyTorch, `device` is not used
+    (every device records). What fragless cannot record raises NotImplementedError."""
+    max_entries = _size_t(max_entries, "max_entries")
     if enabled is not None and enabled not in ("state", "all"):
         raise RuntimeError("expected state to be 'state', 'all', or None")
     if context is not None and context not in ("state", "alloc", "all"):
@@ -390,8 +394,21 @@ def _record_history_current(enabled="all", context="all", stacks="all", max_entr
     _refuse_unrecorded(compile_context, global_record_annotations, skip_actions, record_pinned_host_memory,
                        record_cuda)
     entries = max_entries if enabled == "all" else 1
-    _f.record_history(max(1, min(int(entries), 1 << 40)), context=context, stacks=stacks,
-                      clear_history=clear_history)
+    _f.record_history(max(1, min(entries, 1 << 40)), context=context, stacks=stacks, clear_history=clear_history)
+
+
+def _size_t(value, name):
+    """An argument PyTorch's binding takes as a size_t (torch._C._cuda_record_memory_history's max_entries,
+    through pybind11): an int in [0, 2**64 - 1], anything else a TypeError there, raised before the call does
+    anything. Before 2026-12-05 a negative max_entries was taken for 1."""
+    try:
+        n = operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or not 0 <= n < 2**64:
+        raise TypeError("_record_memory_history(): incompatible function arguments: %s must be an int in "
+                        "[0, 2**64 - 1] (PyTorch's binding takes a size_t), got %r" % (name, value))
+    return n
 
 
 def _refuse_unrecorded(compile_context, global_record_annotations, skip_actions, record_pinned_host_memory,
