@@ -29,6 +29,7 @@ import collections
 import ctypes
 import operator
 import os
+import threading
 import sys
 import warnings
 
@@ -85,6 +86,9 @@ def _same(a, b):
         return False
 
 
+_enable_lock = threading.Lock()  # one enable() at a time: the check of what is enabled and the enabling are one step
+
+
 def enable(conf=None):
     """Make fragless PyTorch's CUDA allocator and let torch.cuda's memory API answer from it. `conf` is a
     FRAGLESS_CONF string (else the environment's; given, it replaces the environment's, with a warning when
@@ -97,7 +101,14 @@ def enable(conf=None):
     PyTorch without CUDAPluggableAllocator (before 2.0) or without CUDA. On a PyTorch whose CUDA graphs
     fragless cannot follow (2.0, whose pluggable allocator has none of the graph-pool hooks of 2.1 and later)
     it raises RuntimeError and makes no allocator PyTorch's; fragless.torch.graph_hooks names the graph-pool
-    hooks it installed."""
+    hooks it installed. Threads that call it at once are served one after the other."""
+    if conf is not None:
+        _f._conf_bytes(conf, "fragless.torch.enable")  # a TypeError or a NUL's ValueError now, torch or not
+    with _enable_lock:
+        return _enable(conf)
+
+
+def _enable(conf):
     global _enabled, _enabled_conf, graph_hooks
     if conf is not None:
         _f._conf_bytes(conf, "fragless.torch.enable")  # a TypeError or a NUL's ValueError now, torch or not
@@ -139,7 +150,7 @@ def enable(conf=None):
     if env and not _same(env, conf):
         warnings.warn("fragless.torch.enable(%r): FRAGLESS_CONF=%r is also set in the environment; its settings "
                       "are not used (the string given to enable() replaces it, in this process and the ones it "
-                      "starts)" % (conf, env), RuntimeWarning, stacklevel=2)
+                      "starts)" % (conf, env), RuntimeWarning, stacklevel=3)
     _check_driver(conf)
     _warn_pytorch_conf(conf)
     path = _f.library_path()
@@ -148,7 +159,7 @@ def enable(conf=None):
         warnings.warn("fragless.torch.enable(): this PyTorch (%s) %s, so fragless is not its allocator; "
                       "torch.cuda's memory functions now report fragless's own devices"
                       % (torch.__version__, "has no CUDA device" if pluggable else "has no CUDAPluggableAllocator"),
-                      RuntimeWarning, stacklevel=2)
+                      RuntimeWarning, stacklevel=3)
         os.environ["FRAGLESS_CONF"] = conf  # only now: a failed enable() leaves the environment as it was
         _install_api(torch)
         _install_oom_error(torch)
@@ -192,7 +203,7 @@ def _warn_pytorch_conf(conf):
                           "replaces: those settings do not apply. FRAGLESS_CONF takes PyTorch's keys "
                           "(max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold with "
                           "policy:classic, expandable_segments:True for PyTorch's expandable segments); give them "
-                          "there to have them" % (conf, name, value), RuntimeWarning, stacklevel=3)
+                          "there to have them" % (conf, name, value), RuntimeWarning, stacklevel=4)
             return
 
 
