@@ -19,6 +19,7 @@
 #include "engine_snapshot.h"
 #include "stacks.h"
 #include "fragless/allocator.h"
+#include "fragless/rounding.h"
 #include "fragless/fragless.h"
 
 namespace fragless {
@@ -438,21 +439,14 @@ bool imported(void* ptr) {
 // device_limit (the cuda driver's devices; kMaxDevices for host and sim, which report none) is refused and
 // nothing is made: the next call makes the allocator for the driver's count. Once the allocator is made the
 // count changes nothing, as before.
+// Not the driver's count: asking it would start CUDA (cuInit) in fragless_init, which started nothing before, and a
+// C program that forks after it would have children that cannot use CUDA. A count past the driver's makes the
+// devices past it fail at their first use, with the driver's error, as before.
 bool device_count_allowed(int n) {
-  if (proc().ready.load(std::memory_order_acquire)) return true;
-  const ConfigResult conf = config_from_environment();
-  if (!conf.ok) return true;  // get() reports it
-  std::string err;
-  const int limit = device_limit(conf.options, &err);
-  if (limit < 0 || n <= limit) return true;  // a driver that cannot tell: get() says why
-  const char* driver = driver_kind_name(conf.options.driver);
-  if (conf.options.driver == DriverKind::cuda)
-    set_errorf("fragless: fragless_init(%d): %d devices, more than the %d the cuda driver reports; nothing was made "
-               "(the next call makes the allocator for the driver's devices)", n, n, limit);
-  else
-    set_errorf("fragless: fragless_init(%d): %d devices, more than the %d fragless takes with the %s driver (which "
-               "reports no device count); nothing was made (the next call makes the allocator for 1 device)",
-               n, n, limit, driver);
+  if (proc().ready.load(std::memory_order_acquire) || n <= kMaxDevices) return true;
+  set_errorf("fragless: fragless_init(%d): %d devices, more than the %d fragless takes (PyTorch's device index is an "
+             "8-bit integer); nothing was made (the next call makes the allocator for the driver's devices, or 1 "
+             "device where the driver reports none)", n, n, kMaxDevices);
   return false;
 }
 
@@ -499,7 +493,9 @@ void* fragless_malloc(size_t size, int device, cudaStream_t stream) {
   if (void* p = allocate(size, device, stream, &oom, &message)) return p;
   // Never NULL: PyTorch's normal path would wrap it in a tensor whose first kernel faults.
   if (oom) {
-    notify_oom_observers(device, size);
+    // A request of 1 EiB or more is refused before any search, as PyTorch refuses it before its allocator's
+    // malloc (and so before its observers).
+    if (size < kMaxRequest) notify_oom_observers(device, size);
     if (auto thrower = g_oom_thrower.load(std::memory_order_acquire)) thrower(message.c_str());
     if (const std::string* note = g_oom_note.load(std::memory_order_acquire)) throw OutOfMemoryError(message + " " + *note);
     throw OutOfMemoryError(message);
@@ -683,9 +679,15 @@ void fragless_record_stream(void* ptr, cudaStream_t stream) {
     // Another process's block mapped here (fragless_open_shared): its owner's work is ordered when it is
     // closed (a device-wide synchronisation), so there is nothing to record.
     if (imported(ptr)) return;
+    // PyTorch passes any tensor's pointer, those of memory another library made (DLPack, NCCL's) included, which
+    // its own allocator skips without a word: the last error names it, stderr once per process.
     set_errorf("fragless: record_stream of pointer %p that fragless did not allocate or already freed; nothing was "
                "changed", ptr);
-    report_error();
+    static std::atomic<bool> said{false};
+    if (!said.exchange(true, std::memory_order_relaxed)) {
+      std::fprintf(stderr, "%s (said once: PyTorch also passes the tensors other libraries allocated; "
+                           "fragless_last_error names each)\n", fragless_last_error());
+    }
   });
 }
 

@@ -7,7 +7,7 @@
 //                      their thread's last error was long: each call works and reads back its own error
 //   filters            an empty graph-pool stream filter is every stream; one that throws fails the
 //                      allocation it was asked for (fragless_pool_malloc: NULL and the filter's message)
-//   record_stream      a pointer fragless did not allocate, or freed, is named; NULL and an imported block
+//   record_stream      a pointer fragless did not allocate, or freed, is named (on stderr once); NULL and an imported block
 //                      are nothing to record (FRAGLESS_CONF with shareable_handles:True)
 //   history_ex         fragless_record_history_ex refuses a context or stacks value it does not know
 //   pools              an end or release of a graph pool that was never begun is named
@@ -205,11 +205,16 @@ int record_stream_scenario() {
   void* p = fragless_pool_malloc(4096, 0, stream(0x10));
   REQUIRE(p != nullptr);
   CHECK(stderr_of([&] { fragless_record_stream(p, stream(0x20)); }).empty() && last_error().empty());
-  auto refused = [](void* q, const char* why) {
+  // Named in the last error each time, on stderr the first time only: PyTorch passes the pointers of tensors
+  // other libraries allocated too, which its own allocator skips without a word.
+  bool first = true;
+  auto refused = [&first](void* q, const char* why) {
     const auto lines = stderr_of([&] { fragless_record_stream(q, stream(0x20)); });
     char want[64];
     std::snprintf(want, sizeof want, "record_stream of pointer %p that fragless did not allocate", q);
-    if (!CHECK(lines.size() == 1 && has(lines[0], want) && has(last_error(), want)))
+    const bool said = first ? lines.size() == 1 && has(lines[0], want) && has(lines[0], "said once") : lines.empty();
+    first = false;
+    if (!CHECK(said && has(last_error(), want)))
       std::fprintf(stderr, "  (%s: %zu stderr lines, last error '%s')\n", why, lines.size(), last_error().c_str());
   };
   refused(reinterpret_cast<void*>(0xdead0000), "a pointer fragless never saw");

@@ -62,6 +62,13 @@ def run_case(case):
     check("fragless" in msg, msg)
     check(fragless.memory_stats(0)["num_alloc_retries"] == before + 1)  # the retry chain ran first
     check(len(seen) == 1, seen)
+    # 1 EiB or more is refused before any search, as PyTorch refuses it before its allocator (and its observers).
+    try:
+        torch.empty(1 << 61, dtype=torch.uint8)
+        raise AssertionError("2 EiB were allocated")
+    except RuntimeError as e:
+        check("more than 1EB" in str(e), str(e))
+    check(len(seen) == 1, seen)
     device, alloc, limit, free = seen[0]
     check(device == 0 and alloc == 1 << 40 and limit == 512 << 20 and 0 < free <= limit, seen)
     try:

@@ -168,6 +168,7 @@ class TraceFile {
     const NativeTraceRecord* buf = nullptr;
     std::atomic<std::size_t> stored{0};
     std::size_t written = 0;  // under mu_
+    int queued = 0;           // under mu_: this sink's jobs not yet written (its records before buf's)
   };
   void add_filling(Filling* f) {
     std::lock_guard lk(mu_);
@@ -192,13 +193,15 @@ class TraceFile {
       n -= from;
       if (dead_) return written(false, n, 0);
       if (stop_) {
-        done_.wait(lk, [&] { return jobs_.empty(); });  // the writer's last buffers go first
+        // The writer's last buffers go first, and a periodic write it may be in the middle of.
+        done_.wait(lk, [&] { return jobs_.empty() && !filling_in_flight_; });
         std::size_t kept = 0;
         written(!dropped_ && write_all(reinterpret_cast<const char*>(p), n * sizeof(NativeTraceRecord), &kept), n, kept);
         return;
       }
       *busy = true;
-      jobs_.push_back({p, n, busy});
+      ++f->queued;
+      jobs_.push_back({p, n, busy, f});
     }
     cv_.notify_all();
   }
@@ -232,18 +235,27 @@ class TraceFile {
     const NativeTraceRecord* p;
     std::size_t n;
     bool* busy;
+    Filling* from;
   };
 
   // A job stays queued until it is written, so that a synchronous write (submit, once stopped) waits for it.
   // With no job for kWriteEvery, the records stored so far in the buffers being filled are written.
   void run() {
     std::unique_lock lk(mu_);
+    auto due = std::chrono::steady_clock::now() + kWriteEvery;
     for (;;) {
-      if (!cv_.wait_for(lk, kWriteEvery, [&] { return stop_ || !jobs_.empty(); })) {
+      cv_.wait_until(lk, due, [&] { return stop_ || !jobs_.empty(); });
+      // Due whether or not full buffers came meanwhile: a quiet device sharing the file with a busy one is
+      // written too (not only when the queue has stayed empty for the interval).
+      if (!stop_ && std::chrono::steady_clock::now() >= due) {
         write_filling(lk);
+        due = std::chrono::steady_clock::now() + kWriteEvery;
         continue;
       }
-      if (jobs_.empty()) return;  // stop_ and nothing left
+      if (jobs_.empty()) {
+        if (stop_) return;  // nothing left
+        continue;
+      }
       const Job j = jobs_.front();
       const bool failed = dropped_ != 0;
       lk.unlock();
@@ -251,6 +263,7 @@ class TraceFile {
       const bool ok = !failed && write_all(reinterpret_cast<const char*>(j.p), j.n * sizeof(NativeTraceRecord), &kept);
       lk.lock();
       jobs_.pop_front();
+      --j.from->queued;
       written(ok, j.n, kept);
       *j.busy = false;
       done_.notify_all();
@@ -260,20 +273,25 @@ class TraceFile {
   // mu_ held, on the writer (Note [Writing a buffer being filled]): writes what each filling buffer holds beyond
   // what the file has. The sink goes on storing after the count read here, into slots this write does not
   // read; it reuses the buffer only once the buffer's job, which the writer makes after this, is done, and a
-  // sink is destroyed only after its last job. The list may change while a write runs without mu_: by index,
-  // an entry that moved is looked at again (nothing new then) or next time.
+  // sink is destroyed only after its last job. A sink whose earlier buffer's job is still queued is passed over
+  // (its records in the file stay in their order). The list may change while a write runs without mu_: by
+  // index, an entry that moved is looked at again (nothing new then) or next time. filling_in_flight_ keeps a
+  // write made once the writer is stopping (submit) from overtaking this one.
   void write_filling(std::unique_lock<std::mutex>& lk) {
     for (std::size_t i = 0; i < filling_.size(); ++i) {
       Filling* const f = filling_[i];
       const std::size_t stored = f->stored.load(std::memory_order_acquire);
-      if (stored <= f->written || dropped_) continue;
+      if (stored <= f->written || dropped_ || f->queued > 0) continue;
       const NativeTraceRecord* p = f->buf + f->written;
       const std::size_t n = stored - f->written;
       f->written = stored;
+      filling_in_flight_ = true;
       lk.unlock();
       std::size_t kept = 0;
       const bool ok = write_all(reinterpret_cast<const char*>(p), n * sizeof(NativeTraceRecord), &kept);
       lk.lock();
+      filling_in_flight_ = false;
+      done_.notify_all();
       written(ok, n, kept);
     }
   }
@@ -313,6 +331,7 @@ class TraceFile {
   std::condition_variable cv_, done_;
   std::deque<Job> jobs_;
   std::vector<Filling*> filling_;
+  bool filling_in_flight_ = false;  // a periodic write runs without mu_
   bool stop_ = false;
   bool dead_ = false;  // stopped on the writer thread itself: nothing more is written
   std::uint64_t dropped_ = 0;
@@ -470,7 +489,8 @@ std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, co
       return nullptr;
     }
     if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) {
-      if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int lock_error = ::flock(fd, LOCK_EX | LOCK_NB) == 0 ? 0 : errno;
+      if (lock_error == EWOULDBLOCK) {
         if (busy) *busy = true;
         if (error)
           *error = "fragless: another process is writing the trace file '" + path +
@@ -478,6 +498,9 @@ std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, co
         ::close(fd);
         return nullptr;
       }
+      if (lock_error != 0)  // a file system without flock (some NFS and Lustre mounts): written unlocked
+        std::fprintf(stderr, "fragless: the trace file '%s' cannot be locked (%s); it is written unlocked, so give "
+                     "each process its own path (%%p, or %%r with RANK set)\n", path.c_str(), std::strerror(lock_error));
       if (::ftruncate(fd, 0) != 0) {
         if (error) *error = "fragless: cannot empty trace file '" + path + "': " + std::strerror(errno);
         ::close(fd);
