@@ -108,8 +108,8 @@ PY
 failed=0
 step_failed() { echo "gpu_check: $1"; failed=1; }
 
-# 1. The driver probe. 77: no driver or no device.
-kernel="$bundle/lib/fragless_kernels.fatbin"
+# 1. The driver probe. 77: no driver or no device (any other failure of cuInit is 1, named on stderr).
+kernel="$bundle/lib/fragless_kernels.cubin"  # the probe and the tests fall back on the PTX built into them
 [ -f "$kernel" ] || kernel=""
 run probe "$t_probe" "$bundle/bin/fragless-gpu-probe" ${kernel:+--kernel "$kernel"} --out "$work/probe.json"
 rc=$?
@@ -183,7 +183,8 @@ if probe:
           d["granularity_min"], d["granularity_recommended"], probe["driver"]["version"]))
     print("semantics:", ", ".join("%s=%s" % kv for kv in probe["semantics"].items()))
 if tests:
-    print("real-driver tests: %d passed, %d failed, %d skipped" % (tests["passed"], tests["failed"], tests["skipped"]))
+    print("real-driver tests: %d passed, %d failed, %d skipped; kernels: %s" % (tests["passed"], tests["failed"],
+          tests["skipped"], tests.get("kernels")))
 if replay:
     rows = replay if isinstance(replay, list) else replay.get("results", [])
     for r in rows:
