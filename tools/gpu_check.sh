@@ -200,6 +200,15 @@ if torch_rows:
         print("%-11s %12.0f %12s %8.2f%% %9.1f %13.2f %7d %s; %s" % (r["mode"], r["peak_reserved"] / 2**20, pa,
               100 * r["fragmentation_at_peak"], 1000 * r["median_step_s"], r["alloc_free_us"],
               r.get("distinct_shapes", 0), same, r.get("checks")))
+    # Where each row's peaks come from (gpu_train.py: after the warm-up steps, inside every step), and what
+    # did not pass where it is known not to work.
+    for r in torch_rows:
+        print("%s: peaks over steps %d to %d from %s" % (r["mode"], r.get("warmup_steps", 0) + 1, r.get("steps", 0),
+              r.get("peak_source", "?")))
+        for name, why in sorted((r.get("known_unsupported") or {}).items()):
+            print("%s: %s did not pass, known unsupported: %s" % (r["mode"], name, why))
+        if r.get("failed_checks"):
+            print("%s: FAILED checks: %s" % (r["mode"], ", ".join(r["failed_checks"])))
 print("written:", sys.argv[1])
 PY
 if [ $failed -ne 0 ]; then
