@@ -1869,6 +1869,13 @@ CUresult get_proc(const char* symbol, void** pfn, int cuda_version, cuuint64_t f
   }
   if (flags & ~static_cast<cuuint64_t>(CU_GET_PROC_ADDRESS_LEGACY_STREAM | CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM))
     return CUDA_ERROR_INVALID_VALUE;
+  if (symbol) {  // counted by the flags asked with (0 is the legacy stream at the ABI: R20); not the table's making
+    std::lock_guard lk(st().mu);
+    count_call(flags == CU_GET_PROC_ADDRESS_LEGACY_STREAM                  ? "cuGetProcAddress:legacy"
+               : flags == CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM ? "cuGetProcAddress:per-thread"
+               : flags == 0                                             ? "cuGetProcAddress:default"
+                                                                        : "cuGetProcAddress:both");
+  }
   static const std::unordered_map<std::string, ProcEntry> table = {
       {"cuInit", any(&cuInit)},
       {"cuGetErrorName", any(&cuGetErrorName)},
