@@ -41,11 +41,25 @@ else
 fi
 # The glibc the binaries need: the newest GLIBC_ symbol version they import (gpu_check.sh checks it at start).
 glibc="$(objdump -T "$out"/bin/* "$out"/lib/*.so 2>/dev/null | grep -o 'GLIBC_[0-9][0-9.]*' | sed 's/GLIBC_//' | sort -uV | tail -1)"
+# The libstdc++ the libraries need: the newest GLIBCXX_ and CXXABI_ symbol versions they import (the programs
+# link theirs statically). The libraries keep the shared libstdc++: they are loaded into PyTorch's process and
+# fragless_malloc throws into PyTorch's code, which a second, static copy of the C++ runtime would not make
+# safe; gpu_check.sh checks the machine's instead, at start.
+cxx=""
+for series in GLIBCXX CXXABI; do
+  v="$(objdump -T "$out"/lib/*.so 2>/dev/null | grep -o "${series}_[0-9][0-9.]*" | sort -uV | tail -1)"
+  cxx="$cxx${v:+ $v}"
+done
 {
   echo "fragless GPU bundle"
   echo "built: $(date -u +%Y-%m-%dT%H:%MZ) on $(uname -m), from $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
   echo "kernel: $kernel"
   echo "glibc: ${glibc:-unknown (no objdump on the build machine)} or newer (the newest symbol version the binaries import)"
+  if [ -n "$cxx" ]; then
+    echo "libstdc++:$cxx or newer (the newest symbol versions lib/*.so import; the programs in bin/ carry their own)"
+  else
+    echo "libstdc++: unknown (no objdump on the build machine)"
+  fi
 } > "$out/MANIFEST"
 size=$(du -sb "$out" | cut -f1)
 if [ "$size" -gt $((64 << 20)) ]; then

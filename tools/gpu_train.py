@@ -20,7 +20,8 @@ reserved, fragless's own figure (DeviceStats::fragmentation_at_peak).
 
 Then PyTorch's memory API, a snapshot and a CUDA graph are checked under the allocator. A check that does not
 pass exits 1 (after the JSON line), unless its mode and check are in KNOWN_UNSUPPORTED, which names why; those
-are reported in the JSON and on stderr and fail nothing."""
+are reported in the JSON and on stderr and fail nothing. Exits 3, running nothing, when PyTorch has no CUDA
+here (torch.cuda.is_available() is False)."""
 import argparse
 import ctypes
 import json
@@ -83,6 +84,11 @@ def main(argv):
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
+
+    if not torch.cuda.is_available():  # 3: tools/gpu_check.sh then runs no training, and fails nothing
+        print("gpu_train.py: PyTorch %s (built for CUDA %s) has no GPU here: torch.cuda.is_available() is False"
+              % (torch.__version__, torch.version.cuda), file=sys.stderr)
+        return 3
 
     torch.manual_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = False
