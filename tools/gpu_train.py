@@ -28,6 +28,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 WARMUP = 5  # steps left out of the median step time and of the peaks
@@ -198,9 +199,10 @@ def main(argv):
     try:
         torch.cuda.memory._record_memory_history(max_entries=10000)
         y = torch.empty(3 << 20, device=dev)
-        snap = "/tmp/fragless_gpu_snapshot_%s.pickle" % args.mode
+        snap = os.path.join(tempfile.gettempdir(), "fragless_gpu_snapshot_%d_%s.pickle" % (os.getpid(), args.mode))
         torch.cuda.memory._dump_snapshot(snap)
         checks["dump_snapshot"] = os.path.getsize(snap) > 0
+        os.unlink(snap)
         del y
     except Exception as e:  # noqa: BLE001
         checks["dump_snapshot"] = "error: %s" % e
