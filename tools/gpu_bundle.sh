@@ -3,9 +3,10 @@
 # git; at most 64 MiB, so the device run can carry it): Release, the cuda driver, no sanitizers, no tests.
 #   tools/gpu_bundle.sh [OUT]
 # Contents: bin/fragless-gpu-probe, bin/fragless-gpu-tests, bin/fragless-replay, lib/libfragless.so, lib/libfragless_preload.so,
-# lib/fragless_kernels.fatbin (the spin kernel, nvcc: sm_90 code + compute_80 PTX), python/fragless (the
-# helper), gpu_check.sh, gpu_train.py, MANIFEST (what was built, from which commit, the kernel, the glibc the
-# binaries need). Then, on the device: bash OUT/gpu_check.sh OUT
+# lib/fragless_kernels.cubin (tools/gpu_kernels.ptx assembled by ptxas for sm_90, the H100's and H200's; the
+# probe and the tests load it first and the same PTX, built into them, where it does not load), python/fragless
+# (the helper), gpu_check.sh, gpu_train.py, MANIFEST (what was built, from which commit, the kernels, the glibc
+# the binaries need and the libstdc++ the libraries need). Then, on the device: bash OUT/gpu_check.sh OUT
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 out="$(mkdir -p "${1:-$root/gpu-bundle}" && cd "${1:-$root/gpu-bundle}" && pwd)"
@@ -28,21 +29,37 @@ cp -r "$root/torch_plugin/python/fragless" "$out/python/"
 rm -rf "$out/python/fragless/__pycache__"
 cp "$root/tools/gpu_check.sh" "$root/tools/gpu_train.py" "$out/"
 cp "$root/tests/python/test_torch_share.py" "$root/tests/python/checks.py" "$out/"
-nvcc="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
-if [ -x "$nvcc" ]; then
-  "$nvcc" -fatbin -gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=compute_80 \
-    -o "$out/lib/fragless_kernels.fatbin" "$root/tools/gpu_kernels.cu"
-  kernel="fragless_kernels.fatbin ($("$nvcc" --version | tail -1))"
+# The kernels: PTX of ISA 7.0, built into the probe and the tests, which any driver from CUDA 11.0 on compiles;
+# a cubin of it for sm_90 as well where ptxas is here, which needs no JIT compiler on the GPU machine (a
+# driver older than this ptxas may refuse it: the PTX is loaded then).
+ptxas="${PTXAS:-$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)}"
+if [ -x "$ptxas" ] && "$ptxas" -arch=sm_90 -o "$out/lib/fragless_kernels.cubin" "$root/tools/gpu_kernels.ptx"; then
+  kernel="tools/gpu_kernels.ptx (ISA 7.0) built into the programs; lib/fragless_kernels.cubin, sm_90 ($("$ptxas" --version | tail -1)), tried first"
 else
-  kernel="none: no nvcc here, so the probe's kernel questions will be unanswered"
+  rm -f "$out/lib/fragless_kernels.cubin"
+  kernel="tools/gpu_kernels.ptx (ISA 7.0) built into the programs; no cubin (no ptxas here)"
 fi
 # The glibc the binaries need: the newest GLIBC_ symbol version they import (gpu_check.sh checks it at start).
 glibc="$(objdump -T "$out"/bin/* "$out"/lib/*.so 2>/dev/null | grep -o 'GLIBC_[0-9][0-9.]*' | sed 's/GLIBC_//' | sort -uV | tail -1)"
+# The libstdc++ the libraries need: the newest GLIBCXX_ and CXXABI_ symbol versions they import (the programs
+# link theirs statically). The libraries keep the shared libstdc++: they are loaded into PyTorch's process and
+# fragless_malloc throws into PyTorch's code, which a second, static copy of the C++ runtime would not make
+# safe; gpu_check.sh checks the machine's instead, at start.
+cxx=""
+for series in GLIBCXX CXXABI; do
+  v="$(objdump -T "$out"/lib/*.so 2>/dev/null | grep -o "${series}_[0-9][0-9.]*" | sort -uV | tail -1)"
+  cxx="$cxx${v:+ $v}"
+done
 {
   echo "fragless GPU bundle"
   echo "built: $(date -u +%Y-%m-%dT%H:%MZ) on $(uname -m), from $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
   echo "kernel: $kernel"
   echo "glibc: ${glibc:-unknown (no objdump on the build machine)} or newer (the newest symbol version the binaries import)"
+  if [ -n "$cxx" ]; then
+    echo "libstdc++:$cxx or newer (the newest symbol versions lib/*.so import; the programs in bin/ carry their own)"
+  else
+    echo "libstdc++: unknown (no objdump on the build machine)"
+  fi
 } > "$out/MANIFEST"
 size=$(du -sb "$out" | cut -f1)
 if [ "$size" -gt $((64 << 20)) ]; then

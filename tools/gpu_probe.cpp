@@ -1,11 +1,14 @@
 // fragless-gpu-probe: asks the real CUDA driver what fragless's design assumes, and what its calls cost.
 //
-//   fragless-gpu-probe [--out FILE.json] [--kernel FILE.fatbin|.ptx] [--device N] [--quick]
+//   fragless-gpu-probe [--out FILE.json] [--kernel FILE.cubin] [--device N] [--quick]
 //
 // Needs no PyTorch and no CUDA runtime: libcuda.so.1 (or FRAGLESS_LIBCUDA, e.g. the libcuda double) is
 // opened with dlopen. Writes one JSON object (schema "fragless-gpu-probe/1", read by
-// `fragless-replay --costs`) and prints a table. Exits 77 within seconds when there is no driver or no
-// device, 1 when a probe step fails, 0 otherwise. What it asks:
+// `fragless-replay --costs`) and prints a table. Exits 77 within seconds when there is no driver library
+// (and no /dev/nvidiactl), when cuInit answers CUDA_ERROR_NO_DEVICE or the driver counts no device; 1, naming
+// the CUresult, when cuInit fails otherwise (a driver whose kernel module and library differ, 803; a
+// forward-compatibility package the GPU does not take, 804; 999) or a probe step fails; 0 otherwise. What it
+// asks:
 //  - the device: name, total memory, VMM attributes, granularity (minimum and recommended);
 //  - median and p99 cost of cuMemAddressReserve, cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap,
 //    cuMemRelease and cuMemAddressFree at handle sizes of 2, 20, 64, 512 MiB and 2 GiB (those that fit), and
@@ -13,12 +16,15 @@
 //  - whether cuMemMap takes a non-zero offset into a handle, or part of a handle, and whether one cuMemUnmap
 //    may cover several adjacent mappings (driver.h R5, R7);
 //  - whether one handle mapped at two addresses shows the same bytes (R9), through cuMemcpy;
-//  - with a kernel (--kernel: tools/gpu_kernels.cu, built by tools/gpu_bundle.sh): whether cuMemUnmap,
-//    cuMemRelease or cuMemSetAccess of an unrelated range waits for a kernel running on another stream;
+//  - with a kernel (tools/gpu_kernels.ptx, built in; --kernel: the bundle's cubin of it, tried first): whether
+//    cuMemUnmap, cuMemRelease or cuMemSetAccess of an unrelated range waits for a kernel running on another
+//    stream;
 //  - cuEventRecord + cuEventQuery, and cuStreamSynchronize on an idle stream.
-// A question the driver cannot answer here (no kernel, no cuModuleLoadData in the libcuda double) is null
-// with a note saying why; the schema is the same everywhere.
+// Only a driver FRAGLESS_LIBCUDA names may lack the kernel calls (the libcuda double runs no kernels): its
+// kernel questions are null with a note saying why, and the schema is the same everywhere. Where the driver
+// has them, kernels that cannot be loaded or launched fail the probe, the CUresult and the JIT's log named.
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -35,6 +41,7 @@
 
 #include <cuda.h>
 
+#include "fragless_kernels_ptx.h"
 #include "trace_model.h"
 
 namespace {
@@ -74,8 +81,9 @@ struct Cu {
   CUresult (*eventQuery)(CUevent);
   CUresult (*eventDestroy)(CUevent);
   CUresult (*ctxSynchronize)();
-  // Optional: kernels (the libcuda double has none).
-  CUresult (*moduleLoadData)(CUmodule*, const void*) = nullptr;
+  // Optional: error names; kernels (the libcuda double has none).
+  CUresult (*getErrorName)(CUresult, const char**) = nullptr;
+  CUresult (*moduleLoadDataEx)(CUmodule*, const void*, unsigned, CUjit_option*, void**) = nullptr;
   CUresult (*moduleGetFunction)(CUfunction*, CUmodule, const char*) = nullptr;
   CUresult (*moduleUnload)(CUmodule) = nullptr;
   CUresult (*launchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
@@ -87,9 +95,13 @@ struct Cu {
     *fn = reinterpret_cast<F>(dlsym(lib, name));
     if (!*fn && required) missing += std::string(missing.empty() ? "" : ", ") + name;
   }
-  bool load(const char* path) {
+  bool load(const char* path, std::string* why) {
     lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (!lib) return false;
+    if (!lib) {
+      const char* e = dlerror();
+      *why = e ? e : "dlopen failed";
+      return false;
+    }
     get(&init, "cuInit");
     get(&driverGetVersion, "cuDriverGetVersion");
     get(&deviceGetCount, "cuDeviceGetCount");
@@ -120,13 +132,40 @@ struct Cu {
     get(&eventQuery, "cuEventQuery");
     get(&eventDestroy, "cuEventDestroy_v2");
     get(&ctxSynchronize, "cuCtxSynchronize");
-    get(&moduleLoadData, "cuModuleLoadData", false);
+    get(&getErrorName, "cuGetErrorName", false);
+    get(&moduleLoadDataEx, "cuModuleLoadDataEx", false);
     get(&moduleGetFunction, "cuModuleGetFunction", false);
     get(&moduleUnload, "cuModuleUnload", false);
     get(&launchKernel, "cuLaunchKernel", false);
     return true;
   }
+  // A CUresult by its name and number: "CUDA_ERROR_NO_DEVICE (100)".
+  std::string name(CUresult r) const {
+    const char* n = nullptr;
+    if (getErrorName && getErrorName(r, &n) != CUDA_SUCCESS) n = nullptr;
+    return std::string(n ? n : "CUresult") + " (" + std::to_string(static_cast<int>(r)) + ")";
+  }
+  // Loads a module from `image` (a cubin, or NUL-terminated PTX); nullptr with *why naming the CUresult and
+  // what the JIT compiler logged.
+  CUmodule load_module(const void* image, std::string* why) {
+    char log[4096] = "";
+    CUjit_option opts[] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
+    void* vals[] = {log, reinterpret_cast<void*>(sizeof log)};
+    CUmodule mod = nullptr;
+    const CUresult r = moduleLoadDataEx(&mod, image, 2, opts, vals);
+    if (r == CUDA_SUCCESS) return mod;
+    log[sizeof log - 1] = '\0';
+    *why = "cuModuleLoadDataEx: " + name(r) + (log[0] ? std::string(": ") + log : std::string());
+    return nullptr;
+  }
 };
+
+// Whether FRAGLESS_LIBCUDA names the driver (the libcuda double in the tests): only such a driver may lack
+// the kernel calls.
+bool driver_named() {
+  const char* env = std::getenv("FRAGLESS_LIBCUDA");
+  return env && *env;
+}
 
 double now_us() {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -174,8 +213,11 @@ class Probe {
 
   bool ok(const char* what, CUresult r) {
     if (r == CUDA_SUCCESS) return true;
-    if (failure.empty()) failure = std::string(what) + " returned " + std::to_string(static_cast<int>(r));
+    if (failure.empty()) failure = std::string(what) + " returned " + cu_.name(r);
     return false;
+  }
+  void fail(const std::string& what) {
+    if (failure.empty()) failure = what;
   }
 
   // One full reserve/create/map/set access/unmap/release/free cycle at `size`, timed per call.
@@ -279,26 +321,40 @@ class Probe {
   // stream: a call taking more than half the spin waited. -1 each when no kernel could be run.
   void waits_for_kernel(const std::string& kernel_file, std::size_t g, int* unmap, int* release, int* access) {
     *unmap = *release = *access = -1;
-    if (!cu_.moduleLoadData || !cu_.launchKernel || !cu_.moduleGetFunction) {
-      notes.push_back("kernel questions not asked: the driver has no cuModuleLoadData/cuLaunchKernel (the libcuda "
-                      "double runs no kernels)");
+    if (!cu_.moduleLoadDataEx || !cu_.launchKernel || !cu_.moduleGetFunction || !cu_.moduleUnload) {
+      const std::string what = "the driver has no cuModuleLoadDataEx, cuModuleGetFunction, cuModuleUnload or cuLaunchKernel";
+      if (driver_named())
+        notes.push_back("kernel questions not asked: " + what + " (the libcuda double runs no kernels)");
+      else
+        fail("kernel questions not asked: " + what);
       return;
     }
-    if (kernel_file.empty()) {
-      notes.push_back("kernel questions not asked: no --kernel file (tools/gpu_bundle.sh builds one with nvcc)");
-      return;
-    }
-    std::ifstream f(kernel_file, std::ios::binary);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    std::string image = ss.str();
-    image.push_back('\0');  // PTX is text: NUL-terminated
+    // The bundle's cubin first (no JIT compiler needed), else the PTX built in, which any driver from CUDA 11.0
+    // on compiles.
     CUmodule mod = nullptr;
+    std::string cubin_why, ptx_why;
+    if (!kernel_file.empty()) {
+      std::ifstream f(kernel_file, std::ios::binary);
+      std::stringstream ss;
+      ss << f.rdbuf();
+      const std::string image = ss.str();
+      if (!f || image.empty()) cubin_why = "cannot read it";
+      else mod = cu_.load_module(image.data(), &cubin_why);
+    }
+    if (mod) {
+      notes.push_back("kernels: loaded from " + kernel_file);
+    } else {
+      mod = cu_.load_module(fragless_gpu::kKernelsPtx, &ptx_why);
+      const std::string cubin = kernel_file.empty() ? "" : " (" + kernel_file + " did not load: " + cubin_why + ")";
+      if (!mod) {
+        fail("cannot load the kernels: the built-in PTX: " + ptx_why + cubin);
+        return;
+      }
+      notes.push_back("kernels: loaded from the built-in PTX" + cubin);
+    }
     CUfunction spin = nullptr;
-    if (!f || cu_.moduleLoadData(&mod, image.data()) != CUDA_SUCCESS ||
-        cu_.moduleGetFunction(&spin, mod, "fragless_spin") != CUDA_SUCCESS) {
-      notes.push_back("kernel questions not asked: cannot load fragless_spin from " + kernel_file);
-      if (mod) cu_.moduleUnload(mod);
+    if (!ok("cuModuleGetFunction(fragless_spin)", cu_.moduleGetFunction(&spin, mod, "fragless_spin"))) {
+      cu_.moduleUnload(mod);
       return;
     }
     CUstream s = nullptr;
@@ -319,7 +375,7 @@ class Probe {
       cu_.memCreate(&ho, g, &prop_, 0);
       cu_.memMap(other, g, 0, ho, 0);
       cu_.memSetAccess(other, g, &desc_, 1);
-      if (cu_.launchKernel(spin, 1, 1, 1, 1, 1, 1, 0, s, args, nullptr) != CUDA_SUCCESS) {
+      if (!ok("cuLaunchKernel(fragless_spin)", cu_.launchKernel(spin, 1, 1, 1, 1, 1, 1, 0, s, args, nullptr))) {
         cu_.memUnmap(other, g);
         cu_.memRelease(ho);
         return -1.0;
@@ -329,7 +385,7 @@ class Probe {
       call();
       const double dt = now_us() - t0;
       after();
-      cu_.streamSynchronize(s);
+      ok("cuStreamSynchronize after fragless_spin", cu_.streamSynchronize(s));
       return dt;
     };
     const double tu = run([&] { cu_.memUnmap(other, g); }, [&] { cu_.memRelease(ho); });
@@ -404,10 +460,11 @@ class Probe {
 
 int usage(const char* msg) {
   std::fprintf(msg ? stderr : stdout,
-               "%s%susage: fragless-gpu-probe [--out FILE.json] [--kernel FILE] [--device N] [--quick]\n"
+               "%s%susage: fragless-gpu-probe [--out FILE.json] [--kernel FILE.cubin] [--device N] [--quick]\n"
                "  asks the CUDA driver (libcuda.so.1, or FRAGLESS_LIBCUDA) what fragless assumes and what its\n"
                "  VMM calls cost; writes JSON (schema fragless-gpu-probe/1, for fragless-replay --costs) and a\n"
-               "  table. --quick: fewer repetitions. Exit 77 without a driver or device, 1 on a failed step.\n",
+               "  table. --kernel: a cubin of the kernels to try before the PTX built in. --quick: fewer\n"
+               "  repetitions. Exit 77 without a driver or device, 1 when cuInit fails otherwise or a step fails.\n",
                msg ? "fragless-gpu-probe: " : "", msg ? (std::string(msg) + "\n").c_str() : "");
   return msg ? 2 : 0;
 }
@@ -430,8 +487,16 @@ int main(int argc, char** argv) {
   const char* env = std::getenv("FRAGLESS_LIBCUDA");
   const std::string path = env && *env ? env : "libcuda.so.1";
   Cu cu;
-  if (!cu.load(path.c_str())) {
-    std::printf("SKIPPED: no GPU driver here (cannot load %s)\n", path.c_str());
+  std::string why;
+  if (!cu.load(path.c_str(), &why)) {
+    // A device node without the driver's library is a machine set up wrong (a container given the GPU but not
+    // the driver's user-space libraries), not a machine without a GPU.
+    if (!driver_named() && access("/dev/nvidiactl", F_OK) == 0) {
+      std::fprintf(stderr, "fragless-gpu-probe: /dev/nvidiactl is here, but %s cannot be loaded: %s\n", path.c_str(),
+                   why.c_str());
+      return 1;
+    }
+    std::printf("SKIPPED: no GPU driver here (cannot load %s: %s)\n", path.c_str(), why.c_str());
     return 77;
   }
   if (!cu.missing.empty()) {
@@ -439,13 +504,31 @@ int main(int argc, char** argv) {
     return 1;
   }
   int count = 0, version = 0;
-  if (cu.init(0) != CUDA_SUCCESS || cu.deviceGetCount(&count) != CUDA_SUCCESS || count == 0) {
-    std::printf("SKIPPED: no CUDA device here (%s loads, but cuInit or cuDeviceGetCount finds none)\n", path.c_str());
+  cu.driverGetVersion(&version);
+  if (const CUresult r = cu.init(0); r != CUDA_SUCCESS) {
+    if (r == CUDA_ERROR_NO_DEVICE) {
+      std::printf("SKIPPED: no CUDA device here (%s loads; cuInit: %s)\n", path.c_str(), cu.name(r).c_str());
+      return 77;
+    }
+    const char* hint = r == CUDA_ERROR_SYSTEM_DRIVER_MISMATCH
+                           ? ": the driver's library and its kernel module are of different versions"
+                       : r == CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE
+                           ? ": a CUDA forward-compatibility library is loaded that this GPU does not support"
+                           : "";
+    std::fprintf(stderr, "fragless-gpu-probe: cuInit failed: %s%s (%s, driver version %d)\n", cu.name(r).c_str(), hint,
+                 path.c_str(), version);
+    return 1;
+  }
+  if (const CUresult r = cu.deviceGetCount(&count); r != CUDA_SUCCESS) {
+    std::fprintf(stderr, "fragless-gpu-probe: cuDeviceGetCount failed: %s\n", cu.name(r).c_str());
+    return 1;
+  }
+  if (count == 0) {
+    std::printf("SKIPPED: no CUDA device here (%s loads, cuInit succeeds, cuDeviceGetCount counts 0)\n", path.c_str());
     return 77;
   }
   if (device < 0 || device >= count) return usage(("--device " + std::to_string(device) + " is not one of the " +
                                                     std::to_string(count) + " devices").c_str());
-  cu.driverGetVersion(&version);
   CUdevice dev = 0;
   cu.deviceGet(&dev, device);
   char name[256] = "";
@@ -457,8 +540,13 @@ int main(int argc, char** argv) {
   cu.deviceGetAttribute(&posix_fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev);
   cu.deviceGetAttribute(&rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, dev);
   CUcontext ctx = nullptr;
-  if (cu.primaryCtxRetain(&ctx, dev) != CUDA_SUCCESS || cu.ctxPushCurrent(ctx) != CUDA_SUCCESS) {
-    std::fprintf(stderr, "fragless-gpu-probe: cannot make device %d's primary context current\n", device);
+  if (const CUresult r = cu.primaryCtxRetain(&ctx, dev); r != CUDA_SUCCESS) {
+    std::fprintf(stderr, "fragless-gpu-probe: cuDevicePrimaryCtxRetain of device %d: %s\n", device, cu.name(r).c_str());
+    return 1;
+  }
+  if (const CUresult r = cu.ctxPushCurrent(ctx); r != CUDA_SUCCESS) {
+    std::fprintf(stderr, "fragless-gpu-probe: cuCtxPushCurrent of device %d's primary context: %s\n", device,
+                 cu.name(r).c_str());
     return 1;
   }
   Probe p(cu, dev);

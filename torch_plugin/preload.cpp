@@ -640,6 +640,31 @@ FRAGLESS_EXPORT int fragless_preload_memory(int device, size_t* allocated, size_
   return 0;
 }
 
+// fragless's own peak allocated and reserved bytes on a device since the last reset: allocated_bytes.all.peak
+// and reserved_bytes.all.peak of its statistics, which torch.cuda.max_memory_allocated and max_memory_reserved
+// read under fragless.torch.enable() (PyTorch's own answer 0 here: its allocator is bypassed). 0 and 0 for a
+// device fragless has not used; -1 when the interposer is off.
+FRAGLESS_EXPORT int fragless_preload_peak_memory(int device, size_t* allocated, size_t* reserved) {
+  fragless::Allocator* a = ip().get();
+  if (!a || !allocated || !reserved) return -1;
+  *allocated = *reserved = 0;
+  if (fragless::DeviceEngine* e = a->existing(device)) {
+    const fragless::DeviceStats st = e->stats();
+    *allocated = static_cast<size_t>(st.allocated_bytes.all().peak);
+    *reserved = static_cast<size_t>(st.reserved_bytes.all().peak);
+  }
+  return 0;
+}
+
+// Starts every peak of the device's statistics again from its current value (torch.cuda.reset_peak_memory_stats).
+// 0, or -1 when the interposer is off.
+FRAGLESS_EXPORT int fragless_preload_reset_peak_memory(int device) {
+  fragless::Allocator* a = ip().get();
+  if (!a) return -1;
+  if (fragless::DeviceEngine* e = a->existing(device)) e->reset_peak_stats();
+  return 0;
+}
+
 // Returns once the device's background worker has no job in flight or queued (DeviceEngine::drain_background):
 // for tests and tools that read the driver's free memory, which moves for a moment during a split. 0, or -1
 // when the interposer is off; a device fragless has not used has nothing to wait for.

@@ -64,6 +64,15 @@ TEST_CASE("cuda driver: a device that does not exist gets a clear error", "[cuda
   CHECK(err.find("invalid device 9 (this machine has 2 CUDA devices)") != std::string::npos);
 }
 
+TEST_CASE("cuda driver: every entry point is looked up for the legacy default stream with its flag said", "[cuda]") {
+  fake();
+  std::string err;
+  REQUIRE(cuda_device_count(&err) == 2);  // the driver loaded: every required entry point looked up
+  CHECK(fake().calls("cuGetProcAddress:legacy") >= 30);
+  CHECK(fake().calls("cuGetProcAddress:default") == 0);
+  CHECK(fake().calls("cuGetProcAddress:per-thread") == 0);
+}
+
 TEST_CASE("cuda driver: OOM on create frees the cache, retries, then reports OOM cleanly", "[cuda]") {
   std::string err;
   fake().capacity(0, 64 * MiB);

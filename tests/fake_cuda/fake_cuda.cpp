@@ -666,6 +666,18 @@ constexpr ErrorText kErrors[] = {
     {CUDA_ERROR_CAPTURED_EVENT, "CUDA_ERROR_CAPTURED_EVENT", "operation not permitted on an event last recorded in a capturing stream"},
     {CUDA_ERROR_STREAM_CAPTURE_ISOLATION, "CUDA_ERROR_STREAM_CAPTURE_ISOLATION",
      "dependency created on uncaptured work in another stream"},
+    // Injected (FAKECUDA_FAIL) or returned by the module double (fake_modules.cpp) in the GPU check's tests.
+    {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
+    {CUDA_ERROR_NO_BINARY_FOR_GPU, "CUDA_ERROR_NO_BINARY_FOR_GPU", "no kernel image is available for execution on the device"},
+    {CUDA_ERROR_INVALID_PTX, "CUDA_ERROR_INVALID_PTX", "a PTX JIT compilation failed"},
+    {CUDA_ERROR_JIT_COMPILER_NOT_FOUND, "CUDA_ERROR_JIT_COMPILER_NOT_FOUND", "PTX JIT compiler library not found"},
+    {CUDA_ERROR_UNSUPPORTED_PTX_VERSION, "CUDA_ERROR_UNSUPPORTED_PTX_VERSION",
+     "the provided PTX was compiled with an unsupported toolchain."},
+    {CUDA_ERROR_SYSTEM_DRIVER_MISMATCH, "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH",
+     "system has unsupported display driver / cuda driver combination"},
+    {CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE, "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE",
+     "forward compatibility was attempted on non supported HW"},
+    {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
 };
 const ErrorText* error_text(CUresult e) {
   for (const auto& t : kErrors)
@@ -1857,6 +1869,13 @@ CUresult get_proc(const char* symbol, void** pfn, int cuda_version, cuuint64_t f
   }
   if (flags & ~static_cast<cuuint64_t>(CU_GET_PROC_ADDRESS_LEGACY_STREAM | CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM))
     return CUDA_ERROR_INVALID_VALUE;
+  if (symbol) {  // counted by the flags asked with (0 is the legacy stream at the ABI: R20); not the table's making
+    std::lock_guard lk(st().mu);
+    count_call(flags == CU_GET_PROC_ADDRESS_LEGACY_STREAM                  ? "cuGetProcAddress:legacy"
+               : flags == CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM ? "cuGetProcAddress:per-thread"
+               : flags == 0                                             ? "cuGetProcAddress:default"
+                                                                        : "cuGetProcAddress:both");
+  }
   static const std::unordered_map<std::string, ProcEntry> table = {
       {"cuInit", any(&cuInit)},
       {"cuGetErrorName", any(&cuGetErrorName)},

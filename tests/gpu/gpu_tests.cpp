@@ -2,7 +2,7 @@
 // test framework, so it runs on a GPU machine that has none. Device memory is not host memory: every
 // pattern is written and read back through cuMemcpyHtoD / cuMemcpyDtoH.
 //
-//   fragless-gpu-tests [--kernel FILE.fatbin] [--json FILE]
+//   fragless-gpu-tests [--kernel FILE.cubin] [--json FILE]
 //
 // conformance (distinct, aligned, usable blocks; reuse; empty_cache gives everything back), OOM under a
 // memory fraction (PyTorch's first sentence, then recovery), integrity (random operations with a pattern per
@@ -10,10 +10,15 @@
 // freed block at its end: a new block must neither see that value nor lose its own bytes to it), a graph of
 // real kernels captured into a private pool, replayed on another stream and released while the replay runs
 // (the stream must end without a fault), and a capture on a real stream with pool routing (never
-// invalidated). A test fails when its allocator cannot be created or any driver call it makes fails. A test
-// that cannot run here (no kernel on the libcuda double) is reported SKIPPED, loudly. Exit 0 all passed, 1 a
-// failure (or the setup failed), 77 no GPU driver or device.
+// invalidated). A test fails when its allocator cannot be created or any driver call it makes fails, each
+// CUresult by its name. The kernels are tools/gpu_kernels.ptx, built in (any driver from CUDA 11.0 on compiles
+// that PTX); --kernel names the bundle's cubin of them, tried first. The kernel tests are SKIPPED, loudly, only
+// where the driver FRAGLESS_LIBCUDA names lacks the kernel calls (the libcuda double runs no kernels); on a
+// driver that has them, kernels that do not load fail those tests, the CUresult and the JIT's log named.
+// Exit 0 all passed, 1 a failure (or the setup failed, or cuInit failed with anything but
+// CUDA_ERROR_NO_DEVICE), 77 no driver library (and no /dev/nvidiactl) or no device.
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -31,6 +36,7 @@
 
 #include "fragless/allocator.h"
 #include "fragless/cuda_driver.h"
+#include "fragless_kernels_ptx.h"
 
 using namespace fragless;
 
@@ -40,7 +46,9 @@ constexpr std::size_t MiB = std::size_t{1} << 20;
 
 struct Cu {
   void* lib = nullptr;
-  CUresult (*primaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
+  CUresult (*init)(unsigned) = nullptr;
+  CUresult (*deviceGetCount)(int*) = nullptr;
+  CUresult (*getErrorName)(CUresult, const char**) = nullptr;  CUresult (*primaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
   CUresult (*primaryCtxRelease)(CUdevice) = nullptr;
   CUresult (*ctxPush)(CUcontext) = nullptr;
   CUresult (*ctxPop)(CUcontext*) = nullptr;
@@ -52,7 +60,7 @@ struct Cu {
   CUresult (*beginCapture)(CUstream, CUstreamCaptureMode) = nullptr;
   CUresult (*endCapture)(CUstream, CUgraph*) = nullptr;
   CUresult (*graphDestroy)(CUgraph) = nullptr;
-  CUresult (*moduleLoadData)(CUmodule*, const void*) = nullptr;
+  CUresult (*moduleLoadDataEx)(CUmodule*, const void*, unsigned, CUjit_option*, void**) = nullptr;
   CUresult (*moduleGetFunction)(CUfunction*, CUmodule, const char*) = nullptr;
   CUresult (*launchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
                            void**, void**) = nullptr;
@@ -65,14 +73,43 @@ struct Cu {
   CUresult (*graphExecDestroy)(CUgraphExec) = nullptr;
   template <typename F>
   void get(F* f, const char* n) { *f = reinterpret_cast<F>(dlsym(lib, n)); }
+  // A CUresult by its name and number: "CUDA_ERROR_NO_DEVICE (100)".
+  std::string name(CUresult r) const {
+    const char* n = nullptr;
+    if (getErrorName && getErrorName(r, &n) != CUDA_SUCCESS) n = nullptr;
+    return std::string(n ? n : "CUresult") + " (" + std::to_string(static_cast<int>(r)) + ")";
+  }
+  // Loads a module from `image` (a cubin, or NUL-terminated PTX); nullptr with *why naming the CUresult and
+  // what the JIT compiler logged.
+  CUmodule load_module(const void* image, std::string* why) {
+    char log[4096] = "";
+    CUjit_option opts[] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
+    void* vals[] = {log, reinterpret_cast<void*>(sizeof log)};
+    CUmodule mod = nullptr;
+    const CUresult r = moduleLoadDataEx(&mod, image, 2, opts, vals);
+    if (r == CUDA_SUCCESS) return mod;
+    log[sizeof log - 1] = '\0';
+    *why = "cuModuleLoadDataEx: " + name(r) + (log[0] ? std::string(": ") + log : std::string());
+    return nullptr;
+  }
 };
+
+std::string json_str(const std::string& s) {
+  std::string o = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') o += '\\';
+    if (static_cast<unsigned char>(c) >= 0x20) o += c;
+  }
+  return o + "\"";
+}
 
 struct Report {
   int passed = 0, failed = 0, skipped = 0;
   std::string json = "[";
   void add(const std::string& name, const char* result, const std::string& detail) {
     std::printf("%-8s %s%s%s\n", result, name.c_str(), detail.empty() ? "" : ": ", detail.c_str());
-    json += std::string(json.size() > 1 ? "," : "") + "{\"test\":\"" + name + "\",\"result\":\"" + result + "\"}";
+    json += std::string(json.size() > 1 ? "," : "") + "{\"test\":" + json_str(name) + ",\"result\":\"" + result + "\"" +
+            (detail.empty() ? "" : ",\"detail\":" + json_str(detail)) + "}";
   }
 };
 
@@ -85,7 +122,7 @@ class Run {
     return ok;
   }
   // A driver call the test makes: any error fails the test, named.
-  bool ok(CUresult r, const char* call) { return expect(r == CUDA_SUCCESS, std::string(call) + " returned " + std::to_string(r)); }
+  bool ok(CUresult r, const char* call) { return expect(r == CUDA_SUCCESS, std::string(call) + " returned " + cu_.name(r)); }
   void finish(const std::string& name) {
     if (why.empty()) ++r_.passed, r_.add(name, "PASSED", "");
     else ++r_.failed, r_.add(name, "FAILED", why);
@@ -162,22 +199,62 @@ int main(int argc, char** argv) {
     if (a == "--kernel" && i + 1 < argc) kernel_file = argv[++i];
     else if (a == "--json" && i + 1 < argc) json_file = argv[++i];
     else if (a == "-h" || a == "--help") {
-      std::printf("usage: fragless-gpu-tests [--kernel FILE.fatbin] [--json FILE]\n");
+      std::printf("usage: fragless-gpu-tests [--kernel FILE.cubin] [--json FILE]\n");
       return 0;
     } else {
       std::fprintf(stderr, "fragless-gpu-tests: unknown option %s\n", a.c_str());
       return 2;
     }
   }
-  std::string err;
-  const int devices = cuda_device_count(&err);
-  if (devices <= 0) {
-    std::printf("SKIPPED: no GPU here (%s): the real-driver tests did not run\n", devices < 0 ? err.c_str() : "no device");
+  // Whether there is a GPU here: the driver's library, cuInit and a device. No library (and no device node),
+  // CUDA_ERROR_NO_DEVICE and a count of 0 are "no GPU" (77); any other failure is a machine whose GPU cannot
+  // be used (1), named.
+  const char* env = std::getenv("FRAGLESS_LIBCUDA");
+  const bool named = env && *env;  // only a driver named so (the libcuda double) may lack the kernel calls
+  const std::string path = named ? env : "libcuda.so.1";
+  Cu cu;
+  cu.lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!cu.lib) {
+    const char* e = dlerror();
+    if (!named && access("/dev/nvidiactl", F_OK) == 0) {
+      std::fprintf(stderr, "fragless-gpu-tests: /dev/nvidiactl is here, but %s cannot be loaded: %s\n", path.c_str(),
+                   e ? e : "dlopen failed");
+      return 1;
+    }
+    std::printf("SKIPPED: no GPU driver here (cannot load %s: %s): the real-driver tests did not run\n", path.c_str(),
+                e ? e : "dlopen failed");
     return 77;
   }
-  Cu cu;
-  const char* env = std::getenv("FRAGLESS_LIBCUDA");
-  cu.lib = dlopen(env && *env ? env : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  cu.get(&cu.init, "cuInit");
+  cu.get(&cu.deviceGetCount, "cuDeviceGetCount");
+  cu.get(&cu.getErrorName, "cuGetErrorName");
+  if (!cu.init || !cu.deviceGetCount) {
+    std::fprintf(stderr, "fragless-gpu-tests: %s has no cuInit or cuDeviceGetCount\n", path.c_str());
+    return 1;
+  }
+  if (const CUresult r = cu.init(0); r != CUDA_SUCCESS) {
+    if (r == CUDA_ERROR_NO_DEVICE) {
+      std::printf("SKIPPED: no GPU here (cuInit: %s): the real-driver tests did not run\n", cu.name(r).c_str());
+      return 77;
+    }
+    std::fprintf(stderr, "fragless-gpu-tests: cuInit failed: %s; the real-driver tests did not run\n", cu.name(r).c_str());
+    return 1;
+  }
+  int count = 0;
+  if (const CUresult r = cu.deviceGetCount(&count); r != CUDA_SUCCESS) {
+    std::fprintf(stderr, "fragless-gpu-tests: cuDeviceGetCount failed: %s\n", cu.name(r).c_str());
+    return 1;
+  }
+  if (count == 0) {
+    std::printf("SKIPPED: no GPU here (cuDeviceGetCount counts 0): the real-driver tests did not run\n");
+    return 77;
+  }
+  std::string err;
+  if (cuda_device_count(&err) <= 0) {
+    std::fprintf(stderr, "fragless-gpu-tests: fragless's cuda driver sees no device where cuDeviceGetCount counts %d: %s\n",
+                 count, err.c_str());
+    return 1;
+  }
   cu.get(&cu.primaryCtxRetain, "cuDevicePrimaryCtxRetain");
   cu.get(&cu.primaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
   cu.get(&cu.ctxPush, "cuCtxPushCurrent_v2");
@@ -190,7 +267,7 @@ int main(int argc, char** argv) {
   cu.get(&cu.beginCapture, "cuStreamBeginCapture_v2");
   cu.get(&cu.endCapture, "cuStreamEndCapture");
   cu.get(&cu.graphDestroy, "cuGraphDestroy");
-  cu.get(&cu.moduleLoadData, "cuModuleLoadData");
+  cu.get(&cu.moduleLoadDataEx, "cuModuleLoadDataEx");
   cu.get(&cu.moduleGetFunction, "cuModuleGetFunction");
   cu.get(&cu.launchKernel, "cuLaunchKernel");
   cu.get(&cu.eventQuery, "cuEventQuery");
@@ -217,21 +294,39 @@ int main(int argc, char** argv) {
   }
   const auto A = reinterpret_cast<Stream>(sa), B = reinterpret_cast<Stream>(sb);
   CUfunction spin_fill = nullptr;
-  std::string no_kernel;
-  if (!cu.moduleLoadData || !cu.launchKernel || !cu.eventCreate || !cu.graphInstantiate || !cu.graphLaunch) {
-    no_kernel = "the driver runs no kernels (the libcuda double)";
-  } else if (kernel_file.empty()) {
-    no_kernel = "no --kernel file";
+  std::string no_kernel;     // why the kernel tests are skipped: the driver FRAGLESS_LIBCUDA names runs none
+  std::string kernel_error;  // why they fail: a driver with the kernel calls did not load the kernels
+  std::string kernels;       // where the kernels came from, or why they did not load (in --json)
+  if (!cu.moduleLoadDataEx || !cu.moduleGetFunction || !cu.launchKernel || !cu.eventCreate || !cu.eventRecord ||
+      !cu.eventQuery || !cu.eventDestroy || !cu.graphInstantiate || !cu.graphLaunch || !cu.graphExecDestroy) {
+    const std::string what = "the driver has no cuModuleLoadDataEx, cuModuleGetFunction, cuLaunchKernel, the event "
+                             "calls or cuGraphInstantiateWithFlags, cuGraphLaunch, cuGraphExecDestroy";
+    if (named) no_kernel = what + " (the libcuda double runs no kernels)";
+    else kernel_error = what;
   } else {
-    std::ifstream f(kernel_file, std::ios::binary);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    std::string image = ss.str() + std::string(1, '\0');
+    // The bundle's cubin first (no JIT compiler needed), else the PTX built in.
     CUmodule mod = nullptr;
-    if (!f || cu.moduleLoadData(&mod, image.data()) != CUDA_SUCCESS ||
-        cu.moduleGetFunction(&spin_fill, mod, "fragless_spin_fill") != CUDA_SUCCESS)
-      no_kernel = "cannot load fragless_spin_fill from " + kernel_file;
+    std::string cubin_why, ptx_why;
+    if (!kernel_file.empty()) {
+      std::ifstream f(kernel_file, std::ios::binary);
+      std::stringstream ss;
+      ss << f.rdbuf();
+      const std::string image = ss.str();
+      if (!f || image.empty()) cubin_why = "cannot read it";
+      else mod = cu.load_module(image.data(), &cubin_why);
+    }
+    const std::string cubin = kernel_file.empty() || mod ? "" : " (" + kernel_file + " did not load: " + cubin_why + ")";
+    if (mod) kernels = "loaded from " + kernel_file;
+    else if ((mod = cu.load_module(fragless_gpu::kKernelsPtx, &ptx_why))) kernels = "loaded from the built-in PTX" + cubin;
+    else kernel_error = "cannot load the kernels: the built-in PTX: " + ptx_why + cubin;
+    if (mod) {
+      if (const CUresult r = cu.moduleGetFunction(&spin_fill, mod, "fragless_spin_fill"); r != CUDA_SUCCESS)
+        kernel_error = "cuModuleGetFunction(fragless_spin_fill): " + cu.name(r);
+    }
   }
+  if (!kernel_error.empty()) kernels = kernel_error;
+  else if (!no_kernel.empty()) kernels = "none: " + no_kernel;
+  std::printf("kernels: %s\n", kernels.c_str());
   // A kernel on `s` that spins for about `ms` milliseconds, then writes `value` into every word of [p, p+n).
   auto launch_fill = [&](CUstream s, void* p, std::size_t n, double ms, unsigned value) {
     unsigned long long cycles = static_cast<unsigned long long>(ms * 2e6), words = n / 4;
@@ -250,12 +345,17 @@ int main(int argc, char** argv) {
   Report report;
   Run t(cu, report);
   const PolicyKind policies[] = {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless};
-  // A test that needs a kernel of its own; skipped, with the reason, where none can run.
+  // A test that needs a kernel of its own: skipped, with the reason, where the driver runs none (the double);
+  // failed where the kernels did not load.
   auto kernel_test = [&](PolicyKind p, const std::string& name, auto&& body) {
-    if (!no_kernel.empty())
+    if (!no_kernel.empty()) {
       t.skip(name + " (" + policy_name(p) + ")", no_kernel);
-    else
+    } else if (!kernel_error.empty()) {
+      t.expect(false, kernel_error);
+      t.finish(name + " (" + policy_name(p) + ")");
+    } else {
       test(t, p, name, body);
+    }
   };
 
   for (PolicyKind p : policies) {
@@ -420,7 +520,7 @@ int main(int argc, char** argv) {
   if (!json_file.empty()) {
     std::ofstream f(json_file);
     f << "{\"passed\":" << report.passed << ",\"failed\":" << report.failed << ",\"skipped\":" << report.skipped
-      << ",\"tests\":" << report.json << "]}\n";
+      << ",\"kernels\":" << json_str(kernels) << ",\"tests\":" << report.json << "]}\n";
   }
   return report.failed ? 1 : 0;
 }

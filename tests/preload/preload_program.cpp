@@ -148,6 +148,28 @@ int main(int argc, char** argv) {
     expect(fakecudart_calls("cudaIpcGetMemHandle") == 1, "a foreign pointer's handle is the runtime's");
     std::free(theirs);
     expect(cudaFree(ours) == 0, "free");
+    // fragless's own peaks (gpu_train.py reads them under LD_PRELOAD, where PyTorch's allocator is bypassed):
+    // a block allocated and freed in between is in them until a reset starts them again from the current bytes.
+    auto memory = reinterpret_cast<int (*)(int, size_t*, size_t*)>(dlsym(RTLD_DEFAULT, "fragless_preload_memory"));
+    auto peak = reinterpret_cast<int (*)(int, size_t*, size_t*)>(dlsym(RTLD_DEFAULT, "fragless_preload_peak_memory"));
+    auto reset = reinterpret_cast<int (*)(int)>(dlsym(RTLD_DEFAULT, "fragless_preload_reset_peak_memory"));
+    expect(memory && peak && reset, "fragless_preload_peak_memory and fragless_preload_reset_peak_memory exported");
+    if (memory && peak && reset) {
+      size_t a0 = 0, r0 = 0, pa = 0, pr = 0, a1 = 0, r1 = 0;
+      expect(reset(0) == 0 && memory(0, &a0, &r0) == 0 && peak(0, &pa, &pr) == 0, "the peaks read after a reset");
+      expect(pa == a0 && pr == r0, "a reset starts the peaks from the current bytes");
+      void* big = nullptr;
+      expect(cudaMallocAsync(&big, 96u << 20, s1) == 0 && big, "a 96 MiB allocation");
+      expect(cudaFreeAsync(big, s1) == 0, "its free (stream-ordered: not deferred)");
+      expect(peak(0, &pa, &pr) == 0 && memory(0, &a1, &r1) == 0, "the peaks read after the free");
+      std::printf("peaks: allocated %zu -> %zu (now %zu), reserved %zu -> %zu\n", a0, pa, a1, r0, pr);
+      expect(pa >= a0 + (96u << 20) && pr >= (96u << 20) && pr >= r1 && a1 < pa, "the freed block is in the peaks");
+      expect(reset(0) == 0 && peak(0, &pa, &pr) == 0 && memory(0, &a1, &r1) == 0 && pa == a1 && pr == r1,
+             "a second reset forgets it");
+      size_t z1 = 1, z2 = 1;
+      expect(peak(3, &z1, &z2) == 0 && z1 == 0 && z2 == 0, "a device fragless has not used: 0 and 0");
+      expect(peak(0, nullptr, &z2) == -1, "a null out-parameter: -1");
+    }
   }
   return failures ? 1 : 0;
 }

@@ -85,10 +85,16 @@ struct Api {
   }
 };
 
+// The flags of every lookup: the legacy default stream's entry points, asked for by name. 0
+// (CU_GET_PROC_ADDRESS_DEFAULT) reads the same at the ABI (driver.h R20: per-thread only for code built for
+// per-thread streams, which cuda.h's inline wrapper turns into the flag before the call), but a driver or an
+// interposer could read it as "whatever the caller was built for"; CU_GET_PROC_ADDRESS_LEGACY_STREAM cannot be.
+constexpr cuuint64_t kProcFlags = CU_GET_PROC_ADDRESS_LEGACY_STREAM;
+
 template <typename F>
 bool resolve(Api& a, const char* name, F* fn) {
   void* p = nullptr;
-  if (a.getProcAddress(name, &p, a.version, 0) != CUDA_SUCCESS || !p) {
+  if (a.getProcAddress(name, &p, a.version, kProcFlags) != CUDA_SUCCESS || !p) {
     a.error = std::string("fragless: libcuda has no ") + name;
     return false;
   }
@@ -142,7 +148,7 @@ void load(Api& a) {
 #undef FRAGLESS_CUDA_RESOLVE
   if (!ok) return;
 #define FRAGLESS_CUDA_RESOLVE_OPTIONAL(member, symbol) \
-if (void* p = nullptr; a.getProcAddress(#symbol, &p, a.version, 0) == CUDA_SUCCESS && p) \
+if (void* p = nullptr; a.getProcAddress(#symbol, &p, a.version, kProcFlags) == CUDA_SUCCESS && p) \
   a.member = reinterpret_cast<decltype(a.member)>(p);
   FRAGLESS_CUDA_OPTIONAL(FRAGLESS_CUDA_RESOLVE_OPTIONAL)
 #undef FRAGLESS_CUDA_RESOLVE_OPTIONAL
