@@ -75,6 +75,22 @@ if [ -n "$need_cxx" ]; then
   else
     lacking=""
     for v in $need_cxx; do grep -qazxF "$v" "$stdcxx" || lacking="$lacking $v"; done
+    # What ldd finds alone is not always what PyTorch's interpreter loads (a conda python's RPATH brings its own,
+    # newer libstdc++): the libstdc++ the interpreter the runs use has mapped once it has loaded the library is
+    # checked too, and has the last word.
+    if [ -n "$lacking" ]; then
+      py_stdcxx="$(timeout -k 5 20 env FRAGLESS_CONF=driver:host python3 -c 'import ctypes, sys
+ctypes.CDLL(sys.argv[1])
+print(next((l.split()[-1] for l in open("/proc/self/maps") if "/libstdc++.so" in l), ""))' "$bundle/lib/libfragless.so" 2>/dev/null)"
+      if [ -n "$py_stdcxx" ] && [ "$py_stdcxx" != "$stdcxx" ]; then
+        py_lacking=""
+        for v in $need_cxx; do grep -qazxF "$v" "$py_stdcxx" || py_lacking="$py_lacking $v"; done
+        if [ -z "$py_lacking" ]; then
+          echo "gpu_check: ldd gives $stdcxx, which lacks$lacking, but python3 loads $py_stdcxx, which has them: going on"
+          lacking=""
+        fi
+      fi
+    fi
     if [ -n "$lacking" ]; then
       echo "gpu_check: FAILED: the bundle's libraries need libstdc++ with$lacking (MANIFEST: $need_cxx or newer), which $stdcxx lacks: the runs that load them (fragless, LD_PRELOAD, the CUDA tensor exchange) will not run; build the bundle with an older GCC or give this machine a newer libstdc++"
       libs_ok=0

@@ -643,10 +643,11 @@ FRAGLESS_EXPORT int fragless_preload_memory(int device, size_t* allocated, size_
 // fragless's own peak allocated and reserved bytes on a device since the last reset: allocated_bytes.all.peak
 // and reserved_bytes.all.peak of its statistics, which torch.cuda.max_memory_allocated and max_memory_reserved
 // read under fragless.torch.enable() (PyTorch's own answer 0 here: its allocator is bypassed). 0 and 0 for a
-// device fragless has not used; -1 when the interposer is off.
+// device fragless has not used; -1 when the interposer is off or the device is not one of its devices (a
+// caller that named the wrong device must not read a plain 0).
 FRAGLESS_EXPORT int fragless_preload_peak_memory(int device, size_t* allocated, size_t* reserved) {
   fragless::Allocator* a = ip().get();
-  if (!a || !allocated || !reserved) return -1;
+  if (!a || !allocated || !reserved || device < 0 || device >= a->device_count()) return -1;
   *allocated = *reserved = 0;
   if (fragless::DeviceEngine* e = a->existing(device)) {
     const fragless::DeviceStats st = e->stats();
@@ -657,10 +658,10 @@ FRAGLESS_EXPORT int fragless_preload_peak_memory(int device, size_t* allocated, 
 }
 
 // Starts every peak of the device's statistics again from its current value (torch.cuda.reset_peak_memory_stats).
-// 0, or -1 when the interposer is off.
+// 0, or -1 when the interposer is off or the device is not one of its devices.
 FRAGLESS_EXPORT int fragless_preload_reset_peak_memory(int device) {
   fragless::Allocator* a = ip().get();
-  if (!a) return -1;
+  if (!a || device < 0 || device >= a->device_count()) return -1;
   if (fragless::DeviceEngine* e = a->existing(device)) e->reset_peak_stats();
   return 0;
 }

@@ -169,6 +169,8 @@ int main(int argc, char** argv) {
       size_t z1 = 1, z2 = 1;
       expect(peak(3, &z1, &z2) == 0 && z1 == 0 && z2 == 0, "a device fragless has not used: 0 and 0");
       expect(peak(0, nullptr, &z2) == -1, "a null out-parameter: -1");
+      expect(peak(-5, &z1, &z2) == -1 && peak(1000, &z1, &z2) == -1 && reset(-1) == -1 && reset(1000) == -1,
+             "a device that is not the interposer's: -1, never a plain 0");
     }
   }
   return failures ? 1 : 0;

@@ -29,11 +29,14 @@ check(("preload", "cuda_graph") in gt.KNOWN_UNSUPPORTED, gt.KNOWN_UNSUPPORTED)
 failed, exempt = gt.verdict("preload", dict(passing, cuda_graph="error: operation not permitted when stream is capturing"))
 check(failed == {} and list(exempt) == ["cuda_graph"], (failed, exempt))
 check("PYTORCH_NO_CUDA_MEMORY_CACHING" in exempt["cuda_graph"] and "not permitted" in exempt["cuda_graph"], exempt)
+# A wrong answer, or another error, in an unsupported pair is a failure all the same.
 failed, exempt = gt.verdict("preload", dict(passing, memory_stats=False, cuda_graph=False))
-check(failed == {"memory_stats": False} and list(exempt) == ["cuda_graph"], (failed, exempt))
+check(failed == {"memory_stats": False, "cuda_graph": False} and exempt == {}, (failed, exempt))
+failed, exempt = gt.verdict("preload", dict(passing, cuda_graph="error: an illegal memory access was encountered"))
+check(list(failed) == ["cuda_graph"] and exempt == {}, (failed, exempt))
 
-for (mode, name), why in gt.KNOWN_UNSUPPORTED.items():
-    check(mode in gt.MODES and name in gt.CHECKS and why, (mode, name, why))
+for (mode, name), (why, texts) in gt.KNOWN_UNSUPPORTED.items():
+    check(mode in gt.MODES and name in gt.CHECKS and why and texts, (mode, name, why, texts))
 
 r = subprocess.run([sys.executable, path, "--help"], capture_output=True, text=True)
 check(r.returncode == 0 and "--mode" in r.stdout, (r.returncode, r.stdout, r.stderr))
