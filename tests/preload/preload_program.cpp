@@ -167,7 +167,13 @@ int main(int argc, char** argv) {
       expect(reset(0) == 0 && peak(0, &pa, &pr) == 0 && memory(0, &a1, &r1) == 0 && pa == a1 && pr == r1,
              "a second reset forgets it");
       size_t z1 = 1, z2 = 1;
-      expect(peak(3, &z1, &z2) == 0 && z1 == 0 && z2 == 0, "a device fragless has not used: 0 and 0");
+      // The interposer's last device (the double's count varies with its settings), which this program never
+      // uses: 0 and 0.
+      for (int d = 63; d >= 2; --d)
+        if (peak(d, &z1, &z2) == 0) {
+          expect(z1 == 0 && z2 == 0, "a device fragless has not used: 0 and 0");
+          break;
+        }
       expect(peak(0, nullptr, &z2) == -1, "a null out-parameter: -1");
       expect(peak(-5, &z1, &z2) == -1 && peak(1000, &z1, &z2) == -1 && reset(-1) == -1 && reset(1000) == -1,
              "a device that is not the interposer's: -1, never a plain 0");
