@@ -41,7 +41,7 @@
 
 #include <cuda.h>
 
-#include "fragless_kernels_ptx.h"
+#include "gpu_kernels.h"
 #include "trace_model.h"
 
 namespace {
@@ -140,24 +140,7 @@ struct Cu {
     return true;
   }
   // A CUresult by its name and number: "CUDA_ERROR_NO_DEVICE (100)".
-  std::string name(CUresult r) const {
-    const char* n = nullptr;
-    if (getErrorName && getErrorName(r, &n) != CUDA_SUCCESS) n = nullptr;
-    return std::string(n ? n : "CUresult") + " (" + std::to_string(static_cast<int>(r)) + ")";
-  }
-  // Loads a module from `image` (a cubin, or NUL-terminated PTX); nullptr with *why naming the CUresult and
-  // what the JIT compiler logged.
-  CUmodule load_module(const void* image, std::string* why) {
-    char log[4096] = "";
-    CUjit_option opts[] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
-    void* vals[] = {log, reinterpret_cast<void*>(sizeof log)};
-    CUmodule mod = nullptr;
-    const CUresult r = moduleLoadDataEx(&mod, image, 2, opts, vals);
-    if (r == CUDA_SUCCESS) return mod;
-    log[sizeof log - 1] = '\0';
-    *why = "cuModuleLoadDataEx: " + name(r) + (log[0] ? std::string(": ") + log : std::string());
-    return nullptr;
-  }
+  std::string name(CUresult r) const { return fragless_gpu::result_name(getErrorName, r); }
 };
 
 // Whether FRAGLESS_LIBCUDA names the driver (the libcuda double in the tests): only such a driver may lack
@@ -329,29 +312,13 @@ class Probe {
         fail("kernel questions not asked: " + what);
       return;
     }
-    // The bundle's cubin first (no JIT compiler needed), else the PTX built in, which any driver from CUDA 11.0
-    // on compiles.
-    CUmodule mod = nullptr;
-    std::string cubin_why, ptx_why;
-    if (!kernel_file.empty()) {
-      std::ifstream f(kernel_file, std::ios::binary);
-      std::stringstream ss;
-      ss << f.rdbuf();
-      const std::string image = ss.str();
-      if (!f || image.empty()) cubin_why = "cannot read it";
-      else mod = cu_.load_module(image.data(), &cubin_why);
+    std::string source, why;
+    CUmodule mod = fragless_gpu::load_kernels(cu_.moduleLoadDataEx, cu_.getErrorName, kernel_file, &source, &why);
+    if (!mod) {
+      fail(why);
+      return;
     }
-    if (mod) {
-      notes.push_back("kernels: loaded from " + kernel_file);
-    } else {
-      mod = cu_.load_module(fragless_gpu::kKernelsPtx, &ptx_why);
-      const std::string cubin = kernel_file.empty() ? "" : " (" + kernel_file + " did not load: " + cubin_why + ")";
-      if (!mod) {
-        fail("cannot load the kernels: the built-in PTX: " + ptx_why + cubin);
-        return;
-      }
-      notes.push_back("kernels: loaded from the built-in PTX" + cubin);
-    }
+    notes.push_back("kernels: " + source);
     CUfunction spin = nullptr;
     if (!ok("cuModuleGetFunction(fragless_spin)", cu_.moduleGetFunction(&spin, mod, "fragless_spin"))) {
       cu_.moduleUnload(mod);

@@ -36,7 +36,7 @@
 
 #include "fragless/allocator.h"
 #include "fragless/cuda_driver.h"
-#include "fragless_kernels_ptx.h"
+#include "gpu_kernels.h"
 
 using namespace fragless;
 
@@ -74,24 +74,7 @@ struct Cu {
   template <typename F>
   void get(F* f, const char* n) { *f = reinterpret_cast<F>(dlsym(lib, n)); }
   // A CUresult by its name and number: "CUDA_ERROR_NO_DEVICE (100)".
-  std::string name(CUresult r) const {
-    const char* n = nullptr;
-    if (getErrorName && getErrorName(r, &n) != CUDA_SUCCESS) n = nullptr;
-    return std::string(n ? n : "CUresult") + " (" + std::to_string(static_cast<int>(r)) + ")";
-  }
-  // Loads a module from `image` (a cubin, or NUL-terminated PTX); nullptr with *why naming the CUresult and
-  // what the JIT compiler logged.
-  CUmodule load_module(const void* image, std::string* why) {
-    char log[4096] = "";
-    CUjit_option opts[] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
-    void* vals[] = {log, reinterpret_cast<void*>(sizeof log)};
-    CUmodule mod = nullptr;
-    const CUresult r = moduleLoadDataEx(&mod, image, 2, opts, vals);
-    if (r == CUDA_SUCCESS) return mod;
-    log[sizeof log - 1] = '\0';
-    *why = "cuModuleLoadDataEx: " + name(r) + (log[0] ? std::string(": ") + log : std::string());
-    return nullptr;
-  }
+  std::string name(CUresult r) const { return fragless_gpu::result_name(getErrorName, r); }
 };
 
 std::string json_str(const std::string& s) {
@@ -304,21 +287,7 @@ int main(int argc, char** argv) {
     if (named) no_kernel = what + " (the libcuda double runs no kernels)";
     else kernel_error = what;
   } else {
-    // The bundle's cubin first (no JIT compiler needed), else the PTX built in.
-    CUmodule mod = nullptr;
-    std::string cubin_why, ptx_why;
-    if (!kernel_file.empty()) {
-      std::ifstream f(kernel_file, std::ios::binary);
-      std::stringstream ss;
-      ss << f.rdbuf();
-      const std::string image = ss.str();
-      if (!f || image.empty()) cubin_why = "cannot read it";
-      else mod = cu.load_module(image.data(), &cubin_why);
-    }
-    const std::string cubin = kernel_file.empty() || mod ? "" : " (" + kernel_file + " did not load: " + cubin_why + ")";
-    if (mod) kernels = "loaded from " + kernel_file;
-    else if ((mod = cu.load_module(fragless_gpu::kKernelsPtx, &ptx_why))) kernels = "loaded from the built-in PTX" + cubin;
-    else kernel_error = "cannot load the kernels: the built-in PTX: " + ptx_why + cubin;
+    CUmodule mod = fragless_gpu::load_kernels(cu.moduleLoadDataEx, cu.getErrorName, kernel_file, &kernels, &kernel_error);
     if (mod) {
       if (const CUresult r = cu.moduleGetFunction(&spin_fill, mod, "fragless_spin_fill"); r != CUDA_SUCCESS)
         kernel_error = "cuModuleGetFunction(fragless_spin_fill): " + cu.name(r);
