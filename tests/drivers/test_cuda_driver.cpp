@@ -479,7 +479,7 @@ TEST_CASE("cuda driver: fork while another thread makes a device's engine: the c
   std::fflush(stderr);
   const pid_t pid = inside ? fork() : -1;
   if (pid == 0) {
-    alarm(static_cast<unsigned>(test::child_watchdog_s()));
+    alarm(test::child_alarm_s());
     fake().delay("cuDevicePrimaryCtxRetain", 0);
     std::string err;
     DeviceEngine* e = a->device(0, &err);

@@ -2,11 +2,14 @@
 // its memory apart from the parent's, as fork() gives ordinary memory (Note [Host memory across fork]):
 // neither side's writes, allocations or releases reach the other's blocks.
 #include <catch2/catch.hpp>
+#include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <algorithm>
 #include <cstring>
@@ -44,7 +47,7 @@ struct Pipes {
   void child_side() {
     close_end(to_child[1]);
     close_end(to_parent[0]);
-    alarm(static_cast<unsigned>(test::child_watchdog_s()));
+    alarm(test::child_alarm_s());
   }
   void parent_side() {
     close_end(to_child[0]);
@@ -80,7 +83,21 @@ struct Pipes {
 int wait_child(pid_t pid) { return test::wait_for_child(pid, "the forked child"); }
 
 // The parent waits for the child's `c`; anything else (the child ended first) fails with how the child ended.
+// A child silent for child_watchdog_s() has its stacks, and its own children's, printed before it is killed
+// (its own alarm comes later).
 void parent_expect(Pipes& p, pid_t pid, char c) {
+  pollfd pfd{p.to_parent[0], POLLIN, 0};
+  int ready = 0;
+  do ready = poll(&pfd, 1, test::child_watchdog_s() * 1000);
+  while (ready < 0 && errno == EINTR);
+  if (ready == 0) {
+    std::fprintf(stderr, "the forked child has not said '%c' in %d s: its stacks follow\n", c, test::child_watchdog_s());
+    test::print_tree_stacks(pid);
+    test::kill_tree(pid);
+    const int status = wait_child(pid);
+    FAIL("the forked child did not say '" << c << "' in " << test::child_watchdog_s() << " s (stacks on stderr): it "
+                                          << test::describe_status(status));
+  }
   char got = 0;
   if (read(p.to_parent[0], &got, 1) == 1 && got == c) return;
   const int status = wait_child(pid);
@@ -124,7 +141,7 @@ TEST_CASE("host driver across fork: the child's writes, allocations and releases
     const pid_t grandchild = fork();
     if (grandchild < 0) _exit(25);
     if (grandchild == 0) {
-      alarm(static_cast<unsigned>(test::child_watchdog_s()));  // alarms are not inherited across fork
+      alarm(test::child_alarm_s());  // alarms are not inherited across fork
       if (!all_bytes(mine, kSize, 0x44) || !all_bytes(kept, kSize, 0x33)) _exit(1);
       std::memset(mine, 0x99, kSize);
       void* its = e->allocate(kSize, 0, &cerr);  // from the child's own memfd, or what it inherited

@@ -4,6 +4,7 @@
 // wait_for_child does the same for a forked child: one that has not ended in time is killed, and the test fails.
 #pragma once
 #include <catch2/catch.hpp>
+#include <dirent.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -14,9 +15,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 namespace fragless::test {
 
@@ -30,7 +35,7 @@ class Watchdog {
       std::fprintf(stderr, "WATCHDOG: '%s' did not finish in %d s: probable deadlock; thread stacks follow\n", what_,
                    seconds);
       const std::string cmd = "command -v gdb >/dev/null && gdb -p " + std::to_string(::getpid()) +
-                              " -batch -ex 'thread apply all bt' 2>/dev/null 1>&2";
+                              " -batch -ex 'thread apply all bt' 1>&2 2>/dev/null";
       if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "WATCHDOG: (gdb not available for stacks)\n");
       std::abort();
     });
@@ -66,6 +71,63 @@ inline int child_watchdog_s() {
   return limit_s;
 }
 
+// A forked child's own alarm: later than the parent's limit, so that a parent waiting for a hung child sees
+// the hang first and can print the child's stacks (print_tree_stacks) before it ends it; the alarm only ends
+// a child whose parent is gone.
+inline unsigned child_alarm_s() { return static_cast<unsigned>(child_watchdog_s() + 60); }
+
+// `root` and every process below it, parents before children (from /proc/<pid>/stat's parent field).
+inline std::vector<pid_t> process_tree(pid_t root) {
+  std::vector<std::pair<pid_t, pid_t>> all;  // pid, parent
+  if (DIR* d = opendir("/proc")) {
+    while (const dirent* e = readdir(d)) {
+      const pid_t pid = static_cast<pid_t>(std::atoi(e->d_name));
+      if (pid <= 0) continue;
+      std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+      std::string line;
+      if (!std::getline(f, line)) continue;
+      const auto close_paren = line.rfind(')');  // the name may hold spaces and parentheses
+      if (close_paren == std::string::npos) continue;
+      char state = 0;
+      int parent = 0;
+      if (std::sscanf(line.c_str() + close_paren + 1, " %c %d", &state, &parent) == 2) all.emplace_back(pid, parent);
+    }
+    closedir(d);
+  }
+  std::vector<pid_t> tree{root};
+  for (std::size_t i = 0; i < tree.size(); ++i)
+    for (const auto& [pid, parent] : all)
+      if (parent == tree[i]) tree.push_back(pid);
+  return tree;
+}
+
+// What each process of `root`'s tree is doing, on stderr: its state, the system call it waits in, its kernel
+// stack where this process may read it, and every thread's stack through gdb when gdb is installed. For a
+// hung forked child, before it is killed: without this a hang seen once (a loaded machine, a sanitizer) leaves
+// nothing to read.
+inline void print_tree_stacks(pid_t root) {
+  for (const pid_t pid : process_tree(root)) {
+    const std::string dir = "/proc/" + std::to_string(pid);
+    std::fprintf(stderr, "STACKS: process %d\n", static_cast<int>(pid));
+    for (const char* file : {"stat", "wchan", "syscall", "stack"}) {
+      std::ifstream f(dir + "/" + file);
+      std::stringstream text;
+      text << f.rdbuf();
+      std::fprintf(stderr, "STACKS: %d %s: %s\n", static_cast<int>(pid), file,
+                   f ? text.str().c_str() : "(not readable)");
+    }
+    const std::string cmd = "command -v gdb >/dev/null && gdb -p " + std::to_string(pid) +
+                            " -batch -ex 'thread apply all bt' 1>&2 2>/dev/null";
+    if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "STACKS: (no gdb stacks for %d)\n", static_cast<int>(pid));
+  }
+}
+
+// Kills `root` and every process below it (children first found, so none is missed by being reparented).
+inline void kill_tree(pid_t root) {
+  const std::vector<pid_t> tree = process_tree(root);
+  for (auto it = tree.rbegin(); it != tree.rend(); ++it) kill(*it, SIGKILL);
+}
+
 // The forked child's wait status; a child that has not ended after child_watchdog_s() is killed, and the
 // test fails saying `what` hung.
 inline int wait_for_child(pid_t pid, const std::string& what) {
@@ -77,9 +139,11 @@ inline int wait_for_child(pid_t pid, const std::string& what) {
     REQUIRE(r >= 0);
     if (r == pid) return status;
     if (std::chrono::steady_clock::now() > give_up) {
-      kill(pid, SIGKILL);
+      std::fprintf(stderr, "WATCHDOG: %s has not ended after %d s: its stacks follow\n", what.c_str(), limit_s);
+      print_tree_stacks(pid);
+      kill_tree(pid);
       waitpid(pid, &status, 0);
-      FAIL(what << ": the child has not ended after " << limit_s << " s");
+      FAIL(what << ": the child has not ended after " << limit_s << " s (stacks on stderr)");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }

@@ -3,21 +3,67 @@
 // could not join itself at exit (Note [Exit while the lock is held], allocator.cpp).
 #pragma once
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 
+#include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <thread>
 #include <utility>
 
 namespace fragless {
+
+// Note [Forking while a thread starts]
+// A thread between pthread_create and its body runs only the C library's and the runtime's start code, which
+// glibc's fork() is safe against, but a sanitizer's runtime need not be: GCC 12's AddressSanitizer (libasan 8)
+// allocates in a new thread's start (glibc's pthread_getattr_np, called for the thread's stack bounds) and
+// registers no fork handler, so a fork() at that moment can copy its allocator's size-class lock held, and
+// the child waits for ever at its first allocation of that class (a program forking right after creating a
+// thread had children hang now and then under it, waiting in the runtime's size-class refill, and none once
+// the fork waited for the thread's body; fragless begins a device's worker at its first free). So
+// every thread of ours counts as starting from before its creation to the first statement of its body, and
+// the fork handlers (state/background.cpp) wait, holding every device lock, so that no worker can be begun
+// meanwhile, until none is starting; a child starts with none. Between the count and the creation nothing
+// waits for a lock a fork holds, so the wait ends; it gives up after kStartWait all the same, saying so.
+inline std::atomic<int> g_threads_starting{0};
+inline constexpr std::chrono::seconds kStartWait{10};
 
 template <class F>
 std::thread start_quiet_thread(F&& body) {
   sigset_t all, old;
   sigfillset(&all);
   pthread_sigmask(SIG_BLOCK, &all, &old);
-  std::thread t(std::forward<F>(body));
-  pthread_sigmask(SIG_SETMASK, &old, nullptr);
-  return t;
+  g_threads_starting.fetch_add(1);
+  try {
+    std::thread t([body = std::forward<F>(body)]() mutable {
+      g_threads_starting.fetch_sub(1);
+      body();
+    });
+    pthread_sigmask(SIG_SETMASK, &old, nullptr);
+    return t;
+  } catch (...) {
+    g_threads_starting.fetch_sub(1);
+    pthread_sigmask(SIG_SETMASK, &old, nullptr);
+    throw;
+  }
 }
+
+// In a fork()'s prepare handler: until no thread of ours is starting (Note [Forking while a thread starts]).
+inline void wait_for_starting_threads() {
+  if (g_threads_starting.load() <= 0) return;
+  const auto give_up = std::chrono::steady_clock::now() + kStartWait;
+  while (g_threads_starting.load() > 0) {
+    if (std::chrono::steady_clock::now() > give_up) {
+      std::fprintf(stderr, "fragless: fork: a thread of fragless's has not begun in %lld s; forking anyway\n",
+                   static_cast<long long>(kStartWait.count()));
+      return;
+    }
+    sched_yield();
+  }
+}
+
+// In a forked child: the threads that were starting are not here.
+inline void forget_starting_threads() { g_threads_starting.store(0); }
 
 }  // namespace fragless

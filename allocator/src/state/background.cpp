@@ -130,10 +130,12 @@ void load_locks_before_fork() {
     Background::before_fork();
     host_before_fork();
   }
+  wait_for_starting_threads();  // a trace writer begun before any engine (Note [Forking while a thread starts])
 }
 // The parent's and the child's ends are one but for what ends each lock (unlock, or the child's handler).
 void load_locks_after_fork(bool child) {
   if (--t_load_fork_depth) return;
+  if (child) forget_starting_threads();
   if (t_bg_ours) {
     t_bg_ours = false;
     child ? host_after_fork_child() : host_after_fork_parent();
@@ -357,6 +359,7 @@ void Background::before_fork() {
     b->fork_paused_ = true;
   }
   for (const ForkLock& l : fork_locks()) l.lock(l.arg);
+  wait_for_starting_threads();  // Note [Forking while a thread starts]: no worker can be begun from here on
 }
 
 void Background::after_fork_parent() {
@@ -380,6 +383,7 @@ void Background::after_fork_child() {
   if (--t_fork_depth) return;
   t_bg_ran = false;
   g_fork_generation.fetch_add(1);
+  forget_starting_threads();
   for (auto l = fork_locks().rbegin(); l != fork_locks().rend(); ++l) l->unlock(l->arg);
   // Only the forking thread exists here: the workers are gone, and so is their work.
   for (Background* b = g_registry; b; b = b->next_) {
