@@ -25,9 +25,11 @@ namespace fragless {
 // every thread of ours counts as starting from before its creation to the first statement of its body, and
 // the fork handlers (state/background.cpp) wait, holding every device lock, so that no worker can be begun
 // meanwhile, until none is starting; a child starts with none. Between the count and the creation nothing
-// waits for a lock a fork holds, so the wait ends; it gives up after kStartWait all the same, saying so.
+// waits for a lock a fork holds, and a runtime that locks its own state for a fork (ThreadSanitizer) does it
+// in a prepare handler registered at its start, which runs after ours: the wait ends. It gives up after
+// kStartWait all the same, saying so, and the fork goes on as it would have without it.
 inline std::atomic<int> g_threads_starting{0};
-inline constexpr std::chrono::seconds kStartWait{10};
+inline constexpr std::chrono::seconds kStartWait{2};
 
 template <class F>
 std::thread start_quiet_thread(F&& body) {
