@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "fragless/allocator.h"
+#include "base/quiet_thread.h"
 #include "fragless/trace.h"
 #include "helpers.h"
 #include "watchdog.h"
@@ -368,4 +369,36 @@ TEST_CASE("fork right after the first free begins the worker: no child hangs in 
   }
   CHECK(hung == 0);
   CHECK(failed == 0);
+}
+
+// The wait itself (Note [Forking while a thread starts]), with a thread that counts as starting: the fork
+// returns only once it has begun, and the child counts none; one that never begins holds the fork up for
+// kStartWait only, and the child counts none either.
+TEST_CASE("a fork waits for a thread of fragless's that is starting and gives up on one that never begins",
+          "[fork]") {
+  auto a = test::allocator_from("driver:host,capacity_mb:64");  // the fork handlers are installed
+  REQUIRE(a->device(0));
+  const bool begins = GENERATE(true, false);
+  INFO((begins ? "a thread that begins" : "a thread that never begins"));
+  std::atomic<bool> begun{false};
+  g_threads_starting.fetch_add(1);  // as start_quiet_thread counts one before its creation
+  std::thread starting;
+  if (begins)
+    starting = std::thread([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      begun = true;
+      g_threads_starting.fetch_sub(1);  // as its body's first statement does
+    });
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) _exit(g_threads_starting.load() == 0 ? 0 : 1);
+  const bool begun_at_fork = begun.load();
+  const int status = test::wait_for_child(pid, "the forked child");
+  if (starting.joinable()) starting.join();
+  if (!begins) g_threads_starting.fetch_sub(1);
+  CHECK(begun_at_fork == begins);
+  CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));  // the child counts no thread starting
+  CHECK(g_threads_starting.load() == 0);
 }
