@@ -323,8 +323,8 @@ TEST_CASE("fork from an event sink on the background worker: the child, whose on
 // the worker's start, which under a runtime whose thread start is not fork-safe (GCC 12's AddressSanitizer)
 // could leave the child waiting for ever at its first allocation of some size class. The fork waits for the
 // start. Each fork here comes straight after the worker is begun, and each child allocates in every small
-// size class and then uses the engine. It did not make a child hang without the wait either (none in 1,200
-// such forks under ASan on a loaded machine: the device lock mostly lets the worker start first), so it
+// size class and then uses the engine. It did not make a child hang without the wait either (none in 2,400
+// such forks under ASan, 1,800 on a loaded machine: the device lock mostly lets the worker start first), so it
 // checks the children of such forks, not the wait itself.
 TEST_CASE("fork right after the first free begins the worker: no child hangs in its first allocations",
           "[fork]") {
