@@ -34,7 +34,7 @@ class Watchdog {
       if (cv_.wait_for(lk, std::chrono::seconds(seconds), [this] { return done_; })) return;
       std::fprintf(stderr, "WATCHDOG: '%s' did not finish in %d s: probable deadlock; thread stacks follow\n", what_,
                    seconds);
-      const std::string cmd = "command -v gdb >/dev/null && gdb -p " + std::to_string(::getpid()) +
+      const std::string cmd = "command -v gdb >/dev/null && timeout -k 5 60 gdb -p " + std::to_string(::getpid()) +
                               " -batch -ex 'thread apply all bt' 1>&2 2>/dev/null";
       if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "WATCHDOG: (gdb not available for stacks)\n");
       std::abort();
@@ -116,7 +116,7 @@ inline void print_tree_stacks(pid_t root) {
       std::fprintf(stderr, "STACKS: %d %s: %s\n", static_cast<int>(pid), file,
                    f ? text.str().c_str() : "(not readable)");
     }
-    const std::string cmd = "command -v gdb >/dev/null && gdb -p " + std::to_string(pid) +
+    const std::string cmd = "command -v gdb >/dev/null && timeout -k 5 60 gdb -p " + std::to_string(pid) +
                             " -batch -ex 'thread apply all bt' 1>&2 2>/dev/null";
     if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "STACKS: (no gdb stacks for %d)\n", static_cast<int>(pid));
   }

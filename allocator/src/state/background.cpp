@@ -130,7 +130,9 @@ void load_locks_before_fork() {
     Background::before_fork();
     host_before_fork();
   }
-  wait_for_starting_threads();  // a trace writer begun before any engine (Note [Forking while a thread starts])
+  // A trace writer begun before any engine (Note [Forking while a thread starts]); where the workers' handler
+  // ran in this fork it waited already, so a thread that never begins costs one wait, not two.
+  if (!t_bg_ran) wait_for_starting_threads();
 }
 // The parent's and the child's ends are one but for what ends each lock (unlock, or the child's handler).
 void load_locks_after_fork(bool child) {

@@ -344,15 +344,9 @@ class TraceSink;
 // Every sink made, for the fork handler (Note [Tracing in a forked child]): a list only ever pushed to, with a
 // compare-exchange (a fork during a push leaves it whole), each node naming its sink until the sink dies. The
 // nodes are never freed (one per device per Tracing).
-struct SinkNode {
-  std::atomic<TraceSink*> sink;
-  SinkNode* next;
-};
+struct SinkNode { std::atomic<TraceSink*> sink; SinkNode* next; };
 std::atomic<SinkNode*> g_sinks{nullptr};
-void sinks_after_fork_child();
 SinkNode* register_sink(TraceSink* s) {
-  static std::once_flag once;
-  std::call_once(once, [] { pthread_atfork(nullptr, nullptr, &sinks_after_fork_child); });
   auto* n = new SinkNode{{s}, g_sinks.load(std::memory_order_relaxed)};
   while (!g_sinks.compare_exchange_weak(n->next, n, std::memory_order_release, std::memory_order_relaxed)) {
   }
@@ -450,8 +444,15 @@ class TraceSink final : public EventSink {
 };
 
 void sinks_after_fork_child() {
+  forget_starting_threads();  // the writers that were starting are not here
   for (SinkNode* n = g_sinks.load(std::memory_order_acquire); n; n = n->next)
     if (TraceSink* s = n->sink.load(std::memory_order_relaxed)) s->after_fork_child();
+}
+// Installed before the first writer begins (Tracing::open): a child forked as one starts counts none (Note
+// [Forking while a thread starts]).
+void install_sink_fork_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] { pthread_atfork(nullptr, nullptr, &sinks_after_fork_child); });
 }
 
 }  // namespace
@@ -466,7 +467,8 @@ std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, co
   // expansion itself, so that the path grammar is in one place.
   const bool per_device = expand_trace_path(pattern, 0, pid, rank, nullptr) != expand_trace_path(pattern, 1, pid, rank, nullptr);
   const int nfiles = per_device ? devices : 1;
-  (void)clock();  // calibrate before the first event
+  (void)clock();                // calibrate before the first event
+  install_sink_fork_handler();  // before the first writer begins
   for (int f = 0; f < nfiles; ++f) {
     const std::string path = expand_trace_path(pattern, f, pid, rank, error);
     if (path.empty()) return nullptr;
