@@ -9,7 +9,6 @@
 
 #include <cerrno>
 #include <chrono>
-#include <cstdio>
 #include <cstdlib>
 #include <algorithm>
 #include <cstring>
@@ -91,10 +90,8 @@ void parent_expect(Pipes& p, pid_t pid, char c) {
   do ready = poll(&pfd, 1, test::child_watchdog_s() * 1000);
   while (ready < 0 && errno == EINTR);
   if (ready == 0) {
-    std::fprintf(stderr, "the forked child has not said '%c' in %d s: its stacks follow\n", c, test::child_watchdog_s());
-    test::print_tree_stacks(pid);
-    test::kill_tree(pid);
-    const int status = wait_child(pid);
+    const int status = test::end_hung_child(pid, std::string("the forked child, silent since '") + c + "' was due,",
+                                            test::child_watchdog_s());
     FAIL("the forked child did not say '" << c << "' in " << test::child_watchdog_s() << " s (stacks on stderr): it "
                                           << test::describe_status(status));
   }

@@ -25,6 +25,13 @@
 
 namespace fragless::test {
 
+// Every thread's stack of process `pid` on stderr, through gdb when installed; false when none was printed.
+inline bool print_gdb_stacks(pid_t pid) {
+  const std::string cmd = "command -v gdb >/dev/null && timeout -k 5 60 gdb -p " + std::to_string(pid) +
+                          " -batch -ex 'thread apply all bt' 1>&2 2>/dev/null";
+  return std::system(cmd.c_str()) == 0;
+}
+
 class Watchdog {
  public:
   Watchdog(const char* what, int seconds) : what_(what) {
@@ -34,9 +41,7 @@ class Watchdog {
       if (cv_.wait_for(lk, std::chrono::seconds(seconds), [this] { return done_; })) return;
       std::fprintf(stderr, "WATCHDOG: '%s' did not finish in %d s: probable deadlock; thread stacks follow\n", what_,
                    seconds);
-      const std::string cmd = "command -v gdb >/dev/null && timeout -k 5 60 gdb -p " + std::to_string(::getpid()) +
-                              " -batch -ex 'thread apply all bt' 1>&2 2>/dev/null";
-      if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "WATCHDOG: (gdb not available for stacks)\n");
+      if (!print_gdb_stacks(::getpid())) std::fprintf(stderr, "WATCHDOG: (gdb not available for stacks)\n");
       std::abort();
     });
   }
@@ -116,9 +121,7 @@ inline void print_tree_stacks(pid_t root) {
       std::fprintf(stderr, "STACKS: %d %s: %s\n", static_cast<int>(pid), file,
                    f ? text.str().c_str() : "(not readable)");
     }
-    const std::string cmd = "command -v gdb >/dev/null && timeout -k 5 60 gdb -p " + std::to_string(pid) +
-                            " -batch -ex 'thread apply all bt' 1>&2 2>/dev/null";
-    if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "STACKS: (no gdb stacks for %d)\n", static_cast<int>(pid));
+    if (!print_gdb_stacks(pid)) std::fprintf(stderr, "STACKS: (no gdb stacks for %d)\n", static_cast<int>(pid));
   }
 }
 
@@ -128,10 +131,20 @@ inline void kill_tree(pid_t root) {
   for (auto it = tree.rbegin(); it != tree.rend(); ++it) kill(*it, SIGKILL);
 }
 
-// The forked child's wait status; a child that has not ended after child_watchdog_s() is killed, and the
-// test fails saying `what` hung.
-inline int wait_for_child(pid_t pid, const std::string& what) {
-  const int limit_s = child_watchdog_s();
+// A forked child found hung after `waited_s`: says so, prints its tree's stacks, kills the tree and reaps the
+// child; its wait status.
+inline int end_hung_child(pid_t pid, const std::string& what, int waited_s) {
+  std::fprintf(stderr, "WATCHDOG: %s is still running after %d s: its stacks follow\n", what.c_str(), waited_s);
+  print_tree_stacks(pid);
+  kill_tree(pid);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return status;
+}
+
+// The forked child's wait status; a child that has not ended after `limit_s` is killed, and the test fails
+// saying `what` hung.
+inline int wait_for_child(pid_t pid, const std::string& what, int limit_s = child_watchdog_s()) {
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(limit_s);
   int status = 0;
   for (;;) {
@@ -139,10 +152,7 @@ inline int wait_for_child(pid_t pid, const std::string& what) {
     REQUIRE(r >= 0);
     if (r == pid) return status;
     if (std::chrono::steady_clock::now() > give_up) {
-      std::fprintf(stderr, "WATCHDOG: %s has not ended after %d s: its stacks follow\n", what.c_str(), limit_s);
-      print_tree_stacks(pid);
-      kill_tree(pid);
-      waitpid(pid, &status, 0);
+      end_hung_child(pid, what, limit_s);
       FAIL(what << ": the child has not ended after " << limit_s << " s (stacks on stderr)");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
