@@ -394,11 +394,50 @@ TEST_CASE("a fork waits for a thread of fragless's that is starting and gives up
   std::fflush(stderr);
   const pid_t pid = fork();
   REQUIRE(pid >= 0);
-  if (pid == 0) _exit(g_threads_starting.load() == 0 ? 0 : 1);
+  if (pid == 0) _exit(g_threads_starting.load() == 0 && g_thread_starts_closed.load() == 0 ? 0 : 1);
   const bool begun_at_fork = starting.begun.load();
+  const int closed_after_fork = g_thread_starts_closed.load();
   const int status = test::wait_for_child(pid, "the forked child");
   CHECK(begun_at_fork == begins);
-  CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));  // the child counts no thread starting
+  CHECK(closed_after_fork == 0);  // the parent's handler opened the gate again
+  CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));  // the child counts no thread starting, gate open
+}
+
+// The gate: a thread of fragless's begun after a fork's prepare handler closed it (a trace writer begun under
+// no lock the fork holds) is created only once the fork is over, and is not counted meanwhile, so that it is
+// never copied mid-start; the forking thread itself may still begin one.
+TEST_CASE("a thread of fragless's begun while a fork is under way is created only after it", "[fork]") {
+  REQUIRE(g_threads_starting.load() == 0);
+  REQUIRE(g_thread_starts_closed.load() == 0);
+  struct Gate {  // opened however this test ends
+    Gate() { close_thread_starts(); }
+    ~Gate() { open_thread_starts(); }
+  };
+  std::atomic<bool> body_ran{false}, returned{false};
+  std::thread starter;
+  int counted_while_closed = -1;
+  {
+    Gate gate;
+    starter = std::thread([&] {
+      std::thread t = start_quiet_thread([&] { body_ran = true; });
+      returned = true;
+      t.join();
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    counted_while_closed = g_threads_starting.load();
+    CHECK_FALSE(body_ran.load());
+    CHECK_FALSE(returned.load());
+    // The thread that closed the gate is not held by it.
+    std::atomic<bool> own{false};
+    start_quiet_thread([&] { own = true; }).join();
+    CHECK(own.load());
+  }
+  starter.join();
+  CHECK(counted_while_closed == 0);  // it backed off: the fork's wait did not wait for it
+  CHECK(body_ran.load());
+  CHECK(returned.load());
+  CHECK(g_threads_starting.load() == 0);
+  CHECK(g_thread_starts_closed.load() == 0);
 }
 
 // The count itself: a thread of fragless's counts as starting until its body's first statement, and not

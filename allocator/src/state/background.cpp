@@ -131,13 +131,13 @@ void load_locks_before_fork() {
     host_before_fork();
   }
   // A trace writer begun before any engine (Note [Forking while a thread starts]); where the workers' handler
-  // ran in this fork it waited already, so a thread that never begins costs one wait, not two.
-  if (!t_bg_ran) wait_for_starting_threads();
+  // ran in this fork it closed the gate and waited already, so a thread that never begins costs one wait.
+  close_thread_starts();
 }
 // The parent's and the child's ends are one but for what ends each lock (unlock, or the child's handler).
 void load_locks_after_fork(bool child) {
   if (--t_load_fork_depth) return;
-  if (child) forget_starting_threads();
+  child ? forget_starting_threads() : open_thread_starts();
   if (t_bg_ours) {
     t_bg_ours = false;
     child ? host_after_fork_child() : host_after_fork_parent();
@@ -361,12 +361,13 @@ void Background::before_fork() {
     b->fork_paused_ = true;
   }
   for (const ForkLock& l : fork_locks()) l.lock(l.arg);
-  wait_for_starting_threads();  // Note [Forking while a thread starts]: no worker can be begun from here on
+  close_thread_starts();  // Note [Forking while a thread starts]: no thread of ours begins from here on
 }
 
 void Background::after_fork_parent() {
   if (--t_fork_depth) return;
   t_bg_ran = false;
+  open_thread_starts();
   for (auto l = fork_locks().rbegin(); l != fork_locks().rend(); ++l) l->unlock(l->arg);
   for (Background* b = g_registry; b; b = b->next_) {
     b->fork_paused_ = false;
