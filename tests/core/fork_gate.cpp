@@ -118,6 +118,10 @@ int lock() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 2 && (std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0)) {
+    std::printf("usage: %s starts|lock (the scenarios are described at the top of tests/core/fork_gate.cpp)\n", argv[0]);
+    return 0;
+  }
   alarm(120);  // a hang ends the test (SIGALRM) instead of CTest's limit
   if (argc == 2 && std::strcmp(argv[1], "starts") == 0) return starts();
   if (argc == 2 && std::strcmp(argv[1], "lock") == 0) return lock();
