@@ -217,6 +217,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include "fragless/spin_mutex.h"
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -486,7 +487,7 @@ class Driver {
   }
   // The lock of the contract's tables, counters and cost model (Note [Driver calls from two threads]),
   // taken after impl_lock() where both are held; for a driver's fork() handlers.
-  std::mutex& tables_mutex() const { return mu_; }
+  SpinMutex& tables_mutex() const { return mu_; }
   // The memory of a released handle goes back once its last mapping is gone (R8). Drivers that account
   // memory themselves (host, sim) free it here; the cuda driver leaves it to CUDA.
   virtual void memory_gone(PhysHandle) {}
@@ -539,10 +540,13 @@ class Driver {
   // Note [Driver calls from two threads]: the engine's thread and the background worker call one driver
   // at once, on distinct objects (the worker creates new handles, and maps, unmaps and releases only what
   // the engine handed it). `mu_` keeps the contract's tables, the counters and the cost model whole; it is
-  // never held across a do_* call, so a slow cuMemCreate on one thread does not stall the other.
+  // never held across a do_* call, so a slow cuMemCreate on one thread does not stall the other. Its critical
+  // sections are a few table operations, so it is the device lock's kind (spin_mutex.h), which an uncontended
+  // call takes with one compare-exchange: a std::mutex's two calls into the C library were a tenth of the
+  // instructions of a fragless replay, which passes every driver call through here.
   int device_;
   std::size_t granularity_;
-  mutable std::mutex mu_;
+  mutable SpinMutex mu_;
   mutable std::mutex impl_mu_;  // do_* one at a time, for drivers without concurrent_calls()
   DriverCounters counters_;
   std::atomic<std::uint64_t> memory_changes_{0};

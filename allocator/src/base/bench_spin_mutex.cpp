@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <thread>
 
-#include "base/spin_mutex.h"
+#include "fragless/spin_mutex.h"
 
 namespace fragless {
 namespace {

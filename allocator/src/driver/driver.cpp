@@ -283,7 +283,7 @@ namespace {
 // A checked call that passed: `call` runs under `impl` (the driver's impl_lock()), then, where it succeeded,
 // `record` tells the contract's tables, under `tables` (mu_).
 template <class Call, class Record>
-Status run_and_record(std::unique_lock<std::mutex> impl, std::mutex& tables, Call call, Record record) {
+Status run_and_record(std::unique_lock<std::mutex> impl, SpinMutex& tables, Call call, Record record) {
   const Status st = call();
   if (impl.owns_lock()) impl.unlock();
   std::lock_guard lk(tables);

@@ -447,7 +447,8 @@ class HostDriver final : public Driver {
   std::string memfd_error_;  // why the last make_memfd failed
   std::vector<int> parents_fds_;  // in a forked child: the parents' memfds, which inherited handles' pages are in
   // The impl lock and the tables' lock, held from the fork's prepare handler to its parent or child handler.
-  std::unique_lock<std::mutex> fork_lock_, fork_tables_lock_;
+  std::unique_lock<std::mutex> fork_lock_;
+  std::unique_lock<SpinMutex> fork_tables_lock_;
   bool shareable_;
   std::size_t capacity_;
   std::size_t used_ = 0;

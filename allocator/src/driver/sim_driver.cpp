@@ -1,9 +1,12 @@
 // sim driver: numbers instead of memory. Fast enough for millions of events per second in the replay.
 #include "fragless/sim_driver.h"
+#include "fragless/spin_mutex.h"
 #include "driver/handle_ids.h"
 #include "driver/registry.h"
 
-#include <unordered_map>
+#include <mutex>
+
+#include <vector>
 
 namespace fragless {
 namespace {
@@ -14,20 +17,28 @@ class SimDriver final : public Driver {
       : Driver(o.device, o.page_size), capacity_(o.capacity), top_down_(o.top_down), on_query_(o.on_memory_info) {}
   const char* name() const override { return "sim"; }
   TestEvents& events() { return events_; }
+  // Its calls may run on two threads at once: its own state is under its own lock (a SpinMutex, which an
+  // uncontended call takes for a compare-exchange where a std::mutex costs a call into the C library, each
+  // replayed driver call otherwise paying for the base class's impl lock too), its events under theirs.
+  bool concurrent_calls() const override { return true; }
 
   void do_memory_info(std::size_t* free_bytes, std::size_t* total_bytes) override {
     if (on_query_) on_query_(true);
     {
-      auto lk = impl_lock();
+      std::lock_guard lk(mu_);
       *free_bytes = capacity_ - used_;
       *total_bytes = capacity_;
     }
     if (on_query_) on_query_(false);
   }
-  std::string do_last_error() const override { return last_error_; }
+  std::string do_last_error() const override {
+    std::lock_guard lk(mu_);
+    return last_error_;
+  }
 
  private:
   Status do_reserve(std::size_t size, DevicePtr* va) override {
+    std::lock_guard lk(mu_);
     const std::size_t g = granularity();
     if (top_down_) {
       const std::size_t span = (size + g - 1) / g * g + g;  // a guard page between reservations
@@ -43,21 +54,23 @@ class SimDriver final : public Driver {
   }
   Status do_free_reservation(DevicePtr, std::size_t) override { return Status::ok; }
   Status do_create(std::size_t size, PhysHandle* h) override {
+    std::lock_guard lk(mu_);
     if (size > capacity_ - used_) {
       last_error_ = "create: out of memory (sim capacity " + std::to_string(capacity_) + " bytes)";
       return Status::out_of_memory;
     }
     used_ += size;
     *h = ids_.take();
-    sizes_.emplace(*h, size);
+    if (*h >= sizes_.size()) sizes_.resize(*h + 1);
+    sizes_[*h] = size;
     return Status::ok;
   }
   // The base class checked the handle (R8); its memory goes once nothing maps it.
   Status do_release(PhysHandle) override { return Status::ok; }
   void memory_gone(PhysHandle h) override {
-    auto it = sizes_.find(h);
-    used_ -= it->second;
-    sizes_.erase(it);
+    std::lock_guard lk(mu_);
+    used_ -= sizes_[h];
+    sizes_[h] = 0;
     ids_.gone(h);
   }
   Status do_map(DevicePtr, std::size_t, PhysHandle, std::size_t) override { return Status::ok; }
@@ -89,6 +102,7 @@ class SimDriver final : public Driver {
     return Status::ok;
   }
 
+  mutable SpinMutex mu_;  // everything below but the events
   std::size_t capacity_;
   std::size_t used_ = 0;
   DevicePtr next_va_ = 0x7f0000000000ull;
@@ -96,7 +110,9 @@ class SimDriver final : public Driver {
   bool top_down_ = false;
   std::function<void(bool)> on_query_;  // SimDriverOptions::on_memory_info
   HandleIds ids_;
-  std::unordered_map<PhysHandle, std::size_t> sizes_;
+  // By handle value: the values are small, and come back as handles go (handle_ids.h), so the table is as long as
+  // the most handles ever held at once.
+  std::vector<std::size_t> sizes_;
   TestEvents events_;
   std::string last_error_;
 };

@@ -9,7 +9,7 @@
 
 #include "fragless/driver.h"
 #include "base/quiet_thread.h"
-#include "base/spin_mutex.h"
+#include "fragless/spin_mutex.h"
 #include "driver/host_fork.h"
 
 namespace fragless {

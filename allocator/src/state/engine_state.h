@@ -29,7 +29,7 @@
 #include "fragless/rounding.h"
 #include "state/background.h"
 #include "state/block_map.h"
-#include "base/spin_mutex.h"
+#include "fragless/spin_mutex.h"
 
 namespace fragless {
 

@@ -4,7 +4,7 @@
 
 #include <dlfcn.h>
 
-#include "base/spin_mutex.h"
+#include "fragless/spin_mutex.h"
 
 #include <algorithm>
 #include <atomic>

@@ -41,18 +41,8 @@ namespace fragless {
 class SpinMutex {
  public:
   void lock() {
-    if (try_lock()) return;
-    if (spin(kSpinFor)) return;
-    long timeout_ns = 100'000;
-    sleepers_.fetch_add(1, std::memory_order_relaxed);
-    for (;;) {
-      timespec ts{0, timeout_ns};
-      // Sleeps only while the word still says "held" (the kernel checks it atomically).
-      syscall(SYS_futex, reinterpret_cast<int*>(&state_), FUTEX_WAIT_PRIVATE, 1, &ts, nullptr, 0);
-      if (spin(std::chrono::microseconds(2))) break;  // a short spin after each wake: the holder may be done
-      timeout_ns = std::min(timeout_ns * 2, 10'000'000L);
-    }
-    sleepers_.fetch_sub(1, std::memory_order_relaxed);
+    if (try_lock()) return;  // the uncontended case, inlined where the lock is taken
+    lock_contended();
   }
   bool try_lock() {
     int c = 0;
@@ -76,6 +66,20 @@ class SpinMutex {
   bool held_by_this_thread() const { return owner_.load(std::memory_order_relaxed) == self(); }
 
  private:
+  // The rest of lock(): spin, then sleep.
+  __attribute__((noinline)) void lock_contended() {
+    if (spin(kSpinFor)) return;
+    long timeout_ns = 100'000;
+    sleepers_.fetch_add(1, std::memory_order_relaxed);
+    for (;;) {
+      timespec ts{0, timeout_ns};
+      // Sleeps only while the word still says "held" (the kernel checks it atomically).
+      syscall(SYS_futex, reinterpret_cast<int*>(&state_), FUTEX_WAIT_PRIVATE, 1, &ts, nullptr, 0);
+      if (spin(std::chrono::microseconds(2))) break;  // a short spin after each wake: the holder may be done
+      timeout_ns = std::min(timeout_ns * 2, 10'000'000L);
+    }
+    sleepers_.fetch_sub(1, std::memory_order_relaxed);
+  }
   // The calling thread's identity: its thread pointer where the compiler offers it (%fs:0 on x86-64), else
   // the address of a thread_local.
   static const void* self() {
