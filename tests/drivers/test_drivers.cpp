@@ -1,5 +1,6 @@
 // The host and sim drivers keep cuMemMap's rules.
 #include <cstring>
+#include <thread>
 
 #include "helpers.h"
 
@@ -77,6 +78,32 @@ TEST_CASE("host driver: bad arguments and injected failures", "[driver]") {
   CHECK(d->create(2 * MiB, &h) == Status::out_of_memory);
   CHECK(d->last_error().find("injected") != std::string::npos);
   CHECK(d->create(2 * MiB, &h) == Status::ok);  // one-shot
+}
+
+// Two threads' failures on one driver: each thread's last_error() names its own call, not the other's latest
+// (the engine's thread and the background worker call one driver at once; an OOM message must name the call
+// that failed on the path, not the worker's).
+TEST_CASE("a driver's failure text is the calling thread's own", "[driver]") {
+  auto d = host(4 * MiB);
+  PhysHandle h = 0;
+  REQUIRE(d->create(8 * MiB, &h) == Status::out_of_memory);  // this thread: over the capacity
+  const std::string mine = d->last_error();
+  std::string theirs;
+  std::thread([&] {
+    host_driver_inject_failure(*d, DriverCall::create, 1, Status::driver_error);
+    PhysHandle g = 0;
+    CHECK(d->create(2 * MiB, &g) == Status::driver_error);
+    theirs = d->last_error();
+  }).join();
+  INFO("this thread: " << mine << "; the other: " << theirs);
+  CHECK(theirs.find("injected") != std::string::npos);
+  CHECK(mine.find("injected") == std::string::npos);
+  CHECK(d->last_error() == mine);  // unchanged by the other thread's failure
+  // A refusal (a contract rule) is this thread's too, and a later failure of the driver's replaces it.
+  CHECK(d->map(0x1000, 2 * MiB, 42, 0) == Status::invalid_argument);
+  CHECK(d->last_error() != mine);
+  REQUIRE(d->create(8 * MiB, &h) == Status::out_of_memory);
+  CHECK(d->last_error() == mine);
 }
 
 TEST_CASE("sim driver: counts calls, charges modelled cost, enforces capacity", "[driver]") {

@@ -460,7 +460,8 @@ class Driver {
   }
   // Text of the last failure, for error messages ("cuMemCreate: CUDA_ERROR_OUT_OF_MEMORY (out of memory)",
   // or the contract rule a call broke).
-  // The last failure of a call made by the calling thread (threads do not see each other's errors).
+  // The last failure of a call made by the calling thread (threads do not see each other's errors: the rule
+  // a call broke, or the driver's text given with set_error, are kept per thread).
   std::string last_error() const;
   // Not synchronised: read it only while no other thread calls this driver (tests).
   const DriverContract& contract() const { return contract_; }
@@ -476,7 +477,11 @@ class Driver {
  protected:
   Driver(int device, std::size_t granularity)
       : device_(device), granularity_(granularity), contract_(granularity) {}
-  virtual std::string do_last_error() const = 0;
+  // The text of this thread's last failure, for a driver that does not give it with set_error ("" if none).
+  virtual std::string do_last_error() const { return {}; }
+  // The text of the failure the calling thread's call is about to return, kept for this thread alone: two
+  // threads failing at once each see their own (last_error()). Every failure of a driver that uses it sets it.
+  void set_error(std::string text) const;
   // memory_info's answer (a driver that is not concurrent_calls() takes impl_lock() here itself).
   virtual void do_memory_info(std::size_t* free_bytes, std::size_t* total_bytes) = 0;
   // Whether do_* may run on two threads at once (libcuda is thread-safe). When false, the base class runs
@@ -541,9 +546,10 @@ class Driver {
   // at once, on distinct objects (the worker creates new handles, and maps, unmaps and releases only what
   // the engine handed it). `mu_` keeps the contract's tables, the counters and the cost model whole; it is
   // never held across a do_* call, so a slow cuMemCreate on one thread does not stall the other. Its critical
-  // sections are a few table operations, so it is the device lock's kind (spin_mutex.h), which an uncontended
-  // call takes with one compare-exchange: a std::mutex's two calls into the C library were a tenth of the
-  // instructions of a fragless replay, which passes every driver call through here.
+  // sections are a few table operations (and a fork, held by the host driver's handlers), so it is the device
+  // lock's kind (spin_mutex.h), which an uncontended call takes with one compare-exchange: a std::mutex's two
+  // calls into the C library were about a tenth of the instructions of a fragless replay, which passes every
+  // driver call through here.
   int device_;
   std::size_t granularity_;
   mutable SpinMutex mu_;

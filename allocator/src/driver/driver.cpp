@@ -207,9 +207,15 @@ void DriverContract::unmapped(DevicePtr va, std::size_t size, std::vector<PhysHa
 
 namespace {
 thread_local int t_background_depth = 0;
-// The rule the calling thread's last call on `driver` broke, or null (Note [Driver calls from two threads]).
-struct LastRule { const Driver* driver = nullptr; const char* rule = nullptr; };
-thread_local LastRule t_last_rule;
+// What the calling thread's last failed call on `driver` said (Note [Driver calls from two threads]): the rule
+// it broke, or the driver's own text (set_error), or neither (the driver's do_last_error then answers).
+struct LastError {
+  const Driver* driver = nullptr;
+  const char* rule = nullptr;
+  bool has_text = false;
+  std::string text;
+};
+thread_local LastError t_last_error;
 }  // namespace
 
 BackgroundCalls::BackgroundCalls() { ++t_background_depth; }
@@ -217,23 +223,39 @@ BackgroundCalls::~BackgroundCalls() { --t_background_depth; }
 bool BackgroundCalls::active() { return t_background_depth > 0; }
 
 std::string Driver::last_error() const {
-  if (t_last_rule.driver == this && t_last_rule.rule) return t_last_rule.rule;
+  if (t_last_error.driver == this && t_last_error.rule) return t_last_error.rule;
+  if (t_last_error.driver == this && t_last_error.has_text) return t_last_error.text;
   auto lk = impl_lock();
   return do_last_error();
 }
 
+void Driver::set_error(std::string text) const {
+  t_last_error.driver = this;
+  t_last_error.rule = nullptr;
+  t_last_error.has_text = true;
+  t_last_error.text = std::move(text);
+}
+
 Status Driver::refuse(const char* rule) {
-  t_last_rule = {this, rule};
+  t_last_error.driver = this;
+  t_last_error.rule = rule;
+  t_last_error.has_text = false;
   return Status::invalid_argument;
 }
 
 Status Driver::unsupported(const char* what) {
-  t_last_rule = {this, what};
+  refuse(what);
   return Status::not_supported;
 }
 
+// A failure the implementation reported. Its text is the one it gave this thread in the call (set_error);
+// where it gave none (a driver that keeps its text itself), do_last_error answers.
 Status Driver::fail_through(Status st) {
-  if (st != Status::ok && st != Status::not_ready) t_last_rule = {this, nullptr};
+  if (st != Status::ok && st != Status::not_ready && !(t_last_error.driver == this && t_last_error.has_text)) {
+    t_last_error.driver = this;
+    t_last_error.rule = nullptr;
+    t_last_error.has_text = false;
+  }
   return st;
 }
 

@@ -95,6 +95,7 @@ class HostDriver final : public Driver {
     fork_lock_.unlock();
   }
   void child_after_fork() {
+    tables_mutex().forget_waiters();  // threads of the parent's that slept on it are not here
     // A handle inherited at an earlier fork is mapped copy-on-write already, which this fork copies as it
     // copies ordinary memory: only the shared ones are remapped.
     for (const auto& [va, m] : mappings_) {
@@ -132,7 +133,6 @@ class HostDriver final : public Driver {
     *free_bytes = capacity_ - used_;
     *total_bytes = capacity_;
   }
-  std::string do_last_error() const override { return last_error_; }
 
   void inject(DriverCall c, std::uint64_t nth, Status st) {
     auto lk = impl_lock();
@@ -174,12 +174,12 @@ class HostDriver final : public Driver {
     Fault& f = faults_[static_cast<int>(c)];
     if (f.countdown == 0 || --f.countdown != 0) return false;
     *st = f.status;
-    last_error_ = std::string(driver_call_name(c)) + ": injected failure (" + status_name(f.status) + ")";
+    set_error(std::string(driver_call_name(c)) + ": injected failure (" + status_name(f.status) + ")");
     ++injected_failures_;
     return true;
   }
   Status fail(const std::string& what, Status st = Status::invalid_argument) {
-    last_error_ = what;
+    set_error(what);
     return st;
   }
   bool aligned(std::size_t v) const { return v % granularity() == 0; }
@@ -460,7 +460,6 @@ class HostDriver final : public Driver {
   Fault faults_[kDriverCallCount];
   std::uint64_t injected_failures_ = 0;  // injected failures returned so far
   TestEvents events_;
-  std::string last_error_;
 };
 
 }  // namespace

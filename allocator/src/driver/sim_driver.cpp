@@ -31,10 +31,6 @@ class SimDriver final : public Driver {
     }
     if (on_query_) on_query_(false);
   }
-  std::string do_last_error() const override {
-    std::lock_guard lk(mu_);
-    return last_error_;
-  }
 
  private:
   Status do_reserve(std::size_t size, DevicePtr* va) override {
@@ -42,7 +38,10 @@ class SimDriver final : public Driver {
     const std::size_t g = granularity();
     if (top_down_) {
       const std::size_t span = (size + g - 1) / g * g + g;  // a guard page between reservations
-      if (span > next_down_ - 0x100000000000ull) return Status::out_of_memory;
+      if (span > next_down_ - 0x100000000000ull) {
+        set_error("reserve: out of address space (sim, top down)");
+        return Status::out_of_memory;
+      }
       next_down_ -= span;
       *va = next_down_;
       return Status::ok;
@@ -56,7 +55,7 @@ class SimDriver final : public Driver {
   Status do_create(std::size_t size, PhysHandle* h) override {
     std::lock_guard lk(mu_);
     if (size > capacity_ - used_) {
-      last_error_ = "create: out of memory (sim capacity " + std::to_string(capacity_) + " bytes)";
+      set_error("create: out of memory (sim capacity " + std::to_string(capacity_) + " bytes)");
       return Status::out_of_memory;
     }
     used_ += size;
@@ -114,7 +113,6 @@ class SimDriver final : public Driver {
   // the most handles ever held at once.
   std::vector<std::size_t> sizes_;
   TestEvents events_;
-  std::string last_error_;
 };
 
 }  // namespace

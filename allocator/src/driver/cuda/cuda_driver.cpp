@@ -245,23 +245,15 @@ class CudaDriver final : public Driver {
     *free_bytes = f;
     *total_bytes = t;
   }
-  std::string do_last_error() const override {
-    std::lock_guard lk(err_mu_);
-    return last_error_;
-  }
 
  private:
   Status foreign_per_thread_stream(const char* call) {
-    std::lock_guard lk(err_mu_);
-    last_error_ = std::string(call) + ": another thread's per-thread default stream cannot be named (R16)";
+    set_error(std::string(call) + ": another thread's per-thread default stream cannot be named (R16)");
     return Status::invalid_argument;
   }
   Status check(const char* call, CUresult r) {
     if (r == CUDA_SUCCESS) return Status::ok;
-    if (r != CUDA_ERROR_NOT_READY) {
-      std::lock_guard lk(err_mu_);
-      last_error_ = api().describe(call, r);
-    }
+    if (r != CUDA_ERROR_NOT_READY) set_error(api().describe(call, r));
     return status_of(r);
   }
 
@@ -290,9 +282,8 @@ class CudaDriver final : public Driver {
       return Status::ok;
     }
     if (handle != 0) api().memRelease(handle);
-    std::lock_guard lk(err_mu_);
-    last_error_ = std::string(call) + " returned handle value " + std::to_string(handle) +
-                  ", which fragless cannot tell from its own names (R8: values are nonzero and below 2^63)";
+    set_error(std::string(call) + " returned handle value " + std::to_string(handle) +
+              ", which fragless cannot tell from its own names (R8: values are nonzero and below 2^63)");
     return Status::driver_error;
   }
   Status do_release(PhysHandle h) override {
@@ -353,8 +344,7 @@ class CudaDriver final : public Driver {
     return st == Status::ok ? adopt("cuMemImportFromShareableHandle", handle, h) : st;
   }
   Status unshareable(const char* why) {
-    std::lock_guard lk(err_mu_);
-    last_error_ = why;
+    set_error(why);
     return Status::not_supported;
   }
   Status do_set_access(DevicePtr va, std::size_t size) override {
@@ -451,8 +441,6 @@ class CudaDriver final : public Driver {
   CUcontext primary_;
   CUmemAllocationProp prop_;
   std::vector<CUmemAccessDesc> access_;
-  mutable std::mutex err_mu_;
-  std::string last_error_;
   SpinMutex events_mu_;
   std::vector<CUevent> spare_events_;    // of the primary context
   std::vector<CUevent> foreign_events_;  // of other contexts, recorded and not yet released (record_in_context)
