@@ -35,10 +35,11 @@ namespace fragless {
 // for kStartWait at most, and then starts all the same, saying so (a fork stalled, not a fork hung). The
 // forking thread's own starts pass the gate. Between the count and the creation nothing waits for a lock a
 // fork holds, and a runtime that locks its own state for a fork (ThreadSanitizer) does it in a prepare handler
-// registered at its start, which runs after ours: the wait ends. It gives up after kStartWait all the same,
-// saying so, and the fork goes on as it would have without it. The new thread's first statement touches the
-// library's thread-local storage before it stops counting: where the library was loaded by dlopen, that
-// storage can be allocated there, by the C library's malloc, which a sanitizer's runtime replaces.
+// registered at its start, which runs after ours: the fork's wait ends. That wait too gives up after
+// kStartWait, saying so, and the fork goes on as it would have without it. The new thread's first statement
+// touches the library's thread-local storage before it stops counting: where the library was loaded by
+// dlopen, that storage can be allocated there, by the C library's malloc, which a sanitizer's runtime
+// replaces.
 // Reproduced under GCC 12's ASan with the test "fork right after the first free begins the worker"
 // (test_fork_locks.cpp, 60 forks a run): without the wait a child hung in the runtime's size-class refill in
 // 9 runs of 11, with it in none of 11. tests/core/fork_gate.cpp forks while threads start, with a program's
@@ -86,8 +87,9 @@ std::thread start_quiet_thread(F&& body) {
   }
 }
 
-// In a fork()'s prepare handler, after every lock it takes: closes the gate and waits until no thread of ours is
-// starting (Note [Forking while a thread starts]). Once per fork: a second call on the same thread does nothing.
+// In a fork()'s prepare handler, after the locks that handler takes: closes the gate and waits until no thread of
+// ours is starting (Note [Forking while a thread starts]). Once per fork: a second call on the same thread does
+// nothing.
 inline void close_thread_starts() {
   if (t_closed_thread_starts) return;
   t_closed_thread_starts = true;
