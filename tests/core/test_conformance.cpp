@@ -1,5 +1,6 @@
 // One conformance suite over every policy and driver.
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <set>
 #include <vector>
@@ -225,6 +226,80 @@ TEST_CASE("conformance: per-process memory fraction caps reserved memory", "[con
   CHECK(reserved(*e) <= 256 * static_cast<std::int64_t>(MiB));
   CHECK(e->set_memory_fraction(1.5) == Status::invalid_argument);
   CHECK(e->set_memory_fraction(-0.1) == Status::invalid_argument);
+  require_consistent(*e);
+}
+
+// Note [Memory the driver would not give back]: a release the driver refuses takes the memory off the books, not
+// off the device, so it still counts against the fraction until a retry gets it back.
+TEST_CASE("conformance: memory the driver would not give back counts against the memory fraction",
+          "[conformance][faults]") {
+  EngineSpec spec;
+  spec.policy = GENERATE(PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless);
+  spec.driver = DriverKind::host;
+  CAPTURE(name(spec.policy));
+  auto e = make_engine(spec);  // 1 GiB device
+  Driver& d = e->driver();
+  constexpr std::size_t kAllowed = 256 * MiB;
+  REQUIRE(e->set_memory_fraction(0.25) == Status::ok);
+  void* a = e->allocate(100 * MiB, 0, nullptr);
+  REQUIRE(a);
+  REQUIRE(e->free(a) == Status::ok);
+  host_driver_inject_failure(d, DriverCall::release, 1, Status::driver_error, 1u << 30);  // every release fails
+  e->empty_cache();
+  CHECK(reserved(*e) == 0);
+  const std::size_t stuck = host_driver_census(d).physical_bytes;
+  REQUIRE(stuck >= 100 * MiB);
+  // Fits the limit beside what the books hold (nothing), not beside what the device still holds.
+  const std::size_t want = kAllowed - stuck + 2 * MiB;
+  AllocError err;
+  CHECK(e->allocate(want, 0, &err) == nullptr);
+  CHECK(err.status == Status::out_of_memory);
+  char held[64];
+  std::snprintf(held, sizeof held, "The driver refused to give back %.2f MiB", static_cast<double>(stuck) / MiB);
+  CHECK(err.message.find(held) != std::string::npos);
+  CHECK(host_driver_census(d).physical_bytes == stuck);
+  // Once the driver gives it back (the slow path retries first), the same request fits.
+  host_driver_inject_failure(d, DriverCall::release, 0, Status::ok);
+  void* b = e->allocate(want, 0, &err);
+  REQUIRE(b);
+  CHECK(host_driver_census(d).physical_bytes <= kAllowed);
+  REQUIRE(e->free(b) == Status::ok);
+  e->empty_cache();
+  CHECK(host_driver_census(d).handles == 0);
+  require_consistent(*e);
+}
+
+// Note [Larger than the device]: no growth, so no driver call with the size; the retry chain runs as PyTorch's
+// (the cache emptied, a retry counted) and the error is PyTorch's out-of-memory.
+TEST_CASE("conformance: a request larger than the device is an out-of-memory that no driver call sees",
+          "[conformance]") {
+  EngineSpec spec = any_spec();
+  CAPTURE(name(spec.policy), driver_kind_name(spec.driver));
+  auto e = make_engine(spec);  // 1 GiB device
+  void* kept = e->allocate(4 * MiB, 0, nullptr);
+  void* cached = e->allocate(8 * MiB, 0, nullptr);
+  REQUIRE((kept && cached));
+  REQUIRE(e->free(cached) == Status::ok);
+  const DriverCounters before = e->driver().counters();
+  int n = 0;
+  for (std::size_t size : {1024 * MiB + 1, 4096 * MiB, std::size_t{1} << 50}) {
+    CAPTURE(size);
+    AllocError err;
+    CHECK(e->allocate(size, 0, &err) == nullptr);
+    ++n;
+    CHECK(err.status == Status::out_of_memory);
+    CHECK(err.message.rfind("CUDA out of memory. Tried to allocate ", 0) == 0);
+    CHECK(err.message.find("larger than the device's whole memory") != std::string::npos);
+    CHECK(e->stats().num_ooms == n);
+    CHECK(e->stats().num_alloc_retries == n);
+  }
+  const DriverCounters after = e->driver().counters();
+  for (DriverCall c : {DriverCall::reserve, DriverCall::create, DriverCall::map, DriverCall::set_access})
+    CHECK(after[c] == before[c]);
+  CHECK(e->stats().allocated_bytes.all().current == static_cast<std::int64_t>(4 * MiB));
+  void* again = e->allocate(8 * MiB, 0, nullptr);  // the device is as usable as before
+  REQUIRE(again);
+  for (void* p : {kept, again}) REQUIRE(e->free(p) == Status::ok);
   require_consistent(*e);
 }
 

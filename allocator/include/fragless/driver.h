@@ -442,6 +442,11 @@ class Driver {
     std::lock_guard lk(mu_);
     return contract_.mapping_size(va);
   }
+  // The size of handle h as created or imported (0: no such handle): what a release that failed still holds.
+  std::size_t handle_size(PhysHandle h) const {
+    std::lock_guard lk(mu_);
+    return contract_.handle_size(h);
+  }
   // Appends to `out` each mapping still inside [va, va + size), as (address, size): what an unmap of the
   // range that failed left (R15: an unmap one mapping at a time may stop part way), for a retry.
   void still_mapped(DevicePtr va, std::size_t size, std::vector<std::pair<DevicePtr, std::size_t>>* out) const {

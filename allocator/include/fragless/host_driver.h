@@ -35,9 +35,9 @@ std::unique_ptr<Driver> make_host_driver(const HostDriverOptions& opts, std::str
 // Test access to the event model of a host or sim driver (nullptr for other drivers).
 TestEvents* test_events_of(Driver& d);
 
-// Failure injection for the host driver: fail the nth (1-based) future call of `call` with `status`.
-// nth == 0 clears the rule for that call.
-void host_driver_inject_failure(Driver& d, DriverCall call, std::uint64_t nth, Status status);
+// Failure injection for the host driver: fail the nth (1-based) future call of `call` with `status`, and the
+// `times` - 1 calls of it after that one. nth == 0 clears the rule for that call.
+void host_driver_inject_failure(Driver& d, DriverCall call, std::uint64_t nth, Status status, std::uint64_t times = 1);
 // How many injected failures the driver has returned so far (a sweep checks that each one fired).
 std::uint64_t host_driver_injected_failures(Driver& d);
 // Number of live handles, mappings and reservations (leak checks in tests).

@@ -134,11 +134,12 @@ class HostDriver final : public Driver {
     *total_bytes = capacity_;
   }
 
-  void inject(DriverCall c, std::uint64_t nth, Status st) {
+  void inject(DriverCall c, std::uint64_t nth, Status st, std::uint64_t times) {
     auto lk = impl_lock();
     auto& r = faults_[static_cast<int>(c)];
     r.countdown = nth;
     r.status = st;
+    r.more = nth == 0 || times == 0 ? 0 : times - 1;
   }
 
   std::uint64_t injected_failures() const { return injected_failures_; }
@@ -165,7 +166,11 @@ class HostDriver final : public Driver {
     bool own_fd = false, imported = false, inherited = false;
   };
   struct Mapping { std::size_t size; PhysHandle handle; bool accessible; };
-  struct Fault { std::uint64_t countdown = 0; Status status = Status::ok; };
+  struct Fault {
+    std::uint64_t countdown = 0;
+    Status status = Status::ok;
+    std::uint64_t more = 0;  // the calls after the nth that fail too
+  };
 
   static std::size_t round_down(std::size_t v, std::size_t to) { return v / to * to; }
 
@@ -173,6 +178,10 @@ class HostDriver final : public Driver {
   bool injected(DriverCall c, Status* st) {
     Fault& f = faults_[static_cast<int>(c)];
     if (f.countdown == 0 || --f.countdown != 0) return false;
+    if (f.more > 0) {  // the next call is the next to fail
+      --f.more;
+      f.countdown = 1;
+    }
     *st = f.status;
     set_error(std::string(driver_call_name(c)) + ": injected failure (" + status_name(f.status) + ")");
     ++injected_failures_;
@@ -488,8 +497,8 @@ TestEvents* test_events_of(Driver& d) {
   return sim_test_events(d);
 }
 
-void host_driver_inject_failure(Driver& d, DriverCall call, std::uint64_t nth, Status status) {
-  if (auto* h = dynamic_cast<HostDriver*>(&d)) h->inject(call, nth, status);
+void host_driver_inject_failure(Driver& d, DriverCall call, std::uint64_t nth, Status status, std::uint64_t times) {
+  if (auto* h = dynamic_cast<HostDriver*>(&d)) h->inject(call, nth, status, times);
 }
 
 std::uint64_t host_driver_injected_failures(Driver& d) {

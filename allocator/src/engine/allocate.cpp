@@ -197,8 +197,9 @@ bool DeviceEngine::State::garbage_collect(AllocParams& p) {
   if (!memory_limited || opts.garbage_collection_threshold <= 0) return false;
   const auto threshold = static_cast<std::size_t>(opts.garbage_collection_threshold *
                                                   static_cast<double>(allowed_memory_maximum));
-  if (total_reserved <= threshold) return false;
-  const std::size_t target = total_reserved - threshold;
+  const std::size_t held = held_bytes();  // Note [Memory the driver would not give back]
+  if (held <= threshold) return false;
+  const std::size_t target = held - threshold;
   BlockPool& pool = p.pool->owner->large;
   auto eligible = [](const Block* b) { return !b->is_split() && !b->segment->growable; };
   std::size_t reclaimed = 0;
@@ -314,12 +315,29 @@ void DeviceEngine::State::after_capture() {
   maybe_free_private_pools();
 }
 
+// Note [Larger than the device]
+// A request whose rounded size exceeds the device's whole memory (cuMemGetInfo's total, read when the engine
+// was made) cannot be had whatever is released, so no policy grows for it and no driver sees its size: a
+// real driver's cuMemAddressReserve may refuse such a size as an invalid value, not as out of memory, which
+// would surface as a driver error where PyTorch's callers (batch-size finders) catch
+// torch.OutOfMemoryError; under expandable segments it would create page after page until the device was
+// full, then undo them. The rest of the retry chain runs as PyTorch's does (its cudaMalloc refuses, it
+// releases the cache, counts a retry, refuses again): the replay's fidelity rests on what an OOM leaves
+// cached. Sizes of 1 EiB or more are refused earlier still, uncounted (DeviceEngine::allocate).
+Block* DeviceEngine::State::grow(AllocParams& p) {
+  if (device_total > 0 && p.rounded > device_total) {
+    p.status = Status::out_of_memory;
+    return nullptr;
+  }
+  return policy->grow(p);
+}
+
 Block* DeviceEngine::State::allocate_slow(AllocParams& p, AllocError* err) {
   if (capturing()) {
     // Note [Capture rules]: grow or fail; nothing is released, synchronised or lent.
     if (p.pool->small && policy->small_from_large_remnants())
       if (Block* b = take_large_remnant(p)) return b;
-    if (Block* b = policy->grow(p)) return b;
+    if (Block* b = grow(p)) return b;
     return fail_allocation(p, err);
   }
   if (has_deferred()) retry_deferred();
@@ -327,13 +345,13 @@ Block* DeviceEngine::State::allocate_slow(AllocParams& p, AllocError* err) {
   garbage_collect(p);
   if (p.pool->small && policy->small_from_large_remnants())
     if (Block* b = take_large_remnant(p)) return b;
-  Block* b = policy->grow(p);
-  if (!b && p.status == Status::out_of_memory && release_available_cached_blocks(p)) b = policy->grow(p);
+  Block* b = grow(p);
+  if (!b && p.status == Status::out_of_memory && release_available_cached_blocks(p)) b = grow(p);
   if (!b && p.status == Status::out_of_memory && release_cached_blocks(nullptr)) {
     ++stats.num_alloc_retries;
     // The pool may hold a fitting block again (events completed and merged): try the cache first.
     b = find_free_block(p);
-    if (!b) b = policy->grow(p);
+    if (!b) b = grow(p);
   }
   if (b) return b;
   return fail_allocation(p, err);
@@ -397,6 +415,11 @@ std::string DeviceEngine::State::oom_message(const AllocParams& p, const std::st
     m += std::string(" (external fragmentation ") + pct + ")";
   }
   m += ". Live (requested) bytes: " + format_bytes(static_cast<std::size_t>(stats.live_bytes.current)) + ".";
+  if (p.rounded > total_b)  // Note [Larger than the device]
+    m += " The request is larger than the device's whole memory.";
+  if (deferred_bytes > 0)  // Note [Memory the driver would not give back]
+    m += " The driver refused to give back " + format_bytes(deferred_bytes) +
+         " (a failed release or unmap, retried at each slow allocation): still held, and counted against the limit.";
   if (opts.policy == PolicyKind::classic && unallocated > total_b / 20)
     m += " Much memory is reserved but unallocated: try FRAGLESS_CONF=policy:fragless to avoid fragmentation.";
   else

@@ -68,21 +68,51 @@ PageTable::~PageTable() {
 // State basics
 
 void DeviceEngine::State::give_back_mapping(DevicePtr va, std::size_t size) {
-  if (driver->unmap(va, size) != Status::ok) driver->still_mapped(va, size, &deferred_unmaps);
+  if (driver->unmap(va, size) != Status::ok) defer_unmap(va, size);
 }
 
 void DeviceEngine::State::give_back_handle(PhysHandle h) {
-  if (driver->release(h) != Status::ok) deferred_handles.push_back(h);
+  if (driver->release(h) != Status::ok) defer_release(h);
 }
 
 void DeviceEngine::State::give_back_reservation(DevicePtr va, std::size_t size) {
   if (driver->free_reservation(va, size) != Status::ok) deferred_reservations.emplace_back(va, size);
 }
 
+// Note [Memory the driver would not give back]
+// A handle whose cuMemRelease failed, or a mapping whose cuMemUnmap failed (a released handle's memory goes
+// with its last mapping, R8), leaves the books at once: reserved_bytes and the stats drop, as PyTorch's
+// would after its free. But the device still holds that memory until a retry (retry_deferred) gets it back,
+// so until then deferred_bytes counts it, and the memory fraction (capacity_allows, the fragless policy's
+// creatable pages and its estimate of the device's free memory) and the collection threshold weigh
+// held_bytes(), not total_reserved: a process whose releases fail never holds more than its fraction
+// allows. A handle that was mapped when both its unmap and its release failed is counted twice, its mapping
+// and itself, until either retry succeeds: the stricter side, for a case that takes two failures. The OOM
+// message names these bytes.
+void DeviceEngine::State::defer_release(PhysHandle h) {
+  deferred_bytes += driver->handle_size(h);
+  deferred_handles.push_back(h);
+}
+
+void DeviceEngine::State::defer_unmap(DevicePtr va, std::size_t size) {
+  const std::size_t before = deferred_unmaps.size();
+  driver->still_mapped(va, size, &deferred_unmaps);
+  for (std::size_t i = before; i < deferred_unmaps.size(); ++i) deferred_bytes += deferred_unmaps[i].second;
+}
+
 bool DeviceEngine::State::retry_deferred() {
   // Mappings first (a reservation cannot be freed while mapped), then handles, then address ranges.
-  std::erase_if(deferred_unmaps, [&](const auto& m) { return driver->unmap(m.first, m.second) == Status::ok; });
-  std::erase_if(deferred_handles, [&](PhysHandle h) { return driver->release(h) == Status::ok; });
+  std::erase_if(deferred_unmaps, [&](const auto& m) {
+    if (driver->unmap(m.first, m.second) != Status::ok) return false;
+    deferred_bytes -= std::min(deferred_bytes, m.second);
+    return true;
+  });
+  std::erase_if(deferred_handles, [&](PhysHandle h) {
+    const std::size_t bytes = driver->handle_size(h);
+    if (driver->release(h) != Status::ok) return false;
+    deferred_bytes -= std::min(deferred_bytes, bytes);
+    return true;
+  });
   std::erase_if(deferred_reservations,
                 [&](const auto& r) { return driver->free_reservation(r.first, r.second) == Status::ok; });
   return !has_deferred();
@@ -313,7 +343,8 @@ bool DeviceEngine::State::synchronize_device() {
 }
 
 bool DeviceEngine::State::capacity_allows(std::size_t extra) const {
-  return !memory_limited || (total_reserved <= allowed_memory_maximum && extra <= allowed_memory_maximum - total_reserved);
+  const std::size_t held = held_bytes();  // Note [Memory the driver would not give back]
+  return !memory_limited || (held <= allowed_memory_maximum && extra <= allowed_memory_maximum - held);
 }
 
 PoolSet& DeviceEngine::State::pool_set_for(Stream st) {

@@ -382,6 +382,7 @@ struct DeviceEngine::State {
   void defer_events(Block* b);  // to deferred_until_no_capture, with its placeholder
 
   Block* allocate_slow(AllocParams& p, AllocError* err);
+  Block* grow(AllocParams& p);  // the policy's growth, never for more than the device (Note [Larger than the device])
   Block* fail_allocation(AllocParams& p, AllocError* err);  // counts the OOM, fills err, returns nullptr
   // False when it released nothing: a capture began while it waited for the worker (Note [Capture rules]).
   bool release_cached_blocks(PoolSet* only);
@@ -410,8 +411,17 @@ struct DeviceEngine::State {
   bool has_deferred() const {
     return !deferred_unmaps.empty() || !deferred_handles.empty() || !deferred_reservations.empty();
   }
+  // Onto the deferred lists, counted in deferred_bytes: a handle whose release failed; the mappings still
+  // inside [va, va + size) after its unmap failed.
+  void defer_release(PhysHandle h);
+  void defer_unmap(DevicePtr va, std::size_t size);
   std::vector<std::pair<DevicePtr, std::size_t>> deferred_unmaps, deferred_reservations;
   std::vector<PhysHandle> deferred_handles;
+  // Note [Memory the driver would not give back]: the physical bytes the deferred handles and mappings may
+  // still hold, off the books (not in total_reserved or the stats) but held all the same.
+  std::size_t deferred_bytes = 0;
+  // What the process holds as far as its memory fraction is concerned: the books and the deferred bytes.
+  std::size_t held_bytes() const { return total_reserved + deferred_bytes; }
 
   std::string check_invariants();
   std::vector<SegmentInfo> snapshot();

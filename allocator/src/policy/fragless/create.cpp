@@ -44,7 +44,7 @@ void FraglessPolicy::device_free(Growth& g) {
   const std::size_t missing = (g.need > g.planned ? g.need - g.planned : 0) * page_;
   if (k.valid && k.uses < kAskEvery) {
     // What fragless added since it asked comes out of the free memory; what it gave back goes into it.
-    const std::size_t held = s_.total_reserved;
+    const std::size_t held = s_.held_bytes();
     const std::size_t known = held >= k.reserved ? (k.free > held - k.reserved ? k.free - (held - k.reserved) : 0)
                                                  : std::min(k.total, k.free + (k.reserved - held));
     const std::size_t margin = k.total / 8;
@@ -63,7 +63,7 @@ void FraglessPolicy::device_free(Growth& g) {
   }
   s_.driver->memory_info(&g.free_bytes, &g.total_bytes);
   g.asked = true;
-  k = KnownFree{true, g.free_bytes, g.total_bytes, s_.total_reserved, 0};
+  k = KnownFree{true, g.free_bytes, g.total_bytes, s_.held_bytes(), 0};
   new_answer();
 }
 
@@ -86,7 +86,7 @@ void FraglessPolicy::finish_memory_info(const BackgroundJob& job) {
   // 0 of 0 (cuda_driver.cpp): not an answer. Otherwise the next growth wants another question.
   if (job.outcome == BackgroundJob::Outcome::done && job.total_bytes > 0 &&
       job.changes == s_.driver->memory_changes() && job.id == answers_)
-    known_free_ = KnownFree{true, job.free_bytes, job.total_bytes, s_.total_reserved, 0};
+    known_free_ = KnownFree{true, job.free_bytes, job.total_bytes, s_.held_bytes(), 0};
 }
 
 // Pages that could still be created within the device's free memory and the memory fraction, as the
@@ -95,8 +95,8 @@ std::size_t FraglessPolicy::creatable_pages(Growth& g, std::size_t* limit_pages)
   if (!g.asked) device_free(g);
   std::size_t free_b = g.free_bytes;
   if (s_.memory_limited)
-    free_b = std::min(free_b, s_.allowed_memory_maximum > s_.total_reserved
-                                  ? s_.allowed_memory_maximum - s_.total_reserved : 0);
+    free_b = std::min(free_b, s_.allowed_memory_maximum > s_.held_bytes()
+                                  ? s_.allowed_memory_maximum - s_.held_bytes() : 0);
   if (limit_pages) *limit_pages = process_limit(g.total_bytes) / page_;
   return free_b / page_;
 }
