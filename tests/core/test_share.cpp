@@ -330,6 +330,38 @@ TEST_CASE("sharing: a driver call that fails while sharing or opening leaks noth
   CHECK(a->stats().allocated_bytes.all().current == 0);
 }
 
+// Note [Memory the driver would not give back]: an opened block's handles are released as soon as they are
+// mapped (the mapping keeps them). When those releases fail, the handles wait on the deferred list; they are the
+// exporter's memory, which the importer's memory fraction does not count (PyTorch counts no import either).
+TEST_CASE("sharing: an imported handle whose release fails counts nothing against the importer's fraction",
+          "[share][faults]") {
+  auto a = make_engine(shareable(PolicyKind::fragless));
+  auto b = make_engine(shareable(PolicyKind::fragless));
+  REQUIRE(b->set_memory_fraction(0.5) == Status::ok);  // 128 MiB
+  void* p = a->allocate(100 * MiB, 0, nullptr);
+  REQUIRE(p);
+  SharedBlock s;
+  AllocError err;
+  REQUIRE(a->share(p, &s, &err) == Status::ok);
+  host_driver_inject_failure(b->driver(), DriverCall::release, 1, Status::driver_error, 1u << 30);
+  std::size_t size = 0;
+  void* q = open_in(*b, s, &size, &err);
+  REQUIRE(q);
+  CHECK(host_driver_injected_failures(b->driver()) >= 1);
+  void* own = b->allocate(100 * MiB, 0, &err);  // 100 of 128 MiB: the import is not b's
+  INFO(err.message);
+  CHECK(own);
+  host_driver_inject_failure(b->driver(), DriverCall::release, 0, Status::ok);
+  if (own) REQUIRE(b->free(own) == Status::ok);
+  REQUIRE(b->close_shared(q) == Status::ok);
+  b->empty_cache();
+  CHECK(host_driver_census(b->driver()).handles == 0);
+  s.close_fds();
+  REQUIRE(a->free(p) == Status::ok);
+  require_consistent(*a);
+  require_consistent(*b);
+}
+
 TEST_CASE("sharing: stats count shared bytes per pool, snapshots mark held blocks and list imported ones",
           "[share]") {
   const PolicyKind policy = GENERATE(PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless);

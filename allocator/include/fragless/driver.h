@@ -329,7 +329,11 @@ class DriverContract {
   // recorded (R8; the cuda driver's calls run concurrently) replaces that entry: each entry has its own serial,
   // and a record that finds another serial than its check saw leaves the entry alone (the old handle's memory
   // went before the driver could give its value again).
-  void created(PhysHandle h, std::size_t size) { handles_[h] = HandleState{size, 0, false, next_serial_++}; }
+  void created(PhysHandle h, std::size_t size, bool imported = false) {
+    if (const HandleState* old = handles_.find(h); old && !old->imported) live_bytes_ -= old->size;  // its value reused
+    handles_[h] = HandleState{size, 0, false, imported, next_serial_++};
+    if (!imported) live_bytes_ += size;
+  }
   std::uint64_t serial_of(PhysHandle h) const {
     const HandleState* s = handles_.find(h);
     return s ? s->serial : 0;
@@ -354,11 +358,15 @@ class DriverContract {
     return s ? s->size : 0;
   }
   std::size_t handle_count() const { return handles_.size(); }
+  // The bytes of the handles this driver created whose memory has not gone yet (not released, or released
+  // and still mapped, R8): what the device holds for the process through it. Imports are another process's.
+  std::size_t live_bytes() const { return live_bytes_; }
 
  private:
   struct HandleState {
     std::size_t size = 0, map_count = 0;
     bool released = false;
+    bool imported = false;  // another process's memory (import_handle)
     std::uint64_t serial = 0;
   };
   struct MappingState {
@@ -380,6 +388,7 @@ class DriverContract {
   // The bitmap's words, by page / 64: bit i of word w is page 64w + i (a page: an address / granularity).
   FlatTable<std::uint64_t> mapped_pages_;
   std::uint64_t next_serial_ = 1;
+  std::size_t live_bytes_ = 0;
 };
 
 // R26: a CUmemFabricHandle's bytes.
@@ -442,10 +451,10 @@ class Driver {
     std::lock_guard lk(mu_);
     return contract_.mapping_size(va);
   }
-  // The size of handle h as created or imported (0: no such handle): what a release that failed still holds.
-  std::size_t handle_size(PhysHandle h) const {
+  // The memory the device holds for the handles created through this driver (DriverContract::live_bytes).
+  std::size_t live_bytes() const {
     std::lock_guard lk(mu_);
-    return contract_.handle_size(h);
+    return contract_.live_bytes();
   }
   // Appends to `out` each mapping still inside [va, va + size), as (address, size): what an unmap of the
   // range that failed left (R15: an unmap one mapping at a time may stop part way), for a retry.

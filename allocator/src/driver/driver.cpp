@@ -169,6 +169,7 @@ bool DriverContract::released(PhysHandle h, std::uint64_t serial) {
   HandleState* s = handles_.find(h);
   if (!s || s->serial != serial) return false;  // its value is another handle's now (created)
   if (s->map_count == 0) {
+    if (!s->imported) live_bytes_ -= s->size;
     handles_.erase(h);
     return true;
   }
@@ -196,6 +197,7 @@ void DriverContract::unmapped(DevicePtr va, std::size_t size, std::vector<PhysHa
     }
     if (--h->map_count == 0 && h->released) {
       gone->push_back(m.handle);
+      if (!h->imported) live_bytes_ -= h->size;
       handles_.erase(m.handle);
     }
     at += m.size;
@@ -446,7 +448,7 @@ Status Driver::importing(std::size_t size, PhysHandle* h, Call call) {
   if (const char* r = contract_.check_create(size)) return refuse(r);
   // Mapped whole and released like a created handle (R19).
   return run_and_record(impl_lock(), mu_, [&] { return fail_through(call()); },
-                        [&] { contract_.created(*h, size); });
+                        [&] { contract_.created(*h, size, /*imported=*/true); });
 }
 
 Status Driver::export_handle(PhysHandle h, int* fd) {

@@ -415,11 +415,11 @@ std::string DeviceEngine::State::oom_message(const AllocParams& p, const std::st
     m += std::string(" (external fragmentation ") + pct + ")";
   }
   m += ". Live (requested) bytes: " + format_bytes(static_cast<std::size_t>(stats.live_bytes.current)) + ".";
-  if (p.rounded > total_b)  // Note [Larger than the device]
+  if (device_total > 0 && p.rounded > device_total)  // Note [Larger than the device]
     m += " The request is larger than the device's whole memory.";
-  if (deferred_bytes > 0)  // Note [Memory the driver would not give back]
-    m += " The driver refused to give back " + format_bytes(deferred_bytes) +
-         " (a failed release or unmap, retried at each slow allocation): still held, and counted against the limit.";
+  if (const std::size_t deferred = deferred_bytes(); deferred > 0)  // Note [Memory the driver would not give back]
+    m += " " + format_bytes(deferred) + " that fragless gave up is still held on the device (a release, unmap or wait "
+         "that failed, retried at each slow allocation) and counts against the limit.";
   if (opts.policy == PolicyKind::classic && unallocated > total_b / 20)
     m += " Much memory is reserved but unallocated: try FRAGLESS_CONF=policy:fragless to avoid fragmentation.";
   else

@@ -82,37 +82,21 @@ void DeviceEngine::State::give_back_reservation(DevicePtr va, std::size_t size) 
 // Note [Memory the driver would not give back]
 // A handle whose cuMemRelease failed, or a mapping whose cuMemUnmap failed (a released handle's memory goes
 // with its last mapping, R8), leaves the books at once: reserved_bytes and the stats drop, as PyTorch's
-// would after its free. But the device still holds that memory until a retry (retry_deferred) gets it back,
-// so until then deferred_bytes counts it, and the memory fraction (capacity_allows, the fragless policy's
-// creatable pages and its estimate of the device's free memory) and the collection threshold weigh
-// held_bytes(), not total_reserved: a process whose releases fail never holds more than its fraction
-// allows. A handle that was mapped when both its unmap and its release failed is counted twice, its mapping
-// and itself, until either retry succeeds: the stricter side, for a case that takes two failures. The OOM
-// message names these bytes.
-void DeviceEngine::State::defer_release(PhysHandle h) {
-  deferred_bytes += driver->handle_size(h);
-  deferred_handles.push_back(h);
-}
-
-void DeviceEngine::State::defer_unmap(DevicePtr va, std::size_t size) {
-  const std::size_t before = deferred_unmaps.size();
-  driver->still_mapped(va, size, &deferred_unmaps);
-  for (std::size_t i = before; i < deferred_unmaps.size(); ++i) deferred_bytes += deferred_unmaps[i].second;
-}
-
+// would after its free. But the device still holds that memory until a retry (retry_deferred) gets it back;
+// so does a released idle handle that a lent range whose wait failed still maps. So the memory fraction
+// (capacity_allows, the fragless policy's creatable pages and its estimate of the device's free memory) and
+// the collection threshold weigh held_bytes(): the books, or, where it is more, what the driver's handles
+// still hold (DriverContract::live_bytes, kept as handles are created and their memory goes, imports
+// excluded). A running sum of what went onto the deferred lists counted one handle two or three times (its
+// mapping and itself when both failed in an undo; a lent range's old mapping, whose handles are still on the
+// books under the growth that took them) and was kept only for handles the engine had let go; the driver's
+// count is the device's own, each handle once. Work in flight in the background never makes it larger than
+// the books: a split releases the old handle before it creates the pieces. The OOM message names the
+// difference.
 bool DeviceEngine::State::retry_deferred() {
   // Mappings first (a reservation cannot be freed while mapped), then handles, then address ranges.
-  std::erase_if(deferred_unmaps, [&](const auto& m) {
-    if (driver->unmap(m.first, m.second) != Status::ok) return false;
-    deferred_bytes -= std::min(deferred_bytes, m.second);
-    return true;
-  });
-  std::erase_if(deferred_handles, [&](PhysHandle h) {
-    const std::size_t bytes = driver->handle_size(h);
-    if (driver->release(h) != Status::ok) return false;
-    deferred_bytes -= std::min(deferred_bytes, bytes);
-    return true;
-  });
+  std::erase_if(deferred_unmaps, [&](const auto& m) { return driver->unmap(m.first, m.second) == Status::ok; });
+  std::erase_if(deferred_handles, [&](PhysHandle h) { return driver->release(h) == Status::ok; });
   std::erase_if(deferred_reservations,
                 [&](const auto& r) { return driver->free_reservation(r.first, r.second) == Status::ok; });
   return !has_deferred();

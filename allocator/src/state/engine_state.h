@@ -411,17 +411,17 @@ struct DeviceEngine::State {
   bool has_deferred() const {
     return !deferred_unmaps.empty() || !deferred_handles.empty() || !deferred_reservations.empty();
   }
-  // Onto the deferred lists, counted in deferred_bytes: a handle whose release failed; the mappings still
-  // inside [va, va + size) after its unmap failed.
-  void defer_release(PhysHandle h);
-  void defer_unmap(DevicePtr va, std::size_t size);
+  // Onto the deferred lists: a handle whose release failed; the mappings still inside [va, va + size) after
+  // its unmap failed.
+  void defer_release(PhysHandle h) { deferred_handles.push_back(h); }
+  void defer_unmap(DevicePtr va, std::size_t size) { driver->still_mapped(va, size, &deferred_unmaps); }
   std::vector<std::pair<DevicePtr, std::size_t>> deferred_unmaps, deferred_reservations;
   std::vector<PhysHandle> deferred_handles;
-  // Note [Memory the driver would not give back]: the physical bytes the deferred handles and mappings may
-  // still hold, off the books (not in total_reserved or the stats) but held all the same.
-  std::size_t deferred_bytes = 0;
-  // What the process holds as far as its memory fraction is concerned: the books and the deferred bytes.
-  std::size_t held_bytes() const { return total_reserved + deferred_bytes; }
+  // Note [Memory the driver would not give back]: what the process holds as far as its memory fraction is
+  // concerned: the books, or the memory the driver's handles still hold where that is more.
+  std::size_t held_bytes() const { return std::max(total_reserved, driver->live_bytes()); }
+  // The part of it off the books: memory the driver would not give back (and, briefly, other differences).
+  std::size_t deferred_bytes() const { return held_bytes() - total_reserved; }
 
   std::string check_invariants();
   std::vector<SegmentInfo> snapshot();
