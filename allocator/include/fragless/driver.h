@@ -330,9 +330,9 @@ class DriverContract {
   // and a record that finds another serial than its check saw leaves the entry alone (the old handle's memory
   // went before the driver could give its value again).
   void created(PhysHandle h, std::size_t size, bool imported = false) {
-    if (const HandleState* old = handles_.find(h); old && !old->imported) live_bytes_ -= old->size;  // its value reused
+    if (const HandleState* old = handles_.find(h); old && !old->imported) drop_live(old->size);  // its value reused
     handles_[h] = HandleState{size, 0, false, imported, next_serial_++};
-    if (!imported) live_bytes_ += size;
+    if (!imported) add_live(size);
   }
   std::uint64_t serial_of(PhysHandle h) const {
     const HandleState* s = handles_.find(h);
@@ -360,7 +360,8 @@ class DriverContract {
   std::size_t handle_count() const { return handles_.size(); }
   // The bytes of the handles this driver created whose memory has not gone yet (not released, or released
   // and still mapped, R8): what the device holds for the process through it. Imports are another process's.
-  std::size_t live_bytes() const { return live_bytes_; }
+  // Read without the tables' lock (an allocation's growth asks it several times); changed under it.
+  std::size_t live_bytes() const { return live_bytes_.load(std::memory_order_relaxed); }
 
  private:
   struct HandleState {
@@ -388,7 +389,13 @@ class DriverContract {
   // The bitmap's words, by page / 64: bit i of word w is page 64w + i (a page: an address / granularity).
   FlatTable<std::uint64_t> mapped_pages_;
   std::uint64_t next_serial_ = 1;
-  std::size_t live_bytes_ = 0;
+  void add_live(std::size_t bytes) {  // under the tables' lock
+    live_bytes_.store(live_bytes_.load(std::memory_order_relaxed) + bytes, std::memory_order_relaxed);
+  }
+  void drop_live(std::size_t bytes) {  // under the tables' lock
+    live_bytes_.store(live_bytes_.load(std::memory_order_relaxed) - bytes, std::memory_order_relaxed);
+  }
+  std::atomic<std::size_t> live_bytes_{0};
 };
 
 // R26: a CUmemFabricHandle's bytes.
@@ -452,10 +459,7 @@ class Driver {
     return contract_.mapping_size(va);
   }
   // The memory the device holds for the handles created through this driver (DriverContract::live_bytes).
-  std::size_t live_bytes() const {
-    std::lock_guard lk(mu_);
-    return contract_.live_bytes();
-  }
+  std::size_t live_bytes() const { return contract_.live_bytes(); }
   // Appends to `out` each mapping still inside [va, va + size), as (address, size): what an unmap of the
   // range that failed left (R15: an unmap one mapping at a time may stop part way), for a retry.
   void still_mapped(DevicePtr va, std::size_t size, std::vector<std::pair<DevicePtr, std::size_t>>* out) const {

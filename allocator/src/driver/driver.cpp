@@ -169,7 +169,7 @@ bool DriverContract::released(PhysHandle h, std::uint64_t serial) {
   HandleState* s = handles_.find(h);
   if (!s || s->serial != serial) return false;  // its value is another handle's now (created)
   if (s->map_count == 0) {
-    if (!s->imported) live_bytes_ -= s->size;
+    if (!s->imported) drop_live(s->size);
     handles_.erase(h);
     return true;
   }
@@ -197,7 +197,7 @@ void DriverContract::unmapped(DevicePtr va, std::size_t size, std::vector<PhysHa
     }
     if (--h->map_count == 0 && h->released) {
       gone->push_back(m.handle);
-      if (!h->imported) live_bytes_ -= h->size;
+      if (!h->imported) drop_live(h->size);
       handles_.erase(m.handle);
     }
     at += m.size;

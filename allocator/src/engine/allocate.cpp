@@ -418,8 +418,8 @@ std::string DeviceEngine::State::oom_message(const AllocParams& p, const std::st
   if (device_total > 0 && p.rounded > device_total)  // Note [Larger than the device]
     m += " The request is larger than the device's whole memory.";
   if (const std::size_t deferred = deferred_bytes(); deferred > 0)  // Note [Memory the driver would not give back]
-    m += " " + format_bytes(deferred) + " that fragless gave up is still held on the device (a release, unmap or wait "
-         "that failed, retried at each slow allocation) and counts against the limit.";
+    m += " The device holds " + format_bytes(deferred) + " more than fragless's books count (memory given up whose "
+         "release, unmap or wait has not completed; retried at each slow allocation), counted against the limit.";
   if (opts.policy == PolicyKind::classic && unallocated > total_b / 20)
     m += " Much memory is reserved but unallocated: try FRAGLESS_CONF=policy:fragless to avoid fragmentation.";
   else

@@ -90,9 +90,12 @@ void DeviceEngine::State::give_back_reservation(DevicePtr va, std::size_t size) 
 // excluded). A running sum of what went onto the deferred lists counted one handle two or three times (its
 // mapping and itself when both failed in an undo; a lent range's old mapping, whose handles are still on the
 // books under the growth that took them) and was kept only for handles the engine had let go; the driver's
-// count is the device's own, each handle once. Work in flight in the background never makes it larger than
-// the books: a split releases the old handle before it creates the pieces. The OOM message names the
-// difference.
+// count is the device's own, each handle once. It is also larger than the books, rightly, while a handle a
+// lent range still maps is split (the worker releases it and creates its pieces while the lent mapping keeps
+// its memory). The worker changes it without the engine's lock, so a decision reads it once. While a split
+// is in flight (the old handle released, its pieces not yet created) it reads low by up to that handle, which
+// matters only where it is above the books, after a failure: a growth then may pass a limit by up to that
+// much until the worker's creates are refused. The OOM message names the difference.
 bool DeviceEngine::State::retry_deferred() {
   // Mappings first (a reservation cannot be freed while mapped), then handles, then address ranges.
   std::erase_if(deferred_unmaps, [&](const auto& m) { return driver->unmap(m.first, m.second) == Status::ok; });

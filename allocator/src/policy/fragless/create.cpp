@@ -94,9 +94,10 @@ void FraglessPolicy::finish_memory_info(const BackgroundJob& job) {
 std::size_t FraglessPolicy::creatable_pages(Growth& g, std::size_t* limit_pages) {
   if (!g.asked) device_free(g);
   std::size_t free_b = g.free_bytes;
-  if (s_.memory_limited)
-    free_b = std::min(free_b, s_.allowed_memory_maximum > s_.held_bytes()
-                                  ? s_.allowed_memory_maximum - s_.held_bytes() : 0);
+  if (s_.memory_limited) {
+    const std::size_t held = s_.held_bytes();  // once: the worker's creates change it without the engine's lock
+    free_b = std::min(free_b, s_.allowed_memory_maximum > held ? s_.allowed_memory_maximum - held : 0);
+  }
   if (limit_pages) *limit_pages = process_limit(g.total_bytes) / page_;
   return free_b / page_;
 }
