@@ -5,7 +5,6 @@
 #include "driver/registry.h"
 
 #include <mutex>
-
 #include <vector>
 
 namespace fragless {

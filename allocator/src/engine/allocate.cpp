@@ -325,7 +325,7 @@ void DeviceEngine::State::after_capture() {
 // releases the cache, counts a retry, refuses again): the replay's fidelity rests on what an OOM leaves
 // cached. Sizes of 1 EiB or more are refused earlier still, uncounted (DeviceEngine::allocate).
 Block* DeviceEngine::State::grow(AllocParams& p) {
-  if (device_total > 0 && p.rounded > device_total) {
+  if (larger_than_device(p.rounded)) {
     p.status = Status::out_of_memory;
     return nullptr;
   }
@@ -415,10 +415,11 @@ std::string DeviceEngine::State::oom_message(const AllocParams& p, const std::st
     m += std::string(" (external fragmentation ") + pct + ")";
   }
   m += ". Live (requested) bytes: " + format_bytes(static_cast<std::size_t>(stats.live_bytes.current)) + ".";
-  if (device_total > 0 && p.rounded > device_total)  // Note [Larger than the device]
+  if (larger_than_device(p.rounded))  // Note [Larger than the device]
     m += " The request is larger than the device's whole memory.";
-  if (const std::size_t deferred = deferred_bytes(); deferred > 0)  // Note [Memory the driver would not give back]
-    m += " The device holds " + format_bytes(deferred) + " more than fragless's books count (memory given up whose "
+  // Note [Memory the driver would not give back]
+  if (const std::size_t off_books = held_bytes() - total_reserved; off_books > 0)
+    m += " The device holds " + format_bytes(off_books) + " more than fragless's books count (memory given up whose "
          "release, unmap or wait has not completed; retried at each slow allocation), counted against the limit.";
   if (opts.policy == PolicyKind::classic && unallocated > total_b / 20)
     m += " Much memory is reserved but unallocated: try FRAGLESS_CONF=policy:fragless to avoid fragmentation.";

@@ -68,11 +68,11 @@ PageTable::~PageTable() {
 // State basics
 
 void DeviceEngine::State::give_back_mapping(DevicePtr va, std::size_t size) {
-  if (driver->unmap(va, size) != Status::ok) defer_unmap(va, size);
+  if (driver->unmap(va, size) != Status::ok) driver->still_mapped(va, size, &deferred_unmaps);
 }
 
 void DeviceEngine::State::give_back_handle(PhysHandle h) {
-  if (driver->release(h) != Status::ok) defer_release(h);
+  if (driver->release(h) != Status::ok) deferred_handles.push_back(h);
 }
 
 void DeviceEngine::State::give_back_reservation(DevicePtr va, std::size_t size) {
@@ -330,8 +330,9 @@ bool DeviceEngine::State::synchronize_device() {
 }
 
 bool DeviceEngine::State::capacity_allows(std::size_t extra) const {
+  if (!memory_limited) return true;
   const std::size_t held = held_bytes();  // Note [Memory the driver would not give back]
-  return !memory_limited || (held <= allowed_memory_maximum && extra <= allowed_memory_maximum - held);
+  return held <= allowed_memory_maximum && extra <= allowed_memory_maximum - held;
 }
 
 PoolSet& DeviceEngine::State::pool_set_for(Stream st) {

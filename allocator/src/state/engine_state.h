@@ -411,17 +411,13 @@ struct DeviceEngine::State {
   bool has_deferred() const {
     return !deferred_unmaps.empty() || !deferred_handles.empty() || !deferred_reservations.empty();
   }
-  // Onto the deferred lists: a handle whose release failed; the mappings still inside [va, va + size) after
-  // its unmap failed.
-  void defer_release(PhysHandle h) { deferred_handles.push_back(h); }
-  void defer_unmap(DevicePtr va, std::size_t size) { driver->still_mapped(va, size, &deferred_unmaps); }
   std::vector<std::pair<DevicePtr, std::size_t>> deferred_unmaps, deferred_reservations;
   std::vector<PhysHandle> deferred_handles;
   // Note [Memory the driver would not give back]: what the process holds as far as its memory fraction is
   // concerned: the books, or the memory the driver's handles still hold where that is more.
   std::size_t held_bytes() const { return std::max(total_reserved, driver->live_bytes()); }
-  // The part of it off the books: memory the driver would not give back (and, briefly, other differences).
-  std::size_t deferred_bytes() const { return held_bytes() - total_reserved; }
+  // Note [Larger than the device]: no memory released could make room for a request this large.
+  bool larger_than_device(std::size_t rounded) const { return device_total > 0 && rounded > device_total; }
 
   std::string check_invariants();
   std::vector<SegmentInfo> snapshot();

@@ -254,10 +254,9 @@ void HandleSplitter::finish(BackgroundJob& job) {
   }
   multi_.erase({&seg, job.first});
   where_.erase(job.alias);
-  // Note [Memory the driver would not give back]: counted until a retry gets it back.
-  if (job.release_failed) s_.defer_release(job.handle);
-  for (const auto& [va, size] : job.still_mapped) s_.defer_unmap(va, size);
-  for (PhysHandle h : job.unreleased) s_.defer_release(h);
+  if (job.release_failed) s_.deferred_handles.push_back(job.handle);
+  s_.deferred_unmaps.insert(s_.deferred_unmaps.end(), job.still_mapped.begin(), job.still_mapped.end());
+  s_.deferred_handles.insert(s_.deferred_handles.end(), job.unreleased.begin(), job.unreleased.end());
   emit(s_, TraceAction::phys_release, 0, 0, bytes, bytes);
   if (job.outcome == Outcome::done) {
     pool_.replace_mapped(job.alias, job.created, job.sizes);
