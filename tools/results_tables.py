@@ -13,9 +13,10 @@
   tools/results_tables.py fit      FILES...   the smallest device per policy (--fit, steps 1/4 and 1/16 GiB)
   tools/results_tables.py maxbatch            the largest batch per policy on 24, 40, 80 and 141 GiB devices
   tools/results_tables.py fits     FILES...   both of the above, in that order (docs/RESULTS.md, "What fits")
-  tools/results_tables.py driver   [--costs PROBE.json] FILES...   the ten built-in workloads and FILES: peak
-                                 reserved, driver calls, alloc-path and background driver time per policy,
-                                 and the start-up targets (docs/RESULTS.md, "Driver time on the allocation path")
+  tools/results_tables.py driver   [--costs PROBE.json] [--conf KEY:VALUE,...] FILES...   the ten built-in
+                                 workloads and FILES: peak reserved, driver calls, alloc-path and background
+                                 driver time per policy, and the start-up targets (docs/RESULTS.md, "Driver
+                                 time on the allocation path")
   tools/results_tables.py general  [--conf KEY:VALUE,...] [--seed N] [--draws N] [FILES...]   the start-up targets
                                  beyond the driver table's inputs: every trace cut into windows (quarters,
                                  halves) and random draws of the built-in workloads (docs/RESULTS.md,
@@ -23,6 +24,12 @@
   tools/results_tables.py headline FILES...   the README introduction's figures: over the inputs of `targets`
                                  and `zoo` together, fragless's mean and largest overhead over live and the
                                  inputs where it holds more than classic or expandable
+  tools/results_tables.py check    DOC...     every `python3 tools/results_tables.py ...` command quoted in DOCs
+                                 (inline code or a code block, run from the repository's root) is accepted as
+                                 written, and each one that names no placeholder (a capital letter alone,
+                                 FILE, DIR, PROBE.json, an ellipsis) is run: every table it prints must stand
+                                 in the DOCs line for line. Exit 1 naming each command and table that does
+                                 not; 77 (skipped) when an input a command names is not there
 FILES are traces; the eight default workloads (four sequence-length distributions, training and inference)
 are added to `targets` and `params`.
 Uses the fragless-replay of the build beside this script (build/bin/ under the repository's root), or
@@ -389,10 +396,10 @@ def driver_table(args):
     """Per input (the built-in workloads at their defaults, then FILES): what each policy holds and what its
     driver calls cost, split into the time a caller waits for (alloc path) and the time spent off it
     (background), under the A100 model or a measured --costs file; then the targets per input and in total."""
-    costs = []
-    if args and args[0] == "--costs":
-        costs, args = ["--costs", args[1]], args[2:]
-    rows = by_input(run([*costs, *BUILTINS, *args]))
+    options = []
+    while args and args[0] in ("--costs", "--conf"):
+        options, args = options + args[:2], args[2:]
+    rows = by_input(run([*options, *BUILTINS, *args]))
     header("input", "peak live MiB", "reserved MiB classic / expandable / fragless", "fragless overhead",
            "creates expandable / fragless (background)", "maps", "set-access", "expandable driver ms",
            "fragless alloc-path ms", "fragless background ms", "targets missed")
@@ -495,42 +502,183 @@ def general_table(args):
                                                           a and f"+{a:.0f} MiB over a peer") if m))
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+PLACEHOLDERS = {"FILE", "FILES", "FILE...", "FILES...", "DIR", "PROBE.json", "…", "..."}
+
+
+def quoted_commands(text):
+    """The `python3 tools/results_tables.py ...` commands a document quotes, in order: inline code (which may run
+    over line breaks) and lines of fenced code blocks (a trailing # comment dropped), whitespace made single."""
+    import re
+    found = []
+    fenced = False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif fenced and line.strip().startswith("python3 tools/results_tables.py"):
+            found.append(line.split(" #")[0])
+    outside = re.sub(r"```.*?```", "", text, flags=re.S)
+    found += [m for m in re.findall(r"`([^`]*)`", outside) if m.strip().startswith("python3 tools/results_tables.py")]
+    return list(dict.fromkeys(" ".join(c.split()) for c in found))
+
+
+def placeholder(token):
+    """Whether a command's word stands for something the reader chooses (a capital letter alone, as a word or as
+    a KEY:VALUE's value, FILE, DIR, PROBE.json, an ellipsis)."""
+    import re
+    return token in PLACEHOLDERS or bool(re.fullmatch(r"(.*[:=])?[A-Z]", token))
+
+
+def table_blocks(text):
+    """The markdown tables in text: runs of lines that begin with '|', trailing blanks dropped."""
+    blocks, current = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            current.append(line.rstrip())
+        elif current:
+            blocks.append(current)
+            current = []
+    return blocks
+
+
+def check_docs(docs):
+    """Each command the docs quote is accepted as written; each without a placeholder is run from the
+    repository's root and every table it prints must stand in the docs, line for line."""
+    import glob
+    import io
+    from contextlib import redirect_stderr
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    texts = {}
+    for d in docs:
+        try:
+            with open(d, encoding="utf-8") as f:
+                texts[d] = f.read()
+        except OSError as e:
+            sys.exit(f"check: cannot read {d}: {e.strerror}")
+    lines = [line.rstrip() for t in texts.values() for line in t.splitlines()]
+    doc_tables = [b for t in texts.values() for b in table_blocks(t)]
+
+    def stands_in_docs(block):
+        n = len(block)
+        return any(lines[i:i + n] == block for i in range(len(lines) - n + 1) if lines[i] == block[0])
+
+    commands = list(dict.fromkeys(c for t in texts.values() for c in quoted_commands(t)))
+    if not commands:
+        sys.exit(f"check: no `python3 tools/results_tables.py ...` command in {', '.join(docs)}")
+    failed = skipped = ran = 0
+    for command in commands:
+        words = command.split()[2:]
+        # Accepted as written: the parser reads the words, each placeholder standing for a value ("1").
+        sample = ["1" if placeholder(w) and len(w) == 1 else w for w in words if w not in ("…", "...")]
+        sample = [w.rsplit(":", 1)[0] + ":1" if placeholder(w) and ":" in w else w for w in sample]
+        if not sample:  # `python3 tools/results_tables.py ...`: the script named, no command
+            print(f"names no command, not run: `{command}`")
+            continue
+        complaint = io.StringIO()
+        try:
+            with redirect_stderr(complaint):
+                make_parser().parse_args(sample)
+        except SystemExit:
+            failed += 1
+            print(f"FAILED: `{command}` is not accepted: {complaint.getvalue().strip().splitlines()[-1]}")
+            continue
+        if any(placeholder(w) for w in words):
+            print(f"accepted, not run (it names a placeholder): `{command}`")
+            continue
+        if words and words[0] == "check":  # this check itself: running it would run it again
+            print(f"accepted, not run (it is this check): `{command}`")
+            continue
+        args, missing = [], []
+        for w in words:
+            if any(ch in w for ch in "*?["):
+                matches = sorted(glob.glob(os.path.join(root, w)))
+                args += [os.path.relpath(m, root) for m in matches] or [w]
+                missing += [] if matches else [w]
+            else:
+                args.append(w)
+                if ("/" in w or w.endswith((".json", ".pickle", ".csv", ".fgt"))) and \
+                        not os.path.exists(os.path.join(root, w)):
+                    missing.append(w)
+        if missing:
+            skipped += 1
+            print(f"SKIPPED: `{command}`: {', '.join(missing)} not found (run from {root})")
+            continue
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), *args], cwd=root, capture_output=True,
+                           text=True)
+        ran += 1
+        if p.returncode != 0:
+            failed += 1
+            print(f"FAILED: `{command}` exited {p.returncode}: {p.stderr.strip()}")
+            continue
+        blocks = table_blocks(p.stdout)
+        if not blocks:
+            print(f"ran, no table to look for: `{command}`")
+        wrong = [b for b in blocks if not stands_in_docs(b)]
+        if blocks and not wrong:
+            print(f"ok ({len(blocks)} table{'s' if len(blocks) > 1 else ''}): `{command}`")
+        for block in wrong:
+            failed += 1
+            print(f"FAILED: `{command}` prints a table the docs do not hold; its header:\n  {block[0]}")
+            same = [t for t in doc_tables if t[0] == block[0]]
+            if not same:
+                print("  no table in the docs has that header")
+                continue
+            near = min(same, key=lambda t: len(set(t) ^ set(block)))
+            for row in [r for r in near if r not in block][:8]:
+                print(f"  docs: {row}")
+            for row in [r for r in block if r not in near][:8]:
+                print(f"  now:  {row}")
+    print(f"check: {len(commands)} commands in {', '.join(docs)}: {ran} run, {failed} failed, {skipped} skipped")
+    sys.exit(1 if failed else 77 if skipped else 0)
+
+
+def make_parser():
+    # No abbreviations: a command quoted in the docs (check) must name each option in full.
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, function in (("replay", replay_table), ("fidelity", fidelity_table), ("targets", targets_table),
                            ("params", params_table), ("handles", handles_table), ("headline", headline),
                            ("fit", fit_table)):
-        command = sub.add_parser(name)
+        command = sub.add_parser(name, allow_abbrev=False)
         command.add_argument("files", nargs="+", metavar="FILE")
         command.set_defaults(run=function)
-    fits = sub.add_parser("fits")
+    fits = sub.add_parser("fits", allow_abbrev=False)
     fits.add_argument("files", nargs="+", metavar="FILE")
     fits.set_defaults(run=lambda a: (fit_table(a), print(), maxbatch_table(a)))
     for name, function in (("variants", variants_table), ("zoo", zoo_table), ("maxbatch", maxbatch_table)):
-        sub.add_parser(name).set_defaults(run=function, files=[])
+        sub.add_parser(name, allow_abbrev=False).set_defaults(run=function, files=[])
     for name, function in (("validate", validate_table), ("published", published_table)):
-        command = sub.add_parser(name)
+        command = sub.add_parser(name, allow_abbrev=False)
         command.add_argument("directory", metavar="DIR")
         command.set_defaults(run=lambda a, f=function: f(a[0]), files=None)
-    driver = sub.add_parser("driver")
+    driver = sub.add_parser("driver", allow_abbrev=False)
     driver.add_argument("--costs", metavar="PROBE.json")
+    driver.add_argument("--conf", metavar="KEY:VALUE,...")
     driver.add_argument("files", nargs="*", metavar="FILE")
     driver.set_defaults(run=driver_table)
-    general = sub.add_parser("general")
+    general = sub.add_parser("general", allow_abbrev=False)
     general.add_argument("--conf", metavar="KEY:VALUE,...")
     general.add_argument("--seed", type=int, default=1)
     general.add_argument("--draws", type=int, default=3)
     general.add_argument("files", nargs="*", metavar="FILE")
     general.set_defaults(run=general_table)
+    check = sub.add_parser("check", allow_abbrev=False)
+    check.add_argument("docs", nargs="+", metavar="DOC")
+    check.set_defaults(run=check_docs, files=[])
+    return parser
+
+
+def main():
+    parser = make_parser()
     a = parser.parse_args()
     if a.command == "general" and a.draws < 0:
         parser.error("general: --draws must be 0 or more")
-    if a.files is None:
+    if a.command == "check":
+        args = a.docs
+    elif a.files is None:
         args = [a.directory]
     elif a.command == "driver":
-        args = (["--costs", a.costs] if a.costs else []) + a.files
+        args = (["--costs", a.costs] if a.costs else []) + (["--conf", a.conf] if a.conf else []) + a.files
     elif a.command == "general":
         args = (["--conf", a.conf] if a.conf else []) + ["--seed", str(a.seed), "--draws", str(a.draws)] + a.files
     else:

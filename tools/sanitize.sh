@@ -33,12 +33,12 @@ asan_test() {  # fast | sweeps
   # on the engine's snapshots, the PyTorch API) cannot check it here: they run in the plain build.
   export ASAN_OPTIONS="detect_leaks=1:verify_asan_link_order=0:abort_on_error=1"
   if [ "$1" = fast ]; then
-    echo "sanitize.sh: the tests run by a Python interpreter are left out here (an uninstrumented interpreter cannot load an ASan library); they run in the plain build"
+    echo "sanitize.sh: the tests run by a Python interpreter are left out here (an uninstrumented interpreter cannot load an ASan library), and so is the docs' check (it replays every table of docs/RESULTS.md, which the plain build checks); they run in the plain build"
     # A program's exit stops the background workers before LeakSanitizer looks (capi.cpp, preload.cpp): a
     # worker thread still alive at exit made LeakSanitizer's own tracer die of signal 11 reading the thread's
     # dynamic TLS (seen on the C ABI program driven by dlopen, about one run in eight, and on every run of the
     # LD_PRELOAD program once its worker started).
-    ctest --test-dir "$build" -j"$jobs" --output-on-failure -E "python|viewer rules" -LE slow
+    ctest --test-dir "$build" -j"$jobs" --output-on-failure -E "python|viewer rules|^docs:" -LE slow
   else
     # The fault sweeps take minutes each: verbose, so their progress lines show as they come.
     ctest --test-dir "$build" -j"$jobs" --output-on-failure -L slow --verbose

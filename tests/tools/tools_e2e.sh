@@ -254,6 +254,31 @@ check_error "transformer seed=1.5" "workload option seed: bad value '1.5'" "$bin
 check_error "results_tables.py: an unknown command" "invalid choice: 'bogus'" python3 "$(dirname "$(realpath "$0")")/../../tools/results_tables.py" bogus
 check_error "results_tables.py general --seed abc" "argument --seed: invalid int value: 'abc'" \
   python3 "$(dirname "$(realpath "$0")")/../../tools/results_tables.py" general --seed abc
+# results_tables.py check: a table a quoted command prints must stand in the docs line for line.
+rt="$(dirname "$(realpath "$0")")/../../tools/results_tables.py"
+check "results_tables.py zoo (the table the checks below quote)" env FRAGLESS_REPLAY="$bin/fragless-replay" python3 "$rt" zoo
+cp "$work/out" "$work/zoo.md"
+check_doc() {  # check_doc DESCRIPTION CODE TEXT DOC_BODY: check's exit code and a line of its output
+  local what="$1" code="$2" text="$3"
+  printf '%s\n' "$4" >"$work/doc.md"
+  run env FRAGLESS_REPLAY="$bin/fragless-replay" python3 "$rt" check "$work/doc.md"
+  if [ "$rc" -eq "$code" ] && grep -qF -- "$text" "$work/out"; then pass "$what"
+  else fail "$what ($(status), wanted $code and '$text'; it printed: $(cat "$work/out"))"; fi
+}
+check_doc "results_tables.py check: the table its command prints now" 0 "1 run, 0 failed" \
+  "$(printf 'The zoo: `python3 tools/results_tables.py zoo`\n\n'; cat "$work/zoo.md")"
+check_doc "results_tables.py check: one figure that is not what the command prints now" 1 "now:  | unet2d |" \
+  "$(printf 'The zoo: `python3 tools/results_tables.py zoo`\n\n'; sed 's/^| unet2d | [0-9.]* |/| unet2d | 1.0 |/' "$work/zoo.md")"
+check_doc "results_tables.py check: a quoted command it does not accept" 1 "is not accepted: " \
+  'Run `python3 tools/results_tables.py driver --cost x.json` for measured costs (an abbreviation).'
+check_doc "results_tables.py check: a command with a placeholder is parsed, not run" 0 "accepted, not run" \
+  'Any seed: `python3 tools/results_tables.py general --seed S --draws 6`.'
+check_doc "results_tables.py check: a quoted check is parsed, not run (it would run itself)" 0 "it is this check" \
+  "$(printf '`python3 tools/results_tables.py check %s`' "$work/doc.md")"
+check_doc "results_tables.py check: an input that is not there skips" 77 "SKIPPED: " \
+  '`python3 tools/results_tables.py replay no/such/dir/*.pickle`'
+check_doc "results_tables.py check: ... a costs file too" 77 "x.json not found" \
+  '`python3 tools/results_tables.py driver --costs x.json`'
 check_error "bad --conf value" "bad value '7' for key 'reserve_slack'" "$bin/fragless-replay" --conf reserve_slack:7 "$work/o.fgt"
 # A directory or an empty file as a trace is named as such (not "unknown trace format").
 : >"$work/empty.fgt"
