@@ -68,7 +68,8 @@ int usage(const char* msg) {
                "          (max_split_size_mb, roundup_power2_divisions, ...), page_size_mb; policy (or\n"
                "          expandable_segments:True) selects the policy as --policy does. The replay runs the sim\n"
                "          driver on a device of --capacity-gib: driver, capacity_mb, trace, peer_access,\n"
-               "          shareable_handles and on_oom are refused\n"
+               "          shareable_handles and on_oom are refused, and so is expandable_segments:False\n"
+               "          without policy (it selects none)\n"
                "  --seqlen-file: sequence lengths for the workloads (a CSV column, see the README)\n"
                "  --window: replay each input's events from fraction FROM to fraction TO of them (0.5:1 = the\n"
                "         second half): what was live at the window's start is allocated first (in the peaks, its\n"
@@ -85,7 +86,8 @@ int usage(const char* msg) {
 
 // Note [Nothing in --conf is ignored]
 // A key of --conf either changes what the replay does or is refused: `policy` (and expandable_segments:True
-// without it, as in FRAGLESS_CONF) selects the policy, as --policy does; the keys of a real device (the
+// without it, as in FRAGLESS_CONF) selects the policy, as --policy does (expandable_segments:False without
+// it selects nothing, and is refused); the keys of a real device (the
 // driver, its size, tracing, peers, handle export, the OOM behaviour of libfragless.so) have no meaning in
 // a replay on the sim driver, and --capacity-gib gives the device's size.
 constexpr const char* kConfRefused[][2] = {
@@ -121,6 +123,13 @@ bool apply_conf(const std::string& text, Options* base, std::optional<PolicyKind
       }
     policy_key |= k == "policy";
     expandable_key |= k == "expandable_segments";
+  }
+  // expandable_segments:False alone selects nothing: an allocator keeps its policy, and the replay runs every
+  // policy unless told which, expandable among them.
+  if (expandable_key && !cr.options.expandable_segments && !policy_key) {
+    *error = "--conf expandable_segments:False: selects no policy in a replay, which runs classic, expandable and "
+             "fragless unless --policy (or policy:) names some; leave it out, or name the policies";
+    return false;
   }
   if (policy_key || (expandable_key && cr.options.policy == PolicyKind::expandable)) *policy = cr.options.policy;
   *base = cr.options;

@@ -279,6 +279,9 @@ check_doc "results_tables.py check: an input that is not there skips" 77 "SKIPPE
   '`python3 tools/results_tables.py replay no/such/dir/*.pickle`'
 check_doc "results_tables.py check: ... a costs file too" 77 "x.json not found" \
   '`python3 tools/results_tables.py driver --costs x.json`'
+check_error "--conf expandable_segments:False alone selects nothing: refused" "expandable_segments:False: selects no policy" \
+  "$bin/fragless-replay" --conf expandable_segments:False "$work/o.fgt"
+check_output "... with the policy it agrees with, it runs" " classic " "$bin/fragless-replay" --conf expandable_segments:False,policy:classic "$work/o.fgt"
 check_error "bad --conf value" "bad value '7' for key 'reserve_slack'" "$bin/fragless-replay" --conf reserve_slack:7 "$work/o.fgt"
 # A directory or an empty file as a trace is named as such (not "unknown trace format").
 : >"$work/empty.fgt"

@@ -175,8 +175,8 @@ constexpr OptionInfo kOptions[] = {
      }},
     {"peer_access", "True or False", "True",
      "cuda driver: grant every peer device that can access this one (cuDeviceCanAccessPeer) access to fragless "
-     "memory, as cudaMalloc memory is reachable by peers: one cuMemSetAccess per mapping, with one descriptor per "
-     "device. False grants the owning device only (peer copies and NCCL P2P through it then fault).",
+     "memory, as cudaMalloc memory is reachable by peers: one cuMemSetAccess per mapped range (adjacent mappings in one call), "
+     "with one descriptor per device. False grants the owning device only (peer copies and NCCL P2P through it then fault).",
      &flag<&Options::peer_access>},
     {"shareable_handles", "True, False or fabric", "False",
      "create physical memory exportable, so that blocks can be shared with other processes (fragless.share): "
@@ -207,8 +207,8 @@ constexpr OptionInfo kOptions[] = {
     {"handle_max_mb", "integer in [1, 2^20] (MiB)", "64",
      "fragless policy (handles ends or cells): the body of a growth is created in handles of at most this much; "
      "a live block that straddles a handle pins less than this of it, and one background split replaces at "
-     "most this much. Near the limit (a growth that would leave less than half of the process's memory still "
-     "creatable) no handle is larger than chunk_size_mb.",
+     "most this much. With handles cells, near the limit (a growth that would leave less than half of the "
+     "process's memory still creatable) no handle is larger than chunk_size_mb.",
      &mib_field<&Options::handle_max, 1, std::size_t{1} << 20>, &fragless_policy_only},
     {"chunk_size_mb", "integer in [1, 2^20] (MiB)", "20",
      "fragless policy: with handles ends or whole, a growth's new handle may be rounded up to this much, mapped "
@@ -227,9 +227,10 @@ constexpr OptionInfo kOptions[] = {
      "unmap first, as PyTorch does.",
      &flag<&Options::lend_pages>, &fragless_policy_only},
     {"lend_across_streams", "True or False", "True",
-     "fragless policy (with lend_pages): pages of a hole on another stream are lent too; the requesting stream "
-     "waits on the device (cuStreamWaitEvent) for the hole's stream, the host never waits. False: such holes "
-     "are taken only after synchronising their stream, when the device is full.",
+     "fragless policy (with lend_pages): a hole on another stream whose queued work is done is taken with no "
+     "wait; a busy stream's hole only when creating the memory would exceed the device, and then lent: the "
+     "requesting stream waits on the device (cuStreamWaitEvent) for the hole's stream, the host never waits. "
+     "False: other streams' holes are taken only when the device is full, after synchronising their stream.",
      &flag<&Options::lend_across_streams>, &fragless_policy_only},
     {"small_in_remnants", "True or False", "True",
      "fragless policy: a small request (<= 1 MiB) that would grow the small pool may take a free large-pool "
@@ -238,7 +239,7 @@ constexpr OptionInfo kOptions[] = {
     {"background", "True or False", "True",
      "A worker thread per device does the driver work no request waits for: with the fragless policy it "
      "splits a multi-page handle, once it is free, into pieces of 1, 1, 2, 4, ... pages in place (so its memory "
-     "can be re-backed a piece at a time; a piece used and freed again becomes 2 MiB pages), unmaps ranges lent across streams once their stream is done, and asks the driver for free "
+     "can be re-backed a piece at a time; a piece used and freed again becomes 2 MiB pages), unmaps each range lent without a synchronisation once the event recorded when it was lent has completed, and asks the driver for free "
      "memory (`cuMemGetInfo`) every 32 growths so that growths need not (once a split or a lent range has "
      "started it). It stops at process exit, before the CUDA driver tears down. False: none is done "
      "(growths then ask every 64).",
