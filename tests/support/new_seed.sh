@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The random and property tests ([seeded]) once more, with a new seed each run (their CTests above use the
-# fixed seeds), so every CI run explores another draw. The seed is printed with the command that replays it.
+# The random and property tests ([seeded]) once more, with a new seed each run (their CTests use the fixed
+# seeds), so that each run explores another draw. Run by hand: not yet a CTest, because new seeds still find
+# the draws docs/RELIABILITY.md ("Seeds") lists as open. The seed is printed with the command that replays it.
 # Usage: new_seed.sh FRAGLESS_TESTS   (FRAGLESS_SEED, when set, is used instead of a new one)
 set -euo pipefail
 tests="$1"
