@@ -5,12 +5,15 @@
 // Note [Background work]
 // A job goes through three steps, and passes its values from one to the next:
 //   take   (device lock held)  the policy picks the work and takes what it needs out of the engine's
-//                              hands (a busy block: no pool holds it, no request can use it);
-//   run    (no lock)           the driver calls, and nothing else: the job touches no engine state;
+//                              hands (a busy block: no pool holds it, no request can use it), and records
+//                              the event the split will wait for (Note [Destroyed streams]);
+//   run    (no lock)           the memory calls, and nothing else: the job touches no engine state;
 //   finish (device lock held)  the policy puts the results into the engine's books.
 // The rules:
-//  - no driver call is made while the device lock is held by background work, so a request never waits
-//    behind a background cuMemCreate (it waits at most for a take or a finish, which are bookkeeping);
+//  - no memory call (create, map, set-access, unmap, release) is made while the device lock is held by
+//    background work, so a request never waits behind a background cuMemCreate: it waits at most for a
+//    take or a finish, which are bookkeeping and event calls (a take records an event on the block's stream,
+//    or queries a destroyed stream's; a lent range's finish releases its event);
 //  - no job is taken while a pool routing is active (Note [Capture rules]): a capture may be under way, and
 //    a job records and queries events. begin_allocate_to_pool first waits for the job in flight, asking it
 //    to stop at its next driver call;
@@ -135,9 +138,10 @@ class Background {
   // Device lock held: there is work. Starts the worker on first use (thread mode) and wakes it.
   void wake();
   // Device lock held: returns once no job is in flight, asking the one in flight to stop early; the lock
-  // is released while waiting. `routed` (a pool routing is active) keeps the worker from taking new jobs.
+  // is released while waiting.
   void quiesce();
-  // Device lock held: routing (begin/end_allocate_to_pool) changed; the worker resumes when it is over.
+  // Device lock held: routing (begin/end_allocate_to_pool) changed; while `routed` (a pool routing is active)
+  // the worker takes no new job, and it resumes when routing is over.
   void routing_changed(bool routed);
   // Stops and joins the worker (device lock not held). Idempotent. When the calling thread holds the device
   // lock (an exit from a signal handler or an event sink: Note [Exit while the lock is held]), the worker is

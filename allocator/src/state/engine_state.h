@@ -76,7 +76,7 @@ struct Block {
   BlockState state = BlockState::free;
   bool in_size_set : 1 = false;
   // May overlap a physical mapping of several pages (fragless): its free is reported to the policy, which
-  // may split such a mapping into pages in the background. Conservative: kept by splits, or-ed by merges.
+  // may split such a mapping into pieces in the background. Conservative: kept by splits, or-ed by merges.
   bool multi : 1 = false;
   // Allocated and exported (Note [Sharing]): listed in State::exports; its free waits for every lease.
   bool exported : 1 = false;
@@ -227,7 +227,8 @@ struct DeviceEngine::State {
   std::vector<std::pair<PoolSet*, StreamFilter>> routes;  // begin_allocate_to_pool, newest last
   // Note [Capture rules]: while any pool routing is active a CUDA graph capture may be under way. The engine
   // then queries no event and synchronises nothing (a destroyed stream's event excepted, Note [Destroyed
-  // streams]), unmaps and releases nothing, lends no page, and defers the
+  // streams]), unmaps and releases nothing (but what a growth that failed had just created and mapped, which
+  // no work has used), lends no page, and defers the
   // events of frees with uses on other streams until the routing ends (PyTorch's
   // needs_events_deferred_until_no_capture): an event query or a synchronisation during a capture fails and
   // invalidates it, and an unmap is not stream-ordered. It only grows (create and map, in relaxed capture

@@ -19,7 +19,8 @@ namespace fragless {
 // driver is asked again where a wrong answer would change a decision: when the known answer is within an
 // eighth of the device of what the growth misses, or of where memory_tight turns (half of what the process
 // may hold, above what it misses); after kAskEvery growths that used the known answer (growths that idle
-// handles or holes serve need no answer and count nothing); and after any create the driver refused.
+// handles serve whole, and refills, need no answer and count nothing; a growth that takes holes counts, as it
+// weighs what it could create before it reclaims); and after any create the driver refused.
 // An answer that is too high by more than that eighth can still mislead memory_tight until the next ask
 // (handles of up to handle_max_mb near the limit, for at most kAskEvery growths); one that is too low costs
 // an ask. A too high answer that leads to a create the driver refuses costs that call: the growth keeps
@@ -36,7 +37,7 @@ namespace fragless {
 // keep changing memory while it asks). A question alone starts no worker thread: the start (tens of µs)
 // would fall on the path of the growth that wanted it, and BM_GrowthPath, which builds an engine per
 // iteration, went from 1.97 to 2.6 times expandable's time when it did. Until other work starts the worker (a
-// split, or a range lent across streams: their first wake pays that start once), in a program that never
+// split, or any range lent without a synchronisation: their first wake pays that start once), in a program that never
 // has such work (handles:pages with nothing lent), after it stopped at exit, and with `background:False`,
 // the path asks every kAskEvery growths.
 void FraglessPolicy::device_free(Growth& g) {
@@ -171,8 +172,9 @@ std::size_t FraglessPolicy::cell_pages(bool small) const {
 // cost up to three (the rest of a cell, the body, the last page). Only its last page can be shared with a later
 // neighbour, which pins the handle until both are freed; measured against cutting at 6a8cbb6, over every input
 // of docs/RESULTS.md's driver table the allocation path's driver time fell by 3% (transformer-infer's by 15%) for the
-// same peaks within 14 MiB. Once free, every multi-page handle is split into pieces in the background (Note [Split
-// in the background]), so re-backing then moves that memory page by page.
+// same peaks within 14 MiB. Once an allocation that used part of a multi-page handle of a default pool is freed
+// and the handle is free, it is split into pieces in the background (Note [Split in the background]; a handle
+// no block has used stays whole), so re-backing then moves that memory a piece at a time.
 //
 // Near the limit no handle is larger than chunk_size_mb (expandable's page): once a growth would leave less than
 // half of what the process may hold (the device, or per_process_memory_fraction of it) still creatable, its body is

@@ -14,11 +14,14 @@
 // So the unit that can move from one address to another is a handle, and its size is a policy choice:
 // one page per handle moves the finest but costs a cuMemCreate per page; one handle per growth costs one
 // call but pins the whole growth while any byte of it is live. `handles:ends` puts the body of a growth in
-// one handle and its last page, the one a neighbour may share, in a handle of its own, and `handles:cells`
-// creates what expandable segments would (Note [Cells]); a free multi-page handle is split into pieces in
-// the background (Note [Split in the background]). docs/RESULTS.md, "Handle shapes", measures them. A handle larger than what a request still needs
-// is mapped whole anyway when the unmapped room after the request holds it: the extra pages become free
-// space at the segment's end, so no held memory is ever unusable for lack of a split.
+// handles of at most handle_max_mb and its last page, the one a neighbour may share, in a handle of its
+// own, and `handles:cells` creates what expandable segments would (Note [Cells]); a free multi-page handle
+// that an allocation has used is split into pieces in the background (Note [Split in the background]).
+// docs/RESULTS.md, "Handle shapes", measures them. A handle larger than what a request still needs is
+// mapped whole anyway when the unmapped room after the request holds it: the extra pages become free space
+// at the segment's end. When the room does not hold it (a growth into a gap between mapped pages), the
+// handle stays where it is and the growth creates: such memory is unusable to that growth for lack of a
+// split (docs/RESULTS.md, "Pattern zoo", the multi-stream `random` draw).
 //
 // Note [Complete re-backing]
 // Invariant, checked after every operation: fragless creates new physical memory only when no physical
@@ -26,10 +29,11 @@
 // fits the room, and no whole handle under a free block of a default pool on the requesting stream, or, with
 // lend_across_streams, on another stream that has no unfinished work (Note [Lending across streams]) (holes
 // and free segment tails alike), outside the run being grown. A growth in which a hole's unmap failed (a
-// driver error) is exempt. Two exceptions: one ends cycles (Note [Refills]): a growth into pages that
-// reclaims stripped twice within the last kRefillWindow growths creates its memory; and a large-pool
-// growth that could create all it needs leaves the small pool's free pages alone while they are no more
-// than one cell (Note [The small pool keeps a cell]).
+// driver error) is exempt. Three exceptions: one ends cycles (Note [Refills]): a growth into pages that
+// reclaims stripped twice within the last kRefillWindow growths creates its memory; a large-pool growth
+// that could create all it needs leaves the small pool's free pages alone while they are no more than one
+// cell (Note [The small pool keeps a cell]); and during a capture no hole is taken at all, only idle and
+// new handles (Note [Capture rules]), and the check is not made.
 //
 // Note [The small pool keeps a cell]
 // A page of the small pool that re-backing moves under a large request is missing the next time small
@@ -48,9 +52,11 @@
 // from re-backing is bounded by two cells, as the free tail a growth at a segment's end leaves is by one.
 // Beyond that the small pool holds memory it does not need, and every free small page may be taken as before;
 // when creating would exceed the device, too (a small page is never kept at the price of an out-of-memory: the
-// last resort takes the kept pages first). If the driver refuses a create that its free memory said would fit
-// (memory another process took meanwhile, or physical memory too fragmented), the request goes through the
-// out-of-memory retry, which releases the free cached memory, the kept pages with it. Measured in
+// last resort takes the kept pages first). If the driver refuses a create that an answer known without asking
+// said would fit (memory another process took meanwhile, or physical memory too fragmented), the growth asks
+// again and takes the kept pages itself, with the driver's fresh answer (Note [Asking for free memory]);
+// only if that and the creates after it fail does the request go through the out-of-memory retry, which
+// releases the free cached memory. Measured in
 // docs/RESULTS.md ("Driver time on the allocation path", at 349e87f): on the Wedsonlin 128 training trace most of
 // the path's extra creates were small-pool pages created again after re-backing took them (144 creates on the
 // path became 97, expandable's count); some peaks rose by up to 22 MiB (serving), none above a peer's.
@@ -64,11 +70,13 @@
 // step reaches a steady state with no driver call. A refill is bounded: it may not take reserved past
 // reserve_slack above the peak of live bytes plus two pages; a larger growth into stripped pages (a
 // repeated chain of doubling activations, whose second pass lands where the first pass took memory from)
-// re-backs completely instead, at the price of its driver calls. Lent ranges whose events have
-// completed are unmapped first, so their handles count too. Holes on other streams need a
-// synchronisation before their memory can move (cuMemUnmap is not stream-ordered); taking them is a
-// counted last resort, used only when creating would exceed the device. Private pools (graph capture)
-// are never reclaimed from: their addresses are baked into graphs.
+// re-backs completely instead, at the price of its driver calls. Lent ranges whose events have completed
+// are unmapped by the worker (or, with background:False, by the growth first), so their handles count
+// too. Holes on other streams are taken, before creating, where their stream has no unfinished work; a
+// busy stream's only as the last resort, when creating would exceed the device, lent behind a device-side
+// wait, or with lend_across_streams:False after a counted host synchronisation (Note [Lending across
+// streams]). Private pools (graph capture) are never reclaimed from: their addresses are baked into
+// graphs.
 //
 // Note [Lending across streams]
 // The rule: a hole on another stream S is taken for a request on stream T, with no wait at all, when S has

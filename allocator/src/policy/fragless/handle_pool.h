@@ -64,7 +64,8 @@ class HandlePool {
   void mark_mapped(PhysHandle h) { info_.at(h).state = State::mapped; }
   // The first `count` taken handles were mapped (mark_mapped): they are no longer the request's.
   void forget_taken(std::size_t count) { taken_.erase(taken_.begin(), taken_.begin() + count); }
-  // Mapped handle h was split in place (handle_splitter.h): one-page handles `by` are mapped instead.
+  // Mapped handle h was split in place (handle_splitter.h): handles `by`, of pages[i] pages each (pieces of
+  // 1, 1, 2, 4, ... pages, or single pages), are mapped instead.
   void replace_mapped(PhysHandle h, const std::vector<PhysHandle>& by, const std::vector<std::size_t>& pages) {
     remove_mapped(h);
     for (std::size_t i = 0; i < by.size(); ++i) {

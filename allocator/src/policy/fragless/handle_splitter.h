@@ -1,11 +1,12 @@
-// The fragless policy's background job: a free mapping of several pages becomes pages.
+// The fragless policy's background job: a free mapping of several pages becomes pieces of it (or pages).
 //
 // Note [Split in the background]
 // Re-backing moves whole handles (Note [Whole handles]), so it moves memory as finely as the handles are small: one
 // 2 MiB handle per page moves the finest, but costs a cuMemCreate per page while memory first grows, when the
 // caller waits for every one (docs/RESULTS.md, "Handle shapes"). So a growth creates its memory in large handles
 // (nothing held could be re-backed at that moment anyway), and once such a handle is free (no live block overlaps
-// it), the background worker replaces it in place by pieces of 1, 1, 2, 4, ... pages from the bottom up (each piece
+// it) after an allocation used part of it (one no block has used stays whole: freed() below), the background
+// worker replaces it in place by pieces of 1, 1, 2, 4, ... pages from the bottom up (each piece
 // no larger than all below it together, the last one what is left: piece_sizes), so k pages cost about log2(k) + 2
 // creates instead of k. Re-backing takes pieces from the top of a hole down while they fit the room, so a hole
 // gives a request any number of pages up to its size; an allocation that lands in the hole from the bottom pins at

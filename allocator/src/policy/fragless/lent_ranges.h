@@ -1,4 +1,4 @@
-// The fragless policy's lent ranges (Note [Lending pages without a sync] in policy/fragless/policy.cpp): address
+// The fragless policy's lent ranges (Note [Lending pages without a sync] in policy/fragless/fragless_policy.h): address
 // ranges whose handles now back another place while their old mappings stay until the work queued on
 // their stream is done. Each is `unmapped` to the engine; its old mapping is unmapped by whoever gets to it
 // first once its event has completed: the background worker (Note [Unmaps in the background]), or a later

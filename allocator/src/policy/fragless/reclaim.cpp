@@ -109,8 +109,9 @@ void FraglessPolicy::reclaim(Growth& g, bool other_streams, std::size_t need, st
 }
 
 // Note [Complete re-backing], checked: just before memory is created, an independent recount (from the
-// segments' block lists, not the pools' size sets) finds nothing on the requesting stream that could
-// still go under the request without waiting.
+// segments' block lists, not the pools' size sets) finds nothing on the requesting stream, nor, with
+// lend_across_streams, on another stream with no unfinished work, that could still go under the request
+// without waiting.
 //
 // Note [Auditing creations]
 // The recount walks every block of every segment, as check_invariants does, and a growth that creates
