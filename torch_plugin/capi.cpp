@@ -436,8 +436,8 @@ bool imported(void* ptr) {
 // fragless_init(n) makes the allocator for n devices (PyTorch's init hook passes its device count), each with
 // its slot, event sink and fork handler. A count above the driver's names devices that do not exist, and a
 // huge one took seconds and gigabytes (100,000 devices 3 s; 50,000,000 ran out of memory). So a count above
-// device_limit (the cuda driver's devices; kMaxDevices for host and sim, which report none) is refused and
-// nothing is made: the next call makes the allocator for the driver's count. Once the allocator is made the
+// kMaxDevices (128, whatever the driver) is refused and nothing is made: the next call makes the allocator
+// for the driver's count. Once the allocator is made the
 // count changes nothing, as before.
 // Not the driver's count: asking it would start CUDA (cuInit) in fragless_init, which started nothing before, and a
 // C program that forks after it would have children that cannot use CUDA. A count past the driver's makes the

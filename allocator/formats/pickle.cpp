@@ -13,21 +13,21 @@ const PyValue* PyValue::get(std::string_view key) const {
   if (type != Type::dict) return nullptr;
   constexpr std::size_t kScan = 16;  // PyTorch's dicts hold fewer keys: a scan is quicker than an index
   if (entries.size() <= kScan || entries.size() > UINT32_MAX) {
-    for (std::size_t i = entries.size(); i-- > 0;)
-      if (entries[i].first->type == Type::str && entries[i].first->s == key) return entries[i].second.get();
+    for (std::size_t j = entries.size(); j-- > 0;)
+      if (entries[j].first->type == Type::str && entries[j].first->s == key) return entries[j].second.get();
     return nullptr;
   }
   if (indexed_ != entries.size()) {
     index_.clear();
-    for (std::size_t i = 0; i < entries.size(); ++i)
-      if (entries[i].first->type == Type::str) index_.push_back(static_cast<std::uint32_t>(i));
+    for (std::size_t j = 0; j < entries.size(); ++j)
+      if (entries[j].first->type == Type::str) index_.push_back(static_cast<std::uint32_t>(j));
     std::stable_sort(index_.begin(), index_.end(),
                      [&](std::uint32_t a, std::uint32_t b) { return entries[a].first->s < entries[b].first->s; });
     indexed_ = entries.size();
   }
   // The last position among equal keys: the value set last.
   auto it = std::upper_bound(index_.begin(), index_.end(), key,
-                             [&](std::string_view k, std::uint32_t i) { return k < entries[i].first->s; });
+                             [&](std::string_view k, std::uint32_t at) { return k < entries[at].first->s; });
   if (it == index_.begin() || entries[*std::prev(it)].first->s != key) return nullptr;
   return entries[*std::prev(it)].second.get();
 }
@@ -38,12 +38,13 @@ constexpr std::uint32_t kMaxDepth = 512;
 
 // Note [The unpickler's memory budget]
 // One byte of input can build one object (']' is an empty list, 'h' a reference), and an object costs about
-// 150 bytes of memory here, so a file of 30 MB of ']' would ask for 5 GB: memory proportional to the input is
+// 190 bytes of memory here (kObjectCost), so a file of 30 MB of ']' would ask for 5.8 GB: memory proportional to the input is
 // not bounded enough. What the reader builds (objects, their items and the bytes of their strings, as
 // estimated by charge()) is limited to kBudgetBase + kBudgetPerByte times the input's size; past it the
-// read fails with an error naming the budget. PyTorch's snapshots build 3 to 17 bytes per byte of input
+// read fails with an error naming the budget. PyTorch's snapshots built 3 to 17 bytes per byte of input
 // (17 without stack frames, whose repeated keys and frames are memoised; the shared traces and
-// tools/make_big_snapshot.py's files measured so); the ratio leaves room above that, and holds a file of
+// tools/make_big_snapshot.py's files measured so when a value took 112 bytes; at 144 the objects' part is
+// about a fifth more); the ratio leaves room above that, and holds a file of
 // empty lists to about a quarter of what it would build.
 constexpr std::uint64_t kBudgetBase = std::uint64_t{256} << 20;
 constexpr std::uint64_t kBudgetPerByte = 48;

@@ -21,7 +21,7 @@ struct PyValue;
 using PyRef = std::shared_ptr<PyValue>;
 
 // One value per object read; a snapshot holds several per trace entry, so the small fields come first, packed
-// (112 bytes with a 64-bit libstdc++). Integers, True, False and None may be shared between parents: nothing changes a value once read
+// (144 bytes with a 64-bit libstdc++). Integers, True, False and None may be shared between parents: nothing changes a value once read
 // but a list under a ReadOptions::count_only key.
 struct PyValue {
   enum class Type : std::uint8_t { none, boolean, integer, real, str, bytes, list, tuple, dict, set } type = Type::none;

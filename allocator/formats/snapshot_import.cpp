@@ -44,7 +44,7 @@ int Trace::devices() const {
 
 namespace {
 
-// More devices than any machine has: a larger index is a corrupt file, refused before anything is sized by it.
+// (A device index above trace_model.h's kMaxDevices is a corrupt file, refused before anything is sized by it.)
 // More memory than any device has (4 EiB): a device's segments adding up to more are a corrupt file, and the
 // reserved-bytes arithmetic below stays far from overflow.
 constexpr std::uint64_t kMaxReserved = std::uint64_t{1} << 62;
@@ -142,8 +142,8 @@ struct Device {
 // thousand times, each holding a thousand references to one block with a long history: the reader builds
 // each object once (Note [The unpickler's memory budget]), but the import would read every reference of
 // every reference. PyTorch pickles each segment, block and trace entry as a dict of its own, at least a few
-// bytes each, so the import reads at most one block, history record or entry per byte of input, plus a
-// floor for small files; past that it stops with an error instead of working for minutes.
+// bytes each, so the import reads at most one block, history record or entry per byte of input, or
+// kVisitFloor (2^22) for small files where that is more; past that it stops with an error instead of working for minutes.
 constexpr std::uint64_t kVisitFloor = std::uint64_t{1} << 22;
 
 struct Counts {

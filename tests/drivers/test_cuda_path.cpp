@@ -2,6 +2,7 @@
 // and addresses, graphs, failed waits, statistics, per-thread streams, stream handles reused, unmaps over
 // several mappings. The double judges work by the physical memory it touches (tests/fake_cuda).
 #include <catch2/catch.hpp>
+#include <thread>
 
 #if defined(FRAGLESS_HAVE_CUDA)
 #include "client.h"
@@ -344,6 +345,39 @@ TEST_CASE("cuda driver: record_stream onto another device's stream records an ev
       fake().clear_faults();
       fake().advance(1000000);
       REQUIRE(e1->free(y) == Status::ok);
+    }
+    require_nothing_held();
+  }
+}
+
+// The event recorded in the other device's context is destroyed when its block goes back: on a thread with no
+// current context (a thread that never touched CUDA, as a data-loader thread freeing a tensor) too. cuEventDestroy
+// may fail with CUDA_ERROR_INVALID_CONTEXT (cuda.h), so the driver makes the event's own context current for
+// it (R12), as the double requires; a failed destroy would leak the event.
+TEST_CASE("cuda driver: an event recorded in another device's context is destroyed from a thread with no context",
+          "[cuda][streams]") {
+  for (PolicyKind p : kPolicies) {
+    INFO(policy_name(p));
+    {
+      auto a = make_lazy(p);
+      REQUIRE(a->device(0));
+      DeviceEngine* e1 = a->device(1);
+      REQUIRE(e1);
+      const Stream s1 = Fake::stream_base(1) + kFaultStreamA;
+      const Stream u0 = Fake::stream_base(0) + kFaultStreamUse;
+      void* x = must_allocate(*e1, 8 * MiB, s1);
+      REQUIRE(fake().work(u0, x, 8 * MiB, 100000) == CUDA_SUCCESS);
+      REQUIRE(e1->record_stream(x, u0) == Status::ok);
+      REQUIRE(e1->free(x) == Status::ok);  // its event, in device 0's context, is pending
+      const long events = fake().now().events;
+      fake().advance(1000000);  // device 0's work is done
+      Status freed = Status::driver_error;
+      std::thread([&] {
+        void* y = e1->allocate(8 * MiB, s1, nullptr);  // the engine finds x's event done and releases it
+        freed = y ? e1->free(y) : Status::out_of_memory;
+      }).join();
+      CHECK(freed == Status::ok);
+      CHECK(fake().now().events < events);  // destroyed there, not left for the driver's teardown
     }
     require_nothing_held();
   }

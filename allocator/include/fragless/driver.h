@@ -56,8 +56,9 @@
 //     cuEventRecord); an event of another context may be waited for (cuStreamWaitEvent: "hEvent may be from a
 //     different context or device than hStream"), queried and synchronised. A stream of another context
 //     (record_stream onto another device's stream) gets an event made in that stream's context
-//     (cuStreamGetCtx), destroyed when released, as PyTorch records under the stream's device. The driver runs every call under its device's primary context, pushed when it is not
-//     current and popped after, so the calling thread is left as it was (PyTorch frees from threads with no
+//     (cuStreamGetCtx), destroyed when released under that context (cuEventDestroy may fail with
+//     CUDA_ERROR_INVALID_CONTEXT), as PyTorch records under the stream's device. The driver runs every other
+//     call under its device's primary context, pushed when it is not current and popped after, so the calling thread is left as it was (PyTorch frees from threads with no
 //     device guard). It retains that context on the device's first use, never at start-up (a context costs
 //     device memory), and releases it with the driver.
 //  R13 asynchrony: cuMemUnmap, cuMemRelease and cuMemAddressFree are not stream-ordered (NVIDIA's VMM blog;
@@ -89,7 +90,9 @@
 //     keys such a stream by its thread (per_thread_stream(): a value no stream handle takes) and the cuda
 //     driver passes it to CUDA as CU_STREAM_PER_THREAD, never as 0 (fragless resolves entry points with
 //     legacy default-stream semantics, where 0 is the legacy stream). Another thread's per-thread stream
-//     cannot be named: such a call fails with invalid_argument.
+//     cannot be named (CUDA has no name for it: CU_STREAM_PER_THREAD is the calling thread's): the cuda
+//     driver fails such a call with invalid_argument; the host and sim drivers, whose streams are only
+//     values, accept it.
 //  R17 device-wide synchronisation (cuCtxSynchronize on the device's primary context): waits for the work
 //     of every stream of the device, those the allocator does not know among them (a graph replayed on the
 //     caller's stream), and of streams destroyed with work still queued (cuda.h, cuCtxSynchronize: "Blocks
@@ -183,7 +186,8 @@
 //     (fragless keeps no memory for any one pool: its cache is the device's, and shows in cuMemGetInfo's
 //     free). Assumed: a reset the driver accepted restarts fragless's high-water marks from its current part,
 //     and the driver's part of a HIGH is added to fragless's, exact while only one of the two serves the pool
-//     (the driver serves a pool fragless serves only during captures), an upper bound otherwise. Known pools
+//     (the driver serves a pool fragless serves only during captures, and for allocations from it on another
+//     device's stream: R23), an upper bound otherwise. Known pools
 //     are those R23 lists; a pool the program never made or asked for is the driver's alone.
 //  R25 CU_POINTER_ATTRIBUTE_BUFFER_ID (cuda.h): "a buffer ID which is guaranteed to be unique within the
 //     process". For fragless memory the driver would give the id of fragless's mapping, shared by every block

@@ -21,7 +21,7 @@
 // Forged and stale descriptions. The description names the exporter's process, a random token and, per
 // handle, its size and the identity (device, inode) of the file its descriptor names; the engine's end of
 // the lease sends the whole description down the lease once, and only the exporter can write there.
-// open_shared refuses, before mapping anything: a description that does not parse or whose sizes do not add
+// open_shared refuses, leaving nothing mapped: a description that does not parse or whose sizes do not add
 // up; a lease that is not such a socket, whose peer is another process, or that does not carry this very
 // description (altered on its way, or another share's lease); a lease whose engine end is gone (the
 // exporting process exited: its block may be reused by now); a handle descriptor that names other memory
@@ -164,7 +164,8 @@ std::string check_lease(int fd, const std::string& desc, std::int32_t pid) {
   return {};
 }
 
-// Parses a description; empty on success, else why it is refused. `sizes` gets the handles' sizes.
+// Parses a description; empty on success, else why it is refused. `handles` gets each handle's entry (size,
+// device, inode, fabric handle).
 std::string parse(const std::string& desc, std::size_t nfds, std::size_t granularity, Header* h,
                   std::vector<HandleEntry>* handles) {
   if (desc.size() < sizeof(Header)) return "the description is " + std::to_string(desc.size()) + " bytes: too short";

@@ -239,7 +239,7 @@ class TraceFile {
   };
 
   // A job stays queued until it is written, so that a synchronous write (submit, once stopped) waits for it.
-  // With no job for kWriteEvery, the records stored so far in the buffers being filled are written.
+  // Every kWriteEvery the buffers being filled are written so far (Note [Writing a buffer being filled]).
   void run() {
     std::unique_lock lk(mu_);
     auto due = std::chrono::steady_clock::now() + kWriteEvery;
@@ -548,8 +548,8 @@ std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, co
 // A trace is most wanted from the run that died: killed by the kernel's OOM killer or a scheduler's time
 // limit, or ended by abort(). A sink's buffer was written only when full (8192 records) or at a normal exit,
 // so such a run lost up to two buffers a device, the last events before its end: at a slow job's allocation
-// rate minutes of them. So the writer, when it has had no full buffer to write for kWriteEvery (100 ms), also
-// writes what each buffer being filled holds beyond what the file already has: the sink publishes its count
+// rate minutes of them. So the writer, every kWriteEvery (100 ms) whatever else came, also writes what each
+// buffer being filled holds beyond what the file has: the sink publishes its count
 // after each record (a release store, on x86 a plain one), and the writer takes the slots up to that count,
 // which the sink no longer touches. When the buffer is later handed off full, its job is what the periodic
 // writes left. A process killed by a signal then loses at most the last 100 ms or so of records (and still

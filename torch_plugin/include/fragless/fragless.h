@@ -74,8 +74,8 @@ FRAGLESS_API void* fragless_pool_malloc(size_t size, int device, cudaStream_t st
 
 /* Optional hooks, with the signatures PyTorch's setters expect. fragless_init makes the allocator for
  * device_count devices (0 or less: as many as the driver reports), unless a call made it already; a count
- * above the driver's (above 128 with host and sim, which report none) is refused, named in
- * fragless_last_error and on stderr, and makes nothing. */
+ * above 128 is refused, named in fragless_last_error and on stderr, and makes nothing (a count within 128
+ * but above the driver's devices is taken: the devices past the driver's fail at their first use). */
 FRAGLESS_API void fragless_init(int device_count);                         /* set_init_fn */
 FRAGLESS_API void fragless_empty_cache(void);                              /* set_reset_fn */
 FRAGLESS_API void fragless_set_memory_fraction(double fraction, int device); /* set_memory_fraction_fn */
@@ -133,8 +133,8 @@ FRAGLESS_API long fragless_snapshot_segments(char* buf, size_t len);
 /* Keep the last max_entries events per device for snapshots (max_entries 0 turns it off). */
 FRAGLESS_API void fragless_record_history(size_t max_entries);
 /* The same, with stack frames (torch.cuda.memory._record_memory_history's context and stacks): context 0 no
- * frames, 1 frames of each allocation, 2 of each free too; stacks 1 Python (of a thread holding the GIL), 2
- * C++, 3 both. Frames are captured as addresses and code objects and symbolised when a snapshot is taken.
+ * frames, 1 frames of each allocation, 2 of each free too; stacks 1 Python (the calling thread's frames, the GIL
+ * taken for the walk if the thread released it; none for a thread without a Python thread state), 2 C++, 3 both. Frames are captured as addresses and code objects and symbolised when a snapshot is taken.
  * Another context or stacks value changes nothing and sets fragless_last_error. */
 FRAGLESS_API void fragless_record_history_ex(size_t max_entries, int context, int stacks);
 /* The same with torch.cuda.memory._record_memory_history's meanings: context is PyTorch's RecordContext, 0 no

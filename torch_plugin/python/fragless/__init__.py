@@ -299,7 +299,7 @@ def record_history(max_entries=100000, context=None, stacks="all", clear_history
     """Keep the last `max_entries` allocator events per device for snapshot()'s device_traces (0: off, and
     what was kept is dropped). context: None (no stack frames), "state" (frames of the live blocks'
     allocations only, none on the events), "alloc" (frames of each allocation) or "all" (of each free too);
-    stacks: "python" (the frames of a thread holding the GIL), "cpp" or "all". clear_history: drop the events
+    stacks: "python" (the calling thread's frames, the GIL taken for the walk if it released it), "cpp" or "all". clear_history: drop the events
     kept so far. Frames are kept as addresses and code objects and turned into names only when a snapshot is
     taken."""
     if isinstance(max_entries, bool) or not isinstance(max_entries, int) or not 0 <= max_entries < 2**64:

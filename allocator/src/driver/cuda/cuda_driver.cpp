@@ -231,7 +231,10 @@ class CudaDriver final : public Driver {
     {
       OnDevice on(primary_, false);
       for (CUevent e : spare_events_) api().eventDestroy(e);
-      for (CUevent e : foreign_events_) api().eventDestroy(e);
+      for (const auto& [e, c] : foreign_events_) {
+        OnDevice own(c, false);  // the event's context where it is still there (else the primary one stays current)
+        api().eventDestroy(e);
+      }
     }
     api().primaryCtxRelease(dev_);  // the retain taken at creation
   }
@@ -394,7 +397,7 @@ class CudaDriver final : public Driver {
     if (st != Status::ok) return st;
     {
       std::lock_guard lk(events_mu_);
-      foreign_events_.push_back(ev);
+      foreign_events_.emplace_back(ev, c);
     }
     *e = reinterpret_cast<Event>(ev);
     return Status::ok;
@@ -409,16 +412,21 @@ class CudaDriver final : public Driver {
   }
   Status do_release_event(Event e) override {
     const auto ev = reinterpret_cast<CUevent>(e);
+    CUcontext owner = nullptr;
     {
       std::lock_guard lk(events_mu_);
-      auto it = std::find(foreign_events_.begin(), foreign_events_.end(), ev);
+      auto it = std::find_if(foreign_events_.begin(), foreign_events_.end(), [&](const auto& f) { return f.first == ev; });
       if (it == foreign_events_.end()) {
         spare_events_.push_back(ev);
         return Status::ok;
       }
+      owner = it->second;
       foreign_events_.erase(it);
     }
-    return check("cuEventDestroy", api().eventDestroy(ev));  // (an event of any context: no push needed)
+    // cuEventDestroy may fail with CUDA_ERROR_INVALID_CONTEXT (cuda.h): the event's own context is made current
+    // for it (R12), whatever the calling thread has (a thread that never touched CUDA has none).
+    OnDevice on(owner, true);
+    return check("cuEventDestroy", api().eventDestroy(ev));
   }
   Status do_stream_wait_event(Stream s, Event e) override {
     OnDevice on(primary_, false);
@@ -443,7 +451,8 @@ class CudaDriver final : public Driver {
   std::vector<CUmemAccessDesc> access_;
   SpinMutex events_mu_;
   std::vector<CUevent> spare_events_;    // of the primary context
-  std::vector<CUevent> foreign_events_;  // of other contexts, recorded and not yet released (record_in_context)
+  // Of other contexts (each with its context), recorded and not yet released (record_in_context).
+  std::vector<std::pair<CUevent, CUcontext>> foreign_events_;
 };
 
 }  // namespace
