@@ -37,6 +37,7 @@ $FRAGLESS_REPLAY."""
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -508,7 +509,6 @@ PLACEHOLDERS = {"FILE", "FILES", "FILE...", "FILES...", "DIR", "PROBE.json", "�
 def quoted_commands(text):
     """The `python3 tools/results_tables.py ...` commands a document quotes, in order: inline code (which may run
     over line breaks) and lines of fenced code blocks (a trailing # comment dropped), whitespace made single."""
-    import re
     found = []
     fenced = False
     for line in text.splitlines():
@@ -524,7 +524,6 @@ def quoted_commands(text):
 def placeholder(token):
     """Whether a command's word stands for something the reader chooses (a capital letter alone, as a word or as
     a KEY:VALUE's value, FILE, DIR, PROBE.json, an ellipsis)."""
-    import re
     return token in PLACEHOLDERS or bool(re.fullmatch(r"(.*[:=])?[A-Z]", token))
 
 
@@ -568,8 +567,7 @@ def check_docs(docs):
     for command in commands:
         words = command.split()[2:]
         # Accepted as written: the parser reads the words, each placeholder standing for a value ("1").
-        sample = ["1" if placeholder(w) and len(w) == 1 else w for w in words if w not in ("…", "...")]
-        sample = [w.rsplit(":", 1)[0] + ":1" if placeholder(w) and ":" in w else w for w in sample]
+        sample = [re.sub(r"(^|[:=])[A-Z]$", r"\g<1>1", w) for w in words if w not in ("…", "...")]
         if not sample:  # `python3 tools/results_tables.py ...`: the script named, no command
             print(f"names no command, not run: `{command}`")
             continue

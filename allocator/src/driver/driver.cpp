@@ -35,8 +35,8 @@ const char* driver_call_name(DriverCall c) {
 
 CostModel CostModel::a100() {
   // kvcached benchmarks/bench_vmm (A100, 2 MiB pages): create 193.32, map 1.45, set access 35.99,
-  // unmap 25.63, reserve 19 µs. Release and free_reservation are not published; we charge release like unmap and free_reservation
-  // like reserve.
+  // unmap 25.63, reserve 19 µs. Release and free_reservation are not published; we charge release like
+  // unmap and free_reservation like reserve.
   // Event record/query are cheap host calls (~1 µs); a synchronisation is charged nothing here because its
   // real cost is the GPU work it waits for, which the engine counts separately as a forced sync.
   // A memory query (cuMemGetInfo) is a host call into the driver: 4.85 µs through

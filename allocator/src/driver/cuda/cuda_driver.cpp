@@ -415,7 +415,8 @@ class CudaDriver final : public Driver {
     CUcontext owner = nullptr;
     {
       std::lock_guard lk(events_mu_);
-      auto it = std::find_if(foreign_events_.begin(), foreign_events_.end(), [&](const auto& f) { return f.first == ev; });
+      auto it = std::find_if(foreign_events_.begin(), foreign_events_.end(),
+                             [&](const auto& f) { return f.first == ev; });
       if (it == foreign_events_.end()) {
         spare_events_.push_back(ev);
         return Status::ok;
@@ -425,7 +426,7 @@ class CudaDriver final : public Driver {
     }
     // cuEventDestroy may fail with CUDA_ERROR_INVALID_CONTEXT (cuda.h): the event's own context is made current
     // for it (R12), whatever the calling thread has (a thread that never touched CUDA has none).
-    OnDevice on(owner, true);
+    OnDevice on(owner, false);
     return check("cuEventDestroy", api().eventDestroy(ev));
   }
   Status do_stream_wait_event(Stream s, Event e) override {

@@ -253,9 +253,8 @@ class FraglessPolicy final : public GrowablePolicy {
   // Whether creating `pages` more leaves less than half of what this process may hold still creatable
   // (Note [Cells]: near the limit, no handle is larger than chunk_size_mb).
   bool memory_tight(Growth& g, std::size_t pages);
-  bool can_create(Growth& g, std::size_t pages) {
-    return s_.capacity_allows(pages * page_) && creatable_pages(g) >= pages;
-  }
+  // (pages > 0: creatable_pages already weighs the memory fraction, reading the held bytes once.)
+  bool can_create(Growth& g, std::size_t pages) { return creatable_pages(g) >= pages; }
   std::vector<std::size_t> shape(Growth& g, std::size_t missing, std::size_t room, std::size_t at, bool small,
                                  bool frontier);
   std::vector<std::size_t> cells(Growth& g, std::size_t missing, std::size_t room, std::size_t at, std::size_t chunk,

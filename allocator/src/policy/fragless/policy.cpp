@@ -65,7 +65,7 @@ Status FraglessPolicy::map_pages(Segment& seg, std::size_t first, std::size_t* n
     if (g.planned + creatable < need && g.planned + reclaimable_pages(g) + creatable < need)
       return fail_request(Status::out_of_memory, {});
     // Note [The small pool keeps a cell]: only where all that is missing could be created instead.
-    g.keep_small = !seg.small && creatable >= need - g.planned && s_.capacity_allows((need - g.planned) * page_);
+    g.keep_small = !seg.small && creatable >= need - g.planned;
     reclaim(g, /*other_streams=*/false, need, room);  // Note [Complete re-backing]
     // Holes of other streams that have no unfinished work, with no wait (Note [Lending across streams]).
     if (g.planned < need && lend_across()) reclaim(g, /*other_streams=*/true, need, room);
