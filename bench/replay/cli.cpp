@@ -19,6 +19,26 @@
 namespace fragless::replay {
 namespace {
 
+// A number written in decimal: digits with at most one point, and an optional exponent (no sign, hex,
+// inf, nan or spaces, which strtod would also read).
+bool decimal(const char* text) {
+  const char* p = text;
+  bool digits = false, point = false;
+  for (; *p && *p != 'e' && *p != 'E'; ++p) {
+    if (*p == '.' && !point) point = true;
+    else if (*p >= '0' && *p <= '9') digits = true;
+    else return false;
+  }
+  if (!digits) return false;
+  if (!*p) return true;
+  ++p;
+  if (*p == '+' || *p == '-') ++p;
+  if (!*p) return false;
+  for (; *p; ++p)
+    if (*p < '0' || *p > '9') return false;
+  return true;
+}
+
 // A usage error prints what was wrong and where the options are listed, not the whole help: the error would
 // scroll off the screen above eighty lines of it.
 int usage(const char* msg) {
@@ -47,13 +67,18 @@ int usage(const char* msg) {
                "  --plot-x: the x axis: trace time, event index, or auto (default: time, unless the trace has\n"
                "         none or its busy part would be squeezed into a corner)\n"
                "  --fit: per input, device and policy, the smallest device capacity (a multiple of --fit-step,\n"
-               "         default 0.25 GiB) on which the replay has no OOM, found by bisection; the answer is\n"
-               "         replayed with zero OOMs and one step below it with at least one\n"
-               "  --max-batch: with --capacity-gib, the largest batch per workload and policy that replays with\n"
-               "         no OOM on that device, and its ratios to classic and expandable; --max-of KEY searches\n"
-               "         another numeric workload key (max_seq, micro, tokens, max_batch, ...) the same way, up to\n"
+               "         default 0.25 GiB) from which every larger one replays with no OOM: every step from the\n"
+               "         answer up to the policy's peak reserved without a limit is replayed with zero OOMs and\n"
+               "         one step below it with at least one (OOMs are not monotone in capacity: a smaller\n"
+               "         capacity may fit too, with some between it and the answer failing). The capacity is\n"
+               "         all the memory the allocator may use: a real GPU's CUDA context takes its share first\n"
+               "  --max-batch: with --capacity-gib, a batch per workload and policy that replays with no OOM on\n"
+               "         that device while one more does not (found by doubling, then bisection; memory is not\n"
+               "         always monotone in a workload's size, so smaller values are not all replayed), and its\n"
+               "         ratios to classic and expandable; --max-of KEY searches another numeric workload key\n"
+               "         whose memory grows with it (max_seq, micro, tokens, max_batch, ...) the same way, up to\n"
                "         the largest value the workload accepts (a seed: up to 1e15, though a transformer workload\n"
-               "         takes seeds in [0, 2^64))\n"
+               "         takes seeds in [0, 2^64)). The values probed do not depend on --jobs\n"
                "  --jobs: replays run at once (default: the number of cores)\n"
                "  --peak-detail: what reserved memory held when it first reached its peak: allocated blocks,\n"
                "         free blocks (in whole pages, which could be moved, and in pages shared with a live\n"
@@ -210,8 +235,9 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
       cl.max_key = k;
     } else if (a == "--fit-step" && has_value) {
       char* end = nullptr;
-      const double g = std::strtod(argv[++i], &end);
-      if (*end || !(g >= 1.0 / 1024) || g > 1024) return usage("--fit-step needs a number of GiB in [1/1024, 1024]");
+      const double g = decimal(argv[++i]) ? std::strtod(argv[i], &end) : 0.0;
+      if ((end && *end) || !(g >= 1.0 / 1024) || g > 1024)
+        return usage("--fit-step needs a number of GiB in [1/1024, 1024]");
       cl.fit_step = static_cast<std::uint64_t>(g * (1ull << 30));
       fit_step_given = true;
     } else if (a == "--jobs" && has_value) {
@@ -239,8 +265,8 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
       }
     } else if (a == "--capacity-gib" && has_value) {
       char* end = nullptr;
-      const double g = std::strtod(argv[++i], &end);
-      if (*end || !(g > 0) || g > 1e6)
+      const double g = decimal(argv[++i]) ? std::strtod(argv[i], &end) : 0.0;
+      if ((end && *end) || !(g > 0) || g > 1e6)
         return usage(("--capacity-gib needs a number of GiB greater than 0 and at most 1000000, not '" +
                       std::string(argv[i]) + "'").c_str());
       cl.capacity = static_cast<std::uint64_t>(g * (1ull << 30));

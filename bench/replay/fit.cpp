@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <functional>
 #include <thread>
@@ -31,37 +32,22 @@ std::vector<Probe> probe_all(const std::vector<long long>& points, const ProbeFn
   return out;
 }
 
-// Up to n points strictly between a and b (|b - a| >= 2), evenly spaced and distinct, ordered from a to b.
-std::vector<long long> between(long long a, long long b, unsigned n) {
-  const long long gap = b > a ? b - a : a - b, dir = b > a ? 1 : -1;
-  const long long k = std::min<long long>(std::max(1u, n), gap - 1);
-  std::vector<long long> p;
-  for (long long i = 1; i <= k; ++i) p.push_back(a + dir * (gap * i / (k + 1)));
-  return p;
-}
-
 // Narrows a known pair, `fail` (replayed or proved not to fit) and `pass` (replayed, fits, its probe kept in
-// *best), until they are adjacent. Probes run in parallel; the points are walked from the failing side and
-// the first that fits becomes the new `pass`, the last failing one before it the new `fail`: both facts stay
-// true whatever the OOMs do between them (Note [Search invariant]).
-bool narrow(long long* fail, long long* pass, Probe* best, unsigned parallel, const ProbeFn& f, std::string* error) {
+// *best), by bisection until they are adjacent: both facts stay true whatever the OOMs do between them
+// (Note [Search invariant]). One probe at a time, so the points probed do not depend on --jobs.
+bool narrow(long long* fail, long long* pass, Probe* best, const ProbeFn& f, std::string* error) {
   while ((*pass > *fail ? *pass - *fail : *fail - *pass) > 1) {
-    const auto probes = probe_all(between(*fail, *pass, parallel), f);
-    for (const auto& p : probes)
-      if (!p.result.error.empty()) {
-        *error = p.result.error;
-        return false;
-      }
-    long long new_fail = *fail;
-    for (const auto& p : probes) {
-      if (p.fits) {
-        *pass = p.point;
-        *best = p;
-        break;
-      }
-      new_fail = p.point;
+    const Probe p = f(*fail + (*pass - *fail) / 2);
+    if (!p.result.error.empty()) {
+      *error = p.result.error;
+      return false;
     }
-    *fail = new_fail;
+    if (p.fits) {
+      *pass = p.point;
+      *best = p;
+    } else {
+      *fail = p.point;
+    }
   }
   return true;
 }
@@ -126,41 +112,70 @@ FitResult fit_capacity(const formats::Trace& t, int device, PolicyKind policy, s
   };
   const auto live = static_cast<std::uint64_t>(std::max<std::int64_t>(base.peak_live, 1));
   // fail: the largest k with k * step < peak live, which no allocator fits (not yet replayed);
-  // pass: the capacity the unlimited replay reserved at its peak, rounded up to a step.
+  // top: the first step from which this policy runs as without a limit (Note [Above the top]).
   long long fail = static_cast<long long>((live + step - 1) / step) - 1;
   bool fail_replayed = fail == 0;  // capacity 0 holds nothing: no replay needed (nor possible: 0 = unlimited)
-  long long pass = static_cast<long long>((static_cast<std::uint64_t>(base.peak_reserved) + step - 1) / step);
-  pass = std::max(pass, fail + 1);
-  Probe best = probe(pass);
+  double unlimited_from = static_cast<double>(base.peak_reserved);
+  const Options& conf = o.replay.base;
+  if (conf.per_process_memory_fraction < 1.0 && conf.per_process_memory_fraction > 0.0) {
+    unlimited_from /= conf.per_process_memory_fraction;
+    if (policy == PolicyKind::classic && conf.garbage_collection_threshold > 0.0)
+      unlimited_from /= conf.garbage_collection_threshold;
+  }
+  long long top = static_cast<long long>(
+      std::min<double>(static_cast<double>(max_k), std::ceil(unlimited_from / static_cast<double>(step))));
+  top = std::max(top, fail + 1);
+  Probe best = probe(top);
   while (!best.fits) {
     if (!best.result.error.empty()) {
       out.error = best.result.error;
       return done(out);
     }
-    fail = pass;
+    fail = top;
     fail_replayed = true;
-    if (pass >= max_k) {
+    if (top >= max_k) {
       out.error = where + ": the search cannot converge: it still runs out of memory on " +
-                  gib_text(static_cast<std::uint64_t>(pass) * step);
+                  gib_text(static_cast<std::uint64_t>(top) * step);
       return done(out);
     }
-    pass = std::min(max_k, pass * 2);
-    best = probe(pass);
+    top = std::min(max_k, top * 2);
+    best = probe(top);
   }
-  for (;;) {
-    if (!narrow(&fail, &pass, &best, o.parallel, probe, &out.error)) return done(out);
-    if (fail_replayed) break;
+  out.top = static_cast<std::uint64_t>(top) * step;
+  // Every step below the top, downwards in batches of `parallel` taken in order (so the answer does not
+  // depend on the batch size), until one runs out of memory: that is the neighbour, and the answer is the
+  // step above it (Note [Every step up]).
+  long long pass = top;
+  for (long long k = top - 1; k > fail && pass == k + 1;) {
+    std::vector<long long> points;
+    for (; k > fail && points.size() < std::max(1u, o.parallel); --k) points.push_back(k);
+    const auto probes = probe_all(points, probe);
+    for (const auto& p : probes) {
+      if (!p.result.error.empty()) {
+        out.error = p.result.error;
+        return done(out);
+      }
+      if (!p.fits) {
+        fail = p.point;
+        fail_replayed = true;
+        break;
+      }
+      pass = p.point;
+      best = p;
+    }
+  }
+  if (!fail_replayed) {
     // The neighbour below is replayed too, so its OOM is measured, not inferred.
     Probe below = probe(fail);
     if (!below.result.error.empty()) {
       out.error = below.result.error;
       return done(out);
     }
-    fail_replayed = true;
-    if (!below.fits) break;
-    pass = fail;  // cannot happen below peak live; kept so a broken bound never yields a wrong answer
-    best = below;
-    fail = 0;
+    if (below.fits) {  // below peak live: cannot happen; kept so a broken bound never yields a wrong answer
+      out.error = where + ": fits on " + gib_text(static_cast<std::uint64_t>(fail) * step) +
+                  ", below its peak live bytes: the replay is inconsistent";
+      return done(out);
+    }
   }
   out.min_capacity = static_cast<std::uint64_t>(pass) * step;
   out.at = best.result;
@@ -211,11 +226,24 @@ MaxResult max_value(const std::string& spec, const std::string& key, PolicyKind 
     return done(out);
   }
   if (!best.fits) {
+    // A key whose memory falls as it grows (fsdp's world, a checkpointing switch) is no question for this
+    // search: say so rather than ask for a larger device.
+    if (out.greatest > out.least) {
+      const Probe top = probe(out.greatest);
+      if (top.fits) {
+        out.error = where + ": does not fit at its smallest " + key + "=" + std::to_string(out.least) +
+                    " but fits at its largest, " + key + "=" + std::to_string(out.greatest) +
+                    ": its memory does not grow with " + key +
+                    ", and --max-of searches for the largest value of a key whose memory does";
+        return done(out);
+      }
+    }
     out.error = where + ": does not fit at its smallest " + key + "=" + std::to_string(out.least) +
                 " (a larger device, or a smaller model, is needed)";
     return done(out);
   }
-  // Grow by doubling (several doublings at once when probes run in parallel) until one does not fit.
+  // Grow by doubling until a value does not fit, one probe at a time (the values probed, and so the
+  // boundary found, do not depend on --jobs).
   long long pass = out.least, fail = -1;
   while (fail < 0) {
     if (pass >= out.greatest) {
@@ -231,26 +259,19 @@ MaxResult max_value(const std::string& spec, const std::string& key, PolicyKind 
                   " does not bound memory here)";
       return done(out);
     }
-    std::vector<long long> points;
-    for (long long v = pass; points.size() < std::max(1u, o.parallel) && v < out.greatest;) {
-      v = std::min(out.greatest, std::max(v + 1, v * 2));
-      points.push_back(v);
+    const Probe p = probe(std::min(out.greatest, std::max(pass + 1, pass * 2)));
+    if (!p.result.error.empty()) {
+      out.error = p.result.error;
+      return done(out);
     }
-    const auto probes = probe_all(points, probe);
-    for (const auto& p : probes) {
-      if (!p.result.error.empty()) {
-        out.error = p.result.error;
-        return done(out);
-      }
-      if (!p.fits) {
-        fail = p.point;
-        break;
-      }
+    if (p.fits) {
       pass = p.point;
       best = p;
+    } else {
+      fail = p.point;
     }
   }
-  if (!narrow(&fail, &pass, &best, o.parallel, probe, &out.error)) return done(out);
+  if (!narrow(&fail, &pass, &best, probe, &out.error)) return done(out);
   out.max_value = pass;
   out.at = best.result;
   out.at.input = spec;

@@ -141,7 +141,11 @@ void print_fit_json(const std::vector<formats::Trace>& traces, const std::vector
   doc["seconds"] = fixed(fits.seconds, 3);
   doc["replays"] = fits.replays;
   doc["results"] = search_results(
-      found, [&](std::size_t k, Json& o) { o["min_capacity_bytes"] = found[k].min_capacity; },
+      found,
+      [&](std::size_t k, Json& o) {
+        o["min_capacity_bytes"] = found[k].min_capacity;
+        o["replayed_up_to_bytes"] = found[k].top;  // every step from the answer to this fits (fit.h)
+      },
       [&](std::size_t k, Json& o) {
         o["input"] = traces[tasks[k].input].source;
         o["device"] = tasks[k].device;

@@ -28,14 +28,14 @@ void pytorch_cell(const ReplayResult& r, char (&cell)[32]) {
 
 // The line under a --fit or --max-of table that says how its answers were checked: only of the searches
 // that found one (a search without an answer, `none` in the table, was checked for nothing).
-std::string checked_answers(std::size_t searches, int failed, const char* neighbour) {
+std::string checked_answers(std::size_t searches, int failed, const char* neighbour, const char* also = "") {
   const std::size_t found = searches - std::min(searches, static_cast<std::size_t>(std::max(0, failed)));
   if (found == 0) return "no search found an answer, so none was checked (the reasons are on stderr)";
   const std::string of = " found (of " + std::to_string(searches) + " searches)";
   const std::string which = found == searches ? "every answer"
                             : found == 1      ? "the one answer" + of
                                               : "each of the " + std::to_string(found) + " answers" + of;
-  return which + " was replayed with 0 OOMs, " + neighbour + " with at least 1";
+  return which + " was replayed with 0 OOMs" + also + ", " + neighbour + " with at least 1";
 }
 
 // A path's file name (a workload spec as it is).
@@ -138,7 +138,9 @@ void print_fit_table(const std::vector<formats::Trace>& traces, const std::vecto
   print_cut_names(inputs);
   std::printf("fit: %zu searches, %d replays, step %.4g GiB, %.2f s\n", found.size(), fits.replays, gib(step), fits.seconds);
   std::printf("OOMs: the ones the trace itself recorded; %s\n",
-              checked_answers(found.size(), fits.failed, "one step below").c_str());
+              checked_answers(found.size(), fits.failed, "one step below",
+                              " with every step above it up to its policy's peak reserved without a limit")
+                  .c_str());
 }
 
 void print_max_table(const std::vector<std::string>& inputs, const std::vector<MaxTask>& tasks,

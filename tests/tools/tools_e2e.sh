@@ -309,6 +309,9 @@ check_error "convert --device with a target that holds every device" "--device c
 # Replay options: the range of --capacity-gib, a --plot into a folder that is not there, gnuplot's exit code.
 check_error "--capacity-gib out of range names the range" "greater than 0 and at most 1000000, not '1e30'" \
   "$bin/fragless-replay" --capacity-gib 1e30 "$work/o.fgt"
+check_error "--capacity-gib in hex is refused, not read as 16" "greater than 0 and at most 1000000, not '0x10'" \
+  "$bin/fragless-replay" --capacity-gib 0x10 "$work/o.fgt"
+check_error "--fit-step of nan is refused" "--fit-step needs a number of GiB" "$bin/fragless-replay" --fit --fit-step nan "$work/o.fgt"
 check_error "--plot into a missing folder names the folder" "the folder $work/none/deeper does not exist" \
   "$bin/fragless-replay" --plot "$work/none/deeper/x.png" "$work/o.fgt"
 check_error "--plot naming a folder" "is a directory; --plot takes a file name" "$bin/fragless-replay" --plot "$work" "$work/o.fgt"
@@ -349,6 +352,8 @@ check_output "fragless-config: -0 is 0" "^per_process_memory_fraction: 0$" "$bin
 
 # What fits: --fit and --max-batch / --max-of, their JSON, and their errors.
 check_count "--fit --json gives min_capacity_bytes per policy" '"min_capacity_bytes":[0-9]+' 3 \
+  "$bin/fragless-replay" --fit --fit-step 0.0625 --json "$small"
+check_count "--fit --json gives replayed_up_to_bytes per policy (every step up to it fits)" '"replayed_up_to_bytes":[0-9]+' 3 \
   "$bin/fragless-replay" --fit --fit-step 0.0625 --json "$small"
 check_output "--fit table names the step" "step 0\.25 GiB" "$bin/fragless-replay" --fit "$small"
 check_count "--max-batch --json gives max_value and the key" '"key":"batch","max_value":[0-9]+' 3 \
