@@ -556,9 +556,28 @@ def check_docs(docs):
     lines = [line.rstrip() for t in texts.values() for line in t.splitlines()]
     doc_tables = [b for t in texts.values() for b in table_blocks(t)]
 
-    def stands_in_docs(block):
-        n = len(block)
-        return any(lines[i:i + n] == block for i in range(len(lines) - n + 1) if lines[i] == block[0])
+    def stands_in_docs(block):  # as a whole table of the docs: no row more, none less
+        return block in doc_tables
+
+    def paragraphs_quoting(command):
+        return [p for t in texts.values() for p in re.split(r"\n\s*\n", t) if command in " ".join(p.split())]
+
+    def figures_stand(output, command):
+        """A command that prints no table: every figure of its first line must be in a paragraph that quotes
+        it, as printed or rounded to fewer decimals (0.89 as 0.9, 3.80 as 3.8); the figures missing."""
+        first = output.strip().splitlines()[0] if output.strip() else ""
+        paragraphs = " ".join(paragraphs_quoting(command))
+        said = set(re.findall(r"(?<![\w.])\d+(?:\.\d+)?", paragraphs.replace(",", "")))
+        missing = []
+        for figure in re.findall(r"(?<![\w.])\d+(?:\.\d+)?", first):
+            forms = {figure}
+            if "." in figure:
+                whole, decimals = figure.split(".")
+                forms |= {f"{float(figure):.{k}f}" for k in range(1, len(decimals))}  # a decimal kept
+                forms |= {f.rstrip("0").rstrip(".") for f in list(forms)}
+            if not forms & said:
+                missing.append(figure)
+        return first, missing
 
     commands = list(dict.fromkeys(c for t in texts.values() for c in quoted_commands(t)))
     if not commands:
@@ -609,7 +628,13 @@ def check_docs(docs):
             continue
         blocks = table_blocks(p.stdout)
         if not blocks:
-            print(f"ran, no table to look for: `{command}`")
+            first, missing = figures_stand(p.stdout, command)
+            if missing or not first:
+                failed += 1
+                print(f"FAILED: `{command}` prints no table, and the docs' paragraph quoting it lacks "
+                      f"{', '.join(missing) if missing else 'its output (it printed nothing)'}:\n  now:  {first}")
+            else:
+                print(f"ok (every figure of its first line is in the paragraph quoting it): `{command}`")
         wrong = [b for b in blocks if not stands_in_docs(b)]
         if blocks and not wrong:
             print(f"ok ({len(blocks)} table{'s' if len(blocks) > 1 else ''}): `{command}`")

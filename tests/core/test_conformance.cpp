@@ -246,8 +246,22 @@ TEST_CASE("conformance: per-process memory fraction caps reserved memory", "[con
   AllocError err;
   CHECK(e->allocate(300 * MiB, 0, &err) == nullptr);
   CHECK(err.message.find(" is free. 256.00 MiB allowed; Of the allocated memory ") != std::string::npos);  // PyTorch's words
-  CHECK(e->allocate(200 * MiB, 0, nullptr) != nullptr);
+  void* a = e->allocate(200 * MiB, 0, nullptr);
+  CHECK(a != nullptr);
   CHECK(reserved(*e) <= 256 * static_cast<std::int64_t>(MiB));
+  // The limit counts what is already held: 100 MiB more would pass it, 40 MiB more would not.
+  err = AllocError{};
+  CHECK(e->allocate(100 * MiB, 0, &err) == nullptr);
+  CHECK(err.status == Status::out_of_memory);
+  void* b = e->allocate(40 * MiB, 0, nullptr);
+  CHECK(b != nullptr);
+  CHECK(reserved(*e) <= 256 * static_cast<std::int64_t>(MiB));
+  // Lifted, the same 100 MiB fits beside them.
+  REQUIRE(e->set_memory_fraction(1.0) == Status::ok);
+  void* c = e->allocate(100 * MiB, 0, nullptr);
+  CHECK(c != nullptr);
+  for (void* p : {a, b, c})
+    if (p) REQUIRE(e->free(p) == Status::ok);
   CHECK(e->set_memory_fraction(1.5) == Status::invalid_argument);
   CHECK(e->set_memory_fraction(-0.1) == Status::invalid_argument);
   require_consistent(*e);
@@ -396,7 +410,7 @@ TEST_CASE("conformance: a memory fraction of 0 allows nothing new and 1 lifts th
     CHECK(err.message.find("is reserved by PyTorch but unallocated.") != std::string::npos);
   }
   REQUIRE(e->set_memory_fraction(1.0) == Status::ok);
-  void* big = e->allocate(64 * MiB, 0, nullptr);
+  void* big = e->allocate(900 * MiB, 0, nullptr);  // with the 4 MiB kept: more than any fraction below 0.9 allows
   CHECK(big != nullptr);
   REQUIRE(e->free(big) == Status::ok);
   REQUIRE(e->free(kept) == Status::ok);

@@ -269,6 +269,16 @@ check_doc "results_tables.py check: the table its command prints now" 0 "1 run, 
   "$(printf 'The zoo: `python3 tools/results_tables.py zoo`\n\n'; cat "$work/zoo.md")"
 check_doc "results_tables.py check: one figure that is not what the command prints now" 1 "now:  | unet2d |" \
   "$(printf 'The zoo: `python3 tools/results_tables.py zoo`\n\n'; sed 's/^| unet2d | [0-9.]* |/| unet2d | 1.0 |/' "$work/zoo.md")"
+check_doc "results_tables.py check: a doc table with a row the command no longer prints fails" 1 "prints a table the docs do not hold" \
+  "$(printf 'The zoo: `python3 tools/results_tables.py zoo`\n\n'; cat "$work/zoo.md"; echo '| stale-pattern | 1 | 2 | 3 |')"
+run env FRAGLESS_REPLAY="$bin/fragless-replay" python3 "$rt" headline "$work/o.fgt"
+head -1 "$work/out" >"$work/headline"
+check_doc "results_tables.py check: a command that prints no table: the figures of its first line, in the paragraph" 0 \
+  "every figure of its first line is in the paragraph quoting it" \
+  "$(printf 'Said: %s (`python3 tools/results_tables.py headline %s`).' "$(cat "$work/headline")" "$work/o.fgt")"
+check_doc "results_tables.py check: ... a figure the paragraph lacks fails, naming it" 1 \
+  "lacks $(sed -E 's/.* a mean ([0-9.]+)% .*/\1/' "$work/headline")" \
+  "$(printf 'Said: %s (`python3 tools/results_tables.py headline %s`).' "$(sed -E 's/ a mean [0-9.]+%/ a mean 0.01%/' "$work/headline")" "$work/o.fgt")"
 check_doc "results_tables.py check: a quoted command it does not accept" 1 "is not accepted: " \
   'Run `python3 tools/results_tables.py driver --cost x.json` for measured costs (an abbreviation).'
 check_doc "results_tables.py check: a command with a placeholder is parsed, not run" 0 "accepted, not run" \
