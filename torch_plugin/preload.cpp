@@ -173,8 +173,13 @@ struct Interposer {
         (void)lists.release();  // registered with fork: never destroyed
         err = std::string("fragless: could not make the allocator: ") + e.what();
       }
-      if (!made && !reported)
+      if (!made && !reported) {
+        // Under LD_PRELOAD the host and sim drivers are no way round a missing GPU: the program's other CUDA
+        // calls (cudaMemGetInfo, kernels) still go to the runtime. So the driver's hint is left out here.
+        if (const auto at = err.find("; use driver:host or driver:sim"); at != std::string::npos)
+          err.erase(at, err.find(';', at + 1) - at);  // to the clause's end (npos: the message's)
         std::fprintf(stderr, "fragless (LD_PRELOAD): %s; forwarding every call to the CUDA runtime\n", err.c_str());
+      }
       turn.made([&] {  // publication, all at once for a fork
         pending = std::move(lists);
         alloc = std::move(made);

@@ -194,6 +194,12 @@ bool plot_path_ok(const std::string& path, std::string* error) {
     *error = "--plot " + *error;
     return false;
   }
+  const std::string ext = fs::path(path).extension().string();
+  if (ext != ".png" && ext != ".gp") {  // gnuplot draws a PNG whatever the name says
+    *error = "--plot " + path + ": draws a PNG (FILE.png) or writes its gnuplot script (FILE.gp), not a '" +
+             (ext.empty() ? std::string("file without an extension") : ext + " file") + "'";
+    return false;
+  }
   return true;
 }
 

@@ -1236,7 +1236,13 @@ FAKE_API CUresult cuEventSynchronize(CUevent e) {
 FAKE_API CUresult cuEventDestroy_v2(CUevent e) {
   ENTER("cuEventDestroy");
   NEED_CONTEXT();
-  return st().events.erase(e) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+  auto it = st().events.find(e);
+  if (it == st().events.end()) return CUDA_ERROR_INVALID_HANDLE;
+  // cuda.h lists CUDA_ERROR_INVALID_CONTEXT and does not say whose context must be current: the stricter
+  // reading (driver.h, R12) is the event's own.
+  if (it->second.ctx != current()) return CUDA_ERROR_INVALID_CONTEXT;
+  st().events.erase(it);
+  return CUDA_SUCCESS;
 }
 
 FAKE_API CUresult cuStreamSynchronize(CUstream h) {

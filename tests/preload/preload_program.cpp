@@ -36,9 +36,11 @@ int main(int argc, char** argv) {
                 "  and foreign pointers forwarded\n");
     return 0;
   }
-  const bool want_interposed = argc == 2 && std::strcmp(argv[1], "interposed") == 0;
+  // off: the interposer is loaded but fragless could not start (no driver): every call goes to the runtime.
+  const bool off = argc == 2 && std::strcmp(argv[1], "off") == 0;
+  const bool want_interposed = argc == 2 && (off || std::strcmp(argv[1], "interposed") == 0);
   if (argc != 2 || (!want_interposed && std::strcmp(argv[1], "plain") != 0)) {
-    std::fprintf(stderr, "usage: fragless-preload-program plain|interposed\n");
+    std::fprintf(stderr, "usage: fragless-preload-program plain|interposed|off\n");
     return 2;
   }
   int failures = 0;
@@ -86,6 +88,13 @@ int main(int argc, char** argv) {
   const unsigned long rt_free = fakecudart_calls("cudaFree") + fakecudart_calls("cudaFreeAsync");
   std::printf("runtime saw: %lu mallocs, %lu frees, %lu cudaMemGetInfo, %lu device syncs\n", rt_malloc, rt_free,
               fakecudart_calls("cudaMemGetInfo"), fakecudart_calls("cudaDeviceSynchronize"));
+  if (off) {
+    unsigned long c[5];
+    counters(c);
+    expect(rt_malloc == 300 && rt_free == 301 && c[0] == 0, "with fragless off every call reaches the runtime");
+    std::printf("%s\n", failures ? "FAILED" : "all checks passed");
+    return failures ? 1 : 0;
+  }
   if (preloaded) {
     unsigned long c[5];
     counters(c);

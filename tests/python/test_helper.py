@@ -129,6 +129,25 @@ try:
 except RuntimeError as e:
     check("shareable_handles:fabric needs the cuda driver" in str(e), str(e))
 fragless.check_driver("driver:host,shareable_handles:True")
+# ... and a trace file it could not write: a folder that is not there, a directory, a FIFO; a good path is
+# not created by the check.
+with tempfile.TemporaryDirectory() as tmp:
+    os.mkfifo(os.path.join(tmp, "fifo"))
+    for path, words in ((os.path.join(tmp, "none", "x.fgt"), "its folder '%s': No such file" % os.path.join(tmp, "none")),
+                        (tmp, "is a directory (a trace is written to a regular file)"),
+                        (os.path.join(tmp, "fifo"), "is a FIFO")):
+        try:
+            fragless.check_driver("driver:host,trace:" + path)
+            raise AssertionError("check_driver() took trace:" + path)
+        except RuntimeError as e:
+            check(words in str(e), str(e))
+    fragless.check_driver("driver:host,trace:" + os.path.join(tmp, "t-%p.fgt"))
+    check(sorted(os.listdir(tmp)) == ["fifo"], os.listdir(tmp))
+# A FRAGLESS_LIBRARY that names nothing is an error, not a reason to load another library.
+r = subprocess.run([sys.executable, "-c", "import fragless; fragless.library()"], capture_output=True, text=True,
+                   env=dict(os.environ, FRAGLESS_LIBRARY=os.path.join(os.path.dirname(fragless.library_path()), "nope.so"),
+                            PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(fragless.__file__)))))
+check(r.returncode != 0 and "FRAGLESS_LIBRARY names " in r.stderr and "which is not there" in r.stderr, r.stderr)
 
 out = run_probe(FAKECUDA_DRIVER_VERSION="11020")
 check("supports CUDA 11.2; fragless needs CUDA 11.3 or newer" in out, out)

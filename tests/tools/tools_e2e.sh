@@ -324,6 +324,8 @@ check_error "--capacity-gib in hex is refused, not read as 16" "greater than 0 a
 check_error "--fit-step of nan is refused" "--fit-step needs a number of GiB" "$bin/fragless-replay" --fit --fit-step nan "$work/o.fgt"
 check_error "--plot into a missing folder names the folder" "the folder $work/none/deeper does not exist" \
   "$bin/fragless-replay" --plot "$work/none/deeper/x.png" "$work/o.fgt"
+check_error "--plot x.svg is refused (gnuplot would write PNG bytes into it)" "draws a PNG (FILE.png) or writes its gnuplot script (FILE.gp), not a '.svg file'" \
+  "$bin/fragless-replay" --plot "$work/x.svg" "$work/o.fgt"
 check_error "--plot naming a folder" "is a directory; --plot takes a file name" "$bin/fragless-replay" --plot "$work" "$work/o.fgt"
 mkdir -p "$work/fakebin"
 printf '#!/bin/sh\ncat >/dev/null\necho "fake gnuplot: cannot draw" >&2\nexit 3\n' >"$work/fakebin/gnuplot"

@@ -57,7 +57,8 @@
 //     different context or device than hStream"), queried and synchronised. A stream of another context
 //     (record_stream onto another device's stream) gets an event made in that stream's context
 //     (cuStreamGetCtx), destroyed when released under that context (cuEventDestroy may fail with
-//     CUDA_ERROR_INVALID_CONTEXT), as PyTorch records under the stream's device. The driver runs every other
+//     CUDA_ERROR_INVALID_CONTEXT, and cuda.h does not say whose context: the libcuda double takes the stricter
+//     reading, the event's own), as PyTorch records under the stream's device. The driver runs every other
 //     call under its device's primary context, pushed when it is not current and popped after, so the calling thread is left as it was (PyTorch frees from threads with no
 //     device guard). It retains that context on the device's first use, never at start-up (a context costs
 //     device memory), and releases it with the driver.

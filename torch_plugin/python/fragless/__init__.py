@@ -159,8 +159,9 @@ def check_config(conf, caller="fragless.check_config"):
 
 def check_driver(conf):
     """For a valid `conf`: raises RuntimeError saying why its driver cannot start here (the cuda driver
-    needs libcuda and a device; the host driver refuses shareable_handles:fabric), in the words the first
-    allocation would use, creating nothing (no engine, no CUDA context)."""
+    needs libcuda and a device; the host driver refuses shareable_handles:fabric), or why its trace file
+    could not be written (a folder that is not there, a directory or FIFO at the path), in the words the
+    first allocation would use, creating nothing (no engine, no CUDA context, no file)."""
     check_config(conf, "fragless.check_driver")
     error = _check(library().fragless_check_driver, conf, "fragless.check_driver")
     if error:
@@ -172,6 +173,11 @@ def library():
     global _lib, _path
     if _lib is not None:
         return _lib
+    env = os.environ.get("FRAGLESS_LIBRARY")
+    if env and not os.path.isfile(env):
+        # Named, but not there: loading another library instead would hide the mistake.
+        raise OSError("fragless: FRAGLESS_LIBRARY names %s, which is %s" %
+                      (env, "a directory" if os.path.isdir(env) else "not there"))
     tried = []
     for path in _candidates():
         if os.path.sep in path and not os.path.exists(path):
