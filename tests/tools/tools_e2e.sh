@@ -293,6 +293,12 @@ check_error "--conf expandable_segments:False alone selects nothing: refused" "e
   "$bin/fragless-replay" --conf expandable_segments:False "$work/o.fgt"
 check_output "... with the policy it agrees with, it runs" " classic " "$bin/fragless-replay" --conf expandable_segments:False,policy:classic "$work/o.fgt"
 check_error "bad --conf value" "bad value '7' for key 'reserve_slack'" "$bin/fragless-replay" --conf reserve_slack:7 "$work/o.fgt"
+check_error "a bad --conf names --conf, not the environment variable" "fragless-replay: --conf: unknown key 'polcy'" \
+  "$bin/fragless-replay" --conf polcy:x "$work/o.fgt"
+check_error "fragless-config STRING names itself, not the environment variable" "fragless-config: unknown key 'polcy'" \
+  "$bin/fragless-config" polcy:x
+check_error "... and FRAGLESS_CONF when the string came from there" "FRAGLESS_CONF: unknown key 'polcy'" \
+  env FRAGLESS_CONF=polcy:x "$bin/fragless-config"
 # A directory or an empty file as a trace is named as such (not "unknown trace format").
 : >"$work/empty.fgt"
 check_error "an empty trace file is named empty" "empty.fgt: is empty" "$bin/fragless-trace" info "$work/empty.fgt"
