@@ -81,12 +81,15 @@ class Unpickler {
     return static_cast<std::uint8_t>(d_[pos_++]);
   }
   std::string_view take(std::uint64_t n) {
-    if (n > d_.size() - pos_) fail("declared length " + std::to_string(n) + " runs past the end of the input");
+    if (n > d_.size() - pos_)
+      fail("declared length " + std::to_string(n) + " runs past the end of the input (a truncated or corrupt file)");
     auto v = d_.substr(pos_, n);
     pos_ += n;
     return v;
   }
   std::uint64_t le(int n) {
+    if (static_cast<std::uint64_t>(n) > d_.size() - pos_)
+      fail("input ends inside an instruction's " + std::to_string(n) + "-byte argument (truncated file)");
     auto b = take(static_cast<std::uint64_t>(n));
     std::uint64_t v = 0;
     for (int i = n - 1; i >= 0; --i) v = v << 8 | static_cast<std::uint8_t>(b[static_cast<std::size_t>(i)]);

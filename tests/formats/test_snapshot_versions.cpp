@@ -713,3 +713,14 @@ for p in range(6):
   }
   fs::remove_all(dir);
 }
+
+TEST_CASE("pickle: a file cut short is said to be, at the byte it ends", "[formats][bad-input]") {
+  // BININT (J) wants a 4-byte argument; two are there.
+  auto r = read_pickle(bin("\x80\x02J\x01\x02"));
+  CHECK_FALSE(r.value);
+  CHECK(r.error == "pickle: input ends inside an instruction's 4-byte argument (truncated file) at byte 2");
+  // SHORT_BINUNICODE (\x8c) of 9 bytes, three there: a declared length, which a corrupt file may also give.
+  r = read_pickle(bin("\x80\x02\x8c\x09" "abc"));
+  CHECK_FALSE(r.value);
+  CHECK(r.error == "pickle: declared length 9 runs past the end of the input (a truncated or corrupt file) at byte 2");
+}
