@@ -448,7 +448,9 @@ LoadResult import(const PyValue& root, const std::string& name, std::uint64_t in
           static_cast<std::uint64_t>(std::clamp<__int128>(peak, 0, static_cast<__int128>(UINT64_MAX)));
   }
   if (!c.allocs) {
-    const std::string held = std::to_string(c.live_blocks) + " block" + (c.live_blocks == 1 ? "" : "s") + " live at the dump";
+    std::string held = std::to_string(c.live_blocks) + " block" + (c.live_blocks == 1 ? "" : "s") + " live at the dump";
+    if (c.frees)  // each was live before the window too (fragless-trace info counts both)
+      held += " and the " + std::to_string(c.frees) + " its history frees";
     std::string why;
     if (root.type == PyValue::Type::list)
       why = "a list of segments (torch.cuda.memory_snapshot()) records no history";
