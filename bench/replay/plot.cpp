@@ -128,7 +128,7 @@ bool draw_plot(const std::string& path, const std::vector<ReplayResult>& results
     script += lead[k] > 0 ? "set arrow 1 from 0, graph 0 to 0, graph 1 nohead dt 2 lc rgb \"gray40\"\n"
                             "set label 1 \"window start\" at 0, graph 0.04 offset 0.5, 0 tc rgb \"gray40\"\n"
                           : "unset arrow 1\nunset label 1\n";
-    script += std::string("set xlabel \"") + (seconds[k] ? "trace time (s)" : "event index") + "\"\n";
+    script += std::string("set xlabel \"") + (seconds[k] ? "trace time (s)" : "trace entry (every kind and device)") + "\"\n";
     script += "plot " + plots.substr(0, plots.size() - 2) + "\n";
   }
   script += "unset multiplot\n";
