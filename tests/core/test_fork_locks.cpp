@@ -392,9 +392,15 @@ TEST_CASE("a fork waits for a thread of fragless's that is starting and gives up
   } starting(begins);
   std::fflush(stdout);
   std::fflush(stderr);
+  const auto t0 = std::chrono::steady_clock::now();
   const pid_t pid = fork();
   REQUIRE(pid >= 0);
   if (pid == 0) _exit(g_threads_starting.load() == 0 && g_thread_starts_closed.load() == 0 ? 0 : 1);
+  const double fork_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  // A thread that never begins is waited for kStartWait, then given up on: not for ever, not at once.
+  INFO("the fork took " << fork_s << " s");
+  if (!begins) CHECK((fork_s >= 0.9 * static_cast<double>(kStartWait.count()) &&
+                      fork_s <= static_cast<double>(kStartWait.count()) + 10.0));
   const bool begun_at_fork = starting.begun.load();
   const int closed_after_fork = g_thread_starts_closed.load();
   const int status = test::wait_for_child(pid, "the forked child");
