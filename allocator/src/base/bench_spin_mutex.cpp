@@ -42,7 +42,7 @@ template <typename Lock>
 void lock_pairs(benchmark::State& state, Lock& lock, std::uint64_t& shared) {
   for (auto _ : state) {
     lock.lock();
-    for (int i = 0; i < 40; ++i) benchmark::DoNotOptimize(shared += static_cast<std::uint64_t>(i));  // ~100 ns
+    for (int i = 0; i < 40; ++i) benchmark::DoNotOptimize(shared += static_cast<std::uint64_t>(i));  // 12-22 ns
     lock.unlock();
   }
 }
