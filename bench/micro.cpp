@@ -182,21 +182,26 @@ BENCHMARK(BM_Replay)->ArgsProduct({{0, 1, 2}, {0, 1}})->Unit(benchmark::kMillise
 // after N live 512-byte allocations on the sim driver, divided by the count.
 std::atomic<std::int64_t> g_heap_bytes{0};
 
-void BM_MetadataPerLiveBlock(benchmark::State& state) {
-  const auto policy = static_cast<PolicyKind>(state.range(0));
-  const auto kBlocks = static_cast<std::size_t>(state.range(1));
+// Heap bytes per live block while n blocks of size(i) are live on a fresh engine of the policy.
+template <class Size>
+void metadata_per_block(benchmark::State& state, PolicyKind policy, std::size_t n, Size size) {
   double per_block = 0;
   for (auto _ : state) {
     auto e = engine(policy);
     std::vector<void*> live;
-    live.reserve(kBlocks);
+    live.reserve(n);
     const std::int64_t before = g_heap_bytes.load();
-    for (std::size_t i = 0; i < kBlocks; ++i) live.push_back(e->allocate(512, 0, nullptr));
-    per_block = static_cast<double>(g_heap_bytes.load() - before) / kBlocks;
+    for (std::size_t i = 0; i < n; ++i) live.push_back(e->allocate(size(i), 0, nullptr));
+    per_block = static_cast<double>(g_heap_bytes.load() - before) / static_cast<double>(n);
     for (void* p : live) e->free(p);
   }
   state.counters["bytes_per_live_block"] = per_block;
   state.SetLabel(policy_name(policy));
+}
+
+void BM_MetadataPerLiveBlock(benchmark::State& state) {
+  metadata_per_block(state, static_cast<PolicyKind>(state.range(0)), static_cast<std::size_t>(state.range(1)),
+                     [](std::size_t) { return std::size_t{512}; });
 }
 // The address table grows at 70% of its slots: 183,000 live blocks sit just below a growth, 184,000 just
 // above it, the two ends of what a small live block costs.
@@ -205,21 +210,8 @@ BENCHMARK(BM_MetadataPerLiveBlock)->ArgsProduct({{0, 1, 2}, {183000, 184000}})->
 // The same for large blocks (2 MiB + 512 B and 3 MiB in turn: a segment, pages and handles each), 12,000 of
 // them. Segments' page tables come from calloc, which the counting operator new does not see.
 void BM_MetadataPerLargeBlock(benchmark::State& state) {
-  const auto policy = static_cast<PolicyKind>(state.range(0));
-  constexpr std::size_t kBlocks = 12000;
-  double per_block = 0;
-  for (auto _ : state) {
-    auto e = engine(policy);
-    std::vector<void*> live;
-    live.reserve(kBlocks);
-    const std::int64_t before = g_heap_bytes.load();
-    for (std::size_t i = 0; i < kBlocks; ++i)
-      live.push_back(e->allocate(i % 2 ? (2u << 20) + 512 : 3u << 20, 0, nullptr));
-    per_block = static_cast<double>(g_heap_bytes.load() - before) / kBlocks;
-    for (void* p : live) e->free(p);
-  }
-  state.counters["bytes_per_live_block"] = per_block;
-  state.SetLabel(policy_name(policy));
+  metadata_per_block(state, static_cast<PolicyKind>(state.range(0)), 12000,
+                     [](std::size_t i) { return i % 2 ? (std::size_t{2} << 20) + 512 : std::size_t{3} << 20; });
 }
 BENCHMARK(BM_MetadataPerLargeBlock)->Arg(0)->Arg(1)->Arg(2)->Iterations(1)->Unit(benchmark::kMillisecond);
 
