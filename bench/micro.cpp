@@ -157,22 +157,32 @@ BENCHMARK(BM_GrowthPath)->Arg(0)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond);
 void BM_Replay(benchmark::State& state) {
   const auto policy = static_cast<PolicyKind>(state.range(0));
   static formats::Trace workload, real;
+  static std::string workload_error, real_error;
   static bool ready = false;
   if (!ready) {
-    std::string err;
-    replay::make_workload("workload:transformer-train:steps=40,layers=24", &workload, &err);
+    if (!replay::make_workload("workload:transformer-train:steps=40,layers=24", &workload, &workload_error))
+      workload_error = "the built-in workload: " + workload_error;
     auto r = formats::load_trace(FRAGLESS_SOURCE_DIR
                                  "/../shared/data/traces/torch/cs336_wedsonlin_87b0864_results_medium_1024_training_memory_snapshot.pickle");
     if (r.ok) real = std::move(r.trace);
+    else real_error = "the real trace (../shared/data beside the repository): " + r.error;
     ready = true;
   }
   const formats::Trace& t = state.range(1) ? real : workload;
+  const std::string& why = state.range(1) ? real_error : workload_error;
   if (t.events.empty()) {
-    state.SkipWithError("../shared/data is not beside the repository");
+    state.SkipWithError((why.empty() ? std::string("no events to replay") : why).c_str());
     return;
   }
   std::uint64_t events = 0;
-  for (auto _ : state) events += replay::replay(t, 0, policy, 0).events;
+  for (auto _ : state) {
+    const auto r = replay::replay(t, 0, policy, 0);
+    if (!r.error.empty()) {
+      state.SkipWithError(r.error.c_str());
+      break;
+    }
+    events += r.events;
+  }
   state.counters["events_per_second"] = benchmark::Counter(static_cast<double>(events), benchmark::Counter::kIsRate);
   state.SetLabel(std::string(policy_name(policy)) + (state.range(1) ? ", wedsonlin 1024 training" : ", transformer-train"));
 }
