@@ -22,12 +22,19 @@ struct Probe {
 
 using ProbeFn = std::function<Probe(long long)>;
 
-// Probes every point at once, one thread each (the caller's thread takes the first).
-std::vector<Probe> probe_all(const std::vector<long long>& points, const ProbeFn& f) {
+// The steps below the top a capacity search replays together (Note [Every step up]).
+constexpr std::size_t kScanBatch = 4;
+
+// Probes every point, up to `parallel` at once (the caller's thread among them).
+std::vector<Probe> probe_all(const std::vector<long long>& points, const ProbeFn& f, unsigned parallel) {
   std::vector<Probe> out(points.size());
+  std::atomic<std::size_t> next{0};
+  auto work = [&] {
+    for (std::size_t i; (i = next++) < points.size();) out[i] = f(points[i]);
+  };
   std::vector<std::thread> threads;
-  for (std::size_t i = 1; i < points.size(); ++i) threads.emplace_back([&, i] { out[i] = f(points[i]); });
-  if (!points.empty()) out[0] = f(points[0]);
+  for (unsigned t = 1; t < std::min<std::size_t>(std::max(1u, parallel), points.size()); ++t) threads.emplace_back(work);
+  work();
   for (auto& t : threads) t.join();
   return out;
 }
@@ -122,6 +129,7 @@ FitResult fit_capacity(const formats::Trace& t, int device, PolicyKind policy, s
     if (policy == PolicyKind::classic && conf.garbage_collection_threshold > 0.0)
       unlimited_from /= conf.garbage_collection_threshold;
   }
+  if (policy == PolicyKind::fragless) unlimited_from *= 2;  // its near-limit rule (Note [Above the top])
   long long top = static_cast<long long>(
       std::min<double>(static_cast<double>(max_k), std::ceil(unlimited_from / static_cast<double>(step))));
   top = std::max(top, fail + 1);
@@ -142,14 +150,14 @@ FitResult fit_capacity(const formats::Trace& t, int device, PolicyKind policy, s
     best = probe(top);
   }
   out.top = static_cast<std::uint64_t>(top) * step;
-  // Every step below the top, downwards in batches of `parallel` taken in order (so the answer does not
-  // depend on the batch size), until one runs out of memory: that is the neighbour, and the answer is the
-  // step above it (Note [Every step up]).
+  // Every step below the top, downwards in batches of kScanBatch taken in order, until one runs out of
+  // memory: that is the neighbour, and the answer is the step above it (Note [Every step up]). A batch is
+  // replayed whole, up to `parallel` at once, so neither the answer nor the replays made depend on --jobs.
   long long pass = top;
   for (long long k = top - 1; k > fail && pass == k + 1;) {
     std::vector<long long> points;
-    for (; k > fail && points.size() < std::max(1u, o.parallel); --k) points.push_back(k);
-    const auto probes = probe_all(points, probe);
+    for (; k > fail && points.size() < kScanBatch; --k) points.push_back(k);
+    const auto probes = probe_all(points, probe, o.parallel);
     for (const auto& p : probes) {
       if (!p.result.error.empty()) {
         out.error = p.result.error;
@@ -228,12 +236,14 @@ MaxResult max_value(const std::string& spec, const std::string& key, PolicyKind 
   if (!best.fits) {
     // A key whose memory falls as it grows (fsdp's world, a checkpointing switch) is no question for this
     // search: say so rather than ask for a larger device.
-    if (out.greatest > out.least) {
-      const Probe top = probe(out.greatest);
-      if (top.fits) {
+    // Four doublings at most, so that a key whose workloads grow fast with it (steps, layers) costs little.
+    for (long long v = out.least, n = 0; n < 4 && v < out.greatest; ++n) {
+      v = std::min(out.greatest, std::max(v + 1, v * 2));
+      const Probe larger = probe(v);
+      if (!larger.result.error.empty()) break;
+      if (larger.fits) {
         out.error = where + ": does not fit at its smallest " + key + "=" + std::to_string(out.least) +
-                    " but fits at its largest, " + key + "=" + std::to_string(out.greatest) +
-                    ": its memory does not grow with " + key +
+                    " but fits at " + key + "=" + std::to_string(v) + ": its memory does not grow with " + key +
                     ", and --max-of searches for the largest value of a key whose memory does";
         return done(out);
       }

@@ -138,8 +138,8 @@ void print_fit_table(const std::vector<formats::Trace>& traces, const std::vecto
   print_cut_names(inputs);
   std::printf("fit: %zu searches, %d replays, step %.4g GiB, %.2f s\n", found.size(), fits.replays, gib(step), fits.seconds);
   std::printf("OOMs: the ones the trace itself recorded; %s\n",
-              checked_answers(found.size(), fits.failed, "one step below",
-                              " with every step above it up to its policy's peak reserved without a limit")
+              checked_answers(found.size(), fits.failed, "one step below (where it is above 0 bytes)",
+                              " with every step above it up to where its policy runs as without a limit")
                   .c_str());
 }
 

@@ -32,14 +32,29 @@ class SimDriver final : public Driver {
   }
 
  private:
+  // Note [The sim driver's address space]: reservations are handed out from a window of about 112 TiB (top
+  // down) without reuse, so that the same requests get the same addresses whatever was freed before them.
+  // A growable segment reserves 9/8 of the device, 1.125 TiB on the replay's unlimited device, so a run that
+  // releases and makes a hundred segments (empty_cache in a loop, many streams) would run out of address
+  // space, and an unlimited replay would report OOMs a small device does not have. Once the window is used
+  // up, a freed reservation of the same size or larger is taken again (the highest first): runs that never
+  // reach the end of the window are unchanged.
   Status do_reserve(std::size_t size, DevicePtr* va) override {
     std::lock_guard lk(mu_);
     const std::size_t g = granularity();
     if (top_down_) {
       const std::size_t span = (size + g - 1) / g * g + g;  // a guard page between reservations
       if (span > next_down_ - 0x100000000000ull) {
-        set_error("reserve: out of address space (sim, top down)");
-        return Status::out_of_memory;
+        auto best = freed_.end();
+        for (auto it = freed_.begin(); it != freed_.end(); ++it)
+          if (it->second >= span && (best == freed_.end() || it->first > best->first)) best = it;
+        if (best == freed_.end()) {
+          set_error("reserve: out of address space (sim, top down)");
+          return Status::out_of_memory;
+        }
+        *va = best->first + (best->second - span);  // the top of the freed range, as the window grows down
+        if ((best->second -= span) == 0) freed_.erase(best);
+        return Status::ok;
       }
       next_down_ -= span;
       *va = next_down_;
@@ -50,7 +65,13 @@ class SimDriver final : public Driver {
     next_va_ += size + g;  // a guard page between reservations catches overruns in the checker
     return Status::ok;
   }
-  Status do_free_reservation(DevicePtr, std::size_t) override { return Status::ok; }
+  Status do_free_reservation(DevicePtr va, std::size_t size) override {
+    if (!top_down_) return Status::ok;
+    std::lock_guard lk(mu_);
+    const std::size_t g = granularity();
+    freed_.emplace_back(va, (size + g - 1) / g * g + g);  // with its guard page
+    return Status::ok;
+  }
   Status do_create(std::size_t size, PhysHandle* h) override {
     std::lock_guard lk(mu_);
     if (size > capacity_ - used_) {
@@ -104,8 +125,9 @@ class SimDriver final : public Driver {
   std::size_t capacity_;
   std::size_t used_ = 0;
   DevicePtr next_va_ = 0x7f0000000000ull;
-  DevicePtr next_down_ = 0x7ff000000000ull;
+  DevicePtr next_down_ = 0x7ff0000000000000ull;  // Note [The sim driver's address space]
   bool top_down_ = false;
+  std::vector<std::pair<DevicePtr, std::size_t>> freed_;  // top down: freed reservations with their guard page
   std::function<void(bool)> on_query_;  // SimDriverOptions::on_memory_info
   HandleIds ids_;
   // By handle value: the values are small, and come back as handles go (handle_ids.h), so the table is as long as
