@@ -2,8 +2,6 @@
 // exported (exports.map).
 #include <cxxabi.h>
 #include <pthread.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -582,36 +580,6 @@ int fragless_same_config(const char* a, const char* b) {
     return same_settings(x.options, y.options) ? 1 : 0;
   });
 }
-
-namespace {
-// Whether the trace file of `pattern` could be opened for this process, creating nothing: what Tracing::open
-// would refuse at the first allocation (Note [Opening a trace file]), said before it. Its first file only (device
-// 0): the others differ by the device alone.
-bool trace_path_usable(const std::string& pattern, std::string* error) {
-  const std::string path = expand_trace_path(pattern, 0, static_cast<int>(::getpid()), rank_from_environment(), error);
-  if (path.empty()) return false;
-  struct stat st {};
-  if (::stat(path.c_str(), &st) == 0) {
-    if (S_ISREG(st.st_mode) || S_ISCHR(st.st_mode)) {
-      if (::access(path.c_str(), W_OK) == 0) return true;
-      *error = "fragless: cannot open trace file '" + path + "': " + std::strerror(errno);
-      return false;
-    }
-    *error = "fragless: the trace path '" + path + "' is " +
-             (S_ISFIFO(st.st_mode) ? "a FIFO" : S_ISDIR(st.st_mode) ? "a directory" : "not a regular file") +
-             " (a trace is written to a regular file)";
-    return false;
-  }
-  const auto slash = path.find_last_of('/');
-  const std::string folder = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
-  if (::stat(folder.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || ::access(folder.c_str(), W_OK | X_OK) != 0) {
-    const int e = ::stat(folder.c_str(), &st) != 0 ? errno : !S_ISDIR(st.st_mode) ? ENOTDIR : errno;
-    *error = "fragless: cannot open trace file '" + path + "': its folder '" + folder + "': " + std::strerror(e);
-    return false;
-  }
-  return true;
-}
-}  // namespace
 
 long fragless_check_driver(const char* conf, char* buf, size_t len) {
   return guarded("fragless_check_driver", -1L, [&] {

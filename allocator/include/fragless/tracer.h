@@ -19,6 +19,13 @@ namespace fragless {
 int rank_from_environment();
 // Expands %p, %d, %r and %%; an unknown %x is an error (empty result, *error set).
 std::string expand_trace_path(std::string_view pattern, int device, int pid, int rank, std::string* error);
+// Whether an existing `path` can take a trace: a regular file or a character device (/dev/null), or nothing
+// there yet; false with *error (when given) naming a FIFO, a directory or anything else.
+bool trace_target_kind_ok(const std::string& path, std::string* error);
+// Whether this process could write the trace of `pattern` (its first file, device 0), creating nothing: the
+// path's kind, and the file, or its folder, writable. What Tracing::open would refuse at the first allocation,
+// said before it (fragless_check_driver).
+bool trace_path_usable(std::string_view pattern, std::string* error);
 
 class TraceFile;
 

@@ -49,38 +49,6 @@ const char* trace_action_name(TraceAction a) {
   return "unknown";
 }
 
-int rank_from_environment() {
-  const char* r = std::getenv("RANK");
-  if (!r || !*r) return -1;
-  char* end = nullptr;
-  const long v = std::strtol(r, &end, 10);
-  return (*end || v < 0 || v > 1'000'000) ? -1 : static_cast<int>(v);
-}
-
-std::string expand_trace_path(std::string_view pattern, int device, int pid, int rank, std::string* error) {
-  std::string out;
-  for (std::size_t i = 0; i < pattern.size(); ++i) {
-    if (pattern[i] != '%') {
-      out.push_back(pattern[i]);
-      continue;
-    }
-    const char c = i + 1 < pattern.size() ? pattern[++i] : '\0';
-    switch (c) {
-      case 'p': out += std::to_string(pid); break;
-      case 'd': out += std::to_string(device); break;
-      case 'r': out += std::to_string(rank < 0 ? 0 : rank); break;
-      case '%': out.push_back('%'); break;
-      default:
-        if (error)
-          *error = "FRAGLESS_CONF: bad value '" + std::string(pattern) +
-                   "' for key 'trace': '%' must be followed by p (pid), d (device), r (rank) or %";
-        return {};
-    }
-  }
-  if (out.empty() && error) *error = "FRAGLESS_CONF: the 'trace' path is empty";
-  return out;
-}
-
 namespace {
 
 // Nanoseconds since the tracer's origin from the cheapest clock available: the invariant TSC on x86-64
@@ -477,14 +445,8 @@ std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, co
     // before it is emptied, so a second process given the same path (%r without RANK is rank 0) is refused
     // instead of truncating the first one's trace under it (its allocator then goes on untraced, saying so:
     // Allocator::create).
+    if (!trace_target_kind_ok(path, error)) return nullptr;
     struct stat st {};
-    if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode) && !S_ISCHR(st.st_mode)) {
-      if (error)
-        *error = "fragless: the trace path '" + path + "' is " +
-                 (S_ISFIFO(st.st_mode) ? "a FIFO" : S_ISDIR(st.st_mode) ? "a directory" : "not a regular file") +
-                 " (a trace is written to a regular file)";
-      return nullptr;
-    }
     const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0644);
     if (fd < 0) {
       if (error) *error = "fragless: cannot open trace file '" + path + "': " + std::strerror(errno);

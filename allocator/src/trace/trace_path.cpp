@@ -1,0 +1,79 @@
+// The trace path (tracer.h): its grammar, and what a path must be to take a trace (Note [Opening a trace
+// file], tracer.cpp), for Tracing::open and for the checks made before any allocation (fragless_check_driver).
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include "fragless/tracer.h"
+
+namespace fragless {
+
+int rank_from_environment() {
+  const char* r = std::getenv("RANK");
+  if (!r || !*r) return -1;
+  char* end = nullptr;
+  const long v = std::strtol(r, &end, 10);
+  return (*end || v < 0 || v > 1'000'000) ? -1 : static_cast<int>(v);
+}
+
+std::string expand_trace_path(std::string_view pattern, int device, int pid, int rank, std::string* error) {
+  std::string out;
+  for (std::size_t i = 0; i < pattern.size(); ++i) {
+    if (pattern[i] != '%') {
+      out.push_back(pattern[i]);
+      continue;
+    }
+    const char c = i + 1 < pattern.size() ? pattern[++i] : '\0';
+    switch (c) {
+      case 'p': out += std::to_string(pid); break;
+      case 'd': out += std::to_string(device); break;
+      case 'r': out += std::to_string(rank < 0 ? 0 : rank); break;
+      case '%': out.push_back('%'); break;
+      default:
+        if (error)
+          *error = "FRAGLESS_CONF: bad value '" + std::string(pattern) +
+                   "' for key 'trace': '%' must be followed by p (pid), d (device), r (rank) or %";
+        return {};
+    }
+  }
+  if (out.empty() && error) *error = "FRAGLESS_CONF: the 'trace' path is empty";
+  return out;
+}
+
+bool trace_target_kind_ok(const std::string& path, std::string* error) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode) || S_ISCHR(st.st_mode)) return true;
+  if (error)
+    *error = "fragless: the trace path '" + path + "' is " +
+             (S_ISFIFO(st.st_mode) ? "a FIFO" : S_ISDIR(st.st_mode) ? "a directory" : "not a regular file") +
+             " (a trace is written to a regular file)";
+  return false;
+}
+
+bool trace_path_usable(std::string_view pattern, std::string* error) {
+  const std::string path = expand_trace_path(pattern, 0, static_cast<int>(::getpid()), rank_from_environment(), error);
+  if (path.empty() || !trace_target_kind_ok(path, error)) return false;
+  struct stat st {};
+  int e = 0;
+  if (::stat(path.c_str(), &st) == 0) {
+    if (::access(path.c_str(), W_OK) == 0) return true;
+    e = errno;
+  } else {
+    const auto slash = path.find_last_of('/');
+    const std::string folder = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+    if (::stat(folder.c_str(), &st) != 0) e = errno;
+    else if (!S_ISDIR(st.st_mode)) e = ENOTDIR;
+    else if (::access(folder.c_str(), W_OK | X_OK) != 0) e = errno;
+    else return true;
+    if (error)
+      *error = "fragless: cannot open trace file '" + path + "': its folder '" + folder + "': " + std::strerror(e);
+    return false;
+  }
+  if (error) *error = "fragless: cannot open trace file '" + path + "': " + std::strerror(e);
+  return false;
+}
+
+}  // namespace fragless
