@@ -104,10 +104,8 @@ int run(int argc, char** argv) {
     return 2;
   }
   const ConfigResult r = argc > 1 ? parse_allocator_config(argv[1]) : config_from_environment();
-  if (!r.ok) {  // the parser names the environment variable, which is right only when the string came from it
-    const bool from_argument = argc > 1 && r.error.rfind("FRAGLESS_CONF: ", 0) == 0;
-    std::fprintf(stderr, "%s%s\n", from_argument ? "fragless-config: " : "",
-                 from_argument ? r.error.c_str() + 15 : r.error.c_str());
+  if (!r.ok) {  // the error names FRAGLESS_CONF, which is right only when the string came from it
+    std::fprintf(stderr, "%s\n", (argc > 1 ? config_error_from(r.error, "fragless-config") : r.error).c_str());
     return 2;
   }
   const Options& o = r.options;

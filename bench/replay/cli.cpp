@@ -133,8 +133,8 @@ constexpr const char* kConfRefused[][2] = {
 bool apply_conf(const std::string& text, Options* base, std::optional<PolicyKind>* policy,
                 std::vector<std::string>* given, std::string* error) {
   const auto cr = parse_config(text, *base);
-  if (!cr.ok) {  // the parser names the environment variable; this string came from --conf
-    *error = cr.error.rfind("FRAGLESS_CONF: ", 0) == 0 ? "--conf: " + cr.error.substr(15) : cr.error;
+  if (!cr.ok) {
+    *error = config_error_from(cr.error, "--conf");
     return false;
   }
   bool policy_key = false, expandable_key = false;

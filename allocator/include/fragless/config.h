@@ -85,6 +85,10 @@ struct ConfigResult {
 // Parses `text` over `base` (keys not mentioned keep base's values).
 ConfigResult parse_config(std::string_view text, const Options& base = Options{});
 
+// A parse error names FRAGLESS_CONF, where the text usually comes from; for a text given elsewhere (a command
+// line option) the same error naming `source` instead.
+std::string config_error_from(const std::string& error, std::string_view source);
+
 // parse_config for an allocator (FRAGLESS_CONF, fragless_check_config, fragless-config): a key the text gives
 // that does nothing under the policy and driver it selects is refused, as are a policy and
 // expandable_segments that disagree and a host or sim capacity that is not a whole number of pages (Note

@@ -492,6 +492,12 @@ std::span<const OptionInfo> option_table() { return kOptions; }
 
 ConfigResult parse_config(std::string_view text, const Options& base) { return Parser(text, base).run(); }
 
+std::string config_error_from(const std::string& error, std::string_view source) {
+  constexpr std::string_view kPrefix = "FRAGLESS_CONF: ";
+  if (error.compare(0, kPrefix.size(), kPrefix) != 0) return error;
+  return std::string(source) + ": " + error.substr(kPrefix.size());
+}
+
 // Note [Keys that do nothing]
 // A key that configures one policy or driver (its row's `applies`) given with another would be silently
 // ignored by the allocator, so an allocator's text refuses it, naming the key, what it configures and the
