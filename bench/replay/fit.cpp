@@ -59,6 +59,9 @@ bool narrow(long long* fail, long long* pass, Probe* best, const ProbeFn& f, std
   return true;
 }
 
+// The value search's next value: twice v (v + 1 from 0), at most greatest.
+long long doubled(long long v, long long greatest) { return std::min(greatest, std::max(v + 1, v * 2)); }
+
 std::string gib_text(std::uint64_t bytes) {
   char b[32];
   std::snprintf(b, sizeof b, "%.4g GiB", static_cast<double>(bytes) / (1ull << 30));
@@ -238,7 +241,7 @@ MaxResult max_value(const std::string& spec, const std::string& key, PolicyKind 
     // search: say so rather than ask for a larger device.
     // Four doublings at most, so that a key whose workloads grow fast with it (steps, layers) costs little.
     for (long long v = out.least, n = 0; n < 4 && v < out.greatest; ++n) {
-      v = std::min(out.greatest, std::max(v + 1, v * 2));
+      v = doubled(v, out.greatest);
       const Probe larger = probe(v);
       if (!larger.result.error.empty()) break;
       if (larger.fits) {
@@ -269,7 +272,7 @@ MaxResult max_value(const std::string& spec, const std::string& key, PolicyKind 
                   " does not bound memory here)";
       return done(out);
     }
-    const Probe p = probe(std::min(out.greatest, std::max(pass + 1, pass * 2)));
+    const Probe p = probe(doubled(pass, out.greatest));
     if (!p.result.error.empty()) {
       out.error = p.result.error;
       return done(out);

@@ -32,13 +32,13 @@ class SimDriver final : public Driver {
   }
 
  private:
-  // Note [The sim driver's address space]: reservations are handed out from a window of about 112 TiB (top
-  // down) without reuse, so that the same requests get the same addresses whatever was freed before them.
-  // A growable segment reserves 9/8 of the device, 1.125 TiB on the replay's unlimited device, so a run that
-  // releases and makes a hundred segments (empty_cache in a loop, many streams) would run out of address
-  // space, and an unlimited replay would report OOMs a small device does not have. Once the window is used
-  // up, a freed reservation of the same size or larger is taken again (the highest first): runs that never
-  // reach the end of the window are unchanged.
+  // Note [The sim driver's address space]: reservations are handed out top down from a window of about 8 EiB,
+  // without reuse, so that the same requests get the same addresses whatever was freed before them. A growable
+  // segment reserves 9/8 of the device, 1.125 TiB on the replay's unlimited device: with the 112 TiB window
+  // this had until 2026-12-06, a run that made a hundred segments (empty_cache in a loop, many streams) ran out
+  // of address space, and an unlimited replay reported OOMs a small device does not have. Only addresses'
+  // order decides anything (best-fit ties), so the larger window changed no decision. Once it is used up, a
+  // freed reservation of the same size or larger is taken again (the highest first).
   Status do_reserve(std::size_t size, DevicePtr* va) override {
     std::lock_guard lk(mu_);
     const std::size_t g = granularity();
