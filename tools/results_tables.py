@@ -556,7 +556,6 @@ def check_docs(docs):
                 texts[d] = f.read()
         except OSError as e:
             sys.exit(f"check: cannot read {d}: {e.strerror}")
-    lines = [line.rstrip() for t in texts.values() for line in t.splitlines()]
     doc_tables = [b for t in texts.values() for b in table_blocks(t)]
 
     def stands_in_docs(block):  # as a whole table of the docs: no row more, none less
@@ -575,7 +574,7 @@ def check_docs(docs):
         for figure in re.findall(r"(?<![\w.])\d+(?:\.\d+)?", first):
             forms = {figure}
             if "." in figure:
-                whole, decimals = figure.split(".")
+                decimals = figure.split(".")[1]
                 forms |= {f"{float(figure):.{k}f}" for k in range(1, len(decimals))}  # a decimal kept
                 forms |= {f.rstrip("0").rstrip(".") for f in list(forms)}
             if not forms & said:
