@@ -317,7 +317,14 @@ int run(int argc, char** argv) {
                     (devices.empty() ? std::string("none, it has no events") : list(devices)) + ")");
       if (!device_opt->count() && !devices.empty()) device = devices.front();
     }
+    std::string bytes, times_lost;
+    switch (f) {
+      case Format::native: bytes = trace_to_native(t); break;
+      case Format::rmm_csv: bytes = trace_to_rmm_csv(t, device, &times_lost); break;
+      case Format::snapshot: bytes = trace_to_snapshot(t); break;
+    }
     std::vector<std::string> lost;
+    if (!times_lost.empty()) lost.push_back(times_lost);
     if (!dropped.empty())
       lost.push_back(dropped + " (the fragless trace model holds allocation events, segments and blocks, not their "
                                "context)");
@@ -348,12 +355,6 @@ int run(int argc, char** argv) {
     if (f == Format::rmm_csv && devices.size() > 1)
       std::fprintf(stderr, "fragless-trace: %s has devices %s; an RMM log holds one: writing device %d (--device)\n",
                    in.c_str(), list(devices).c_str(), device);
-    std::string bytes;
-    switch (f) {
-      case Format::native: bytes = trace_to_native(t); break;
-      case Format::rmm_csv: bytes = trace_to_rmm_csv(t, device); break;
-      case Format::snapshot: bytes = trace_to_snapshot(t); break;
-    }
     // What is written must read back (Note [One set of bounds for every format]): a trace the readers took
     // converts to a file they take, and a conversion that would break that says so instead of writing it.
     if (const LoadResult back = trace_from_bytes(bytes, out); !back.ok)

@@ -210,17 +210,17 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
 // event of the device, in order (the rows' position among the events the replay counts: allocations,
 // frees, empty_cache), which weighs every event by one unit again. Allocations live before the window are
 // stamped at the window's first time, not at 00:00:00, so the log's span is the window's.
-std::string trace_to_rmm_csv(const Trace& t, int device) {
-  std::string out = "Thread,Time,Action,Pointer,Size,Stream\n";
-  char buf[160];
-  // Time as RMM writes it: HH:MM:SS.ffffff (hours may pass 23 for a long run); the reader takes it back.
-  auto put = [&](const Event& e, std::int64_t us, const char* action) {
-    std::snprintf(buf, sizeof buf, "0,%02" PRId64 ":%02" PRId64 ":%02" PRId64 ".%06" PRId64 ",%s,0x%" PRIx64
-                  ",%" PRIu64 ",%" PRIx64 "\n",
-                  us / 3600000000, us / 60000000 % 60, us / 1000000 % 60, us % 1000000, action, e.address, e.size,
-                  e.stream);
-    out += buf;
-  };
+//
+// Note [Times of day in a converted RMM log]
+// Times are written as RMM's logger writes them, the time of day ("%H:%M:%S.%f", hours 00 to 23), so that what
+// reads RMM's logs reads these; the date is lost (a snapshot's times are wall-clock microseconds). The reader
+// takes a step back of more than half a day as the next day (Note [Times of day in an RMM log]), which gives
+// back every time exactly while consecutive rows are less than 12 hours apart. A trace with a longer gap is
+// written as hours since the midnight before its first row instead (past 23 after that day), which the
+// reader also takes back exactly; *lost names what a log loses.
+std::string trace_to_rmm_csv(const Trace& t, int device, std::string* lost) {
+  struct Row { const Event* e; std::int64_t us; const char* action; };
+  std::vector<Row> rows;
   std::int64_t first = -1;
   if (t.has_time)
     for (const auto& e : t.events)
@@ -229,12 +229,12 @@ std::string trace_to_rmm_csv(const Trace& t, int device) {
         break;
       }
   for (const auto& e : t.seed)
-    if (e.device == device) put(e, std::max<std::int64_t>(first, 0), "allocate");
+    if (e.device == device) rows.push_back({&e, std::max<std::int64_t>(first, 0), "allocate"});
   std::int64_t index = 0, last = std::max<std::int64_t>(first, 0);
   for (const auto& e : t.events) {
     if (e.device != device) continue;
     if (e.op == Op::oom) {  // a failed allocation: RMM's "allocate failure" row, at the time of the event before
-      put(e, t.has_time && e.time_us >= 0 ? e.time_us : last, "allocate failure");
+      rows.push_back({&e, t.has_time && e.time_us >= 0 ? e.time_us : last, "allocate failure"});
       continue;
     }
     if (e.op != Op::alloc && e.op != Op::free && e.op != Op::empty_cache) continue;
@@ -242,7 +242,27 @@ std::string trace_to_rmm_csv(const Trace& t, int device) {
     if (e.op == Op::empty_cache) continue;  // RMM's log has no such row
     const std::int64_t us = !t.has_time ? index : e.time_us >= 0 ? e.time_us : last;  // untimed rows keep the time
     last = us;
-    put(e, us, e.op == Op::alloc ? "allocate" : "free");
+    rows.push_back({&e, us, e.op == Op::alloc ? "allocate" : "free"});
+  }
+  bool long_gap = false;
+  for (std::size_t i = 1; i < rows.size() && !long_gap; ++i) long_gap = rows[i].us - rows[i - 1].us >= kHalfDayUs;
+  const std::int64_t midnight = rows.empty() ? 0 : rows.front().us - rows.front().us % kDayUs;
+  if (lost) {
+    lost->clear();
+    if (midnight > 0) *lost = "the date of its times (an RMM log has the time of day)";
+    if (long_gap)
+      *lost += std::string(lost->empty() ? "" : "; ") + "the time of day after the first day: rows 12 hours apart or "
+               "more, so its times are hours since the first row's midnight";
+  }
+  std::string out = "Thread,Time,Action,Pointer,Size,Stream\n";
+  char buf[160];
+  for (const Row& r : rows) {
+    const std::int64_t us = long_gap ? r.us - midnight : r.us % kDayUs;
+    std::snprintf(buf, sizeof buf, "0,%02" PRId64 ":%02" PRId64 ":%02" PRId64 ".%06" PRId64 ",%s,0x%" PRIx64
+                  ",%" PRIu64 ",%" PRIx64 "\n",
+                  us / 3600000000, us / 60000000 % 60, us / 1000000 % 60, us % 1000000, r.action, r.e->address,
+                  r.e->size, r.e->stream);
+    out += buf;
   }
   return out;
 }

@@ -92,7 +92,7 @@ LoadResult trace_from_native_bytes(const std::string& bytes, const std::string& 
 
 // Writers. RMM logs have no device column: one device per file. A trace without times gets one
 // microsecond per event (Note [Times in a converted RMM log], rmm_csv.cpp).
-std::string trace_to_rmm_csv(const Trace& t, int device);
+std::string trace_to_rmm_csv(const Trace& t, int device, std::string* lost = nullptr);
 std::string trace_to_native(const Trace& t);
 // PyTorch's _dump_snapshot layout (segments + device_traces), drawable by torch.cuda._memory_viz and
 // pytorch.org/memory_viz. Segments are reconstructed from the trace's segment events; blocks live at the

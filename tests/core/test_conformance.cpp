@@ -380,6 +380,7 @@ TEST_CASE("conformance: a request larger than the device is an out-of-memory tha
     CHECK(err.status == Status::out_of_memory);
     CHECK(err.message.rfind("CUDA out of memory. Tried to allocate ", 0) == 0);
     CHECK(err.message.find("larger than the device's whole memory") != std::string::npos);
+    CHECK(err.message.find("per_process_memory_fraction") == std::string::npos);  // no fraction would help
     CHECK(e->stats().num_ooms == n);
     CHECK(e->stats().num_alloc_retries == n);
   }
@@ -390,6 +391,26 @@ TEST_CASE("conformance: a request larger than the device is an out-of-memory tha
   void* again = e->allocate(8 * MiB, 0, nullptr);  // the device is as usable as before
   REQUIRE(again);
   for (void* p : {kept, again}) REQUIRE(e->free(p) == Status::ok);
+  require_consistent(*e);
+}
+
+// The out-of-memory message's advice: raising the memory fraction only where a fraction below 1 limited the
+// request, as PyTorch's own message names the limit only when one is set.
+TEST_CASE("conformance: an out-of-memory message advises raising the memory fraction only when one limits",
+          "[conformance]") {
+  EngineSpec spec = any_spec();
+  CAPTURE(name(spec.policy), driver_kind_name(spec.driver));
+  auto e = make_engine(spec);  // 1 GiB device
+  void* held = e->allocate(600 * MiB, 0, nullptr);
+  REQUIRE(held);
+  AllocError err;
+  REQUIRE(e->allocate(600 * MiB, 0, &err) == nullptr);  // past the device
+  CHECK(err.message.find("per_process_memory_fraction") == std::string::npos);
+  CHECK(err.message.find("free tensors you no longer need.") != std::string::npos);
+  REQUIRE(e->set_memory_fraction(0.75) == Status::ok);
+  REQUIRE(e->allocate(200 * MiB, 0, &err) == nullptr);  // within the device, past the fraction
+  CHECK(err.message.find("or raise per_process_memory_fraction.") != std::string::npos);
+  REQUIRE(e->free(held) == Status::ok);
   require_consistent(*e);
 }
 

@@ -17,6 +17,8 @@ using namespace fragless::formats;
 
 namespace {
 
+constexpr std::int64_t kHourUs = 3'600'000'000, kDayUs = 24 * kHourUs;
+
 double tw_frag(const Trace& t, PolicyKind p) {
   // Without background work, which runs on the trace's clock: the workload's modelled times and the log's
   // one unit per event would give it different time, and the fragless policy would hold other memory.
@@ -72,8 +74,8 @@ TEST_CASE("conversions: allocations live before the window are stamped at its st
   t.events.push_back({Op::free, 0, 0, 0x1000, 1u << 20, 0, start + 100});  // a pre-window allocation freed
   const Trace back = through_rmm(t);
   const auto [lo, hi] = span(back);
-  CHECK(lo == start);      // not 00:00:00
-  CHECK(hi - lo == 100);   // the window's span
+  CHECK(lo == start % kDayUs);  // the window's first time of day (an RMM log has no date), not 00:00:00
+  CHECK(hi - lo == 100);        // the window's span
   for (PolicyKind p : {PolicyKind::expandable, PolicyKind::fragless})
     CHECK(tw_frag(back, p) == Approx(tw_frag(t, p)).epsilon(1e-9));
 }
@@ -101,4 +103,62 @@ TEST_CASE("conversions: every real snapshot keeps its time-weighted fragmentatio
     ++checked;
   }
   CHECK(checked >= 10);
+}
+
+namespace {
+
+Trace timed_allocations(std::initializer_list<std::int64_t> times) {
+  Trace t;
+  t.has_time = true;
+  std::uint64_t address = 0;
+  for (std::int64_t us : times) t.events.push_back({Op::alloc, 0, 0, address += 0x1000, 512, 0, us});
+  return t;
+}
+
+// Every time of t reads back from its RMM log exactly, less `date` (the microseconds before its first day).
+void reads_back_less(const Trace& t, std::int64_t date) {
+  const Trace back = through_rmm(t);
+  REQUIRE(back.events.size() == t.events.size());
+  for (std::size_t i = 0; i < t.events.size(); ++i) {
+    INFO(i);
+    CHECK(back.events[i].time_us == t.events[i].time_us - date);
+  }
+}
+
+}  // namespace
+
+// Note [Times of day in a converted RMM log]
+TEST_CASE("conversions: an RMM log's times are times of day, and read back exactly", "[formats]") {
+  // Wall-clock microseconds, as a snapshot has them: 23:59:59.5 on some day, then across two midnights in
+  // steps of under 12 hours.
+  const std::int64_t day = 20000 * kDayUs, late = day + 24 * kHourUs - 500000;
+  const Trace t = timed_allocations({late, late + 1000000, late + 11 * kHourUs, late + 22 * kHourUs,
+                                     late + 33 * kHourUs + 7});
+  std::string lost;
+  const std::string csv = trace_to_rmm_csv(t, 0, &lost);
+  CHECK(lost == "the date of its times (an RMM log has the time of day)");
+  // Hours 00 to 23, as RMM's logger writes them ("%H:%M:%S.%f").
+  CHECK(csv.find(",23:59:59.500000,allocate,") != std::string::npos);
+  CHECK(csv.find(",00:00:00.500000,allocate,") != std::string::npos);
+  CHECK(csv.find(",10:59:59.500000,allocate,") != std::string::npos);
+  CHECK(csv.find(",21:59:59.500000,allocate,") != std::string::npos);
+  CHECK(csv.find(",08:59:59.500007,allocate,") != std::string::npos);
+  reads_back_less(t, day);
+}
+
+TEST_CASE("conversions: an RMM log of a trace with rows 12 hours apart or more counts hours since its first midnight", "[formats]") {
+  // Across midnight in a step of 13 hours: as times of day it would read as a step 11 hours back, refused.
+  const std::int64_t day = 20000 * kDayUs, first = day + 20 * kHourUs;
+  const Trace t = timed_allocations({first, first + 13 * kHourUs, first + 13 * kHourUs + 5, first + 50 * kHourUs});
+  std::string lost;
+  const std::string csv = trace_to_rmm_csv(t, 0, &lost);
+  CHECK(lost == "the date of its times (an RMM log has the time of day); the time of day after the first day: rows "
+                "12 hours apart or more, so its times are hours since the first row's midnight");
+  CHECK(csv.find(",20:00:00.000000,allocate,") != std::string::npos);
+  CHECK(csv.find(",33:00:00.000005,allocate,") != std::string::npos);
+  CHECK(csv.find(",70:00:00.000000,allocate,") != std::string::npos);
+  reads_back_less(t, day);
+  // A trace without a date (times from 0) loses nothing.
+  trace_to_rmm_csv(timed_allocations({0, 5, kHourUs}), 0, &lost);
+  CHECK(lost.empty());
 }

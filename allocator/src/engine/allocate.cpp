@@ -423,9 +423,11 @@ std::string DeviceEngine::State::oom_message(const AllocParams& p, const std::st
          "release, unmap or wait has not completed; retried at each slow allocation), counted against the limit.";
   if (opts.policy == PolicyKind::classic && unallocated > total_b / 20)
     m += " Much memory is reserved but unallocated: try FRAGLESS_CONF=policy:fragless to avoid fragmentation.";
-  else
+  else if (memory_limited && !larger_than_device(p.rounded))  // a fraction below 1 is what stood in the way
     m += " Try a smaller batch or sequence length, free tensors you no longer need, or raise "
          "per_process_memory_fraction.";
+  else
+    m += " Try a smaller batch or sequence length, or free tensors you no longer need.";
   return m;
 }
 
