@@ -472,7 +472,10 @@ def general_table(args):
     specs = []
     for name, space in DRAW_SPACES.items():
         for _ in range(draws):
-            keys = ",".join(f"{k}={rng.choice(v)}" for k, v in space.items())
+            drawn = {k: rng.choice(v) for k, v in space.items()}
+            if name == "pipeline":  # a stage of the pipeline drawn (the generator refuses rank >= stages)
+                drawn["rank"] = min(drawn["rank"], drawn["stages"] - 1)
+            keys = ",".join(f"{k}={v}" for k, v in drawn.items())
             specs.append(f"workload:{name}:{keys},seed={rng.randrange(1000000)}")
     groups = {"windows": [], "draws": []}
     for w in WINDOWS if args else []:

@@ -76,8 +76,13 @@ json summarise(const Trace& t, int points) {
     std::vector<const Event*> evs;
     for (auto& e : t.events)
       if (e.device == d) evs.push_back(&e);
+    // The curve: events in stretches of `step`, at most `points` of them, each drawn at its largest live bytes
+    // (the event and time where it was), so that no peak falls between two points.
     json curve = json::array();
-    const std::size_t step = std::max<std::size_t>(1, evs.size() / static_cast<std::size_t>(std::max(points, 1)));
+    const auto wanted = static_cast<std::size_t>(std::max(points, 1));
+    const std::size_t step = std::max<std::size_t>(1, (evs.size() + wanted - 1) / wanted);
+    std::int64_t stretch_max = -1, stretch_time = -1;
+    std::uint64_t stretch_at = 0;
     for (const Event* e : evs) {
       if (e->time_us >= 0) {
         if (first_time < 0) first_time = e->time_us;
@@ -110,11 +115,13 @@ json summarise(const Trace& t, int points) {
         case Op::empty_cache: ++empty_caches; break;
         default: segment_events += is_segment_op(e->op); break;
       }
-      if (n % step == 0) curve.push_back({{"event", n}, {"time_us", e->time_us}, {"live_bytes", live_bytes}});
+      if (live_bytes > stretch_max) stretch_max = live_bytes, stretch_at = n, stretch_time = e->time_us;
       ++n;
+      if (n % step == 0 || n == evs.size()) {
+        curve.push_back({{"event", stretch_at}, {"time_us", stretch_time}, {"live_bytes", stretch_max}});
+        stretch_max = -1;
+      }
     }
-    if (!evs.empty() && (n - 1) % step != 0)
-      curve.push_back({{"event", n - 1}, {"time_us", evs.back()->time_us}, {"live_bytes", live_bytes}});
     json dj;
     dj["device"] = d;
     dj["events"] = n;
@@ -208,23 +215,26 @@ std::string events_not_kept(const Trace& t, Format f, int device) {
                                         : " events (a PyTorch snapshot has no such entries)");
 }
 
-// A validator for --device: an integer >= 0, said in those words.
-CLI::Validator device_index() {
+// A validator for a whole number in [lo, hi], written in decimal digits only (CLI11 alone would take 0x10 as
+// 16, as no option of fragless-replay does), said in those words.
+CLI::Validator decimal_in(long lo, long hi, const std::string& what, const std::string& name) {
   return CLI::Validator(
-      [](std::string& v) -> std::string {
+      [=](std::string& v) -> std::string {
         std::size_t used = 0;
         long n = -1;
         try {
-          n = std::stol(v, &used);
+          n = v.find_first_not_of("0123456789") == std::string::npos ? std::stol(v, &used) : -1;
         } catch (const std::exception&) {
           used = 0;
         }
-        if (v.empty() || used != v.size() || n < 0 || n > 65535)
-          return "'" + v + "' is not a device index (an integer from 0 to 65535)";
+        if (v.empty() || used != v.size() || n < lo || n > hi)
+          return "'" + v + "' is not " + what + " (an integer from " + std::to_string(lo) + " to " + std::to_string(hi) + ")";
         return {};
       },
-      "DEVICE");
+      name);
 }
+// --device: one a trace can hold (kMaxDevices, Note [One set of bounds for every format]).
+CLI::Validator device_index() { return decimal_in(0, kMaxDevices - 1, "a device index", "DEVICE"); }
 
 }  // namespace
 
@@ -261,13 +271,18 @@ int run(int argc, char** argv) {
   auto* summary = app.add_subcommand("summary", "Size histogram, live-bytes curve, peaks, per-stream counts");
   summary->add_option("file", sum_file, "trace file")->required();
   summary->add_flag("--json", as_json, "one JSON document on stdout");
-  summary->add_option("--points", points, "points of the live-bytes curve")->check(CLI::Range(1, 1000000));
+  auto* points_opt = summary->add_option("--points", points, "with --json: at most this many points of the live-bytes "
+                                          "curve, each the largest value of its stretch of events")
+                         ->check(decimal_in(1, 1000000, "a number of points", "N"));
 
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    const int rc = app.exit(e);
-    return rc == 0 ? 0 : 2;
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    // Said as every other error of the tool is: named, on one line, then where the usage is.
+    std::fprintf(stderr, "fragless-trace: %s\n(fragless-trace --help lists the commands; COMMAND --help its options)\n",
+                 e.what());
+    return 2;
   }
 
   std::string err;
@@ -307,6 +322,7 @@ int run(int argc, char** argv) {
     if (device_opt->count() && f != Format::rmm_csv)
       return fail(std::string("--device chooses the device of an RMM log; a ") + format_name(f) +
                   " file holds every device of the trace");
+    if (!output_spares_inputs(out, {in}, &err)) return fail(err);  // Note [An output never replaces an input]
     Trace t;
     std::string dropped;
     if (!load(in, &t, &err, nullptr, &dropped)) return fail(err);
@@ -364,6 +380,8 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (*summary) {
+    if (points_opt->count() && !as_json)
+      return fail("summary --points shapes the live-bytes curve of --json's output (the text has none): add --json");
     Trace t;
     if (!load(sum_file, &t, &err)) return fail(err);
     const json s = summarise(t, points);

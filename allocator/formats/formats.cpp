@@ -237,6 +237,28 @@ bool output_target(const std::string& path, std::string* target, std::string* er
   return true;
 }
 
+// Note [An output never replaces an input]
+// `fragless-trace convert x.pickle x.pickle` or `fragless-replay --plot t.gp t.gp` would replace the file being
+// read, atomically and with its permission bits, so even a read-only input went: the input is lost and the
+// command says it succeeded. So an output whose target (links followed, as write_file follows them) is the
+// same file as an input (same device and inode, whatever the names) is refused before anything is read.
+bool output_spares_inputs(const std::string& path, const std::vector<std::string>& inputs, std::string* error) {
+  std::string target;
+  if (!output_target(path, &target, error)) return false;
+  struct stat out;
+  if (::stat(target.c_str(), &out) != 0) return true;  // a new file is nobody's input
+  for (const std::string& in : inputs) {
+    struct stat st;
+    if (::stat(in.c_str(), &st) == 0 && st.st_dev == out.st_dev && st.st_ino == out.st_ino) {
+      if (error)
+        *error = path + ": is the input " + in + (target == path || in == path ? "" : " (through a link)") +
+                 "; writing it would replace what is being read (name another file)";
+      return false;
+    }
+  }
+  return true;
+}
+
 bool write_file(const std::string& path, const std::string& bytes, std::string* error) {
   std::string target;
   if (!output_target(path, &target, error)) return false;

@@ -105,5 +105,8 @@ bool write_file(const std::string& path, const std::string& bytes, std::string* 
 // The file write_file would replace for `path` (symbolic links followed), or false with *error where it
 // would refuse.
 bool output_target(const std::string& path, std::string* target, std::string* error);
+// False with *error when writing `path` would replace one of `inputs` (Note [An output never replaces an
+// input], formats.cpp), or output_target refuses it.
+bool output_spares_inputs(const std::string& path, const std::vector<std::string>& inputs, std::string* error);
 
 }  // namespace fragless::formats

@@ -12,6 +12,7 @@
 #include <sstream>
 #include <thread>
 
+#include "replay.h"
 #include "trace_model.h"
 #include "workload.h"
 #include "zoo.h"
@@ -55,7 +56,7 @@ int usage(const char* msg) {
                "       fragless-replay --max-batch | --max-of KEY --capacity-gib N [options] workload:...\n"
                "  INPUT: a fragless native trace, PyTorch memory snapshot pickle or RMM log CSV (detected from\n"
                "         content), or workload:NAME[:key=value,...]\n"
-               "  --capacity-gib: the device's memory; without it the capacity is unlimited (1 TiB). An\n"
+               "  --capacity-gib: the device's memory, at most 1024; without it the capacity is unlimited (1 TiB). An\n"
                "         allocation that runs out of memory is a result, counted in the OOMs column and skipped\n"
                "  --plot: live/allocated/reserved over time per policy, drawn by gnuplot into a PNG (with --fit,\n"
                "         at each policy's fitted capacity; with --max-of, at its largest value); each point is the\n"
@@ -275,8 +276,11 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
     } else if (a == "--capacity-gib" && has_value) {
       char* end = nullptr;
       const double g = decimal(argv[++i]) ? std::strtod(argv[i], &end) : 0.0;
-      if ((end && *end) || !(g > 0) || g > 1e6)
-        return usage(("--capacity-gib needs a number of GiB greater than 0 and at most 1000000, not '" +
+      // At most the device that stands for unlimited memory (kUnlimitedCapacity, 1 TiB): the replay models every
+      // page of a device in host memory, and a larger one is no GPU's.
+      if ((end && *end) || !(g > 0) || g > static_cast<double>(kUnlimitedCapacity >> 30))
+        return usage(("--capacity-gib needs a number of GiB greater than 0 and at most " +
+                      std::to_string(kUnlimitedCapacity >> 30) + " (the replay's largest device), not '" +
                       std::string(argv[i]) + "'").c_str());
       cl.capacity = static_cast<std::uint64_t>(g * (1ull << 30));
       if (cl.capacity == 0)  // 0 is how the replay says "unlimited"
@@ -338,6 +342,11 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
   if (plot_given) {
     std::string err;
     if (!plot_path_ok(cl.plot, &err)) return usage(err.c_str());
+    // Note [An output never replaces an input]: the traces, and the files options read.
+    std::vector<std::string> read = cl.inputs;
+    for (const std::string* f : {&cl.seqlen_file, &cl.costs_file})
+      if (!f->empty()) read.push_back(*f);
+    if (!formats::output_spares_inputs(cl.plot, read, &err)) return usage(("--plot " + err).c_str());
   }
   if (!cl.plot.empty() && !plot_is_script(cl.plot) && std::system("command -v gnuplot >/dev/null 2>&1") != 0)
     return usage("--plot needs gnuplot on the PATH (Debian: apt-get install gnuplot-nox)");

@@ -1,6 +1,7 @@
 #include "costs.h"
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -20,17 +21,20 @@ constexpr std::pair<const char*, DriverCall> kSized[] = {
 };
 }  // namespace
 
-bool load_costs(const std::string& path, CostModel* out, std::string* error) {
+bool load_costs(const std::string& path, CostModel* out, std::string* error, std::string* unmeasured) {
   auto fail = [&](const std::string& why) {
     *error = "--costs " + path + ": " + why;
     return false;
   };
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) return fail("is a directory (expected the output of fragless-gpu-probe)");
   std::ifstream f(path);
   if (!f) return fail("cannot open the file");
   std::stringstream ss;
   ss << f.rdbuf();
   auto j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) return fail("not JSON (expected the output of fragless-gpu-probe)");
+  if (j.is_discarded()) return fail("not JSON (expected the output of fragless-gpu-probe)");
+  if (!j.is_object()) return fail("JSON, but not an object (expected the output of fragless-gpu-probe)");
   // The GPU check's report (gpu_check.json) carries the probe's output whole.
   if (j.value("schema", "") == "fragless-gpu-check/2") {
     if (!j.contains("probe") || !j["probe"].is_object()) return fail("a GPU check report without the probe's results");
@@ -56,9 +60,14 @@ bool load_costs(const std::string& path, CostModel* out, std::string* error) {
   constexpr double kMaxMedianUs = 1e7, kMaxHandleBytes = 1e15;
   CostModel m = CostModel::a100();
   int measured = 0;
+  std::string missing;  // the calls whose A100 figures stand
+  auto not_measured = [&](const std::string& what) { missing += (missing.empty() ? "" : ", ") + what; };
   for (const auto& [name, call] : kSized) {
     const auto c = costs->find(name);
-    if (c == costs->end() || !c->is_object()) continue;
+    if (c == costs->end() || !c->is_object() || c->empty()) {
+      not_measured(name);
+      continue;
+    }
     std::vector<std::pair<double, double>> pts;  // (MiB, median µs)
     for (const auto& [size, stat] : c->items()) {
       double mib = 0;
@@ -113,20 +122,27 @@ bool load_costs(const std::string& path, CostModel* out, std::string* error) {
     m.us[static_cast<int>(DriverCall::record_event)] = rq / 2;
     m.us[static_cast<int>(DriverCall::query_event)] = rq / 2;
     ++measured;
+  } else {
+    not_measured("event record and query");
   }
   if (median_of("stream_synchronize_idle_us", &sync)) {
     m.us[static_cast<int>(DriverCall::synchronize_stream)] = sync;
     m.us[static_cast<int>(DriverCall::synchronize_event)] = sync;
     ++measured;
+  } else {
+    not_measured("synchronisations");
   }
   double info = 0;
   if (median_of("mem_get_info_us", &info)) {  // probes before 2026-12-03 did not time it: the A100 model's stays
     m.us[static_cast<int>(DriverCall::memory_info)] = info;
     ++measured;
+  } else {
+    not_measured("cuMemGetInfo");
   }
   if (!bad.empty()) return fail(bad);
   if (measured == 0) return fail("the probe measured no call (costs_us is empty)");
   *out = m;
+  if (unmeasured) *unmeasured = missing;
   return true;
 }
 

@@ -104,7 +104,8 @@ FitResult fit_capacity(const formats::Trace& t, int device, PolicyKind policy, s
   }
   if (base.ooms) {
     out.error = where + ": runs out of memory even on " + gib_text(kUnlimitedCapacity) +
-                " (an allocation larger than any device): no capacity fits";
+                ", the largest device the replay models (--capacity-gib's most): the trace holds more than that at "
+                "once, so no capacity fits";
     return done(out);
   }
   out.peak_live = base.peak_live;

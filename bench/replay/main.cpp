@@ -84,7 +84,11 @@ int run(int argc, char** argv) {
   if (!cl.seqlen_file.empty() && !read_seqlen_file(cl.seqlen_file, &lengths, &err)) return fail(err);
   const std::vector<int>* seqlens = cl.seqlen_file.empty() ? nullptr : &lengths;
   CostModel costs;
-  if (!cl.costs_file.empty() && !load_costs(cl.costs_file, &costs, &err)) return fail(err);
+  std::string unmeasured;
+  if (!cl.costs_file.empty() && !load_costs(cl.costs_file, &costs, &err, &unmeasured)) return fail(err);
+  if (!unmeasured.empty())
+    print_error("note: --costs " + cl.costs_file + " has no measurement of " + unmeasured +
+                ": the A100 model's figures stand for them");
   ReplayOptions ro;
   if (!cl.costs_file.empty()) ro.costs = &costs;
   ro.capacity = cl.capacity;

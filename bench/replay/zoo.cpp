@@ -371,7 +371,7 @@ void fsdp(const std::map<std::string, double>& k, Emit& em) {
 
 // ---- Pipeline parallel, 1F1B: micro-batches of varying length in flight on one stage ----
 void pipeline(const std::map<std::string, double>& k, Emit& em) {
-  const int stages = I(k, "stages"), rank = std::min(I(k, "rank"), I(k, "stages") - 1), micro = I(k, "micro");
+  const int stages = I(k, "stages"), rank = I(k, "rank"), micro = I(k, "micro");  // rank < stages: checked
   const int layers = I(k, "layers"), steps = I(k, "steps");
   const u64 d = U(k, "d_model"), ff = U(k, "d_ff"), batch = U(k, "batch");
   constexpr u64 kComm = 5;
@@ -535,6 +535,15 @@ bool is_real_key(const std::string& key) {
   return false;
 }
 
+// A key's value as its help and errors write it: a whole number in full (a seed's range is [0, 1000000000000000],
+// as the parser takes it, not 1e+15), any other in the shortest form that reads back.
+std::string number_text(double x) {
+  char b[40];
+  if (x == std::floor(x) && std::fabs(x) < 9e15) std::snprintf(b, sizeof b, "%lld", static_cast<long long>(x));
+  else std::snprintf(b, sizeof b, "%.15g", x);
+  return b;
+}
+
 // The error for a key `gen` does not have, naming the keys it has.
 std::string unknown_key(const std::string& name, const Generator& gen, const std::string& key) {
   std::string names;
@@ -564,7 +573,8 @@ std::string zoo_help() {
     for (std::size_t i = 0; i < g.keys.size(); ++i) {
       const Key& key = g.keys[i];
       std::ostringstream v;
-      v << ' ' << key.name << '=' << key.def << " [" << key.lo << ", " << key.hi << ']' << (i + 1 < g.keys.size() ? "," : "");
+      v << ' ' << key.name << '=' << number_text(key.def) << " [" << number_text(key.lo) << ", " << number_text(key.hi)
+        << ']' << (i + 1 < g.keys.size() ? "," : "");
       if (col + v.str().size() > 110) {
         out += "\n     ";
         col = 5;
@@ -652,11 +662,17 @@ bool make_zoo_workload(const std::string& name, const std::string& options, form
     if (v.empty() || (end && *end) || !std::isfinite(x) || x < spec->lo || x > spec->hi) {
       std::ostringstream r;
       r << "workload " << name << ": " << key << "='" << v << "' is not " << (integral ? "an integer" : "a number")
-        << " in [" << spec->lo << ", " << spec->hi << "]";
+        << " in [" << number_text(spec->lo) << ", " << number_text(spec->hi) << "]";
       *error = r.str();
       return false;
     }
     values[key] = x;
+  }
+  // Keys bounded by another key's value.
+  if (name == "pipeline" && values["rank"] >= values["stages"]) {
+    *error = "workload pipeline: rank=" + number_text(values["rank"]) + " is not one of its stages=" +
+             number_text(values["stages"]) + " (rank counts stages from 0)";
+    return false;
   }
   *out = formats::Trace{};
   out->source = "workload:" + name + (options.empty() ? "" : ":" + options);

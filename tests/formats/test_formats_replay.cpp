@@ -578,9 +578,10 @@ TEST_CASE("pickle: differential test against CPython, protocols 2-5, random data
 // call; what it did not measure (a probe from before cuMemGetInfo was timed) keeps the model's.
 TEST_CASE("replay --costs: a probe's medians replace the model's and what it lacks keeps the model's", "[replay]") {
   const auto path = std::filesystem::temp_directory_path() / ("fragless-costs-" + std::to_string(getpid()) + ".json");
+  std::string unmeasured;
   auto load = [&](const std::string& text, CostModel* m, std::string* err) {
     std::ofstream(path) << text;
-    return replay::load_costs(path.string(), m, err);
+    return replay::load_costs(path.string(), m, err, &unmeasured);
   };
   const CostModel a100 = CostModel::a100();
   const auto at = [](const CostModel& m, DriverCall c) { return m.us[static_cast<int>(c)]; };
@@ -593,10 +594,18 @@ TEST_CASE("replay --costs: a probe's medians replace the model's and what it lac
   CHECK(m.per_mib[static_cast<int>(DriverCall::create)] == Approx(5));
   CHECK(at(m, DriverCall::memory_info) == Approx(3.5));
   CHECK(at(m, DriverCall::map) == at(a100, DriverCall::map));
+  // What stands from the A100 model is named, never left unsaid.
+  CHECK(unmeasured == "cuMemAddressReserve, cuMemAddressFree, cuMemRelease, cuMemMap, cuMemUnmap, cuMemSetAccess, "
+                      "event record and query, synchronisations");
   REQUIRE(load(head + "}", &m, &err));  // an older probe: no cuMemGetInfo timing
   CHECK(at(m, DriverCall::memory_info) == at(a100, DriverCall::memory_info));
+  CHECK(unmeasured.find(", cuMemGetInfo") != std::string::npos);
   CHECK_FALSE(load(R"({"schema":"fragless-gpu-probe/1","costs_us":{}})", &m, &err));
   CHECK(err.find("measured no call") != std::string::npos);
+  CHECK_FALSE(load("[]", &m, &err));
+  CHECK(err.find("JSON, but not an object") != std::string::npos);
+  CHECK_FALSE(replay::load_costs(std::filesystem::temp_directory_path().string(), &m, &err));
+  CHECK(err.find("is a directory") != std::string::npos);
   std::filesystem::remove(path);
 }
 

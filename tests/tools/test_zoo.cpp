@@ -65,6 +65,15 @@ void check_targets(const Outcome& o, const std::string& label) {
   CHECK(f.peak_reserved <= o.classic.peak_reserved);
 }
 
+// A pipeline draw's rank made one of its stages (the generator refuses rank >= stages), as the generator
+// once clamped it: the draws stay the workloads they were.
+std::string stage_of(std::string spec) {
+  const int stages = std::stoi(spec.substr(spec.find("stages=") + 7));
+  const std::size_t at = spec.find("rank=") + 5, end = spec.find(',', at);
+  const int rank = std::min(std::stoi(spec.substr(at, end - at)), stages - 1);
+  return spec.replace(at, end - at, std::to_string(rank));
+}
+
 }  // namespace
 
 TEST_CASE("zoo: every generator at its defaults meets the fragless targets", "[zoo]") {
@@ -95,8 +104,8 @@ TEST_CASE("zoo: random parameters for every generator (property test)", "[zoo][s
                         ",block=" + std::to_string(pick({1, 16, 64})) + ",steps=" + std::to_string(pick({100, 300}))},
         {"fsdp", "layers=" + std::to_string(pick({4, 12, 24})) + ",d_model=" + std::to_string(pick({1024, 2048, 4096})) +
                      ",world=" + std::to_string(pick({2, 8, 64})) + ",batch=" + std::to_string(pick({1, 4, 8}))},
-        {"pipeline", "stages=" + std::to_string(pick({2, 4, 8})) + ",rank=" + std::to_string(pick({0, 1, 3})) +
-                         ",micro=" + std::to_string(pick({4, 8, 16})) + ",d_model=" + std::to_string(pick({1024, 4096}))},
+        {"pipeline", stage_of(("stages=" + std::to_string(pick({2, 4, 8})) + ",rank=" + std::to_string(pick({0, 1, 3})) +
+                               ",micro=" + std::to_string(pick({4, 8, 16})) + ",d_model=" + std::to_string(pick({1024, 4096}))))},
         {"random", "min_bytes=" + std::to_string(pick({256, 512, 4096})) + ",lifetime=" +
                        std::to_string(pick({5, 40, 400})) + ",streams=" + std::to_string(pick({1, 2, 4})) +
                        ",live_gib=" + std::to_string(pick({1, 4, 16})) + ",ops=2000"},

@@ -94,6 +94,17 @@ cut -d, -f3- "$work/back.csv" | tail -n +2 >"$work/rows.got"
 check "round trip keeps every row" diff "$work/rows.want" "$work/rows.got"
 check_output "info names the format" "format native" "$bin/fragless-trace" info "$work/o.fgt"
 check_output "summary --json has the peak" '"peak_live_bytes":201326592' "$bin/fragless-trace" summary --json "$work/o.pickle"
+check_count "summary --json --points 1: one point, the peak's" '"live_bytes":201326592' 1 \
+  "$bin/fragless-trace" summary --json --points 1 "$work/o.pickle"
+check_count "... and at most N points" '"event":' 2 "$bin/fragless-trace" summary --json --points 2 "$work/o.pickle"
+check_error "summary --points without --json is refused (the text has no curve)" "add --json" \
+  "$bin/fragless-trace" summary --points 5 "$work/o.pickle"
+check_error "summary --points in hex is refused" "'0x10' is not a number of points" \
+  "$bin/fragless-trace" summary --json --points 0x10 "$work/o.pickle"
+check_error "convert --device past what a trace holds" "'4096' is not a device index (an integer from 0 to 4095)" \
+  "$bin/fragless-trace" convert --device 4096 "$work/o.pickle" "$work/d.csv"
+check_error "a missing argument is said as the tool's other errors are" "fragless-trace: file is required" \
+  "$bin/fragless-trace" summary
 check_output "classic reserves 192 MiB on the RMM log" '"policy":"classic".*"peak_reserved_bytes":201326592' \
   "$bin/fragless-replay" --policy classic --json "$work/oracle.csv"
 check_output "the same from the converted snapshot" '"peak_reserved_bytes":201326592' \
@@ -181,6 +192,22 @@ ln -s plot-target.gp "$work/plot-link.gp"
 check "--plot FILE.gp through a symbolic link writes its target" "$bin/fragless-replay" --plot "$work/plot-link.gp" "$work/oracle.csv"
 check "... which is a link still, to the script" sh -c 'test -L "$0" && grep -q "set multiplot" "$1"' \
   "$work/plot-link.gp" "$work/plot-target.gp"
+# Note [An output never replaces an input]: not by its own name, nor through a link, read-only or not.
+cp "$work/oracle.csv" "$work/self.csv"
+chmod 444 "$work/self.csv"
+check_error "convert onto its own input is refused" "self.csv: is the input $work/self.csv; writing it would replace" \
+  "$bin/fragless-trace" convert "$work/self.csv" "$work/self.csv"
+ln -s self.csv "$work/self-link.fgt"
+check_error "... and through a link to it" "self-link.fgt: is the input $work/self.csv (through a link)" \
+  "$bin/fragless-trace" convert "$work/self.csv" "$work/self-link.fgt"
+cp "$work/self.csv" "$work/self.gp"
+check_error "--plot onto a trace it replays is refused" "--plot $work/self.gp: is the input $work/self.gp" \
+  "$bin/fragless-replay" --plot "$work/self.gp" "$work/self.gp"
+ln -s self.csv "$work/self-link.gp"
+check_error "... and through a link to it" "is the input $work/self.csv (through a link)" \
+  "$bin/fragless-replay" --plot "$work/self-link.gp" "$work/self.csv"
+check "... every input still as it was" cmp -s "$work/oracle.csv" "$work/self.csv"
+check "... and the copy too" cmp -s "$work/oracle.csv" "$work/self.gp"
 # What a tool prints on stdout and could not write is an error (exit 2), not a cut answer with status 0:
 # a file size limit (SIGXFSZ ignored, so the write fails with EFBIG), and a closed stdout.
 limited() { (trap '' XFSZ; ulimit -f 1; "$@" >"$work/limited.out"); }
@@ -314,7 +341,7 @@ printf 'Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x10,5,0\n1,1,alloc
 check_error "RMM log: an address allocated twice names file, line and address" \
   "twice.csv:4: address 0x10 allocated again without a free (allocated at line 2)" "$bin/fragless-trace" info "$work/twice.csv"
 # fragless-trace: a bad --device and an unknown command are said plainly.
-check_error "--device x: a device index, an integer" "'x' is not a device index (an integer from 0 to 65535)" \
+check_error "--device x: a device index, an integer" "'x' is not a device index (an integer from 0 to 4095)" \
   "$bin/fragless-trace" convert --device x "$work/o.fgt" "$work/x.csv"
 check_error "an unknown command is named" "unknown command 'frobnicate' (commands: info, convert, summary" \
   "$bin/fragless-trace" frobnicate "$work/o.fgt"
@@ -323,9 +350,9 @@ check_error "convert --device N of a device the trace lacks names the ones it ha
 check_error "convert --device with a target that holds every device" "--device chooses the device of an RMM log" \
   "$bin/fragless-trace" convert --device 0 "$work/o.fgt" "$work/x.pickle"
 # Replay options: the range of --capacity-gib, a --plot into a folder that is not there, gnuplot's exit code.
-check_error "--capacity-gib out of range names the range" "greater than 0 and at most 1000000, not '1e30'" \
+check_error "--capacity-gib out of range names the range" "greater than 0 and at most 1024 (the replay's largest device), not '1e30'" \
   "$bin/fragless-replay" --capacity-gib 1e30 "$work/o.fgt"
-check_error "--capacity-gib in hex is refused, not read as 16" "greater than 0 and at most 1000000, not '0x10'" \
+check_error "--capacity-gib in hex is refused, not read as 16" "greater than 0 and at most 1024 (the replay's largest device), not '0x10'" \
   "$bin/fragless-replay" --capacity-gib 0x10 "$work/o.fgt"
 check_error "--fit-step of nan is refused" "--fit-step needs a number of GiB" "$bin/fragless-replay" --fit --fit-step nan "$work/o.fgt"
 check_error "--plot into a missing folder names the folder" "the folder $work/none/deeper does not exist" \
@@ -416,7 +443,7 @@ check_output "--max-of: the largest value a workload accepts is an answer when i
   "$bin/fragless-replay" --policy classic --max-of live_gib --capacity-gib 100 "workload:random:ops=50,steps=1"
 check_output "... marked as such" "except the 1 marked '\*': the largest value the workload accepts" \
   "$bin/fragless-replay" --policy classic --max-of live_gib --capacity-gib 100 "workload:random:ops=50,steps=1"
-check_error "a zoo workload's seed past 1e15" "seed='1000000000000001' is not an integer in [0, 1e+15]" \
+check_error "a zoo workload's seed past 1e15" "seed='1000000000000001' is not an integer in [0, 1000000000000000]" \
   "$bin/fragless-replay" --policy classic "workload:random:ops=10,steps=1,seed=1000000000000001"
 check_output "--help exits 0 and documents --fit" "--fit" "$bin/fragless-replay" --help
 # Every program in the build's bin/ answers --help with its usage on stdout and exit 0 (Google Benchmark's
@@ -460,6 +487,15 @@ for key in layers d_model heads d_ff vocab batch steps max_seq ckpt dropout accu
     "$bin/fragless-replay" "workload:transformer-train:$key=nonsense"
 done
 check_error "a zoo key's error gives its range" "levels='99' is not an integer in [1, 8]" "$bin/fragless-replay" "workload:unet2d:levels=99"
+check_error "a pipeline's rank is one of its stages" "rank=3 is not one of its stages=2 (rank counts stages from 0)" \
+  "$bin/fragless-replay" "workload:pipeline:stages=2,rank=3"
+check_output "the zoo's help writes a seed's range as the parser takes it" "seed=1 \[0, 1000000000000000\]" \
+  "$bin/fragless-replay" --help
+check_error "--capacity-gib past the replay's largest device" "at most 1024 (the replay's largest device), not '1025'" \
+  "$bin/fragless-replay" --capacity-gib 1025 "$small"
+printf 'Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.000001,allocate,0x1000,2199023255552,0\n1,10:00:00.000002,free,0x1000,2199023255552,0\n' >"$work/2tib.csv"
+check_exit 0 "an allocation past the unlimited device is a warning, naming it" "1 allocation failed on 1024 GiB, the largest device the replay models" \
+  "$bin/fragless-replay" --policy fragless "$work/2tib.csv"
 # The table ends with a legend of its columns; info and the replay say what their event counts count.
 check "the replay's table" "$bin/fragless-replay" "$work/o.fgt"
 tail -n 1 "$work/out" >"$work/last"  # read before check's run truncates $work/out (a process substitution raced it)
