@@ -80,6 +80,14 @@ std::string value_of(const std::string& key, const Options& o) {
 }  // namespace
 
 int run(int argc, char** argv) {
+  // --table and --help take nothing with them, and stand alone: a word beside them would otherwise be ignored.
+  for (int i = 1; i < argc; ++i)
+    for (const char* alone : {"--table", "--help", "-h"})
+      if (std::strcmp(argv[i], alone) == 0 && argc > 2) {
+        std::fprintf(stderr, "fragless-config: %s takes nothing else (got %d arguments): give it alone, or a "
+                     "configuration string alone\n", alone, argc - 1);
+        return 2;
+      }
   if (argc > 1 && std::strcmp(argv[1], "--table") == 0) {
     std::printf("| key | type | default | meaning |\n|---|---|---|---|\n");
     for (const auto& o : option_table())

@@ -43,6 +43,8 @@ std::string event_out_of_bounds(const Event& e) {
   constexpr std::uint64_t kSizeLimit = std::uint64_t{1} << 63;
   if (e.device < 0 || e.device >= kMaxDevices)
     return "device " + std::to_string(e.device) + " is outside [0, " + std::to_string(kMaxDevices) + ")";
+  if (e.time_us != -1 && (e.time_us < 0 || e.time_us > kMaxTimeUs))
+    return "time " + std::to_string(e.time_us) + " µs is outside [0, " + std::to_string(kMaxTimeUs) + "] (2^64 ns)";
   // A request that failed is a record of what was asked and is never placed: any size (an absurd one, from an
   // underflow, is what fails), and its address says nothing about memory (a snapshot's holds the free bytes).
   if (e.op == Op::oom) return {};

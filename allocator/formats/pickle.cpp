@@ -62,6 +62,7 @@ class Unpickler {
     arena_ = r.arena.get();
     try {
       r.value = loop();
+      r.end = pos_;
     } catch (const Error& e) {
       r.value = nullptr;
       r.error = e.what;
@@ -343,7 +344,13 @@ class Unpickler {
           if (v > 5) fail("unsupported pickle protocol " + std::to_string(v) + " (this reader knows 0 to 5)");
           break;
         }
-        case 0x95: le(8); break;                                                 // FRAME (length is advisory)
+        case 0x95: {  // FRAME: the next frame's length, which Python's unpickler reads whole (else "pickle exhausted")
+          const std::uint64_t n = le(8);
+          if (n > d_.size() - pos_)
+            fail("a frame of " + std::to_string(n) + " bytes, past the end of the input (" + std::to_string(d_.size() - pos_) +
+                 " bytes left: a truncated or corrupt file)");
+          break;
+        }
         case '.': {                                                              // STOP
           auto v = pop();
           if (!stack_.empty() || !marks_.empty()) fail("STOP with items left on the stack");

@@ -66,6 +66,7 @@ struct PickleArena {
 struct PickleResult {
   PyRef value;        // null on error
   std::string error;  // names the problem and the byte offset
+  std::size_t end = 0;  // bytes read through STOP (what follows is not the pickle's, as for Python's pickle.load)
   std::shared_ptr<PickleArena> arena = std::make_shared<PickleArena>();  // declared last: destroyed first
 };
 

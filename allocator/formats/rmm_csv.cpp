@@ -124,7 +124,7 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
   const bool has_stream = col.count("Stream"), has_time = col.count("Time"), has_thread = col.count("Thread");
   Trace& t = r.trace;
   t.source = name;
-  std::map<std::uint64_t, std::size_t> live;  // address -> the line that allocated it
+  std::map<std::uint64_t, std::pair<std::size_t, std::uint64_t>> live;  // address -> the line that allocated it, size
   // Note [Times of day in an RMM log]: the clock's days passed, the latest time read and its line.
   std::int64_t days_us = 0, latest = -1;
   std::size_t latest_line = 0, timed = 0, untimed = 0;
@@ -170,9 +170,12 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
         }
       }
       if (e.time_us >= 0 && latest >= 0 && e.time_us + kOutOfOrderUs < latest)
-        return fail("time " + when + " is " + std::to_string((latest - e.time_us) / 1000000) +
-                    " s before line " + std::to_string(latest_line) + "'s (a clock set back? RMM logs the local time " +
-                    "of day); rows may be out of order by at most 1 s");
+      {
+        char back[48];
+        std::snprintf(back, sizeof back, "%.6f", static_cast<double>(latest - e.time_us) / 1e6);
+        return fail("time " + when + " is " + back + " s before line " + std::to_string(latest_line) +
+                    "'s (a clock set back? RMM logs the local time of day); rows may be out of order by at most 1 s");
+      }
       if (e.time_us > latest) {
         latest = e.time_us;
         latest_line = lineno;
@@ -189,11 +192,19 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
     } else if (e.op == Op::alloc) {
       // As the native reader: a log records every call, so a second allocate of a live address means the
       // log is corrupt (or rows were lost), and replaying it would hold memory the program never held.
-      if (const auto [it, inserted] = live.emplace(e.address, lineno); !inserted)
+      if (const auto [it, inserted] = live.try_emplace(e.address, lineno, e.size); !inserted)
         return fail("address " + address + " allocated again without a free (allocated at line " +
-                    std::to_string(it->second) + ")");
-    } else if (!live.erase(e.address)) {
+                    std::to_string(it->second.first) + ")");
+    } else if (const auto it = live.find(e.address); it == live.end()) {
       return fail("free of address " + address + " that was never allocated in this log");
+    } else if (e.size != 0 && it->second.second != e.size) {
+      // RMM's deallocate takes the size the allocation asked for: another size is a corrupt row, or a program
+      // freeing what it did not allocate. (0, as hand-written logs put it, says no size.)
+      return fail("free of address " + address + " with size " + std::to_string(e.size) + ", but line " +
+                  std::to_string(it->second.first) + " allocated it with size " + std::to_string(it->second.second) +
+                  " (RMM frees with the allocation's size)");
+    } else {
+      live.erase(it);
     }
     t.events.push_back(e);
   }

@@ -25,7 +25,9 @@
 //    that there is nothing to replay and how to record a trace. Actions of a newer PyTorch are skipped, and
 //    a warning names them.
 #include <algorithm>
+#include <cinttypes>
 #include <cstdint>
+#include <cstdio>
 #include <map>
 #include <set>
 #include <tuple>
@@ -223,6 +225,7 @@ void read_trace(const PyValue& list, std::size_t dev, const std::string& where, 
   const bool requested_frees = any_requested && !any_completed;
   std::size_t taken = 0, reallocated = 0;
   std::set<std::uint64_t> allocated_in_window;
+  std::map<std::uint64_t, std::string> freed_in_window;  // address -> the entry that freed it, until reallocated
   std::size_t index = 0;
   for (const auto& ep : list.items) {
     const PyValue& e = *ep;
@@ -253,6 +256,8 @@ void read_trace(const PyValue& list, std::size_t dev, const std::string& where, 
       ev.address = need(e, "addr", Int::address, aw);
     if (const PyValue* tu = field(e, "time_us")) {
       if (tu->type != PyValue::Type::integer) bad(aw + ": 'time_us' is " + std::string(type_name(*tu)) + ", not an int");
+      if (tu->wide || tu->i < 0 || tu->i > kMaxTimeUs)
+        bad(aw + ": 'time_us' is " + tu->int_text() + ", outside [0, " + std::to_string(kMaxTimeUs) + "] (2^64 ns)");
       ev.time_us = tu->as_int();
       t.has_time = true;
     }
@@ -262,17 +267,26 @@ void read_trace(const PyValue& list, std::size_t dev, const std::string& where, 
     if (action == "alloc") {
       ev.op = Op::alloc;
       reallocated += !null && !allocated_in_window.insert(ev.address).second;
+      freed_in_window.erase(ev.address);
       ++c.allocs;
     } else if (action == "free_completed" || (action == "free_requested" && requested_frees)) {
       ev.op = Op::free;
       ++c.frees;
       taken += action == "free_requested";
-      if (!null && !allocated_in_window.count(ev.address)) {  // allocated before the window: seed it
-        Event s = ev;
+      if (!null && !allocated_in_window.count(ev.address)) {
+        // A block the window freed and has not allocated again: the entries free it twice. (A window loses only
+        // its oldest entries, and skip_actions a whole kind, so no lost entry explains a second free.)
+        if (const auto was = freed_in_window.find(ev.address); was != freed_in_window.end()) {
+          char a[24];
+          std::snprintf(a, sizeof a, "0x%" PRIx64, ev.address);
+          bad(aw + ": a second free of " + a + ", which " + was->second + " freed with no allocation there since");
+        }
+        Event s = ev;  // allocated before the window: seed it
         s.op = Op::alloc;
         t.seed.push_back(s);
       }
       allocated_in_window.erase(ev.address);
+      if (!null) freed_in_window[ev.address] = ew;
     } else if (action == "free_requested") {
       ev.op = Op::free_requested;
     } else if (action == "segment_alloc" || action == "segment_map") {
@@ -503,7 +517,11 @@ LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string
     return r;
   }
   try {
-    return import(*pr.value, name, bytes.size());
+    LoadResult loaded = import(*pr.value, name, bytes.size());
+    if (loaded.ok && pr.end < bytes.size())  // Python's pickle.load stops at STOP too; said, not passed over
+      loaded.warning += (loaded.warning.empty() ? name + ": " : std::string("; ")) + std::to_string(bytes.size() - pr.end) +
+                        " bytes after the pickle's end (byte " + std::to_string(pr.end) + ") are not read";
+    return loaded;
   } catch (const Bad& b) {
     r.error = name + ": " + b.what;
     return r;

@@ -31,10 +31,12 @@ struct Event {
 // Note [One set of bounds for every format]
 // What any reader accepts of an event, so a trace one format holds converts to every other and reads back:
 // sizes (requested and block) in [0, 2^63) (PyTorch's snapshots hold int64), an address whose block ends by
-// 2^64 (address + size does not wrap), a device index below kMaxDevices; a failed allocation (oom) is not
+// 2^64 (address + size does not wrap), a device index below kMaxDevices, a time (when there is one) in
+// [0, kMaxTimeUs], what a native trace's nanoseconds hold; a failed allocation's size and address are not
 // checked (its size is whatever was asked for). Empty when `e` is within them, else what is outside, naming
 // the field.
 inline constexpr int kMaxDevices = 4096;
+inline constexpr std::int64_t kMaxTimeUs = static_cast<std::int64_t>(UINT64_MAX / 1000);  // 2^64 ns, in µs
 std::string event_out_of_bounds(const struct Event& e);
 
 struct Trace {

@@ -247,13 +247,14 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
       char* end = nullptr;
       const double g = decimal(argv[++i]) ? std::strtod(argv[i], &end) : 0.0;
       if ((end && *end) || !(g >= 1.0 / 1024) || g > 1024)
-        return usage("--fit-step needs a number of GiB in [1/1024, 1024]");
+        return usage(("--fit-step needs a number of GiB in [1/1024, 1024], not '" + std::string(argv[i]) + "'").c_str());
       cl.fit_step = static_cast<std::uint64_t>(g * (1ull << 30));
       fit_step_given = true;
     } else if (a == "--jobs" && has_value) {
-      char* end = nullptr;
-      const long n = std::strtol(argv[++i], &end, 10);
-      if (*end || n < 1 || n > 1024) return usage("--jobs needs a number in [1, 1024]");
+      const std::string v = argv[++i];
+      const long n = !v.empty() && v.size() <= 4 && v.find_first_not_of("0123456789") == std::string::npos
+                         ? std::strtol(v.c_str(), nullptr, 10) : 0;
+      if (n < 1 || n > 1024) return usage(("--jobs needs a whole number in [1, 1024], not '" + v + "'").c_str());
       cl.jobs = static_cast<unsigned>(n);
     } else if (a == "--policy" && has_value) {
       cl.policies.clear();

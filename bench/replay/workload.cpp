@@ -576,6 +576,7 @@ bool read_seqlen_file(const std::string& path, std::vector<int>* out, std::strin
     *error = path + ": is empty (expected a CSV header naming a sequence-length column)";
     return false;
   }
+  if (line.rfind("\xEF\xBB\xBF", 0) == 0) line.erase(0, 3);  // a UTF-8 byte-order mark (spreadsheets write one)
   const auto header = split(line);
   auto col = [&](const char* name) -> int {
     for (std::size_t i = 0; i < header.size(); ++i)

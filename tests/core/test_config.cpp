@@ -182,6 +182,11 @@ TEST_CASE("config: every bad input names the key, the value and the accepted for
   CHECK(bad("roundup_power2_divisions:[64:3]").find("'3'") != std::string::npos);
   CHECK(bad("roundup_power2_divisions:[63:2]").find("'63'") != std::string::npos);
   CHECK(bad("roundup_power2_divisions:[64:2").find("missing ']'") != std::string::npos);
+  // An interval, or '>', given twice: the first value would be ignored (PyTorch keeps the last).
+  CHECK(bad("roundup_power2_divisions:[64:4,64:8]").find("'64'") != std::string::npos);
+  CHECK(bad("roundup_power2_divisions:[64:4,64:8]").find("each interval once") != std::string::npos);
+  CHECK(bad("roundup_power2_divisions:[32768:4,65536:8]").find("'65536'") != std::string::npos);  // one interval
+  CHECK(bad("roundup_power2_divisions:[1:4,>:8,>:2]").find("'>' once") != std::string::npos);
   CHECK(bad("policy").find("expected ':'") != std::string::npos);
   CHECK(bad("policy:").find("no value") != std::string::npos);
   CHECK(bad("policy:classic:expandable").find("expected ','") != std::string::npos);

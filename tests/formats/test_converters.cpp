@@ -153,7 +153,7 @@ TEST_CASE("RMM logs: rows a little out of order are kept, a clock set back is re
   auto back = rmm("1,10:00:00.000000,allocate,0x1000,512,0\n"
                   "1,09:00:00.000000,free,0x1000,512,0\n");
   CHECK_FALSE(back.ok);
-  CHECK(back.error == "log.csv:3: time 09:00:00.000000 is 3600 s before line 2's (a clock set back? RMM logs the "
+  CHECK(back.error == "log.csv:3: time 09:00:00.000000 is 3600.000000 s before line 2's (a clock set back? RMM logs the "
                       "local time of day); rows may be out of order by at most 1 s");
   auto mixed = rmm("1,10:00:00.000000,allocate,0x1000,512,0\n"
                    "1,,free,0x1000,512,0\n");

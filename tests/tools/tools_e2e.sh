@@ -322,6 +322,9 @@ check_output "... with the policy it agrees with, it runs" " classic " "$bin/fra
 check_error "bad --conf value" "bad value '7' for key 'reserve_slack'" "$bin/fragless-replay" --conf reserve_slack:7 "$work/o.fgt"
 check_error "a bad --conf names --conf, not the environment variable" "fragless-replay: --conf: unknown key 'polcy'" \
   "$bin/fragless-replay" --conf polcy:x "$work/o.fgt"
+check_error "fragless-config --table with something beside it" "fragless-config: --table takes nothing else" \
+  "$bin/fragless-config" --table x
+check_error "... before it too" "fragless-config: --table takes nothing else" "$bin/fragless-config" policy:classic --table
 check_error "fragless-config STRING names itself, not the environment variable" "fragless-config: unknown key 'polcy'" \
   "$bin/fragless-config" polcy:x
 check_error "... and FRAGLESS_CONF when the string came from there" "FRAGLESS_CONF: unknown key 'polcy'" \
@@ -413,6 +416,11 @@ check_error "--fit-step without --fit" "--fit-step applies to --fit" "$bin/fragl
 check_error "--peak-detail with --fit" "--peak-detail describes one replay" "$bin/fragless-replay" --fit --peak-detail "$small"
 check_error "--plot-x with a bad axis" "expected time, event or auto" "$bin/fragless-replay" --plot-x days "$small"
 check_error "--fit-step too fine" "--fit-step needs" "$bin/fragless-replay" --fit --fit-step 0 "$small"
+check_error "--jobs names the value it refuses" "--jobs needs a whole number in [1, 1024], not '+2'" \
+  "$bin/fragless-replay" --jobs +2 "$small"
+printf '\xef\xbb\xbfseqlen\n100\n2000\n' >"$work/bom.csv"
+check "--seqlen-file with a byte-order mark (as spreadsheets write)" "$bin/fragless-replay" --seqlen-file "$work/bom.csv" \
+  "workload:transformer-train:steps=2,layers=2"
 check_exit 1 "a capacity too small for the smallest batch" "does not fit at its smallest batch=1" \
   "$bin/fragless-replay" --max-batch --capacity-gib 0.01 "$small"
 # The line under the table says how the answers were checked only of the answers found.
@@ -583,4 +591,37 @@ check "converted back to a snapshot" "$bin/fragless-trace" convert "$work/pre.fg
 cp "$work/err" "$work/pre.err"
 check "... saying that cache is not kept" \
   grep -qE "not kept in .*pre2\.pickle: the 1 segment \(20 MiB\) the allocator held when the window began" "$work/pre.err"
+# A snapshot whose entries free a block twice, and one whose times are not times: the same error from every
+# tool, at once, naming the entry.
+cat >"$work/twice.py" <<'PY'
+import pickle, sys
+MiB, A = 1 << 20, 0x7f0000000000
+e = lambda action, t: {"action": action, "addr": A, "size": 8 * MiB, "stream": 0, "time_us": t}
+traces = {"twice": [e("alloc", 1), e("free_requested", 2), e("free_completed", 3), e("free_completed", 4)],
+          "negative": [e("alloc", -10), e("free_completed", 3)],
+          "huge": [e("alloc", 1), e("free_completed", 2 ** 63 + 5)]}
+for name, trace in traces.items():
+    pickle.dump({"segments": [], "device_traces": [trace]}, open(sys.argv[1] + name + ".pickle", "wb"), protocol=4)
+good = pickle.dumps({"segments": [], "device_traces": [[e("alloc", 1), e("free_completed", 2)]]}, protocol=4)
+open(sys.argv[1] + "trailing.pickle", "wb").write(good + good)
+assert good[2] == 0x95  # FRAME, then its 8-byte length
+open(sys.argv[1] + "frame.pickle", "wb").write(good[:3] + (2 ** 63).to_bytes(8, "little") + good[11:])
+PY
+check "snapshots with bad entries" python3 "$work/twice.py" "$work/bad-"
+for tool in "fragless-trace info" "fragless-trace summary" "fragless-replay"; do
+  check_error "$tool: a second free of a block the window freed" \
+    "device_traces[0][3] ('free_completed'): a second free of 0x7f0000000000, which device_traces[0][2] freed" \
+    $bin/$tool "$work/bad-twice.pickle"
+done
+check_error "a negative time is refused, naming the entry" "device_traces[0][0] ('alloc'): 'time_us' is -10, outside [0," \
+  "$bin/fragless-trace" info "$work/bad-negative.pickle"
+check_error "... and one past what a native trace holds" "'time_us' is 9223372036854775813, outside [0, 18446744073709551]" \
+  "$bin/fragless-trace" info "$work/bad-huge.pickle"
+check_exit 0 "bytes after a snapshot's pickle are named, not passed over" "bytes after the pickle's end (byte" \
+  "$bin/fragless-trace" info "$work/bad-trailing.pickle"
+check_error "a frame past the end of the file" "a frame of 9223372036854775808 bytes, past the end of the input" \
+  "$bin/fragless-trace" info "$work/bad-frame.pickle"
+printf 'Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.000001,allocate,0x1000,1024,0\n1,10:00:00.000002,free,0x1000,2048,0\n' >"$work/size.csv"
+check_error "an RMM free of another size than its allocation's" \
+  "free of address 0x1000 with size 2048, but line 2 allocated it with size 1024" "$bin/fragless-trace" info "$work/size.csv"
 finish

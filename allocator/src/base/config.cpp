@@ -1,6 +1,7 @@
 #include "fragless/config.h"
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <bit>
 #include <cerrno>
@@ -443,8 +444,11 @@ class Parser {
     // As PyTorch's parser (c10/core/AllocatorConfig.cpp, parseRoundUpPower2Divisions): '>' fills the
     // intervals after the last one named, counting from interval 0 when none was (so interval 0, requests
     // under 2 MiB, keeps 0); the first size named also fills the intervals below it, even after a '>'.
-    bool first = true;
+    // An interval named twice (or '>' twice) is refused, as a key given twice is: PyTorch keeps the last,
+    // and the first would be ignored without a word.
+    bool first = true, greater = false;
     int last_index = 0;
+    std::array<bool, kRoundUpPowerOfTwoIntervals> named{};
     while (i_ < toks_.size() && toks_[i_] != "]") {
       const std::string k = toks_[i_++];
       if (i_ + 1 >= toks_.size() || toks_[i_] != ":")
@@ -455,12 +459,18 @@ class Parser {
       if (!parse_uint(vtok, &v) || (v != 0 && !std::has_single_bit(v)))
         return err(bad_value(key, vtok, "divisions that are 0 or a power of two"));
       if (k == ">") {
+        if (greater) return err(bad_value(key, k, "'>' once (it sets every interval after the last one named)"));
+        greater = true;
         for (int j = last_index + 1; j < kRoundUpPowerOfTwoIntervals; ++j) table[static_cast<std::size_t>(j)] = v;
       } else {
         std::size_t mb = 0;
         if (!parse_uint(k, &mb) || !std::has_single_bit(mb))
           return err(bad_value(key, k, "interval starts in MB that are powers of two"));
         const int index = std::min<int>(std::bit_width(mb) - 1, kRoundUpPowerOfTwoIntervals - 1);
+        if (named[static_cast<std::size_t>(index)])
+          return err(bad_value(key, k, "each interval once (K names sizes from K to 2K MB; from 32768 MB on, one "
+                                       "interval)"));
+        named[static_cast<std::size_t>(index)] = true;
         if (first)
           for (int j = 0; j < index; ++j) table[static_cast<std::size_t>(j)] = v;
         first = false;
