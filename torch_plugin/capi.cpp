@@ -101,6 +101,17 @@ class DeviceSink final : public EventSink {
   void on_event(const TraceEvent& e) override {
     if (tracer_) tracer_->on_event(e);
     if (!on_.load(std::memory_order_relaxed)) return;  // no history (set_history's fields are read under mu_)
+    // Note [The history counts snapshot entries]: the ring keeps the last max_entries entries as a snapshot
+    // shows them, as PyTorch's does: events a snapshot has no entry for (physical handles, empty_cache, a
+    // native trace's state records) take no place in it, and a free that completes at once is its two entries.
+    switch (e.action) {
+      case TraceAction::phys_create:
+      case TraceAction::phys_release:
+      case TraceAction::empty_cache:
+      case TraceAction::block_present:
+      case TraceAction::segment_present: return;
+      default: break;
+    }
     const bool alloc = e.action == TraceAction::alloc;
     const bool freed = e.action == TraceAction::free || e.action == TraceAction::free_completed;
     const bool free_call = freed || e.action == TraceAction::free_requested;
@@ -128,6 +139,11 @@ class DeviceSink final : public EventSink {
       } else if (!r.stack && segment_gone) {
         if (auto it = segment_stacks_.find(e.address); it != segment_stacks_.end()) r.stack = it->second;
       }
+    }
+    if (e.action == TraceAction::free) {
+      r.h.action = TraceAction::free_requested;
+      ring_.push_back(r);
+      r.h.action = TraceAction::free_completed;
     }
     ring_.push_back(std::move(r));
     while (ring_.size() > max_entries_) ring_.pop_front();
@@ -623,6 +639,14 @@ void fragless_free(void* ptr, size_t, int device, cudaStream_t) {
 
 void fragless_init(int device_count) {
   guard("fragless_init", [&] {
+    // After an earlier call made the allocator (for the driver's devices), a count that differs changes nothing:
+    // said, so that a caller expecting other devices learns it here and not at its first call for one.
+    if (Allocator* a = proc().ready.load(std::memory_order_acquire); a && device_count > 0) {
+      if (device_count != a->device_count())
+        set_errorf("fragless: fragless_init(%d) after an earlier fragless call made the allocator for %d device(s): "
+                   "the count stays %d", device_count, a->device_count(), a->device_count());
+      return;
+    }
     if (device_count > 0 && !device_count_allowed(device_count)) return report_error();
     get(device_count > 0 ? device_count : -1);
   });
@@ -643,7 +667,7 @@ void fragless_set_memory_fraction(double fraction, int device) {
   guard("fragless_set_memory_fraction", [&] {
     if (DeviceEngine* e = engine(device)) {
       if (e->set_memory_fraction(fraction) != Status::ok)
-        set_error("fragless: memory fraction " + std::to_string(fraction) + " is not in [0, 1]");
+        set_errorf("fragless: memory fraction %.17g is not in [0, 1]", fraction);
       else
         proc().sinks[static_cast<std::size_t>(device)]->fraction.store(fraction, std::memory_order_relaxed);
     }
@@ -666,7 +690,14 @@ double fragless_get_memory_fraction(int device) {
 void* fragless_get_base_allocation(void* ptr, size_t* size) {
   return guarded("fragless_get_base_allocation", ptr, [&] {
     DeviceEngine* e = owner(ptr);
-    return e ? e->base_allocation(ptr, size) : ptr;
+    if (void* base = e ? e->base_allocation(ptr, size) : nullptr) return base;
+    // PyTorch's own allocator refuses such a pointer ("invalid device pointer"); the pluggable path has no way to
+    // throw, so the pointer itself comes back as before, with no size, and the last error says why.
+    if (size) *size = 0;
+    set_errorf("fragless: get_base_allocation of pointer %p, which is not an allocation fragless made and has not "
+               "freed (an allocation's own pointer is needed, not one inside it); the pointer itself is returned, "
+               "size 0", ptr);
+    return ptr;
   });
 }
 
@@ -907,6 +938,13 @@ void record_history(size_t max_entries, int context, int stacks, bool clear) {
 }
 
 bool stacks_valid(int stacks) { return (stacks & ~(stacks::python | stacks::cpp)) == 0; }
+// A context that asks for frames with stacks 0 would record none without a word: refused.
+bool frames_without_stacks(int context, int stacks, const char* fn) {
+  if (context == 0 || stacks != 0) return false;
+  set_errorf("fragless: %s: context %d asks for stack frames, but stacks 0 gathers none (1 python, 2 cpp, 3 both); "
+             "nothing was changed", fn, context);
+  return true;
+}
 }  // namespace
 
 void fragless_record_history(size_t max_entries) {
@@ -920,6 +958,7 @@ void fragless_record_history_ex(size_t max_entries, int context, int stacks) {
                  "of 1 (python) and 2 (cpp); nothing was changed", context, stacks);
       return;
     }
+    if (frames_without_stacks(context, stacks, "record_history_ex")) return;
     // Its context 1 (frames of allocations) and 2 (of frees too) are RecordContext's ALLOC and ALL.
     record_history(max_entries, context == 0 ? kContextNever : context == 1 ? kContextAlloc : kContextAll, stacks,
                    false);
@@ -933,6 +972,7 @@ void fragless_record_history_v2(size_t max_entries, int context, int stacks, int
                  "mask of 1 (python) and 2 (cpp); nothing was changed", context, stacks);
       return;
     }
+    if (frames_without_stacks(context, stacks, "record_history")) return;
     record_history(max_entries, context, stacks, clear_history != 0);
   });
 }

@@ -254,6 +254,11 @@ int history_ex_scenario() {
                              " is not a mask of 1 (python) and 2 (cpp); nothing was changed";
     if (!CHECK(last_error() == want)) std::fprintf(stderr, "  last error: '%s'\n", last_error().c_str());
   }
+  // A context that asks for frames with no stacks to gather them.
+  fragless_record_history_ex(100, 1, 0);
+  CHECK(has(last_error(), "record_history_ex: context 1 asks for stack frames, but stacks 0 gathers none"));
+  fragless_record_history_v2(100, 2, 0, 0);
+  CHECK(has(last_error(), "record_history: context 2 asks for stack frames, but stacks 0 gathers none"));
   // The history recorded as before: an allocation and its free are in the snapshot.
   void* p = fragless_pool_malloc(1000, 0, nullptr);
   fragless_free(p, 1000, 0, nullptr);
@@ -398,8 +403,23 @@ int init_count_scenario() {
   }
   // Nothing was made: the allocator is made later for the driver's count (the host driver: 1), and works.
   CHECK(fragless_device_count() == 1 && last_error().empty());
-  fragless_init(128);  // within the limit, after the allocator was made: changes nothing, as before
-  CHECK(last_error().empty() && fragless_device_count() == 1);
+  fragless_init(128);  // within the limit, after the allocator was made: changes nothing, and says so
+  CHECK(has(last_error(), "fragless_init(128) after an earlier fragless call made the allocator for 1 device(s): the "
+                          "count stays 1") && fragless_device_count() == 1);
+  fragless_init(1);  // the count it has: nothing to say
+  CHECK(last_error().empty());
+  // A pointer that is no live allocation's own: itself back, size 0, and the last error (PyTorch's allocator
+  // refuses it as an invalid device pointer).
+  char* q = static_cast<char*>(fragless_pool_malloc(4096, 0, nullptr));
+  REQUIRE(q != nullptr);
+  std::size_t size = 12345;
+  CHECK(fragless_get_base_allocation(q + 100, &size) == q + 100 && size == 0 &&
+        has(last_error(), "which is not an allocation fragless made and has not freed"));
+  size = 0;
+  CHECK(fragless_get_base_allocation(q, &size) != nullptr && size >= 4096 && last_error().empty());
+  fragless_free(q, 4096, 0, nullptr);
+  size = 12345;
+  CHECK(fragless_get_base_allocation(q, &size) == q && size == 0 && has(last_error(), "not an allocation"));
   void* p = fragless_pool_malloc(1000, 0, nullptr);
   CHECK(p != nullptr);
   fragless_free(p, 1000, 0, nullptr);

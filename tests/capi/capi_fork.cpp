@@ -280,7 +280,7 @@ int main(int argc, char** argv) {
         if (!history_started || history_done) _exit(30);  // not under way at the fork: not this test
         alarm(static_cast<unsigned>(child_limit_s() + 30));
         d.set_delay("cuMemCreate", 0);
-        history_fn(1000, 1, 0);  // waited for ever for the parent's history lock before
+        history_fn(1000, 0, 0);  // waited for ever for the parent's history lock before
         void* p = malloc_fn(3 * MiB, 0, nullptr);
         if (!p) _exit(20);
         free_fn(p, 3 * MiB, 0, nullptr);
@@ -293,7 +293,7 @@ int main(int argc, char** argv) {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the fork is in its prepare handler
     std::thread historian([&] {
       history_started = true;
-      history_fn(1000, 1, 0);
+      history_fn(1000, 0, 0);
       history_done = true;
     });
     forker.join();

@@ -130,7 +130,7 @@ TEST_CASE("config: same_settings compares every key's value, not the text", "[co
 
 TEST_CASE("config: empty items are refused and any whitespace is dropped, as PyTorch's parser does", "[config][bad-input]") {
   CHECK(bad(",").find("an empty item") != std::string::npos);
-  CHECK(bad(",max_split_size_mb:256").find("an empty item (a ',' with no key:value before it at the start)") !=
+  CHECK(bad(",max_split_size_mb:256").find("an empty item (a ',' with no key:value before it, at the start)") !=
         std::string::npos);
   CHECK(bad("max_split_size_mb:256,,garbage_collection_threshold:0.5").find("after another ','") != std::string::npos);
   CHECK(ok("max_split_size_mb:256,").max_split_size == std::size_t{256} << 20);  // a trailing ',' is fine

@@ -12,7 +12,10 @@ the library's own messages come back whatever bytes they hold.
                      AttributeError about encode) with no NUL (ctypes cut the string there: "driver:host\\0,bogus:1"
                      passed)
   max_entries        torch.cuda.memory._record_memory_history's max_entries through fragless.torch: what
-                     PyTorch's binding (a size_t) refuses is a TypeError (-5 was taken for 1)
+                     PyTorch's binding (a size_t) refuses is a TypeError (-5 was taken for 1); the legacy
+                     form's trace_alloc_max_entries an int64 (2.7 was taken for 2, -3 for 1)
+  record_history     a wrong type a TypeError naming the parameter (clear_history='no' cleared the history)
+  dump_snapshot      a file name only (an int was opened as a file descriptor: the device's memory)
 
 Usage: test_bad_input.py (FRAGLESS_LIBRARY names libfragless.so)"""
 import ctypes
@@ -64,7 +67,25 @@ for bad in (2**64, 2**64 + 3, 2**70, -1):
 check(traces() == before, "a refused max_entries changed the history")
 fragless.record_history(2**64 - 1)  # the largest a size_t holds: accepted
 check(traces() == before, "the history was kept")
+# A value of the wrong type is a TypeError naming the parameter; numpy's integers are ints.
+for kwargs, words in (({"max_entries": 10.0}, "max_entries must be an int"), ({"max_entries": None}, "max_entries"),
+                      ({"max_entries": True}, "max_entries"), ({"context": ["alloc"]}, "context must be one of"),
+                      ({"stacks": 1}, "stacks must be one of"), ({"clear_history": "no"}, "clear_history must be")):
+    args = dict({"max_entries": 10}, **kwargs)
+    message = raises(TypeError, fragless.record_history, **args)
+    check(words in message, message)
+check(traces() == before, "a refused argument changed the history")
+try:
+    import numpy
+    fragless.record_history(numpy.int64(100))
+    check(traces() == before, "the history was kept")
+except ImportError:
+    print("numpy is not installed: a numpy integer's max_entries was not checked")
 fragless.record_history(0)
+# dump_snapshot: an int would be opened as a file descriptor (the host driver's device memory is one).
+for bad in (3, 0, None, 1.5):
+    message = raises(TypeError, fragless.dump_snapshot, bad)
+    check("expected a file name (str or os.PathLike)" in message, message)
 
 # Pointers and devices.
 p = lib.fragless_pool_malloc(1 << 20, 0, None)
@@ -119,6 +140,15 @@ check(traces() == before, "a refused max_entries changed the history")
 ft._record_history_current("all", context=None, max_entries=2**64 - 1)
 ft._record_history_current(None)
 check(traces() == 0)
+# The legacy form's trace_alloc_max_entries, an int64 in PyTorch's binding: a TypeError for another type, a
+# ValueError for a negative count (which PyTorch would turn into a huge size_t); clear_history a bool.
+for bad in ("x", 2.7, 10**30, None):
+    message = raises(TypeError, ft._record_history_legacy, True, trace_alloc_max_entries=bad)
+    check("trace_alloc_max_entries must be an int (an int64)" in message, message)
+check("must not be negative" in raises(ValueError, ft._record_history_legacy, True, trace_alloc_max_entries=-3))
+check("clear_history must be a bool" in raises(TypeError, ft._record_history_current, "all", clear_history="no"))
+ft._record_history_legacy(True, trace_alloc_max_entries=5, clear_history=0)  # a number is its truth, as in pybind11
+ft._record_history_current(None)
 
 # last_error(): a FRAGLESS_CONF byte that is not UTF-8 comes back as U+FFFD, in the library's own message.
 probe = """

@@ -47,6 +47,18 @@ with tempfile.TemporaryDirectory() as d:
 for p, size in zip(ptrs, (512, 3 << 20, 24 << 20)):
     lib.fragless_free(p, size, 0, stream)
 fragless.empty_cache()
+# The history keeps the last max_entries entries as the snapshot shows them (Note [The history counts
+# snapshot entries]): an empty_cache and the physical handles take no place, a free is its two entries.
+for n in (1, 2, 5, 7):
+    fragless.record_history(n, clear_history=True)
+    ptrs = [lib.fragless_malloc(30 << 20, 0, stream) for _ in range(4)]
+    for p in ptrs:
+        lib.fragless_free(p, 30 << 20, 0, stream)
+    fragless.empty_cache()
+    entries = [e["action"] for e in fragless.snapshot()["device_traces"][0]]
+    check(len(entries) == n, (n, entries))
+    check(entries[-1] in ("segment_unmap", "segment_free", "free_completed"), (n, entries))
+fragless.record_history(1000)
 stats = fragless.memory_stats(0)
 check(stats["allocated_bytes.all.current"] == 0)
 check(stats["reserved_bytes.all.current"] == 0, stats["reserved_bytes.all.current"])
@@ -134,14 +146,17 @@ fragless.check_driver("driver:host,shareable_handles:True")
 with tempfile.TemporaryDirectory() as tmp:
     os.mkfifo(os.path.join(tmp, "fifo"))
     for path, words in ((os.path.join(tmp, "none", "x.fgt"), "its folder '%s': No such file" % os.path.join(tmp, "none")),
-                        (tmp, "is a directory (a trace is written to a regular file)"),
-                        (os.path.join(tmp, "fifo"), "is a FIFO")):
+                        (tmp, "is a directory (a trace is written to a regular file"),
+                        (os.path.join(tmp, "fifo"), "is a FIFO"),
+                        (os.path.join(tmp, "x" * 300 + ".fgt"), "File name too long (a name of 304 bytes"),
+                        ("/dev/full", "is a character device other than /dev/null")):
         try:
             fragless.check_driver("driver:host,trace:" + path)
             raise AssertionError("check_driver() took trace:" + path)
         except RuntimeError as e:
             check(words in str(e), str(e))
     fragless.check_driver("driver:host,trace:" + os.path.join(tmp, "t-%p.fgt"))
+    fragless.check_driver("driver:host,trace:/dev/null")
     check(sorted(os.listdir(tmp)) == ["fifo"], os.listdir(tmp))
 # A FRAGLESS_LIBRARY that names nothing is an error, not a reason to load another library.
 r = subprocess.run([sys.executable, "-c", "import fragless; fragless.library()"], capture_output=True, text=True,

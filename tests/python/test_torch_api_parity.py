@@ -73,6 +73,9 @@ def memory_snapshot_takes_a_pool_and_include_traces():
     check(torch.cuda.memory_snapshot((0, 0), include_traces=True) == every)
     check(torch.cuda.memory_snapshot(mempool_id=(3, 4)) == [], "segments of another pool were returned")
     check("mempool_id" in raises(ValueError, torch.cuda.memory_snapshot, (1, 2, 3)))
+    for bad in ("ab", 5, (1, "x")):  # not a pair of ints: named, not int()'s or iteration's own error
+        check("mempool_id must be a pair of ints" in raises(TypeError, torch.cuda.memory_snapshot, bad), bad)
+    check("empty_cache() takes 0 positional arguments" in raises(TypeError, torch.cuda.empty_cache, 0))
 
 
 @case

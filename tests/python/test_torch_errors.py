@@ -94,6 +94,11 @@ for other in ("driver:host,capacity_mb:512", "driver:host"):
         check(("once it is PyTorch's allocator" in str(e)) == bool(first), str(e))
         check(("not PyTorch's allocator here" in str(e)) == (not first), str(e))
         print("enable(%r) again: RuntimeError: %s" % (other, str(e)[:140]))
+try:  # a bad string the second time is named as bad, not only as other settings
+    ft.enable("driver:host,bogus:1")
+    raise AssertionError("enable('driver:host,bogus:1') again did not raise")
+except ValueError as e:
+    check("unknown key 'bogus'" in str(e), str(e))
 
 # Device arguments are PyTorch's: a torch.cuda.device object names its index; an int that does not fit a C int
 # is an error, not device 0 (ctypes would wrap 2**32 to 0); record_history takes no negative size.

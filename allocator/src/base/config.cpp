@@ -342,7 +342,7 @@ class Parser {
       const std::string key = toks_[i_++];
       if (key == ",")  // ",x:1", "x:1,,y:2": PyTorch refuses an empty item too ("Unrecognized key ','")
         return fail("FRAGLESS_CONF: an empty item (a ',' with no key:value before it" +
-                    std::string(key_at == 0 ? " at the start)" : " after another ','") + ")");
+                    std::string(key_at == 0 ? ", at the start" : ", after another ','") + ")");
       if (key == ":")  // ":fragless", "policy:classic,:x": the tokenizer drops nothing but whitespace before ':'
         return fail("FRAGLESS_CONF: an empty key before ':'" +
                     (i_ < toks_.size() && toks_[i_] != "," ? " (value '" + written_[i_] + "')" : std::string()) +

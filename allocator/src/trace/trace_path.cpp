@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 
@@ -43,13 +44,22 @@ std::string expand_trace_path(std::string_view pattern, int device, int pid, int
   return out;
 }
 
+// A regular file, or the null device (to measure the tracer's cost). Another character device is refused: a
+// terminal would take binary records, and one whose writes fail (/dev/full) would fail the trace's header, so
+// the allocator itself, after the checks had passed.
 bool trace_target_kind_ok(const std::string& path, std::string* error) {
   struct stat st {};
-  if (::stat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode) || S_ISCHR(st.st_mode)) return true;
+  if (::stat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode)) return true;
+  struct stat null {};
+  if (S_ISCHR(st.st_mode) && ::stat("/dev/null", &null) == 0 && S_ISCHR(null.st_mode) && st.st_rdev == null.st_rdev)
+    return true;
   if (error)
     *error = "fragless: the trace path '" + path + "' is " +
-             (S_ISFIFO(st.st_mode) ? "a FIFO" : S_ISDIR(st.st_mode) ? "a directory" : "not a regular file") +
-             " (a trace is written to a regular file)";
+             (S_ISFIFO(st.st_mode)  ? "a FIFO"
+              : S_ISDIR(st.st_mode) ? "a directory"
+              : S_ISCHR(st.st_mode) ? "a character device other than /dev/null"
+                                    : "not a regular file") +
+             " (a trace is written to a regular file, or to /dev/null)";
   return false;
 }
 
@@ -67,7 +77,18 @@ bool trace_path_usable(std::string_view pattern, std::string* error) {
     if (::stat(folder.c_str(), &st) != 0) e = errno;
     else if (!S_ISDIR(st.st_mode)) e = ENOTDIR;
     else if (::access(folder.c_str(), W_OK | X_OK) != 0) e = errno;
-    else return true;
+    else {
+      // A name the file system cannot hold fails only when the file is made (ENAMETOOLONG): asked here too.
+      const std::string name = path.substr(slash == std::string::npos ? 0 : slash + 1);
+      const long name_max = ::pathconf(folder.c_str(), _PC_NAME_MAX);
+      if ((name_max > 0 && name.size() > static_cast<std::size_t>(name_max)) || path.size() >= PATH_MAX) {
+        if (error)
+          *error = "fragless: cannot open trace file '" + path + "': " + std::strerror(ENAMETOOLONG) + " (a name of " +
+                   std::to_string(name.size()) + " bytes; its folder takes " + std::to_string(name_max) + ")";
+        return false;
+      }
+      return true;
+    }
     if (error)
       *error = "fragless: cannot open trace file '" + path + "': its folder '" + folder + "': " + std::strerror(e);
     return false;

@@ -293,6 +293,12 @@ def snapshot(include_traces=True):
 
 
 def dump_snapshot(path="dump_snapshot.pickle"):
+    """Writes snapshot_bytes() to the file `path` (a str or os.PathLike). An int is refused: open() would take
+    it for a file descriptor, and write the pickle over whatever that descriptor is (the host driver's device
+    memory, a trace file)."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError("dump_snapshot: expected a file name (str or os.PathLike), got %s %r"
+                        % (type(path).__name__, path))
     with open(path, "wb") as f:
         f.write(snapshot_bytes())
 
@@ -308,15 +314,30 @@ def record_history(max_entries=100000, context=None, stacks="all", clear_history
     stacks: "python" (the calling thread's frames, the GIL taken for the walk if it released it), "cpp" or "all". clear_history: drop the events
     kept so far. Frames are kept as addresses and code objects and turned into names only when a snapshot is
     taken."""
-    if isinstance(max_entries, bool) or not isinstance(max_entries, int) or not 0 <= max_entries < 2**64:
+    # A wrong type is a TypeError, a value out of range a ValueError, each naming the parameter.
+    if isinstance(max_entries, bool):
+        n = None
+    else:
+        try:
+            n = operator.index(max_entries)  # int, numpy's integers
+        except TypeError:
+            n = None
+    if n is None:
+        raise TypeError("record_history: max_entries must be an int (a size_t; 0: off), got %s %r"
+                        % (type(max_entries).__name__, max_entries))
+    if not 0 <= n < 2**64:
         raise ValueError("record_history: max_entries must be an int in [0, 2**64 - 1] (a size_t; 0: off), got %r"
                          % (max_entries,))
-    if context not in _CONTEXT:
-        raise ValueError("record_history: context must be None, 'state', 'alloc' or 'all', got %r" % (context,))
-    if stacks not in _STACKS:
-        raise ValueError("record_history: stacks must be 'python', 'cpp' or 'all', got %r" % (stacks,))
-    library().fragless_record_history_v2(int(max_entries), _CONTEXT[context], _STACKS[stacks],
-                                         1 if clear_history else 0)
+    for name, value, allowed in (("context", context, _CONTEXT), ("stacks", stacks, _STACKS)):
+        if not (value is None or isinstance(value, str)):
+            raise TypeError("record_history: %s must be one of %s, got %s %r"
+                            % (name, ", ".join(map(repr, allowed)), type(value).__name__, value))
+        if value not in allowed:
+            raise ValueError("record_history: %s must be one of %s, got %r" % (name, ", ".join(map(repr, allowed)), value))
+    if not isinstance(clear_history, bool):
+        raise TypeError("record_history: clear_history must be True or False, got %s %r"
+                        % (type(clear_history).__name__, clear_history))
+    library().fragless_record_history_v2(n, _CONTEXT[context], _STACKS[stacks], 1 if clear_history else 0)
 
 
 def memory_fraction(device=0):

@@ -26,6 +26,7 @@ and still replaces the API: it then reports fragless's own devices (the host dri
 API is tested without a GPU. enable() configures a process once: again with other settings it raises.
 """
 import collections
+import numbers
 import ctypes
 import operator
 import os
@@ -114,6 +115,10 @@ def _enable(conf):
         _f._conf_bytes(conf, "fragless.torch.enable")  # a TypeError or a NUL's ValueError now, torch or not
     if _enabled is not None:
         asked = os.environ.get("FRAGLESS_CONF", "") if conf is None else conf
+        try:  # a bad string is named as such, not only as other settings than the ones in effect
+            _f.check_config(asked)
+        except ValueError as e:
+            raise ValueError("fragless.torch.enable(%r): %s" % (asked, e)) from None
         if not _same(asked, _enabled_conf):
             raise RuntimeError("fragless.torch.enable(%r): fragless is already enabled in this process with %r, "
                                "and its configuration cannot change %s; call enable() "
@@ -405,7 +410,35 @@ def _record_history_current(enabled="all", context="all", stacks="all", max_entr
     _refuse_unrecorded(compile_context, global_record_annotations, skip_actions, record_pinned_host_memory,
                        record_cuda)
     entries = max_entries if enabled == "all" else 1
-    _f.record_history(max(1, min(entries, 1 << 40)), context=context, stacks=stacks, clear_history=clear_history)
+    _f.record_history(max(1, min(entries, 1 << 40)), context=context, stacks=stacks,
+                      clear_history=_bool_arg(clear_history, "clear_history"))
+
+
+def _bool_arg(value, name):
+    """A bool argument as PyTorch's binding (pybind11's bool caster) takes it: None is False, a number its truth,
+    anything else (a str, a list) a TypeError naming the parameter."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, numbers.Number):
+        return bool(value)
+    raise TypeError("_record_memory_history(): incompatible function arguments: %s must be a bool, got %s %r"
+                    % (name, type(value).__name__, value))
+
+
+def _int64(value, name):
+    """An argument the legacy binding takes as an int64 (torch._C._cuda_record_memory_history_legacy's
+    trace_alloc_max_entries): an int in [-2**63, 2**63 - 1], anything else a TypeError there. A negative count,
+    which PyTorch's allocator would turn into a huge size_t, is refused as nonsense."""
+    try:
+        n = operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or not -2**63 <= n < 2**63:
+        raise TypeError("_record_memory_history(): incompatible function arguments: %s must be an int (an int64), "
+                        "got %r" % (name, value))
+    if n < 0:
+        raise ValueError("_record_memory_history(): %s must not be negative, got %d" % (name, n))
+    return n
 
 
 def _size_t(value, name):
@@ -445,6 +478,7 @@ def _record_history_legacy(enabled, record_context=True, trace_alloc_max_entries
     (torch/csrc/cuda/memory_snapshot.cpp): frames of live blocks with record_context ('state'), on the
     history's allocations too with trace_alloc_record_context ('alloc'); C++ frames only with
     record_context_cpp; the history keeps trace_alloc_max_entries events (1 by default)."""
+    entries = _int64(trace_alloc_max_entries, "trace_alloc_max_entries")
     if not enabled:
         _f.record_history(0)
         return
@@ -452,8 +486,8 @@ def _record_history_legacy(enabled, record_context=True, trace_alloc_max_entries
                        record_cuda)
     context = "alloc" if trace_alloc_record_context else "state" if record_context else None
     stacks = "all" if record_context_cpp and context else "python"
-    _f.record_history(max(1, min(int(trace_alloc_max_entries), 1 << 40)), context=context, stacks=stacks,
-                      clear_history=clear_history)
+    _f.record_history(max(1, min(entries, 1 << 40)), context=context, stacks=stacks,
+                      clear_history=_bool_arg(clear_history, "clear_history"))
 
 
 def _install_api(torch):
@@ -517,9 +551,13 @@ def _install_api(torch):
         pool, as in PyTorch), its device_traces empty without include_traces."""
         s = _f.snapshot(include_traces)
         if mempool_id is not None:
-            pool = tuple(int(x) for x in mempool_id)
-            if len(pool) != 2:
-                raise ValueError("mempool_id must be a pair of ints (a MemPool's id), got %r" % (mempool_id,))
+            try:
+                pool = tuple(operator.index(x) for x in mempool_id) if not isinstance(mempool_id, (str, bytes)) else None
+            except TypeError:
+                pool = None
+            if pool is None or len(pool) != 2:  # not ints: a TypeError; ints, but not two: a ValueError
+                raise (TypeError if pool is None else ValueError)(
+                    "mempool_id must be a pair of ints (a MemPool's id), got %r" % (mempool_id,))
             if pool != (0, 0):
                 s["segments"] = [seg for seg in s["segments"] if tuple(seg.get("segment_pool_id", (0, 0))) == pool]
         if not include_traces:
@@ -543,6 +581,9 @@ def _install_api(torch):
         return s
 
     def dump_snapshot_(filename="dump_snapshot.pickle", augment_with_fx_traces=False):
+        if not isinstance(filename, (str, bytes, os.PathLike)):  # an int would be taken for a file descriptor
+            raise TypeError("_dump_snapshot: expected a file name (str or os.PathLike), got %s %r"
+                            % (type(filename).__name__, filename))
         if augment_with_fx_traces:
             s = snapshot_(augment_with_fx_traces=True)
             import pickle
@@ -584,6 +625,8 @@ def _install_api(torch):
     for name, fn in api.items():
         _originals.setdefault(name, getattr(mem, name, None))
         fn.__doc__ = "fragless: PyTorch's torch.cuda.%s, answered by fragless." % name
+        if list(api.values()).count(fn) == 1:  # a wrong call's TypeError names PyTorch's function, not ours
+            fn.__name__ = fn.__qualname__ = name
         setattr(mem, name, fn)
         setattr(torch.cuda, name, fn)
     for name, fn in private.items():
