@@ -241,6 +241,14 @@ def memory_fraction_is_fragless_own():
     check(mem.get_per_process_memory_fraction(torch.device("cuda", 1)) == 0.25)
     lib.fragless_set_memory_fraction(1.0, 1)
     check("invalid device" in raises(RuntimeError, get, 7))
+    # The setter too, with PyTorch's rules (torch/cuda/memory.py: a float, in [0, 1]), where the CPU build's own
+    # would assert that CUDA is not compiled in.
+    torch.cuda.set_per_process_memory_fraction(0.5, "cuda:1")
+    check(get(1) == 0.5, get(1))
+    check("must be `float`" in raises(TypeError, torch.cuda.set_per_process_memory_fraction, 1, 1))
+    check("Allowed range: 0~1" in raises(ValueError, torch.cuda.set_per_process_memory_fraction, 1.5, 1))
+    check(get(1) == 0.5, get(1))
+    torch.cuda.set_per_process_memory_fraction(1.0, 1)
 
 
 @case

@@ -349,6 +349,19 @@ def memory_fraction(device=0):
     return f
 
 
+def set_memory_fraction(fraction, device=0):
+    """Caps the device's memory at `fraction` of its total (PyTorch's set_per_process_memory_fraction, with
+    its rules: a float, in [0, 1])."""
+    if not isinstance(fraction, float):
+        raise TypeError("Invalid type for fraction argument, must be `float`")
+    if not 0 <= fraction <= 1:
+        raise ValueError("Invalid fraction value: {}. Allowed range: 0~1".format(fraction))
+    lib = library()
+    lib.fragless_set_memory_fraction(fraction, _device(device))
+    if last_error():
+        raise RuntimeError(last_error())
+
+
 def empty_cache():
     library().fragless_empty_cache()
 

@@ -595,6 +595,9 @@ def _install_api(torch):
     def get_per_process_memory_fraction(device=None):
         return _f.memory_fraction(index(device))
 
+    def set_per_process_memory_fraction(fraction, device=None):
+        _f.set_memory_fraction(fraction, index(device))
+
     def empty_cache_():
         _f.empty_cache()
 
@@ -619,6 +622,7 @@ def _install_api(torch):
         "empty_cache": empty_cache_,
         "mem_get_info": mem_get_info,
         "get_per_process_memory_fraction": get_per_process_memory_fraction,
+        "set_per_process_memory_fraction": set_per_process_memory_fraction,
     }
     private = {"_record_memory_history": record_memory_history, "_snapshot": snapshot_,
                "_dump_snapshot": dump_snapshot_}
