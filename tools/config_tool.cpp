@@ -80,14 +80,15 @@ std::string value_of(const std::string& key, const Options& o) {
 }  // namespace
 
 int run(int argc, char** argv) {
-  // --table and --help take nothing with them, and stand alone: a word beside them would otherwise be ignored.
-  for (int i = 1; i < argc; ++i)
-    for (const char* alone : {"--table", "--help", "-h"})
-      if (std::strcmp(argv[i], alone) == 0 && argc > 2) {
-        std::fprintf(stderr, "fragless-config: %s takes nothing else (got %d arguments): give it alone, or a "
-                     "configuration string alone\n", alone, argc - 1);
-        return 2;
-      }
+  // --help anywhere is the usage; --table takes nothing with it: a word beside it would otherwise be ignored.
+  bool help = false;
+  for (int i = 1; i < argc; ++i) help |= std::strcmp(argv[i], "-h") == 0 || std::strcmp(argv[i], "--help") == 0;
+  for (int i = 1; i < argc && !help; ++i)
+    if (std::strcmp(argv[i], "--table") == 0 && argc > 2) {
+      std::fprintf(stderr, "fragless-config: --table takes nothing else (got %d arguments): give it alone, or a "
+                   "configuration string alone\n", argc - 1);
+      return 2;
+    }
   if (argc > 1 && std::strcmp(argv[1], "--table") == 0) {
     std::printf("| key | type | default | meaning |\n|---|---|---|---|\n");
     for (const auto& o : option_table())
@@ -96,7 +97,7 @@ int run(int argc, char** argv) {
                   o.default_value.data(), static_cast<int>(o.meaning.size()), o.meaning.data());
     return 0;
   }
-  if (argc > 1 && (std::strcmp(argv[1], "-h") == 0 || std::strcmp(argv[1], "--help") == 0)) {
+  if (help) {
     std::printf("usage: fragless-config [CONF | --table]\n  checks CONF (default: $FRAGLESS_CONF), a list of "
                 "key:value separated by ',' (each key once),\n  and prints every key with the value in effect, marking "
                 "'(default)' the keys CONF does not set\n  --table  prints the keys as a Markdown table\nkeys:\n");

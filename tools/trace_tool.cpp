@@ -77,7 +77,8 @@ json summarise(const Trace& t, int points) {
     for (auto& e : t.events)
       if (e.device == d) evs.push_back(&e);
     // The curve: events in stretches of `step`, at most `points` of them, each drawn at its largest live bytes
-    // (the event and time where it was), so that no peak falls between two points.
+    // (the event and time where it was), so that no peak among the events falls between two points. (What was
+    // live before the first event is live_before_window_bytes, not a point: a peak there is the curve's start.)
     json curve = json::array();
     const auto wanted = static_cast<std::size_t>(std::max(points, 1));
     const std::size_t step = std::max<std::size_t>(1, (evs.size() + wanted - 1) / wanted);

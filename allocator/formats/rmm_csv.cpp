@@ -144,7 +144,6 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
     if (!parse_hex(f[col["Pointer"]], &e.address)) return fail("bad pointer '" + f[col["Pointer"]] + "'");
     if (!parse_dec(f[col["Size"]], &e.size)) return fail("bad size '" + f[col["Size"]] + "'");
     if (has_stream && !parse_hex(f[col["Stream"]], &e.stream)) return fail("bad stream '" + f[col["Stream"]] + "'");
-    if (const std::string why = event_out_of_bounds(e); !why.empty()) return fail(why);
     if (has_thread) {
       std::uint64_t id = 0;
       const std::string& th = f[col["Thread"]];
@@ -156,6 +155,8 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
       const std::string& when = f[col["Time"]];
       e.time_us = parse_time(when);
       if (e.time_us == -2) return fail("bad time '" + when + "' (expected HH:MM:SS.ffffff or microseconds)");
+      if (e.time_us > kMaxTimeUs)  // before any arithmetic on it (Note [One set of bounds for every format])
+        return fail("time " + when + " µs is past " + std::to_string(kMaxTimeUs) + " (2^64 ns)");
       ++(e.time_us >= 0 ? timed : untimed);
       if (timed && untimed)
         return fail(e.time_us >= 0 ? "a time where the rows before had none" : "no time where the rows before had one");
@@ -182,6 +183,7 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
       }
       t.has_time |= e.time_us >= 0;
     }
+    if (const std::string why = event_out_of_bounds(e); !why.empty()) return fail(why);  // its time too
     const std::string address = [&] {
       char b[32];
       std::snprintf(b, sizeof b, "0x%" PRIx64, e.address);
@@ -223,8 +225,9 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
 // stamped at the window's first time, not at 00:00:00, so the log's span is the window's.
 //
 // Note [Times of day in a converted RMM log]
-// Times are written as RMM's logger writes them, the time of day ("%H:%M:%S.%f", hours 00 to 23), so that what
-// reads RMM's logs reads these; the date is lost (a snapshot's times are wall-clock microseconds). The reader
+// Times are written in the form RMM's logger writes them, the time of day ("%H:%M:%S.%f", hours 00 to 23), so
+// that what reads RMM's logs reads these; the date is lost (a snapshot's times are wall-clock microseconds, and
+// their time of day is UTC's, where RMM's logger writes the local time). The reader
 // takes a step back of more than half a day as the next day (Note [Times of day in an RMM log]), which gives
 // back every time exactly while consecutive rows are less than 12 hours apart. A trace with a longer gap is
 // written as hours since the midnight before its first row instead (past 23 after that day), which the

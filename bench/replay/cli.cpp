@@ -56,7 +56,7 @@ int usage(const char* msg) {
                "       fragless-replay --max-batch | --max-of KEY --capacity-gib N [options] workload:...\n"
                "  INPUT: a fragless native trace, PyTorch memory snapshot pickle or RMM log CSV (detected from\n"
                "         content), or workload:NAME[:key=value,...]\n"
-               "  --capacity-gib: the device's memory, at most 1024; without it the capacity is unlimited (1 TiB). An\n"
+               "  --capacity-gib: the device's memory, at most 1024 (no GPU holds more); without it, 1024: unlimited. An\n"
                "         allocation that runs out of memory is a result, counted in the OOMs column and skipped\n"
                "  --plot: live/allocated/reserved over time per policy, drawn by gnuplot into a PNG (with --fit,\n"
                "         at each policy's fitted capacity; with --max-of, at its largest value); each point is the\n"
@@ -277,8 +277,9 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
     } else if (a == "--capacity-gib" && has_value) {
       char* end = nullptr;
       const double g = decimal(argv[++i]) ? std::strtod(argv[i], &end) : 0.0;
-      // At most the device that stands for unlimited memory (kUnlimitedCapacity, 1 TiB): the replay models every
-      // page of a device in host memory, and a larger one is no GPU's.
+      // At most the device that stands for unlimited memory (kUnlimitedCapacity, 1 TiB): no GPU holds more, and the
+      // capacity bounds what a trace's allocations make the replay model in host memory page by page (a three-line
+      // log of a 900 TB allocation, on a capacity that took it, had the replay killed at 20 GB).
       if ((end && *end) || !(g > 0) || g > static_cast<double>(kUnlimitedCapacity >> 30))
         return usage(("--capacity-gib needs a number of GiB greater than 0 and at most " +
                       std::to_string(kUnlimitedCapacity >> 30) + " (the replay's largest device), not '" +

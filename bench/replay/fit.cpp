@@ -104,8 +104,7 @@ FitResult fit_capacity(const formats::Trace& t, int device, PolicyKind policy, s
   }
   if (base.ooms) {
     out.error = where + ": runs out of memory even on " + gib_text(kUnlimitedCapacity) +
-                ", the largest device the replay models (--capacity-gib's most): the trace holds more than that at "
-                "once, so no capacity fits";
+                ", the largest device the replay models (--capacity-gib's most), so no capacity fits";
     return done(out);
   }
   out.peak_live = base.peak_live;

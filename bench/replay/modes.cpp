@@ -99,14 +99,15 @@ int run_replays(const std::vector<formats::Trace>& traces, const std::vector<Tas
   runner.join();
   for (auto& r : results)
     if (!r.error.empty()) return fail(r.error);
-  // Without --capacity-gib the device stands for unlimited memory: an OOM there is the trace asking for more
-  // than the largest capacity the replay models, and the table's figures leave those allocations out.
+  // Without --capacity-gib the device stands for unlimited memory: an OOM there (the trace asking for more than
+  // the largest capacity the replay models, or placing it badly near that size) leaves allocations out of the
+  // table's figures, and is said.
   for (auto& r : results)
     if (r.ooms && !cl.capacity)
       print_error("warning: " + r.input + " (device " + std::to_string(r.device) + ", " + policy_name(r.policy) +
                   "): " + std::to_string(r.ooms) + (r.ooms == 1 ? " allocation" : " allocations") + " failed on " +
                   std::to_string(kUnlimitedCapacity >> 30) + " GiB, the largest device the replay models (it stands for unlimited "
-                  "memory): the trace holds more than that at once, and the figures leave them out");
+                  "memory); the figures leave them out");
   if (!cl.plot.empty()) {
     std::string err;
     if (!draw_plot(cl.plot, results, {}, cl.plot_x, &err)) return fail(err);

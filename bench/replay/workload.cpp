@@ -505,7 +505,8 @@ bool workload_key_range(const std::string& spec, const std::string& key, long lo
   };
   if (is_zoo_workload(name)) {
     double l = 0, h = 0;
-    if (!zoo_key_range(name, key, &l, &h, error)) return false;
+    const std::size_t colon = rest.find(':');
+    if (!zoo_key_range(name, key, &l, &h, error, colon == std::string::npos ? "" : rest.substr(colon + 1))) return false;
     *lo = static_cast<long long>(std::ceil(l));
     *hi = static_cast<long long>(std::min(std::floor(h), 1e15));
     if (*hi <= *lo) {

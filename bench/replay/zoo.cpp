@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <new>
 #include <random>
@@ -593,17 +594,31 @@ std::vector<std::string> zoo_names() {
   return n;
 }
 
-bool zoo_key_range(const std::string& name, const std::string& key, double* lo, double* hi, std::string* error) {
+bool zoo_key_range(const std::string& name, const std::string& key, double* lo, double* hi, std::string* error,
+                   const std::string& options) {
   const Generator* gen = find_generator(name);
   if (!gen) {
     *error = "unknown workload '" + name + "'";
     return false;
   }
+  // The value `other` has in `options`, else its default.
+  auto value_of = [&](const char* other) {
+    double v = 0;
+    for (const auto& k : gen->keys)
+      if (std::string(k.name) == other) v = k.def;
+    std::stringstream kv(options);
+    std::string item;
+    while (std::getline(kv, item, ','))
+      if (item.rfind(std::string(other) + "=", 0) == 0) v = std::strtod(item.c_str() + std::strlen(other) + 1, nullptr);
+    return v;
+  };
   std::string searchable;  // the keys with whole values to search between
   for (const auto& k : gen->keys) {
     if (key == k.name) {
       *lo = k.lo;
       *hi = k.hi;
+      if (name == "pipeline" && key == "stages") *lo = std::max(*lo, value_of("rank") + 1);  // rank < stages
+      if (name == "pipeline" && key == "rank") *hi = std::min(*hi, value_of("stages") - 1);
       return true;
     }
     if (std::floor(k.hi) > std::ceil(k.lo)) searchable += std::string(searchable.empty() ? "" : ", ") + k.name;

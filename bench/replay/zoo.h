@@ -17,7 +17,10 @@ std::string zoo_help();
 // `options` is the part after "NAME:" (may be empty). False with *error naming the key and the accepted
 // range on a bad option.
 // The accepted range of one key of a generator; false with *error (naming the keys) on an unknown key.
-bool zoo_key_range(const std::string& name, const std::string& key, double* lo, double* hi, std::string* error);
+// `options`: the spec's other keys (key=value,...), where a key's range depends on them (a pipeline's rank is
+// below its stages).
+bool zoo_key_range(const std::string& name, const std::string& key, double* lo, double* hi, std::string* error,
+                   const std::string& options = "");
 // *too_large (if given): generation stopped past kMaxWorkloadEvents or out of host memory (workload.h).
 bool make_zoo_workload(const std::string& name, const std::string& options, formats::Trace* out, std::string* error,
                        bool* too_large = nullptr);

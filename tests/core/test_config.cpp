@@ -182,11 +182,19 @@ TEST_CASE("config: every bad input names the key, the value and the accepted for
   CHECK(bad("roundup_power2_divisions:[64:3]").find("'3'") != std::string::npos);
   CHECK(bad("roundup_power2_divisions:[63:2]").find("'63'") != std::string::npos);
   CHECK(bad("roundup_power2_divisions:[64:2").find("missing ']'") != std::string::npos);
-  // An interval, or '>', given twice: the first value would be ignored (PyTorch keeps the last).
-  CHECK(bad("roundup_power2_divisions:[64:4,64:8]").find("'64'") != std::string::npos);
-  CHECK(bad("roundup_power2_divisions:[64:4,64:8]").find("each interval once") != std::string::npos);
-  CHECK(bad("roundup_power2_divisions:[32768:4,65536:8]").find("'65536'") != std::string::npos);  // one interval
-  CHECK(bad("roundup_power2_divisions:[1:4,>:8,>:2]").find("'>' once") != std::string::npos);
+  // Note [An entry the list overwrites]: an entry whose every interval later entries set again is refused,
+  // naming it; one that still sets an interval stands, as in PyTorch.
+  CHECK(bad("roundup_power2_divisions:[64:4,128:2,128:8]").find("'128:2'") != std::string::npos);
+  CHECK(bad("roundup_power2_divisions:[64:4,128:2,128:8]").find("entries that each set some interval") != std::string::npos);
+  CHECK(bad("roundup_power2_divisions:[64:4,32768:4,65536:8]").find("'32768:4'") != std::string::npos);  // one interval
+  CHECK(bad("roundup_power2_divisions:[1:4,>:8,>:2]").find("'>:8'") != std::string::npos);
+  Options kept = ok("roundup_power2_divisions:[64:4,64:8]");  // 64:4 still fills the intervals below 64 MB
+  CHECK(kept.roundup_power2_divisions[5] == 4);
+  CHECK(kept.roundup_power2_divisions[6] == 8);
+  kept = ok("roundup_power2_divisions:[1:4,>:8,256:2,>:1]");  // each '>' sets intervals the other does not
+  CHECK(kept.roundup_power2_divisions[1] == 8);
+  CHECK(kept.roundup_power2_divisions[8] == 2);
+  CHECK(kept.roundup_power2_divisions[9] == 1);
   CHECK(bad("policy").find("expected ':'") != std::string::npos);
   CHECK(bad("policy:").find("no value") != std::string::npos);
   CHECK(bad("policy:classic:expandable").find("expected ','") != std::string::npos);

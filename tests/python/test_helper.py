@@ -149,6 +149,7 @@ with tempfile.TemporaryDirectory() as tmp:
                         (tmp, "is a directory (a trace is written to a regular file"),
                         (os.path.join(tmp, "fifo"), "is a FIFO"),
                         (os.path.join(tmp, "x" * 300 + ".fgt"), "File name too long (a name of 304 bytes"),
+                        (os.path.join(tmp, *["d" * 200] * 21, "t.fgt"), "File name too long"),
                         ("/dev/full", "is a character device other than /dev/null")):
         try:
             fragless.check_driver("driver:host,trace:" + path)

@@ -325,6 +325,7 @@ check_error "a bad --conf names --conf, not the environment variable" "fragless-
 check_error "fragless-config --table with something beside it" "fragless-config: --table takes nothing else" \
   "$bin/fragless-config" --table x
 check_error "... before it too" "fragless-config: --table takes nothing else" "$bin/fragless-config" policy:classic --table
+check_output "fragless-config: --help anywhere is the usage" "^usage: fragless-config" "$bin/fragless-config" policy:x -h
 check_error "fragless-config STRING names itself, not the environment variable" "fragless-config: unknown key 'polcy'" \
   "$bin/fragless-config" polcy:x
 check_error "... and FRAGLESS_CONF when the string came from there" "FRAGLESS_CONF: unknown key 'polcy'" \
@@ -497,6 +498,10 @@ done
 check_error "a zoo key's error gives its range" "levels='99' is not an integer in [1, 8]" "$bin/fragless-replay" "workload:unet2d:levels=99"
 check_error "a pipeline's rank is one of its stages" "rank=3 is not one of its stages=2 (rank counts stages from 0)" \
   "$bin/fragless-replay" "workload:pipeline:stages=2,rank=3"
+check_output "--max-of stages starts at a stage the rank has" "stages +[0-9]+\*? " \
+  "$bin/fragless-replay" --policy classic --max-of stages --capacity-gib 80 "workload:pipeline:steps=1,layers=1,rank=2"
+check_output "--max-of rank ends at the last stage" "rank +3\* " \
+  "$bin/fragless-replay" --policy classic --max-of rank --capacity-gib 80 "workload:pipeline:steps=1,layers=1,stages=4"
 check_output "the zoo's help writes a seed's range as the parser takes it" "seed=1 \[0, 1000000000000000\]" \
   "$bin/fragless-replay" --help
 check_error "--capacity-gib past the replay's largest device" "at most 1024 (the replay's largest device), not '1025'" \
@@ -622,6 +627,9 @@ check_exit 0 "bytes after a snapshot's pickle are named, not passed over" "bytes
 check_error "a frame past the end of the file" "a frame of 9223372036854775808 bytes, past the end of the input" \
   "$bin/fragless-trace" info "$work/bad-frame.pickle"
 printf 'Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.000001,allocate,0x1000,1024,0\n1,10:00:00.000002,free,0x1000,2048,0\n' >"$work/size.csv"
+printf 'Thread,Time,Action,Pointer,Size,Stream\n1,9000000000000000000,allocate,0x1000,1024,0\n' >"$work/bigtime.csv"
+check_error "an RMM time past 2^64 ns" "time 9000000000000000000 µs is past 18446744073709551 (2^64 ns)" \
+  "$bin/fragless-trace" info "$work/bigtime.csv"
 check_error "an RMM free of another size than its allocation's" \
   "free of address 0x1000 with size 2048, but line 2 allocated it with size 1024" "$bin/fragless-trace" info "$work/size.csv"
 finish

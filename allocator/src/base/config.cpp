@@ -444,11 +444,20 @@ class Parser {
     // As PyTorch's parser (c10/core/AllocatorConfig.cpp, parseRoundUpPower2Divisions): '>' fills the
     // intervals after the last one named, counting from interval 0 when none was (so interval 0, requests
     // under 2 MiB, keeps 0); the first size named also fills the intervals below it, even after a '>'.
-    // An interval named twice (or '>' twice) is refused, as a key given twice is: PyTorch keeps the last,
-    // and the first would be ignored without a word.
-    bool first = true, greater = false;
+    // Note [An entry the list overwrites]
+    // PyTorch applies the entries in order, so an entry whose every
+    // interval later entries set again ([64:4,128:2,128:8]'s 128:2, [1:4,>:8,>:2]'s first '>') changes nothing,
+    // and would be ignored without a word: refused, as a key given twice is. An entry that still sets an
+    // interval stands ([64:4,64:8]: the first fills the intervals below 64 MB).
+    bool first = true;
     int last_index = 0;
-    std::array<bool, kRoundUpPowerOfTwoIntervals> named{};
+    std::array<int, kRoundUpPowerOfTwoIntervals> owner;  // the entry that set each interval last (-1: none)
+    owner.fill(-1);
+    std::vector<std::string> entries;  // each entry as written, K:V or >:V
+    auto set = [&](int j, std::size_t v) {
+      table[static_cast<std::size_t>(j)] = v;
+      owner[static_cast<std::size_t>(j)] = static_cast<int>(entries.size());
+    };
     while (i_ < toks_.size() && toks_[i_] != "]") {
       const std::string k = toks_[i_++];
       if (i_ + 1 >= toks_.size() || toks_[i_] != ":")
@@ -459,26 +468,26 @@ class Parser {
       if (!parse_uint(vtok, &v) || (v != 0 && !std::has_single_bit(v)))
         return err(bad_value(key, vtok, "divisions that are 0 or a power of two"));
       if (k == ">") {
-        if (greater) return err(bad_value(key, k, "'>' once (it sets every interval after the last one named)"));
-        greater = true;
-        for (int j = last_index + 1; j < kRoundUpPowerOfTwoIntervals; ++j) table[static_cast<std::size_t>(j)] = v;
+        for (int j = last_index + 1; j < kRoundUpPowerOfTwoIntervals; ++j) set(j, v);
       } else {
         std::size_t mb = 0;
         if (!parse_uint(k, &mb) || !std::has_single_bit(mb))
           return err(bad_value(key, k, "interval starts in MB that are powers of two"));
         const int index = std::min<int>(std::bit_width(mb) - 1, kRoundUpPowerOfTwoIntervals - 1);
-        if (named[static_cast<std::size_t>(index)])
-          return err(bad_value(key, k, "each interval once (K names sizes from K to 2K MB; from 32768 MB on, one "
-                                       "interval)"));
-        named[static_cast<std::size_t>(index)] = true;
         if (first)
-          for (int j = 0; j < index; ++j) table[static_cast<std::size_t>(j)] = v;
+          for (int j = 0; j < index; ++j) set(j, v);
         first = false;
-        table[static_cast<std::size_t>(index)] = v;
+        set(index, v);
         last_index = index;
       }
+      entries.push_back(k + ":" + vtok);
       if (i_ < toks_.size() && toks_[i_] == ",") ++i_;
     }
+    for (std::size_t e = 0; e < entries.size(); ++e)
+      if (std::find(owner.begin(), owner.end(), static_cast<int>(e)) == owner.end())
+        return err(bad_value(key, entries[e], "entries that each set some interval (later entries set again every "
+                                              "interval this one does; K names sizes from K to 2K MB, and from "
+                                              "32768 MB on one interval)"));
     if (i_ >= toks_.size()) return err("FRAGLESS_CONF: unterminated list for key '" + key + "' (missing ']')");
     ++i_;  // ]
     return true;

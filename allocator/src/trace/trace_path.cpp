@@ -81,10 +81,14 @@ bool trace_path_usable(std::string_view pattern, std::string* error) {
       // A name the file system cannot hold fails only when the file is made (ENAMETOOLONG): asked here too.
       const std::string name = path.substr(slash == std::string::npos ? 0 : slash + 1);
       const long name_max = ::pathconf(folder.c_str(), _PC_NAME_MAX);
-      if ((name_max > 0 && name.size() > static_cast<std::size_t>(name_max)) || path.size() >= PATH_MAX) {
+      const bool long_name = name_max > 0 && name.size() > static_cast<std::size_t>(name_max);
+      if (long_name || path.size() >= PATH_MAX) {
         if (error)
-          *error = "fragless: cannot open trace file '" + path + "': " + std::strerror(ENAMETOOLONG) + " (a name of " +
-                   std::to_string(name.size()) + " bytes; its folder takes " + std::to_string(name_max) + ")";
+          *error = "fragless: cannot open trace file '" + path + "': " + std::strerror(ENAMETOOLONG) +
+                   (long_name ? " (a name of " + std::to_string(name.size()) + " bytes; its folder takes " +
+                                    std::to_string(name_max) + ")"
+                              : " (a path of " + std::to_string(path.size()) + " bytes; at most " +
+                                    std::to_string(PATH_MAX - 1) + ")");
         return false;
       }
       return true;

@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import io
 import json
+import numbers
 import operator
 import os
 import pickle
@@ -334,8 +335,9 @@ def record_history(max_entries=100000, context=None, stacks="all", clear_history
                             % (name, ", ".join(map(repr, allowed)), type(value).__name__, value))
         if value not in allowed:
             raise ValueError("record_history: %s must be one of %s, got %r" % (name, ", ".join(map(repr, allowed)), value))
-    if not isinstance(clear_history, bool):
-        raise TypeError("record_history: clear_history must be True or False, got %s %r"
+    # As a bool argument of PyTorch's bindings: None is False, a number its truth, anything else refused.
+    if not (clear_history is None or isinstance(clear_history, numbers.Number)):
+        raise TypeError("record_history: clear_history must be True or False (or a number), got %s %r"
                         % (type(clear_history).__name__, clear_history))
     library().fragless_record_history_v2(n, _CONTEXT[context], _STACKS[stacks], 1 if clear_history else 0)
 
