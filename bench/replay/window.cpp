@@ -39,8 +39,8 @@ bool parse_window(const std::string& text, Window* out, std::string* error) {
   Window w;
   if (colon == std::string::npos || !parse_fraction(text.substr(0, colon), &w.from) ||
       !parse_fraction(text.substr(colon + 1), &w.to)) {
-    *error = "--window needs FROM:TO, two fractions of the trace's events in [0, 1] (0.5:1 = its second half), not '" +
-             text + "'";
+    *error = "--window needs FROM:TO, two fractions of the trace's events in [0, 1], written as digits with at most "
+             "one point (they name the window: no sign or exponent; 0.5:1 = its second half), not '" + text + "'";
     return false;
   }
   if (!(w.from < w.to)) {

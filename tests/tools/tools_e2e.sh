@@ -146,6 +146,8 @@ check_error "bad output extension" "use --to" "$bin/fragless-trace" convert "$wo
 check_error "unknown policy" "unknown policy 'best'" "$bin/fragless-replay" --policy best "$work/o.fgt"
 check_error "bad workload" "unknown workload 'gpt'" "$bin/fragless-replay" workload:gpt
 check_error "bad --window" "--window needs FROM:TO" "$bin/fragless-replay" --window 0.5 "$work/o.fgt"
+check_error "--window with an exponent says what it takes" "written as digits with at most one point" \
+  "$bin/fragless-replay" --window 1e-1:1 "$work/o.fgt"
 check_error "--window with --max-batch" "not with --max-batch" \
   "$bin/fragless-replay" --window 0:0.5 --max-batch --capacity-gib 8 "workload:transformer-infer"
 check_output "--window replays a part, named" "oracle.csv@0.5:1" "$bin/fragless-replay" --window 0.5:1 "$work/oracle.csv"
