@@ -102,16 +102,9 @@ class DeviceSink final : public EventSink {
     if (tracer_) tracer_->on_event(e);
     if (!on_.load(std::memory_order_relaxed)) return;  // no history (set_history's fields are read under mu_)
     // Note [The history counts snapshot entries]: the ring keeps the last max_entries entries as a snapshot
-    // shows them, as PyTorch's does: events a snapshot has no entry for (physical handles, empty_cache, a
-    // native trace's state records) take no place in it, and a free that completes at once is its two entries.
-    switch (e.action) {
-      case TraceAction::phys_create:
-      case TraceAction::phys_release:
-      case TraceAction::empty_cache:
-      case TraceAction::block_present:
-      case TraceAction::segment_present: return;
-      default: break;
-    }
+    // shows them, as PyTorch's does: events a snapshot has no entry for take no place in it, and a free that
+    // completes at once is its two entries.
+    if (!formats::snapshot_has_entry(e.action)) return;
     const bool alloc = e.action == TraceAction::alloc;
     const bool freed = e.action == TraceAction::free || e.action == TraceAction::free_completed;
     const bool free_call = freed || e.action == TraceAction::free_requested;

@@ -63,17 +63,11 @@ std::string engine_snapshot_pickle(const std::vector<DeviceState>& devices, cons
         auto entry = [&](const char* action) {
           layout::trace_entry(w, action, h.address, h.size, h.stream, h.time_us, h.frames.get());
         };
-        switch (h.action) {
-          case TraceAction::free:
-            entry("free_requested");
-            entry("free_completed");
-            break;
-          case TraceAction::phys_create:
-          case TraceAction::phys_release:
-          case TraceAction::empty_cache:
-          case TraceAction::block_present:
-          case TraceAction::segment_present: break;
-          default: entry(trace_action_name(h.action)); break;
+        if (h.action == TraceAction::free) {
+          entry("free_requested");
+          entry("free_completed");
+        } else if (snapshot_has_entry(h.action)) {
+          entry(trace_action_name(h.action));
         }
       }
     }

@@ -13,6 +13,19 @@
 
 namespace fragless::formats {
 
+// Whether events of this action are entries of a snapshot's device_traces (a `free` is two:
+// free_requested and free_completed); physical handles, empty_cache and a native trace's state records are not.
+inline bool snapshot_has_entry(TraceAction a) {
+  switch (a) {
+    case TraceAction::phys_create:
+    case TraceAction::phys_release:
+    case TraceAction::empty_cache:
+    case TraceAction::block_present:
+    case TraceAction::segment_present: return false;
+    default: return true;
+  }
+}
+
 struct HistoryEntry {
   TraceAction action = TraceAction::alloc;
   std::uint64_t address = 0, size = 0;

@@ -39,6 +39,12 @@ bool is_segment_op(Op op) {
   return op == Op::segment_alloc || op == Op::segment_free || op == Op::segment_map || op == Op::segment_unmap;
 }
 
+std::string address_text(std::uint64_t address) {
+  char b[24];
+  std::snprintf(b, sizeof b, "0x%llx", static_cast<unsigned long long>(address));
+  return b;
+}
+
 std::string event_out_of_bounds(const Event& e) {
   constexpr std::uint64_t kSizeLimit = std::uint64_t{1} << 63;
   if (e.device < 0 || e.device >= kMaxDevices)
@@ -50,12 +56,8 @@ std::string event_out_of_bounds(const Event& e) {
   if (e.op == Op::oom) return {};
   if (e.size >= kSizeLimit) return "size " + std::to_string(e.size) + " is outside [0, 2^63)";
   if (e.block_size >= kSizeLimit) return "block size " + std::to_string(e.block_size) + " is outside [0, 2^63)";
-  if (e.address + e.size < e.address) {
-    char b[96];
-    std::snprintf(b, sizeof b, "address 0x%llx + size %llu is past 2^64", static_cast<unsigned long long>(e.address),
-                  static_cast<unsigned long long>(e.size));
-    return b;
-  }
+  if (e.address + e.size < e.address)
+    return "address " + address_text(e.address) + " + size " + std::to_string(e.size) + " is past 2^64";
   return {};
 }
 

@@ -138,14 +138,12 @@ LoadResult trace_from_native_bytes(const std::string& bytes, const std::string& 
       // pairs with nothing (trace_model.h)
     } else if (e.op == Op::alloc) {
       if (!lv.insert(e.address).second)
-        return fail("record " + std::to_string(i) + " at byte " + std::to_string(off) + ": address 0x" +
-                    [&] { char b[24]; std::snprintf(b, sizeof b, "%" PRIx64, e.address); return std::string(b); }() +
-                    " allocated twice without a free");
+        return fail("record " + std::to_string(i) + " at byte " + std::to_string(off) + ": address " +
+                    address_text(e.address) + " allocated twice without a free");
     } else if (e.op == Op::free) {
       if (!lv.erase(e.address))
-        return fail("record " + std::to_string(i) + " at byte " + std::to_string(off) + ": free of address 0x" +
-                    [&] { char b[24]; std::snprintf(b, sizeof b, "%" PRIx64, e.address); return std::string(b); }() +
-                    " that was never allocated in this trace");
+        return fail("record " + std::to_string(i) + " at byte " + std::to_string(off) + ": free of address " +
+                    address_text(e.address) + " that was never allocated in this trace");
     }
     t.events.push_back(e);
   }

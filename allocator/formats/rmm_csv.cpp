@@ -170,8 +170,7 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
           e.time_us -= kDayUs;  // a row a little out of order from just before the midnight already passed
         }
       }
-      if (e.time_us >= 0 && latest >= 0 && e.time_us + kOutOfOrderUs < latest)
-      {
+      if (e.time_us >= 0 && latest >= 0 && e.time_us + kOutOfOrderUs < latest) {
         char back[48];
         std::snprintf(back, sizeof back, "%.6f", static_cast<double>(latest - e.time_us) / 1e6);
         return fail("time " + when + " is " + back + " s before line " + std::to_string(latest_line) +
@@ -184,11 +183,7 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
       t.has_time |= e.time_us >= 0;
     }
     if (const std::string why = event_out_of_bounds(e); !why.empty()) return fail(why);  // its time too
-    const std::string address = [&] {
-      char b[32];
-      std::snprintf(b, sizeof b, "0x%" PRIx64, e.address);
-      return std::string(b);
-    }();
+    const std::string address = address_text(e.address);
     if (e.op == Op::oom || holds_nothing(e)) {
       // Nothing was allocated: no address to pair with a free.
     } else if (e.op == Op::alloc) {

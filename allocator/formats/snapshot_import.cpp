@@ -25,9 +25,7 @@
 //    that there is nothing to replay and how to record a trace. Actions of a newer PyTorch are skipped, and
 //    a warning names them.
 #include <algorithm>
-#include <cinttypes>
 #include <cstdint>
-#include <cstdio>
 #include <map>
 #include <set>
 #include <tuple>
@@ -276,11 +274,9 @@ void read_trace(const PyValue& list, std::size_t dev, const std::string& where, 
       if (!null && !allocated_in_window.count(ev.address)) {
         // A block the window freed and has not allocated again: the entries free it twice. (A window loses only
         // its oldest entries, and skip_actions a whole kind, so no lost entry explains a second free.)
-        if (const auto was = freed_in_window.find(ev.address); was != freed_in_window.end()) {
-          char a[24];
-          std::snprintf(a, sizeof a, "0x%" PRIx64, ev.address);
-          bad(aw + ": a second free of " + a + ", which " + was->second + " freed with no allocation there since");
-        }
+        if (const auto was = freed_in_window.find(ev.address); was != freed_in_window.end())
+          bad(aw + ": a second free of " + address_text(ev.address) + ", which " + was->second +
+              " freed with no allocation there since");
         Event s = ev;  // allocated before the window: seed it
         s.op = Op::alloc;
         t.seed.push_back(s);

@@ -38,6 +38,8 @@ struct Event {
 inline constexpr int kMaxDevices = 4096;
 inline constexpr std::int64_t kMaxTimeUs = static_cast<std::int64_t>(UINT64_MAX / 1000);  // 2^64 ns, in µs
 std::string event_out_of_bounds(const struct Event& e);
+// An address as the readers' errors name it: 0x and lowercase hex.
+std::string address_text(std::uint64_t address);
 
 struct Trace {
   std::string source;                 // file name or workload spec

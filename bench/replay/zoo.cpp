@@ -545,6 +545,10 @@ std::string number_text(double x) {
   return b;
 }
 
+// Keys bounded by another key of the same generator: `key` < `bound` (a pipeline's rank is one of its stages).
+struct KeyBelow { const char* gen; const char* key; const char* bound; };
+constexpr KeyBelow kKeysBelow[] = {{"pipeline", "rank", "stages"}};
+
 // The error for a key `gen` does not have, naming the keys it has.
 std::string unknown_key(const std::string& name, const Generator& gen, const std::string& key) {
   std::string names;
@@ -617,8 +621,9 @@ bool zoo_key_range(const std::string& name, const std::string& key, double* lo, 
     if (key == k.name) {
       *lo = k.lo;
       *hi = k.hi;
-      if (name == "pipeline" && key == "stages") *lo = std::max(*lo, value_of("rank") + 1);  // rank < stages
-      if (name == "pipeline" && key == "rank") *hi = std::min(*hi, value_of("stages") - 1);
+      for (const KeyBelow& b : kKeysBelow)
+        if (name == b.gen && key == b.bound) *lo = std::max(*lo, value_of(b.key) + 1);
+        else if (name == b.gen && key == b.key) *hi = std::min(*hi, value_of(b.bound) - 1);
       return true;
     }
     if (std::floor(k.hi) > std::ceil(k.lo)) searchable += std::string(searchable.empty() ? "" : ", ") + k.name;
@@ -683,12 +688,12 @@ bool make_zoo_workload(const std::string& name, const std::string& options, form
     }
     values[key] = x;
   }
-  // Keys bounded by another key's value.
-  if (name == "pipeline" && values["rank"] >= values["stages"]) {
-    *error = "workload pipeline: rank=" + number_text(values["rank"]) + " is not one of its stages=" +
-             number_text(values["stages"]) + " (rank counts stages from 0)";
-    return false;
-  }
+  for (const KeyBelow& b : kKeysBelow)
+    if (name == b.gen && values[b.key] >= values[b.bound]) {
+      *error = "workload " + name + ": " + b.key + "=" + number_text(values[b.key]) + " is not one of its " + b.bound +
+               "=" + number_text(values[b.bound]) + " (" + b.key + " counts " + b.bound + " from 0)";
+      return false;
+    }
   *out = formats::Trace{};
   out->source = "workload:" + name + (options.empty() ? "" : ":" + options);
   Emit em(out, static_cast<u64>(values["seed"]));

@@ -316,13 +316,7 @@ def record_history(max_entries=100000, context=None, stacks="all", clear_history
     kept so far. Frames are kept as addresses and code objects and turned into names only when a snapshot is
     taken."""
     # A wrong type is a TypeError, a value out of range a ValueError, each naming the parameter.
-    if isinstance(max_entries, bool):
-        n = None
-    else:
-        try:
-            n = operator.index(max_entries)  # int, numpy's integers
-        except TypeError:
-            n = None
+    n = None if isinstance(max_entries, bool) else _as_index(max_entries)
     if n is None:
         raise TypeError("record_history: max_entries must be an int (a size_t; 0: off), got %s %r"
                         % (type(max_entries).__name__, max_entries))
@@ -335,11 +329,25 @@ def record_history(max_entries=100000, context=None, stacks="all", clear_history
                             % (name, ", ".join(map(repr, allowed)), type(value).__name__, value))
         if value not in allowed:
             raise ValueError("record_history: %s must be one of %s, got %r" % (name, ", ".join(map(repr, allowed)), value))
-    # As a bool argument of PyTorch's bindings: None is False, a number its truth, anything else refused.
-    if not (clear_history is None or isinstance(clear_history, numbers.Number)):
-        raise TypeError("record_history: clear_history must be True or False (or a number), got %s %r"
-                        % (type(clear_history).__name__, clear_history))
-    library().fragless_record_history_v2(n, _CONTEXT[context], _STACKS[stacks], 1 if clear_history else 0)
+    clear = _bool_arg(clear_history, "clear_history", "record_history")
+    library().fragless_record_history_v2(n, _CONTEXT[context], _STACKS[stacks], 1 if clear else 0)
+
+
+def _as_index(value):
+    """`value` as an int where Python takes it as one (int, numpy's integers: operator.index), else None."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _bool_arg(value, name, where):
+    """A bool argument as PyTorch's bindings (pybind11's bool caster) take it: None is False, a number its truth;
+    anything else (a str, a list) is a TypeError naming the parameter, said as `where` says it."""
+    if value is None or isinstance(value, numbers.Number):
+        return bool(value)
+    raise TypeError("%s: %s must be a bool (True, False, None or a number), got %s %r"
+                    % (where, name, type(value).__name__, value))
 
 
 def memory_fraction(device=0):

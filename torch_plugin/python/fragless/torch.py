@@ -26,7 +26,6 @@ and still replaces the API: it then reports fragless's own devices (the host dri
 API is tested without a GPU. enable() configures a process once: again with other settings it raises.
 """
 import collections
-import numbers
 import ctypes
 import operator
 import os
@@ -414,45 +413,36 @@ def _record_history_current(enabled="all", context="all", stacks="all", max_entr
                       clear_history=_bool_arg(clear_history, "clear_history"))
 
 
+_INCOMPATIBLE = "_record_memory_history(): incompatible function arguments"
+
+
 def _bool_arg(value, name):
-    """A bool argument as PyTorch's binding (pybind11's bool caster) takes it: None is False, a number its truth,
-    anything else (a str, a list) a TypeError naming the parameter."""
-    if value is None or isinstance(value, bool):
-        return bool(value)
-    if isinstance(value, numbers.Number):
-        return bool(value)
-    raise TypeError("_record_memory_history(): incompatible function arguments: %s must be a bool, got %s %r"
-                    % (name, type(value).__name__, value))
+    """A bool argument of PyTorch's binding (fragless._bool_arg's rule), said as the binding says it."""
+    return _f._bool_arg(value, name, _INCOMPATIBLE)
+
+
+def _c_integer(value, name, lo, hi, described):
+    """An argument PyTorch's binding takes as a C integer (through pybind11): an int in [lo, hi), anything else a
+    TypeError there, raised before the call does anything; `described` says what it must be."""
+    n = _f._as_index(value)
+    if n is None or not lo <= n < hi:
+        raise TypeError("%s: %s must be %s, got %r" % (_INCOMPATIBLE, name, described, value))
+    return n
 
 
 def _int64(value, name):
-    """An argument the legacy binding takes as an int64 (torch._C._cuda_record_memory_history_legacy's
-    trace_alloc_max_entries): an int in [-2**63, 2**63 - 1], anything else a TypeError there. A negative count,
-    which PyTorch's allocator would turn into a huge size_t, is refused as nonsense."""
-    try:
-        n = operator.index(value)
-    except TypeError:
-        n = None
-    if n is None or not -2**63 <= n < 2**63:
-        raise TypeError("_record_memory_history(): incompatible function arguments: %s must be an int (an int64), "
-                        "got %r" % (name, value))
+    """torch._C._cuda_record_memory_history_legacy's trace_alloc_max_entries, an int64. A negative count, which
+    PyTorch's allocator would turn into a huge size_t, is refused as nonsense."""
+    n = _c_integer(value, name, -2**63, 2**63, "an int (an int64)")
     if n < 0:
         raise ValueError("_record_memory_history(): %s must not be negative, got %d" % (name, n))
     return n
 
 
 def _size_t(value, name):
-    """An argument PyTorch's binding takes as a size_t (torch._C._cuda_record_memory_history's max_entries,
-    through pybind11): an int in [0, 2**64 - 1], anything else a TypeError there, raised before the call does
-    anything. Before 2026-12-05 a negative max_entries was taken for 1."""
-    try:
-        n = operator.index(value)
-    except TypeError:
-        n = None
-    if n is None or not 0 <= n < 2**64:
-        raise TypeError("_record_memory_history(): incompatible function arguments: %s must be an int in "
-                        "[0, 2**64 - 1] (PyTorch's binding takes a size_t), got %r" % (name, value))
-    return n
+    """torch._C._cuda_record_memory_history's max_entries, a size_t. Before 2026-12-05 a negative max_entries was
+    taken for 1."""
+    return _c_integer(value, name, 0, 2**64, "an int in [0, 2**64 - 1] (PyTorch's binding takes a size_t)")
 
 
 def _refuse_unrecorded(compile_context, global_record_annotations, skip_actions, record_pinned_host_memory,
