@@ -159,7 +159,10 @@ int main(int argc, char** argv) {
                  policy.c_str(), static_cast<double>(st.live_bytes.peak) / (1 << 20),
                  static_cast<double>(st.reserved_bytes.all().peak) / (1 << 20),
                  static_cast<long long>(st.allocation.all().allocated));
-    fragless::torch::flush_cpu_trace();
+    if (const std::string lost = fragless::torch::flush_cpu_trace(); !lost.empty()) {
+      std::fprintf(stderr, "fragless-capture: %s\n", lost.c_str());
+      return 1;
+    }
   }
   return 0;
 }

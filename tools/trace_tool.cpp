@@ -297,7 +297,8 @@ int run(int argc, char** argv) {
       std::int64_t t0 = -1, t1 = -1;
       for (auto& e : t.events)
         if (e.time_us >= 0) {
-          if (t0 < 0) t0 = e.time_us;
+          // The earliest, not the first: devices sharing a native file interleave it in chunks of records.
+          t0 = t0 < 0 ? e.time_us : std::min(t0, e.time_us);
           t1 = std::max(t1, e.time_us);
         }
       const std::uint64_t replayed = by_op[static_cast<int>(Op::alloc)] + by_op[static_cast<int>(Op::free)] +

@@ -596,7 +596,10 @@ long fragless_check_driver(const char* conf, char* buf, size_t len) {
     std::string err;
     if (!r.ok) return copy_out(r.error, buf, len);
     if (!driver_available(r.options, &err)) return copy_out(err, buf, len);
-    if (!r.options.trace.empty() && !trace_path_usable(r.options.trace, &err)) return copy_out(err, buf, len);
+    // Each device's file when the path has %d: as many as the allocator made on first use has (a count
+    // fragless_init gives is not known here).
+    const int devices = default_device_count(r.options, nullptr);
+    if (!r.options.trace.empty() && !trace_path_usable(r.options.trace, devices, &err)) return copy_out(err, buf, len);
     return copy_out("", buf, len);
   });
 }
@@ -974,7 +977,8 @@ const char* fragless_last_error(void) { return t_last_error; }
 
 void fragless_trace_flush(void) {
   guard("fragless_trace_flush", [&] {
-    if (Allocator* a = get()) a->flush_traces();
+    if (Allocator* a = get())
+      if (const std::string lost = a->flush_traces(); !lost.empty()) set_error(lost);
   });
 }
 

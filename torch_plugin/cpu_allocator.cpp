@@ -63,8 +63,9 @@ bool install_cpu_allocator(const std::string& conf, std::string* error) {
 
 DeviceEngine* cpu_engine() { return instance() ? instance()->device(0) : nullptr; }
 
-void flush_cpu_trace() {
-  if (auto& a = instance()) a->flush_traces();
+std::string flush_cpu_trace() {
+  auto& a = instance();
+  return a ? a->flush_traces() : std::string();
 }
 
 }  // namespace fragless::torch

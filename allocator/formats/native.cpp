@@ -88,7 +88,17 @@ LoadResult trace_from_native_bytes(const std::string& bytes, const std::string& 
   t.source = name;
   t.has_time = false;
   const std::size_t body = bytes.size() - h.header_size;
-  const std::size_t n = body / sizeof(NativeTraceRecord);
+  // Note [A zero-filled tail]
+  // A machine that crashes (power lost, the kernel panics) can leave a file whose size was extended but whose
+  // last blocks were never written: ext4 and XFS then read them as zeros. A record has a nonzero marker, so a
+  // run of zero bytes to the end of the file, from a record's start, is that: the records before it are read,
+  // with a warning naming where the zeros begin, as a file cut mid-record is. A zero record followed by
+  // anything else is corruption, refused as before.
+  std::size_t zeros_from = bytes.size();
+  while (zeros_from > h.header_size && bytes[zeros_from - 1] == 0) --zeros_from;
+  const std::size_t first_zero_record = (zeros_from - h.header_size + sizeof(NativeTraceRecord) - 1) / sizeof(NativeTraceRecord);
+  const bool zero_tail = zeros_from < bytes.size() && first_zero_record < body / sizeof(NativeTraceRecord);
+  const std::size_t n = zero_tail ? first_zero_record : body / sizeof(NativeTraceRecord);
   t.events.reserve(n);
   std::vector<std::unordered_set<std::uint64_t>> live_by_device;
   for (std::size_t i = 0; i < n; ++i) {
@@ -147,7 +157,12 @@ LoadResult trace_from_native_bytes(const std::string& bytes, const std::string& 
     }
     t.events.push_back(e);
   }
-  if (body % sizeof(NativeTraceRecord))
+  if (zero_tail)
+    r.warning = name + ": the trace ends in " + std::to_string(bytes.size() - (h.header_size + n * sizeof(NativeTraceRecord))) +
+                " zero bytes from byte " + std::to_string(h.header_size + n * sizeof(NativeTraceRecord)) +
+                " (blocks never written, as a crash of the machine leaves them); read " + std::to_string(n) +
+                " complete records before them";
+  else if (body % sizeof(NativeTraceRecord))
     r.warning = name + ": the trace ends in a partial record at byte " +
                 std::to_string(h.header_size + n * sizeof(NativeTraceRecord)) + " (cut short, e.g. by a crash); read " +
                 std::to_string(n) + " complete records";

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <unordered_map>
 #include <set>
 #include <tuple>
 
@@ -213,14 +214,20 @@ void read_segment(const PyValue& seg, const std::string& where, std::vector<Devi
 void read_trace(const PyValue& list, std::size_t dev, const std::string& where, Trace& t, Counts& c) {
   if (list.type != PyValue::Type::list) bad(where + " is " + type_name(list) + ", not a list");
   // skip_actions=["free_completed"]: the free_requested entries are the frees.
-  bool any_completed = false, any_requested = false;
+  bool any_completed = false, any_requested = false, any_alloc = false;
   for (const auto& ep : list.items)
     if (ep->type == PyValue::Type::dict)
       if (const PyValue* a = ep->get("action"); a && a->type == PyValue::Type::str) {
         any_completed |= a->s == "free_completed";
         any_requested |= a->s == "free_requested";
+        any_alloc |= a->s == "alloc";
       }
   const bool requested_frees = any_requested && !any_completed;
+  // skip_actions=["alloc"] (or a trace that kept only frees): an address the allocator reused is freed again
+  // with no allocation between, which is no double free here. The first free of each address frees a block
+  // live before the window; the later ones free blocks whose allocations were skipped, and are left out
+  // (the note on a trace with no allocation says what was recorded).
+  const bool frees_only = !any_alloc;
   std::size_t taken = 0, reallocated = 0;
   std::set<std::uint64_t> allocated_in_window;
   std::map<std::uint64_t, std::string> freed_in_window;  // address -> the entry that freed it, until reallocated
@@ -274,9 +281,11 @@ void read_trace(const PyValue& list, std::size_t dev, const std::string& where, 
       if (!null && !allocated_in_window.count(ev.address)) {
         // A block the window freed and has not allocated again: the entries free it twice. (A window loses only
         // its oldest entries, and skip_actions a whole kind, so no lost entry explains a second free.)
-        if (const auto was = freed_in_window.find(ev.address); was != freed_in_window.end())
+        if (const auto was = freed_in_window.find(ev.address); was != freed_in_window.end()) {
+          if (frees_only) continue;
           bad(aw + ": a second free of " + address_text(ev.address) + ", which " + was->second +
               " freed with no allocation there since");
+        }
         Event s = ev;  // allocated before the window: seed it
         s.op = Op::alloc;
         t.seed.push_back(s);
@@ -306,26 +315,56 @@ void read_trace(const PyValue& list, std::size_t dev, const std::string& where, 
                       "(recorded with skip_actions?), so the replay holds memory the program had freed");
 }
 
-// A burst of consecutive segment_free entries is what torch.cuda.empty_cache() (or PyTorch's own
-// release-everything OOM retry) leaves in a snapshot: the program asked for its cache to be emptied, so
-// every replayed policy gets the same empty_cache call there. A lone segment_free (garbage collection, an
-// oversize release) is PyTorch's own decision and is not replayed.
-void add_empty_cache_calls(Trace& t, std::size_t first_event) {
+// Note [Releases the program asked for]
+// PyTorch releases cached memory (segment_free entries for classic segments, segment_unmap for an expandable
+// segment's pages) in release_cached_blocks, which torch.cuda.empty_cache() calls, and so does the OOM retry
+// (the program's allocation asked for memory PyTorch then freed its cache for); both release every free
+// segment, one entry after another under the allocator's lock. Only two settings make PyTorch release on its
+// own, a segment at a time: garbage_collection_threshold (garbage_collect_cached_blocks) and max_split_size_mb
+// (release_available_cached_blocks). So each run of consecutive release entries is one empty_cache call, given
+// to every replayed policy there, when the snapshot's allocator_settings (PyTorch 2.3 and later) show both
+// off, and also when it has none (older snapshots, where those settings were rare; a note says how many
+// single releases were taken so). With either on, a release of PyTorch's own and a call cannot be told apart
+// (the frames could, but the reader does not keep them): runs of two or more are taken as calls, a lone
+// release as PyTorch's own, and a note says so. A run of one entry is common: an empty_cache() in a loop
+// whose cache holds one segment.
+enum class OwnReleases { off, unknown, possible };
+
+OwnReleases own_releases(const PyValue& root) {
+  const PyValue* st = root.type == PyValue::Type::dict ? root.get("allocator_settings") : nullptr;
+  if (!st || st->type != PyValue::Type::dict) return OwnReleases::unknown;
+  const PyValue* split = st->get("max_split_size");
+  const PyValue* gc = st->get("garbage_collection_threshold");
+  if (!split || !gc) return OwnReleases::unknown;
+  const bool split_on = split->type == PyValue::Type::integer ? split->i >= 0 : true;  // -1: unlimited
+  const bool gc_on = gc->type == PyValue::Type::real ? gc->f > 0 : gc->type == PyValue::Type::integer ? gc->i > 0 : true;
+  return split_on || gc_on ? OwnReleases::possible : OwnReleases::off;
+}
+
+bool is_release(Op op) { return op == Op::segment_free || op == Op::segment_unmap; }
+
+// Returns the lone releases taken as calls (OwnReleases::unknown) or left as PyTorch's own (::possible).
+std::size_t add_empty_cache_calls(Trace& t, std::size_t first_event, OwnReleases own) {
   std::vector<Event> with_calls;
   with_calls.reserve(t.events.size() - first_event + 16);
+  std::size_t lone = 0;
   for (std::size_t i = first_event; i < t.events.size(); ++i) {
     const Event& ev = t.events[i];
-    if (ev.op == Op::segment_free && (i == first_event || t.events[i - 1].op != Op::segment_free) &&
-        i + 1 < t.events.size() && t.events[i + 1].op == Op::segment_free) {
-      Event call = ev;
-      call.op = Op::empty_cache;
-      call.address = call.size = 0;
-      with_calls.push_back(call);
+    if (is_release(ev.op) && (i == first_event || !is_release(t.events[i - 1].op))) {
+      const bool run = i + 1 < t.events.size() && is_release(t.events[i + 1].op);
+      lone += !run;
+      if (run || own != OwnReleases::possible) {
+        Event call = ev;
+        call.op = Op::empty_cache;
+        call.address = call.size = 0;
+        with_calls.push_back(call);
+      }
     }
     with_calls.push_back(ev);
   }
   t.events.resize(first_event);
   t.events.insert(t.events.end(), with_calls.begin(), with_calls.end());
+  return own == OwnReleases::off ? 0 : lone;
 }
 
 // What the allocator held before the window: the dump's segments and mapped ranges rolled back through the
@@ -409,12 +448,21 @@ LoadResult import(const PyValue& root, const std::string& name, std::uint64_t in
   if (root.type == PyValue::Type::dict)
     if (const PyValue* st = root.get("allocator_settings"))
       if (const PyValue* cv = st->get("fragless_converted")) converted = cv->type == PyValue::Type::boolean && cv->i;
+  const OwnReleases own = converted ? OwnReleases::off : own_releases(root);  // Note [Releases the program asked for]
   t.recorded_peak_reserved.assign(devs.size(), std::nullopt);
   for (std::size_t dev = 0; dev < devs.size(); ++dev) {
     const std::size_t first_event = t.events.size();
     if (traces && dev < traces->items.size())
       read_trace(*traces->items[dev], dev, "device_traces[" + std::to_string(dev) + "]", t, c);
-    add_empty_cache_calls(t, first_event);
+    if (const std::size_t lone = add_empty_cache_calls(t, first_event, own))
+      c.notes.push_back(
+          "device " + std::to_string(dev) + ": " + std::to_string(lone) + " single segment release" +
+          (lone == 1 ? "" : "s") +
+          (own == OwnReleases::unknown
+               ? " taken as empty_cache calls (the snapshot records no allocator_settings; with "
+                 "garbage_collection_threshold or max_split_size_mb set PyTorch also releases a segment on its own)"
+               : " taken as PyTorch's own (garbage_collection_threshold or max_split_size_mb is set), not replayed; "
+                 "runs of two or more releases are taken as empty_cache calls"));
     if (!converted) add_pre_segments(t, first_event, dev, devs[dev].segments_at_dump);
     // A block the window allocated and the dump still holds: the dump tells its size after rounding (the
     // trace entry holds the size asked for).
@@ -447,13 +495,29 @@ LoadResult import(const PyValue& root, const std::string& name, std::uint64_t in
       if (ev.op == Op::segment_free || ev.op == Op::segment_unmap) running += static_cast<__int128>(ev.size);
     }
     peak = running;
+    // Reserved bytes hold the live blocks at every moment: where the rolled-back reserved falls below the
+    // bytes live then, the segment entries are incomplete (skip_actions of the segment actions, or a hand-
+    // trimmed trace), and the figure would be no peak of PyTorch's: it is not reported.
+    std::unordered_map<std::uint64_t, std::uint64_t> live_now;
+    __int128 live_bytes = 0;
+    for (const Event& s : t.seed)
+      if (s.device == static_cast<std::int32_t>(dev) && live_now.emplace(s.address, s.size).second) live_bytes += s.size;
+    bool short_of_live = running < live_bytes;
     for (std::size_t i = first_event; i < t.events.size(); ++i) {
       const Event& ev = t.events[i];
       if (ev.op == Op::segment_alloc || ev.op == Op::segment_map) running += static_cast<__int128>(ev.size);
       if (ev.op == Op::segment_free || ev.op == Op::segment_unmap) running -= static_cast<__int128>(ev.size);
+      if (ev.op == Op::alloc && !holds_nothing(ev) && live_now.emplace(ev.address, ev.size).second) live_bytes += ev.size;
+      if (ev.op == Op::free)
+        if (auto it = live_now.find(ev.address); it != live_now.end()) live_bytes -= it->second, live_now.erase(it);
+      short_of_live |= running < live_bytes;
       peak = std::max(peak, running);
     }
-    if (!converted)
+    if (short_of_live && !converted) {
+      c.notes.push_back("device " + std::to_string(dev) + ": its segment entries do not account for the memory its " +
+                        "blocks held (recorded with skip_actions of segment_alloc/segment_free?): PyTorch's peak " +
+                        "reserved is not known");
+    } else if (!converted)
       t.recorded_peak_reserved[dev] =
           static_cast<std::uint64_t>(std::clamp<__int128>(peak, 0, static_cast<__int128>(UINT64_MAX)));
   }

@@ -35,23 +35,31 @@ int device_limit(const Options& opts, std::string* error) {
   return e.make && e.device_count ? e.device_count(error) : kMaxDevices;
 }
 
+int default_device_count(const Options& opts, std::string* error) {
+  const DriverEntry& e = driver_entry(opts.driver);
+  return e.device_count ? e.device_count(error) : 1;
+}
+
 std::unique_ptr<Allocator> Allocator::create(const Options& opts, int devices, std::string* error, bool eager) {
   auto a = std::unique_ptr<Allocator>(new Allocator());
   a->opts_ = opts;
   a->creator_pid_ = static_cast<long>(getpid());
   if (devices < 0) {  // as many as the driver has
-    const DriverEntry& e = driver_entry(opts.driver);
-    devices = e.device_count ? e.device_count(error) : 1;
+    devices = default_device_count(opts, error);
     if (devices < 0) return nullptr;
   }
   if (!opts.trace.empty()) {
     // A file another process is writing (two processes given one path, e.g. a process and a child forked
     // before either made its allocator) leaves this process untraced, said on stderr: its trace is a
     // diagnosis, not worth the process, and the other's file is not touched (Note [Opening a trace file]).
+    // So does any file that cannot be opened when the allocator is made inside a program's first allocation
+    // (eager false: the C ABI, the interposer), after the checks made when the configuration was given
+    // (fragless_check_driver) had passed: a folder removed since, a disk full at that moment, a device whose
+    // file the check could not foresee. Failing there would fail that allocation and every later one.
     bool busy = false;
     std::string why;
     a->tracing_ = Tracing::open(opts.trace, devices, policy_name(opts.policy), &why, &busy);
-    if (!a->tracing_ && busy) {
+    if (!a->tracing_ && (busy || !eager)) {
       std::fprintf(stderr, "%s; process %d is not traced\n", why.c_str(), static_cast<int>(getpid()));
     } else if (!a->tracing_) {
       if (error) *error = why;
@@ -239,11 +247,12 @@ void Allocator::on_engine_created(std::function<void(int, DeviceEngine&)> f) {
   for (auto [d, e] : now) f(d, *e);
 }
 
-void Allocator::flush_traces() {
+std::string Allocator::flush_traces() {
   // Without the creation lock (Note [Creating an engine]): at exit the thread may hold a device lock (exit()
   // from an event sink) that a fork in progress, holding the creation lock, waits for.
   for (int d = 0; d < device_count(); ++d)
     if (DeviceEngine* e = existing(d)) e->flush_trace();
+  return tracing_ && !forked_child() ? tracing_->losses() : std::string();
 }
 
 bool Allocator::forked_child() const { return static_cast<long>(getpid()) != creator_pid_; }
@@ -273,10 +282,7 @@ void Allocator::at_exit() {
   if (tracing_) tracing_->go_synchronous();
   flush_traces();  // what the sinks still hold, written now (Note [Tracing at exit])
   // A file whose writes failed (a full disk) said so once, at the first; the loss is counted here.
-  if (tracing_)
-    if (const std::uint64_t lost = tracing_->dropped_records())
-      std::fprintf(stderr, "fragless: %llu trace records were not written (the trace files' writes failed)\n",
-                   static_cast<unsigned long long>(lost));
+  if (tracing_) tracing_->report_losses();
 }
 
 void Allocator::stop_background() {

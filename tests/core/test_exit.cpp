@@ -500,3 +500,94 @@ TEST_CASE("exit: a process given the trace file another process writes goes on u
   CHECK(counts(r.trace, 0).allocs == 15);
   std::filesystem::remove_all(dir);
 }
+
+// Note [A file size limit] (tracer.cpp), from a review of the tracer: the header and the records written at exit
+// are written on the program's thread, where SIGXFSZ's default action ended a process that had done its work.
+TEST_CASE("exit: a file size limit reached by the trace's header or at exit does not kill the process", "[exit][tracer]") {
+  const std::string dir = temp_dir("fsize");
+  // The child's stderr goes to a pipe: a file would take the limit too.
+  int out[2];
+  REQUIRE(::pipe(out) == 0);
+  const int status = run_child("a traced process under a file size limit", [&] {
+    ::dup2(out[1], 2);
+    ::close(out[0]);
+    ::signal(SIGXFSZ, SIG_DFL);  // the default: the process ends with a core dump
+    rlimit was{};
+    if (::getrlimit(RLIMIT_FSIZE, &was) != 0) _exit(100);
+    const rlimit none{0, was.rlim_max};  // the soft limit: raised again below
+    if (::setrlimit(RLIMIT_FSIZE, &none) != 0) _exit(101);
+    auto parsed = parse_config("driver:sim,trace:" + dir + "/none.fgt");
+    if (!parsed.ok) _exit(102);
+    std::string err;
+    // Made at once (a tool's or a test's allocator): the header's failure is the allocator's error.
+    if (Allocator::create(parsed.options, 1, &err)) _exit(103);
+    std::fprintf(stderr, "eager: %s\n", err.c_str());
+    // Made inside a program's first allocation: the process goes on untraced.
+    auto lazy = Allocator::create(parsed.options, 1, &err, /*eager=*/false);
+    if (!lazy || !lazy->trace_paths().empty()) _exit(104);
+    // A limit the records pass at exit, where each is written on the exiting thread.
+    const rlimit small{1u << 16, was.rlim_max};
+    if (::setrlimit(RLIMIT_FSIZE, &small) != 0) _exit(105);
+    parsed = parse_config("driver:sim,trace:" + dir + "/small.fgt");
+    Allocator* a = Allocator::create(parsed.options, 1, &err).release();
+    if (!a) _exit(106);
+    a->at_exit();
+    DeviceEngine* e = a->device(0);
+    for (int i = 0; i < 3000; ++i)  // 6,000 records, 288,000 bytes
+      if (e->free(e->allocate(4096, 0, nullptr)) != Status::ok) _exit(107);
+    const std::string lost = a->flush_traces();  // what was lost, said to the caller too
+    if (lost.find("trace records were not written to " + dir + "/small.fgt: writing it failed: File too large") ==
+        std::string::npos)
+      _exit(108);
+    std::fflush(stderr);
+    _exit(0);
+  });
+  ::close(out[1]);
+  std::string err;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(out[0], buf, sizeof buf)) > 0;) err.append(buf, static_cast<std::size_t>(n));
+  ::close(out[0]);
+  INFO("the child's stderr:\n" << err);
+  REQUIRE(WIFEXITED(status));  // not signalled (SIGXFSZ)
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK(err.find("eager: fragless: cannot write trace file '" + dir + "/none.fgt': File too large") != std::string::npos);
+  CHECK(err.find("File too large; process") != std::string::npos);  // the lazy one, untraced
+  CHECK(err.find("is not traced") != std::string::npos);
+  CHECK(err.find("fragless: writing the trace to " + dir + "/small.fgt failed (File too large)") != std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+// Note [Tracing in a forked child], from a review of the tracer: a child forked from a tracing process kept its
+// copy of the file's descriptor, and with it the file's lock, after the parent closed it, so the next run given
+// the path (here: the parent's next allocator) found it busy and went untraced.
+TEST_CASE("exit: a forked child that does not trace keeps no lock on the parent's trace file", "[exit][tracer]") {
+  const std::string dir = temp_dir("forklock");
+  const std::string conf = "driver:sim,trace:" + dir + "/held.fgt";
+  auto a = test::allocator_from(conf, 1);
+  DeviceEngine* e = a->device(0);
+  for (int i = 0; i < 10; ++i) REQUIRE(e->free(e->allocate(MiB, 0, nullptr)) == Status::ok);
+  int ready[2];
+  REQUIRE(::pipe(ready) == 0);
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {  // an idle worker: it outlives its parent's allocator
+    ::close(ready[0]);
+    (void)!::write(ready[1], "x", 1);
+    ::sleep(30);
+    _exit(0);
+  }
+  ::close(ready[1]);
+  char c;
+  REQUIRE(::read(ready[0], &c, 1) == 1);
+  ::close(ready[0]);
+  a.reset();  // the parent's descriptor closed
+  auto parsed = parse_config(conf);
+  std::string err;
+  auto again = Allocator::create(parsed.options, 1, &err);
+  const bool traced = again && again->trace_paths().size() == 1;
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  CHECK(traced);
+  again.reset();
+  std::filesystem::remove_all(dir);
+}

@@ -79,3 +79,53 @@ TEST_CASE("oracle: fragless never reserves more than expandable, and less where 
   CHECK(run(kCases[0], PolicyKind::fragless, DriverKind::sim).second == 128 * MiB);
   CHECK(run(kCases[2], PolicyKind::fragless, DriverKind::sim).second == 4 * MiB);
 }
+
+// From a review of the peers' models against PyTorch's CUDACachingAllocator.cpp (docs/RELIABILITY.md, "Hostile
+// reviews (2026-12-06, fourth)").
+TEST_CASE("oracle: expandable creates a growth's pages before mapping any, and a failed create maps nothing",
+          "[oracle]") {
+  // ExpandableSegment::map: every handle is created first; one create failing releases those made and
+  // returns. The model used to create and map page by page, counting maps and unmaps PyTorch never makes.
+  EngineSpec spec;
+  spec.policy = PolicyKind::expandable;
+  spec.capacity = 100 * MiB;  // five 20 MiB pages
+  spec.base.background = BackgroundMode::off;
+  auto e = make_engine(spec);
+  void* a = e->allocate(30 * MiB, 0, nullptr);  // two pages
+  REQUIRE(a);
+  const DriverCounters before = e->driver().counters();
+  CHECK(e->allocate(70 * MiB, 1, nullptr) == nullptr);  // four pages on another stream: the fourth create fails
+  const DriverCounters after = e->driver().counters();
+  CHECK(after[DriverCall::map] == before[DriverCall::map]);
+  CHECK(after[DriverCall::unmap] == before[DriverCall::unmap]);
+  CHECK(after[DriverCall::release] - before[DriverCall::release] >= 3);  // the three made, released
+  CHECK(reserved(*e) == static_cast<std::int64_t>(40 * MiB));
+  require_consistent(*e);
+}
+
+TEST_CASE("oracle: after emptying the cache for a request, the peers grow without searching the cache again",
+          "[oracle]") {
+  // PyTorch's malloc calls alloc_block after release_cached_blocks. A block freed on a busy stream comes back to
+  // the pool inside the release, in a segment a live block keeps (so not released): PyTorch still creates, and
+  // here runs out of memory; fragless takes the block.
+  for (PolicyKind p : {PolicyKind::classic, PolicyKind::fragless}) {
+    INFO(name(p));
+    EngineSpec spec;
+    spec.policy = p;
+    spec.capacity = 30 * MiB;
+    spec.base.background = BackgroundMode::off;
+    auto e = make_engine(spec);
+    TestEvents* ev = test_events_of(e->driver());
+    REQUIRE(ev);
+    void* a = e->allocate(5 * MiB, 1, nullptr);
+    void* b = e->allocate(15 * MiB, 1, nullptr);
+    REQUIRE((a && b));
+    ev->hold(2);
+    REQUIRE(e->record_stream(b, 2) == Status::ok);
+    REQUIRE(e->free(b) == Status::ok);
+    void* c = e->allocate(15 * MiB, 1, nullptr);
+    CHECK(e->stats().num_alloc_retries == 1);
+    if (p == PolicyKind::classic) CHECK(c == nullptr);
+    else CHECK(c == b);
+  }
+}

@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <random>
 #include <set>
@@ -12,6 +13,7 @@
 #include "fragless/allocator.h"
 #include "fragless/trace_format.h"
 #include "fragless/tracer.h"
+#include "helpers.h"
 #include "os_probes.h"
 #include "pickle.h"
 #include "seed.h"
@@ -226,6 +228,106 @@ TEST_CASE("tracer: an unwritable path is a clear error", "[tracer][bad-input]") 
   CHECK(err.find("cannot open trace file '/nonexistent-dir/x.fgt'") != std::string::npos);
 }
 
+// From a review of the tracer (docs/RELIABILITY.md, "Hostile reviews (2026-12-06, fourth)").
+TEST_CASE("tracer: an earlier trace at the path is kept as PATH.prev, and said", "[tracer]") {
+  // Note [An earlier trace at the path]: a restarted job (torchrun keeps RANK) or an exec'd image (the pid stays)
+  // emptied the trace of the run before it.
+  const std::string dir = temp_dir();
+  const std::string path = dir + "/again.fgt";
+  std::filesystem::remove(path);
+  std::filesystem::remove(path + ".prev");
+  auto run = [&](int pairs) {
+    auto a = test::allocator_from("driver:sim,trace:" + path, 1);
+    DeviceEngine* e = a->device(0);
+    for (int i = 0; i < pairs; ++i) REQUIRE(e->free(e->allocate(4096, 0, nullptr)) == Status::ok);
+  };
+  run(10);
+  run(3);
+  auto prev = load_trace(path + ".prev");
+  INFO(prev.error);
+  REQUIRE(prev.ok);
+  CHECK(count(prev.trace, Op::alloc) == 10);
+  auto now = load_trace(path);
+  REQUIRE(now.ok);
+  CHECK(count(now.trace, Op::alloc) == 3);
+  // A file that is no trace is kept too, byte for byte; a header alone (a run that made no event) is not.
+  { std::ofstream(path) << "notes the user kept here\n"; }
+  run(1);
+  CHECK(slurp(path + ".prev") == "notes the user kept here\n");
+  std::filesystem::remove(path);
+  {
+    std::string err;
+    auto t = Tracing::open(path, 1, "fragless", &err);  // a header, no record
+    REQUIRE(t);
+  }
+  run(2);
+  CHECK(slurp(path + ".prev") == "notes the user kept here\n");
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("tracer: a trace file removed while written is said lost, and flush_traces says so", "[tracer]") {
+  // Note [A trace file removed while written]: every record went to a file with no name, and nothing said so.
+  const std::string dir = temp_dir();
+  auto a = test::allocator_from("driver:sim,background:False,trace:" + dir + "/gone.fgt", 1);
+  DeviceEngine* e = a->device(0);
+  for (int i = 0; i < 10; ++i) REQUIRE(e->free(e->allocate(4096, 0, nullptr)) == Status::ok);
+  CHECK(a->flush_traces().empty());
+  REQUIRE(std::filesystem::remove(dir + "/gone.fgt"));
+  std::string lost;
+  for (int i = 0; i < 500 && lost.empty(); ++i) {  // the writer looks every 100 ms
+    REQUIRE(e->free(e->allocate(4096, 0, nullptr)) == Status::ok);
+    ::usleep(10000);
+    lost = a->flush_traces();
+  }
+  CHECK(lost.find("trace records were not written to " + dir + "/gone.fgt: it was removed while it was written") !=
+        std::string::npos);
+  a.reset();
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("tracer: %r with a RANK that is not a rank is refused, and the checks look at every device's file",
+          "[tracer][bad-input]") {
+  const char* saved = std::getenv("RANK");
+  const std::string keep = saved ? saved : "";
+  std::string err;
+  for (const char* bad : {"abc", "3x", " 3", "-1", "+2", "1000001", "99999999999999999999"}) {
+    ::setenv("RANK", bad, 1);
+    CAPTURE(bad);
+    CHECK(rank_from_environment() == kRankInvalid);
+    err.clear();
+    CHECK(expand_trace_path("/t/r%r.fgt", 0, 1, rank_from_environment(), &err).empty());
+    CHECK(err == std::string("fragless: the trace path '/t/r%r.fgt' has %r, but RANK='") + bad +
+                     "' in the environment is not a rank (a whole number from 0 to 1000000)");
+    CHECK(expand_trace_path("/t/p%p.fgt", 0, 1, rank_from_environment(), &err) == "/t/p1.fgt");  // no %r: no matter
+  }
+  ::setenv("RANK", "12", 1);
+  CHECK(expand_trace_path("/t/r%r.fgt", 0, 1, rank_from_environment(), &err) == "/t/r12.fgt");
+  if (saved) ::setenv("RANK", keep.c_str(), 1);
+  else ::unsetenv("RANK");
+
+  const std::string dir = temp_dir();
+  std::filesystem::create_directories(dir + "/dev0");
+  std::filesystem::remove_all(dir + "/dev1");
+  CHECK(trace_path_usable(dir + "/dev%d/t.fgt", 1, &err));
+  CHECK_FALSE(trace_path_usable(dir + "/dev%d/t.fgt", 2, &err));
+  CHECK(err == "fragless: cannot open trace file '" + dir + "/dev1/t.fgt': its folder '" + dir +
+                   "/dev1': No such file or directory");
+  CHECK(trace_path_usable(dir + "/dev0/all.fgt", 2, &err));  // no %d: one file
+  // Made inside a program's first allocation (the C ABI, the interposer), after the checks: a file that
+  // cannot be opened then leaves the process untraced instead of failing every allocation.
+  auto parsed = parse_config("driver:sim,trace:" + dir + "/dev%d/t.fgt");
+  REQUIRE(parsed.ok);
+  CHECK_FALSE(Allocator::create(parsed.options, 2, &err));
+  auto lazy = Allocator::create(parsed.options, 2, &err, /*eager=*/false);
+  REQUIRE(lazy);
+  CHECK(lazy->trace_paths().empty());
+  REQUIRE(lazy->device(1));
+  void* p = lazy->device(1)->allocate(4096, 0, nullptr);
+  CHECK(p);
+  lazy->device(1)->free(p);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("native format: cut short, corrupt, other versions", "[formats][bad-input]") {
   Trace t;
   std::string err;
@@ -241,6 +343,25 @@ TEST_CASE("native format: cut short, corrupt, other versions", "[formats][bad-in
     CHECK(r.trace.seed.size() == t.seed.size());
     CHECK(r.trace.events.size() + r.trace.seed.size() == records - 1);
     CHECK(r.warning.find("partial record at byte") != std::string::npos);
+  }
+  SECTION("a machine's crash: zero bytes where the last blocks were never written, read up to them") {
+    // Note [A zero-filled tail]: the file's last record ends in zero bytes (its sequence's high bytes), and a
+    // zero record in the middle is corruption still.
+    auto r = trace_from_native_bytes(good + std::string(8192, '\0'), "z.fgt");
+    INFO(r.error);
+    REQUIRE(r.ok);
+    CHECK(r.trace.events.size() + r.trace.seed.size() == records);
+    CHECK(r.warning == "z.fgt: the trace ends in 8192 zero bytes from byte " + std::to_string(good.size()) +
+                           " (blocks never written, as a crash of the machine leaves them); read " +
+                           std::to_string(records) + " complete records before them");
+    auto cut = trace_from_native_bytes(good.substr(0, good.size() - 48) + std::string(100, '\0'), "z2.fgt");
+    REQUIRE(cut.ok);
+    CHECK(cut.trace.events.size() + cut.trace.seed.size() == records - 1);
+    std::string mid = good;
+    std::fill(mid.begin() + 64 + 48 * 5, mid.begin() + 64 + 48 * 6, '\0');
+    auto bad = trace_from_native_bytes(mid, "zm.fgt");
+    CHECK_FALSE(bad.ok);
+    CHECK(bad.error.find("corrupt record 5 at byte 304") != std::string::npos);
   }
   SECTION("header cut short") {
     auto r = trace_from_native_bytes(good.substr(0, 30), "h.fgt");

@@ -438,16 +438,31 @@ TEST_CASE("snapshot versions: sizes past any device are refused, and huge segmen
 }
 
 TEST_CASE("snapshot versions: frees and no allocation name skip_actions", "[formats][snapshot-versions]") {
-  Py s = snapshot(Shape::v2_3);
-  Py kept = L();
-  for (const Py& e : s.at("device_traces").items[0].items)
-    if (e.kv[0].second.s != "alloc") kept.items.push_back(e);
-  s.at("device_traces").items[0] = kept;
-  auto r = load(python_pickle(s));
-  INFO(r.error);
-  REQUIRE(r.ok);
-  CHECK(r.warning.find("no 'alloc' (recorded with _record_memory_history(skip_actions=[\"alloc\"])?)") !=
-        std::string::npos);
+  // With an address freed twice too: the caching allocator reuses addresses, so with the allocations skipped a
+  // second free of one follows the first with no allocation between (refused as a double free until a review
+  // of 2026-12-06).
+  const Py again = D({{"action", S("free_completed")}, {"addr", I(kBase)}, {"size", I(MiB)}, {"stream", I(0)},
+                      {"time_us", I(1700000000009999)}});
+  for (bool reused : {false, true}) {
+    INFO("an address freed twice: " << reused);
+    Py s = snapshot(Shape::v2_3);
+    Py kept = L();
+    for (const Py& e : s.at("device_traces").items[0].items)
+      if (e.kv[0].second.s != "alloc") kept.items.push_back(e);
+    if (reused) kept.items.push_back(again);
+    s.at("device_traces").items[0] = kept;
+    auto r = load(python_pickle(s));
+    INFO(r.error);
+    REQUIRE(r.ok);
+    CHECK(r.warning.find("no 'alloc' (recorded with _record_memory_history(skip_actions=[\"alloc\"])?)") !=
+          std::string::npos);
+  }
+  // With the allocations recorded, the same second free is refused as a double free.
+  Py whole = snapshot(Shape::v2_3);
+  whole.at("device_traces").items[0].items.push_back(again);
+  auto refused = load(python_pickle(whole));
+  CHECK_FALSE(refused.ok);
+  CHECK(refused.error.find("a second free of 0x7f0000000000") != std::string::npos);
 }
 
 TEST_CASE("snapshot versions: skip_actions leaves free_completed or free_requested alone, and both free",
@@ -532,11 +547,13 @@ TEST_CASE("snapshot versions: expandable segments roll back through segment_map 
   REQUIRE(r.ok);
   CHECK(r.trace.pre_segments.empty());  // nothing was mapped before the window
   CHECK(r.trace.recorded_peak_reserved[0] == std::optional<std::uint64_t>(20 * MiB));
-  REQUIRE(r.trace.events.size() == 5);
+  // PyTorch unmaps only when its cache is emptied (Note [Releases the program asked for]): the call comes first.
+  REQUIRE(r.trace.events.size() == 6);
   CHECK(r.trace.events[0].op == Op::segment_map);
-  CHECK(r.trace.events[3].op == Op::segment_unmap);
+  CHECK(r.trace.events[3].op == Op::empty_cache);
+  CHECK(r.trace.events[4].op == Op::segment_unmap);
   CHECK(r.trace.events[1].size == 0);  // an entry of size 0 is an allocation like any other
-  CHECK(r.trace.events[4].block_size == 2 * MiB);
+  CHECK(r.trace.events[5].block_size == 2 * MiB);
 }
 
 TEST_CASE("snapshot versions: actions of a newer PyTorch are skipped and named in a warning", "[formats][snapshot-versions]") {
@@ -726,4 +743,86 @@ TEST_CASE("pickle: a file cut short is said to be, at the byte it ends", "[forma
   r = read_pickle(bin("\x80\x02\x8c\x09" "abc"));
   CHECK_FALSE(r.value);
   CHECK(r.error == "pickle: declared length 9 runs past the end of the input (a truncated or corrupt file) at byte 2");
+}
+
+// From a review of the readers against PyTorch's snapshots (docs/RELIABILITY.md, "Hostile reviews (2026-12-06,
+// fourth)"): Note [Releases the program asked for], snapshot_import.cpp.
+TEST_CASE("snapshot versions: each run of segment releases is an empty_cache call unless PyTorch may release on its own",
+          "[formats][snapshot-versions]") {
+  // The window ends with the small segment's block freed and the segment released alone (an empty_cache() in a
+  // loop), then a range of an expandable segment mapped and unmapped alone.
+  auto make = [](int settings_kind) {  // 0: PyTorch's defaults, 1: garbage collection on, 2: no allocator_settings
+    Py snap = snapshot(Shape::v2_3);
+    auto& segs = snap.at("segments").items;
+    segs.erase(segs.begin() + 1);  // the small segment is gone at the dump
+    auto& list = snap.at("device_traces").items[0].items;
+    std::int64_t time = 1700000000001000;
+    auto entry = [&](const char* action, std::int64_t addr, std::int64_t size) {
+      list.push_back(D({{"action", S(action)}, {"addr", I(addr)}, {"size", I(size)}, {"stream", I(0)},
+                        {"time_us", I(time += 5)}}));
+    };
+    entry("free_completed", kBase + 32 * MiB, 100);
+    entry("segment_free", kBase + 32 * MiB, 2 * MiB);
+    entry("segment_map", kBase + 64 * MiB, 2 * MiB);
+    entry("segment_unmap", kBase + 64 * MiB, 2 * MiB);
+    if (settings_kind == 1) snap.at("allocator_settings").set("garbage_collection_threshold", F(0.6));
+    if (settings_kind == 2) snap.erase("allocator_settings");
+    return snap;
+  };
+  for (int kind : {0, 1, 2}) {
+    INFO("settings " << kind);
+    auto r = load(python_pickle(make(kind)));
+    INFO(r.error);
+    REQUIRE(r.ok);
+    std::size_t calls = 0;
+    for (std::size_t n = 0; n < r.trace.events.size(); ++n)
+      if (r.trace.events[n].op == Op::empty_cache) {
+        ++calls;
+        REQUIRE(n + 1 < r.trace.events.size());  // each just before the release it stands for
+        CHECK((r.trace.events[n + 1].op == Op::segment_free || r.trace.events[n + 1].op == Op::segment_unmap));
+      }
+    CHECK(calls == (kind == 1 ? 0u : 2u));
+    if (kind == 0) CHECK(r.warning.find("single segment release") == std::string::npos);
+    if (kind == 1)
+      CHECK(r.warning.find("device 0: 2 single segment releases taken as PyTorch's own (garbage_collection_threshold "
+                           "or max_split_size_mb is set), not replayed") != std::string::npos);
+    if (kind == 2)
+      CHECK(r.warning.find("device 0: 2 single segment releases taken as empty_cache calls (the snapshot records no "
+                           "allocator_settings") != std::string::npos);
+  }
+}
+
+TEST_CASE("snapshot versions: segment entries that do not hold the live blocks give no recorded peak reserved",
+          "[formats][snapshot-versions]") {
+  // A 64 MiB tensor made and freed in the window, in a segment the window made and released; with the segment
+  // entries skipped (skip_actions=["segment_alloc", "segment_free"]), rolling the dump's reserved back gives a
+  // figure below what was live then.
+  for (bool segments_kept : {true, false}) {
+    INFO("segment entries kept: " << segments_kept);
+    Py snap = snapshot(Shape::v2_3);
+    auto& list = snap.at("device_traces").items[0].items;
+    std::int64_t time = 1700000000001000;
+    auto entry = [&](const char* action, std::int64_t addr, std::int64_t size) {
+      list.push_back(D({{"action", S(action)}, {"addr", I(addr)}, {"size", I(size)}, {"stream", I(0)},
+                        {"time_us", I(time += 5)}}));
+    };
+    const std::int64_t big = kBase + 128 * MiB;
+    if (segments_kept) entry("segment_alloc", big, 64 * MiB);
+    entry("alloc", big, 64 * MiB);
+    entry("free_completed", big, 64 * MiB);
+    if (segments_kept) entry("segment_free", big, 64 * MiB);
+    auto r = load(python_pickle(snap));
+    INFO(r.error);
+    REQUIRE(r.ok);
+    REQUIRE(r.trace.recorded_peak_reserved.size() == 1);
+    if (segments_kept) {
+      REQUIRE(r.trace.recorded_peak_reserved[0].has_value());
+      CHECK(*r.trace.recorded_peak_reserved[0] == static_cast<std::uint64_t>(22 * MiB + 64 * MiB));
+      CHECK(r.warning.find("do not account") == std::string::npos);
+    } else {
+      CHECK_FALSE(r.trace.recorded_peak_reserved[0].has_value());
+      CHECK(r.warning.find("device 0: its segment entries do not account for the memory its blocks held") !=
+            std::string::npos);
+    }
+  }
 }

@@ -234,6 +234,18 @@ check_error "a native trace with an alloc of 2^64-1 bytes is refused when read" 
 check_error "... by convert too, writing nothing" "size 18446744073709551615 is outside" \
   "$bin/fragless-trace" convert "$work/huge.fgt" "$work/huge.pickle"
 check "... nothing written" test ! -e "$work/huge.pickle"
+# Devices sharing a native file interleave it in chunks: the time span runs from the earliest record, not the
+# first in the file (device 1's pair, 60 ms in, was written before device 0's, 1 ms in).
+python3 - "$work/shared.fgt" <<'PY'
+import struct, sys
+head = b"FRAGLESS" + struct.pack("<HHHHIiiIQ16sQ", 1, 64, 48, 0, 1, -1, -1, 0, 0, b"fragless", 0)
+def rec(t_ms, addr, action, dev, seq):  # action 1 alloc, 13 free (TraceAction)
+    return struct.pack("<QQQQQHBBI", int(t_ms * 1e6), addr, 4096, 4096, 0, dev, action, 0xA5, seq)
+body = rec(60, 0x1000, 1, 1, 0) + rec(61, 0x1000, 13, 1, 1) + rec(1, 0x1000, 1, 0, 0) + rec(2, 0x1000, 13, 0, 1)
+open(sys.argv[1], "wb").write(head + body)
+PY
+check_output "fragless-trace info: a shared file's time span is from its earliest record" "time span 0.060000 s" \
+  "$bin/fragless-trace" info "$work/shared.fgt"
 # An RMM log's failed allocations are counted (oom events), and written back as such.
 printf 'Thread,Time,Action,Pointer,Size,Stream\n1,00:00:00.5,allocate,0x10,5,0\n1,00:00:01.5,allocate failure,(nil),99,0\n' >"$work/failure.csv"
 check_output "RMM: allocate failure rows are counted as oom events" "oom 1 " "$bin/fragless-trace" info "$work/failure.csv"

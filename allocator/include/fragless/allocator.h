@@ -33,6 +33,9 @@ bool driver_available(const Options& opts, std::string* error);
 // larger count (Note [Device counts], torch_plugin/capi.cpp).
 constexpr int kMaxDevices = 128;
 int device_limit(const Options& opts, std::string* error);
+// The devices an allocator made for "as many as the driver has" gets: the driver's count, or 1 for a driver
+// without one (host, sim); negative with *error when the driver cannot say.
+int default_device_count(const Options& opts, std::string* error);
 
 // A lock of code built on fragless (an event sink's own, a table a stack capture fills) that a forked child
 // must find free (Note [Device locks across fork], state/background.cpp): fork() takes each, in the order
@@ -129,7 +132,8 @@ class Allocator {
  public:
   // An allocator for `devices` devices (-1: as many as the cuda driver reports; 1 for host and sim). No
   // engine exists yet; device 0's is created at once only when `eager` (tools and tests that want the
-  // driver's errors up front).
+  // driver's errors up front). A trace file that cannot be opened is an error when `eager`; otherwise (made
+  // inside a program's first allocation) the process goes on untraced, said on stderr.
   static std::unique_ptr<Allocator> create(const Options& opts, int devices, std::string* error, bool eager = true);
 
   int device_count() const { return static_cast<int>(slots_.size()); }
@@ -148,8 +152,10 @@ class Allocator {
   // on_engine_created do not overlap (the caller's to serialise: the C ABI's history calls are).
   void on_engine_created(std::function<void(int, DeviceEngine&)> f);
   const Options& options() const { return opts_; }
-  // Hands every buffered trace record to the writers and waits until they are written.
-  void flush_traces();
+  // Hands every buffered trace record to the writers and waits until they are written. Returns "" when every
+  // record so far is in its file, else what Tracing::losses() says (records a failed write or a removed file
+  // lost).
+  std::string flush_traces();
   // Stops every engine's background worker for good (DeviceEngine::stop_background): at process exit. Does
   // nothing in a forked child, which has no worker of ours, and where a lock another thread of the parent
   // held at the fork is never released.

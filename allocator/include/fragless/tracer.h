@@ -15,17 +15,28 @@
 
 namespace fragless {
 
-// RANK from the environment; -1 when unset or not a number.
+constexpr int kRankUnset = -1, kRankInvalid = -2, kMaxRank = 1'000'000;
+// RANK from the environment: kRankUnset when unset or empty, kRankInvalid when it is not a whole number in
+// [0, kMaxRank].
 int rank_from_environment();
-// Expands %p, %d, %r and %%; an unknown %x is an error (empty result, *error set).
+// Expands %p, %d, %r and %%; an unknown %x, and %r with an invalid RANK, are errors (empty result, *error set).
+// %r without RANK is 0.
 std::string expand_trace_path(std::string_view pattern, int device, int pid, int rank, std::string* error);
 // Whether an existing `path` can take a trace: a regular file or a character device (/dev/null), or nothing
 // there yet; false with *error (when given) naming a FIFO, a directory or anything else.
 bool trace_target_kind_ok(const std::string& path, std::string* error);
-// Whether this process could write the trace of `pattern` (its first file, device 0), creating nothing: the
-// path's kind, and the file, or its folder, writable. What Tracing::open would refuse at the first allocation,
-// said before it (fragless_check_driver).
-bool trace_path_usable(std::string_view pattern, std::string* error);
+// Whether this process could write the trace of `pattern` for `devices` devices (each file %d names), creating
+// nothing: the path's kind, and the file, or its folder, writable. What Tracing::open would refuse at the first
+// allocation, said before it (fragless_check_driver).
+bool trace_path_usable(std::string_view pattern, int devices, std::string* error);
+// The same for one expanded path.
+bool trace_file_usable(const std::string& path, std::string* error);
+
+struct NativeTraceHeader;
+// Opens (creates, locks, empties) the trace file at `path` and writes `h`: its descriptor, or -1 with *error
+// (and *busy when another process writes it). A file already there with records is kept as PATH.prev, said on
+// stderr (Note [An earlier trace at the path], trace_open.cpp).
+int open_trace_file(const std::string& path, const NativeTraceHeader& h, std::string* error, bool* busy);
 
 class TraceFile;
 
@@ -47,13 +58,18 @@ class Tracing {
 
   EventSink* sink(int device);
   std::vector<std::string> paths() const;
-  // Records lost because a write failed (disk full, ...); 0 normally.
+  // Records lost because a write failed (disk full, ...) or the file was removed; 0 normally.
   std::uint64_t dropped_records() const;
+  // One line naming each file that stopped taking records, how many it lost and why; "" when none did.
+  std::string losses() const;
+  // losses() on stderr, when records were lost since the last time it said so.
+  void report_losses();
 
  private:
   Tracing() = default;
   std::vector<std::unique_ptr<TraceFile>> files_;
   std::vector<std::unique_ptr<EventSink>> sinks_;
+  std::uint64_t reported_ = 0;  // records lost when report_losses last said so
 };
 
 }  // namespace fragless

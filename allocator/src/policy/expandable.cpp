@@ -20,24 +20,24 @@ class ExpandablePolicy final : public GrowablePolicy {
   Status map_pages(Segment& seg, std::size_t first, std::size_t* n_io, std::size_t, const Run&) override {
     const std::size_t page = seg.page_size, n = *n_io;
     if (!s_.capacity_allows(n * page) || !seg.pages.prepare(first, n)) return Status::out_of_memory;
+    // As ExpandableSegment::map: every page's handle is created first, and a create that fails releases the
+    // ones made and maps nothing; then each is mapped and the range gets its access in one call.
     Driver& d = *s_.driver;
-    std::size_t done = 0;
+    std::size_t made = 0, mapped = 0;
     Status st = Status::ok;
-    for (; done < n; ++done) {
+    for (; made < n; ++made) {
       PhysHandle h = 0;
-      const DevicePtr va = seg.base + (first + done) * page;
       if ((st = d.create(page, &h)) != Status::ok) break;
-      if ((st = d.map(va, page, h, 0)) != Status::ok) {
-        s_.give_back_handle(h);
-        break;
-      }
-      seg.pages.slot(first + done) = PageRef{h, 0};
+      seg.pages.slot(first + made) = PageRef{h, 0};
     }
+    while (st == Status::ok && mapped < n)
+      if ((st = d.map(seg.base + (first + mapped) * page, page, seg.pages.slot(first + mapped).handle, 0)) == Status::ok)
+        ++mapped;
     if (st == Status::ok) st = d.set_access(seg.base + first * page, n * page);
-    if (st != Status::ok) {  // undo: nothing of this call stays mapped
-      for (std::size_t i = 0; i < done; ++i) {
+    if (st != Status::ok) {  // undo: nothing of this call stays mapped or created
+      for (std::size_t i = 0; i < made; ++i) {
         PageRef& r = seg.pages.slot(first + i);
-        s_.give_back_mapping(seg.base + (first + i) * page, page);
+        if (i < mapped) s_.give_back_mapping(seg.base + (first + i) * page, page);
         s_.give_back_handle(r.handle);
         r = PageRef{};
       }

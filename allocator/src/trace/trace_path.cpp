@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
@@ -14,10 +15,12 @@ namespace fragless {
 
 int rank_from_environment() {
   const char* r = std::getenv("RANK");
-  if (!r || !*r) return -1;
+  if (!r || !*r) return kRankUnset;
+  if (*r < '0' || *r > '9') return kRankInvalid;  // no sign, no space: what a launcher writes
   char* end = nullptr;
+  errno = 0;
   const long v = std::strtol(r, &end, 10);
-  return (*end || v < 0 || v > 1'000'000) ? -1 : static_cast<int>(v);
+  return (*end || errno || v > kMaxRank) ? kRankInvalid : static_cast<int>(v);
 }
 
 std::string expand_trace_path(std::string_view pattern, int device, int pid, int rank, std::string* error) {
@@ -31,7 +34,17 @@ std::string expand_trace_path(std::string_view pattern, int device, int pid, int
     switch (c) {
       case 'p': out += std::to_string(pid); break;
       case 'd': out += std::to_string(device); break;
-      case 'r': out += std::to_string(rank < 0 ? 0 : rank); break;
+      case 'r':
+        if (rank == kRankInvalid) {  // two processes would share the file rank 0 stood for
+          if (error) {
+            const char* r = std::getenv("RANK");
+            *error = "fragless: the trace path '" + std::string(pattern) + "' has %r, but RANK='" + (r ? r : "") +
+                     "' in the environment is not a rank (a whole number from 0 to " + std::to_string(kMaxRank) + ")";
+          }
+          return {};
+        }
+        out += std::to_string(rank < 0 ? 0 : rank);
+        break;
       case '%': out.push_back('%'); break;
       default:
         if (error)
@@ -63,9 +76,21 @@ bool trace_target_kind_ok(const std::string& path, std::string* error) {
   return false;
 }
 
-bool trace_path_usable(std::string_view pattern, std::string* error) {
-  const std::string path = expand_trace_path(pattern, 0, static_cast<int>(::getpid()), rank_from_environment(), error);
-  if (path.empty() || !trace_target_kind_ok(path, error)) return false;
+bool trace_path_usable(std::string_view pattern, int devices, std::string* error) {
+  const int pid = static_cast<int>(::getpid()), rank = rank_from_environment();
+  std::string last;
+  for (int d = 0; d < std::max(devices, 1); ++d) {  // each file the pattern names (one per device with %d)
+    std::string path = expand_trace_path(pattern, d, pid, rank, error);
+    if (path.empty()) return false;
+    if (path == last) break;  // no %d: every device shares the first file
+    if (!trace_file_usable(path, error)) return false;
+    last = std::move(path);
+  }
+  return true;
+}
+
+bool trace_file_usable(const std::string& path, std::string* error) {
+  if (!trace_target_kind_ok(path, error)) return false;
   struct stat st {};
   int e = 0;
   if (::stat(path.c_str(), &st) == 0) {

@@ -1,8 +1,6 @@
 #include "fragless/tracer.h"
 
-#include <fcntl.h>
 #include <pthread.h>
-#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -20,6 +18,7 @@
 #include <vector>
 
 #include "base/quiet_thread.h"
+#include "trace/no_file_size_signal.h"
 #include "fragless/trace_format.h"
 
 #if defined(__x86_64__)
@@ -121,12 +120,24 @@ class TraceFile {
       // neither joined nor detached; its handle is left, as the thread's memory is.
       (void)new std::thread(std::move(thread_));
     }
-    ::close(fd_);
+    if (fd_ >= 0) ::close(fd_);
+  }
+  // In a forked child (Note [Tracing in a forked child]): its copy of the descriptor would keep the file's lock
+  // after the parent ended (an orphaned data-loader worker), and the next run given the path would find it
+  // busy. Each of the child's sinks calls it; the first closes.
+  void close_in_child() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
   }
   const std::string& path() const { return path_; }
   std::uint64_t dropped() const {
     std::lock_guard lk(mu_);
     return dropped_;
+  }
+  // Why the file stopped taking records ("" while it takes them).
+  std::string failure() const {
+    std::lock_guard lk(mu_);
+    return failure_;
   }
 
   // A sink's buffer being filled, for the writer's periodic writes (Note [Writing a buffer being filled]):
@@ -164,7 +175,9 @@ class TraceFile {
         // The writer's last buffers go first, and a periodic write it may be in the middle of.
         done_.wait(lk, [&] { return jobs_.empty() && !filling_in_flight_; });
         std::size_t kept = 0;
-        written(!dropped_ && write_all(reinterpret_cast<const char*>(p), n * sizeof(NativeTraceRecord), &kept), n, kept);
+        NoFileSizeSignal no_signal;  // Note [A file size limit]
+        written(failure_.empty() && write_all(reinterpret_cast<const char*>(p), n * sizeof(NativeTraceRecord), &kept),
+                n, kept);
         return;
       }
       *busy = true;
@@ -173,8 +186,22 @@ class TraceFile {
     }
     cv_.notify_all();
   }
+  // Note [A slow trace disk]
+  // A sink waits only when the writer has not yet written its other buffer (8192 records behind). On a disk
+  // that stalls (a hung network file system) that wait is inside a program's allocation and lasts as long as
+  // the disk's write, since the trace keeps every record. The first wait past kSlowWait is said on stderr,
+  // naming the file, so a stalled job points at its trace; a disk that never answers hangs the allocation
+  // (and the exit, which writes what was given), as it hangs the program's own writes there.
+  static constexpr std::chrono::seconds kSlowWait{1};
   void wait_until_written(const bool* busy) {
     std::unique_lock lk(mu_);
+    if (done_.wait_for(lk, kSlowWait, [&] { return !*busy; })) return;
+    if (!slow_said_) {
+      slow_said_ = true;
+      std::fprintf(stderr, "fragless: an allocation has waited %lld s for the trace to be written to %s (its disk is "
+                   "slow or stalled); allocations wait for it while the writer is a whole buffer behind\n",
+                   static_cast<long long>(kSlowWait.count()), path_.c_str());
+    }
     done_.wait(lk, [&] { return !*busy; });
   }
   // Writes what was queued, then ends and joins the writer. Idempotent. Not in a forked child, where the
@@ -196,6 +223,8 @@ class TraceFile {
       return;
     }
     thread_.join();
+    std::lock_guard lk(mu_);
+    check_removed();
   }
 
  private:
@@ -216,6 +245,7 @@ class TraceFile {
       // Due whether or not full buffers came meanwhile: a quiet device sharing the file with a busy one is
       // written too (not only when the queue has stayed empty for the interval).
       if (!stop_ && std::chrono::steady_clock::now() >= due) {
+        check_removed();
         write_filling(lk);
         due = std::chrono::steady_clock::now() + kWriteEvery;
         continue;
@@ -225,7 +255,7 @@ class TraceFile {
         continue;
       }
       const Job j = jobs_.front();
-      const bool failed = dropped_ != 0;
+      const bool failed = !failure_.empty();
       lk.unlock();
       std::size_t kept = 0;
       const bool ok = !failed && write_all(reinterpret_cast<const char*>(j.p), j.n * sizeof(NativeTraceRecord), &kept);
@@ -249,7 +279,7 @@ class TraceFile {
     for (std::size_t i = 0; i < filling_.size(); ++i) {
       Filling* const f = filling_[i];
       const std::size_t stored = f->stored.load(std::memory_order_acquire);
-      if (stored <= f->written || dropped_ || f->queued > 0) continue;
+      if (stored <= f->written || !failure_.empty() || f->queued > 0) continue;
       const NativeTraceRecord* p = f->buf + f->written;
       const std::size_t n = stored - f->written;
       f->written = stored;
@@ -268,10 +298,27 @@ class TraceFile {
   // once is written no more); one line on stderr, at the first.
   void written(bool ok, std::size_t n, std::size_t kept) {
     if (ok) return;
-    if (!dropped_)
+    if (failure_.empty()) {
+      failure_ = std::string("writing it failed: ") + std::strerror(errno);
       std::fprintf(stderr, "fragless: writing the trace to %s failed (%s); later records are dropped\n",
                    path_.c_str(), std::strerror(errno));
+    }
     dropped_ += n - std::min(n, kept);
+  }
+
+  // Note [A trace file removed while written]
+  // A file removed (or its folder) while the process writes it takes every record, and all of them are gone
+  // when the process closes it: a run that looked traced has no trace, and nothing said so. mu_ held: every
+  // kWriteEvery, and when the writer stops, the writer asks whether the file still has a name (st_nlink); once
+  // it has none, one line on stderr says so, the file is written no more, and later records count as dropped
+  // (those already written are lost with the file; the line says how many bytes). A file renamed or linked
+  // elsewhere keeps a name and is written on.
+  void check_removed() {
+    struct stat st {};
+    if (!failure_.empty() || fd_ < 0 || ::fstat(fd_, &st) != 0 || st.st_nlink != 0) return;
+    failure_ = "it was removed while it was written";
+    std::fprintf(stderr, "fragless: the trace file %s was removed while it was written: the %lld bytes written to it "
+                 "are lost, and later records are dropped\n", path_.c_str(), static_cast<long long>(st.st_size));
   }
 
   // Without mu_ on the writer thread (a job's buffer is the writer's alone), with mu_ once stopped. A write
@@ -302,7 +349,9 @@ class TraceFile {
   bool filling_in_flight_ = false;  // a periodic write runs without mu_
   bool stop_ = false;
   bool dead_ = false;  // stopped on the writer thread itself: nothing more is written
+  bool slow_said_ = false;  // Note [A slow trace disk]
   std::uint64_t dropped_ = 0;
+  std::string failure_;  // why the file takes no more records; "" while it takes them
   std::thread thread_;  // last: starts after everything above exists
 };
 
@@ -366,6 +415,7 @@ class TraceSink final : public EventSink {
   // In the child of a fork, on its one thread (Note [Tracing in a forked child]): what the sink holds is the
   // parent's to write.
   void after_fork_child() {
+    file_->close_in_child();
     forked_ = true;
     n_ = 0;
     synchronous_.store(true, std::memory_order_relaxed);  // each record is handed off, that is dropped, at once
@@ -440,38 +490,6 @@ std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, co
   for (int f = 0; f < nfiles; ++f) {
     const std::string path = expand_trace_path(pattern, f, pid, rank, error);
     if (path.empty()) return nullptr;
-    // Note [Opening a trace file]: a FIFO would block the open until a reader came (inside the first
-    // allocation), so only a regular file or a character device (/dev/null) is taken; a regular file is locked
-    // before it is emptied, so a second process given the same path (%r without RANK is rank 0) is refused
-    // instead of truncating the first one's trace under it (its allocator then goes on untraced, saying so:
-    // Allocator::create).
-    if (!trace_target_kind_ok(path, error)) return nullptr;
-    struct stat st {};
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0644);
-    if (fd < 0) {
-      if (error) *error = "fragless: cannot open trace file '" + path + "': " + std::strerror(errno);
-      return nullptr;
-    }
-    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) {
-      const int lock_error = ::flock(fd, LOCK_EX | LOCK_NB) == 0 ? 0 : errno;
-      if (lock_error == EWOULDBLOCK) {
-        if (busy) *busy = true;
-        if (error)
-          *error = "fragless: another process is writing the trace file '" + path +
-                   "' (give each process its own: %p, or %r with RANK set)";
-        ::close(fd);
-        return nullptr;
-      }
-      if (lock_error != 0)  // a file system without flock (some NFS and Lustre mounts): written unlocked
-        std::fprintf(stderr, "fragless: the trace file '%s' cannot be locked (%s); it is written unlocked, so give "
-                     "each process its own path (%%p, or %%r with RANK set)\n", path.c_str(), std::strerror(lock_error));
-      if (::ftruncate(fd, 0) != 0) {
-        if (error) *error = "fragless: cannot empty trace file '" + path + "': " + std::strerror(errno);
-        ::close(fd);
-        return nullptr;
-      }
-    }
-    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
     NativeTraceHeader h{};
     std::memcpy(h.magic, kTraceMagic, sizeof h.magic);
     h.version = kTraceVersion;
@@ -482,11 +500,8 @@ std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, co
     h.device = per_device ? f : -1;
     h.origin_unix_ns = clock().origin_unix_ns;
     std::strncpy(h.policy, policy ? policy : "", sizeof h.policy - 1);
-    if (::write(fd, &h, sizeof h) != static_cast<ssize_t>(sizeof h)) {
-      if (error) *error = "fragless: cannot write trace file '" + path + "': " + std::strerror(errno);
-      ::close(fd);
-      return nullptr;
-    }
+    const int fd = open_trace_file(path, h, error, busy);
+    if (fd < 0) return nullptr;
     t->files_.push_back(std::make_unique<TraceFile>(fd, path));
   }
   for (int d = 0; d < devices; ++d)
@@ -539,7 +554,11 @@ void Tracing::go_synchronous() {
 
 Tracing::~Tracing() {
   sinks_.clear();  // flushes
-  files_.clear();  // joins the writers, closes
+  if (!files_.empty() && files_[0]->in_owner()) {  // not in a forked child (Note [Tracing in a forked child])
+    for (auto& f : files_) f->stop_writer();  // what was given is written (or counted as lost)
+    report_losses();  // an allocator destroyed before the exit (the C++ API) says what the exit handler would
+  }
+  files_.clear();  // closes
 }
 
 EventSink* Tracing::sink(int device) {
@@ -557,6 +576,24 @@ std::uint64_t Tracing::dropped_records() const {
   std::uint64_t n = 0;
   for (auto& f : files_) n += f->dropped();
   return n;
+}
+
+std::string Tracing::losses() const {
+  std::string out;
+  for (auto& f : files_) {
+    const std::string why = f->failure();
+    if (why.empty()) continue;
+    out += (out.empty() ? "fragless: " : "; ") + std::to_string(f->dropped()) + " trace records were not written to " +
+           f->path() + ": " + why;
+  }
+  return out;
+}
+
+void Tracing::report_losses() {
+  const std::uint64_t lost = dropped_records();
+  if (lost == reported_) return;
+  reported_ = lost;
+  std::fprintf(stderr, "%s\n", losses().c_str());
 }
 
 }  // namespace fragless

@@ -16,7 +16,8 @@ bool install_cpu_allocator(const std::string& conf, std::string* error);
 
 // The engine behind the installed CPU allocator (nullptr before install).
 DeviceEngine* cpu_engine();
-// Writes buffered trace records (the tracer also flushes at exit).
-void flush_cpu_trace();
+// Writes buffered trace records (the tracer also flushes at exit). "" when every record so far is in its file,
+// else what was lost and why (Allocator::flush_traces).
+std::string flush_cpu_trace();
 
 }  // namespace fragless::torch
