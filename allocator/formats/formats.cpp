@@ -90,6 +90,20 @@ bool format_from_extension(const std::string& path, Format* f) {
   return true;
 }
 
+// A file torch.save wrote (`torch.save(torch.cuda.memory._snapshot(), "x.pt")` is a common way to keep a
+// snapshot): a zip archive holding data.pkl, or the legacy format, a pickle of torch.save's magic number
+// (0x1950a86a20f9469cfc6c) followed by more pickles. Neither is the snapshot pickle itself, which the reader
+// takes; "" for anything else.
+static std::string torch_save_container(const std::string& bytes) {
+  static const char kLegacy[] = "\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19";
+  const bool zip = bytes.rfind("PK\x03\x04", 0) == 0 && bytes.find("data.pkl") != std::string::npos;
+  const bool legacy = bytes.size() >= sizeof kLegacy - 1 && std::memcmp(bytes.data(), kLegacy, sizeof kLegacy - 1) == 0;
+  if (!zip && !legacy) return {};
+  return std::string("a file torch.save wrote (") + (zip ? "a zip archive" : "its legacy format") +
+         "), not a snapshot pickle: write the snapshot with torch.cuda.memory._dump_snapshot(PATH), or "
+         "pickle.dump(torch.load(FILE), open(PATH, 'wb')), and give that";
+}
+
 bool detect_format(const std::string& bytes, Format* f) {
   if (bytes.size() >= sizeof kTraceMagic && std::memcmp(bytes.data(), kTraceMagic, sizeof kTraceMagic) == 0)
     *f = Format::native;
@@ -108,6 +122,11 @@ bool detect_format(const std::string& bytes, Format* f) {
 
 LoadResult trace_from_bytes(const std::string& bytes, const std::string& name) {
   Format f;
+  if (const std::string saved = torch_save_container(bytes); !saved.empty()) {
+    LoadResult r;
+    r.error = name + ": " + saved;
+    return r;
+  }
   if (!detect_format(bytes, &f)) {
     LoadResult r;
     r.error = name + ": unknown trace format (expected a fragless native trace, a PyTorch memory snapshot "
@@ -177,6 +196,10 @@ LoadResult load_trace(const std::string& path) {
     return r;
   }
   Format f;
+  if (const std::string saved = torch_save_container(bytes); !saved.empty()) {
+    r.error = path + ": " + saved;
+    return r;
+  }
   if (!detect_format(bytes, &f)) {
     r.error = path + ": unknown trace format (expected a fragless native trace, a PyTorch memory snapshot pickle "
                      "or an RMM log CSV; its first bytes are none of them)";

@@ -246,6 +246,20 @@ open(sys.argv[1], "wb").write(head + body)
 PY
 check_output "fragless-trace info: a shared file's time span is from its earliest record" "time span 0.060000 s" \
   "$bin/fragless-trace" info "$work/shared.fgt"
+# A snapshot kept with torch.save (a zip archive holding data.pkl, or the legacy format that begins with a
+# pickle of its magic number) is named as such, with what to write instead.
+python3 - "$work/saved.pt" "$work/saved_legacy.pt" <<'PY'
+import pickle, sys, zipfile
+with zipfile.ZipFile(sys.argv[1], "w") as z:
+    z.writestr("saved/data.pkl", pickle.dumps({"segments": [], "device_traces": [[]]}, protocol=2))
+with open(sys.argv[2], "wb") as f:
+    for v in (0x1950a86a20f9469cfc6c, 1001, {"protocol_version": 1001}):
+        pickle.dump(v, f, protocol=2)
+PY
+check_error "a torch.save zip archive is named as one" "saved.pt: a file torch.save wrote (a zip archive), not a snapshot pickle" \
+  "$bin/fragless-trace" info "$work/saved.pt"
+check_error "... and its legacy format" "saved_legacy.pt: a file torch.save wrote (its legacy format)" \
+  "$bin/fragless-replay" "$work/saved_legacy.pt"
 # An RMM log's failed allocations are counted (oom events), and written back as such.
 printf 'Thread,Time,Action,Pointer,Size,Stream\n1,00:00:00.5,allocate,0x10,5,0\n1,00:00:01.5,allocate failure,(nil),99,0\n' >"$work/failure.csv"
 check_output "RMM: allocate failure rows are counted as oom events" "oom 1 " "$bin/fragless-trace" info "$work/failure.csv"
