@@ -159,7 +159,11 @@ double mib(double b) { return b / (1 << 20); }
 void print_summary(const json& s) {
   std::printf("%s\n", s["source"].get<std::string>().c_str());
   for (auto& d : s["devices"]) {
-    if (d["events"].get<std::uint64_t>() == 0) continue;
+    // A device with neither events nor memory is left out; one whose snapshot holds blocks but no history is
+    // shown with what is known of it.
+    if (d["events"].get<std::uint64_t>() == 0 && d["live_before_window_bytes"].get<std::int64_t>() == 0 &&
+        d["pytorch_recorded_peak_reserved_bytes"].is_null())
+      continue;
     std::printf("device %d: %" PRIu64 " events (%" PRIu64 " allocs, %" PRIu64 " frees, %" PRIu64 " segment events, %" PRIu64
                 " OOMs, %" PRIu64 " empty_cache)\n",
                 d["device"].get<int>(), d["events"].get<std::uint64_t>(), d["allocs"].get<std::uint64_t>(),
@@ -333,7 +337,13 @@ int run(int argc, char** argv) {
       if (device_opt->count() && std::find(devices.begin(), devices.end(), device) == devices.end())
         return fail(in + " has no device " + std::to_string(device) + " (its devices: " +
                     (devices.empty() ? std::string("none, it has no events") : list(devices)) + ")");
-      if (!device_opt->count() && !devices.empty()) device = devices.front();
+      // By default the first device with events (an RMM log is a list of events), else the first with blocks.
+      if (!device_opt->count() && !devices.empty()) {
+        int first_with_events = -1;
+        for (const auto& e : t.events)
+          if (first_with_events < 0 || e.device < first_with_events) first_with_events = e.device;
+        device = first_with_events >= 0 ? first_with_events : devices.front();
+      }
     }
     std::string bytes, times_lost;
     switch (f) {

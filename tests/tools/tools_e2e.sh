@@ -260,6 +260,29 @@ check_error "a torch.save zip archive is named as one" "saved.pt: a file torch.s
   "$bin/fragless-trace" info "$work/saved.pt"
 check_error "... and its legacy format" "saved_legacy.pt: a file torch.save wrote (its legacy format)" \
   "$bin/fragless-replay" "$work/saved_legacy.pt"
+# A device with memory and no history (history off on it, or on every device) is summarised, not left out;
+# convert writes the first device with events to an RMM log by default, not the first with blocks.
+python3 - "$work/nohist.pickle" "$work/dev1.pickle" <<'PY'
+import pickle, sys
+M = 1 << 20
+def seg(dev, addr):
+    return {"device": dev, "address": addr, "total_size": 2 * M, "allocated_size": M, "active_size": M,
+            "requested_size": M, "stream": 0, "segment_type": "small", "segment_pool_id": (0, 0),
+            "is_expandable": False, "frames": [],
+            "blocks": [{"address": addr, "size": M, "requested_size": M, "state": "active_allocated", "frames": []},
+                       {"address": addr + M, "size": M, "requested_size": 0, "state": "inactive", "frames": []}]}
+a, b = 0x7f0000000000, 0x7e0000000000
+pickle.dump({"segments": [seg(0, a)], "device_traces": [[]]}, open(sys.argv[1], "wb"))
+events = [{"action": "alloc", "addr": b + M, "size": 4096, "stream": 0, "time_us": 10},
+          {"action": "free_completed", "addr": b + M, "size": 4096, "stream": 0, "time_us": 20}]
+pickle.dump({"segments": [seg(0, a), seg(1, b)], "device_traces": [[], events]}, open(sys.argv[2], "wb"))
+PY
+check_output "summary: a device with memory and no history is shown" "device 0: 0 events" \
+  "$bin/fragless-trace" summary "$work/nohist.pickle"
+check "convert to an RMM log: the first device with events by default" \
+  "$bin/fragless-trace" convert "$work/dev1.pickle" "$work/dev1.csv"
+cp "$work/err" "$work/dev1.err"
+check "... which is named" grep -q "writing device 1 (--device)" "$work/dev1.err"
 # An RMM log's failed allocations are counted (oom events), and written back as such.
 printf 'Thread,Time,Action,Pointer,Size,Stream\n1,00:00:00.5,allocate,0x10,5,0\n1,00:00:01.5,allocate failure,(nil),99,0\n' >"$work/failure.csv"
 check_output "RMM: allocate failure rows are counted as oom events" "oom 1 " "$bin/fragless-trace" info "$work/failure.csv"
