@@ -327,7 +327,8 @@ void read_trace(const PyValue& list, std::size_t dev, const std::string& where, 
 // single releases were taken so). With either on, a release of PyTorch's own and a call cannot be told apart
 // (the frames could, but the reader does not keep them): runs of two or more are taken as calls, a lone
 // release as PyTorch's own, and a note says so. A run of one entry is common: an empty_cache() in a loop
-// whose cache holds one segment.
+// whose cache holds one segment. Not told apart either: a private pool's release (torch.cuda.MemPool's
+// destructor empties that pool alone), which the replay takes for a call that empties every pool.
 enum class OwnReleases { off, unknown, possible };
 
 OwnReleases own_releases(const PyValue& root) {

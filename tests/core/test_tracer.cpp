@@ -7,6 +7,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -262,6 +263,38 @@ TEST_CASE("tracer: an earlier trace at the path is kept as PATH.prev, and said",
   }
   run(2);
   CHECK(slurp(path + ".prev") == "notes the user kept here\n");
+  // A path that is a link: the target is kept and made again, the link stays a link (a review of the first
+  // version found the link itself renamed, and the trace then written beside it).
+  const std::string target = dir + "/target.fgt", link = dir + "/link.fgt";
+  std::filesystem::create_symlink(target, link);
+  auto run_at = [&](const std::string& p, int pairs) {
+    auto a = test::allocator_from("driver:sim,trace:" + p, 1);
+    DeviceEngine* e = a->device(0);
+    for (int i = 0; i < pairs; ++i) REQUIRE(e->free(e->allocate(4096, 0, nullptr)) == Status::ok);
+  };
+  run_at(link, 4);
+  run_at(link, 5);
+  CHECK(std::filesystem::is_symlink(link));
+  CHECK(count(load_trace(target + ".prev").trace, Op::alloc) == 4);
+  CHECK(count(load_trace(target).trace, Op::alloc) == 5);
+  // Where the earlier file cannot be renamed (a folder named PATH.prev), it is emptied in place, and the
+  // descriptor kept for it is not inherited across exec (it holds the file's lock).
+  std::filesystem::create_directories(target + ".prev.d");
+  std::filesystem::remove(target + ".prev");
+  std::filesystem::rename(target + ".prev.d", target + ".prev");
+  {
+    std::string err;
+    auto t = Tracing::open(target, 1, "fragless", &err);
+    REQUIRE(t);
+    bool found = false;
+    for (const auto& fd : std::filesystem::directory_iterator("/proc/self/fd")) {
+      std::error_code ec;
+      if (std::filesystem::read_symlink(fd.path(), ec) != target) continue;
+      found = true;
+      CHECK((::fcntl(std::stoi(fd.path().filename().string()), F_GETFD) & FD_CLOEXEC) != 0);
+    }
+    CHECK(found);
+  }
   std::filesystem::remove_all(dir);
 }
 
@@ -279,8 +312,10 @@ TEST_CASE("tracer: a trace file removed while written is said lost, and flush_tr
     ::usleep(10000);
     lost = a->flush_traces();
   }
-  CHECK(lost.find("trace records were not written to " + dir + "/gone.fgt: it was removed while it was written") !=
-        std::string::npos);
+  // The 10 pairs written before the removal (20 records, besides the segment's) are lost with it, and counted.
+  CHECK(lost.find("trace records are missing from " + dir + "/gone.fgt: it was removed while it was written, with "
+                  "the records written to it") != std::string::npos);
+  CHECK(std::stoull(lost.substr(lost.find(": ") + 2)) >= 20);
   a.reset();
   std::filesystem::remove_all(dir);
 }

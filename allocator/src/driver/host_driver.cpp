@@ -1,5 +1,6 @@
 // host driver: cuMemMap semantics over real host memory (see host_driver.h).
 #include "fragless/host_driver.h"
+#include "base/no_file_size_signal.h"
 #include "driver/handle_ids.h"
 #include "driver/host_fork.h"
 #include "driver/registry.h"
@@ -257,6 +258,7 @@ class HostDriver final : public Driver {
   // offsets carry over, so the file is sized as the parent's.
   bool make_memfd() {
     const int fd = memfd_create("fragless-host-device", MFD_CLOEXEC);
+    NoFileSizeSignal no_signal;  // a file size limit fails the call (Note [A file size limit])
     if (fd >= 0 && ftruncate(fd, static_cast<off_t>(capacity_)) == 0) {
       fd_ = fd;
       return true;
@@ -277,6 +279,7 @@ class HostDriver final : public Driver {
   // CUDA's); it takes its budget from the device's range all the same, so capacity is shared alike.
   Status create_exportable(std::size_t offset, std::size_t size, PhysHandle* h) {
     const int fd = memfd_create("fragless-host-handle", MFD_CLOEXEC);
+    NoFileSizeSignal no_signal;  // a file size limit fails the call (Note [A file size limit])
     if (fd < 0 || ftruncate(fd, static_cast<off_t>(size)) != 0) {
       const std::string why = std::strerror(errno);
       if (fd >= 0) close(fd);
@@ -484,8 +487,11 @@ std::unique_ptr<Driver> make_host_driver(const HostDriverOptions& opts, std::str
     return nullptr;
   }
   const int fd = memfd_create("fragless-host-device", MFD_CLOEXEC);
+  NoFileSizeSignal no_signal;  // a file size limit (RLIMIT_FSIZE covers a memfd) fails the driver, said
   if (fd < 0 || ftruncate(fd, static_cast<off_t>(opts.capacity)) != 0) {
-    if (error) *error = std::string("host driver: memfd: ") + std::strerror(errno);
+    if (error)
+      *error = std::string("host driver: memfd of ") + std::to_string(opts.capacity) + " bytes: " + std::strerror(errno) +
+               (errno == EFBIG ? " (the process's file size limit, ulimit -f, is below the device's capacity)" : "");
     if (fd >= 0) close(fd);
     return nullptr;
   }

@@ -7,11 +7,12 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "fragless/trace_format.h"
 #include "fragless/tracer.h"
-#include "trace/no_file_size_signal.h"
+#include "base/no_file_size_signal.h"
 
 namespace fragless {
 
@@ -25,9 +26,11 @@ namespace {
 // trace's header (a run that made no event) is not emptied in place: it is renamed to PATH.prev
 // (replacing an older .prev), a new file is made at PATH, and one line on stderr says what was kept and
 // where. `fd` is open on the earlier file and holds its lock; the new file is made with O_EXCL and locked
-// before the earlier one's descriptor is closed (by the caller), so a process that opens the path meanwhile
-// either finds the earlier file locked or the new one made and locked (it then goes on untraced, as for any
-// file another process writes). Returns the new file's descriptor, kNothingToKeep for a header alone, or -1
+// before the earlier one's descriptor is closed (by the caller). A process that opened the path before the
+// rename gets the earlier file's lock only once it is no longer at the path: whoever locks a file checks that
+// the path still names it, and otherwise opens the path again (open_trace_file), so it then finds the new
+// file locked and goes on untraced, as for any file another process writes. A path that is a symbolic link is
+// followed first: its target is what is kept and made again, never the link (nor /dev/stdout and the like). Returns the new file's descriptor, kNothingToKeep for a header alone, or -1
 // with *error (and *busy for that race). A rename refused (a folder without write permission for it, a file
 // system without rename) empties the file in place as before, said on stderr.
 constexpr int kNothingToKeep = -2;
@@ -44,7 +47,7 @@ int keep_earlier_trace(int fd, const std::string& path, const struct stat& st, s
     std::fprintf(stderr, "fragless: the trace file '%s' holds %s (%lld bytes), which could not be kept as '%s' (%s); "
                  "it is emptied\n", path.c_str(), what.c_str(), static_cast<long long>(st.st_size), prev.c_str(),
                  std::strerror(errno));
-    const int again = ::dup(fd);  // the caller closes fd; the earlier file stays locked through this one
+    const int again = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);  // the caller closes fd; the file stays locked through this one
     if (again < 0 && error) *error = "fragless: cannot open trace file '" + path + "': " + std::strerror(errno);
     return again;
   }
@@ -71,7 +74,16 @@ int keep_earlier_trace(int fd, const std::string& path, const struct stat& st, s
 
 }  // namespace
 
-int open_trace_file(const std::string& path, const NativeTraceHeader& h, std::string* error, bool* busy) {
+int open_trace_file(const std::string& given, const NativeTraceHeader& h, std::string* error, bool* busy) {
+  // A link is followed to its target (Note [An earlier trace at the path]); one whose target is not there yet
+  // is opened through the link, which creates the target.
+  std::string path = given;
+  struct stat link {};
+  if (::lstat(given.c_str(), &link) == 0 && S_ISLNK(link.st_mode))
+    if (char* real = ::realpath(given.c_str(), nullptr)) {
+      path = real;
+      std::free(real);
+    }
   // Note [Opening a trace file]: a FIFO would block the open until a reader came (inside the first
   // allocation), so only a regular file or a character device (/dev/null) is taken; a regular file is locked
   // before it is emptied, so a second process given the same path (%r without RANK is rank 0) is refused
@@ -79,13 +91,27 @@ int open_trace_file(const std::string& path, const NativeTraceHeader& h, std::st
   // Allocator::create).
   if (!trace_target_kind_ok(path, error)) return -1;
   struct stat st {};
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0644);
-  if (fd < 0) {
-    if (error) *error = "fragless: cannot open trace file '" + path + "': " + std::strerror(errno);
-    return -1;
+  int fd = -1, lock_error = 0;
+  for (int attempt = 0;; ++attempt) {
+    fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0644);
+    if (fd < 0) {
+      if (error) *error = "fragless: cannot open trace file '" + path + "': " + std::strerror(errno);
+      return -1;
+    }
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) break;
+    lock_error = ::flock(fd, LOCK_EX | LOCK_NB) == 0 ? 0 : errno;
+    if (lock_error != 0) break;  // busy, or a file system without flock: handled below
+    // Locked: still the file at the path? (Another process may have kept it as .prev since this one opened it.)
+    struct stat now {};
+    if (::stat(path.c_str(), &now) == 0 && now.st_dev == st.st_dev && now.st_ino == st.st_ino) break;
+    ::close(fd);
+    if (attempt == 8) {
+      if (busy) *busy = true;
+      if (error) *error = "fragless: another process keeps replacing the trace file '" + path + "'";
+      return -1;
+    }
   }
-  if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) {
-    const int lock_error = ::flock(fd, LOCK_EX | LOCK_NB) == 0 ? 0 : errno;
+  if (S_ISREG(st.st_mode)) {
     if (lock_error == EWOULDBLOCK) {
       if (busy) *busy = true;
       if (error)

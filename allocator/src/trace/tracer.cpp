@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "base/quiet_thread.h"
-#include "trace/no_file_size_signal.h"
+#include "base/no_file_size_signal.h"
 #include "fragless/trace_format.h"
 
 #if defined(__x86_64__)
@@ -307,16 +307,16 @@ class TraceFile {
   }
 
   // Note [A trace file removed while written]
-  // A file removed (or its folder) while the process writes it takes every record, and all of them are gone
-  // when the process closes it: a run that looked traced has no trace, and nothing said so. mu_ held: every
-  // kWriteEvery, and when the writer stops, the writer asks whether the file still has a name (st_nlink); once
-  // it has none, one line on stderr says so, the file is written no more, and later records count as dropped
-  // (those already written are lost with the file; the line says how many bytes). A file renamed or linked
-  // elsewhere keeps a name and is written on.
+  // A file removed (or its folder) while written takes every record with it when the process closes it, and
+  // nothing said so. mu_ held: every kWriteEvery, and when the writer stops, the writer asks whether the file
+  // still has a name (st_nlink); once it has none, one line on stderr says so, the file is written no more, and
+  // what it held and every later record count as lost. A file renamed or linked elsewhere is written on.
   void check_removed() {
     struct stat st {};
     if (!failure_.empty() || fd_ < 0 || ::fstat(fd_, &st) != 0 || st.st_nlink != 0) return;
-    failure_ = "it was removed while it was written";
+    failure_ = "it was removed while it was written, with the records written to it";
+    const auto body = st.st_size > static_cast<off_t>(sizeof(NativeTraceHeader)) ? st.st_size - sizeof(NativeTraceHeader) : 0;
+    dropped_ += static_cast<std::uint64_t>(body) / sizeof(NativeTraceRecord);
     std::fprintf(stderr, "fragless: the trace file %s was removed while it was written: the %lld bytes written to it "
                  "are lost, and later records are dropped\n", path_.c_str(), static_cast<long long>(st.st_size));
   }
@@ -496,7 +496,7 @@ std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, co
     h.header_size = sizeof(NativeTraceHeader);
     h.record_size = sizeof(NativeTraceRecord);
     h.pid = static_cast<std::uint32_t>(pid);
-    h.rank = rank;
+    h.rank = rank < 0 ? -1 : rank;  // -1: none (trace_format.h), also for a RANK that is not one
     h.device = per_device ? f : -1;
     h.origin_unix_ns = clock().origin_unix_ns;
     std::strncpy(h.policy, policy ? policy : "", sizeof h.policy - 1);
@@ -545,8 +545,9 @@ std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, co
 // as it comes, with one write(2) in on_event: under the device lock, which serialises the sink as before,
 // and the file's mutex, which serialises the devices that share a file. Then it flushes every engine (under
 // its lock), which writes what a sink still held, records made meanwhile included. A trace then ends with
-// every event of the process, the last static destructor's frees too, at one system call per record, which
-// only the exit pays. A failed write counts its records as dropped, as the writer does.
+// every event of the process, the last static destructor's frees too, at one write(2) per record (and four
+// calls that keep SIGXFSZ off it, Note [A file size limit]), which only the exit pays. A failed write counts
+// its records as dropped, as the writer does.
 void Tracing::go_synchronous() {
   for (auto& f : files_) f->stop_writer();
   for (auto& s : sinks_) static_cast<TraceSink*>(s.get())->go_synchronous();
@@ -583,7 +584,7 @@ std::string Tracing::losses() const {
   for (auto& f : files_) {
     const std::string why = f->failure();
     if (why.empty()) continue;
-    out += (out.empty() ? "fragless: " : "; ") + std::to_string(f->dropped()) + " trace records were not written to " +
+    out += (out.empty() ? "fragless: " : "; ") + std::to_string(f->dropped()) + " trace records are missing from " +
            f->path() + ": " + why;
   }
   return out;
