@@ -543,6 +543,10 @@ TEST_CASE("exit: a file size limit reached by the trace's header or at exit does
     if (lost.find("trace records are missing from " + dir + "/small.fgt: writing it failed: File too large") ==
         std::string::npos)
       _exit(108);
+    // Removed after its writes failed: what it held is lost too, and said.
+    ::unlink((dir + "/small.fgt").c_str());
+    if (a->flush_traces().find("File too large; then it was removed, with the records written to it") == std::string::npos)
+      _exit(110);
     std::fflush(stderr);
     _exit(0);
   });

@@ -277,6 +277,20 @@ TEST_CASE("tracer: an earlier trace at the path is kept as PATH.prev, and said",
   CHECK(std::filesystem::is_symlink(link));
   CHECK(count(load_trace(target + ".prev").trace, Op::alloc) == 4);
   CHECK(count(load_trace(target).trace, Op::alloc) == 5);
+  {  // a message names the path as given
+    std::string err;
+    std::filesystem::create_directories(dir + "/folder");
+    std::filesystem::create_symlink(dir + "/folder", dir + "/to-folder.fgt");
+    CHECK_FALSE(Tracing::open(dir + "/to-folder.fgt", 1, "fragless", &err));
+    CHECK(err.find("the trace path '" + dir + "/to-folder.fgt' is a directory") != std::string::npos);
+  }
+  // PATH.prev another name of the file at PATH (a hard link): the earlier trace stays there, and the new one
+  // is made (the rename would have done nothing, and the new file then seemed made by another process).
+  std::filesystem::remove(target + ".prev");
+  std::filesystem::create_hard_link(target, target + ".prev");
+  run_at(target, 6);
+  CHECK(count(load_trace(target + ".prev").trace, Op::alloc) == 5);
+  CHECK(count(load_trace(target).trace, Op::alloc) == 6);
   // Where the earlier file cannot be renamed (a folder named PATH.prev), it is emptied in place, and the
   // descriptor kept for it is not inherited across exec (it holds the file's lock).
   std::filesystem::create_directories(target + ".prev.d");
@@ -306,12 +320,8 @@ TEST_CASE("tracer: a trace file removed while written is said lost, and flush_tr
   for (int i = 0; i < 10; ++i) REQUIRE(e->free(e->allocate(4096, 0, nullptr)) == Status::ok);
   CHECK(a->flush_traces().empty());
   REQUIRE(std::filesystem::remove(dir + "/gone.fgt"));
-  std::string lost;
-  for (int i = 0; i < 500 && lost.empty(); ++i) {  // the writer looks every 100 ms
-    REQUIRE(e->free(e->allocate(4096, 0, nullptr)) == Status::ok);
-    ::usleep(10000);
-    lost = a->flush_traces();
-  }
+  REQUIRE(e->free(e->allocate(4096, 0, nullptr)) == Status::ok);
+  const std::string lost = a->flush_traces();  // at once: a flush asks too, not only the writer every 100 ms
   // The 10 pairs written before the removal (20 records, besides the segment's) are lost with it, and counted.
   CHECK(lost.find("trace records are missing from " + dir + "/gone.fgt: it was removed while it was written, with "
                   "the records written to it") != std::string::npos);

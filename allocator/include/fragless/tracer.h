@@ -60,8 +60,9 @@ class Tracing {
   std::vector<std::string> paths() const;
   // Records lost because a write failed (disk full, ...) or the file was removed; 0 normally.
   std::uint64_t dropped_records() const;
-  // One line naming each file that stopped taking records, how many it lost and why; "" when none did.
-  std::string losses() const;
+  // One line naming each file that stopped taking records, how many it lost and why; "" when none did. Asks
+  // each file first whether it was removed.
+  std::string losses();
   // losses() on stderr, when records were lost since the last time it said so.
   void report_losses();
 

@@ -19,11 +19,8 @@
 
 #include "base/quiet_thread.h"
 #include "base/no_file_size_signal.h"
+#include "trace/trace_clock.h"
 #include "fragless/trace_format.h"
-
-#if defined(__x86_64__)
-#include <x86intrin.h>
-#endif
 
 namespace fragless {
 
@@ -47,57 +44,6 @@ const char* trace_action_name(TraceAction a) {
   }
   return "unknown";
 }
-
-namespace {
-
-// Nanoseconds since the tracer's origin from the cheapest clock available: the invariant TSC on x86-64
-// (about 10 ns a read, calibrated against the monotonic clock once), the monotonic clock elsewhere.
-struct Clock {
-  std::uint64_t origin_unix_ns = 0;
-#if defined(__x86_64__)
-  std::uint64_t tick0 = 0;
-  unsigned __int128 mult = 0;  // ns per tick << 32
-  std::uint64_t now() const {
-    return static_cast<std::uint64_t>((static_cast<unsigned __int128>(__rdtsc() - tick0) * mult) >> 32);
-  }
-#else
-  std::chrono::steady_clock::time_point t0;
-  std::uint64_t now() const {
-    return static_cast<std::uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
-  }
-#endif
-  Clock() {
-    using namespace std::chrono;
-    origin_unix_ns = static_cast<std::uint64_t>(duration_cast<nanoseconds>(system_clock::now().time_since_epoch()).count());
-#if defined(__x86_64__)
-    const auto m0 = steady_clock::now();
-    tick0 = __rdtsc();
-    auto m1 = m0;
-    while ((m1 = steady_clock::now()) - m0 < microseconds(2000)) {
-    }
-    const std::uint64_t tick1 = __rdtsc();
-    const double ns = static_cast<double>(duration_cast<nanoseconds>(m1 - m0).count());
-    const double ticks = static_cast<double>(tick1 - tick0);
-    mult = static_cast<unsigned __int128>(ns / (ticks > 0 ? ticks : 1) * 4294967296.0);
-#else
-    t0 = steady_clock::now();
-#endif
-  }
-};
-
-// Made by the first event or trace file, under std::call_once, not as a function's static: its 2 ms calibration
-// may run while the C ABI's allocator is being made, and a child forked meanwhile must be able to run it
-// again (Note [Making the allocator once]).
-std::atomic<const Clock*> g_clock{nullptr};
-const Clock& clock() {
-  if (const Clock* c = g_clock.load(std::memory_order_acquire)) return *c;
-  static std::once_flag once;
-  std::call_once(once, [] { g_clock.store(new Clock(), std::memory_order_release); });
-  return *g_clock.load(std::memory_order_acquire);
-}
-
-}  // namespace
 
 // One output file and its writer thread. Sinks hand it full buffers; it writes them in order. At process
 // exit the writer stops and the file goes synchronous: a buffer handed to it then is written at once, on the
@@ -133,6 +79,11 @@ class TraceFile {
   std::uint64_t dropped() const {
     std::lock_guard lk(mu_);
     return dropped_;
+  }
+  // Asks now whether the file was removed (Note [A trace file removed while written]), for a flush's answer.
+  void check_removed_now() {
+    std::lock_guard lk(mu_);
+    if (in_owner()) check_removed();
   }
   // Why the file stopped taking records ("" while it takes them).
   std::string failure() const {
@@ -313,8 +264,10 @@ class TraceFile {
   // what it held and every later record count as lost. A file renamed or linked elsewhere is written on.
   void check_removed() {
     struct stat st {};
-    if (!failure_.empty() || fd_ < 0 || ::fstat(fd_, &st) != 0 || st.st_nlink != 0) return;
-    failure_ = "it was removed while it was written, with the records written to it";
+    if (removed_ || fd_ < 0 || ::fstat(fd_, &st) != 0 || st.st_nlink != 0) return;
+    removed_ = true;
+    failure_ += failure_.empty() ? "it was removed while it was written, with the records written to it"
+                                 : "; then it was removed, with the records written to it";
     const auto body = st.st_size > static_cast<off_t>(sizeof(NativeTraceHeader)) ? st.st_size - sizeof(NativeTraceHeader) : 0;
     dropped_ += static_cast<std::uint64_t>(body) / sizeof(NativeTraceRecord);
     std::fprintf(stderr, "fragless: the trace file %s was removed while it was written: the %lld bytes written to it "
@@ -350,6 +303,7 @@ class TraceFile {
   bool stop_ = false;
   bool dead_ = false;  // stopped on the writer thread itself: nothing more is written
   bool slow_said_ = false;  // Note [A slow trace disk]
+  bool removed_ = false;    // Note [A trace file removed while written]
   std::uint64_t dropped_ = 0;
   std::string failure_;  // why the file takes no more records; "" while it takes them
   std::thread thread_;  // last: starts after everything above exists
@@ -375,7 +329,7 @@ class TraceSink final : public EventSink {
  public:
   static constexpr std::size_t kCapacity = 8192;  // records per buffer (384 KiB)
 
-  TraceSink(TraceFile* f, int device) : file_(f), clock_(&clock()), device_(static_cast<std::uint16_t>(device)) {
+  TraceSink(TraceFile* f, int device) : file_(f), clock_(&trace_clock()), device_(static_cast<std::uint16_t>(device)) {
     for (auto& b : bufs_) b.reset(new NativeTraceRecord[kCapacity]);
     cur_ = bufs_[0].get();
     filling_.buf = cur_;
@@ -447,7 +401,7 @@ class TraceSink final : public EventSink {
   TraceFile* file_;
   SinkNode* node_ = nullptr;
   bool forked_ = false, forked_said_ = false;  // Note [Tracing in a forked child]
-  const Clock* clock_;
+  const TraceClock* clock_;
   std::uint16_t device_;
   std::uint32_t seq_ = 0;
   std::unique_ptr<NativeTraceRecord[]> bufs_[2];
@@ -485,7 +439,7 @@ std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, co
   // expansion itself, so that the path grammar is in one place.
   const bool per_device = expand_trace_path(pattern, 0, pid, rank, nullptr) != expand_trace_path(pattern, 1, pid, rank, nullptr);
   const int nfiles = per_device ? devices : 1;
-  (void)clock();                // calibrate before the first event
+  (void)trace_clock();                // calibrate before the first event
   install_sink_fork_handler();  // before the first writer begins
   for (int f = 0; f < nfiles; ++f) {
     const std::string path = expand_trace_path(pattern, f, pid, rank, error);
@@ -498,7 +452,7 @@ std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, co
     h.pid = static_cast<std::uint32_t>(pid);
     h.rank = rank < 0 ? -1 : rank;  // -1: none (trace_format.h), also for a RANK that is not one
     h.device = per_device ? f : -1;
-    h.origin_unix_ns = clock().origin_unix_ns;
+    h.origin_unix_ns = trace_clock().origin_unix_ns;
     std::strncpy(h.policy, policy ? policy : "", sizeof h.policy - 1);
     const int fd = open_trace_file(path, h, error, busy);
     if (fd < 0) return nullptr;
@@ -579,7 +533,8 @@ std::uint64_t Tracing::dropped_records() const {
   return n;
 }
 
-std::string Tracing::losses() const {
+std::string Tracing::losses() {
+  for (auto& f : files_) f->check_removed_now();
   std::string out;
   for (auto& f : files_) {
     const std::string why = f->failure();
@@ -591,10 +546,11 @@ std::string Tracing::losses() const {
 }
 
 void Tracing::report_losses() {
+  const std::string text = losses();  // asks each file whether it was removed first
   const std::uint64_t lost = dropped_records();
-  if (lost == reported_) return;
+  if (lost == reported_ || text.empty()) return;
   reported_ = lost;
-  std::fprintf(stderr, "%s\n", losses().c_str());
+  std::fprintf(stderr, "%s\n", text.c_str());
 }
 
 }  // namespace fragless
