@@ -384,9 +384,11 @@ TEST_CASE("conformance: a request larger than the device is an out-of-memory tha
     CHECK(e->stats().num_ooms == n);
     CHECK(e->stats().num_alloc_retries == n);
   }
+  // The requests' own calls: the background worker may split the freed 8 MiB handle meanwhile (seen once in CI
+  // under load, its creates and maps counted here), which is no call of these requests.
   const DriverCounters after = e->driver().counters();
   for (DriverCall c : {DriverCall::reserve, DriverCall::create, DriverCall::map, DriverCall::set_access})
-    CHECK(after[c] == before[c]);
+    CHECK(after.on_path(c) == before.on_path(c));
   CHECK(e->stats().allocated_bytes.all().current == static_cast<std::int64_t>(4 * MiB));
   void* again = e->allocate(8 * MiB, 0, nullptr);  // the device is as usable as before
   REQUIRE(again);
