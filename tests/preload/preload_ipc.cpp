@@ -432,6 +432,21 @@ int scenario_peers(int sock, pid_t exporter_pid) {
   return 0;
 }
 
+// The bytes fragless holds allocated on device 0 once a failing request has had the engine reap its exports (the
+// fence runs and the reap comes first), tried every 10 ms for up to 5 s while any are.
+size_t allocated_after_reaping() {
+  const auto memory = reinterpret_cast<int (*)(int, size_t*, size_t*)>(dlsym(RTLD_DEFAULT, "fragless_preload_memory"));
+  REQUIRE(memory);
+  size_t allocated = 1, reserved = 0;
+  for (int i = 0; i < 500 && allocated != 0; ++i) {
+    if (i) usleep(10000);
+    void* too_big = nullptr;
+    CHECK(cudaMalloc(&too_big, 64 * MiB) != 0);
+    REQUIRE(memory(0, &allocated, &reserved) == 0);
+  }
+  return allocated;
+}
+
 // One process: cudaIpcGetMemHandle on one thread races the allocation's free on another (cudaFreeAsync and
 // cudaFree by turns, after a spin of up to about 100 µs), over and over (Note [Exports and frees]). However each race ends,
 // nothing stays allocated once every block was freed and the deferred frees went back: a share recorded after
@@ -459,19 +474,10 @@ int scenario_race() {
     asker.join();
     given += got == 0;
   }
-  // Each try fails: the fence runs and the engine reaps the exports first. More than one try: the listener
-  // thread that sent this process its own lease closes its copy just after sending, and under load (the race
-  // scenario beside this one, under ASan, in CI) the first reap can come before that close; the child's
-  // copy, the one this scenario is about, was closed before it said it runs.
-  const auto memory = reinterpret_cast<int (*)(int, size_t*, size_t*)>(dlsym(RTLD_DEFAULT, "fragless_preload_memory"));
-  REQUIRE(memory);
-  size_t allocated = 1, reserved = 0;
-  for (int i = 0; i < 500 && allocated != 0; ++i) {
-    if (i) usleep(10000);
-    void* too_big = nullptr;
-    CHECK(cudaMalloc(&too_big, 64 * MiB) != 0);
-    REQUIRE(memory(0, &allocated, &reserved) == 0);
-  }
+  // Each try fails: the fence runs and the engine reaps the exports first. A share recorded after its free
+  // would hold its block for the life of the process, so a few seconds of tries still catch one; more than
+  // one try, as in import_fork, for a reap that comes before a thread of the process let go of a copy.
+  const size_t allocated = allocated_after_reaping();
   std::fprintf(stderr, "race: %d handles given in %d rounds; %zu bytes allocated after every free\n", given, kRounds,
                allocated);
   CHECK(allocated == 0);
@@ -515,15 +521,7 @@ int scenario_import_fork() {
   // thread that sent this process its own lease closes its copy just after sending, and under load (the race
   // scenario beside this one, under ASan, in CI) the first reap can come before that close; the child's
   // copy, the one this scenario is about, was closed before it said it runs.
-  const auto memory = reinterpret_cast<int (*)(int, size_t*, size_t*)>(dlsym(RTLD_DEFAULT, "fragless_preload_memory"));
-  REQUIRE(memory);
-  size_t allocated = 1, reserved = 0;
-  for (int i = 0; i < 500 && allocated != 0; ++i) {
-    if (i) usleep(10000);
-    void* too_big = nullptr;
-    CHECK(cudaMalloc(&too_big, 64 * MiB) != 0);
-    REQUIRE(memory(0, &allocated, &reserved) == 0);
-  }
+  const size_t allocated = allocated_after_reaping();
   std::fprintf(stderr, "import_fork: %zu bytes allocated after the close and the free, the child alive\n", allocated);
   CHECK(allocated == 0);
   close(gate[1]);
