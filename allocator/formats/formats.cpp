@@ -120,20 +120,25 @@ bool detect_format(const std::string& bytes, Format* f) {
   return true;
 }
 
+// detect_format, or false with *why naming what the bytes are instead (a torch.save file) or that they are none.
+static bool format_of(const std::string& bytes, Format* f, std::string* why) {
+  if (std::string saved = torch_save_container(bytes); !saved.empty()) {
+    *why = std::move(saved);
+    return false;
+  }
+  if (detect_format(bytes, f)) return true;
+  *why = "unknown trace format (expected a fragless native trace, a PyTorch memory snapshot pickle or an RMM log CSV; "
+         "its first bytes are none of them)";
+  return false;
+}
+
 LoadResult trace_from_bytes(const std::string& bytes, const std::string& name) {
   Format f;
-  if (const std::string saved = torch_save_container(bytes); !saved.empty()) {
-    LoadResult r;
-    r.error = name + ": " + saved;
-    return r;
-  }
-  if (!detect_format(bytes, &f)) {
-    LoadResult r;
-    r.error = name + ": unknown trace format (expected a fragless native trace, a PyTorch memory snapshot "
-                     "pickle or an RMM log CSV)";
-    return r;
-  }
   LoadResult r;
+  if (std::string why; !format_of(bytes, &f, &why)) {
+    r.error = name + ": " + why;
+    return r;
+  }
   switch (f) {
     case Format::native: r = trace_from_native_bytes(bytes, name); break;
     case Format::snapshot: r = trace_from_snapshot_bytes(bytes, name); break;
@@ -196,13 +201,8 @@ LoadResult load_trace(const std::string& path) {
     return r;
   }
   Format f;
-  if (const std::string saved = torch_save_container(bytes); !saved.empty()) {
-    r.error = path + ": " + saved;
-    return r;
-  }
-  if (!detect_format(bytes, &f)) {
-    r.error = path + ": unknown trace format (expected a fragless native trace, a PyTorch memory snapshot pickle "
-                     "or an RMM log CSV; its first bytes are none of them)";
+  if (std::string why; !format_of(bytes, &f, &why)) {
+    r.error = path + ": " + why;
     return r;
   }
   if (bytes.size() == kHeadBytes) {

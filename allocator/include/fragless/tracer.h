@@ -29,8 +29,6 @@ bool trace_target_kind_ok(const std::string& path, std::string* error);
 // nothing: the path's kind, and the file, or its folder, writable. What Tracing::open would refuse at the first
 // allocation, said before it (fragless_check_driver).
 bool trace_path_usable(std::string_view pattern, int devices, std::string* error);
-// The same for one expanded path.
-bool trace_file_usable(const std::string& path, std::string* error);
 
 struct NativeTraceHeader;
 // Opens (creates, locks, empties) the trace file at `path` and writes `h`: its descriptor, or -1 with *error

@@ -349,10 +349,7 @@ Block* DeviceEngine::State::allocate_slow(AllocParams& p, AllocError* err) {
   if (!b && p.status == Status::out_of_memory && release_available_cached_blocks(p)) b = grow(p);
   if (!b && p.status == Status::out_of_memory && release_cached_blocks(nullptr)) {
     ++stats.num_alloc_retries;
-    // fragless: the pool may hold a fitting block again (events completed and merged, in a segment a live
-    // block keeps): try the cache first. The peers grow at once, as PyTorch's malloc calls alloc_block after
-    // release_cached_blocks without searching again (a review against PyTorch's source, 2026-12-06).
-    if (policy->kind() == PolicyKind::fragless) b = find_free_block(p);
+    if (policy->retry_searches_cache()) b = find_free_block(p);
     if (!b) b = grow(p);
   }
   if (b) return b;

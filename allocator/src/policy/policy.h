@@ -28,6 +28,10 @@ class Policy : public BackgroundWork {
   // Whether a small request that misses its own pool may take a free block of the large pool that no large
   // request fits (under kSmallSize) before the small pool grows (fragless).
   virtual bool small_from_large_remnants() const { return false; }
+  // Whether the out-of-memory retry looks in the cache again after releasing it, before growing (fragless: a
+  // block an event returned during the release, in a segment a live block keeps). PyTorch's malloc grows at
+  // once (alloc_block after release_cached_blocks), and so do its models.
+  virtual bool retry_searches_cache() const { return false; }
   // Whether best fit should prefer blocks that cannot grow (PyTorch's expandable-segments rule).
   virtual bool prefer_non_growable() const { return false; }
   // Physical bytes held but backing no page of any segment (fragless's idle pages).

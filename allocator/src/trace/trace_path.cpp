@@ -76,19 +76,9 @@ bool trace_target_kind_ok(const std::string& path, std::string* error) {
   return false;
 }
 
-bool trace_path_usable(std::string_view pattern, int devices, std::string* error) {
-  const int pid = static_cast<int>(::getpid()), rank = rank_from_environment();
-  std::string last;
-  for (int d = 0; d < std::max(devices, 1); ++d) {  // each file the pattern names (one per device with %d)
-    std::string path = expand_trace_path(pattern, d, pid, rank, error);
-    if (path.empty()) return false;
-    if (path == last) break;  // no %d: every device shares the first file
-    if (!trace_file_usable(path, error)) return false;
-    last = std::move(path);
-  }
-  return true;
-}
+namespace {
 
+// trace_path_usable for one expanded path.
 bool trace_file_usable(const std::string& path, std::string* error) {
   if (!trace_target_kind_ok(path, error)) return false;
   struct stat st {};
@@ -124,6 +114,21 @@ bool trace_file_usable(const std::string& path, std::string* error) {
   }
   if (error) *error = "fragless: cannot open trace file '" + path + "': " + std::strerror(e);
   return false;
+}
+
+}  // namespace
+
+bool trace_path_usable(std::string_view pattern, int devices, std::string* error) {
+  const int pid = static_cast<int>(::getpid()), rank = rank_from_environment();
+  std::string last;
+  for (int d = 0; d < std::max(devices, 1); ++d) {  // each file the pattern names (one per device with %d)
+    std::string path = expand_trace_path(pattern, d, pid, rank, error);
+    if (path.empty()) return false;
+    if (path == last) break;  // no %d: every device shares the first file
+    if (!trace_file_usable(path, error)) return false;
+    last = std::move(path);
+  }
+  return true;
 }
 
 }  // namespace fragless

@@ -250,9 +250,9 @@ class TraceFile {
   void written(bool ok, std::size_t n, std::size_t kept) {
     if (ok) return;
     if (failure_.empty()) {
-      failure_ = std::string("writing it failed: ") + std::strerror(errno);
-      std::fprintf(stderr, "fragless: writing the trace to %s failed (%s); later records are dropped\n",
-                   path_.c_str(), std::strerror(errno));
+      const char* why = std::strerror(errno);  // before anything that may set errno
+      failure_ = std::string("writing it failed: ") + why;
+      std::fprintf(stderr, "fragless: writing the trace to %s failed (%s); later records are dropped\n", path_.c_str(), why);
     }
     dropped_ += n - std::min(n, kept);
   }
@@ -439,7 +439,7 @@ std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, co
   // expansion itself, so that the path grammar is in one place.
   const bool per_device = expand_trace_path(pattern, 0, pid, rank, nullptr) != expand_trace_path(pattern, 1, pid, rank, nullptr);
   const int nfiles = per_device ? devices : 1;
-  (void)trace_clock();                // calibrate before the first event
+  (void)trace_clock();          // calibrate before the first event
   install_sink_fork_handler();  // before the first writer begins
   for (int f = 0; f < nfiles; ++f) {
     const std::string path = expand_trace_path(pattern, f, pid, rank, error);

@@ -161,6 +161,7 @@ class FraglessPolicy final : public GrowablePolicy {
   // Idle handles, and released ones a lent range still maps (LentRanges::hold_released): held, not mapped.
   std::size_t idle_bytes() const override { return pool_.idle_pages() * page_ + lent_.held_bytes(); }
   bool small_from_large_remnants() const override { return s_.opts.small_in_remnants; }
+  bool retry_searches_cache() const override { return true; }
   std::string check() const override;
   void release_free(PoolSet* only, bool device_synchronized) override;
   void freed(Block* b, DevicePtr lo, DevicePtr hi) override;
