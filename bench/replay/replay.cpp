@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "fragless/engine.h"
@@ -40,6 +41,48 @@ class BackgroundClock {
 
  private:
   double last_ = -1, worker_ = 0;  // the previous event's time; the worker's clock (µs)
+};
+
+// Note [The page floor]
+// Whole-page re-backing (the fragless policy's) can move a page only when no allocated block lies on it, so
+// at any moment a policy that backs whole pages holds at least the pages an allocated byte lies on. Their
+// most at once, with blocks placed where this replay's policy put them, is a floor for any such policy that
+// places as this one does: a re-backer that moved every free page at once and at no cost would hold exactly
+// it. What a policy holds above its floor is the price of its own choices (cells, idle handles, the
+// worker's pace); the floor itself is the price of the placement (blocks sharing pages with free bytes).
+// Counted per page of the driver's granularity from each allocated block's address and size (a block
+// handed out whole is counted whole, as it occupies its pages), for the seeded blocks too.
+class PageFloor {
+ public:
+  explicit PageFloor(std::uint64_t page) : page_(page) {}
+  void add(DevicePtr at, std::uint64_t size) {
+    if (!size) return;
+    blocks_[at] = size;
+    touch(at, size, 1);
+  }
+  void remove(DevicePtr at) {
+    const auto it = blocks_.find(at);
+    if (it == blocks_.end()) return;
+    touch(at, it->second, -1);
+    blocks_.erase(it);
+  }
+  std::int64_t floor() const { return static_cast<std::int64_t>(most_ * page_); }
+
+ private:
+  void touch(DevicePtr at, std::uint64_t size, int d) {
+    for (std::uint64_t pg = at / page_; pg <= (at + size - 1) / page_; ++pg) {
+      std::uint64_t& n = blocks_on_[pg];
+      if (d > 0 && n++ == 0) most_ = std::max(most_, ++now_);
+      if (d < 0 && --n == 0) {
+        --now_;
+        blocks_on_.erase(pg);
+      }
+    }
+  }
+  std::uint64_t page_;
+  std::unordered_map<DevicePtr, std::uint64_t> blocks_;    // allocated block -> its size
+  std::unordered_map<std::uint64_t, std::uint64_t> blocks_on_;  // page -> allocated blocks on it
+  std::uint64_t now_ = 0, most_ = 0;
 };
 
 }  // namespace
@@ -133,6 +176,15 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
     d.small_reserved = e.stats().reserved_bytes.by_pool[kSmallPool].current;
     r.at_peak = d;
   };
+  std::optional<PageFloor> floor;
+  if (opt.peak_detail && policy != PolicyKind::classic) floor.emplace(page);
+  auto allocated = [&](void* p) {
+    std::size_t size = 0;
+    if (floor && e.base_allocation(p, &size)) floor->add(reinterpret_cast<DevicePtr>(p), size);
+  };
+  auto freeing = [&](void* p) {
+    if (floor) floor->remove(reinterpret_cast<DevicePtr>(p));
+  };
   // The cache shape before the window is the recorded allocator's own state: for the classic policy (the
   // allocator that made these snapshots) each segment PyTorch held is created (a 2 MiB segment holds small
   // blocks) and freed, then the live blocks are allocated into that cache. The other policies start from
@@ -155,6 +207,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
       continue;
     }
     ptrs[s.address] = p;
+    allocated(p);
   }
   {
     const DeviceEngine::Usage at = e.usage();
@@ -240,6 +293,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
           continue;
         }
         ptrs[ev.address] = p;
+        allocated(p);
         break;
       }
       case formats::Op::free: {
@@ -252,6 +306,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
           r.error = t.source + ": event " + std::to_string(index) + ": free of an address never allocated";
           return r;
         }
+        freeing(*it);
         e.free(*it);
         ptrs.erase(ev.address);
         break;
@@ -259,6 +314,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
       case formats::Op::empty_cache:
         for (std::uint64_t a : completed_by_empty_cache(t, index - 1, device, requested))
           if (void** it = ptrs.find(a)) {
+            freeing(*it);
             e.free(*it);
             ptrs.erase(a);
             completed_early.insert(a);
@@ -280,6 +336,7 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
   r.overhead_over_live = st.overhead_over_live();
   r.time_weighted_fragmentation = reserved_integral > 0 ? 1.0 - allocated_integral / reserved_integral : 0.0;
   r.driver = e.driver_counters();
+  if (floor) r.page_floor = floor->floor();
   r.forced_syncs = st.num_forced_syncs - seed_syncs;
   if (t.has_time && last_time >= 0) r.trace_duration_us = static_cast<double>(last_time - first_time);
   if (!t.has_time && !t.model_time_us.empty())

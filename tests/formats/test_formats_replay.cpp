@@ -398,6 +398,10 @@ static replay::ReplayResult::PeakDetail peak_detail_of(const formats::Trace& t, 
   CHECK(d.free == d.free_in_whole_pages + d.free_in_partial_pages);
   CHECK(d.idle >= 0);
   CHECK(d.allocated >= d.live);
+  // Note [The page floor]: every page an allocated byte lies on is backed, so no peak is below it.
+  CHECK(r.page_floor.has_value() == (p != PolicyKind::classic));
+  if (r.page_floor) CHECK(*r.page_floor <= r.peak_reserved);
+  if (r.page_floor) CHECK(*r.page_floor >= r.peak_allocated);
   return d;
 }
 
@@ -432,6 +436,19 @@ TEST_CASE("replay --peak-detail: what reserved held at its peak adds up, and nam
     CHECK(d.free_in_partial_pages == 1 * M);
     CHECK(d.free_in_whole_pages == (f ? 0 : 16 * M));
     CHECK(d.idle == 0);
+  }
+  {  // The page floor: 0-3, 3-6 and 6-9 MiB lie on five 2 MiB pages; after the middle one is freed the 2 MiB
+     // block at 3-5 MiB brings the count back to five. Expandable holds its 20 MiB page, fragless the floor.
+    replay::ReplayOptions o;
+    o.peak_detail = true;
+    for (PolicyKind p : {PolicyKind::expandable, PolicyKind::fragless}) {
+      INFO(policy_name(p));
+      const auto r = replay::replay(t, 0, p, o);
+      REQUIRE(r.page_floor);
+      CHECK(*r.page_floor == 10 << 20);
+    }
+    CHECK(replay::replay(t, 0, PolicyKind::fragless, o).peak_reserved == 10 << 20);
+    CHECK_FALSE(replay::replay(t, 0, PolicyKind::fragless, 0).page_floor);  // only with --peak-detail
   }
   {  // --conf page_size_mb:4: fragless maps 4 MiB pages, three for 9 MiB, 3 MiB of the last free
     replay::ReplayOptions o;
