@@ -17,9 +17,9 @@
                                  workloads and FILES: peak reserved, driver calls, alloc-path and background
                                  driver time per policy, and the start-up targets (docs/RESULTS.md, "Driver
                                  time on the allocation path")
-  tools/results_tables.py floor    FILES...   the ten built-in workloads and FILES: the page floor of expandable's
-                                 and fragless's placements (fragless-replay --peak-detail) against what each
-                                 holds and the overhead target (docs/RESULTS.md, "The page floor")
+  tools/results_tables.py floor    FILES...   the ten built-in workloads and FILES: the page floor of each policy's
+                                 placement (fragless-replay --peak-detail) against what fragless holds and the
+                                 overhead target (docs/RESULTS.md, "The page floor")
   tools/results_tables.py general  [--conf KEY:VALUE,...] [--seed N] [--draws N] [FILES...]   the start-up targets
                                  beyond the driver table's inputs: every trace cut into windows (quarters,
                                  halves) and random draws of the built-in workloads (docs/RESULTS.md,
@@ -437,25 +437,28 @@ def driver_table(args):
 
 def floor_table(files):
     """Per input (the built-in workloads at their defaults, then FILES): the page floor (fragless-replay
-    --peak-detail; Note [The page floor] in bench/replay/replay.cpp) of expandable's placement and of fragless's
-    against what each holds at its peak and the overhead target's limit."""
-    rows = by_input(run(["--policy", "expandable,fragless", "--peak-detail", *BUILTINS, *files]))
-    header("input", "peak live MiB", "overhead limit MiB", "expandable reserved / floor MiB",
-           "fragless reserved / floor MiB", "fragless above its floor MiB", "the limit against the floors")
+    --peak-detail; Note [The page floor] in bench/replay/replay.cpp) of each policy's placement, against what
+    fragless holds at its peak and the overhead target's limit."""
+    rows = by_input(run(["--peak-detail", *BUILTINS, *files]))
+    header("input", "peak live MiB", "overhead limit MiB", "page floor MiB classic / expandable / fragless",
+           "fragless reserved MiB", "fragless above its floor MiB", "the limit against the floors")
     under = 0
-    for (name, _), p in rows.items():
-        e, f = p["expandable"], p["fragless"]
+    for (name, dev), p in rows.items():
+        c, e, f = p["classic"], p["expandable"], p["fragless"]
         live = f["peak_live_bytes"]
         limit = live * (1 + overhead_limit(live)) if live else 0
-        low = min(e["page_floor_bytes"], f["page_floor_bytes"])
+        low = min(c["page_floor_bytes"], e["page_floor_bytes"], f["page_floor_bytes"])
         under += low > limit
         label = name.split(":", 1)[1] if name.startswith("workload:") else os.path.basename(name)
-        print(f"| {label} | {mib(live)} | {mib(limit)} | {mib(e['peak_reserved_bytes'])} / "
-              f"{mib(e['page_floor_bytes'])} | {mib(f['peak_reserved_bytes'])} / {mib(f['page_floor_bytes'])} | "
+        if any(d != 0 for (n, d) in rows if n == name):
+            label += f" (device {dev})"
+        print(f"| {label} | {mib(live)} | {mib(limit)} | {mib(c['page_floor_bytes'])} / {mib(e['page_floor_bytes'])} / "
+              f"{mib(f['page_floor_bytes'])} | {mib(f['peak_reserved_bytes'])} | "
               f"{mib(f['peak_reserved_bytes'] - f['page_floor_bytes'])} | "
-              f"{'below both floors' if low > limit else 'above a floor'} |")
+              f"{'below every floor' if low > limit else 'above a floor'} |")
     print()
-    print(f"On {under} of {len(rows)} inputs the overhead target's limit is below both placements' page floors.")
+    print(f"On {under} of {len(rows)} inputs the overhead target's limit is below the page floor of every "
+          f"policy's placement.")
 
 
 # Random draws of the built-in workloads: each key from a few values that scale the workload down or up and

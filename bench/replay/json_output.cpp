@@ -86,7 +86,7 @@ Json result_json(const ReplayResult& r) {
                     {"idle_bytes", p->idle},
                     {"small_pool_reserved_bytes", p->small_reserved},
                     {"small_pool_free_bytes", p->small_free}};
-  if (r.page_floor) o["page_floor_bytes"] = *r.page_floor;  // --peak-detail, expandable and fragless
+  if (r.page_floor) o["page_floor_bytes"] = *r.page_floor;  // --peak-detail only
   return o;
 }
 

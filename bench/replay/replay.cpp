@@ -45,43 +45,52 @@ class BackgroundClock {
 
 // Note [The page floor]
 // Whole-page re-backing (the fragless policy's) can move a page only when no allocated block lies on it, so
-// at any moment a policy that backs whole pages holds at least the pages an allocated byte lies on. Their
-// most at once, with blocks placed where this replay's policy put them, is a floor for any such policy that
-// places as this one does: a re-backer that moved every free page at once and at no cost would hold exactly
-// it. What a policy holds above its floor is the price of its own choices (cells, idle handles, the
-// worker's pace); the floor itself is the price of the placement (blocks sharing pages with free bytes).
-// Counted per page of the driver's granularity from each allocated block's address and size (a block
-// handed out whole is counted whole, as it occupies its pages), for the seeded blocks too.
+// at any moment a policy that backs whole pages holds at least the pages that hold an allocated byte. Their
+// most at one moment, with blocks placed where this replay's policy put them, is a floor for any such policy
+// that places blocks as this one did: a re-backer that moved every free page at once and at no cost would
+// hold exactly it. What a policy holds above its floor is the price of its own choices (cells, idle
+// handles, the worker's pace); the floor less what is allocated is the price of the placement (free bytes
+// sharing pages with allocated ones). Counted per page of the driver's granularity from each allocated
+// block's address and size (a block handed out whole is counted whole: it occupies its pages), the blocks
+// seeded before the window included. A block's interior pages are its own (blocks do not overlap), so only
+// its first and last page are counted in a table; the interior ones are added and taken away as a number.
 class PageFloor {
  public:
   explicit PageFloor(std::uint64_t page) : page_(page) {}
   void add(DevicePtr at, std::uint64_t size) {
     if (!size) return;
     blocks_[at] = size;
-    touch(at, size, 1);
+    touch(at, size, true);
   }
   void remove(DevicePtr at) {
     const auto it = blocks_.find(at);
     if (it == blocks_.end()) return;
-    touch(at, it->second, -1);
+    touch(at, it->second, false);
     blocks_.erase(it);
   }
   std::int64_t floor() const { return static_cast<std::int64_t>(most_ * page_); }
 
  private:
-  void touch(DevicePtr at, std::uint64_t size, int d) {
-    for (std::uint64_t pg = at / page_; pg <= (at + size - 1) / page_; ++pg) {
-      std::uint64_t& n = blocks_on_[pg];
-      if (d > 0 && n++ == 0) most_ = std::max(most_, ++now_);
-      if (d < 0 && --n == 0) {
-        --now_;
-        blocks_on_.erase(pg);
-      }
+  void touch(DevicePtr at, std::uint64_t size, bool add) {
+    const std::uint64_t first = at / page_, last = (at + size - 1) / page_;
+    const std::uint64_t interior = last > first + 1 ? last - first - 1 : 0;
+    if (add) now_ += interior;
+    else now_ -= interior;
+    edge(first, add);
+    if (last != first) edge(last, add);
+    most_ = std::max(most_, now_);
+  }
+  void edge(std::uint64_t pg, bool add) {
+    std::uint64_t& n = blocks_on_[pg];
+    if (add && n++ == 0) ++now_;
+    if (!add && --n == 0) {
+      --now_;
+      blocks_on_.erase(pg);
     }
   }
   std::uint64_t page_;
-  std::unordered_map<DevicePtr, std::uint64_t> blocks_;    // allocated block -> its size
-  std::unordered_map<std::uint64_t, std::uint64_t> blocks_on_;  // page -> allocated blocks on it
+  std::unordered_map<DevicePtr, std::uint64_t> blocks_;         // allocated block -> its size
+  std::unordered_map<std::uint64_t, std::uint64_t> blocks_on_;  // a block's first or last page -> blocks there
   std::uint64_t now_ = 0, most_ = 0;
 };
 
@@ -177,10 +186,14 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
     r.at_peak = d;
   };
   std::optional<PageFloor> floor;
-  if (opt.peak_detail && policy != PolicyKind::classic) floor.emplace(page);
+  if (opt.peak_detail) floor.emplace(page);
   auto allocated = [&](void* p) {
+    if (!floor) return;
+    // The block's own size: a growable segment's block is its own base; a classic segment's block is found
+    // in its segment (base_allocation would give the whole segment).
     std::size_t size = 0;
-    if (floor && e.base_allocation(p, &size)) floor->add(reinterpret_cast<DevicePtr>(p), size);
+    void* base = policy == PolicyKind::classic ? e.allocation_containing(p, &size) : e.base_allocation(p, &size);
+    if (base == p) floor->add(reinterpret_cast<DevicePtr>(p), size);
   };
   auto freeing = [&](void* p) {
     if (floor) floor->remove(reinterpret_cast<DevicePtr>(p));

@@ -60,9 +60,9 @@ struct ReplayResult {
     std::int64_t small_reserved = 0, small_free = 0;  // the small pool's part of reserved and of free
   };
   std::optional<PeakDetail> at_peak;
-  // With ReplayOptions::peak_detail, for the policies that map pages (expandable, fragless): the page floor,
-  // the most pages of the driver's granularity that ever held a byte of an allocated block at once (Note
-  // [The page floor]). A policy that places blocks where this one did and backs whole pages cannot hold less.
+  // With ReplayOptions::peak_detail: the page floor, the most pages of the driver's granularity that held
+  // allocated bytes at one moment (Note [The page floor]). A policy that places blocks where this one did
+  // and backs whole pages cannot hold less.
   std::optional<std::int64_t> page_floor;
 };
 

@@ -97,10 +97,15 @@ void print_replay_table(const std::vector<ReplayResult>& results) {
                   p->event, mib(p->reserved), mib(p->allocated), mib(p->live), mib(p->free), p->free_blocks,
                   mib(p->free_in_whole_pages), mib(p->free_in_partial_pages), mib(p->idle), mib(p->small_reserved),
                   mib(p->small_free));
-    if (r.page_floor)  // --peak-detail, the policies that map pages
-      std::printf("  page floor %.1f MiB (%.2f%% over peak live): the most pages an allocated block ever lay on at "
-                  "once; no policy that places blocks as this one did and backs whole pages holds less\n",
-                  mib(*r.page_floor), 100.0 * (static_cast<double>(*r.page_floor) / static_cast<double>(r.peak_live) - 1));
+    if (r.page_floor) {  // --peak-detail
+      char over[32] = "";
+      if (r.peak_live > 0)
+        std::snprintf(over, sizeof over, " (%.2f%% over peak live)",
+                      100.0 * (static_cast<double>(*r.page_floor) / static_cast<double>(r.peak_live) - 1));
+      std::printf("  page floor %.1f MiB%s: the most pages holding allocated bytes at one moment; no policy that "
+                  "places blocks as this one did and backs whole pages holds less\n",
+                  mib(*r.page_floor), over);
+    }
   }
   std::vector<std::string> inputs;
   for (const auto& r : results) inputs.push_back(r.input);

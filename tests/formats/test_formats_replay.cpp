@@ -399,9 +399,9 @@ static replay::ReplayResult::PeakDetail peak_detail_of(const formats::Trace& t, 
   CHECK(d.idle >= 0);
   CHECK(d.allocated >= d.live);
   // Note [The page floor]: every page an allocated byte lies on is backed, so no peak is below it.
-  CHECK(r.page_floor.has_value() == (p != PolicyKind::classic));
-  if (r.page_floor) CHECK(*r.page_floor <= r.peak_reserved);
-  if (r.page_floor) CHECK(*r.page_floor >= r.peak_allocated);
+  REQUIRE(r.page_floor);
+  CHECK(*r.page_floor <= r.peak_reserved);
+  CHECK(*r.page_floor >= r.peak_allocated);
   return d;
 }
 
@@ -438,14 +438,17 @@ TEST_CASE("replay --peak-detail: what reserved held at its peak adds up, and nam
     CHECK(d.idle == 0);
   }
   {  // The page floor: 0-3, 3-6 and 6-9 MiB lie on five 2 MiB pages; after the middle one is freed the 2 MiB
-     // block at 3-5 MiB brings the count back to five. Expandable holds its 20 MiB page, fragless the floor.
+     // block at 3-5 MiB brings the count back to five. fragless holds the floor.
     replay::ReplayOptions o;
     o.peak_detail = true;
-    for (PolicyKind p : {PolicyKind::expandable, PolicyKind::fragless}) {
+    for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless}) {
       INFO(policy_name(p));
       const auto r = replay::replay(t, 0, p, o);
       REQUIRE(r.page_floor);
       CHECK(*r.page_floor == 10 << 20);
+      o.base.page_size = 4u << 20;  // in 4 MiB pages: 0-4, 4-8 and 8-12 MiB, three of them throughout
+      CHECK(*replay::replay(t, 0, p, o).page_floor == 12 << 20);
+      o.base.page_size = 2u << 20;
     }
     CHECK(replay::replay(t, 0, PolicyKind::fragless, o).peak_reserved == 10 << 20);
     CHECK_FALSE(replay::replay(t, 0, PolicyKind::fragless, 0).page_floor);  // only with --peak-detail
@@ -469,6 +472,59 @@ TEST_CASE("replay --peak-detail: what reserved held at its peak adds up, and nam
   for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless}) {
     INFO(policy_name(p));
     CHECK(peak_detail_of(w, p).free_blocks > 0);
+  }
+}
+
+TEST_CASE("replay --peak-detail: the page floor counts block sizes, seeded blocks and every free", "[replay]") {
+  // Note [The page floor], each case's floor exact, in 2 MiB pages, under every policy.
+  constexpr std::uint64_t M = 1u << 20;
+  std::uint64_t time = 0;
+  auto ev = [&](formats::Op op, std::uint64_t addr, std::uint64_t size = 0) {
+    formats::Event e;
+    e.op = op;
+    e.address = addr;
+    e.size = size;
+    e.time_us = static_cast<std::int64_t>(time++);
+    return e;
+  };
+  using formats::Op;
+  auto floor_of = [](const formats::Trace& t, PolicyKind p, const Options& base = {}) {
+    replay::ReplayOptions o;
+    o.peak_detail = true;
+    o.base = base;
+    const auto r = replay::replay(t, 0, p, o);
+    REQUIRE(r.error.empty());
+    REQUIRE(r.page_floor);
+    CHECK(*r.page_floor <= r.peak_reserved);
+    return *r.page_floor;
+  };
+  formats::Trace freed;  // A and C (six pages), A freed, D too large for A's hole: C and D, seven pages
+  freed.source = "freed";
+  freed.has_time = true;
+  freed.events = {ev(Op::alloc, 1, 6 * M), ev(Op::alloc, 2, 6 * M), ev(Op::free, 1, 6 * M), ev(Op::alloc, 3, 8 * M)};
+  formats::Trace seeded;  // an 8 MiB block live before the window, freed in it, then 2 MiB: four pages
+  seeded.source = "seeded";
+  seeded.has_time = true;
+  seeded.seed = {ev(Op::alloc, 9, 8 * M)};
+  seeded.events = {ev(Op::free, 9, 8 * M), ev(Op::alloc, 1, 2 * M)};
+  formats::Trace emptied;  // A freed by the empty_cache its free record follows; C then lies beyond B: six pages
+  emptied.source = "emptied";
+  emptied.has_time = true;
+  emptied.events = {ev(Op::alloc, 1, 4 * M), ev(Op::alloc, 2, 4 * M), ev(Op::free_requested, 1), ev(Op::empty_cache, 0),
+                    ev(Op::free, 1, 4 * M), ev(Op::alloc, 3, 8 * M)};
+  formats::Trace rounded;  // 8 MiB + 512 B rounded to a 12 MiB block (roundup_power2_divisions:2): six pages
+  rounded.source = "rounded";
+  rounded.has_time = true;
+  rounded.events = {ev(Op::alloc, 1, 8 * M + 512)};
+  Options two;
+  two.roundup_power2_divisions.fill(2);
+  for (PolicyKind p : {PolicyKind::classic, PolicyKind::expandable, PolicyKind::fragless}) {
+    INFO(policy_name(p));
+    CHECK(floor_of(freed, p) == static_cast<std::int64_t>(14 * M));
+    CHECK(floor_of(seeded, p) == static_cast<std::int64_t>(8 * M));
+    CHECK(floor_of(emptied, p) == static_cast<std::int64_t>(12 * M));
+    CHECK(floor_of(rounded, p) == static_cast<std::int64_t>(10 * M));  // no rounding: 8 MiB + 512 B, five pages
+    CHECK(floor_of(rounded, p, two) == static_cast<std::int64_t>(12 * M));
   }
 }
 

@@ -528,10 +528,12 @@ check_count "--peak-detail: at_peak in each --json result" '"at_peak":\{"event":
 check_count "... and not without it" '"at_peak"' 0 "$bin/fragless-replay" --json "$tiny"
 check_count "--peak-detail: a line under each row of the table" '^  at its peak \(event [0-9]+\): .* MiB reserved = ' 3 \
   "$bin/fragless-replay" --peak-detail "$tiny"
-check_count "--peak-detail: the page floor under expandable's and fragless's rows" '^  page floor [0-9.]+ MiB \(' 2 \
+check_count "--peak-detail: the page floor under each row" '^  page floor [0-9.]+ MiB \(' 3 \
   "$bin/fragless-replay" --peak-detail "$tiny"
-check_count "... and page_floor_bytes in their --json results" '"page_floor_bytes":[0-9]+' 2 \
+check_count "... and page_floor_bytes in each --json result" '"page_floor_bytes":[0-9]+' 3 \
   "$bin/fragless-replay" --json --peak-detail "$tiny"
+check_count "... and no percentage over a peak live of nothing (every allocation out of memory)" \
+  '^  page floor 0\.0 MiB: the most pages' 3 "$bin/fragless-replay" --peak-detail --capacity-gib 0.0001 "$tiny"
 check_error "--conf policy and --policy disagree" "name different policies" \
   "$bin/fragless-replay" --conf policy:classic --policy fragless "$work/o.fgt"
 for key in driver:host capacity_mb:64 trace:x.fgt peer_access:False shareable_handles:True on_oom:throw; do
