@@ -11,11 +11,11 @@
 #include <cstddef>
 #include <map>
 #include <string>
-#include <unordered_map>
+#include <stdexcept>
 #include <vector>
 
 #include "fragless/driver.h"
-#include "fragless/node_slab.h"
+#include "fragless/flat_table.h"
 
 namespace fragless {
 
@@ -28,7 +28,7 @@ class HandlePool {
     total_pages_ += pages;
     taken_.push_back(h);
   }
-  std::size_t pages(PhysHandle h) const { return info_.at(h).pages; }
+  std::size_t pages(PhysHandle h) const { return at(h).pages; }
   std::size_t idle_pages() const { return idle_pages_; }
   const std::vector<PhysHandle>& taken() const { return taken_; }
 
@@ -50,18 +50,18 @@ class HandlePool {
   }
 
   void take_idle(PhysHandle h) {
-    Info& i = info_.at(h);
+    Info& i = at(h);
     erase_idle(h, i.pages);
     i.state = State::taken;
     taken_.push_back(h);
   }
   // A mapped handle leaves its mapping for the request being mapped (reclaim) or for the idle set.
   void unmapped_to_taken(PhysHandle h) {
-    info_.at(h).state = State::taken;
+    at(h).state = State::taken;
     taken_.push_back(h);
   }
   void unmapped_to_idle(PhysHandle h) { to_idle(h); }
-  void mark_mapped(PhysHandle h) { info_.at(h).state = State::mapped; }
+  void mark_mapped(PhysHandle h) { at(h).state = State::mapped; }
   // The first `count` taken handles were mapped (mark_mapped): they are no longer the request's.
   void forget_taken(std::size_t count) { taken_.erase(taken_.begin(), taken_.begin() + count); }
   // Mapped handle h was split in place (handle_splitter.h): handles `by`, of pages[i] pages each (pieces of
@@ -75,18 +75,18 @@ class HandlePool {
   }
   // Mapped handle `from` is called `to` from now on (Note [Handle aliases]).
   void rename_mapped(PhysHandle from, PhysHandle to) {
-    auto node = info_.extract(from);
-    node.key() = to;
-    info_.insert(std::move(node));
+    const Info i = at(from);
+    info_.erase(from);
+    info_[to] = i;
   }
   // Mapped handle h was unmapped and released (a split that gave its range back).
   void remove_mapped(PhysHandle h) {
-    total_pages_ -= info_.at(h).pages;
+    total_pages_ -= at(h).pages;
     info_.erase(h);
   }
   // Removes idle handle h (to release it).
   void remove_idle(PhysHandle h) {
-    Info& i = info_.at(h);
+    const Info& i = at(h);
     erase_idle(h, i.pages);
     total_pages_ -= i.pages;
     info_.erase(h);
@@ -115,7 +115,7 @@ class HandlePool {
   std::string check(std::size_t mapped_in_segments) const {
     if (!taken_.empty()) return "fragless handle pool: handles taken for a request were left over";
     std::size_t idle = 0, mapped = 0;
-    for (auto& [h, i] : info_) (i.state == State::idle ? idle : mapped) += i.pages;
+    info_.for_each([&](PhysHandle, const Info& i) { (i.state == State::idle ? idle : mapped) += i.pages; });
     if (idle != idle_pages_) return "fragless handle pool: idle pages miscounted";
     if (idle + mapped != total_pages_) return "fragless handle pool: idle + mapped pages != created pages";
     if (mapped != mapped_in_segments) return "fragless handle pool: mapped pages != pages the segments map";
@@ -124,8 +124,15 @@ class HandlePool {
 
  private:
   struct Info { std::size_t pages; State state; };
+  // The handle's entry; every handle asked about is in the pool (as std::map::at, a throw otherwise).
+  Info& at(PhysHandle h) {
+    Info* i = info_.find(h);
+    if (!i) throw std::out_of_range("fragless handle pool: a handle it does not hold");
+    return *i;
+  }
+  const Info& at(PhysHandle h) const { return const_cast<HandlePool*>(this)->at(h); }
   void to_idle(PhysHandle h) {
-    Info& i = info_.at(h);
+    Info& i = at(h);
     i.state = State::idle;
     idle_[i.pages].handles.push_back(h);
     idle_pages_ += i.pages;
@@ -157,10 +164,7 @@ class HandlePool {
     std::size_t count() const { return handles.size() - head; }
   };
 
-  NodeSlab info_nodes_;  // Note [Node slabs]; declared before info_, which it outlives
-  using InfoAllocator = SlabAllocator<std::pair<const PhysHandle, Info>>;
-  std::unordered_map<PhysHandle, Info, std::hash<PhysHandle>, std::equal_to<PhysHandle>, InfoAllocator> info_{
-      0, std::hash<PhysHandle>(), std::equal_to<PhysHandle>(), InfoAllocator(&info_nodes_)};
+  FlatTable<Info> info_;  // Note [Flat tables]: found on every growth's map and every split
   // By size in pages, none empty. A list per size, not a tree node per handle: an empty_cache or the
   // engine's end makes every free handle idle at once (tens of thousands in a replay), then releases them.
   std::map<std::size_t, IdleList> idle_;

@@ -12,7 +12,7 @@ namespace fragless {
 
 void HandleSplitter::mapped(Segment& seg, std::size_t first, PhysHandle h) {
   if (pool_.pages(h) < 2) return;
-  multi_.emplace(&seg, first);
+  multi_.emplace_hint(multi_.end(), &seg, first);  // a growth at a segment's end comes last: no search then
   where_[h] = {&seg, first};
 }
 

@@ -27,9 +27,13 @@ std::vector<FraglessPolicy::Candidate> FraglessPolicy::candidates(Growth& g, Str
                                                                   bool idle_only) {
   std::vector<Candidate> cands;
   // The pools' free blocks are ordered by stream, then size: the walk skips the streams outside the group,
-  // and each stream's blocks smaller than a page (they hold no whole page), without looking at them.
+  // and each stream's blocks smaller than a page (they hold no whole page), without looking at them. A pool
+  // whose free blocks are all on `stream` has none on another (the first and the last say so).
   Block key;
-  for (const BlockPool* bp : {&s_.default_pools.large, &s_.default_pools.small})
+  for (const BlockPool* bp : {&s_.default_pools.large, &s_.default_pools.small}) {
+    if (other_streams && (bp->blocks.empty() || ((*bp->blocks.begin())->stream == stream &&
+                                                 (*bp->blocks.rbegin())->stream == stream)))
+      continue;
     for (auto it = bp->blocks.begin(); it != bp->blocks.end();) {
       Block* b = *it;
       if ((b->stream == stream) == other_streams) {  // on to the next stream
@@ -51,6 +55,7 @@ std::vector<FraglessPolicy::Candidate> FraglessPolicy::candidates(Growth& g, Str
       std::size_t lo, hi;
       if (reclaimable(b, g, &lo, &hi)) cands.push_back({b, lo, hi});
     }
+  }
   if (g.keep_small) {  // Note [The small pool keeps a cell]
     std::size_t small = 0;
     for (const Candidate& c : cands) small += c.b->segment->small ? c.hi - c.lo : 0;
@@ -73,6 +78,7 @@ std::size_t FraglessPolicy::reclaimable_pages(Growth& g) {
 void FraglessPolicy::reclaim(Growth& g, bool other_streams, std::size_t need, std::size_t room, bool busy_too) {
   const Stream stream = g.stream;
   std::vector<Candidate> cands = candidates(g, stream, other_streams, /*idle_only=*/other_streams && !busy_too);
+  if (cands.empty()) return;
   std::sort(cands.begin(), cands.end(), [](const Candidate& a, const Candidate& b) { return a.hi - a.lo > b.hi - b.lo; });
   std::vector<Candidate> groups;
   std::size_t got = g.planned;
