@@ -4,7 +4,8 @@
 // (no tombstones, so a table that churns does not slow down). A lookup reads one or two cache lines where
 // std::unordered_map follows a bucket, the node before and the node; nothing is allocated but the array
 // when it doubles. Used where a table sits on the replay's per-call path: the driver contract's
-// (driver.h, Note [The contract's tables]) and the replay's own, from trace addresses to blocks. Every key is allowed (a slot says whether it is used; no key
+// (driver.h, Note [The contract's tables]), the replay's own, from trace addresses to blocks, and the
+// fragless policy's handle tables, read on every growth's map. Every key is allowed (a slot says whether it is used; no key
 // value is reserved). An insert or an erase moves entries: pointers from find() last until the next one.
 #pragma once
 #include <cstddef>
