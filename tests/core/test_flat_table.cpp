@@ -3,6 +3,7 @@
 // a run, and keys that share their home slots), so the backward-shift erase is taken through every case.
 #include <catch2/catch.hpp>
 
+#include <new>
 #include <random>
 #include <unordered_map>
 
@@ -42,4 +43,35 @@ TEST_CASE("FlatTable: the answers of std::unordered_map through a random walk", 
     });
     CHECK(seen == m.size());
   }
+}
+
+namespace {
+// A value whose construction fails once its budget is spent: the array a growth makes constructs one per slot.
+struct Fragile {
+  static inline int budget = -1;  // constructions left before one throws; negative: never
+  int v = 0;
+  Fragile() {
+    if (budget == 0) throw std::bad_alloc();
+    if (budget > 0) --budget;
+  }
+};
+}  // namespace
+
+TEST_CASE("FlatTable: a growth that cannot make its array leaves the table as it was", "[flat_table]") {
+  FlatTable<Fragile> t;
+  for (std::uint64_t k = 1; k <= 8; ++k) t[k].v = static_cast<int>(k);  // 8 of 16 slots: the next insert grows
+  Fragile::budget = 5;  // the 32-slot array fails part-way
+  CHECK_THROWS_AS(t[100], std::bad_alloc);
+  Fragile::budget = -1;
+  CHECK(t.size() == 8);
+  for (std::uint64_t k = 1; k <= 8; ++k) {
+    INFO("key " << k);
+    REQUIRE(t.find(k));
+    CHECK(t.find(k)->v == static_cast<int>(k));
+  }
+  CHECK_FALSE(t.find(100));
+  t[100].v = 100;  // and it still grows
+  CHECK(t.size() == 9);
+  CHECK(t.find(100)->v == 100);
+  CHECK(t.find(3)->v == 3);
 }

@@ -78,22 +78,26 @@ class FlatTable {
   };
   // Fibonacci hashing: the top bits of key × 2^64/φ, which spreads keys that differ only in their high
   // bits (addresses aligned to 2 MiB) as well as consecutive ones (handle ids).
-  std::size_t home(std::uint64_t key) const {
-    return static_cast<std::size_t>((key * 0x9E3779B97F4A7C15ull) >> shift_);
+  static std::size_t home(std::uint64_t key, unsigned shift) {
+    return static_cast<std::size_t>((key * 0x9E3779B97F4A7C15ull) >> shift);
   }
+  std::size_t home(std::uint64_t key) const { return home(key, shift_); }
+  // The new array is made before anything changes: a bad_alloc leaves the table as it was.
   void grow() {
-    std::vector<Slot> old = std::move(slots_);
-    const std::size_t capacity = old.empty() ? 16 : 2 * old.size();
-    slots_.assign(capacity, Slot{});
-    mask_ = capacity - 1;
-    shift_ = 64;
-    for (std::size_t c = capacity; c > 1; c >>= 1) --shift_;
-    for (Slot& s : old) {  // the keys are distinct: each goes to the first free slot from its home
+    const std::size_t capacity = slots_.empty() ? 16 : 2 * slots_.size();
+    std::vector<Slot> fresh(capacity);
+    const std::size_t mask = capacity - 1;
+    unsigned shift = 64;
+    for (std::size_t c = capacity; c > 1; c >>= 1) --shift;
+    for (Slot& s : slots_) {  // the keys are distinct: each goes to the first free slot from its home
       if (!s.used) continue;
-      std::size_t i = home(s.key);
-      while (slots_[i].used) i = (i + 1) & mask_;
-      slots_[i] = std::move(s);
+      std::size_t i = home(s.key, shift);
+      while (fresh[i].used) i = (i + 1) & mask;
+      fresh[i] = std::move(s);
     }
+    slots_.swap(fresh);
+    mask_ = mask;
+    shift_ = shift;
   }
 
   std::vector<Slot> slots_;

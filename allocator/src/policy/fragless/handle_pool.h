@@ -124,7 +124,8 @@ class HandlePool {
 
  private:
   struct Info { std::size_t pages; State state; };
-  // The handle's entry; every handle asked about is in the pool (as std::map::at, a throw otherwise).
+  // The handle's entry; every handle asked about is in the pool (std::out_of_range otherwise, as the
+  // std::unordered_map it replaced threw).
   Info& at(PhysHandle h) {
     Info* i = info_.find(h);
     if (!i) throw std::out_of_range("fragless handle pool: a handle it does not hold");

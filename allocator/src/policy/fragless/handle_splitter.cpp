@@ -12,7 +12,8 @@ namespace fragless {
 
 void HandleSplitter::mapped(Segment& seg, std::size_t first, PhysHandle h) {
   if (pool_.pages(h) < 2) return;
-  multi_.emplace_hint(multi_.end(), &seg, first);  // a growth at a segment's end comes last: no search then
+  // A growth at the end of the highest-addressed segment comes last: no search then (else the hint is ignored).
+  multi_.emplace_hint(multi_.end(), &seg, first);
   where_[h] = {&seg, first};
 }
 
