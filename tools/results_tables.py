@@ -155,6 +155,16 @@ def overhead_limit(live):
     return 0.02 if live >= 2**30 else 0.02 + 4 * 2**20 / live
 
 
+def limit_bytes(live):
+    """The overhead target's limit in bytes of peak reserved for a peak live of `live` bytes."""
+    return live * (1 + overhead_limit(live)) if live else 0
+
+
+def lowest_floor(p):
+    """The lowest page floor (fragless-replay --peak-detail) of an input's results by policy."""
+    return min(p[k]["page_floor_bytes"] for k in ("classic", "expandable", "fragless"))
+
+
 def by_input(results):
     out = {}
     for r in results:
@@ -446,8 +456,8 @@ def floor_table(files):
     for (name, dev), p in rows.items():
         c, e, f = p["classic"], p["expandable"], p["fragless"]
         live = f["peak_live_bytes"]
-        limit = live * (1 + overhead_limit(live)) if live else 0
-        low = min(c["page_floor_bytes"], e["page_floor_bytes"], f["page_floor_bytes"])
+        limit = limit_bytes(live)
+        low = lowest_floor(p)
         under += low > limit
         label = name.split(":", 1)[1] if name.startswith("workload:") else os.path.basename(name)
         if any(d != 0 for (n, d) in rows if n == name):
@@ -523,9 +533,7 @@ def general_table(args):
             d, o, a = targets_missed(p)
             # Note [The page floor]: a limit below the floor of every policy's placement is out of reach of
             # any policy that places blocks as one of them does and backs whole pages.
-            live = p["fragless"]["peak_live_bytes"]
-            low = o and min(p[k]["page_floor_bytes"] for k in ("classic", "expandable", "fragless")) > \
-                live * (1 + overhead_limit(live))
+            low = o and lowest_floor(p) > limit_bytes(p["fragless"]["peak_live_bytes"])
             met += not (d or o or a)
             drv += d > 0
             ovh += o > 0

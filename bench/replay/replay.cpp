@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <unordered_map>
 #include <unordered_set>
 
 #include "fragless/engine.h"
@@ -63,10 +62,10 @@ class PageFloor {
     touch(at, size, true);
   }
   void remove(DevicePtr at) {
-    const auto it = blocks_.find(at);
-    if (it == blocks_.end()) return;
-    touch(at, it->second, false);
-    blocks_.erase(it);
+    const std::uint64_t* size = blocks_.find(at);
+    if (!size) return;
+    touch(at, *size, false);
+    blocks_.erase(at);
   }
   std::int64_t floor() const { return static_cast<std::int64_t>(most_ * page_); }
 
@@ -89,8 +88,8 @@ class PageFloor {
     }
   }
   std::uint64_t page_;
-  std::unordered_map<DevicePtr, std::uint64_t> blocks_;         // allocated block -> its size
-  std::unordered_map<std::uint64_t, std::uint64_t> blocks_on_;  // a block's first or last page -> blocks there
+  FlatTable<std::uint64_t> blocks_;     // allocated block -> its size (Note [Flat tables])
+  FlatTable<std::uint64_t> blocks_on_;  // a block's first or last page -> blocks there
   std::uint64_t now_ = 0, most_ = 0;
 };
 
