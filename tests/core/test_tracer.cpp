@@ -1,12 +1,15 @@
 // The runtime tracer and the native format: paths, recording through the Allocator, flushing, replaying
 // what was recorded, truncated and corrupt files; conversions between every pair of formats.
 #include <catch2/catch.hpp>
+#include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <random>
 #include <set>
+#include <thread>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -19,6 +22,7 @@
 #include "pickle.h"
 #include "seed.h"
 #include "replay.h"
+#include "trace/trace_clock.h"
 #include "trace_model.h"
 #include "workload.h"
 
@@ -42,6 +46,60 @@ std::size_t count(const Trace& t, Op op, int device = -1) {
 }
 
 }  // namespace
+
+// Note [The trace clock]: a line whose rate is off (as a 2 ms first measure leaves it, here far worse) is
+// refitted to the monotonic clock, and no time it gives steps back, whichever way and however far it was off.
+TEST_CASE("trace clock: refits bring a skewed counter back to the monotonic clock, never stepping back", "[tracer]") {
+  if (!TraceClock::invariant_tsc()) {
+    WARN("SKIPPED: this processor has no invariant time-stamp counter; the trace clock is the monotonic clock");
+    return;
+  }
+  using namespace std::chrono;
+  struct Case {
+    double ppm;
+    bool refits;
+    std::unique_ptr<TraceClock> clock;
+    std::uint64_t last = 0;
+  };
+  std::vector<Case> cases;
+  for (const double ppm : {2000.0, -2000.0, 500000.0, -600000.0})
+    for (const bool refits : {true, false}) {
+      cases.push_back({ppm, refits, std::make_unique<TraceClock>(TraceClock::Source::tsc, milliseconds(20))});
+      cases.back().clock->skew_for_test(ppm);
+    }
+  // The clock's error against the monotonic clock: the smallest of a few reads, so a preemption between the
+  // two reads does not count.
+  auto error_ns = [](TraceClock& c) {
+    double best = 1e18;
+    for (int i = 0; i < 16; ++i) {
+      const double a = static_cast<double>(c.monotonic_now()), t = static_cast<double>(c.now()),
+                   b = static_cast<double>(c.monotonic_now());
+      if (std::abs(t - (a + b) / 2) < std::abs(best)) best = t - (a + b) / 2;
+    }
+    return best;
+  };
+  const auto until = steady_clock::now() + milliseconds(1500);
+  std::size_t steps = 0;
+  while (steady_clock::now() < until) {
+    for (Case& c : cases) {
+      const std::uint64_t t = c.clock->now();
+      INFO("skew " << c.ppm << " ppm, refits " << c.refits << ", step " << steps);
+      REQUIRE(t >= c.last);
+      c.last = t;
+      if (c.refits) c.clock->refine();
+    }
+    ++steps;
+    std::this_thread::sleep_for(microseconds(200));
+  }
+  for (Case& c : cases) {
+    const double err = error_ns(*c.clock);
+    INFO("skew " << c.ppm << " ppm, refits " << c.refits << ": " << err << " ns off the monotonic clock after 1.5 s");
+    if (c.refits)
+      CHECK(std::abs(err) < 50e3);  // refitted at 20, 60, 140, ... 1260 ms
+    else
+      CHECK(std::abs(err) > 1e6);  // 2000 ppm of 1.5 s is 3 ms: what the refits removed
+  }
+}
 
 TEST_CASE("tracer: path patterns expand pid, device and rank", "[tracer]") {
   std::string err;
@@ -100,6 +158,10 @@ TEST_CASE("tracer: records every event, per device, and replays to the same rese
   std::vector<std::string> paths;
   std::int64_t live_peak_reserved[2] = {0, 0};
   std::size_t allocs[2] = {0, 0}, frees[2] = {0, 0};
+  auto unix_us = [] {
+    return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  };
+  const std::int64_t began_us = unix_us();
   {
     auto a = Allocator::create(parsed.options, 2, &err);
     REQUIRE(a);
@@ -150,6 +212,11 @@ TEST_CASE("tracer: records every event, per device, and replays to the same rese
     CHECK(count(r.trace, Op::segment_map, d) + count(r.trace, Op::phys_create, d) > 0);
     for (std::size_t i = 1; i < r.trace.events.size(); ++i)
       REQUIRE(r.trace.events[i].time_us >= r.trace.events[i - 1].time_us);
+    // The records' counter ticks were made nanoseconds of the recording (Note [The trace clock]): every time
+    // is within it (a millisecond either side for the wall clock's own steps).
+    const std::int64_t ended_us = unix_us();
+    CHECK(r.trace.events.front().time_us >= began_us - 1000);
+    CHECK(r.trace.events.back().time_us <= ended_us + 1000);
     // The engine is deterministic: replaying the recorded requests through the same policy on the sim
     // driver reserves exactly what the traced run reserved. (It once was not: the policy's decisions
     // depended on where the heap put its segments, Note [Strips die with their segment]; and the replay

@@ -55,7 +55,8 @@ class TraceFile {
   // filled]): what a process killed by a signal or abort() can lose.
   static constexpr std::chrono::milliseconds kWriteEvery{100};
 
-  TraceFile(int fd, std::string path) : fd_(fd), path_(std::move(path)), thread_(start_quiet_thread([this] { run(); })) {}
+  TraceFile(int fd, std::string path)
+      : fd_(fd), path_(std::move(path)), clock_(&trace_clock()), thread_(start_quiet_thread([this] { run(); })) {}
   // Whether the calling process is the one that opened the file (Note [Tracing in a forked child]).
   bool in_owner() const { return ::getpid() == owner_; }
   ~TraceFile() {
@@ -95,7 +96,7 @@ class TraceFile {
   // the buffer, the count of records the sink has stored in it (published with release after each), and how
   // many of them the file already has. Owned by the sink; registered with the file while the sink lives.
   struct Filling {
-    const NativeTraceRecord* buf = nullptr;
+    NativeTraceRecord* buf = nullptr;
     std::atomic<std::size_t> stored{0};
     std::size_t written = 0;  // under mu_
     int queued = 0;           // under mu_: this sink's jobs not yet written (its records before buf's)
@@ -112,7 +113,7 @@ class TraceFile {
   // Queues the `n` records at `p`, the buffer `f` was filling, less what the writer already wrote of it, and
   // makes `next` the buffer `f` fills; *busy stays true until they are written. Once the writer is stopped,
   // writes them now, after whatever it still had, and *busy stays false.
-  void submit(Filling* f, const NativeTraceRecord* p, std::size_t n, bool* busy, const NativeTraceRecord* next) {
+  void submit(Filling* f, NativeTraceRecord* p, std::size_t n, bool* busy, NativeTraceRecord* next) {
     {
       std::unique_lock lk(mu_);
       const std::size_t from = std::min(f->written, n);
@@ -127,8 +128,7 @@ class TraceFile {
         done_.wait(lk, [&] { return jobs_.empty() && !filling_in_flight_; });
         std::size_t kept = 0;
         NoFileSizeSignal no_signal;  // Note [A file size limit]
-        written(failure_.empty() && write_all(reinterpret_cast<const char*>(p), n * sizeof(NativeTraceRecord), &kept),
-                n, kept);
+        written(failure_.empty() && write_records(p, n, &kept), n, kept);
         return;
       }
       *busy = true;
@@ -180,7 +180,7 @@ class TraceFile {
 
  private:
   struct Job {
-    const NativeTraceRecord* p;
+    NativeTraceRecord* p;
     std::size_t n;
     bool* busy;
     Filling* from;
@@ -197,6 +197,7 @@ class TraceFile {
       // written too (not only when the queue has stayed empty for the interval).
       if (!stop_ && std::chrono::steady_clock::now() >= due) {
         check_removed();
+        clock_->refine();  // Note [The trace clock]: refits at most once an interval, whichever writer asks
         write_filling(lk);
         due = std::chrono::steady_clock::now() + kWriteEvery;
         continue;
@@ -209,7 +210,7 @@ class TraceFile {
       const bool failed = !failure_.empty();
       lk.unlock();
       std::size_t kept = 0;
-      const bool ok = !failed && write_all(reinterpret_cast<const char*>(j.p), j.n * sizeof(NativeTraceRecord), &kept);
+      const bool ok = !failed && write_records(j.p, j.n, &kept);
       lk.lock();
       jobs_.pop_front();
       --j.from->queued;
@@ -231,13 +232,13 @@ class TraceFile {
       Filling* const f = filling_[i];
       const std::size_t stored = f->stored.load(std::memory_order_acquire);
       if (stored <= f->written || !failure_.empty() || f->queued > 0) continue;
-      const NativeTraceRecord* p = f->buf + f->written;
+      NativeTraceRecord* p = f->buf + f->written;
       const std::size_t n = stored - f->written;
       f->written = stored;
       filling_in_flight_ = true;
       lk.unlock();
       std::size_t kept = 0;
-      const bool ok = write_all(reinterpret_cast<const char*>(p), n * sizeof(NativeTraceRecord), &kept);
+      const bool ok = write_records(p, n, &kept);
       lk.lock();
       filling_in_flight_ = false;
       done_.notify_all();
@@ -274,6 +275,14 @@ class TraceFile {
                  "are lost, and later records are dropped\n", path_.c_str(), static_cast<long long>(st.st_size));
   }
 
+  // The records' raw ticks become nanoseconds (Note [The trace clock]), then they are written: each record
+  // once, by whoever writes it (a filling buffer's part, or the job of the rest), on a buffer the sink no longer
+  // touches there.
+  bool write_records(NativeTraceRecord* p, std::size_t n, std::size_t* kept) {
+    clock_->to_ns(p, n);
+    return write_all(reinterpret_cast<const char*>(p), n * sizeof(NativeTraceRecord), kept);
+  }
+
   // Without mu_ on the writer thread (a job's buffer is the writer's alone), with mu_ once stopped. A write
   // that fails part way (a full disk) leaves the whole records before it in the file: they are not lost.
   // *kept: the whole records written before a failure.
@@ -306,6 +315,7 @@ class TraceFile {
   bool removed_ = false;    // Note [A trace file removed while written]
   std::uint64_t dropped_ = 0;
   std::string failure_;  // why the file takes no more records; "" while it takes them
+  TraceClock* clock_;    // refitted by the writer (Note [The trace clock])
   std::thread thread_;  // last: starts after everything above exists
 };
 
@@ -345,7 +355,7 @@ class TraceSink final : public EventSink {
   void on_event(const TraceEvent& e) override {
     if (n_ == kCapacity) hand_off();
     NativeTraceRecord& r = cur_[n_++];
-    r.time_ns = clock_->now();
+    r.time_ns = clock_->ticks();  // nanoseconds once written (Note [The trace clock])
     r.address = e.address;
     r.requested = e.requested_size;
     r.block = e.block_size;
@@ -422,9 +432,24 @@ void sinks_after_fork_child() {
 }
 // Installed before the first writer begins (Tracing::open): a child forked as one starts counts none (Note
 // [Forking while a thread starts]).
+// The clock's refit is taken around a fork too (Note [The trace clock]): the one the prepare handler locked is
+// the one unlocked after, even if another thread made the clock meanwhile.
+TraceClock* g_clock_held_for_fork = nullptr;
+void clock_prepare_fork() {
+  g_clock_held_for_fork = g_trace_clock.load(std::memory_order_acquire);
+  if (g_clock_held_for_fork) g_clock_held_for_fork->prepare_fork();
+}
+void clock_after_fork() {
+  if (g_clock_held_for_fork) g_clock_held_for_fork->after_fork();
+  g_clock_held_for_fork = nullptr;
+}
+void sinks_after_fork_child_and_clock() {
+  clock_after_fork();
+  sinks_after_fork_child();
+}
 void install_sink_fork_handler() {
   static std::once_flag once;
-  std::call_once(once, [] { pthread_atfork(nullptr, nullptr, &sinks_after_fork_child); });
+  std::call_once(once, [] { pthread_atfork(&clock_prepare_fork, &clock_after_fork, &sinks_after_fork_child_and_clock); });
 }
 
 }  // namespace
