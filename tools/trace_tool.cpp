@@ -380,6 +380,16 @@ int run(int argc, char** argv) {
                    "fragless-trace: note: %s has no timestamps; the RMM log's times count its events (one microsecond "
                    "each, in order), so a replay weighs them as it weighs the original's\n",
                    in.c_str());
+    if (f == Format::rmm_csv) {
+      std::size_t seeded = 0;
+      for (const auto& e : t.seed) seeded += e.device == device;
+      if (seeded)
+        std::fprintf(stderr,
+                     "fragless-trace: note: the %zu allocation%s live before %s's first event %s written to %s as "
+                     "allocations at that event's time (an RMM log has no blocks that were already there), so it "
+                     "holds %zu more allocate rows than the input has allocations\n",
+                     seeded, seeded == 1 ? "" : "s", in.c_str(), seeded == 1 ? "is" : "are", out.c_str(), seeded);
+    }
     if (f == Format::rmm_csv && devices.size() > 1)
       std::fprintf(stderr, "fragless-trace: %s has devices %s; an RMM log holds one: writing device %d (--device)\n",
                    in.c_str(), list(devices).c_str(), device);

@@ -333,13 +333,14 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine* out) {
   if (cl.fit && cl.capacity) return usage("--fit searches the capacity: drop --capacity-gib");
   if (fit_step_given && !cl.fit) return usage("--fit-step applies to --fit");
   if (plot_x_given && cl.plot.empty()) return usage("--plot-x applies to --plot");
-  if (!cl.max_key.empty() && !cl.capacity) return usage("--max-batch / --max-of need the device's size (--capacity-gib N)");
+  // What the inputs are is said before what the command lacks: a trace cannot be searched at any capacity.
   if (!cl.max_key.empty())
     for (const auto& in : cl.inputs) {
       long long lo, hi;
       std::string err;
       if (!workload_key_range(in, cl.max_key, &lo, &hi, &err)) return std::fprintf(stderr, "fragless-replay: %s\n", err.c_str()), 2;
     }
+  if (!cl.max_key.empty() && !cl.capacity) return usage("--max-batch / --max-of need the device's size (--capacity-gib N)");
   if (!cl.seqlen_file.empty() && std::none_of(cl.inputs.begin(), cl.inputs.end(), draws_seqlen_file))
     return usage("--seqlen-file: no input draws its lengths from it (it applies to workload:transformer-train, "
                  "transformer-infer and ckpt-accum without a seqlen= key)");

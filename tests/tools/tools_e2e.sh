@@ -283,6 +283,8 @@ check "convert to an RMM log: the first device with events by default" \
   "$bin/fragless-trace" convert "$work/dev1.pickle" "$work/dev1.csv"
 cp "$work/err" "$work/dev1.err"
 check "... which is named" grep -q "writing device 1 (--device)" "$work/dev1.err"
+check "... and the block live before its events is said written as an allocation, counted" \
+  grep -q "the 1 allocation live before .*dev1.pickle's first event is written to .*dev1.csv as allocations at that event's time" "$work/dev1.err"
 # An RMM log's failed allocations are counted (oom events), and written back as such.
 printf 'Thread,Time,Action,Pointer,Size,Stream\n1,00:00:00.5,allocate,0x10,5,0\n1,00:00:01.5,allocate failure,(nil),99,0\n' >"$work/failure.csv"
 check_output "RMM: allocate failure rows are counted as oom events" "oom 1 " "$bin/fragless-trace" info "$work/failure.csv"
@@ -462,6 +464,8 @@ check_output "--max-of max_seq" "max_seq" "$bin/fragless-replay" --max-of max_se
 check_error "--max-of a key that is not numeric" "key 'dtype' is not numeric" \
   "$bin/fragless-replay" --max-of dtype --capacity-gib 8 "$small"
 check_error "--max-of on a trace" "this input is a trace" "$bin/fragless-replay" --max-batch --capacity-gib 8 "$work/o.fgt"
+check_error "... said before a missing capacity, which would not help" "this input is a trace" \
+  "$bin/fragless-replay" --max-batch "$work/o.fgt"
 check_error "--max-batch needs a capacity" "need the device's size" "$bin/fragless-replay" --max-batch "$small"
 check_error "--fit with a capacity" "drop --capacity-gib" "$bin/fragless-replay" --fit --capacity-gib 8 "$small"
 check_error "--fit-step without --fit" "--fit-step applies to --fit" "$bin/fragless-replay" --fit-step 1 "$small"
