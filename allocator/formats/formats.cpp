@@ -205,6 +205,12 @@ LoadResult load_trace(const std::string& path) {
     r.error = path + ": " + why;
     return r;
   }
+  // Note [Reading a native trace in blocks]: a native file is read a block at a time, never whole.
+  if (f == Format::native && regular) {
+    LoadResult n = trace_from_native_file(fd, static_cast<std::uint64_t>(st.st_size), path);
+    n.format = f;
+    return n;
+  }
   if (bytes.size() == kHeadBytes) {
     if (regular) {
       bytes.reserve(static_cast<std::size_t>(st.st_size) + (1 << 20));  // room for fill's last chunk

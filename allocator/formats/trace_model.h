@@ -93,6 +93,8 @@ LoadResult trace_from_bytes(const std::string& bytes, const std::string& name);
 LoadResult trace_from_snapshot_bytes(const std::string& bytes, const std::string& name);
 LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name);
 LoadResult trace_from_native_bytes(const std::string& bytes, const std::string& name);
+// The same from an open file of `size` bytes, read a block at a time (Note [Reading a native trace in blocks]).
+LoadResult trace_from_native_file(int fd, std::uint64_t size, const std::string& name);
 
 // Writers. RMM logs have no device column: one device per file. A trace without times gets one
 // microsecond per event (Note [Times in a converted RMM log], rmm_csv.cpp).

@@ -440,6 +440,68 @@ TEST_CASE("tracer: %r with a RANK that is not a rank is refused, and the checks 
   std::filesystem::remove_all(dir);
 }
 
+// Note [Reading a native trace in blocks]: load_trace reads a native file a block (21,845 records) at a time;
+// every answer, events, warnings and errors alike, is the one reading the same bytes from memory gives, also
+// where a zero tail, a zero record or a cut falls in a later block or across blocks' edges.
+TEST_CASE("native format: a file read a block at a time reads as the same bytes in memory", "[formats][bad-input]") {
+  Trace t;
+  std::string err;
+  REQUIRE(replay::make_workload("workload:transformer-train:steps=40,layers=24", &t, &err));
+  const std::string good = trace_to_native(t);
+  const std::size_t records = (good.size() - 64) / 48;
+  REQUIRE(records > 2 * 21845 + 100);  // three blocks at least
+  auto at = [](std::size_t record) { return static_cast<std::ptrdiff_t>(64 + 48 * record); };
+  std::vector<std::pair<std::string, std::string>> cases;
+  cases.push_back({"whole", good});
+  cases.push_back({"cut mid-record", good.substr(0, good.size() - 20)});
+  cases.push_back({"a partial zero record", good + std::string(100, '\0')});
+  cases.push_back({"a zero tail of three blocks", good + std::string(3 * 21845 * 48 + 17, '\0')});
+  std::string b = good;
+  std::fill(b.begin() + at(30000), b.begin() + at(30001), '\0');
+  cases.push_back({"a zero record in the second block", b});
+  b = good;
+  std::fill(b.begin() + at(21845 - 3), b.end(), '\0');
+  cases.push_back({"zeros from the end of the first block on", b});
+  b = good;
+  std::fill(b.begin() + at(21845), b.end(), '\0');
+  cases.push_back({"zeros from the second block's first record on", b});
+  b = good;
+  b[static_cast<std::size_t>(at(2 * 21845 + 7) + 43)] = 0x11;  // a marker in the third block
+  cases.push_back({"a garbage record in the third block", b});
+  cases.push_back({"a header alone", good.substr(0, 64)});
+  cases.push_back({"a header cut short", good.substr(0, 30)});
+  const std::string dir = temp_dir();
+  for (const auto& [what, bytes] : cases) {
+    const std::string path = dir + "/blocks.fgt";
+    {
+      std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    }
+    const LoadResult mem = trace_from_native_bytes(bytes, path), file = load_trace(path);
+    INFO(what << ": " << mem.error << " / " << file.error);
+    REQUIRE(file.ok == mem.ok);
+    CHECK(file.error == mem.error);
+    CHECK(file.warning == mem.warning);
+    if (!mem.ok) continue;
+    CHECK(file.format == Format::native);
+    CHECK(file.trace.has_time == mem.trace.has_time);
+    CHECK(file.trace.seed.size() == mem.trace.seed.size());
+    CHECK(file.trace.pre_segments.size() == mem.trace.pre_segments.size());
+    REQUIRE(file.trace.events.size() == mem.trace.events.size());
+    for (std::size_t i = 0; i < mem.trace.events.size(); ++i) {
+      const formats::Event &x = file.trace.events[i], &y = mem.trace.events[i];
+      REQUIRE((x.op == y.op && x.device == y.device && x.stream == y.stream && x.address == y.address &&
+               x.size == y.size && x.block_size == y.block_size && x.time_us == y.time_us));
+    }
+  }
+  // What the cases are, so that they test what they name.
+  CHECK(trace_from_native_bytes(cases[4].second, "z").error.find("corrupt record 30000 at byte " +
+                                                                  std::to_string(at(30000))) != std::string::npos);
+  CHECK(trace_from_native_bytes(cases[5].second, "z").warning.find("read 21842 complete records") != std::string::npos);
+  CHECK(trace_from_native_bytes(cases[3].second, "z").warning.find("read " + std::to_string(records) +
+                                                                    " complete records") != std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("native format: cut short, corrupt, other versions", "[formats][bad-input]") {
   Trace t;
   std::string err;
