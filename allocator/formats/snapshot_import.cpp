@@ -539,8 +539,9 @@ LoadResult import(const PyValue& root, const std::string& name, std::uint64_t in
     else
       why = "its device_traces hold " + std::to_string(c.entries) + " entr" + (c.entries == 1 ? "y" : "ies") +
             " and no 'alloc' (history kept only the last entries: the legacy _record_memory_history(True) keeps one)";
-    c.notes.push_back("no allocation history to replay: " + why + "; only the " + held +
-                      " are known. Call torch.cuda.memory._record_memory_history(max_entries=100000) before the "
+    const bool one = c.live_blocks + c.frees == 1;
+    c.notes.push_back("no allocation history to replay: " + why + "; only the " + held + (one ? " is" : " are") +
+                      " known. Call torch.cuda.memory._record_memory_history(max_entries=100000) before the "
                       "work, then dump the snapshot");
   }
   if (!c.unknown_actions.empty()) {

@@ -29,8 +29,9 @@ namespace {
 // Each input's trace: a file's, loaded (its warning on stderr), or a workload's, generated. False after
 // naming the first input that fails on stderr.
 bool load_inputs(const std::vector<std::string>& inputs, const std::vector<int>* lengths, const CommandLine& cl,
-                 std::vector<formats::Trace>* traces) {
+                 std::vector<formats::Trace>* traces, std::vector<std::string>* warnings) {
   traces->resize(inputs.size());
+  warnings->assign(inputs.size(), "");
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     std::string err;
     if (inputs[i].rfind("workload:", 0) == 0) {
@@ -38,7 +39,7 @@ bool load_inputs(const std::vector<std::string>& inputs, const std::vector<int>*
     } else {
       auto lr = formats::load_trace(inputs[i]);
       if (!lr.ok) return fail(lr.error), false;
-      if (!lr.warning.empty()) print_error("warning: " + lr.warning);
+      (*warnings)[i] = lr.warning;  // said by replay_tasks, with whether the input is skipped
       (*traces)[i] = std::move(lr.trace);
     }
     cut_window(&(*traces)[i], cl.window, cl.window_text);  // --window
@@ -51,7 +52,8 @@ bool load_inputs(const std::vector<std::string>& inputs, const std::vector<int>*
 // skipped, said on stderr: its rows would be zeros, or, for a snapshot whose history holds no allocation (the
 // legacy one-entry history: its reader says so), the blocks live at the dump and nothing else, and a search
 // would answer nothing.
-std::vector<Task> replay_tasks(const std::vector<formats::Trace>& traces, const std::vector<PolicyKind>& policies) {
+std::vector<Task> replay_tasks(const std::vector<formats::Trace>& traces, const std::vector<std::string>& warnings,
+                               const std::vector<PolicyKind>& policies) {
   std::vector<Task> tasks;
   for (std::size_t i = 0; i < traces.size(); ++i) {
     bool input_has_allocs = false;
@@ -66,10 +68,15 @@ std::vector<Task> replay_tasks(const std::vector<formats::Trace>& traces, const 
       input_has_allocs = true;
       for (PolicyKind p : policies) tasks.push_back({i, d, p});
     }
-    if (!input_has_allocs)
-      print_error("warning: " + traces[i].source + " has no allocation events to replay (no allocation of more than "
-                  "0 bytes" + (traces[i].window ? ", nor a free of a block live when the window begins" : "") +
-                  "): skipped");
+    // One line per input: its reader's warning, and that it is skipped when it is (the reader's warning may
+    // already say why, as for a snapshot whose history holds no allocation).
+    const std::string skipped = "no allocation events to replay (no allocation of more than 0 bytes" +
+                                std::string(traces[i].window ? ", nor a free of a block live when the window begins" : "") +
+                                "): skipped";
+    if (!warnings[i].empty())
+      print_error("warning: " + warnings[i] + (input_has_allocs ? "" : "; " + skipped));
+    else if (!input_has_allocs)
+      print_error("warning: " + traces[i].source + " has " + skipped);
   }
   return tasks;
 }
@@ -97,8 +104,9 @@ int run(int argc, char** argv) {
   ro.peak_detail = cl.peak_detail;
   if (!cl.max_key.empty()) return run_max(cl, ro, seqlens);
   std::vector<formats::Trace> traces;
-  if (!load_inputs(cl.inputs, seqlens, cl, &traces)) return 2;
-  const std::vector<Task> tasks = replay_tasks(traces, cl.policies);
+  std::vector<std::string> warnings;
+  if (!load_inputs(cl.inputs, seqlens, cl, &traces, &warnings)) return 2;
+  const std::vector<Task> tasks = replay_tasks(traces, warnings, cl.policies);
   // Every input was skipped (each said why above): an empty table would read as an answer.
   if (tasks.empty()) return fail("nothing to replay: no input has an allocation event");
   return cl.fit ? run_fit(traces, tasks, cl, ro) : run_replays(traces, tasks, cl, ro);

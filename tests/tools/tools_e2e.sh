@@ -279,6 +279,11 @@ pickle.dump({"segments": [seg(0, a), seg(1, b)], "device_traces": [[], events]},
 PY
 check_output "summary: a device with memory and no history is shown" "device 0: 0 events" \
   "$bin/fragless-trace" summary "$work/nohist.pickle"
+# A replayed input with nothing to replay: its reader's warning and that it is skipped, in one line.
+check_exit 2 "a snapshot without history is skipped" "nothing to replay" "$bin/fragless-replay" "$work/nohist.pickle"
+cp "$work/err" "$work/nohist.err"
+check "... said in one line with why" sh -c 'test "$(grep -c "warning: .*nohist.pickle" "$1")" = 1 &&
+  grep -q "only the 1 block live at the dump is known.*; no allocation events to replay .*: skipped" "$1"' sh "$work/nohist.err"
 check "convert to an RMM log: the first device with events by default" \
   "$bin/fragless-trace" convert "$work/dev1.pickle" "$work/dev1.csv"
 cp "$work/err" "$work/dev1.err"
