@@ -1,9 +1,11 @@
 // fragless's native trace format (allocator/include/fragless/trace_format.h): reader and writer.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <functional>
+#include <string>
 #include <vector>
 #include <cinttypes>
 #include <cstdio>
@@ -66,9 +68,13 @@ TraceAction action_of(Op op) {
 // takes the file's bytes a block at a time (read_at), and reading a trace needs the memory of its events (48
 // bytes a record, as in the file) and one block, not the file's bytes besides: a 10-million-record trace needs
 // about 0.5 GB where holding the file too needed 1 GB. trace_from_native_bytes reads from memory the same way.
+// (The last block, and a zero tail, are read twice: once to find where the records end, once as records.) The
+// size is the file's when it was opened: a trace still being written is read up to it; one that another
+// process cuts short meanwhile is refused, saying so.
 namespace {
 
-using ReadAt = std::function<bool(std::uint64_t offset, std::size_t len, char* dst)>;
+// Fills dst with `len` bytes from `offset`; false with *why (what went wrong) when it cannot.
+using ReadAt = std::function<bool(std::uint64_t offset, std::size_t len, char* dst, std::string* why)>;
 
 LoadResult native_from(std::uint64_t size, const ReadAt& read_at, const std::string& name) {
   LoadResult r;
@@ -77,11 +83,12 @@ LoadResult native_from(std::uint64_t size, const ReadAt& read_at, const std::str
     r.error = name + ": " + what;
     return r;
   };
-  auto unreadable = [&] { return fail(std::string("cannot read (") + std::strerror(errno) + ")"); };
+  std::string unread;  // why read_at could not read
+  auto unreadable = [&] { return fail(unread); };
   NativeTraceHeader h{};
   char head[sizeof h];
   const std::size_t head_len = static_cast<std::size_t>(std::min<std::uint64_t>(size, sizeof h));
-  if (!read_at(0, head_len, head)) return unreadable();
+  if (!read_at(0, head_len, head, &unread)) return unreadable();
   if (head_len < sizeof kTraceMagic || std::memcmp(head, kTraceMagic, sizeof kTraceMagic) != 0)
     return fail("not a fragless native trace (bad magic)");
   if (head_len < sizeof h) return fail("native trace header cut short (" + std::to_string(size) + " of 64 bytes)");
@@ -118,7 +125,7 @@ LoadResult native_from(std::uint64_t size, const ReadAt& read_at, const std::str
   std::uint64_t zeros_from = size;
   for (bool nonzero = false; !nonzero && zeros_from > h.header_size;) {
     const std::size_t len = static_cast<std::size_t>(std::min<std::uint64_t>(kBlock, zeros_from - h.header_size));
-    if (!read_at(zeros_from - len, len, block.data())) return unreadable();
+    if (!read_at(zeros_from - len, len, block.data(), &unread)) return unreadable();
     std::size_t k = len;
     while (k > 0 && block[k - 1] == 0) --k;
     nonzero = k > 0;
@@ -136,7 +143,7 @@ LoadResult native_from(std::uint64_t size, const ReadAt& read_at, const std::str
     if (i >= block_first + in_block) {
       block_first = i;
       in_block = std::min(n - i, kBlock / sizeof rec);
-      if (!read_at(off, in_block * sizeof rec, block.data())) return unreadable();
+      if (!read_at(off, in_block * sizeof rec, block.data(), &unread)) return unreadable();
     }
     std::memcpy(&rec, block.data() + (i - block_first) * sizeof rec, sizeof rec);
     Event e;
@@ -208,7 +215,7 @@ LoadResult native_from(std::uint64_t size, const ReadAt& read_at, const std::str
 
 LoadResult trace_from_native_bytes(const std::string& bytes, const std::string& name) {
   return native_from(bytes.size(),
-                     [&](std::uint64_t offset, std::size_t len, char* dst) {
+                     [&](std::uint64_t offset, std::size_t len, char* dst, std::string*) {
                        std::memcpy(dst, bytes.data() + offset, len);
                        return true;
                      },
@@ -217,12 +224,20 @@ LoadResult trace_from_native_bytes(const std::string& bytes, const std::string& 
 
 LoadResult trace_from_native_file(int fd, std::uint64_t size, const std::string& name) {
   return native_from(size,
-                     [&](std::uint64_t offset, std::size_t len, char* dst) {
+                     [&](std::uint64_t offset, std::size_t len, char* dst, std::string* why) {
                        while (len) {
                          const ssize_t got = ::pread(fd, dst, len, static_cast<off_t>(offset));
                          if (got < 0 && errno == EINTR) continue;
-                         if (got <= 0) {
-                           if (got == 0) errno = EIO;  // the file shrank while read
+                         if (got < 0) {
+                           *why = std::string("cannot read (") + std::strerror(errno) + ")";
+                           return false;
+                         }
+                         if (got == 0) {  // cut short since it was opened: another process truncated it
+                           struct stat st {};
+                           const long long now = ::fstat(fd, &st) == 0 ? static_cast<long long>(st.st_size) : -1;
+                           *why = "it was cut short while it was read (" + std::to_string(size) + " bytes when opened" +
+                                  (now >= 0 ? ", " + std::to_string(now) + " now" : "") +
+                                  "): another process is replacing it; read it again once it is written";
                            return false;
                          }
                          dst += got;

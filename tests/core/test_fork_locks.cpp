@@ -466,3 +466,48 @@ TEST_CASE("start_quiet_thread counts a thread as starting only until its body be
   CHECK(while_running == 0);
   CHECK(g_threads_starting.load() == 0);
 }
+
+// Note [The trace clock]: the writer converts records under the clock's mutex, and fork() holds that mutex
+// too. Taken by a prepare handler of its own, run before the engines' (registered after them, as when an
+// untraced allocator came first), it deadlocked: the forking thread held the clock's mutex and waited for a
+// device lock; that lock's holder, filling its trace buffers, waited for the writer; the writer waited for the
+// clock's mutex. Here a slow first lock (half a second before the device locks) keeps the forking thread in
+// that window while another thread allocates, traced, as fast as it can; the fork has to return.
+TEST_CASE("fork with tracing on, the engines' fork handlers registered first: no deadlock with the trace writer",
+          "[fork][tracer]") {
+  static int tag;
+  auto slow = [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(500)); };
+  auto nop = [](void*) {};
+  hold_across_fork_first(slow, nop, nop, &tag);  // the engines' handlers registered before the tracer's
+  const std::string dir = "/tmp/fragless-fork-trace-" + std::to_string(::getpid());
+  REQUIRE(std::system(("rm -rf " + dir + " && mkdir -p " + dir).c_str()) == 0);
+  auto a = test::allocator_from("driver:sim,capacity_mb:1024,background:False,trace:" + dir + "/t-%d.fgt");
+  DeviceEngine* e = a->device(0);
+  REQUIRE(e);
+  std::atomic<bool> stop{false};
+  std::atomic<long> pairs{0};
+  std::thread busy([&] {
+    while (!stop) {
+      void* p = e->allocate(4096, 1, nullptr);
+      e->free(p);
+      ++pairs;
+    }
+  });
+  while (pairs < 1000) std::this_thread::yield();
+  {
+    test::Watchdog dog("a fork while a traced thread allocates", 60);
+    std::fflush(stdout);
+    std::fflush(stderr);
+    const pid_t pid = fork();
+    if (pid == 0) _exit(0);
+    REQUIRE(pid > 0);
+    CHECK(test::wait_for_child(pid, "a child forked with tracing on") == 0);
+  }
+  const long before = pairs;
+  while (pairs < before + 1000) std::this_thread::yield();  // the parent goes on allocating, traced
+  stop = true;
+  busy.join();
+  stop_holding_across_fork(&tag);
+  a.reset();
+  std::system(("rm -rf " + dir).c_str());
+}

@@ -2,6 +2,8 @@
 #include "trace/trace_clock.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstring>
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -12,9 +14,18 @@ namespace fragless {
 bool TraceClock::invariant_tsc() {
 #if defined(__x86_64__)
   unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid(0x80000000u, &a, &b, &c, &d) || a < 0x80000007u) return false;
-  if (!__get_cpuid(0x80000007u, &a, &b, &c, &d)) return false;
-  return (d & (1u << 8)) != 0;
+  if (__get_cpuid(0x80000000u, &a, &b, &c, &d) && a >= 0x80000007u && __get_cpuid(0x80000007u, &a, &b, &c, &d) &&
+      (d & (1u << 8)))
+    return true;
+  // Many virtual machines hide the bit while their counter is sound; the kernel's own choice of the counter
+  // as the clock source says it is (it checks the counter against other clocks and drops it if it drifts).
+  char source[32] = {};
+  if (FILE* f = std::fopen("/sys/devices/system/clocksource/clocksource0/current_clocksource", "re")) {
+    const bool read = std::fgets(source, sizeof source, f) != nullptr;
+    std::fclose(f);
+    return read && std::strncmp(source, "tsc\n", 4) == 0;
+  }
+  return false;
 #else
   return false;
 #endif
@@ -114,7 +125,8 @@ void TraceClock::skew_for_test(double ppm) {
   if (!tsc_) return;
   const std::uint64_t t = ticks();
   const Line& last = lines_[nlines_ - 1];
-  push({t, last.at(t), static_cast<std::uint64_t>(static_cast<long double>(last.mult) * (1 + ppm * 1e-6L))});
+  const long double mult = static_cast<long double>(last.mult) * (1 + ppm * 1e-6L);
+  push({t, last.at(t), static_cast<std::uint64_t>(std::max(mult, 1.0L))});
 }
 
 }  // namespace fragless

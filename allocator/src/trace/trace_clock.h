@@ -3,8 +3,8 @@
 // Note [The trace clock]
 // A record's time is read on the allocation path, so it is the cheapest clock there is, read raw: the
 // time-stamp counter on x86-64 (about 10 ns a read) when the processor says it is invariant (CPUID 0x80000007,
-// EDX bit 8: it ticks at one rate whatever the core's frequency and sleep state), else the monotonic clock's
-// nanoseconds (a vDSO call). The sink stores the raw ticks; the file's writer turns them into nanoseconds just
+// EDX bit 8: it ticks at one rate whatever the core's frequency and sleep state) or the kernel has made it its
+// clock source (a virtual machine may hide the bit), else the monotonic clock's nanoseconds (a vDSO call). The sink stores the raw ticks; the file's writer turns them into nanoseconds just
 // before it writes them (to_ns, under the clock's mutex), so the allocation path does no arithmetic and no
 // synchronisation for the time.
 //
@@ -22,8 +22,9 @@
 // reads does not skew it.
 //
 // A record is converted by the line that held at its tick (the last kLines lines are kept; a record older than
-// all of them, which only a writer stalled for minutes meets, takes the oldest line back). The tracer's fork
-// handlers take the mutex around a fork (prepare_fork / after_fork), so a child never inherits it held.
+// all of them, which only a writer stalled for minutes meets, takes the oldest line back: its time is then
+// that line's, off from the monotonic clock by up to the rate error that line had). fork() holds the mutex
+// after the device locks (hold_across_fork, from Tracing::open), so a child never inherits it held.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -43,7 +44,8 @@ class TraceClock {
   enum class Source { automatic, tsc, monotonic };
   explicit TraceClock(Source source = Source::automatic,
                       std::chrono::nanoseconds first_refine = std::chrono::seconds(1));
-  // Whether the processor has an invariant time-stamp counter (false off x86-64).
+  // Whether the time-stamp counter ticks at one rate (CPUID's invariant bit, or the kernel's clock source is
+  // the counter); false off x86-64.
   static bool invariant_tsc();
 
   std::uint64_t origin_unix_ns = 0;  // the wall-clock time of time 0

@@ -1,5 +1,7 @@
 #include "fragless/tracer.h"
 
+#include "fragless/allocator.h"
+
 #include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -432,24 +434,15 @@ void sinks_after_fork_child() {
 }
 // Installed before the first writer begins (Tracing::open): a child forked as one starts counts none (Note
 // [Forking while a thread starts]).
-// The clock's refit is taken around a fork too (Note [The trace clock]): the one the prepare handler locked is
-// the one unlocked after, even if another thread made the clock meanwhile.
-TraceClock* g_clock_held_for_fork = nullptr;
-void clock_prepare_fork() {
-  g_clock_held_for_fork = g_trace_clock.load(std::memory_order_acquire);
-  if (g_clock_held_for_fork) g_clock_held_for_fork->prepare_fork();
-}
-void clock_after_fork() {
-  if (g_clock_held_for_fork) g_clock_held_for_fork->after_fork();
-  g_clock_held_for_fork = nullptr;
-}
-void sinks_after_fork_child_and_clock() {
-  clock_after_fork();
-  sinks_after_fork_child();
-}
+// The clock's mutex (Note [The trace clock]) is held across fork() with the engines' locks, after the device
+// locks: a writer converting under it never waits for a device lock, and a sink at exit takes it under one.
+// A prepare handler of its own, run before the device locks, deadlocked: the forking thread held it while it
+// waited for a device lock, whose holder waited for the writer, which waited for it.
+void lock_clock_for_fork(void* c) { static_cast<TraceClock*>(c)->prepare_fork(); }
+void unlock_clock_after_fork(void* c) { static_cast<TraceClock*>(c)->after_fork(); }
 void install_sink_fork_handler() {
   static std::once_flag once;
-  std::call_once(once, [] { pthread_atfork(&clock_prepare_fork, &clock_after_fork, &sinks_after_fork_child_and_clock); });
+  std::call_once(once, [] { pthread_atfork(nullptr, nullptr, &sinks_after_fork_child); });
 }
 
 }  // namespace
@@ -464,7 +457,7 @@ std::unique_ptr<Tracing> Tracing::open(std::string_view pattern, int devices, co
   // expansion itself, so that the path grammar is in one place.
   const bool per_device = expand_trace_path(pattern, 0, pid, rank, nullptr) != expand_trace_path(pattern, 1, pid, rank, nullptr);
   const int nfiles = per_device ? devices : 1;
-  (void)trace_clock();          // calibrate before the first event
+  hold_across_fork(&lock_clock_for_fork, &unlock_clock_after_fork, &trace_clock());  // calibrated before the first event
   install_sink_fork_handler();  // before the first writer begins
   for (int f = 0; f < nfiles; ++f) {
     const std::string path = expand_trace_path(pattern, f, pid, rank, error);
