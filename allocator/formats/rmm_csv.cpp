@@ -5,7 +5,6 @@
 #include <cstdio>
 #include <map>
 #include <set>
-#include <sstream>
 #include <vector>
 
 #include "trace_model.h"
@@ -248,6 +247,7 @@ std::string trace_to_rmm_csv(const Trace& t, int device, std::string* lost) {
         first = e.time_us;
         break;
       }
+  rows.reserve(t.seed.size() + t.events.size());
   for (const auto& e : t.seed)
     if (e.device == device) rows.push_back({&e, std::max<std::int64_t>(first, 0), "allocate"});
   std::int64_t index = 0, last = std::max<std::int64_t>(first, 0);
@@ -275,6 +275,7 @@ std::string trace_to_rmm_csv(const Trace& t, int device, std::string* lost) {
                "more, so its times are hours since the first row's midnight";
   }
   std::string out = "Thread,Time,Action,Pointer,Size,Stream\n";
+  out.reserve(out.size() + rows.size() * 52);  // a row is 45 to 60 bytes: one growth at most, not a doubling's copies
   char buf[160];
   for (const Row& r : rows) {
     const std::int64_t us = long_gap ? r.us - midnight : r.us % kDayUs;
