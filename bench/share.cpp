@@ -4,7 +4,7 @@
 // say nothing of CUDA's; on a GPU machine they are the real cuMemCreate with and without
 // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR). Each iteration: create, map, set access, unmap, release of one
 // handle; and a share + open + close of a block (Note [Sharing]). Ratios between rows of one run are the
-// result (README.md, "Sharing across processes", says what they decided).
+// result (docs/PYTORCH.md, "Sharing across processes", says what they decided).
 #include <benchmark/benchmark.h>
 
 #include <memory>

@@ -26,8 +26,8 @@ struct SegmentHeader {
   const std::vector<Frame>* frames = nullptr;  // the stack of the allocation that made it, if recorded
 };
 
-// fragless's fields of a block held for other processes or NCCL (README "Sharing across processes"), written
-// after PyTorch's own: the viewer reads only the keys it knows.
+// fragless's fields of a block held for other processes or NCCL (docs/PYTORCH.md, "Sharing across processes"),
+// written after PyTorch's own: the viewer reads only the keys it knows.
 struct Hold {
   bool owner_freed = false;
   std::uint64_t exported_bytes = 0, leases = 0;

@@ -491,7 +491,7 @@ TEST_CASE("cuda driver: a driver that refuses one unmap over several mappings ge
 TEST_CASE("cuda driver: a destroyed stream's handle value, reused, never makes fragless skip a wait",
           "[cuda][streams]") {
   // PyTorch's path has no hook for stream destruction: its pool streams live for the process, and an
-  // external stream must outlive its blocks (README, Known limits). Here one does not: the double gives its
+  // external stream must outlive its blocks (docs/PYTORCH.md, "Known limits"). Here one does not: the double gives its
   // handle value to a later stream only once its work is done, as cuda.h says.
   for (PolicyKind p : kPolicies) {
     INFO(policy_name(p));

@@ -1,5 +1,5 @@
-// A block shared with another process (DeviceEngine::share, open_shared, close_shared; README "Sharing
-// across processes").
+// A block shared with another process (DeviceEngine::share, open_shared, close_shared; docs/PYTORCH.md,
+// "Sharing across processes").
 //
 // What travels is a description (bytes) and file descriptors: a lease first, then one per physical handle
 // under the block, in address order (driver.h, R18). The receiving process passes both to open_shared. The

@@ -487,7 +487,7 @@ void DeviceEngine::State::describe_hold(const Block& b, BlockInfo* out) const {
 // engine re-backs only memory under free blocks, so a registered range is held as a shared block is: its
 // block stays allocated, whatever its owner frees, until every registration of it is deregistered. The
 // program calls register_range right after ncclCommRegister and deregister_range right after
-// ncclCommDeregister (README "Sharing across processes"); a range must lie inside one allocation.
+// ncclCommDeregister (docs/PYTORCH.md, "Sharing across processes"); a range must lie inside one allocation.
 
 Block* DeviceEngine::State::live_block_holding(DevicePtr p, std::size_t size) const {
   for (const auto& seg : segments) {

@@ -1,4 +1,4 @@
-// fragless::core from an installed package: the engine on the host driver, as the README shows.
+// fragless::core from an installed package: the engine on the host driver, as docs/USAGE.md, "Using the engine from C++", shows.
 #include <cstdio>
 #include <cstring>
 

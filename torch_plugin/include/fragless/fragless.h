@@ -17,7 +17,8 @@
  * after a call says how that call went; those that return nothing and that PyTorch calls as hooks (free,
  * record_stream, init, the pool hooks) also print the refusal of bad input as one line on stderr. Every
  * function works when called from a thread_local or static destructor or an atexit handler, at any point of a
- * thread's or the process's end. README "The C ABI" lists the functions and their results for bad input. */
+ * thread's or the process's end. docs/PYTORCH.md, "The C ABI", lists the functions and their results for bad
+ * input. */
 #ifndef FRAGLESS_FRAGLESS_H_
 #define FRAGLESS_FRAGLESS_H_
 
@@ -122,8 +123,8 @@ FRAGLESS_API int fragless_reset_accumulated_stats(int device);
 FRAGLESS_API int fragless_mem_get_info(int device, size_t* free_bytes, size_t* total_bytes);
 /* A snapshot in PyTorch's layout (the pickle torch.cuda.memory._dump_snapshot writes): segments of every
  * device and, when history is on, recent events as device_traces; blocks held for other processes carry
- * fragless's extra keys and other processes' memory mapped here is listed as "imported" (README "Sharing
- * across processes"). Same buffer protocol; -1 on error. A call without a buffer keeps the snapshot it built
+ * fragless's extra keys and other processes' memory mapped here is listed as "imported" (docs/PYTORCH.md,
+ * "Sharing across processes"). Same buffer protocol; -1 on error. A call without a buffer keeps the snapshot it built
  * for the calling thread's next call: one with a buffer of exactly the returned length + 1 gets that snapshot
  * (the state when it was sized); any other call builds anew. */
 FRAGLESS_API long fragless_snapshot(char* buf, size_t len);
@@ -151,7 +152,7 @@ FRAGLESS_API void fragless_trace_flush(void);
 /* Devices fragless manages (initialising if needed); -1 if it cannot start (see fragless_last_error). */
 FRAGLESS_API int fragless_device_count(void);
 
-/* Sharing across processes (README "Sharing across processes"). The allocation that starts at ptr, exported:
+/* Sharing across processes (docs/PYTORCH.md, "Sharing across processes"). The allocation that starts at ptr, exported:
  * NULL with fragless_last_error() when it cannot be (not a live allocation; memory not created exportable:
  * shareable_handles:True). The allocation stays held, whatever its owner frees, while any copy of the
  * share's lease is open in any process. */

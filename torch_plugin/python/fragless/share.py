@@ -1,4 +1,4 @@
-"""Sharing fragless memory with other processes (README "Sharing across processes").
+"""Sharing fragless memory with other processes (docs/PYTORCH.md, "Sharing across processes").
 
     s = fragless.share(ptr)                 # in the process that allocated ptr
     queue.put(s)                            # multiprocessing sends its descriptors along
@@ -8,7 +8,7 @@
 The allocation stays held in its process, whatever its owner frees, while any copy of the share is open
 anywhere (a process that dies closes its copies). Memory must be created exportable: shareable_handles:True
 (or :fabric, cuda driver: the handles travel in the description, the lease alone as a descriptor). Both sides'
-memory_stats() count it (exported_bytes.*, imported_bytes.*) and snapshot() shows it (README).
+memory_stats() count it (exported_bytes.*, imported_bytes.*) and snapshot() shows it (docs/PYTORCH.md).
 """
 import ctypes
 import os
