@@ -11,7 +11,7 @@
 #    memory API, a snapshot and a CUDA graph under each (tools/gpu_train.py);
 # 5. then a CUDA tensor fragless allocated sent to a second process through torch.multiprocessing under
 #    fragless.torch.enable() (tests/python/test_torch_share.py).
-# Writes exactly two files into $OUT (the device tool's output folder; else the current folder):
+# Writes exactly two files into $OUT if it is set, else into the current folder:
 # gpu_check.json (every step's result, exit status, time, and its stderr) and gpu_check.log (what it printed).
 # gpu_check.json is rewritten after every step, so a run cut short still hands back what it did. The step
 # limits add up to the 8-minute budget (480 s). Exit status: 0 when every step that ran passed, 77 only when

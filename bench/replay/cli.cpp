@@ -101,7 +101,7 @@ int usage(const char* msg) {
                "          driver on a device of --capacity-gib: driver, capacity_mb, trace, peer_access,\n"
                "          shareable_handles and on_oom are refused, and so is expandable_segments:False\n"
                "          without policy (it selects none)\n"
-               "  --seqlen-file: sequence lengths for the workloads (a CSV column, see the README)\n"
+               "  --seqlen-file: sequence lengths for the workloads (a CSV column, see docs/USAGE.md)\n"
                "  --window: replay each input's events from fraction FROM to fraction TO of them (0.5:1 = the\n"
                "         second half): what was live at the window's start is allocated first (in the peaks, its\n"
                "         driver calls not counted), as for a snapshot that starts mid-run; after the first event\n"
