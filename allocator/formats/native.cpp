@@ -119,7 +119,8 @@ LoadResult native_from(std::uint64_t size, const ReadAt& read_at, const std::str
   // run of zero bytes to the end of the file, from a record's start, is that: the records before it are read,
   // with a warning naming where the zeros begin, as a file cut mid-record is. A zero record followed by
   // anything else is corruption, refused as before.
-  // Found from the end a block at a time: only a zero tail is read twice.
+  // Found from the end a block at a time (Note [Reading a native trace in blocks]: the last block is read again
+  // as records).
   constexpr std::size_t kBlock = 21845 * sizeof(NativeTraceRecord);  // about 1 MiB of whole records
   std::vector<char> block(kBlock);
   std::uint64_t zeros_from = size;

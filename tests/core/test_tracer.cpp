@@ -50,7 +50,7 @@ std::size_t count(const Trace& t, Op op, int device = -1) {
 // Note [The trace clock]: a line whose rate is off (as a 2 ms first measure leaves it, here far worse) is
 // refitted to the monotonic clock, and no time it gives steps back, whichever way and however far it was off.
 TEST_CASE("trace clock: refits bring a skewed counter back to the monotonic clock, never stepping back", "[tracer]") {
-  if (!TraceClock::invariant_tsc()) {
+  if (!TraceClock::steady_tsc()) {
     WARN("SKIPPED: this processor has no invariant time-stamp counter; the trace clock is the monotonic clock");
     return;
   }

@@ -11,7 +11,7 @@
 
 namespace fragless {
 
-bool TraceClock::invariant_tsc() {
+bool TraceClock::steady_tsc() {
 #if defined(__x86_64__)
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (__get_cpuid(0x80000000u, &a, &b, &c, &d) && a >= 0x80000007u && __get_cpuid(0x80000007u, &a, &b, &c, &d) &&
@@ -37,7 +37,7 @@ TraceClock::TraceClock(Source source, std::chrono::nanoseconds first_refine)
   origin_unix_ns = static_cast<std::uint64_t>(duration_cast<nanoseconds>(system_clock::now().time_since_epoch()).count());
   t0_ = steady_clock::now();
 #if defined(__x86_64__)
-  tsc_ = source == Source::tsc || (source == Source::automatic && invariant_tsc());
+  tsc_ = source == Source::tsc || (source == Source::automatic && steady_tsc());
 #else
   (void)source;
 #endif

@@ -4,9 +4,10 @@
 // A record's time is read on the allocation path, so it is the cheapest clock there is, read raw: the
 // time-stamp counter on x86-64 (about 10 ns a read) when the processor says it is invariant (CPUID 0x80000007,
 // EDX bit 8: it ticks at one rate whatever the core's frequency and sleep state) or the kernel has made it its
-// clock source (a virtual machine may hide the bit), else the monotonic clock's nanoseconds (a vDSO call). The sink stores the raw ticks; the file's writer turns them into nanoseconds just
-// before it writes them (to_ns, under the clock's mutex), so the allocation path does no arithmetic and no
-// synchronisation for the time.
+// clock source (a virtual machine may hide the bit), else the monotonic clock's nanoseconds (a vDSO call).
+// The sink stores the raw ticks; the file's writer turns them into nanoseconds just before it writes them
+// (to_ns, under the clock's mutex), so the allocation path does no arithmetic and no synchronisation for the
+// time (but at exit, when each record is written as it is made: Note [Tracing at exit]).
 //
 // Ticks become nanoseconds by a line, ns = anchor_ns + (ticks - anchor_tick) * rate, fitted to the monotonic
 // clock. The first line is measured over 2 ms when the clock is made, which leaves its rate off by 5 to 20 ppm
@@ -39,14 +40,14 @@ namespace fragless {
 
 class TraceClock {
  public:
-  // automatic: the counter when the processor says it is invariant, else the monotonic clock; the tests
-  // name one. first_refine: the first refit's interval (they double from there to 64 times it).
+  // automatic: the counter where steady_tsc() says it ticks at one rate, else the monotonic clock; the
+  // tests name one. first_refine: the first refit's interval (they double from there to 64 times it).
   enum class Source { automatic, tsc, monotonic };
   explicit TraceClock(Source source = Source::automatic,
                       std::chrono::nanoseconds first_refine = std::chrono::seconds(1));
   // Whether the time-stamp counter ticks at one rate (CPUID's invariant bit, or the kernel's clock source is
   // the counter); false off x86-64.
-  static bool invariant_tsc();
+  static bool steady_tsc();
 
   std::uint64_t origin_unix_ns = 0;  // the wall-clock time of time 0
 

@@ -432,14 +432,14 @@ void sinks_after_fork_child() {
   for (SinkNode* n = g_sinks.load(std::memory_order_acquire); n; n = n->next)
     if (TraceSink* s = n->sink.load(std::memory_order_relaxed)) s->after_fork_child();
 }
-// Installed before the first writer begins (Tracing::open): a child forked as one starts counts none (Note
-// [Forking while a thread starts]).
 // The clock's mutex (Note [The trace clock]) is held across fork() with the engines' locks, after the device
 // locks: a writer converting under it never waits for a device lock, and a sink at exit takes it under one.
 // A prepare handler of its own, run before the device locks, deadlocked: the forking thread held it while it
 // waited for a device lock, whose holder waited for the writer, which waited for it.
 void lock_clock_for_fork(void* c) { static_cast<TraceClock*>(c)->prepare_fork(); }
 void unlock_clock_after_fork(void* c) { static_cast<TraceClock*>(c)->after_fork(); }
+// Installed before the first writer begins (Tracing::open): a child forked as one starts counts none (Note
+// [Forking while a thread starts]).
 void install_sink_fork_handler() {
   static std::once_flag once;
   std::call_once(once, [] { pthread_atfork(nullptr, nullptr, &sinks_after_fork_child); });
