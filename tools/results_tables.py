@@ -197,7 +197,7 @@ PARAMS = ["", "lend_pages:False", "lend_across_streams:False", "small_in_remnant
 HANDLES = [("pages", "handles:pages"), ("ends 8 MiB", "handles:ends,handle_max_mb:8"),
            ("ends 32 MiB", "handles:ends,handle_max_mb:32"), ("whole", "handles:whole")]
 ZOO = ["workload:unet2d", "workload:unet3d", "workload:moe", "workload:serving", "workload:fsdp", "workload:pipeline",
-       "workload:random", "workload:random:streams=1", "workload:ckpt-accum"]
+       "workload:random", "workload:random:streams=1", "workload:ckpt-accum", "workload:rl"]
 
 
 def handles_table(files):
@@ -395,7 +395,7 @@ def maxbatch_table(_):
 
 BUILTINS = ["workload:transformer-train", "workload:transformer-infer", "workload:ckpt-accum", "workload:unet2d",
             "workload:unet3d", "workload:moe", "workload:serving", "workload:fsdp", "workload:pipeline",
-            "workload:random"]
+            "workload:random", "workload:rl"]
 
 
 def targets_missed(p):
@@ -487,6 +487,8 @@ DRAW_SPACES = {
     "pipeline": {"stages": [2, 4, 8], "rank": [0, 1, 3], "micro": [4, 8, 16], "d_model": [1024, 4096]},
     "random": {"min_bytes": [256, 512, 4096], "lifetime": [5, 40, 400], "streams": [1, 2, 4],
                "live_gib": [1, 4, 16], "ops": [2000]},
+    "rl": {"layers": [4, 12, 24], "d_model": [1024, 2048, 4096], "prompts": [2, 8, 16], "group": [1, 4, 8],
+           "max_new": [64, 256, 1024], "ref": [0, 1], "static_kv": [0, 1], "empty_cache": [0, 1]},
 }
 WINDOWS = ["0:0.25", "0.25:0.5", "0.5:0.75", "0.75:1", "0:0.5", "0.5:1"]
 

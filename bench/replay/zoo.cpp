@@ -73,6 +73,14 @@ class Emit {
     clock_.stamp(t_->model_time_us);
     live_.erase(it);
   }
+  // The program calls torch.cuda.empty_cache() here.
+  void empty_cache() {
+    formats::Event e;
+    e.op = formats::Op::empty_cache;
+    check_room(*t_);
+    t_->events.push_back(e);
+    clock_.stamp(t_->model_time_us);
+  }
   u64 size_of(u64 addr) const {
     auto it = live_.find(addr);
     return it == live_.end() ? 1 : it->second.bytes;
@@ -467,6 +475,164 @@ void random_pattern(const std::map<std::string, double>& k, Emit& em) {
   for (const Live& l : keep) em.free(l.addr);
 }
 
+// ---- Reinforcement learning of an LLM (PPO/GRPO on one GPU): rollouts, scoring and training alternate ----
+// Each step generates responses for a batch of prompts with a KV cache that grows by one token at a time
+// (Hugging Face's dynamic cache concatenates each layer's keys and values into a new tensor per token;
+// static_kv=1 allocates them once at the longest length instead), scores the sequences with the policy and
+// a reference model in micro-batches (fp32 logits over the vocabulary), then trains on them: activations kept
+// per layer, gradients made during the first backward and dropped at zero_grad, Adam's moments made at the
+// first optimizer step, and foreach Adam's fp32 temporaries per parameter. The phases' shapes differ and
+// change every step; empty_cache=1 gives the cache back between phases as RL frameworks often do.
+void rl(const std::map<std::string, double>& k, Emit& em) {
+  const int layers = I(k, "layers"), steps = I(k, "steps"), max_new = I(k, "max_new"), micro = I(k, "micro");
+  const u64 d = U(k, "d_model"), ff = U(k, "d_ff"), vocab = U(k, "vocab");
+  const u64 seqs = U(k, "prompts") * U(k, "group");
+  const bool reference = I(k, "ref") != 0, static_kv = I(k, "static_kv") != 0, empty = I(k, "empty_cache") != 0;
+  // Parameters, bf16: per layer the attention's four d×d and the gated MLP's three d×ff matrices, two norms.
+  std::vector<u64> shapes;
+  shapes.push_back(vocab * d * 2);  // embedding (tied with the output projection)
+  for (int l = 0; l < layers; ++l)
+    for (u64 n : {d * d * 2, d * d * 2, d * d * 2, d * d * 2, d * ff * 2, d * ff * 2, ff * d * 2, d * 2, d * 2})
+      shapes.push_back(n);
+  for (u64 n : shapes) em.alloc(n, 0, true);
+  if (reference)
+    for (u64 n : shapes) em.alloc(n, 0, true);
+  const double D = static_cast<double>(d), F = static_cast<double>(ff), V = static_cast<double>(vocab);
+  const double layer_flops_per_token = 2.0 * (4 * D * D + 3 * D * F);
+  // The rest of a layer after attention, x replaced by its output: the output projection with the gate and up
+  // projections (their activations), then the down projection.
+  auto mlp = [&](u64 tokens, u64& x) {
+    const double T = static_cast<double>(tokens);
+    const u64 h = em.produce(tokens * 2 * ff * 2, 2 * T * (D * D + 2 * D * F));
+    const u64 next = em.produce(tokens * d * 2, 2 * T * F * D);
+    em.free(h);
+    em.replace(x, next);
+  };
+  std::vector<u64> moments;  // Adam's, fp32, made at the first optimizer step
+  for (int s = 0; s < steps; ++s) {
+    // Prompts of varied length, left-padded to the longest; each response ends at its own length, and the
+    // batch decodes until the longest one has.
+    u64 prompt = 0, longest = 0;
+    for (u64 q = 0; q < seqs; ++q) {
+      prompt = std::max<u64>(prompt, static_cast<u64>(em.lognormal(5.3, 0.7, 8, 4096)));
+      longest = std::max<u64>(longest, static_cast<u64>(em.lognormal(5.0, 0.8, 1, max_new)));
+    }
+    const u64 kv_row = seqs * d * 2;  // one token's keys (or values) over the batch, one layer, bf16
+    // ---- Rollout: prefill, then one token at a time ----
+    std::vector<u64> kv;
+    {
+      const u64 tokens = seqs * prompt;
+      u64 x = em.produce(tokens * d * 2, 0);
+      for (int l = 0; l < layers; ++l) {
+        const double T = static_cast<double>(tokens);
+        const u64 qkv = em.produce(tokens * 3 * d * 2, 2 * T * 3 * D * D);
+        const u64 kv_len = static_kv ? prompt + longest : prompt;
+        kv.push_back(em.alloc(kv_len * kv_row));
+        kv.push_back(em.alloc(kv_len * kv_row));
+        em.free(qkv);
+        mlp(tokens, x);
+      }
+      const u64 logits = em.produce(seqs * vocab * 4, 2 * static_cast<double>(seqs) * D * V);
+      em.free(x);
+      em.free(logits);
+    }
+    for (u64 t = 1; t <= longest; ++t) {
+      u64 x = em.produce(seqs * d * 2, 0);
+      for (int l = 0; l < layers; ++l) {
+        const double T = static_cast<double>(seqs), L = static_cast<double>(prompt + t);
+        const u64 qkv = em.produce(seqs * 3 * d * 2, 2 * T * 3 * D * D);
+        if (!static_kv)
+          for (int i = 0; i < 2; ++i) {  // torch.cat(past, new): a new tensor one token longer
+            u64& cache = kv[static_cast<std::size_t>(2 * l + i)];
+            em.replace(cache, em.produce((prompt + t) * kv_row, 0));
+          }
+        const u64 scores = em.produce(seqs * (prompt + t) * 4 * 2, 2 * T * L * D);
+        em.free(qkv);
+        em.free(scores);
+        mlp(seqs, x);
+      }
+      const u64 logits = em.produce(seqs * vocab * 4, 2 * static_cast<double>(seqs) * D * V);
+      const u64 probs = em.produce(seqs * vocab * 4, 0);  // softmax for sampling
+      em.free(logits);
+      em.free(probs);
+      em.free(x);
+    }
+    em.free_all(kv);
+    const u64 len = prompt + longest;
+    const u64 sequences = em.alloc(seqs * len * 8);  // token ids, int64
+    if (empty) em.empty_cache();
+    // ---- Scoring: log-probabilities under the policy and the reference, micro-batch by micro-batch ----
+    std::vector<u64> logprobs;
+    for (int model = 0; model < (reference ? 2 : 1); ++model)
+      for (u64 m0 = 0; m0 < seqs; m0 += static_cast<u64>(micro)) {
+        const u64 rows = std::min<u64>(static_cast<u64>(micro), seqs - m0), tokens = rows * len;
+        u64 x = em.produce(tokens * d * 2, 0);
+        for (int l = 0; l < layers; ++l) {
+          const u64 h = em.produce(tokens * 2 * ff * 2, static_cast<double>(tokens) * layer_flops_per_token);
+          const u64 next = em.produce(tokens * d * 2, 0);
+          em.free(h);
+          em.replace(x, next);
+        }
+        const u64 logits = em.produce(tokens * vocab * 4, 2 * static_cast<double>(tokens) * D * V);
+        em.free(x);
+        const u64 lsm = em.produce(tokens * vocab * 4, 0);  // log_softmax
+        em.free(logits);
+        logprobs.push_back(em.produce(tokens * 4, 0));  // gathered at the chosen tokens
+        em.free(lsm);
+      }
+    if (empty) em.empty_cache();
+    // ---- Training: forward and backward per micro-batch, gradients accumulated, one optimizer step ----
+    std::vector<u64> grads;
+    for (u64 m0 = 0; m0 < seqs; m0 += static_cast<u64>(micro)) {
+      const u64 rows = std::min<u64>(static_cast<u64>(micro), seqs - m0), tokens = rows * len;
+      const double T = static_cast<double>(tokens);
+      std::vector<std::vector<u64>> kept(static_cast<std::size_t>(layers));
+      u64 x = em.produce(tokens * d * 2, 0);
+      for (int l = 0; l < layers; ++l) {
+        auto& keep = kept[static_cast<std::size_t>(l)];
+        keep.push_back(x);
+        keep.push_back(em.produce(tokens * d * 2, 0));                       // normed input
+        keep.push_back(em.produce(tokens * 3 * d * 2, 2 * T * 3 * D * D));   // q, k, v
+        keep.push_back(em.produce(tokens * d * 2, 2 * T * D * D));           // attention output
+        keep.push_back(em.produce(tokens * 2 * ff * 2, 2 * T * 2 * D * F));  // gate and up
+        x = em.produce(tokens * d * 2, 2 * T * F * D);
+      }
+      const u64 logits = em.produce(tokens * vocab * 4, 2 * T * D * V);
+      const u64 lsm = em.produce(tokens * vocab * 4, 0);
+      const u64 dlogits = em.produce(tokens * vocab * 4, 0);
+      em.free(lsm);
+      em.free(logits);
+      u64 dx = em.produce(tokens * d * 2, 2 * 2 * T * D * V);
+      em.free(dlogits);
+      em.free(x);
+      const bool first = grads.empty();
+      if (first) grads.push_back(em.alloc(shapes[0]));
+      for (int l = layers - 1; l >= 0; --l) {
+        const u64 dh = em.produce(tokens * 2 * ff * 2, 2 * 2 * T * 3 * D * F);
+        if (first)  // this layer's parameter gradients, in the order backward reaches them
+          for (std::size_t i = 9; i-- > 0;) grads.push_back(em.alloc(shapes[1 + 9 * static_cast<std::size_t>(l) + i]));
+        const u64 ndx = em.produce(tokens * d * 2, 2 * 2 * T * 4 * D * D);
+        em.free(dh);
+        em.free_all(kept[static_cast<std::size_t>(l)]);
+        em.replace(dx, ndx);
+      }
+      em.free(dx);
+    }
+    em.free_each(logprobs);
+    if (moments.empty())
+      for (u64 n : shapes)
+        for (int i = 0; i < 2; ++i) moments.push_back(em.alloc(n * 2));
+    // foreach Adam: fp32 temporaries the size of each parameter, a list at a time.
+    std::vector<u64> tmp;
+    for (u64 n : shapes) tmp.push_back(em.produce(n * 2, 0));
+    em.free_each(tmp);
+    em.free_each(grads);  // zero_grad(set_to_none=True)
+    em.free(sequences);
+    if (empty) em.empty_cache();
+  }
+  em.free_each(moments);
+}
+
 // A key's value is held as a double: seeds stop at 1e15, below 2^53, so that every seed accepted is its own
 // (past 2^53 neighbouring seeds would read as one). --max-of seed searches up to the same bound.
 const std::vector<Generator>& generators() {
@@ -519,6 +685,16 @@ const std::vector<Generator>& generators() {
         {"streams", 3, 1, 64, "streams"}, {"live_gib", 16, 0.001, 1e4, "a cap on live bytes, GiB (not a target)"},
         {"steps", 4, 1, 100000, "steps"}, {"seed", 1, 0, 1e15, "random seed"}},
        random_pattern},
+      {"rl", "reinforcement learning of an LLM (PPO/GRPO): rollouts whose KV cache grows a token at a time, scoring "
+             "with fp32 logits, training with gradients and optimizer state made lazily; lengths vary per step",
+       {{"layers", 16, 1, 1000, "layers"}, {"d_model", 2048, 8, 65536, "model width"},
+        {"d_ff", 5632, 1, 262144, "MLP width (gated)"}, {"vocab", 32000, 1, 1e6, "vocabulary"},
+        {"prompts", 8, 1, 4096, "prompts per step"}, {"group", 4, 1, 256, "responses per prompt"},
+        {"max_new", 256, 1, 16384, "longest response"}, {"micro", 4, 1, 4096, "sequences per micro-batch"},
+        {"ref", 1, 0, 1, "1: a reference model scores too"}, {"static_kv", 0, 0, 1, "1: a KV cache allocated once"},
+        {"empty_cache", 0, 0, 1, "1: empty_cache between phases"}, {"steps", 3, 1, 100000, "steps"},
+        {"seed", 1, 0, 1e15, "random seed"}},
+       rl},
   };
   return g;
 }

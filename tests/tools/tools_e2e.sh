@@ -151,7 +151,7 @@ check_error "--window with an exponent says what it takes" "written as digits wi
 check_error "--window with --max-batch" "not with --max-batch" \
   "$bin/fragless-replay" --window 0:0.5 --max-batch --capacity-gib 8 "workload:transformer-infer"
 check_output "--window replays a part, named" "oracle.csv@0.5:1" "$bin/fragless-replay" --window 0.5:1 "$work/oracle.csv"
-check_output "results_tables.py general: the targets on windows of a trace and on random draws" "^\| draws \| 9 \| " \
+check_output "results_tables.py general: the targets on windows of a trace and on random draws" "^\| draws \| 10 \| " \
   env FRAGLESS_REPLAY="$bin/fragless-replay" python3 "$(dirname "$0")/../../tools/results_tables.py" general --draws 1 \
   "$work/oracle.csv"
 # A small pickle that would build gigabytes (one empty list per byte) is refused with the budget named, not
