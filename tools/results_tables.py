@@ -13,11 +13,11 @@
   tools/results_tables.py fit      FILES...   the smallest device per policy (--fit, steps 1/4 and 1/16 GiB)
   tools/results_tables.py maxbatch            the largest batch per policy on 24, 40, 80 and 141 GiB devices
   tools/results_tables.py fits     FILES...   both of the above, in that order (docs/RESULTS.md, "What fits")
-  tools/results_tables.py driver   [--costs PROBE.json] [--conf KEY:VALUE,...] FILES...   the ten built-in
+  tools/results_tables.py driver   [--costs PROBE.json] [--conf KEY:VALUE,...] FILES...   the eleven built-in
                                  workloads and FILES: peak reserved, driver calls, alloc-path and background
                                  driver time per policy, and the start-up targets (docs/RESULTS.md, "Driver
                                  time on the allocation path")
-  tools/results_tables.py floor    FILES...   the ten built-in workloads and FILES: the page floor of each policy's
+  tools/results_tables.py floor    FILES...   the eleven built-in workloads and FILES: the page floor of each policy's
                                  placement (fragless-replay --peak-detail) against what fragless holds and the
                                  overhead target (docs/RESULTS.md, "The page floor")
   tools/results_tables.py general  [--conf KEY:VALUE,...] [--seed N] [--draws N] [FILES...]   the start-up targets

@@ -475,18 +475,20 @@ void random_pattern(const std::map<std::string, double>& k, Emit& em) {
   for (const Live& l : keep) em.free(l.addr);
 }
 
-// ---- Reinforcement learning of an LLM (PPO/GRPO on one GPU): rollouts, scoring and training alternate ----
-// Each step generates responses for a batch of prompts with a KV cache that grows by one token at a time
-// (Hugging Face's dynamic cache concatenates each layer's keys and values into a new tensor per token;
-// static_kv=1 allocates them once at the longest length instead), scores the sequences with the policy and
-// a reference model in micro-batches (fp32 logits over the vocabulary), then trains on them: activations kept
-// per layer, gradients made during the first backward and dropped at zero_grad, Adam's moments made at the
-// first optimizer step, and foreach Adam's fp32 temporaries per parameter. The phases' shapes differ and
+// ---- Reinforcement learning of an LLM (GRPO/PPO on one GPU): rollouts, scoring and training alternate ----
+// As TRL's GRPO trainer runs it with Hugging Face's generate on a model loaded in bf16: each step generates
+// `group` responses to each of `prompts` prompts with a KV cache that grows by one token at a time (the dynamic
+// cache concatenates each layer's keys, then its values, into a new tensor one token longer; static_kv=1
+// allocates them once at the prompt plus max_new), scores the completions with the policy and a reference
+// model in micro-batches (bf16 logits over the completion only, log-softmax one sequence at a time), then
+// trains on them: activations kept per layer, gradients made during the first backward and dropped at
+// zero_grad(set_to_none=True), Adam's moments made at the first optimizer step in the parameters' dtype, and
+// foreach Adam's temporary list (the square roots of the second moments). The phases' shapes differ and
 // change every step; empty_cache=1 gives the cache back between phases as RL frameworks often do.
 void rl(const std::map<std::string, double>& k, Emit& em) {
   const int layers = I(k, "layers"), steps = I(k, "steps"), max_new = I(k, "max_new"), micro = I(k, "micro");
   const u64 d = U(k, "d_model"), ff = U(k, "d_ff"), vocab = U(k, "vocab");
-  const u64 seqs = U(k, "prompts") * U(k, "group");
+  const u64 prompts = U(k, "prompts"), seqs = prompts * U(k, "group");
   const bool reference = I(k, "ref") != 0, static_kv = I(k, "static_kv") != 0, empty = I(k, "empty_cache") != 0;
   // Parameters, bf16: per layer the attention's four d×d and the gated MLP's three d×ff matrices, two norms.
   std::vector<u64> shapes;
@@ -508,17 +510,16 @@ void rl(const std::map<std::string, double>& k, Emit& em) {
     em.free(h);
     em.replace(x, next);
   };
-  std::vector<u64> moments;  // Adam's, fp32, made at the first optimizer step
+  std::vector<u64> moments;  // Adam's, bf16 like the parameters (zeros_like), made at the first optimizer step
   for (int s = 0; s < steps; ++s) {
-    // Prompts of varied length, left-padded to the longest; each response ends at its own length, and the
-    // batch decodes until the longest one has.
+    // Prompts of varied length (each repeated for its group), left-padded to the longest; each response ends
+    // at its own length, and the batch decodes until the longest one has.
     u64 prompt = 0, longest = 0;
-    for (u64 q = 0; q < seqs; ++q) {
-      prompt = std::max<u64>(prompt, static_cast<u64>(em.lognormal(5.3, 0.7, 8, 4096)));
+    for (u64 q = 0; q < prompts; ++q) prompt = std::max<u64>(prompt, static_cast<u64>(em.lognormal(5.3, 0.7, 8, 4096)));
+    for (u64 q = 0; q < seqs; ++q)
       longest = std::max<u64>(longest, static_cast<u64>(em.lognormal(5.0, 0.8, 1, max_new)));
-    }
     const u64 kv_row = seqs * d * 2;  // one token's keys (or values) over the batch, one layer, bf16
-    // ---- Rollout: prefill, then one token at a time ----
+    // ---- Rollout: prefill, then one token at a time (attention through SDPA: no score matrix is made) ----
     std::vector<u64> kv;
     {
       const u64 tokens = seqs * prompt;
@@ -526,13 +527,13 @@ void rl(const std::map<std::string, double>& k, Emit& em) {
       for (int l = 0; l < layers; ++l) {
         const double T = static_cast<double>(tokens);
         const u64 qkv = em.produce(tokens * 3 * d * 2, 2 * T * 3 * D * D);
-        const u64 kv_len = static_kv ? prompt + longest : prompt;
+        const u64 kv_len = static_kv ? prompt + static_cast<u64>(max_new) : prompt;
         kv.push_back(em.alloc(kv_len * kv_row));
         kv.push_back(em.alloc(kv_len * kv_row));
         em.free(qkv);
         mlp(tokens, x);
       }
-      const u64 logits = em.produce(seqs * vocab * 4, 2 * static_cast<double>(seqs) * D * V);
+      const u64 logits = em.produce(seqs * vocab * 4, 2 * static_cast<double>(seqs) * D * V);  // the last token's, fp32
       em.free(x);
       em.free(logits);
     }
@@ -542,13 +543,12 @@ void rl(const std::map<std::string, double>& k, Emit& em) {
         const double T = static_cast<double>(seqs), L = static_cast<double>(prompt + t);
         const u64 qkv = em.produce(seqs * 3 * d * 2, 2 * T * 3 * D * D);
         if (!static_kv)
-          for (int i = 0; i < 2; ++i) {  // torch.cat(past, new): a new tensor one token longer
+          for (int i = 0; i < 2; ++i) {  // torch.cat(past, new): a new tensor one token longer, keys then values
             u64& cache = kv[static_cast<std::size_t>(2 * l + i)];
             em.replace(cache, em.produce((prompt + t) * kv_row, 0));
           }
-        const u64 scores = em.produce(seqs * (prompt + t) * 4 * 2, 2 * T * L * D);
+        em.kernel(2 * T * L * D, 0);  // attention over the cache
         em.free(qkv);
-        em.free(scores);
         mlp(seqs, x);
       }
       const u64 logits = em.produce(seqs * vocab * 4, 2 * static_cast<double>(seqs) * D * V);
@@ -561,6 +561,15 @@ void rl(const std::map<std::string, double>& k, Emit& em) {
     const u64 len = prompt + longest;
     const u64 sequences = em.alloc(seqs * len * 8);  // token ids, int64
     if (empty) em.empty_cache();
+    // The logits of a micro-batch's completions (bf16) and their log-softmax, one sequence at a time.
+    auto completion_logits = [&](u64 rows, std::vector<u64>* row_lsm) {
+      const u64 logits = em.produce(rows * longest * vocab * 2, 2 * static_cast<double>(rows * longest) * D * V);
+      for (u64 r = 0; r < rows; ++r) {
+        const u64 lsm = em.produce(longest * vocab * 2, 0);
+        if (row_lsm) row_lsm->push_back(lsm); else em.free(lsm);
+      }
+      return logits;
+    };
     // ---- Scoring: log-probabilities under the policy and the reference, micro-batch by micro-batch ----
     std::vector<u64> logprobs;
     for (int model = 0; model < (reference ? 2 : 1); ++model)
@@ -573,12 +582,10 @@ void rl(const std::map<std::string, double>& k, Emit& em) {
           em.free(h);
           em.replace(x, next);
         }
-        const u64 logits = em.produce(tokens * vocab * 4, 2 * static_cast<double>(tokens) * D * V);
+        const u64 logits = completion_logits(rows, nullptr);
         em.free(x);
-        const u64 lsm = em.produce(tokens * vocab * 4, 0);  // log_softmax
+        logprobs.push_back(em.produce(rows * longest * 4, 0));  // gathered at the chosen tokens
         em.free(logits);
-        logprobs.push_back(em.produce(tokens * 4, 0));  // gathered at the chosen tokens
-        em.free(lsm);
       }
     if (empty) em.empty_cache();
     // ---- Training: forward and backward per micro-batch, gradients accumulated, one optimizer step ----
@@ -597,12 +604,12 @@ void rl(const std::map<std::string, double>& k, Emit& em) {
         keep.push_back(em.produce(tokens * 2 * ff * 2, 2 * T * 2 * D * F));  // gate and up
         x = em.produce(tokens * d * 2, 2 * T * F * D);
       }
-      const u64 logits = em.produce(tokens * vocab * 4, 2 * T * D * V);
-      const u64 lsm = em.produce(tokens * vocab * 4, 0);
-      const u64 dlogits = em.produce(tokens * vocab * 4, 0);
-      em.free(lsm);
+      std::vector<u64> row_lsm;  // kept for the backward of log_softmax
+      const u64 logits = completion_logits(rows, &row_lsm);
+      const u64 dlogits = em.produce(rows * longest * vocab * 2, 0);
+      em.free_each(row_lsm);
       em.free(logits);
-      u64 dx = em.produce(tokens * d * 2, 2 * 2 * T * D * V);
+      u64 dx = em.produce(tokens * d * 2, 2 * 2 * static_cast<double>(rows * longest) * D * V);
       em.free(dlogits);
       em.free(x);
       const bool first = grads.empty();
@@ -621,10 +628,10 @@ void rl(const std::map<std::string, double>& k, Emit& em) {
     em.free_each(logprobs);
     if (moments.empty())
       for (u64 n : shapes)
-        for (int i = 0; i < 2; ++i) moments.push_back(em.alloc(n * 2));
-    // foreach Adam: fp32 temporaries the size of each parameter, a list at a time.
+        for (int i = 0; i < 2; ++i) moments.push_back(em.alloc(n));
+    // foreach Adam: torch._foreach_sqrt of the second moments, a tensor per parameter, then the update.
     std::vector<u64> tmp;
-    for (u64 n : shapes) tmp.push_back(em.produce(n * 2, 0));
+    for (u64 n : shapes) tmp.push_back(em.produce(n, 0));
     em.free_each(tmp);
     em.free_each(grads);  // zero_grad(set_to_none=True)
     em.free(sequences);
@@ -685,12 +692,12 @@ const std::vector<Generator>& generators() {
         {"streams", 3, 1, 64, "streams"}, {"live_gib", 16, 0.001, 1e4, "a cap on live bytes, GiB (not a target)"},
         {"steps", 4, 1, 100000, "steps"}, {"seed", 1, 0, 1e15, "random seed"}},
        random_pattern},
-      {"rl", "reinforcement learning of an LLM (PPO/GRPO): rollouts whose KV cache grows a token at a time, scoring "
-             "with fp32 logits, training with gradients and optimizer state made lazily; lengths vary per step",
+      {"rl", "reinforcement learning of an LLM in bf16 (GRPO/PPO): rollouts whose KV cache grows a token at a time, "
+             "scoring of the completions, training with gradients and optimizer state made lazily; lengths vary per step",
        {{"layers", 16, 1, 1000, "layers"}, {"d_model", 2048, 8, 65536, "model width"},
-        {"d_ff", 5632, 1, 262144, "MLP width (gated)"}, {"vocab", 32000, 1, 1e6, "vocabulary"},
-        {"prompts", 8, 1, 4096, "prompts per step"}, {"group", 4, 1, 256, "responses per prompt"},
-        {"max_new", 256, 1, 16384, "longest response"}, {"micro", 4, 1, 4096, "sequences per micro-batch"},
+        {"d_ff", 5632, 1, 262144, "MLP width (gated)"}, {"vocab", 32000, 1, 262144, "vocabulary"},
+        {"prompts", 8, 1, 1024, "prompts per step"}, {"group", 4, 1, 64, "responses per prompt"},
+        {"max_new", 256, 1, 16384, "longest response"}, {"micro", 4, 1, 1024, "sequences per micro-batch"},
         {"ref", 1, 0, 1, "1: a reference model scores too"}, {"static_kv", 0, 0, 1, "1: a KV cache allocated once"},
         {"empty_cache", 0, 0, 1, "1: empty_cache between phases"}, {"steps", 3, 1, 100000, "steps"},
         {"seed", 1, 0, 1e15, "random seed"}},
