@@ -616,7 +616,7 @@ void rl(const std::map<std::string, double>& k, Emit& em) {
       if (first) grads.push_back(em.alloc(shapes[0]));
       for (int l = layers - 1; l >= 0; --l) {
         const u64 dh = em.produce(tokens * 2 * ff * 2, 2 * 2 * T * 3 * D * F);
-        if (first)  // this layer's parameter gradients, in the order backward reaches them
+        if (first)  // this layer's parameter gradients (the order within a layer only roughly backward's)
           for (std::size_t i = 9; i-- > 0;) grads.push_back(em.alloc(shapes[1 + 9 * static_cast<std::size_t>(l) + i]));
         const u64 ndx = em.produce(tokens * d * 2, 2 * 2 * T * 4 * D * D);
         em.free(dh);
