@@ -439,6 +439,46 @@ TEST_CASE("fragless (handles:cells): a growth at the end that covers no whole ce
   for (void* p : {other, s, b}) REQUIRE(e->free(p) == Status::ok);
 }
 
+// Note [Near fits]: a free block with unmapped space below it that misses a request by a page is extended
+// downwards, as a KV cache grown a token at a time needs; the lowest run is kept when that saves little.
+TEST_CASE("fragless: a request a free block misses by a page extends the block downwards, not the lowest run",
+          "[fragless]") {
+  const std::size_t below = GENERATE(40, 8);  // MiB of unmapped space below the free block
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  spec.base.background = BackgroundMode::off;
+  auto e = make_engine(spec);
+  auto at = [](void* p) { return reinterpret_cast<DevicePtr>(p); };
+  auto maps = [&] { return e->driver_counters()[DriverCall::map]; };
+  void* x = e->allocate(below * MiB, 0, nullptr);
+  void* f = e->allocate(40 * MiB, 0, nullptr);
+  void* y = e->allocate(40 * MiB, 0, nullptr);
+  REQUIRE((x && f && y));
+  REQUIRE(at(f) == at(x) + below * MiB);
+  // x's hole fits nothing asked next: the growth at the end takes its pages, leaving its range unmapped.
+  REQUIRE(e->free(x) == Status::ok);
+  void* z = e->allocate((below + 4) * MiB, 0, nullptr);
+  REQUIRE(z);
+  REQUIRE(at(z) == at(y) + 40 * MiB);
+  REQUIRE(e->free(f) == Status::ok);  // 40 MiB free, x's unmapped range below it, y live above it
+  require_consistent(*e);
+  const auto m0 = maps();
+  void* k = e->allocate(42 * MiB, 0, nullptr);  // one token longer: a page more than the free block
+  REQUIRE(k);
+  if (below == 40) {
+    // The lowest run, from x's address, would map x's 20 pages; extended downwards, f maps one page.
+    CHECK(at(k) == at(f) - 2 * MiB);
+    CHECK(maps() == m0 + 1);
+  } else {
+    // x's range is 4 pages: the lowest run maps them, 3 pages more than extending f would, below the 8 it
+    // must save; the request starts at x's address.
+    CHECK(at(k) == at(x));
+  }
+  require_consistent(*e);
+  for (void* p : {y, z, k}) REQUIRE(e->free(p) == Status::ok);
+  require_consistent(*e);
+}
+
 TEST_CASE("fragless (handles:cells): no handle is larger than handle_max_mb, whatever the cell", "[fragless]") {
   EngineSpec spec;
   spec.policy = PolicyKind::fragless;

@@ -66,10 +66,16 @@ class GrowablePolicy : public Policy {
   virtual bool unmappable_pages(const Block* b, std::size_t* lo, std::size_t* hi) const {
     return whole_pages(b, lo, hi);
   }
+  // Note [Near fits]: how many pages extending a free block downwards must save against the lowest run
+  // before a growth does that instead; 0 (expandable: its growths never move memory) never.
+  virtual std::size_t near_fit_pages() const { return 0; }
 
  private:
   Segment* new_segment(AllocParams& p);
   Block* find_run(AllocParams& p);
+  std::size_t pages_missing(const AllocParams& p, const Block* head) const;
+  Block* near_fit(AllocParams& p, const Block* lowest, DevicePtr* at);
+  Block* grow_below(AllocParams& p, Block* u, DevicePtr at);
   Status map_block(Block* u, std::size_t bytes, const Run& run);
 };
 
