@@ -1,7 +1,9 @@
 // Private pools, garbage collection and oversize blocks.
+#include <random>
 #include <vector>
 
 #include "helpers.h"
+#include "seed.h"
 
 using namespace fragless;
 using namespace fragless::test;
@@ -477,6 +479,226 @@ TEST_CASE("fragless: a request a free block misses by a page extends the block d
   require_consistent(*e);
   for (void* p : {y, z, k}) REQUIRE(e->free(p) == Status::ok);
   require_consistent(*e);
+}
+
+// A near fit that cannot be mapped falls back to the lowest run (Note [Near fits]). Here f (40 MiB) is free
+// with x's range unmapped below it, and h's 40 MiB hole is one handle (handles:whole): the near fit's one
+// page cannot take it, the lowest run can.
+TEST_CASE("fragless: a near fit that fails on a full device falls back to the lowest run, with no retry",
+          "[fragless]") {
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  spec.base.background = BackgroundMode::off;
+  spec.base.handle_shape = HandleShape::whole;
+  spec.capacity = 1024 * MiB;
+  auto e = make_engine(spec);
+  void* x = e->allocate(40 * MiB, 0, nullptr);
+  void* f = e->allocate(40 * MiB, 0, nullptr);
+  void* y = e->allocate(40 * MiB, 0, nullptr);
+  void* h = e->allocate(40 * MiB, 0, nullptr);
+  void* g = e->allocate(2 * MiB, 0, nullptr);
+  REQUIRE((x && f && y && h && g));
+  REQUIRE(e->free(x) == Status::ok);
+  void* z = e->allocate(44 * MiB, 0, nullptr);  // takes x's pages
+  REQUIRE(z);
+  REQUIRE(e->free(f) == Status::ok);
+  REQUIRE(e->free(h) == Status::ok);
+  require_consistent(*e);
+  REQUIRE(e->set_memory_fraction(static_cast<double>(reserved(*e)) / static_cast<double>(spec.capacity)) ==
+          Status::ok);
+  const auto retries = e->stats().num_alloc_retries;
+  const auto syncs = e->stats().num_forced_syncs;
+  const auto held = reserved(*e);
+  AllocError err;
+  void* k = e->allocate(42 * MiB, 0, &err);
+  INFO(err.message);
+  REQUIRE(k);
+  CHECK(e->stats().num_alloc_retries == retries);  // no release of the cache to find the memory
+  CHECK(e->stats().num_forced_syncs == syncs);
+  CHECK(reserved(*e) == held);  // h's handle went under the request
+  require_consistent(*e);
+  for (void* p : {y, g, z, k}) REQUIRE(e->free(p) == Status::ok);
+}
+
+// During a capture there is no retry chain: a near fit that cannot create on a full device must leave the
+// request to the lowest run, which takes an idle handle (left by a growth whose map failed).
+TEST_CASE("fragless: during a capture a failed near fit leaves the request to the lowest run", "[fragless][pools]") {
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  spec.driver = DriverKind::host;
+  spec.base.background = BackgroundMode::off;
+  spec.base.handle_shape = HandleShape::whole;
+  spec.capacity = 1024 * MiB;
+  auto e = make_engine(spec);
+  void* x = e->allocate(80 * MiB, 0, nullptr);
+  void* f = e->allocate(40 * MiB, 0, nullptr);
+  void* y = e->allocate(40 * MiB, 0, nullptr);
+  void* h = e->allocate(60 * MiB, 0, nullptr);
+  void* g = e->allocate(2 * MiB, 0, nullptr);
+  REQUIRE((x && f && y && h && g));
+  REQUIRE(e->free(x) == Status::ok);
+  void* z = e->allocate(84 * MiB, 0, nullptr);
+  REQUIRE(z);
+  REQUIRE(e->free(f) == Status::ok);
+  REQUIRE(e->free(h) == Status::ok);
+  e->run_background(1e9);
+  // A growth that takes h's handle and then fails to map it (a driver error, no retry) leaves the handle idle.
+  host_driver_inject_failure(e->driver(), DriverCall::map, 1, Status::driver_error);
+  CHECK(e->allocate(100 * MiB, 0, nullptr) == nullptr);
+  host_driver_inject_failure(e->driver(), DriverCall::map, 0, Status::ok);
+  require_consistent(*e);
+  REQUIRE(e->set_memory_fraction(static_cast<double>(reserved(*e)) / static_cast<double>(spec.capacity)) ==
+          Status::ok);
+  const PoolId pool{7, 7};
+  e->begin_allocate_to_pool(pool, [](Stream st) { return st == 99; });  // a capture on another stream
+  AllocError err;
+  void* k = e->allocate(42 * MiB, 0, &err);
+  INFO(err.message);
+  CHECK(k);
+  require_consistent(*e);
+  e->end_allocate_to_pool(pool);
+  for (void* p : {y, g, z, k})
+    if (p) REQUIRE(e->free(p) == Status::ok);
+}
+
+// The range below f was lent (its old mapping waits for stream 0's queued work); a near fit over it would wait
+// on the host, or fail with the wait's error. It passes over the range, and the request goes to the lowest
+// run, a gap that was never lent.
+TEST_CASE("fragless: a near fit passes over a range whose lent pages the stream's work still holds",
+          "[fragless][lend]") {
+  const bool fail_wait = GENERATE(false, true);
+  CAPTURE(fail_wait);
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  spec.driver = DriverKind::host;
+  spec.base.background = BackgroundMode::off;
+  auto e = make_engine(spec);
+  TestEvents* ev = test_events_of(e->driver());
+  REQUIRE(ev);
+  void* w = e->allocate(60 * MiB, 0, nullptr);
+  void* sep = e->allocate(2 * MiB, 0, nullptr);
+  void* x = e->allocate(40 * MiB, 0, nullptr);
+  void* f = e->allocate(40 * MiB, 0, nullptr);
+  void* y = e->allocate(40 * MiB, 0, nullptr);
+  REQUIRE((w && sep && x && f && y));
+  REQUIRE(e->free(w) == Status::ok);
+  e->empty_cache();  // w's range: unmapped, never lent
+  ev->hold(0);       // stream 0 still runs work
+  REQUIRE(e->free(x) == Status::ok);
+  void* z = e->allocate(64 * MiB, 0, nullptr);  // lends x's pages in stream order, without a sync
+  REQUIRE(z);
+  REQUIRE(e->free(f) == Status::ok);
+  require_consistent(*e);
+  const auto syncs = e->stats().num_forced_syncs;
+  if (fail_wait) host_driver_inject_failure(e->driver(), DriverCall::synchronize_event, 1, Status::driver_error);
+  AllocError err;
+  void* k = e->allocate(42 * MiB, 0, &err);
+  host_driver_inject_failure(e->driver(), DriverCall::synchronize_event, 0, Status::ok);
+  INFO(err.message);
+  REQUIRE(k);
+  CHECK(k == w);
+  CHECK(e->stats().num_forced_syncs == syncs);
+  require_consistent(*e);
+  ev->complete(0);
+  for (void* p : {sep, y, z, k}) REQUIRE(e->free(p) == Status::ok);
+}
+
+// Tensors that grow by a fraction of a page and replace the old one (a KV cache's pattern, Note [Near fits]),
+// with other allocations, two streams, held streams, record_stream, captures into a private pool, memory
+// limits, background steps, empty_cache and injected driver failures (the host driver): the invariants hold
+// after every operation, and everything goes back at the end. Each seed draws its own handle shape and driver.
+TEST_CASE("fragless: near fits under faults and captures on two streams keep every invariant (property test)",
+          "[fragless][seeded]") {
+  const std::uint64_t seed0 = fragless::test::test_seed(0x6e66);
+  const int run = GENERATE(range(0, 12));
+  const std::uint64_t seed = seed0 + static_cast<std::uint64_t>(run);
+  INFO("seed " << seed0 << " run " << run);
+  std::mt19937_64 rng(seed);
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  spec.driver = (run % 2) ? DriverKind::host : DriverKind::sim;
+  spec.base.background = BackgroundMode::off;
+  const HandleShape shapes[] = {HandleShape::cells, HandleShape::ends, HandleShape::whole, HandleShape::pages};
+  spec.base.handle_shape = shapes[rng() % 4];
+  spec.base.lend_across_streams = rng() % 4 != 0;
+  auto e = make_engine(spec);
+  TestEvents* ev = test_events_of(e->driver());
+  REQUIRE(ev);
+  struct T { void* p; std::size_t size; Stream s; };
+  std::vector<T> layers, other;
+  bool capturing = false;
+  int captures = 0;
+  const PoolId pool{3, 3};
+  for (int i = 0, n = 6 + static_cast<int>(rng() % 6); i < n; ++i) {
+    const std::size_t size = (8 + rng() % 40) * MiB + rng() % MiB;
+    const Stream s = rng() % 3 == 0 ? 2 : 1;
+    if (void* p = e->allocate(size, s, nullptr)) layers.push_back({p, size, s});
+  }
+  for (int step = 0; step < 400; ++step) {
+    const int op = static_cast<int>(rng() % 100);
+    if (op < 60 && !layers.empty()) {  // a tensor one step longer replaces the old one
+      T& t = layers[rng() % layers.size()];
+      const std::size_t size = t.size + rng() % (3 * MiB) + 4096;
+      if (size > 200 * MiB) continue;
+      const bool inject = spec.driver == DriverKind::host && rng() % 25 == 0;
+      if (inject) {
+        const DriverCall calls[] = {DriverCall::map, DriverCall::create, DriverCall::set_access,
+                                    DriverCall::synchronize_event, DriverCall::unmap, DriverCall::record_event};
+        host_driver_inject_failure(e->driver(), calls[rng() % 6], static_cast<int>(1 + rng() % 2),
+                                   rng() % 2 ? Status::out_of_memory : Status::driver_error);
+      }
+      void* p = e->allocate(size, t.s, nullptr);
+      if (inject)
+        for (DriverCall c : {DriverCall::map, DriverCall::create, DriverCall::set_access,
+                             DriverCall::synchronize_event, DriverCall::unmap, DriverCall::record_event})
+          host_driver_inject_failure(e->driver(), c, 0, Status::ok);
+      if (p) {
+        if (rng() % 7 == 0) REQUIRE(e->record_stream(t.p, t.s == 1 ? 2 : 1) == Status::ok);
+        REQUIRE(e->free(t.p) == Status::ok);
+        t = {p, size, t.s};
+      }
+    } else if (op < 70) {
+      const std::size_t size = (1 + rng() % 30) * MiB + rng() % MiB;
+      const Stream s = static_cast<Stream>(1 + rng() % 2);
+      if (void* p = e->allocate(size, s, nullptr)) other.push_back({p, size, s});
+    } else if (op < 80 && !other.empty()) {
+      const std::size_t i = rng() % other.size();
+      REQUIRE(e->free(other[i].p) == Status::ok);
+      other.erase(other.begin() + static_cast<long>(i));
+    } else if (op < 84) {
+      const Stream s = static_cast<Stream>(1 + rng() % 2);
+      if (rng() % 2) ev->hold(s); else ev->complete(s);
+    } else if (op < 88) {
+      e->run_background(1e9);
+    } else if (op < 90) {
+      if (!capturing) e->empty_cache();
+    } else if (op < 93) {
+      if (!capturing) {
+        e->begin_allocate_to_pool(pool, [](Stream st) { return st == 2; });
+        ++captures;
+      } else {
+        e->end_allocate_to_pool(pool);
+      }
+      capturing = !capturing;
+    } else if (op < 96) {
+      const double held = static_cast<double>(reserved(*e)) / static_cast<double>(spec.capacity);
+      REQUIRE(e->set_memory_fraction(rng() % 2 ? 1.0 : std::min(1.0, held + 0.01)) == Status::ok);
+    }
+    INFO("step " << step << " op " << op);
+    const std::string err = e->check_invariants();
+    INFO(err);
+    REQUIRE(err.empty());
+  }
+  if (capturing) e->end_allocate_to_pool(pool);
+  ev->complete(1);
+  ev->complete(2);
+  for (const T& t : layers) REQUIRE(e->free(t.p) == Status::ok);
+  for (const T& t : other) REQUIRE(e->free(t.p) == Status::ok);
+  for (int i = 0; i < captures; ++i) e->release_pool(pool);
+  e->empty_cache();
+  require_consistent(*e);
+  e->empty_cache();
+  CHECK(reserved(*e) == 0);
 }
 
 TEST_CASE("fragless (handles:cells): no handle is larger than handle_max_mb, whatever the cell", "[fragless]") {

@@ -114,6 +114,13 @@ std::size_t GrowablePolicy::pages_missing(const AllocParams& p, const Block* hea
 // run find_run looks at, and taking it out of address order as well (measured at 493b96e over the driver table
 // of docs/RESULTS.md) put `serving` 58.9 ms over its driver target and `ckpt-accum` 18 MiB above a peer. The
 // new pages go at the top of the unmapped block (grow_below), under the free block, which they join.
+//
+// A near fit never costs what the lowest run would not (both found by a review): a range whose lent pages the
+// stream's queued work may still use (the fragless policy's lent ranges, Note [Lending pages without a sync])
+// is passed over, as mapping there would wait for that work on the host (or fail with the wait's error); and a
+// near fit that fails (its room is only the pages it lacks, so a larger idle handle or a hole's larger handle
+// cannot go under it) leaves the request to the lowest run, which the retry chain, or during a capture the
+// request's failure, would otherwise follow.
 Block* GrowablePolicy::near_fit(AllocParams& p, const Block* lowest, DevicePtr* at) {
   const std::size_t gain = near_fit_pages();
   if (gain == 0) return nullptr;
@@ -137,7 +144,8 @@ Block* GrowablePolicy::near_fit(AllocParams& p, const Block* lowest, DevicePtr* 
     const std::size_t pages = want / seg.page_size;
     if (pages >= best_pages || u->size < want) continue;
     const DevicePtr a = u->ptr + u->size - want;
-    if (!may_map(seg, (a - seg.base) / seg.page_size, pages)) continue;
+    if (!may_map(seg, (a - seg.base) / seg.page_size, pages) || maps_over_lent(seg, (a - seg.base) / seg.page_size, pages))
+      continue;
     best = u;
     best_pages = pages;
     *at = a;
@@ -176,7 +184,13 @@ Block* GrowablePolicy::grow_below(AllocParams& p, Block* u, DevicePtr at) {
 
 Block* GrowablePolicy::grow(AllocParams& p) {
   Block* head = find_run(p);
-  if (DevicePtr at = 0; Block* u = near_fit(p, head, &at)) return grow_below(p, u, at);
+  if (DevicePtr at = 0; Block* u = near_fit(p, head, &at)) {
+    if (Block* b = grow_below(p, u, at)) return b;
+    // The lowest run next: it may have room for memory the near fit could not map (a handle larger than
+    // the pages it lacked). The failed growth gave back what it took, so the run is looked for again.
+    p.status = Status::ok;
+    head = find_run(p);
+  }
   if (!head) {
     Segment* seg = new_segment(p);
     if (!seg) return nullptr;

@@ -69,6 +69,10 @@ class GrowablePolicy : public Policy {
   // Note [Near fits]: how many pages extending a free block downwards must save against the lowest run
   // before a growth does that instead; 0 (expandable: its growths never move memory) never.
   virtual std::size_t near_fit_pages() const { return 0; }
+  // Whether pages [first, first + n) of seg still have old mappings that a map there would first have to wait
+  // for on the host (the fragless policy's lent ranges whose stream's work is not done): a near fit passes
+  // over them. Not asked during a capture (may_map answers first).
+  virtual bool maps_over_lent(const Segment&, std::size_t /*first*/, std::size_t /*n*/) { return false; }
 
  private:
   Segment* new_segment(AllocParams& p);

@@ -186,6 +186,9 @@ class FraglessPolicy final : public GrowablePolicy {
   bool may_map(const Segment& seg, std::size_t first, std::size_t n) const override {
     return !s_.capturing() || !lent_.overlaps(seg, first, n);
   }
+  bool maps_over_lent(const Segment& seg, std::size_t first, std::size_t n) override {
+    return lent_.pending(seg, first, n);
+  }
   // After a release (empty_cache, OOM retry): every idle handle goes back to the driver, and the strips of
   // the segments the release dropped are forgotten (Note [Strips die with their segment]).
   void after_release() override {

@@ -45,6 +45,16 @@ bool LentRanges::overlaps(const Segment& seg, std::size_t first, std::size_t n) 
   return false;
 }
 
+bool LentRanges::pending(const Segment& seg, std::size_t first, std::size_t n) {
+  for (Range& r : ranges_) {
+    if (!hits(r, &seg, first, n)) continue;
+    const int st = r.state.load(std::memory_order_acquire);
+    if (st == unmapped || st == claimed) continue;  // gone, or being unmapped by the worker now
+    if (st == waiting || s_.driver->query_event(r.event) != Status::ok) return true;
+  }
+  return false;
+}
+
 int LentRanges::settle(const Range& r) {
   int st;
   while ((st = r.state.load(std::memory_order_acquire)) == claimed) std::this_thread::yield();

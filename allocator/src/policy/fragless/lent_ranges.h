@@ -41,6 +41,10 @@ class LentRanges {
   // The room a request may map into from `first` stops at the next lent range of the segment.
   std::size_t room_before(const Segment& seg, std::size_t first, std::size_t need, std::size_t room) const;
   bool overlaps(const Segment& seg, std::size_t first, std::size_t n) const;
+  // Whether a range overlapping pages [first, first + n) of seg still maps them and its stream's work is not
+  // done (or a wait for it failed): mapping there now would wait on the host. Asks the driver about each
+  // such range's event (not during a capture: Note [Capture rules]).
+  bool pending(const Segment& seg, std::size_t first, std::size_t n);
   // Without background work: unmaps the ranges whose work is done, without waiting. With it: leaves them to
   // the worker, giving those it found not done another go; true when there is work for it.
   bool poll(bool background);
