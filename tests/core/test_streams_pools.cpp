@@ -481,9 +481,27 @@ TEST_CASE("fragless: a request a free block misses by a page extends the block d
   require_consistent(*e);
 }
 
-// A near fit that cannot be mapped falls back to the lowest run (Note [Near fits]). Here f (40 MiB) is free
-// with x's range unmapped below it, and h's 40 MiB hole is one handle (handles:whole): the near fit's one
-// page cannot take it, the lowest run can.
+// The layout of the near-fit fallback tests, on a fragless engine with one handle per growth (handles:whole):
+// x, f (40 MiB), y, h, g allocated in a row; x freed and its pages taken by z (x + 4 MiB, at the end), then f
+// and h freed. f is free with x's range unmapped below it; h's hole is one handle. Returns {y, g, z}.
+static std::vector<void*> near_fit_layout(DeviceEngine& e, std::size_t x_mib, std::size_t h_mib) {
+  void* x = e.allocate(x_mib * MiB, 0, nullptr);
+  void* f = e.allocate(40 * MiB, 0, nullptr);
+  void* y = e.allocate(40 * MiB, 0, nullptr);
+  void* h = e.allocate(h_mib * MiB, 0, nullptr);
+  void* g = e.allocate(2 * MiB, 0, nullptr);
+  REQUIRE((x && f && y && h && g));
+  REQUIRE(e.free(x) == Status::ok);
+  void* z = e.allocate((x_mib + 4) * MiB, 0, nullptr);  // takes x's pages
+  REQUIRE(z);
+  REQUIRE(e.free(f) == Status::ok);
+  REQUIRE(e.free(h) == Status::ok);
+  require_consistent(e);
+  return {y, g, z};
+}
+
+// A near fit that cannot be mapped falls back to the lowest run (Note [Near fits]). Here h's 40 MiB hole is one
+// handle: the near fit's one page cannot take it, the lowest run can.
 TEST_CASE("fragless: a near fit that fails on a full device falls back to the lowest run, with no retry",
           "[fragless]") {
   EngineSpec spec;
@@ -492,18 +510,7 @@ TEST_CASE("fragless: a near fit that fails on a full device falls back to the lo
   spec.base.handle_shape = HandleShape::whole;
   spec.capacity = 1024 * MiB;
   auto e = make_engine(spec);
-  void* x = e->allocate(40 * MiB, 0, nullptr);
-  void* f = e->allocate(40 * MiB, 0, nullptr);
-  void* y = e->allocate(40 * MiB, 0, nullptr);
-  void* h = e->allocate(40 * MiB, 0, nullptr);
-  void* g = e->allocate(2 * MiB, 0, nullptr);
-  REQUIRE((x && f && y && h && g));
-  REQUIRE(e->free(x) == Status::ok);
-  void* z = e->allocate(44 * MiB, 0, nullptr);  // takes x's pages
-  REQUIRE(z);
-  REQUIRE(e->free(f) == Status::ok);
-  REQUIRE(e->free(h) == Status::ok);
-  require_consistent(*e);
+  std::vector<void*> live = near_fit_layout(*e, 40, 40);
   REQUIRE(e->set_memory_fraction(static_cast<double>(reserved(*e)) / static_cast<double>(spec.capacity)) ==
           Status::ok);
   const auto retries = e->stats().num_alloc_retries;
@@ -517,7 +524,8 @@ TEST_CASE("fragless: a near fit that fails on a full device falls back to the lo
   CHECK(e->stats().num_forced_syncs == syncs);
   CHECK(reserved(*e) == held);  // h's handle went under the request
   require_consistent(*e);
-  for (void* p : {y, g, z, k}) REQUIRE(e->free(p) == Status::ok);
+  live.push_back(k);
+  for (void* p : live) REQUIRE(e->free(p) == Status::ok);
 }
 
 // During a capture there is no retry chain: a near fit that cannot create on a full device must leave the
@@ -530,17 +538,7 @@ TEST_CASE("fragless: during a capture a failed near fit leaves the request to th
   spec.base.handle_shape = HandleShape::whole;
   spec.capacity = 1024 * MiB;
   auto e = make_engine(spec);
-  void* x = e->allocate(80 * MiB, 0, nullptr);
-  void* f = e->allocate(40 * MiB, 0, nullptr);
-  void* y = e->allocate(40 * MiB, 0, nullptr);
-  void* h = e->allocate(60 * MiB, 0, nullptr);
-  void* g = e->allocate(2 * MiB, 0, nullptr);
-  REQUIRE((x && f && y && h && g));
-  REQUIRE(e->free(x) == Status::ok);
-  void* z = e->allocate(84 * MiB, 0, nullptr);
-  REQUIRE(z);
-  REQUIRE(e->free(f) == Status::ok);
-  REQUIRE(e->free(h) == Status::ok);
+  std::vector<void*> live = near_fit_layout(*e, 80, 60);
   e->run_background(1e9);
   // A growth that takes h's handle and then fails to map it (a driver error, no retry) leaves the handle idle.
   host_driver_inject_failure(e->driver(), DriverCall::map, 1, Status::driver_error);
@@ -557,8 +555,8 @@ TEST_CASE("fragless: during a capture a failed near fit leaves the request to th
   CHECK(k);
   require_consistent(*e);
   e->end_allocate_to_pool(pool);
-  for (void* p : {y, g, z, k})
-    if (p) REQUIRE(e->free(p) == Status::ok);
+  if (k) live.push_back(k);
+  for (void* p : live) REQUIRE(e->free(p) == Status::ok);
 }
 
 // The range below f was lent (its old mapping waits for stream 0's queued work); a near fit over it would wait
