@@ -484,6 +484,16 @@ TEST_CASE("fragless: a request a free block misses by a page extends the block d
 // The layout of the near-fit fallback tests, on a fragless engine with one handle per growth (handles:whole):
 // x, f (40 MiB), y, h, g allocated in a row; x freed and its pages taken by z (x + 4 MiB, at the end), then f
 // and h freed. f is free with x's range unmapped below it; h's hole is one handle. Returns {y, g, z}.
+static EngineSpec near_fit_spec(DriverKind driver) {
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  spec.driver = driver;
+  spec.base.background = BackgroundMode::off;
+  spec.base.handle_shape = HandleShape::whole;
+  spec.capacity = 1024 * MiB;
+  return spec;
+}
+
 static std::vector<void*> near_fit_layout(DeviceEngine& e, std::size_t x_mib, std::size_t h_mib) {
   void* x = e.allocate(x_mib * MiB, 0, nullptr);
   void* f = e.allocate(40 * MiB, 0, nullptr);
@@ -504,11 +514,7 @@ static std::vector<void*> near_fit_layout(DeviceEngine& e, std::size_t x_mib, st
 // handle: the near fit's one page cannot take it, the lowest run can.
 TEST_CASE("fragless: a near fit that fails on a full device falls back to the lowest run, with no retry",
           "[fragless]") {
-  EngineSpec spec;
-  spec.policy = PolicyKind::fragless;
-  spec.base.background = BackgroundMode::off;
-  spec.base.handle_shape = HandleShape::whole;
-  spec.capacity = 1024 * MiB;
+  const EngineSpec spec = near_fit_spec(EngineSpec{}.driver);
   auto e = make_engine(spec);
   std::vector<void*> live = near_fit_layout(*e, 40, 40);
   REQUIRE(e->set_memory_fraction(static_cast<double>(reserved(*e)) / static_cast<double>(spec.capacity)) ==
@@ -531,12 +537,7 @@ TEST_CASE("fragless: a near fit that fails on a full device falls back to the lo
 // During a capture there is no retry chain: a near fit that cannot create on a full device must leave the
 // request to the lowest run, which takes an idle handle (left by a growth whose map failed).
 TEST_CASE("fragless: during a capture a failed near fit leaves the request to the lowest run", "[fragless][pools]") {
-  EngineSpec spec;
-  spec.policy = PolicyKind::fragless;
-  spec.driver = DriverKind::host;
-  spec.base.background = BackgroundMode::off;
-  spec.base.handle_shape = HandleShape::whole;
-  spec.capacity = 1024 * MiB;
+  const EngineSpec spec = near_fit_spec(DriverKind::host);
   auto e = make_engine(spec);
   std::vector<void*> live = near_fit_layout(*e, 80, 60);
   e->run_background(1e9);

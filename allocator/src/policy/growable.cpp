@@ -64,24 +64,33 @@ Block* GrowablePolicy::find_run(AllocParams& p) {
   return nullptr;
 }
 
-Status GrowablePolicy::map_block(Block* u, std::size_t bytes, const Run& run) {
+Block* GrowablePolicy::map_block(Block* u, DevicePtr at, std::size_t bytes, const Run& run, Status* status) {
   Segment& seg = *u->segment;
-  const std::size_t first = (u->ptr - seg.base) / seg.page_size;
+  const std::size_t first = (at - seg.base) / seg.page_size;
   std::size_t n = bytes / seg.page_size;
-  if (Status st = map_pages(seg, first, &n, u->size / seg.page_size, run); st != Status::ok) return st;
+  if (Status st = map_pages(seg, first, &n, (u->ptr + u->size - at) / seg.page_size, run); st != Status::ok) {
+    *status = st;
+    return nullptr;
+  }
   bytes = n * seg.page_size;
   s_.unmapped_erase(u);
-  if (bytes < u->size) {  // the rest stays unmapped
-    Block* rest = s_.split_after(u, u->ptr + bytes);
+  Block* b = u;
+  if (at > u->ptr) {  // the rest below stays unmapped
+    b = s_.split_after(u, at);
+    u->multi = false;
+    s_.unmapped_insert(u);
+  }
+  if (bytes < b->size) {  // the rest above stays unmapped
+    Block* rest = s_.split_after(b, b->ptr + bytes);
     rest->multi = false;
     s_.unmapped_insert(rest);
   }
-  u->state = BlockState::free;
-  u->multi = multi_page(seg, first, n);
+  b->state = BlockState::free;
+  b->multi = multi_page(seg, first, n);
   seg.mapped_bytes += bytes;
   ++s_.stats.num_device_alloc;
-  emit(s_, TraceAction::segment_map, seg.stream, u->ptr, bytes, bytes);
-  return Status::ok;
+  emit(s_, TraceAction::segment_map, seg.stream, b->ptr, bytes, bytes);
+  return b;
 }
 
 // The pages a growth from run `head` (find_run's answer) maps: what the request needs past the free blocks
@@ -144,8 +153,8 @@ Block* GrowablePolicy::near_fit(AllocParams& p, const Block* lowest, DevicePtr* 
     const std::size_t pages = want / seg.page_size;
     if (pages >= best_pages || u->size < want) continue;
     const DevicePtr a = u->ptr + u->size - want;
-    if (!may_map(seg, (a - seg.base) / seg.page_size, pages) || maps_over_lent(seg, (a - seg.base) / seg.page_size, pages))
-      continue;
+    const std::size_t first = (a - seg.base) / seg.page_size;
+    if (!may_map(seg, first, pages) || maps_over_lent(seg, first, pages)) continue;
     best = u;
     best_pages = pages;
     *at = a;
@@ -155,28 +164,12 @@ Block* GrowablePolicy::near_fit(AllocParams& p, const Block* lowest, DevicePtr* 
 
 // Maps the top of unmapped block u, from `at` up, and makes it one free block with the free block above it.
 Block* GrowablePolicy::grow_below(AllocParams& p, Block* u, DevicePtr at) {
-  Segment& seg = *u->segment;
+  const std::size_t page = u->segment->page_size;
   // The run holds the free block below u too: a reclaim that unmapped it would merge u into it.
   const DevicePtr lo = u->prev && u->prev->reusable() ? u->prev->ptr : u->ptr;
-  const Run run{lo, at + round_up(p.rounded, seg.page_size) + seg.page_size};
-  const std::size_t first = (at - seg.base) / seg.page_size;
-  std::size_t n = (u->ptr + u->size - at) / seg.page_size;
-  if (Status st = map_pages(seg, first, &n, n, run); st != Status::ok) {
-    p.status = st;
-    return nullptr;
-  }
-  s_.unmapped_erase(u);
-  Block* head = u;
-  if (at > u->ptr) {  // the rest below stays unmapped
-    head = s_.split_after(u, at);
-    u->multi = false;
-    s_.unmapped_insert(u);
-  }
-  head->state = BlockState::free;
-  head->multi = multi_page(seg, first, n);
-  seg.mapped_bytes += n * seg.page_size;
-  ++s_.stats.num_device_alloc;
-  emit(s_, TraceAction::segment_map, seg.stream, head->ptr, n * seg.page_size, n * seg.page_size);
+  const Run run{lo, at + round_up(p.rounded, page) + page};
+  Block* head = map_block(u, at, u->ptr + u->size - at, run, &p.status);
+  if (!head) return nullptr;
   s_.pool_erase(head->next);  // the free block the request extends
   s_.absorb_next(head);
   return head;
@@ -203,8 +196,7 @@ Block* GrowablePolicy::grow(AllocParams& p) {
     Block* u = head->state == BlockState::unmapped ? head : head->next;
     const std::size_t have = head->state == BlockState::free ? head->size : 0;
     const std::size_t bytes = std::min(round_up(p.rounded - have, u->segment->page_size), u->size);
-    if (Status st = map_block(u, bytes, run); st != Status::ok) {
-      p.status = st;
+    if (!map_block(u, u->ptr, bytes, run, &p.status)) {
       if (head->state == BlockState::free) s_.pool_insert(head);
       return nullptr;
     }

@@ -80,7 +80,9 @@ class GrowablePolicy : public Policy {
   std::size_t pages_missing(const AllocParams& p, const Block* head) const;
   Block* near_fit(AllocParams& p, const Block* lowest, DevicePtr* at);
   Block* grow_below(AllocParams& p, Block* u, DevicePtr at);
-  Status map_block(Block* u, std::size_t bytes, const Run& run);
+  // Maps [at, at + bytes) of unmapped block u (page boundaries; map_pages may fill up to u's end) as one free
+  // block, which it returns; what is left of u below and above stays unmapped. Null, *status set, on failure.
+  Block* map_block(Block* u, DevicePtr at, std::size_t bytes, const Run& run, Status* status);
 };
 
 }  // namespace fragless
