@@ -73,8 +73,9 @@ int usage(const char* msg) {
                "         [--batch B] [--min-len N] [--max-len N] [--vocab V]\n"
                "  trains a small decoder-only transformer on the CPU over batches of variable-length sequences\n"
                "  --allocator: fragless (LibTorch's CPU allocator replaced, host driver) or default (LibTorch's own)\n"
-               "  --policy: the fragless policy (default fragless)\n"
-               "  --trace: record every allocation event to PATH (fragless native format)\n"
+               "  --policy: the fragless policy (default fragless); only with --allocator fragless\n"
+               "  --trace: record every allocation event to PATH (fragless native format); only with --allocator\n"
+               "           fragless\n"
                "  --steps: optimizer steps per epoch (default 20); --epochs: epochs (default 3), the cache\n"
                "           emptied between them; the run makes steps x epochs steps in all\n"
                "  --batch: sequences per step (4); --min-len/--max-len: lengths drawn uniformly in [8, 96], each\n"
@@ -88,6 +89,7 @@ int usage(const char* msg) {
 
 int main(int argc, char** argv) {
   std::string allocator = "fragless", policy = "fragless", trace;
+  bool policy_given = false;
   long steps = 20, epochs = 3, seed = 1, layers = 2, d_model = 64, heads = 4, batch = 4, min_len = 8, max_len = 96,
        vocab = 256;
   for (int i = 1; i < argc; ++i) {
@@ -102,8 +104,8 @@ int main(int argc, char** argv) {
     };
     bool ok = true;
     if (a == "--allocator") ok = (allocator = v) == "fragless" || v == "default";
-    else if (a == "--policy") ok = fragless::policy_from_name(policy = v).has_value();
-    else if (a == "--trace") trace = v;
+    else if (a == "--policy") ok = fragless::policy_from_name(policy = v).has_value(), policy_given = true;
+    else if (a == "--trace") ok = !(trace = v).empty();
     else if (a == "--steps") ok = num(&steps);
     else if (a == "--epochs") ok = num(&epochs);
     else if (a == "--seed") ok = num(&seed);
@@ -119,6 +121,10 @@ int main(int argc, char** argv) {
   }
   if (heads < 1 || d_model % heads || min_len < 2 || max_len < min_len || vocab < 2 || batch < 1)
     return usage("need heads | d-model, 2 <= min-len <= max-len, vocab >= 2, batch >= 1");
+  // LibTorch's own allocator has no policy and no tracer: asking for either with it is a mistake, not a no-op.
+  if (allocator == "default" && (policy_given || !trace.empty()))
+    return usage(!trace.empty() ? "--trace needs --allocator fragless (LibTorch's own allocator records nothing)"
+                                : "--policy needs --allocator fragless (LibTorch's own allocator has no policy)");
   if (allocator == "fragless") {
     std::string conf = "policy:" + policy + ",capacity_mb:8192";
     if (!trace.empty()) conf += ",trace:" + trace;

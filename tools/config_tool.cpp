@@ -141,6 +141,10 @@ int run(int argc, char** argv) {
     } else {
       remarks.push_back("default");
     }
+    // A key this configuration does not use is not in effect: setting it would be refused (Note [Keys that do
+    // nothing]), so its default is shown as unused, with what it configures.
+    if (!given(key) && row.applies)
+      if (const char* what = row.applies(o)) remarks.push_back(std::string("not used here: it configures ") + what);
     std::string note;
     for (const auto& r : remarks) note += (note.empty() ? " (" : "; ") + r;
     if (!note.empty()) note += ")";

@@ -26,7 +26,17 @@ for conf, want in (("policy:fragles", "'fragles' for key 'policy'"),
         raise AssertionError("enable(%r) did not raise" % conf)
     except ValueError as e:
         check(want in str(e), (conf, str(e)))
+        check("FRAGLESS_CONF" not in str(e), (conf, str(e)))  # the string was enable()'s own
         print("enable(%r): ValueError: %s" % (conf, str(e)[:100]))
+# From the environment, the message names where the string came from.
+os.environ["FRAGLESS_CONF"] = "polcy:classic"
+try:
+    ft.enable()
+    raise AssertionError("enable() took FRAGLESS_CONF=polcy:classic")
+except ValueError as e:
+    check("FRAGLESS_CONF: unknown key 'polcy'" in str(e), str(e))
+finally:
+    os.environ.pop("FRAGLESS_CONF")
 
 # The default driver is cuda: without libcuda, enable() says so at once and names the host driver.
 start = time.monotonic()
@@ -99,6 +109,9 @@ try:  # a bad string the second time is named as bad, not only as other settings
     raise AssertionError("enable('driver:host,bogus:1') again did not raise")
 except ValueError as e:
     check("unknown key 'bogus'" in str(e), str(e))
+    # The string was enable()'s, not the environment's: the message does not send the user to FRAGLESS_CONF.
+    check("FRAGLESS_CONF" not in str(e) and str(e).startswith("fragless.torch.enable('driver:host,bogus:1'): "),
+          str(e))
 
 # Device arguments are PyTorch's: a torch.cuda.device object names its index; an int that does not fit a C int
 # is an error, not device 0 (ctypes would wrap 2**32 to 0); record_history takes no negative size.

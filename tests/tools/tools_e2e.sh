@@ -446,7 +446,7 @@ check_error "fragless-config: an empty key is named empty" "an empty key before 
 check "fragless-config shows what it was given" "$bin/fragless-config" "handles:pages,background:False,trace:run-%p.fgt,peer_access:False"
 cp "$work/out" "$work/echo"
 for line in "handles: pages" "background: False" "trace: run-%p.fgt" "peer_access: False" "policy: fragless (default)" \
-            "capacity_mb: the device's memory (default)"; do
+            "capacity_mb: the device's memory (default; not used here: it configures the host and sim drivers only (the cuda driver's device has its own))"; do
   check "... the line '$line'" grep -qxF "$line" "$work/echo"
 done
 "$bin/fragless-config" --table | grep -c '^| `' >"$work/keys"
@@ -456,6 +456,13 @@ check_output "fragless-config: the host driver's default capacity" "^capacity_mb
 check_output "fragless-config: the sim driver's default capacity" "^capacity_mb: 81920 \(default of the sim driver\)$" \
   "$bin/fragless-config" "driver:sim"
 check_output "fragless-config: -0 is 0" "^per_process_memory_fraction: 0$" "$bin/fragless-config" "per_process_memory_fraction:-0"
+# A key the configuration does not use (setting it would be refused) is shown as not in effect, not as a default.
+check_output "fragless-config: a fragless key under policy:classic is not used" \
+  "^handles: cells \(default; not used here: it configures the fragless policy only\)$" "$bin/fragless-config" "policy:classic"
+check_output "fragless-config: garbage_collection_threshold under the fragless policy is not used" \
+  "^garbage_collection_threshold: 0 \(off; default; not used here: it configures the classic policy only" \
+  "$bin/fragless-config" "driver:host"
+check_output "... and a key in use keeps its plain default" "^handles: cells \(default\)$" "$bin/fragless-config" "driver:host"
 
 # What fits: --fit and --max-batch / --max-of, their JSON, and their errors.
 check_count "--fit --json gives min_capacity_bytes per policy" '"min_capacity_bytes":[0-9]+' 3 \

@@ -16,6 +16,14 @@ if [ "$run" = default ]; then
   "$bin/fragless-capture" --allocator default "${args[@]}" >"$dir/default.txt" || { echo "FAIL: default run"; exit 1; }
   [ "$(wc -l <"$dir/default.txt")" -eq 60 ] || { echo "FAIL: expected 60 steps"; exit 1; }
   echo "ok: LibTorch's allocator, 60 steps"
+  # A tracer or a policy asked for with LibTorch's own allocator is refused (exit 2, named), not ignored.
+  for opt in "--trace $dir/never.fgt" "--policy classic"; do
+    err=$("$bin/fragless-capture" --allocator default $opt --steps 1 --epochs 1 2>&1 >/dev/null); rc=$?
+    { [ $rc -eq 2 ] && grep -q -- "${opt%% *} needs --allocator fragless" <<<"$err"; } \
+      || { echo "FAIL: --allocator default $opt: exit $rc: $err"; exit 1; }
+  done
+  [ ! -e "$dir/never.fgt" ] || { echo "FAIL: a refused run wrote a trace"; exit 1; }
+  echo "ok: --trace and --policy refused with LibTorch's own allocator"
   exit 0
 fi
 [ -s "$dir/default.txt" ] || { echo "FAIL: $dir/default.txt is missing (run with 'default' first)"; exit 1; }

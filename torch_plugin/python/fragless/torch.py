@@ -108,6 +108,13 @@ def enable(conf=None):
         return _enable(conf)
 
 
+def _source(error, from_env):
+    """A settings error as enable() reports it: the parser names FRAGLESS_CONF, which is right only when the
+    string came from the environment; an explicit string is already quoted before the message."""
+    msg = str(error)
+    return msg if from_env or not msg.startswith("FRAGLESS_CONF: ") else msg[len("FRAGLESS_CONF: "):]
+
+
 def _enable(conf):
     global _enabled, _enabled_conf, graph_hooks
     if conf is not None:
@@ -117,7 +124,7 @@ def _enable(conf):
         try:  # a bad string is named as such, not only as other settings than the ones in effect
             _f.check_config(asked)
         except ValueError as e:
-            raise ValueError("fragless.torch.enable(%r): %s" % (asked, e)) from None
+            raise ValueError("fragless.torch.enable(%r): %s" % (asked, _source(e, conf is None))) from None
         if not _same(asked, _enabled_conf):
             raise RuntimeError("fragless.torch.enable(%r): fragless is already enabled in this process with %r, "
                                "and its configuration cannot change %s; call enable() "
@@ -134,12 +141,13 @@ def _enable(conf):
         raise ImportError("fragless.torch.enable() needs PyTorch (>= 2.1); it is not importable here: %s" % e)
     lib = _f.library()
     env = os.environ.get("FRAGLESS_CONF")
+    from_env = conf is None
     if conf is None:
         conf = env or ""
     try:
         _f.check_config(conf)
     except ValueError as e:
-        raise ValueError("fragless.torch.enable(%r): %s" % (conf, e)) from None
+        raise ValueError("fragless.torch.enable(%r): %s" % (conf, _source(e, from_env))) from None
     try:
         made = _f.settings()
     except RuntimeError as e:  # an earlier fragless call failed to make it, for good: enable() cannot either
