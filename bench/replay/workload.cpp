@@ -492,7 +492,7 @@ bool workload_key_range(const std::string& spec, const std::string& key, long lo
                         std::string* error, bool* capped) {
   if (capped) *capped = false;
   if (spec.rfind("workload:", 0) != 0) {
-    *error = spec + ": --max-of searches a key of a built-in workload; this input is a trace";
+    *error = spec + ": --max-batch and --max-of search a key of a built-in workload; this input is a trace";
     return false;
   }
   const std::string rest = spec.substr(9);

@@ -475,7 +475,8 @@ check_count "--max-batch --json gives max_value and the key" '"key":"batch","max
 check_output "--max-of max_seq" "max_seq" "$bin/fragless-replay" --max-of max_seq --capacity-gib 2 "$small,batch=8"
 check_error "--max-of a key that is not numeric" "key 'dtype' is not numeric" \
   "$bin/fragless-replay" --max-of dtype --capacity-gib 8 "$small"
-check_error "--max-of on a trace" "this input is a trace" "$bin/fragless-replay" --max-batch --capacity-gib 8 "$work/o.fgt"
+check_error "--max-batch on a trace names both searches" "--max-batch and --max-of search a key of a built-in workload; this input is a trace" \
+  "$bin/fragless-replay" --max-batch --capacity-gib 8 "$work/o.fgt"
 check_error "... said before a missing capacity, which would not help" "this input is a trace" \
   "$bin/fragless-replay" --max-batch "$work/o.fgt"
 check_error "--max-batch needs a capacity" "need the device's size" "$bin/fragless-replay" --max-batch "$small"
