@@ -117,9 +117,14 @@ static void push_capped(std::vector<std::size_t>& sizes, std::size_t pages, std:
 // handles]). With `ends` and `whole`, the last one may be rounded up to chunk_size, but by no more than
 // reserve_slack of live bytes and never past the room: fewer cuMemCreate calls at a bounded cost in idle
 // memory.
-std::vector<std::size_t> FraglessPolicy::shape(Growth& g, std::size_t missing, std::size_t room, std::size_t at, bool small,
-                                               bool frontier) {
-  if (s_.opts.handle_shape == HandleShape::pages) return std::vector<std::size_t>(missing, 1);
+const std::vector<std::size_t>& FraglessPolicy::shape(Growth& g, std::size_t missing, std::size_t room, std::size_t at,
+                                                      bool small, bool frontier) {
+  std::vector<std::size_t>& sizes = shape_;
+  sizes.clear();
+  if (s_.opts.handle_shape == HandleShape::pages) {
+    sizes.assign(missing, 1);
+    return sizes;
+  }
   const std::size_t chunk = std::max<std::size_t>(1, s_.opts.chunk_size / page_);
   const auto live = static_cast<double>(std::max<std::int64_t>(0, s_.stats.live_bytes.current));
   const auto slack = static_cast<std::size_t>(live * s_.opts.reserve_slack) / page_;
@@ -127,11 +132,13 @@ std::vector<std::size_t> FraglessPolicy::shape(Growth& g, std::size_t missing, s
     return cells(g, missing, room, at, cell_pages(small), frontier);
   std::size_t extra = std::min(room, std::max(missing, std::min(chunk, missing + slack))) - missing;
   if (extra && !can_create(g, missing + extra)) extra = 0;
-  if (s_.opts.handle_shape == HandleShape::whole || missing < 2) return {missing + extra};
+  if (s_.opts.handle_shape == HandleShape::whole || missing < 2) {
+    sizes.push_back(missing + extra);
+    return sizes;
+  }
   // The body in handles of at most handle_max pages, then the last page (which a neighbour may share)
   // with the slack: a live block that later straddles a body handle pins less than handle_max of it.
   const std::size_t body_max = std::max<std::size_t>(1, s_.opts.handle_max / page_);
-  std::vector<std::size_t> sizes;
   push_capped(sizes, missing - 1, body_max);
   push_capped(sizes, 1 + extra, body_max);
   return sizes;
@@ -186,8 +193,8 @@ std::size_t FraglessPolicy::cell_pages(bool small) const {
 // (docs/RESULTS.md, "What fits"): three `random` variants need less device (the worst, 2 streams and a 16 GiB live
 // cap, from 17.62 to 17.06 GiB, as expandable), the dev traces' fits are unchanged, the largest moe token count
 // grows on every device size; `serving` needs 1/16 GiB more (12.81 against 12.75).
-std::vector<std::size_t> FraglessPolicy::cells(Growth& g, std::size_t missing, std::size_t room, std::size_t at,
-                                               std::size_t chunk, bool frontier) {
+const std::vector<std::size_t>& FraglessPolicy::cells(Growth& g, std::size_t missing, std::size_t room, std::size_t at,
+                                                      std::size_t chunk, bool frontier) {
   // Only a growth at the end of what the segment maps rounds up to a cell's end: one inside a gap (a hole
   // re-backed elsewhere) would leave its free tail between live blocks.
   std::size_t end = frontier ? std::min(at + room, (at + missing + chunk - 1) / chunk * chunk) : at + missing;
@@ -197,7 +204,8 @@ std::vector<std::size_t> FraglessPolicy::cells(Growth& g, std::size_t missing, s
   if (const std::size_t near = std::max(chunk, s_.opts.chunk_size / page_);
       body_max > near && memory_tight(g, end - at))
     body_max = near;
-  std::vector<std::size_t> sizes;
+  std::vector<std::size_t>& sizes = shape_;
+  sizes.clear();
   if (!frontier) {  // a gap: what it misses, in handles of at most handle_max
     push_capped(sizes, missing, body_max);
     return sizes;

@@ -229,7 +229,8 @@ class FraglessPolicy final : public GrowablePolicy {
 
   // reclaim.cpp
   bool reclaimable(const Block* b, const Growth& g, std::size_t* lo, std::size_t* hi) const;
-  std::vector<Candidate> candidates(Growth& g, Stream stream, bool other_streams, bool idle_only = false);
+  // In cands_ (Note [Growth buffers]).
+  std::vector<Candidate>& candidates(Growth& g, Stream stream, bool other_streams, bool idle_only = false);
   std::size_t reclaimable_pages(Growth& g);
   void reclaim(Growth& g, bool other_streams, std::size_t need, std::size_t room, bool busy_too = false);
   void audit_creation(Growth& g, const Segment& target, std::size_t missing, std::size_t room);
@@ -264,10 +265,11 @@ class FraglessPolicy final : public GrowablePolicy {
   bool memory_tight(Growth& g, std::size_t pages);
   // (pages > 0: creatable_pages already weighs the memory fraction, reading the held bytes once.)
   bool can_create(Growth& g, std::size_t pages) { return creatable_pages(g) >= pages; }
-  std::vector<std::size_t> shape(Growth& g, std::size_t missing, std::size_t room, std::size_t at, bool small,
-                                 bool frontier);
-  std::vector<std::size_t> cells(Growth& g, std::size_t missing, std::size_t room, std::size_t at, std::size_t chunk,
-                                 bool frontier);
+  // The handle sizes, in pages, in shape_ (Note [Growth buffers]).
+  const std::vector<std::size_t>& shape(Growth& g, std::size_t missing, std::size_t room, std::size_t at, bool small,
+                                        bool frontier);
+  const std::vector<std::size_t>& cells(Growth& g, std::size_t missing, std::size_t room, std::size_t at,
+                                        std::size_t chunk, bool frontier);
   Status create(Growth& g, std::size_t missing, std::size_t room, std::size_t at, bool small, bool frontier,
                 std::vector<PhysHandle>* created);
   void add_created(Growth& g, PhysHandle h, std::size_t pages, std::vector<PhysHandle>* created);
@@ -296,6 +298,14 @@ class FraglessPolicy final : public GrowablePolicy {
   KnownFree known_free_;
   enum class Refresh : std::uint8_t { none, wanted, asking } refresh_ = Refresh::none;  // the worker's question
   std::uint64_t answers_ = 0;  // new_answer calls so far
+  // Note [Growth buffers]
+  // A growth's lists (the handle sizes it creates, the handles it created, the holes it could take) live in
+  // these members, cleared and refilled by each growth, so that memory first growing does not allocate and free
+  // them on every growth. Only the allocation path uses them, under the device lock (the worker's splits have
+  // their own), and no step that fills one runs while another step still reads it.
+  std::vector<std::size_t> shape_;
+  std::vector<PhysHandle> created_;
+  std::vector<Candidate> cands_;
   std::string audit_;              // a broken Note [Complete re-backing], for check()
   mutable bool audit_on_ = false;  // check() has been called: audit every creation (Note [Auditing creations])
 };

@@ -70,7 +70,8 @@ Status FraglessPolicy::map_pages(Segment& seg, std::size_t first, std::size_t* n
     // Holes of other streams that have no unfinished work, with no wait (Note [Lending across streams]).
     if (g.planned < need && lend_across()) reclaim(g, /*other_streams=*/true, need, room);
   }
-  std::vector<PhysHandle> created;
+  std::vector<PhysHandle>& created = created_;  // Note [Growth buffers]
+  created.clear();
   for (bool again = false;; again = true) {
     // Holes of busy streams (lent in device order), or of every other stream without lending across
     // streams (after a host wait): the last resort, when creating would exceed the device. The small pool's

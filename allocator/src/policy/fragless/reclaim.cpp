@@ -23,9 +23,10 @@ bool FraglessPolicy::reclaimable(const Block* b, const Growth& g, std::size_t* l
 // Free blocks of the default pools (never private ones) on `stream` (or on every other stream), outside
 // the run being grown, with the whole mappings inside them.
 // With `idle_only`, other streams' holes only where the stream has no unfinished work.
-std::vector<FraglessPolicy::Candidate> FraglessPolicy::candidates(Growth& g, Stream stream, bool other_streams,
-                                                                  bool idle_only) {
-  std::vector<Candidate> cands;
+std::vector<FraglessPolicy::Candidate>& FraglessPolicy::candidates(Growth& g, Stream stream, bool other_streams,
+                                                                   bool idle_only) {
+  std::vector<Candidate>& cands = cands_;
+  cands.clear();
   // The pools' free blocks are ordered by stream, then size: the walk skips the streams outside the group,
   // and each stream's blocks smaller than a page (they hold no whole page), without looking at them. A pool
   // whose free blocks are all on `stream` has none on another (the first and the last say so).
@@ -77,7 +78,7 @@ std::size_t FraglessPolicy::reclaimable_pages(Growth& g) {
 // their streams first (counted).
 void FraglessPolicy::reclaim(Growth& g, bool other_streams, std::size_t need, std::size_t room, bool busy_too) {
   const Stream stream = g.stream;
-  std::vector<Candidate> cands = candidates(g, stream, other_streams, /*idle_only=*/other_streams && !busy_too);
+  std::vector<Candidate>& cands = candidates(g, stream, other_streams, /*idle_only=*/other_streams && !busy_too);
   if (cands.empty()) return;
   std::sort(cands.begin(), cands.end(), [](const Candidate& a, const Candidate& b) { return a.hi - a.lo > b.hi - b.lo; });
   std::vector<Candidate> groups;
