@@ -510,6 +510,43 @@ static std::vector<void*> near_fit_layout(DeviceEngine& e, std::size_t x_mib, st
   return {y, g, z};
 }
 
+// Note [Near fits]: the request goes at the top of the extended block, its free bytes below it. Here the near
+// fit maps the whole unmapped range below f, whose lower neighbour is a free block: the free bytes join it.
+// (Left as a separate free block, the two adjacent free blocks broke invariant I3, and a later growth mapped
+// over a mapped page: found by a general-table rl draw.)
+TEST_CASE("fragless: a near fit puts the request at the top of the extended block and joins the free bytes below",
+          "[fragless]") {
+  auto e = make_engine(near_fit_spec(DriverKind::host));
+  auto at = [](void* p) { return reinterpret_cast<DevicePtr>(p); };
+  auto maps = [&] { return e->driver_counters()[DriverCall::map]; };
+  void* g = e->allocate(44 * MiB, 0, nullptr);  // [0, 44): one handle
+  void* l = e->allocate(3 * MiB, 0, nullptr);   // [44, 47)
+  void* x = e->allocate(3 * MiB, 0, nullptr);   // [47, 50): the page [48, 50) is x's alone
+  void* f = e->allocate(40 * MiB, 0, nullptr);  // [50, 90)
+  void* y = e->allocate(40 * MiB, 0, nullptr);  // [90, 130)
+  REQUIRE((g && l && x && f && y));
+  const DevicePtr base = at(g);
+  REQUIRE(at(f) == base + 50 * MiB);
+  REQUIRE(e->free(g) == Status::ok);
+  REQUIRE(e->free(x) == Status::ok);
+  e->empty_cache();  // [0, 44) and [48, 50) unmapped; [47, 48) stays, free, on the page l shares
+  REQUIRE(e->free(f) == Status::ok);
+  require_consistent(*e);
+  // 41 MiB: the lowest run, [0, 44), would map 21 pages; extending f over [48, 50) maps one.
+  const auto m0 = maps();
+  void* k = e->allocate(41 * MiB, 0, nullptr);
+  REQUIRE(k);
+  CHECK(maps() == m0 + 1);
+  CHECK(at(k) == base + 49 * MiB);  // [49, 90): the top of [48, 90)
+  require_consistent(*e);           // [47, 49) is one free block
+  void* s = e->allocate(2 * MiB, 0, nullptr);  // it fits there exactly
+  REQUIRE(s);
+  CHECK(at(s) == base + 47 * MiB);
+  require_consistent(*e);
+  for (void* p : {l, y, k, s}) REQUIRE(e->free(p) == Status::ok);
+  require_consistent(*e);
+}
+
 // A near fit that cannot be mapped falls back to the lowest run (Note [Near fits]). Here h's 40 MiB hole is one
 // handle: the near fit's one page cannot take it, the lowest run can.
 TEST_CASE("fragless: a near fit that fails on a full device falls back to the lowest run, with no retry",
