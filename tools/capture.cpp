@@ -104,7 +104,10 @@ int main(int argc, char** argv) {
     };
     bool ok = true;
     if (a == "--allocator") ok = (allocator = v) == "fragless" || v == "default";
-    else if (a == "--policy") ok = fragless::policy_from_name(policy = v).has_value(), policy_given = true;
+    else if (a == "--policy") {
+      policy_given = true;
+      ok = fragless::policy_from_name(policy = v).has_value();
+    }
     else if (a == "--trace") ok = !(trace = v).empty();
     else if (a == "--steps") ok = num(&steps);
     else if (a == "--epochs") ok = num(&epochs);

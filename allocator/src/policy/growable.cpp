@@ -181,16 +181,12 @@ Block* GrowablePolicy::grow_below(AllocParams& p, Block* u, DevicePtr at) {
   const Run run{lo, at + round_up(p.rounded, page) + page};
   Block* head = map_block(u, at, u->ptr + u->size - at, run, &p.status);
   if (!head) return nullptr;
-  s_.pool_erase(head->next);  // the free block the request extends
-  s_.absorb_next(head);
+  // One free block with the free block the request extends, and with the free block below when u was mapped
+  // whole.
+  head = s_.merge_free(head);
   if (head->size == p.rounded) return head;
-  // The request at the top, its free bytes (less than a page) below it (Note [Near fits]).
+  // The request at the top, the free bytes below it (Note [Near fits]).
   Block* req = s_.split_after(head, head->ptr + head->size - p.rounded);
-  if (Block* below = head->prev; below && below->reusable()) {  // u was mapped whole: one free block with the one below
-    s_.pool_erase(below);
-    s_.absorb_next(below);
-    head = below;
-  }
   s_.pool_insert(head);
   return req;
 }

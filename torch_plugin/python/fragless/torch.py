@@ -110,7 +110,8 @@ def enable(conf=None):
 
 def _source(error, from_env):
     """A settings error as enable() reports it: the parser names FRAGLESS_CONF, which is right only when the
-    string came from the environment; an explicit string is already quoted before the message."""
+    string came from the environment; an explicit string is already quoted before the message (the C++ tools
+    rename the source the same way: config_error_from)."""
     msg = str(error)
     return msg if from_env or not msg.startswith("FRAGLESS_CONF: ") else msg[len("FRAGLESS_CONF: "):]
 
