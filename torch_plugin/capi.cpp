@@ -115,7 +115,8 @@ class DeviceSink final : public EventSink {
     Rec r;
     r.h.action = e.action;
     r.h.address = e.address;  // 0 for events without one (physical create/release, empty_cache)
-    r.h.size = e.requested_size;
+    // An oom entry's size is the rounded request, as PyTorch's (params.size()); the others' the bytes asked.
+    r.h.size = e.action == TraceAction::oom ? e.block_size : e.requested_size;
     r.h.stream = e.stream;
     r.h.time_us = std::chrono::duration_cast<std::chrono::microseconds>(
                       std::chrono::system_clock::now().time_since_epoch()).count();
@@ -469,8 +470,9 @@ extern "C" {
 
 namespace {
 // One allocation; nullptr with the last error set on failure (*message: its whole text), *oom telling
-// whether memory ran out.
-void* allocate(size_t size, int device, cudaStream_t stream, bool* oom, std::string* message) {
+// whether memory ran out and, if it did, *alloc_size what PyTorch's allocator would have asked the driver for.
+void* allocate(size_t size, int device, cudaStream_t stream, bool* oom, std::string* message,
+               std::size_t* alloc_size = nullptr) {
   *oom = false;
   DeviceEngine* e = engine(device);
   if (!e) {
@@ -484,6 +486,7 @@ void* allocate(size_t size, int device, cudaStream_t stream, bool* oom, std::str
     set_error(err.message);
     *message = std::move(err.message);
     *oom = err.status == Status::out_of_memory;
+    if (alloc_size) *alloc_size = err.alloc_size;
   }
   return p;
 }
@@ -500,12 +503,14 @@ void* fragless_malloc(size_t size, int device, cudaStream_t stream) {
   if (size == 0) return nullptr;  // legal: nothing to allocate
   bool oom = false;
   std::string message;
-  if (void* p = allocate(size, device, stream, &oom, &message)) return p;
+  std::size_t alloc_size = 0;
+  if (void* p = allocate(size, device, stream, &oom, &message, &alloc_size)) return p;
   // Never NULL: PyTorch's normal path would wrap it in a tensor whose first kernel faults.
   if (oom) {
     // A request of 1 EiB or more is refused before any search, as PyTorch refuses it before its allocator's
-    // malloc (and so before its observers).
-    if (size < kMaxRequest) notify_oom_observers(device, size);
+    // malloc (and so before its observers): the engine names no allocation size for it. The observers get
+    // the size the message names, as PyTorch's do (alloc_size, not the request).
+    if (alloc_size) notify_oom_observers(device, alloc_size);
     if (auto thrower = g_oom_thrower.load(std::memory_order_acquire)) thrower(message.c_str());
     if (const std::string* note = g_oom_note.load(std::memory_order_acquire)) throw OutOfMemoryError(message + " " + *note);
     throw OutOfMemoryError(message);
@@ -907,6 +912,15 @@ long snapshot_out(char* buf, size_t len, bool with_history) {
       s.imports = e->imports();
     }
     proc().sinks[static_cast<std::size_t>(d)]->collect(&s, with_history);
+    // PyTorch records a snapshot entry (the active bytes it showed) after copying the history: the next
+    // snapshot shows it, this one does not.
+    if (DeviceEngine* e = a->existing(d)) {
+      std::size_t active = 0;
+      for (const SegmentInfo& sg : s.segments)
+        for (const BlockInfo& b : sg.blocks)
+          if (b.state == BlockInfo::active_allocated || b.state == BlockInfo::active_pending_free) active += b.size;
+      e->mark_snapshot(active);
+    }
     devices.push_back(std::move(s));
   }
   std::string s = formats::engine_snapshot_pickle(devices, a->options().settings);

@@ -180,7 +180,10 @@ std::string trace_to_snapshot(const Trace& t) {
     std::unordered_set<std::uint64_t> requested;  // frees already announced by free_requested
     for (const auto& e : t.events) {
       if (e.device != dev) continue;
-      auto entry = [&](const char* action) { layout::trace_entry(w, action, e.address, e.size, e.stream, e.time_us); };
+      // An oom entry's size is the rounded request, as PyTorch records it: a native trace keeps it as the
+      // event's block size (its size is the bytes asked); one read from a snapshot has it as its size.
+      const std::uint64_t size = e.op == Op::oom && e.block_size ? e.block_size : e.size;
+      auto entry = [&](const char* action) { layout::trace_entry(w, action, e.address, size, e.stream, e.time_us); };
       switch (e.op) {
         case Op::free_requested:
           requested.insert(e.address);

@@ -36,6 +36,18 @@ check(set(snap) >= {"segments", "device_traces"})
 check(len(snap["device_traces"]) == 2)
 actions = [e["action"] for e in snap["device_traces"][0]]
 check(actions.count("alloc") == 3, actions)
+check("snapshot" not in actions, actions)
+# Each snapshot marks the history after copying it, as PyTorch's does: the next one shows a snapshot entry,
+# at address 0, with the bytes of the active blocks the first one showed.
+active = sum(b["size"] for s in snap["segments"] if s["device"] == 0 for b in s["blocks"]
+             if b["state"] in ("active_allocated", "active_pending_free"))
+marks = [e for e in fragless.snapshot()["device_traces"][0] if e["action"] == "snapshot"]
+check(len(marks) == 1 and marks[0]["addr"] == 0 and marks[0]["size"] == active > 0, (marks, active))
+# The segment stats count the mapped ranges the snapshot shows (Note [Mapped ranges are segments]).
+stats = fragless.memory_stats(0)
+ranges = sum(1 for s in snap["segments"] if s["device"] == 0)
+check(stats["segment.all.current"] == ranges > 0, (stats["segment.all.current"], ranges))
+check(stats["segment.all.current"] == stats["segment.all.allocated"] - stats["segment.all.freed"], stats)
 live = sum(b["state"] == "active_allocated" for s in snap["segments"] for b in s["blocks"])
 check(live == 3, live)
 with tempfile.TemporaryDirectory() as d:
@@ -46,6 +58,16 @@ with tempfile.TemporaryDirectory() as d:
 
 for p, size in zip(ptrs, (512, 3 << 20, 24 << 20)):
     lib.fragless_free(p, size, 0, stream)
+# A driver call of empty_cache that fails raises, naming it; what it could not give back stays cached, and
+# the next empty_cache gives it back.
+_fake.fakecuda_fail(b"cuStreamSynchronize", 1, 999)
+try:
+    fragless.empty_cache()
+    raise AssertionError("a failed stream synchronisation in empty_cache raised nothing")
+except RuntimeError as e:
+    check("cuStreamSynchronize" in str(e), e)
+check(fragless.memory_stats(0)["reserved_bytes.all.current"] > 0)
+_fake.fakecuda_reset_failures()
 fragless.empty_cache()
 # The history keeps the last max_entries entries as the snapshot shows them (Note [The history counts
 # snapshot entries]): an empty_cache and the physical handles take no place, a free is its two entries.

@@ -101,10 +101,11 @@ def shows(cell, value):
     return int(number) == value // base ** power
 
 
-# PyTorch's table, from fragless's numbers: each "all" row shows the stats of its key (the segments row counts
-# the segments a snapshot shows, checked below: PyTorch's segment stat leaves expandable segments out).
+# PyTorch's table, from fragless's numbers: each "all" row shows the stats of its key (the segments row too:
+# the mapped ranges a snapshot shows, checked below, where PyTorch's stat leaves expandable segments out).
 for key, row in (("allocated_bytes", "Allocated memory"), ("active_bytes", "Active memory"),
-                 ("reserved_bytes", "GPU reserved memory"), ("allocation", "Allocations")):
+                 ("reserved_bytes", "GPU reserved memory"), ("allocation", "Allocations"),
+                 ("segment", "GPU reserved segments")):
     cells = summary_cells(row)
     for cell, what in zip(cells, ("current", "peak", "allocated", "freed")):
         check(shows(cell, stats["%s.all.%s" % (key, what)]),

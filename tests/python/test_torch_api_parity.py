@@ -222,11 +222,13 @@ def unknown_keywords_raise():
     mem._record_memory_history(max_entries=1000)
     p = alloc(MiB)
     free(p, MiB)
-    kept = len(trace())
+    # (Each snapshot adds a snapshot entry: those are left out of the count.)
+    events = lambda: [e for e in trace() if e["action"] != "snapshot"]
+    kept = len(events())
     for context, stacks in ((7, 0), (-1, 0), (2, 4)):
         lib.fragless_record_history_v2(5, context, stacks, 1)
         check("nothing was changed" in fragless.last_error(), fragless.last_error())
-        check(len(trace()) == kept, "a refused call cleared the history")
+        check(len(events()) == kept, "a refused call cleared the history")
     mem._record_memory_history(None)
 
 

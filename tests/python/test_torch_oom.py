@@ -71,6 +71,22 @@ def run_case(case):
     check(len(seen) == 1, seen)
     device, alloc, limit, free = seen[0]
     check(device == 0 and alloc == 1 << 40 and limit == 512 << 20 and 0 < free <= limit, seen)
+    # A small request that does not fit: the observers get the size the message names (PyTorch's alloc_size,
+    # 20 MiB for a request between 1 and 10 MiB), not the bytes asked, and the history's oom entry the rounded
+    # request (PyTorch's params.size()), not the bytes asked either.
+    fragless.record_history(100, clear_history=True)
+    left = (512 << 20) - fragless.memory_stats(0)["reserved_bytes.all.current"]
+    fill = torch.empty(left - (2 << 20), dtype=torch.uint8)
+    try:
+        torch.empty(3000000, dtype=torch.uint8)
+        raise AssertionError("3,000,000 bytes fitted in what was left")
+    except RuntimeError as e:
+        check("Tried to allocate 20.00 MiB." in str(e), str(e))
+    check(len(seen) == 2 and seen[1][1] == 20 << 20, seen)
+    ooms = [e for e in fragless.snapshot()["device_traces"][0] if e["action"] == "oom"]
+    check(len(ooms) == 1 and ooms[0]["size"] == 3000320, ooms)
+    fragless.record_history(0)
+    del fill
     try:
         torch._C._cuda_attach_out_of_memory_observer(42)
         raise AssertionError("a non-callable observer was accepted")

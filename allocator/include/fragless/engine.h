@@ -36,6 +36,9 @@ class EventSink;  // trace.h
 struct AllocError {
   Status status = Status::ok;
   std::string message;
+  // Out of memory: the size PyTorch's allocator would have asked the driver for (get_allocation_size of the
+  // rounded request), which its message names and its OOM observers are given; 0 otherwise.
+  std::size_t alloc_size = 0;
 };
 
 // A block as seen from outside (snapshots, tests).
@@ -171,6 +174,9 @@ class DeviceEngine {
   void reset_peak_stats();
   void reset_accumulated_stats();
   std::vector<SegmentInfo> snapshot();
+  // A snapshot was handed out: a `snapshot` event (PyTorch's SNAPSHOT trace entry) with the bytes of the
+  // active blocks it showed, so that the trace and the history mark when snapshots were taken.
+  void mark_snapshot(std::size_t active_bytes);
   std::vector<ImportInfo> imports();  // open_shared mappings not yet closed, by address
   DriverCounters driver_counters();
   void reset_driver_counters();

@@ -365,6 +365,7 @@ Block* DeviceEngine::State::fail_allocation(AllocParams& p, AllocError* err) {
     emit(*this, TraceAction::oom, p.stream, free_b, p.requested, p.rounded);
   }
   set_error(err, p.status, oom_message(p, driver_msg, free_b, total_b));
+  if (err && p.status == Status::out_of_memory) err->alloc_size = classic_segment_size(p.rounded);
   return nullptr;
 }
 

@@ -114,7 +114,10 @@ DeviceEngine::DeviceEngine(const Options& options, std::unique_ptr<Driver> drive
 DeviceEngine::~DeviceEngine() = default;
 
 void* DeviceEngine::allocate(std::size_t size, Stream stream, AllocError* err) {
-  if (err) err->status = Status::ok;
+  if (err) {
+    err->status = Status::ok;
+    err->alloc_size = 0;
+  }
   if (size == 0) return nullptr;
   State& s = *s_;
   if (size >= kMaxRequest) {
@@ -488,6 +491,11 @@ void DeviceEngine::reset_accumulated_stats() {
 std::vector<SegmentInfo> DeviceEngine::snapshot() {
   std::lock_guard lk(s_->mu);
   return s_->snapshot();
+}
+
+void DeviceEngine::mark_snapshot(std::size_t active_bytes) {
+  std::lock_guard lk(s_->mu);
+  emit(*s_, TraceAction::snapshot, 0, 0, active_bytes, active_bytes);
 }
 
 std::vector<ImportInfo> DeviceEngine::imports() {

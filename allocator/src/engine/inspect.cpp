@@ -38,6 +38,9 @@ std::string DeviceEngine::State::check_invariants() {
     DevicePtr at = seg.base;
     std::size_t mapped = 0;
     if (!seg.growable) rc.add(rc.segment, small, 1);
+    else  // Note [Mapped ranges are segments]: one per run of mapped blocks
+      for (const Block* b = seg.first; b; b = b->next)
+        if (b->mapped() && !(b->prev && b->prev->mapped())) rc.add(rc.segment, small, 1);
     for (std::size_t i = 0; i < seg.pages.size(); ++i)
       if (seg.pages[i].valid()) {
         mapped += seg.page_size;

@@ -87,6 +87,7 @@ Block* GrowablePolicy::map_block(Block* u, DevicePtr at, std::size_t bytes, cons
   }
   b->state = BlockState::free;
   b->multi = multi_page(seg, first, n);
+  s_.stats.segment.add(seg.small, 1 - b->mapped_neighbours());  // Note [Mapped ranges are segments]
   seg.mapped_bytes += bytes;
   ++s_.stats.num_device_alloc;
   emit(s_, TraceAction::segment_map, seg.stream, b->ptr, bytes, bytes);
@@ -244,6 +245,7 @@ bool GrowablePolicy::unmap_block_pages(Block* b, std::size_t lo, std::size_t hi,
   }
   if (uhi < end) s_.pool_insert(s_.split_after(mid, uhi));
   mid->state = BlockState::unmapped;
+  s_.stats.segment.add(seg.small, mid->mapped_neighbours() - 1);  // Note [Mapped ranges are segments]
   s_.unmapped_insert(s_.merge_unmapped(mid));
   seg.mapped_bytes -= uhi - ulo;
   ++s_.stats.num_device_free;

@@ -6,6 +6,14 @@
 // where a run of reusable free and unmapped blocks fits the request and maps the missing pages;
 // releasing unmaps every whole free page and drops segments that end up entirely unmapped.
 //
+// Note [Mapped ranges are segments]
+// The `segment` statistics count, for a growable segment, its runs of mapped blocks: what a snapshot shows
+// as segments (one per contiguous mapped range, as PyTorch's snapshot of an expandable segment does), so
+// that memory_stats, memory_summary and the snapshot agree. PyTorch's own stat leaves expandable segments
+// out (it would read 0 with gigabytes reserved). A map adds one range less its mapped neighbours (it may
+// join two ranges into one: -1); an unmap removes one and adds back each mapped neighbour (it may cut a
+// range in two: +1); a range a background split holds (busy) stays mapped. check_invariants recounts them.
+//
 // Subclasses decide where physical pages come from (map_pages / unmap_pages). What a step needs is passed
 // to it as values: the run being grown (Run) down to map_pages, the reason for an unmap (Unmap) down to
 // unmap_pages.

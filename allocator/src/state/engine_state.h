@@ -85,6 +85,8 @@ struct Block {
   bool deferred : 1 = false;
 
   bool mapped() const { return state != BlockState::unmapped; }
+  // How many of its neighbours are mapped (0 to 2): Note [Mapped ranges are segments].
+  int mapped_neighbours() const { return (prev && prev->mapped()) + (next && next->mapped()); }
   bool is_split() const { return prev != nullptr || next != nullptr; }
   bool pending() const { return state == BlockState::free && event_count > 0; }
   // Free, mapped, no outstanding events: may be reused or merged.

@@ -260,10 +260,9 @@ def memory_stats(device=0):
 
 def memory_summary(device=0):
     """A short human-readable table of the main statistics. Segments are the mapped address ranges a
-    snapshot reports (PyTorch's `segment` stat does not count expandable segments, so it is 0 under the
-    expandable and fragless policies although memory is reserved)."""
+    snapshot reports, under every policy (PyTorch's `segment` stat leaves expandable segments out)."""
     s = memory_stats(device)
-    segments = sum(1 for seg in snapshot().get("segments", []) if seg.get("device", 0) == device)
+    segments = s.get("segment.all.current", 0)
     mib = lambda k: s.get(k, 0) / 2**20
     rows = [("allocated", "allocated_bytes.all"), ("reserved", "reserved_bytes.all"),
             ("active", "active_bytes.all"), ("requested", "requested_bytes.all"),
@@ -373,7 +372,13 @@ def set_memory_fraction(fraction, device=0):
 
 
 def empty_cache():
+    """Gives the cached memory no allocation uses back to the driver, on every device in use. A driver call
+    that failed (a wait for a stream's work, an unmap, a release) raises RuntimeError naming it; what it
+    could not give back stays cached."""
     library().fragless_empty_cache()
+    error = last_error()
+    if error:
+        raise RuntimeError(error)
 
 
 def reset_peak_stats(device=0):

@@ -523,16 +523,9 @@ def _install_api(torch):
 
     def summary(device=None, abbreviated=False):
         d = index(device)
+        # "GPU reserved segments" counts the mapped ranges a snapshot shows, also under the expandable and
+        # fragless policies (Note [Mapped ranges are segments], allocator/src/policy/growable.h).
         stats = _ZeroMissing(_f.memory_stats(d))
-        # "GPU reserved segments": the mapped ranges a snapshot shows (PyTorch's segment stat skips expandable
-        # segments, which would read 0 with memory reserved under the expandable and fragless policies).
-        segs = [seg for seg in _f.snapshot(include_traces=False)["segments"] if seg.get("device", 0) == d]
-        for pool, kind in (("all", None), ("large_pool", "large"), ("small_pool", "small")):
-            n = sum(1 for seg in segs if kind is None or seg.get("segment_type") == kind)
-            key = "segment.%s.current" % pool
-            stats[key] = max(stats[key], n)
-            peak = "segment.%s.peak" % pool
-            stats[peak] = max(stats[peak], stats[key])
         original = _originals.get("memory_summary")
         if original is not None:
             # PyTorch's table, run with its module's names as they are but memory_stats answering these stats:

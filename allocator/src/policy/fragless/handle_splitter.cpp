@@ -234,6 +234,7 @@ void HandleSplitter::release_busy(Block* busy, bool mapped, bool multi) {
     return;
   }
   busy->state = BlockState::unmapped;
+  s_.stats.segment.add(busy->segment->small, busy->mapped_neighbours() - 1);  // Note [Mapped ranges are segments]
   s_.unmapped_insert(s_.merge_unmapped(busy));
 }
 
