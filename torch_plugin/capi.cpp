@@ -93,6 +93,16 @@ std::atomic<int> g_oom_observer_count{0};
 // ("all").
 constexpr int kContextNever = 0, kContextState = 1, kContextAlloc = 2, kContextAll = 3;
 
+// A history entry's time: microseconds since the Unix epoch, as PyTorch's time_us, read from the wall clock
+// once and advanced by the steady clock after, so that a wall clock set back meanwhile does not send the
+// history back in time (which the snapshot reader refuses, kOutOfOrderUs).
+std::int64_t history_time_us() {
+  using namespace std::chrono;
+  static const auto start = std::make_pair(system_clock::now(), steady_clock::now());
+  const auto now = start.first + duration_cast<system_clock::duration>(steady_clock::now() - start.second);
+  return duration_cast<microseconds>(now.time_since_epoch()).count();
+}
+
 // Per device: forwards to the tracer (if on) and keeps the last N events for snapshots (if on), with the
 // stack of each allocation (and free, with context "all") when stacks are on (stacks.h).
 class DeviceSink final : public EventSink {
@@ -118,8 +128,7 @@ class DeviceSink final : public EventSink {
     // An oom entry's size is the rounded request, as PyTorch's (params.size()); the others' the bytes asked.
     r.h.size = e.action == TraceAction::oom ? e.block_size : e.requested_size;
     r.h.stream = e.stream;
-    r.h.time_us = std::chrono::duration_cast<std::chrono::microseconds>(
-                      std::chrono::system_clock::now().time_since_epoch()).count();
+    r.h.time_us = history_time_us();
     std::lock_guard lk(mu_);
     if (max_entries_ == 0) return;
     std::shared_ptr<const stacks::Stack> st;

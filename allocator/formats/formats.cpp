@@ -45,6 +45,12 @@ std::string address_text(std::uint64_t address) {
   return b;
 }
 
+std::string seconds_text(std::int64_t us) {
+  char b[48];
+  std::snprintf(b, sizeof b, "%.6f", static_cast<double>(us) / 1e6);
+  return b;
+}
+
 std::string event_out_of_bounds(const Event& e) {
   constexpr std::uint64_t kSizeLimit = std::uint64_t{1} << 63;
   if (e.device < 0 || e.device >= kMaxDevices)

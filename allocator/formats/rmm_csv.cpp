@@ -73,7 +73,7 @@ bool parse_dec(const std::string& s, std::uint64_t* v) {
 // another thread stamped just before that midnight and written just after it). Rows written by several threads may be slightly out of order (the time is taken before the
 // logger's lock): up to a second back is kept as recorded; more (a clock set back, a daylight-saving change)
 // is refused, naming both rows. Plain microseconds never wrap. A time on some rows and not others is refused.
-constexpr std::int64_t kDayUs = 86400LL * 1000000, kHalfDayUs = kDayUs / 2, kOutOfOrderUs = 1000000;
+constexpr std::int64_t kDayUs = 86400LL * 1000000, kHalfDayUs = kDayUs / 2;
 
 // HH:MM:SS[.f...] (RMM's form, up to six digits of the second: ".5" is half a second) or plain microseconds
 // -> microseconds; -1 when empty, -2 when malformed or out of range (fields beyond a clock's, more digits than
@@ -122,6 +122,8 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
   };
   if (!getline(&line)) return fail("empty file (expected the header Thread,Time,Action,Pointer,Size,Stream)");
   ++lineno;
+  // A UTF-8 byte order mark (a spreadsheet's export) is not part of the first column's name.
+  if (line.compare(0, 3, "\xEF\xBB\xBF") == 0) line.erase(0, 3);
   const auto header = split(line);
   std::map<std::string, std::size_t> col;
   for (std::size_t i = 0; i < header.size(); ++i)
@@ -181,9 +183,7 @@ LoadResult trace_from_rmm_csv(const std::string& text, const std::string& name) 
         }
       }
       if (e.time_us >= 0 && latest >= 0 && e.time_us + kOutOfOrderUs < latest) {
-        char back[48];
-        std::snprintf(back, sizeof back, "%.6f", static_cast<double>(latest - e.time_us) / 1e6);
-        return fail("time " + when + " is " + back + " s before line " + std::to_string(latest_line) +
+        return fail("time " + when + " is " + seconds_text(latest - e.time_us) + " s before line " + std::to_string(latest_line) +
                     "'s (a clock set back? RMM logs the local time of day); rows may be out of order by at most 1 s");
       }
       if (e.time_us > latest) {

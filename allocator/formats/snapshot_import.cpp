@@ -32,6 +32,7 @@
 #include <tuple>
 
 #include "pickle.h"
+#include "snapshot_window.h"
 #include "trace_model.h"
 
 namespace fragless::formats {
@@ -44,6 +45,7 @@ int Trace::devices() const {
 }
 
 namespace {
+using namespace snapshot_window;
 
 // (A device index above trace_model.h's kMaxDevices is a corrupt file, refused before anything is sized by it.)
 // More memory than any device has (4 EiB): a device's segments adding up to more are a corrupt file, and the
@@ -122,14 +124,8 @@ bool has_frames(const PyValue& v) {
   return c && c->type == PyValue::Type::str && !c->s.empty();
 }
 
-// Segments (classic) and mapped ranges (expandable) at dump time: address -> (size, expandable, stream).
-struct DumpSeg {
-  std::uint64_t size;
-  bool expandable;
-  std::uint64_t stream;
-  std::size_t freed_at = SIZE_MAX;
-};
-// A block allocated at dump time: (requested, stream, block size).
+// A block allocated at dump time: (requested, stream, block size). Segments (classic) and mapped ranges
+// (expandable) at dump time are DumpSegs (snapshot_window.h), by address.
 using LiveBlock = std::tuple<std::uint64_t, std::uint64_t, std::uint64_t>;
 
 struct Device {
@@ -174,6 +170,18 @@ void read_segment(const PyValue& seg, const std::string& where, std::vector<Devi
   if (d.reserved_end > kMaxReserved - std::min(total, kMaxReserved))
     bad(where + ": the device's segments add up to more than 2^62 bytes");
   d.reserved_end += total;
+  // Segments are disjoint ranges of one device's memory: one that starts inside another, or holds another's
+  // start, contradicts it, and nothing read after could say which one holds the blocks.
+  const auto range = [](std::uint64_t a, std::uint64_t n) {
+    return "[" + address_text(a) + ", " + address_text(a + n) + ")";
+  };
+  if (auto next = d.segments_at_dump.lower_bound(address); next != d.segments_at_dump.end() &&
+                                                          (next->first == address || next->first < address + total))
+    bad(where + ": its range " + range(address, total) + " overlaps device " + std::to_string(dev) +
+        "'s segment at " + range(next->first, next->second.size));
+  else if (next != d.segments_at_dump.begin() && std::prev(next)->first + std::prev(next)->second.size > address)
+    bad(where + ": its range " + range(address, total) + " overlaps device " + std::to_string(dev) +
+        "'s segment at " + range(std::prev(next)->first, std::prev(next)->second.size));
   const PyValue* ex = seg.get("is_expandable");
   d.segments_at_dump[address] = {total, ex && ex->type == PyValue::Type::boolean && ex->i != 0, stream};
   c.framed_segments += has_frames(seg);
@@ -187,6 +195,13 @@ void read_segment(const PyValue& seg, const std::string& where, std::vector<Devi
     if (b.type != PyValue::Type::dict) bad(bw + " is " + type_name(b) + ", not a dict");
     const std::uint64_t size = need(b, "size", Int::size, bw);
     const std::uint64_t baddr = opt(b, "address", Int::address, bw, at);
+    // A segment's blocks tile it in address order: one that begins before the block before it ends, or
+    // reaches past its segment, contradicts the rest (two live blocks over one byte of memory).
+    if (baddr < at)
+      bad(bw + ": it begins at " + address_text(baddr) + ", before " + address_text(at) + ", where " +
+          (index == 1 ? "its segment begins" : "the block before it ends"));
+    if (baddr + size < baddr || baddr + size > address + total)
+      bad(bw + ": its range " + range(baddr, size) + " reaches past its segment's " + range(address, total));
     const PyValue* history = list_or_null(b, "history", bw);
     c.visit(1 + (history ? history->items.size() : 0), bw);
     bool framed = has_frames(b);
@@ -205,7 +220,6 @@ void read_segment(const PyValue& seg, const std::string& where, std::vector<Devi
       d.live_at_dump[baddr] = {requested, stream, size};
       ++c.live_blocks;
     }
-    if (baddr + size < baddr) bad(bw + ": address + size is past 2^64");
     at = baddr + size;
   }
 }
@@ -231,6 +245,8 @@ void read_trace(const PyValue& list, std::size_t dev, const std::string& where, 
   std::size_t taken = 0, reallocated = 0;
   std::set<std::uint64_t> allocated_in_window;
   std::map<std::uint64_t, std::string> freed_in_window;  // address -> the entry that freed it, until reallocated
+  std::int64_t latest = -1;  // the latest time_us read, and its entry
+  std::string latest_entry;
   std::size_t index = 0;
   for (const auto& ep : list.items) {
     const PyValue& e = *ep;
@@ -265,6 +281,15 @@ void read_trace(const PyValue& list, std::size_t dev, const std::string& where, 
         bad(aw + ": 'time_us' is " + tu->int_text() + ", outside [0, " + std::to_string(kMaxTimeUs) + "] (2^64 ns)");
       ev.time_us = tu->as_int();
       t.has_time = true;
+      // Entries are recorded in order under the allocator's lock: a time more than a second before an earlier
+      // entry's is a clock set back or an edited file (the RMM reader's rule, Note [Times of day in an RMM log]).
+      if (ev.time_us + kOutOfOrderUs < latest)
+        bad(aw + ": 'time_us' " + std::to_string(ev.time_us) + " is " + seconds_text(latest - ev.time_us) +
+            " s before " + latest_entry + "'s; entries may be out of order by at most 1 s");
+      if (ev.time_us > latest) {
+        latest = ev.time_us;
+        latest_entry = ew;
+      }
     }
     if (action != "oom" && action != "snapshot" && ev.address + ev.size < ev.address)
       bad(aw + ": addr + size is past 2^64");
@@ -313,109 +338,6 @@ void read_trace(const PyValue& list, std::size_t dev, const std::string& where, 
     c.notes.push_back("device " + std::to_string(dev) + ": " + std::to_string(reallocated) + " allocation" +
                       (reallocated == 1 ? "" : "s") + " at an address the trace has not freed: the frees are missing "
                       "(recorded with skip_actions?), so the replay holds memory the program had freed");
-}
-
-// Note [Releases the program asked for]
-// PyTorch releases cached memory (segment_free entries for classic segments, segment_unmap for an expandable
-// segment's pages) in release_cached_blocks, which torch.cuda.empty_cache() calls, and so does the OOM retry
-// (the program's allocation asked for memory PyTorch then freed its cache for); both release every free
-// segment, one entry after another under the allocator's lock. Only two settings make PyTorch release on its
-// own, a segment at a time: garbage_collection_threshold (garbage_collect_cached_blocks) and max_split_size_mb
-// (release_available_cached_blocks). So each run of consecutive release entries is one empty_cache call, given
-// to every replayed policy there, when the snapshot's allocator_settings (PyTorch 2.3 and later) show both
-// off, and also when it has none (older snapshots, where those settings were rare; a note says how many
-// single releases were taken so). With either on, a release of PyTorch's own and a call cannot be told apart
-// (the frames could, but the reader does not keep them): runs of two or more are taken as calls, a lone
-// release as PyTorch's own, and a note says so. A run of one entry is common: an empty_cache() in a loop
-// whose cache holds one segment. Not told apart either: a private pool's release (torch.cuda.MemPool's
-// destructor empties that pool alone), which the replay takes for a call that empties every pool.
-enum class OwnReleases { off, unknown, possible };
-
-OwnReleases own_releases(const PyValue& root) {
-  const PyValue* st = root.type == PyValue::Type::dict ? root.get("allocator_settings") : nullptr;
-  if (!st || st->type != PyValue::Type::dict) return OwnReleases::unknown;
-  const PyValue* split = st->get("max_split_size");
-  const PyValue* gc = st->get("garbage_collection_threshold");
-  if (!split || !gc) return OwnReleases::unknown;
-  const bool split_on = split->type == PyValue::Type::integer ? split->i >= 0 : true;  // -1: unlimited
-  const bool gc_on = gc->type == PyValue::Type::real ? gc->f > 0 : gc->type == PyValue::Type::integer ? gc->i > 0 : true;
-  return split_on || gc_on ? OwnReleases::possible : OwnReleases::off;
-}
-
-bool is_release(Op op) { return op == Op::segment_free || op == Op::segment_unmap; }
-
-// Returns the lone releases taken as calls (OwnReleases::unknown) or left as PyTorch's own (::possible).
-std::size_t add_empty_cache_calls(Trace& t, std::size_t first_event, OwnReleases own) {
-  std::vector<Event> with_calls;
-  with_calls.reserve(t.events.size() - first_event + 16);
-  std::size_t lone = 0;
-  for (std::size_t i = first_event; i < t.events.size(); ++i) {
-    const Event& ev = t.events[i];
-    if (is_release(ev.op) && (i == first_event || !is_release(t.events[i - 1].op))) {
-      const bool run = i + 1 < t.events.size() && is_release(t.events[i + 1].op);
-      lone += !run;
-      if (run || own != OwnReleases::possible) {
-        Event call = ev;
-        call.op = Op::empty_cache;
-        call.address = call.size = 0;
-        with_calls.push_back(call);
-      }
-    }
-    with_calls.push_back(ev);
-  }
-  t.events.resize(first_event);
-  t.events.insert(t.events.end(), with_calls.begin(), with_calls.end());
-  return own == OwnReleases::off ? 0 : lone;
-}
-
-// What the allocator held before the window: the dump's segments and mapped ranges rolled back through the
-// window's segment events (undo a map: cut the range out; an unmap: add it back, merged with the ranges it
-// touches; an alloc: drop the segment; a free: add it). Classic segments are segment_alloc entries, mapped
-// ranges segment_map ones.
-void add_pre_segments(Trace& t, std::size_t first_event, std::size_t dev, const std::map<std::uint64_t, DumpSeg>& at_dump) {
-  std::map<std::uint64_t, DumpSeg> held = at_dump;
-  for (std::size_t i = t.events.size(); i-- > first_event;) {
-    const Event& ev = t.events[i];
-    const std::uint64_t a = ev.address, b = ev.address + ev.size;
-    if (ev.op == Op::segment_alloc) {
-      held.erase(a);
-    } else if (ev.op == Op::segment_free) {
-      held[a] = {ev.size, false, ev.stream, i};
-    } else if (ev.op == Op::segment_map) {
-      auto it = held.upper_bound(a);
-      if (it == held.begin()) continue;
-      --it;
-      const std::uint64_t s0 = it->first;
-      const DumpSeg d = it->second;
-      if (!d.expandable || s0 + d.size < b) continue;  // not a range this dump holds: nothing to undo
-      held.erase(it);
-      if (a > s0) held[s0] = {a - s0, true, d.stream};
-      if (b < s0 + d.size) held[b] = {s0 + d.size - b, true, d.stream};
-    } else if (ev.op == Op::segment_unmap) {
-      std::uint64_t lo = a, hi = b;
-      auto next = held.find(b);
-      if (next != held.end() && next->second.expandable) hi += next->second.size, held.erase(next);
-      auto it = held.lower_bound(a);
-      if (it != held.begin()) {
-        auto prev = std::prev(it);
-        if (prev->second.expandable && prev->first + prev->second.size == a) lo = prev->first, held.erase(prev);
-      }
-      held[lo] = {hi - lo, true, ev.stream};
-    }
-  }
-  // Classic segments the window frees first, in the order it frees them (the replay recreates them in this
-  // order), then the rest by address.
-  std::vector<std::pair<std::uint64_t, DumpSeg>> order(held.begin(), held.end());
-  std::stable_sort(order.begin(), order.end(), [](const auto& x, const auto& y) { return x.second.freed_at < y.second.freed_at; });
-  for (const auto& [addr, d] : order) {
-    Event s;
-    s.op = d.expandable ? Op::segment_map : Op::segment_alloc;
-    s.device = static_cast<std::int32_t>(dev);
-    s.address = addr;
-    s.size = d.size;
-    s.stream = d.stream;
-    t.pre_segments.push_back(s);
-  }
 }
 
 LoadResult import(const PyValue& root, const std::string& name, std::uint64_t input_bytes) {

@@ -40,6 +40,12 @@ inline constexpr std::int64_t kMaxTimeUs = static_cast<std::int64_t>(UINT64_MAX 
 std::string event_out_of_bounds(const struct Event& e);
 // An address as the readers' errors name it: 0x and lowercase hex.
 std::string address_text(std::uint64_t address);
+// Events of one recording may be out of time order by at most this much (threads take the time before the
+// recorder's lock); a step further back is a clock set back or an edited file, which every reader refuses,
+// naming both events.
+inline constexpr std::int64_t kOutOfOrderUs = 1000000;
+// Microseconds as seconds, six decimals ("3600.000000"), as those errors give a step back.
+std::string seconds_text(std::int64_t us);
 
 struct Trace {
   std::string source;                 // file name or workload spec

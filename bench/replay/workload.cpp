@@ -54,7 +54,7 @@ class Emitter {
  public:
   Emitter(formats::Trace* t, int bytes_per_element, bool tf32) : t_(t), width_(bytes_per_element), clock_(tf32) {}
   std::uint64_t alloc(std::uint64_t bytes, bool seed = false) {
-    const std::uint64_t addr = (next_++) << 12;
+    const std::uint64_t addr = take_address(&next_, bytes);  // Note [Workload addresses]
     formats::Event e;
     e.op = formats::Op::alloc;
     e.address = addr;
@@ -84,7 +84,7 @@ class Emitter {
   formats::Trace* t_;
   int width_;
   ModelClock clock_;
-  std::uint64_t next_ = 1;
+  std::uint64_t next_ = 4096;
 };
 
 struct Tensor { std::uint64_t addr, bytes; };
@@ -415,6 +415,32 @@ bool has_empty_item(const std::string& options) {
          (options.front() == ',' || options.back() == ',' || options.find(",,") != std::string::npos);
 }
 
+// Note [Tensor sizes a workload can name]
+// A tensor's bytes are products of the keys (heads x batch x max_seq^2 x dtype bytes for the attention
+// scores): every key within its range, a product can still pass 2^64 and wrap to a small size, which the
+// replay would take for a small tensor (a review found a 2^64-byte attention replayed as 1 byte). So the
+// largest tensor of each kind a spec can reach is computed first, in long double, and a spec with one of
+// 2^62 bytes or more (what a trace records, with room for sums over it) is refused, naming it.
+std::string too_large_tensor(const Config& c) {
+  const long double B = c.batch, S = c.max_seq, H = c.heads, d = c.d_model, ff = c.d_ff, V = c.vocab, w = c.dtype;
+  const std::pair<const char*, long double> kinds[] = {
+      {"attention scores (heads x batch x max_seq^2 x dtype bytes)", H * B * S * S * w},
+      {"activations (batch x max_seq x d_model x dtype bytes)", B * S * d * w},
+      {"MLP activations (batch x max_seq x d_ff x dtype bytes)", B * S * ff * w},
+      {"logits (batch x max_seq x vocab x 4 bytes)", B * S * V * 4},
+      {"embedding (vocab x d_model x 4 bytes)", V * d * 4},
+      {"MLP weights (d_model x d_ff x 4 bytes)", d * ff * 4},
+  };
+  for (const auto& [what, bytes] : kinds)
+    if (bytes >= 0x1p62L) {
+      char b[64];
+      std::snprintf(b, sizeof b, "%.4Lg", bytes);
+      return std::string("its ") + what + " would be " + b + " bytes, 2^62 or more (the most a trace records); "
+             "give smaller keys";
+    }
+  return {};
+}
+
 bool make_workload(const std::string& spec, formats::Trace* out, std::string* error,
                    const std::vector<int>* lengths, bool* too_large) {
   if (spec.rfind("workload:", 0) != 0) {
@@ -431,6 +457,11 @@ bool make_workload(const std::string& spec, formats::Trace* out, std::string* er
   c.lengths = lengths;
   SeqLen lens(c, error);
   if (!error->empty()) return false;
+  if (const std::string why = too_large_tensor(c); !why.empty()) {  // Note [Tensor sizes a workload can name]
+    *error = spec + ": " + why;
+    if (too_large) *too_large = true;
+    return false;
+  }
   *out = formats::Trace{};
   out->source = spec;
   Emitter em(out, c.dtype, c.tf32 != 0);
@@ -439,7 +470,10 @@ bool make_workload(const std::string& spec, formats::Trace* out, std::string* er
   });
 }
 
-std::string workload_too_large(const std::string& spec, bool out_of_memory) {
+std::string workload_too_large(const std::string& spec, bool out_of_memory, bool addresses) {
+  if (addresses)
+    return spec + ": its tensors add up to more than 2^62 bytes (Note [Workload addresses]); give smaller keys "
+                  "(steps, layers, batch, ...)";
   if (out_of_memory)
     return spec + ": the host ran out of memory while generating its events; give smaller keys (steps, layers, "
                   "batch, ...)";

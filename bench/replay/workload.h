@@ -26,8 +26,26 @@ struct TooManyEvents {};
 inline void check_room(const formats::Trace& t) {
   if (t.events.size() + t.seed.size() >= kMaxWorkloadEvents) throw TooManyEvents{};
 }
-// The error for a spec whose generation stopped: too many events, or no host memory left.
-std::string workload_too_large(const std::string& spec, bool out_of_memory);
+// Note [Workload addresses]
+// A generated tensor's address is the next page-aligned one after every tensor before it, never reused, as
+// if the run's memory were one address space that only grows: tensors live at once never overlap, as in a
+// trace an allocator wrote, so a workload converted to a snapshot is one PyTorch's viewer draws and the
+// snapshot reader takes (it refuses memory given twice). The replay itself only pairs frees with their
+// allocations by address. (Until 2026-12-07 addresses were serials times 4 KiB, and large tensors overlapped.)
+inline constexpr std::uint64_t kMaxWorkloadAddress = std::uint64_t{1} << 62;
+// Thrown past kMaxWorkloadAddress (a run whose tensors add up to 4 EiB); make_workload names it.
+struct AddressesExhausted {};
+inline std::uint64_t take_address(std::uint64_t* next, std::uint64_t bytes) {
+  if (bytes >= kMaxWorkloadAddress) throw AddressesExhausted{};
+  const std::uint64_t span = (std::max<std::uint64_t>(bytes, 1) + 4095) / 4096 * 4096;
+  if (*next > kMaxWorkloadAddress - span) throw AddressesExhausted{};
+  const std::uint64_t at = *next;
+  *next += span;
+  return at;
+}
+// The error for a spec whose generation stopped: too many events, no host memory left or (addresses) tensors
+// adding up to more than kMaxWorkloadAddress bytes.
+std::string workload_too_large(const std::string& spec, bool out_of_memory, bool addresses = false);
 // Whether a workload's options (key=value,...) have an empty item: a ',' at either end or two together (a
 // ',' too many). Every workload refuses them rather than skipping the item.
 bool has_empty_item(const std::string& options);
@@ -35,20 +53,22 @@ bool has_empty_item(const std::string& options);
 // '+', base prefix, fraction or exponent: '1.5', '0x10' and ' 5' are not integers here); false otherwise or
 // past 18 digits.
 bool integer_text(const std::string& v, long long* n);
-// Runs a generator that fills *out; a stop (TooManyEvents, std::bad_alloc) empties *out and is false with
+// Runs a generator that fills *out; a stop (TooManyEvents, AddressesExhausted, std::bad_alloc) empties *out and is false with
 // *error naming spec and *too_large set (if given).
 template <class Run>
 bool generate_bounded(const std::string& spec, formats::Trace* out, std::string* error, bool* too_large, Run&& run) {
-  bool oom = false;
+  bool oom = false, addresses = false;
   try {
     run();
     return true;
   } catch (const TooManyEvents&) {
+  } catch (const AddressesExhausted&) {
+    addresses = true;
   } catch (const std::bad_alloc&) {
     oom = true;
   }
   *out = formats::Trace{};
-  *error = workload_too_large(spec, oom);
+  *error = workload_too_large(spec, oom, addresses);
   if (too_large) *too_large = true;
   return false;
 }

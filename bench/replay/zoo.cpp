@@ -39,7 +39,7 @@ class Emit {
  public:
   Emit(formats::Trace* t, u64 seed) : rng(seed), t_(t) {}
   u64 alloc(u64 bytes, u64 stream = 0, bool seed = false) {
-    const u64 addr = (next_++) << 12;
+    const u64 addr = take_address(&next_, bytes);  // Note [Workload addresses]
     formats::Event e;
     e.op = formats::Op::alloc;
     e.address = addr;
@@ -115,7 +115,7 @@ class Emit {
   struct Live { u64 bytes, stream; double flops; };
   formats::Trace* t_;
   ModelClock clock_;
-  u64 next_ = 1;
+  u64 next_ = 4096;
   std::unordered_map<u64, Live> live_;
 };
 

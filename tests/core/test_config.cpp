@@ -86,6 +86,11 @@ TEST_CASE("config: an allocator refuses keys that do nothing under its policy or
         "FRAGLESS_CONF: expandable_segments:False contradicts policy:fragless (give one of the two)");
   CHECK(refused("driver:host,capacity_mb:3") ==
         "FRAGLESS_CONF: capacity_mb:3 is not a whole number of pages of 2 MiB (page_size_mb)");
+  // Address space the host could not reserve: refused here, not every allocation failing as out of memory.
+  CHECK(refused("driver:host,capacity_mb:100000000") ==
+        "FRAGLESS_CONF: capacity_mb:100000000 is more than the host driver can reserve address space for (9/8 of it "
+        "per segment, in a process's 128 TiB): give capacity_mb:4194304 (4 TiB) at most");
+  CHECK(parse_allocator_config("driver:sim,capacity_mb:100000000").ok);  // the sim driver reserves nothing
   for (const char* fine : {"policy:classic,garbage_collection_threshold:0.5,per_process_memory_fraction:0.9",
                            "handles:pages,reserve_slack:0.01", "expandable_segments:True,policy:fragless",
                            "expandable_segments:True", "driver:host,capacity_mb:4", "driver:sim,page_size_mb:4,capacity_mb:8"}) {

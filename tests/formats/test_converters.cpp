@@ -161,6 +161,48 @@ TEST_CASE("RMM logs: rows a little out of order are kept, a clock set back is re
   CHECK(mixed.error == "log.csv:3: no time where the rows before had one");
 }
 
+TEST_CASE("native traces: a record more than a second before an earlier one is refused, naming both", "[formats][bad-input]") {
+  Trace t;
+  t.has_time = true;
+  formats::Event a;
+  a.op = Op::alloc;
+  a.address = 0x1000;
+  a.size = 512;
+  a.time_us = 100000000;  // 100 s
+  formats::Event f = a;
+  f.op = Op::free;
+  for (std::int64_t back : {999999, 1000001}) {
+    f.time_us = a.time_us - back;
+    t.events = {a, f};
+    auto r = trace_from_native_bytes(trace_to_native(t), "n.fgt");
+    INFO(back << ": " << r.error);
+    if (back < 1000000) {
+      CHECK(r.ok);  // threads take the time before the recorder's lock: a little out of order is kept
+    } else {
+      CHECK_FALSE(r.ok);
+      CHECK(r.error.find("record 1 at byte ") != std::string::npos);
+      CHECK(r.error.find(": its time is 1.000001 s before record 0's; records may be out of order by at most 1 s") !=
+            std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("RMM logs: a byte order mark before the header is not part of its first column", "[formats]") {
+  // A spreadsheet's export begins with one: the first column kept its name, and the log loads as without it.
+  const std::string rows = "7,10:00:00.000000,allocate,0x1000,512,0\n7,10:00:01.000000,free,0x1000,512,0\n";
+  auto plain = rmm(rows);
+  auto marked = rmm(rows, "\xEF\xBB\xBFThread,Time,Action,Pointer,Size,Stream");
+  REQUIRE(plain.ok);
+  INFO(marked.error);
+  REQUIRE(marked.ok);
+  CHECK(marked.trace.events.size() == plain.trace.events.size());
+  CHECK(marked.dropped == plain.dropped);  // the Thread column read (its one thread named), not ignored
+  CHECK_FALSE(plain.dropped.empty());
+  auto action_first = rmm("10:00:00.000000,allocate,0x1000,512\n", "\xEF\xBB\xBFTime,Action,Pointer,Size");
+  INFO(action_first.error);
+  CHECK(action_first.ok);
+}
+
 TEST_CASE("RMM logs: a null pointer for 0 bytes converts and replays as nothing held", "[formats][replay]") {
   // RMM's pools answer 0 bytes with nullptr, and the adaptor logs it with %p: "(nil)".
   auto r = rmm("1,10:00:00.000001,allocate,(nil),0,0\n"
@@ -265,15 +307,21 @@ TEST_CASE("snapshots: a key set twice reads as its last value, in small dicts an
 }
 
 TEST_CASE("snapshots: one block named a million times through references is refused quickly", "[formats]") {
-  // segments: [seg] * 2000, seg = {'address': 0, 'total_size': 512, 'blocks': [blk] * 4000}: a few KB naming
-  // 8 million blocks (Note [Work bounded by the input]).
-  std::string p = kProto2 + "}(" + X("segments") + "]" + put(1) + "(";
-  p += "}" + put(2) + "(" + X("address") + K(0) + X("total_size") + M(512) + X("blocks") + "](";
-  p += "}" + put(3) + "(" + X("size") + M(512) + X("state") + X("inactive") + "u";
-  for (int i = 1; i < 4000; ++i) p += get(3);
+  // segments: [seg], seg = {'address': 0, 'total_size': 2^30, 'blocks': [blk] * 4000}, blk = {'size': 512,
+  // 'state': 'inactive', 'history': [{}] * 4000}: a few KB naming 16 million history records (Note [Work
+  // bounded by the input]). (One segment named many times is refused sooner: segments that overlap.)
+  const auto J = [](std::uint32_t v) {
+    std::string b = "J";
+    for (int i = 0; i < 4; ++i) b += static_cast<char>((v >> (8 * i)) & 0xff);
+    return b;
+  };
+  std::string p = kProto2 + "}(" + X("segments") + "](";
+  p += "}(" + X("address") + K(0) + X("total_size") + J(1u << 30) + X("blocks") + "](";
+  p += "}" + put(3) + "(" + X("size") + M(512) + X("state") + X("inactive") + X("history") + "](}" + put(4);
+  for (int i = 1; i < 4000; ++i) p += get(4);
   p += "eu";
-  for (int i = 1; i < 2000; ++i) p += get(2);
-  p += "e" + X("device_traces") + "]u.";
+  for (int i = 1; i < 4000; ++i) p += get(3);
+  p += "eue" + X("device_traces") + "]u.";
   auto pr = read_pickle(p);
   INFO(pr.error);
   REQUIRE(pr.value);

@@ -360,6 +360,47 @@ TEST_CASE("workloads: built-in transformer steps replay through every policy", "
   CHECK_FALSE(replay::make_workload("workload:gpt", &t, &(err = "")));
 }
 
+TEST_CASE("workloads: tensors live at once never share an address, and no size wraps past 2^64", "[replay][bad-input]") {
+  // Note [Workload addresses]: every generator (the transformer steps and the zoo) places each tensor after
+  // all before it, so the ranges of live tensors are disjoint, as in a trace an allocator wrote.
+  for (const char* spec : {"workload:transformer-train:steps=2,layers=2", "workload:random:ops=300,streams=2",
+                           "workload:rl:layers=2,max_new=16,prompts=2,group=2,steps=1"}) {
+    formats::Trace t;
+    std::string err;
+    INFO(spec);
+    REQUIRE(replay::make_workload(spec, &t, &err));
+    std::map<std::uint64_t, std::uint64_t> live;  // address -> end
+    auto overlaps = [&](std::uint64_t a, std::uint64_t n) {
+      auto next = live.lower_bound(a);
+      if (next != live.end() && next->first < a + n) return true;
+      return next != live.begin() && std::prev(next)->second > a;
+    };
+    std::size_t checked = 0;
+    for (const auto* list : {&t.seed, &t.events})
+      for (const auto& e : *list) {
+        if (e.op == Op::alloc) {
+          CHECK_FALSE(overlaps(e.address, e.size));
+          live[e.address] = e.address + e.size;
+          ++checked;
+        } else if (e.op == Op::free) {
+          live.erase(e.address);
+        }
+      }
+    CHECK(checked > 50);
+  }
+  // Note [Tensor sizes a workload can name]: heads x batch x max_seq^2 x 4 bytes is 2^64 here, which wrapped to
+  // 0 and was replayed as a 1-byte tensor (the spec is refused, and a search over a key stops there).
+  formats::Trace t;
+  std::string err;
+  bool too_large = false;
+  const std::string wrap = "workload:transformer-train:heads=524288,batch=32,seqlen=fixed:524288,max_seq=524288,"
+                           "layers=1,steps=1,d_model=1,d_ff=1,vocab=1";
+  CHECK_FALSE(replay::make_workload(wrap, &t, &err, nullptr, &too_large));
+  CHECK(too_large);
+  CHECK(err == wrap + ": its attention scores (heads x batch x max_seq^2 x dtype bytes) would be 1.845e+19 bytes, "
+                      "2^62 or more (the most a trace records); give smaller keys");
+}
+
 TEST_CASE("workloads: the generator's peak live is within 25% of the real Wedsonlin training traces", "[replay][data]") {
   REQUIRE(have_data());
   // The Wedsonlin medium model: d_model 1024, 24 layers, 16 heads, d_ff 4096, vocab 10000, batch 4,

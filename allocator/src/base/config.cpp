@@ -543,6 +543,13 @@ ConfigResult parse_allocator_config(std::string_view text) {
   if (given("expandable_segments") && given("policy") && o.expandable_segments == (o.policy == PolicyKind::classic))
     return refuse(std::string("expandable_segments:") + (o.expandable_segments ? "True" : "False") +
                   " contradicts policy:" + policy_name(o.policy) + " (give one of the two)");
+  // The host driver backs each growable segment with a reservation of 9/8 of the device, as the cuda driver
+  // does (allocator/src/policy/growable.h), in a process's 128 TiB of address space: past a few TiB the reservations
+  // fail and every allocation would be an out-of-memory naming nothing of this.
+  if (constexpr std::size_t kHostMost = std::size_t{1} << 42; o.driver == DriverKind::host && o.capacity > kHostMost)
+    return refuse("capacity_mb:" + std::to_string(o.capacity >> 20) + " is more than the host driver can reserve "
+                  "address space for (9/8 of it per segment, in a process's 128 TiB): give capacity_mb:" +
+                  std::to_string(kHostMost >> 20) + " (4 TiB) at most");
   if (o.driver != DriverKind::cuda && o.capacity && o.capacity % o.page_size != 0)
     return refuse("capacity_mb:" + std::to_string(o.capacity >> 20) + " is not a whole number of pages of " +
                   std::to_string(o.page_size >> 20) + " MiB (page_size_mb)");

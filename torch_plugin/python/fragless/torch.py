@@ -29,6 +29,7 @@ import collections
 import ctypes
 import operator
 import os
+import re
 import threading
 import sys
 import warnings
@@ -241,9 +242,12 @@ def _check_driver(conf):
     try:
         _f.check_driver(conf)
     except RuntimeError as e:
-        raise RuntimeError("fragless.torch.enable(): %s. For CPU use (a machine without a GPU or without libcuda), "
-                           "fragless runs on host memory with the host driver: fragless.torch.enable(\"driver:host\")"
-                           % str(e).rstrip(".")) from None
+        # The way to CPU use, where the settings keep the cuda driver (a trace path refused under the host
+        # driver needs no such advice).
+        hint = "" if re.search(r"(^|,)\s*driver\s*:\s*(host|sim)\s*(,|$)", conf or "") else (
+            ". For CPU use (a machine without a GPU or without libcuda), fragless runs on host memory with the host "
+            "driver: fragless.torch.enable(\"driver:host\")")
+        raise RuntimeError("fragless.torch.enable(): %s%s" % (str(e).rstrip("."), hint)) from None
 
 
 def _thrower_in_package(torch):
