@@ -24,6 +24,10 @@ using ProbeFn = std::function<Probe(long long)>;
 
 // The steps below the top a capacity search replays together (Note [Every step up]).
 constexpr std::size_t kScanBatch = 4;
+// The most steps a search may have to replay between peak live and the top (each a replay of the whole
+// trace): a step far finer than the trace's size (1 MiB steps over a 600 GiB peak: 600,000 replays, days) is
+// refused before the first replay, naming the step and the range, rather than left to run.
+constexpr long long kMaxScanSteps = 10000;
 
 // Probes every point, up to `parallel` at once (the caller's thread among them).
 std::vector<Probe> probe_all(const std::vector<long long>& points, const ProbeFn& f, unsigned parallel) {
@@ -136,6 +140,13 @@ FitResult fit_capacity(const formats::Trace& t, int device, PolicyKind policy, s
   long long top = static_cast<long long>(
       std::min<double>(static_cast<double>(max_k), std::ceil(unlimited_from / static_cast<double>(step))));
   top = std::max(top, fail + 1);
+  if (top - fail > kMaxScanSteps) {
+    out.error = where + ": " + std::to_string(top - fail) + " steps of " + gib_text(step) + " between its peak live " +
+                "bytes (" + gib_text(static_cast<std::uint64_t>(fail + 1) * step) + ") and where it runs as without a " +
+                "limit (" + gib_text(static_cast<std::uint64_t>(top) * step) + ") could each need a replay, more than " +
+                std::to_string(kMaxScanSteps) + ": give a larger --fit-step";
+    return done(out);
+  }
   Probe best = probe(top);
   while (!best.fits) {
     if (!best.result.error.empty()) {

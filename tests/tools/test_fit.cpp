@@ -159,6 +159,31 @@ TEST_CASE("fit: random draws of the pattern zoo (a property test, a failing draw
   }
 }
 
+TEST_CASE("fit: a step far finer than the trace is refused before any search replay, naming step and range",
+          "[fit][bad-input]") {
+  // One 20 GiB tensor: fragless's search would replay every MiB from 20 to 40 GiB (20,480 replays; a review's
+  // 600 GiB one at 1 KiB steps would have taken days); refused. At the default step (1/4 GiB) it is searched.
+  formats::Trace t;
+  t.source = "big";
+  formats::Event a;
+  a.op = formats::Op::alloc;
+  a.address = 1 << 20;
+  a.size = 20 * kGiB;
+  t.events = {a};
+  SearchOptions so;
+  const FitResult f = fit_capacity(t, 0, PolicyKind::fragless, kMiB, so);
+  INFO(f.error);
+  CHECK(f.error.find("big (device 0, fragless): ") == 0);
+  CHECK(f.error.find(" steps of 0.0009766 GiB between its peak live bytes (20 GiB) and where it runs as without a "
+                     "limit (") != std::string::npos);
+  CHECK(f.error.find("more than 10000: give a larger --fit-step") != std::string::npos);
+  CHECK(f.replays == 1);  // the replay without a limit, that found the range
+  const FitResult coarse = fit_capacity(t, 0, PolicyKind::fragless, kGiB / 4, so);
+  INFO(coarse.error);
+  CHECK(coarse.error.empty());
+  CHECK(coarse.min_capacity >= 20 * kGiB);
+}
+
 TEST_CASE("fit: a search is deterministic", "[fit]") {
   formats::Trace t;
   std::string err;

@@ -103,6 +103,11 @@ std::string DeviceEngine::State::check_invariants() {
   auto count_pools = [&](PoolSet& ps) {
     pool_total += ps.small.blocks.size() + ps.large.blocks.size();
     unmapped_total += ps.small.unmapped.size() + ps.large.unmapped.size();
+    for (const BlockPool* bp : {&ps.small, &ps.large}) {
+      std::size_t paged = 0;
+      for (const Block* b : bp->blocks) paged += b->segment->growable && b->size >= b->segment->page_size;
+      if (paged != bp->paged) fail("I3: a pool's count of free blocks of a page or more is stale", nullptr);
+    }
   };
   count_pools(default_pools);
   for (auto& [id, ps] : private_pools) count_pools(*ps);

@@ -118,6 +118,10 @@ struct BlockPool {
   NodeSlab nodes;
   BlockSizeSet blocks;       // free, mapped, no events
   BlockAddressSet unmapped;  // unmapped blocks of growable segments
+  // Of `blocks`, those of growable segments a page or more long: without one, a reclaim has nothing to take
+  // here, and its walk (one step per stream) is skipped; a process with thousands of streams made every
+  // growth walk them all.
+  std::size_t paged = 0;
   PoolSet* owner = nullptr;
   bool small = false;
   std::uint64_t get_free_blocks_call_count = 0;  // GC clock

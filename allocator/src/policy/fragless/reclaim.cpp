@@ -32,6 +32,7 @@ std::vector<FraglessPolicy::Candidate>& FraglessPolicy::candidates(Growth& g, St
   // whose free blocks are all on `stream` has none on another (the first and the last say so).
   Block key;
   for (const BlockPool* bp : {&s_.default_pools.large, &s_.default_pools.small}) {
+    if (bp->paged == 0) continue;  // no free block holds a whole page
     if (other_streams && (bp->blocks.empty() || ((*bp->blocks.begin())->stream == stream &&
                                                  (*bp->blocks.rbegin())->stream == stream)))
       continue;
