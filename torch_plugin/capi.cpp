@@ -736,6 +736,12 @@ void fragless_record_stream(void* ptr, cudaStream_t stream) {
 
 void fragless_begin_allocate_to_pool(int device, fragless_pool_id pool, std::function<bool(cudaStream_t)> filter) {
   guard("fragless_begin_allocate_to_pool", [&] {
+    if (pool.first == 0 && pool.second == 0) {  // what memory_snapshot(mempool_id) takes for every pool
+      set_error("fragless_begin_allocate_to_pool: pool id (0, 0) names the default pools, not a private one "
+                "(PyTorch's graph and MemPool ids are never (0, 0)); nothing was routed");
+      report_error();
+      return;
+    }
     DeviceEngine* e = engine(device);
     if (!e) return;
     // An empty filter is every stream, as the engine takes it (DeviceEngine::State::pool_set_for); calling

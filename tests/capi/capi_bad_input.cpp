@@ -150,6 +150,15 @@ int exit_scenario() {
 // ---- filters ----
 
 int filters_scenario() {
+  // The default pools' id is no private pool: refused, and nothing is routed (the next allocation is the
+  // default pools', which memory_snapshot(mempool_id=(0, 0)) would not tell apart).
+  fragless_begin_allocate_to_pool(0, {0, 0}, std::function<bool(cudaStream_t)>());
+  CHECK(has(last_error(), "pool id (0, 0) names the default pools, not a private one"));
+  void* z = fragless_pool_malloc(1000, 0, stream(0x10));
+  CHECK(z != nullptr && last_error().empty());
+  fragless_free(z, 1000, 0, stream(0x10));
+  fragless_end_allocate_to_pool(0, {0, 0});  // nothing routed to end: said
+  CHECK(!last_error().empty());
   // An empty filter: every stream allocates from the pool (the engine's meaning), and nothing throws.
   fragless_begin_allocate_to_pool(0, {1, 2}, std::function<bool(cudaStream_t)>());
   CHECK(last_error().empty());
