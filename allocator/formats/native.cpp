@@ -138,8 +138,7 @@ LoadResult native_from(std::uint64_t size, const ReadAt& read_at, const std::str
   t.events.reserve(n);
   std::size_t in_block = 0, block_first = 0;  // records in `block`, and the index of its first
   std::vector<std::unordered_set<std::uint64_t>> live_by_device;
-  std::int64_t latest_us = -1;  // the latest time read, and its record
-  std::size_t latest_record = 0;
+  std::vector<std::pair<std::int64_t, std::size_t>> latest;  // per device: the latest time read, and its record
   for (std::size_t i = 0; i < n; ++i) {
     NativeTraceRecord rec;
     const std::uint64_t off = h.header_size + static_cast<std::uint64_t>(i) * sizeof rec;
@@ -167,10 +166,16 @@ LoadResult native_from(std::uint64_t size, const ReadAt& read_at, const std::str
                     " ns, is past the latest time a trace holds (2^64 ns)");
       e.time_us = static_cast<std::int64_t>((h.origin_unix_ns + rec.time_ns) / 1000);
       t.has_time = true;
-      if (e.time_us + kOutOfOrderUs < latest_us)  // kOutOfOrderUs (trace_model.h): refused by every reader
+      // kOutOfOrderUs (trace_model.h), refused by every reader, per device: each device's records are in
+      // order, but devices sharing a file are written a batch at a time, and a trace converted from a snapshot
+      // holds one device's events after another's.
+      if (latest.size() <= rec.device) latest.resize(rec.device + 1u, {-1, 0});
+      auto& [latest_us, latest_record] = latest[rec.device];
+      if (e.time_us + kOutOfOrderUs < latest_us)
         return fail("record " + std::to_string(i) + " at byte " + std::to_string(off) + ": its time is " +
                     seconds_text(latest_us - e.time_us) + " s before record " + std::to_string(latest_record) +
-                    "'s; records may be out of order by at most 1 s");
+                    "'s, on device " + std::to_string(rec.device) + "; a device's records may be out of order by " +
+                    "at most 1 s");
       if (e.time_us > latest_us) {
         latest_us = e.time_us;
         latest_record = i;

@@ -113,7 +113,13 @@ std::vector<std::pair<SegOut, std::vector<std::pair<std::uint64_t, LiveBlock>>>>
   // Blocks no recorded segment holds (allocated before any segment event) get segments of their own, kept
   // apart until every block is placed: `out` stays sorted for the search.
   std::vector<Out> own;
-  for (auto& [addr, b] : live) {
+  for (auto l = live.begin(); l != live.end(); ++l) {
+    const std::uint64_t addr = l->first;
+    // A block's size the trace does not give (an RMM log's) is guessed as PyTorch's rounding of the request,
+    // which may reach past the next live block (RMM places 256-byte allocations 256 bytes apart): every block
+    // ends by the next one's address, so blocks, and the segments of their own below, stay disjoint.
+    LiveBlock b = l->second;
+    if (const auto next = std::next(l); next != live.end()) b.size = std::min(b.size, next->first - addr);
     auto it = std::upper_bound(out.begin(), out.end(), addr,
                                [](std::uint64_t a, const Out& seg) { return a < seg.first.address; });
     if (it != out.begin()) {
