@@ -931,9 +931,7 @@ long snapshot_out(char* buf, size_t len, bool with_history) {
     // snapshot shows it, this one does not.
     if (DeviceEngine* e = a->existing(d)) {
       std::size_t active = 0;
-      for (const SegmentInfo& sg : s.segments)
-        for (const BlockInfo& b : sg.blocks)
-          if (b.state == BlockInfo::active_allocated || b.state == BlockInfo::active_pending_free) active += b.size;
+      for (const SegmentInfo& sg : s.segments) active += sg.active_size;
       e->mark_snapshot(active);
     }
     devices.push_back(std::move(s));

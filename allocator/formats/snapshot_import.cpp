@@ -175,13 +175,14 @@ void read_segment(const PyValue& seg, const std::string& where, std::vector<Devi
   const auto range = [](std::uint64_t a, std::uint64_t n) {
     return "[" + address_text(a) + ", " + address_text(a + n) + ")";
   };
-  if (auto next = d.segments_at_dump.lower_bound(address); next != d.segments_at_dump.end() &&
-                                                          (next->first == address || next->first < address + total))
+  auto overlapped = [&](const auto& other) {
     bad(where + ": its range " + range(address, total) + " overlaps device " + std::to_string(dev) +
-        "'s segment at " + range(next->first, next->second.size));
-  else if (next != d.segments_at_dump.begin() && std::prev(next)->first + std::prev(next)->second.size > address)
-    bad(where + ": its range " + range(address, total) + " overlaps device " + std::to_string(dev) +
-        "'s segment at " + range(std::prev(next)->first, std::prev(next)->second.size));
+        "'s segment at " + range(other.first, other.second.size));
+  };
+  auto next = d.segments_at_dump.lower_bound(address);
+  if (next != d.segments_at_dump.end() && (next->first == address || next->first < address + total)) overlapped(*next);
+  if (next != d.segments_at_dump.begin() && std::prev(next)->first + std::prev(next)->second.size > address)
+    overlapped(*std::prev(next));
   const PyValue* ex = seg.get("is_expandable");
   d.segments_at_dump[address] = {total, ex && ex->type == PyValue::Type::boolean && ex->i != 0, stream};
   c.framed_segments += has_frames(seg);

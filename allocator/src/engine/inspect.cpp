@@ -105,7 +105,7 @@ std::string DeviceEngine::State::check_invariants() {
     unmapped_total += ps.small.unmapped.size() + ps.large.unmapped.size();
     for (const BlockPool* bp : {&ps.small, &ps.large}) {
       std::size_t paged = 0;
-      for (const Block* b : bp->blocks) paged += b->segment->growable && b->size >= b->segment->page_size;
+      for (const Block* b : bp->blocks) paged += b->paged();
       if (paged != bp->paged) fail("I3: a pool's count of free blocks of a page or more is stale", nullptr);
     }
   };

@@ -146,7 +146,7 @@ void DeviceEngine::State::pool_insert(Block* b) {
   b->gc_count_base = static_cast<std::uint32_t>(b->pool->get_free_blocks_call_count);  // its age starts as it is freed
   b->pool->blocks.insert(b);
   b->in_size_set = true;
-  b->pool->paged += b->segment->growable && b->size >= b->segment->page_size;
+  b->pool->paged += b->paged();
   if (!b->segment->growable && b->is_split()) {
     stats.inactive_split.add(b->pool->small, 1);
     stats.inactive_split_bytes.add(b->pool->small, static_cast<std::int64_t>(b->size));
@@ -157,7 +157,7 @@ void DeviceEngine::State::pool_erase(Block* b) {
   // By iterator: std::set's erase by key looks for the equal range, a second walk down the tree.
   if (auto it = b->pool->blocks.find(b); it != b->pool->blocks.end()) {
     b->pool->blocks.erase(it);
-    b->pool->paged -= b->segment->growable && b->size >= b->segment->page_size;
+    b->pool->paged -= b->paged();
   }
   b->in_size_set = false;
   if (!b->segment->growable && b->is_split()) {

@@ -87,6 +87,8 @@ struct Block {
   bool mapped() const { return state != BlockState::unmapped; }
   // How many of its neighbours are mapped (0 to 2): Note [Mapped ranges are segments].
   int mapped_neighbours() const { return (prev && prev->mapped()) + (next && next->mapped()); }
+  // A growable segment's block of a page or more: what BlockPool::paged counts among the free ones.
+  bool paged() const;
   bool is_split() const { return prev != nullptr || next != nullptr; }
   bool pending() const { return state == BlockState::free && event_count > 0; }
   // Free, mapped, no outstanding events: may be reused or merged.
@@ -206,6 +208,8 @@ struct Segment {
   PageTable pages;              // growable: one entry per page; invalid = unmapped
   std::size_t requested_va = 0; // classic: the cudaMalloc size (va_size may be rounded to granularity)
 };
+
+inline bool Block::paged() const { return segment->growable && size >= segment->page_size; }
 
 struct AllocParams {
   std::size_t requested = 0;
