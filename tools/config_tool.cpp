@@ -72,6 +72,7 @@ std::string value_of(const std::string& key, const Options& o) {
   if (key == "lend_pages") return boolean(o.lend_pages);
   if (key == "lend_across_streams") return boolean(o.lend_across_streams);
   if (key == "small_in_remnants") return boolean(o.small_in_remnants);
+  if (key == "growth_reserve") return boolean(o.growth_reserve);
   if (key == "background") return o.background == BackgroundMode::thread ? "True" : o.background == BackgroundMode::off ? "False" : "manual";
   if (key == "trace") return o.trace.empty() ? "off" : o.trace;
   return {};

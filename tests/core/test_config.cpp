@@ -124,7 +124,7 @@ TEST_CASE("config: same_settings compares every key's value, not the text", "[co
       {"handles", "handles:pages"}, {"handle_max_mb", "handle_max_mb:8"}, {"chunk_size_mb", "chunk_size_mb:8"},
       {"reserve_slack", "reserve_slack:0.5"}, {"lend_pages", "lend_pages:False"},
       {"lend_across_streams", "lend_across_streams:False"}, {"small_in_remnants", "small_in_remnants:False"},
-      {"background", "background:False"}, {"trace", "trace:t.fgt"}};
+      {"growth_reserve", "growth_reserve:False"}, {"background", "background:False"}, {"trace", "trace:t.fgt"}};
   for (const auto& row : option_table()) {
     INFO(row.key);
     const auto it = other.find(row.key);

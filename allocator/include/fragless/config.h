@@ -56,6 +56,7 @@ struct Options {
   bool lend_pages = true;                                // same-stream holes lend pages without a sync
   bool lend_across_streams = true;                       // ...and other streams' holes, by a stream wait
   bool small_in_remnants = true;                         // small requests may use sub-MiB large-pool remnants
+  bool growth_reserve = true;                            // the worker creates pages ahead of gap growths
   BackgroundMode background = BackgroundMode::thread;   // background: True (thread) or False (off)
   std::string settings;                                  // the string this was parsed from
 };

@@ -237,10 +237,18 @@ constexpr OptionInfo kOptions[] = {
      "fragless policy: a small request (<= 1 MiB) that would grow the small pool may take a free large-pool "
      "block under 1 MiB, which no large request fits.",
      &flag<&Options::small_in_remnants>, &fragless_policy_only},
+    {"growth_reserve", "True or False", "True",
+     "fragless policy (with background): while growths into gaps between live blocks keep missing a page or "
+     "so with nothing free to move there (a KV cache grown by torch.cat), the worker creates 2 MiB pages "
+     "ahead of them, at most a cell (reserve_slack of live bytes, at most chunk_size_mb) and never past "
+     "reserve_slack above the peak of live bytes, so that those growths map a page instead of waiting for "
+     "cuMemCreate. The pages count as reserved; empty_cache and an out-of-memory retry give them back. False: "
+     "none.",
+     &flag<&Options::growth_reserve>, &fragless_policy_only},
     {"background", "True or False", "True",
      "A worker thread per device does the driver work no request waits for: with the fragless policy it "
      "splits a multi-page handle, once it is free, into pieces of 1, 1, 2, 4, ... pages in place (so its memory "
-     "can be re-backed a piece at a time; a piece used and freed again becomes 2 MiB pages), unmaps each range lent without a synchronisation once the event recorded when it was lent has completed, and asks the driver for free "
+     "can be re-backed a piece at a time; a piece used and freed again becomes 2 MiB pages), unmaps each range lent without a synchronisation once the event recorded when it was lent has completed, creates pages ahead of growths (growth_reserve), and asks the driver for free "
      "memory (`cuMemGetInfo`) every 32 growths so that growths need not (once a split or a lent range has "
      "started it). It stops at process exit, before the CUDA driver tears down. False: none is done "
      "(growths then ask every 64).",
@@ -562,7 +570,7 @@ bool same_settings(const Options& a, const Options& b) {
                     o.garbage_collection_threshold, o.per_process_memory_fraction, o.page_size, o.capacity,
                     o.peer_access, o.shareable_handles, o.fabric_handles, o.trace, o.handle_shape, o.handle_max,
                     o.chunk_size, o.reserve_slack, o.lend_pages, o.lend_across_streams, o.small_in_remnants,
-                    o.background);
+                    o.growth_reserve, o.background);
   };
   return key(a) == key(b);
 }

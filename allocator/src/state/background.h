@@ -52,15 +52,15 @@ struct Block;
 // One unit of background work (Note [Background work]), passed by value from its take to
 // its run and its finish.
 struct BackgroundJob {
-  enum class Kind : std::uint8_t { none, split, unmap_lent, memory_info } kind = Kind::none;
+  enum class Kind : std::uint8_t { none, split, unmap_lent, memory_info, reserve } kind = Kind::none;
   Segment* segment = nullptr;
   Block* busy = nullptr;             // the range, held out of every pool while the job runs
-  std::size_t first = 0, pages = 0;  // the range, in segment pages
+  std::size_t first = 0, pages = 0;  // the range, in segment pages (reserve: pages to create)
   DevicePtr va = 0;                  // its address
   PhysHandle handle = 0;             // split: the multi-page handle mapped there (the driver's value)
   PhysHandle alias = 0;              // split: the engine's name for it while the job runs (Note [Handle aliases])
   Stream stream = 0;                 // whose queued work used the range
-  std::vector<PhysHandle> created;   // split: the new handles, in address order
+  std::vector<PhysHandle> created;   // split: the new handles, in address order; reserve: the new pages
   std::vector<std::size_t> sizes;    // split: their pages (Note [Split in the background])
   // split, given back: what its undo could not give the driver (a new handle's release, the unmap of the
   // new pieces' range), for the engine's deferred releases and unmaps (finish)
@@ -77,7 +77,7 @@ struct BackgroundJob {
   // How it ended: done; cancelled (nothing changed, the range as it was); gave back (the range is unmapped
   // and its old handle released, or handed to the deferred releases when release_failed).
   enum class Outcome : std::uint8_t { cancelled, done, gave_back } outcome = Outcome::cancelled;
-  bool release_failed = false;
+  bool release_failed = false;      // split: the old handle's release; reserve: a create was refused
 
   // A new job's values, keeping the lists' storage: the worker takes every job into the same object, so a
   // split's lists are not allocated and freed again for each one (the replay makes tens of thousands).

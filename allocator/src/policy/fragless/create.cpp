@@ -37,17 +37,14 @@ namespace fragless {
 // keep changing memory while it asks). A question alone starts no worker thread: the start (tens of µs)
 // would fall on the path of the growth that wanted it, and BM_GrowthPath, which builds an engine per
 // iteration, went from 1.97 to 2.6 times expandable's time when it did. Until other work starts the worker (a
-// split, or any range lent without a synchronisation: their first wake pays that start once), in a program that never
-// has such work (handles:pages with nothing lent), after it stopped at exit, and with `background:False`,
-// the path asks every kAskEvery growths.
+// split, any range lent without a synchronisation, or a reserve of pages that gap growths want, Note [Growth
+// reserve]: their first wake pays that start once), in a program that never has such work (handles:pages with
+// nothing lent), after it stopped at exit, and with `background:False`, the path asks every kAskEvery growths.
 void FraglessPolicy::device_free(Growth& g) {
   KnownFree& k = known_free_;
   const std::size_t missing = (g.need > g.planned ? g.need - g.planned : 0) * page_;
   if (k.valid && k.uses < kAskEvery) {
-    // What fragless added since it asked comes out of the free memory; what it gave back goes into it.
-    const std::size_t held = s_.held_bytes();
-    const std::size_t known = held >= k.reserved ? (k.free > held - k.reserved ? k.free - (held - k.reserved) : 0)
-                                                 : std::min(k.total, k.free + (k.reserved - held));
+    const std::size_t known = known_now(k, s_.held_bytes());
     const std::size_t margin = k.total / 8;
     const std::size_t tight_at = missing + process_limit(k.total) / 2;  // where memory_tight turns
     if (known >= missing + margin && (known >= tight_at + margin || known + margin <= tight_at)) {
@@ -244,6 +241,88 @@ Status FraglessPolicy::create(Growth& g, std::size_t missing, std::size_t room, 
     }
   }
   return Status::ok;
+}
+
+// Note [Growth reserve] (fragless_policy.h): a growth into a gap that still misses no more than a cell (after
+// idle handles and holes) counts that as demand.
+void FraglessPolicy::reserve_demand(const Growth& g, bool gap) {
+  const std::size_t missing = g.need - g.planned;
+  if (gap && !s_.capturing() && missing <= cell_pages(false)) gap_demand_ += static_cast<double>(missing);
+}
+
+// After a growth: the worker is woken if the reserve is short of its target. (The first wake starts the worker
+// thread, on this growth's path, once: the demand says more such growths are coming.)
+void FraglessPolicy::refill_reserve() {
+  if (!reserve_in_flight_ && !s_.capturing() && background() && pool_.reserve_pages() < reserve_target())
+    s_.background.wake();
+}
+
+std::size_t FraglessPolicy::reserve_target() const {
+  if (!s_.opts.growth_reserve || gap_demand_ < kReserveMinDemand) return 0;
+  return std::min(cell_pages(false), static_cast<std::size_t>(gap_demand_ / kReserveShare));
+}
+
+bool FraglessPolicy::take_reserve_job(BackgroundJob* job) {
+  if (reserve_in_flight_) return false;
+  const std::size_t have = pool_.reserve_pages(), want = reserve_target();
+  if (have >= want) return false;
+  // As a refill (Note [Refills]): never past reserve_slack above the peak of live bytes, plus two pages.
+  // (Making as many pages as that leaves room for, when not all: the large rl draw's path 174.6 -> 162.8 ms, but
+  // over the general table's five seeds 179 draws meeting every target against 180, and 758 MiB above a peer
+  // against 748.)
+  const std::size_t pages = want - have, bytes = pages * page_;
+  const auto peak = static_cast<double>(std::max<std::int64_t>(0, s_.stats.live_bytes.peak));
+  if (static_cast<double>(s_.total_reserved + bytes) > peak * (1 + s_.opts.reserve_slack) + 2.0 * page_) return false;
+  // Only on an answer known without asking, and never near the limit: what is left creatable after the
+  // pages must stay above half of what the process may hold (memory_tight's rule), within the fraction.
+  // The answer must be one a growth would still use (kAskEvery), and the pages must leave that half with the
+  // margin of Note [Asking for free memory] (another user of the device may have taken an eighth of it unseen).
+  const KnownFree& k = known_free_;
+  if (!k.valid || k.uses >= kAskEvery) return false;
+  const std::size_t held = s_.held_bytes();
+  std::size_t creatable = known_now(k, held);
+  if (s_.memory_limited)
+    creatable = std::min(creatable, s_.allowed_memory_maximum > held ? s_.allowed_memory_maximum - held : 0);
+  if (creatable < bytes + process_limit(k.total) / 2 + k.total / 8 || !s_.capacity_allows(bytes)) return false;
+  job->kind = BackgroundJob::Kind::reserve;
+  job->pages = pages;
+  job->outcome = BackgroundJob::Outcome::done;
+  reserve_in_flight_ = true;
+  return true;
+}
+
+// Without the lock: page after page, until one is refused or the job is asked to stop.
+void FraglessPolicy::run_reserve(Driver& d, std::size_t page, BackgroundJob& job, const std::atomic<bool>& abort) {
+  for (std::size_t i = 0; i < job.pages && !abort.load(std::memory_order_relaxed); ++i) {
+    PhysHandle h = 0;
+    if (d.create(page, &h) != Status::ok) {
+      job.release_failed = true;  // reserve: a create was refused
+      return;
+    }
+    job.created.push_back(h);
+  }
+}
+
+// What was created joins the reserve (and reserved) even when the job was stopped: empty_cache and the
+// out-of-memory retry wait for it, then give the reserve back. A refused create says the known free memory was
+// wrong: it is forgotten (no job is taken again until a growth has asked the driver) and the demand halved,
+// as a growth's refused create forgets it. A page past the memory fraction (lowered while the job ran) goes to
+// the deferred releases, released at the next slow path with no driver call here.
+void FraglessPolicy::finish_reserve(BackgroundJob& job) {
+  reserve_in_flight_ = false;
+  if (job.release_failed) {
+    forget_device_free();
+    gap_demand_ /= 2;
+  }
+  for (PhysHandle h : job.created) {
+    if (s_.memory_limited && s_.total_reserved + page_ > s_.allowed_memory_maximum) {
+      s_.deferred_handles.push_back(h);
+      continue;
+    }
+    pool_.add_reserve(h);
+    s_.add_reserved(false, static_cast<std::int64_t>(page_));
+    emit(s_, TraceAction::phys_create, 0, 0, page_, page_);
+  }
 }
 
 void FraglessPolicy::add_created(Growth& g, PhysHandle h, std::size_t pages, std::vector<PhysHandle>* created) {

@@ -3,7 +3,8 @@
 //   policy.cpp       placement: a growth's steps in order (idle handles, reclaim, creation, mapping),
 //                    unmaps and what they give back, refills, failure, the background hooks, check();
 //   reclaim.cpp      reclaim: whole handles under free blocks, and the audit of Note [Complete re-backing];
-//   create.cpp       new memory: how much may be created, and the shape of new handles (Note [Cells]);
+//   create.cpp       new memory: how much may be created, the shape of new handles (Note [Cells]), and the
+//                    worker's reserve of pages (Note [Growth reserve]);
 //   lent_ranges.h    lending: ranges lent without a sync until their old mappings go;
 //   handle_splitter.h  splitting free multi-page handles in the background.
 // A growth's state is one value, Growth, made by map_pages and passed to each step (and, through
@@ -33,7 +34,8 @@
 // reclaims stripped twice within the last kRefillWindow growths creates its memory; a large-pool growth
 // that could create all it needs leaves the small pool's free pages alone while they are no more than one
 // cell (Note [The small pool keeps a cell]); and during a capture no hole is taken at all, only idle and
-// new handles (Note [Capture rules]), and the check is not made.
+// new handles (Note [Capture rules]), and the check is not made. The worker's reserve (Note [Growth reserve])
+// is made ahead of need, bounded by a cell; a growth it covers takes it instead of creating (audited too).
 //
 // Note [The small pool keeps a cell]
 // A page of the small pool that re-backing moves under a large request is missing the next time small
@@ -60,6 +62,55 @@
 // docs/RESULTS.md ("Driver time on the allocation path", at 349e87f): on the Wedsonlin 128 training trace most of
 // the path's extra creates were small-pool pages created again after re-backing took them (144 creates on the
 // path became 97, expandable's count); some peaks rose by up to 22 MiB (serving), none above a peer's.
+//
+// Note [Growth reserve]
+// A tensor that grows by concatenation (a KV cache that torch.cat makes one token longer at every decoding
+// step, 2 per layer) is allocated a page or so past the free block its last copy left, into the page that
+// re-backing left unmapped just below it: a growth into a gap that misses one page. With nothing free
+// anywhere to re-back (live memory is growing), each such growth creates its page on the caller's path, one
+// cuMemCreate per page, where expandable segments create 20 MiB per call: on a 12-layer rollout decoding 1,024
+// tokens for 128 sequences (workload:rl with static_kv=0, d_model=4096), 11,000 path creates, 2.96 s of
+// modelled driver time against expandable's 0.57 s. A gap's growth cannot round up to a cell (its room
+// ends at the next mapped page), and a multi-page handle cannot be mapped in part (R5): the calls can only
+// leave the path by being made before it. So the worker keeps a reserve of single pages:
+//  - demand: a growth into a gap that still misses pages after idle handles and holes (Note [Complete
+//    re-backing]), no more than a cell, adds them to gap_demand_, which loses kReserveDecay of itself at every
+//    growth (about the last 32 growths' small gap misses). Frontier growths count nothing: their cells already
+//    cost one call per cell. Larger gap misses neither: their handles of up to handle_max_mb cost a call per
+//    32 pages, and a reserve of a cell would save none of them;
+//  - target: from kReserveMinDemand pages of demand (about half of the recent growths missing a page each), the
+//    demand itself (what the next 32 such growths would miss at the same rate; a host thread runs ahead of the
+//    GPU, so a burst of growths may come before the worker's next turn), at most a large-pool cell
+//    (reserve_slack of live bytes, between a page and chunk_size_mb): what the reserve holds at a peak is
+//    bounded as a cell's free tail is. A growth that leaves the reserve short of the target wakes the worker
+//    (the first wake starts the worker thread, on that growth's path, once);
+//    A quarter of the demand measured the same on the replay's inputs, whose worker runs between events, but
+//    took 158 of the decoding test's 538 path creates off the path where the demand takes 224 (the worker
+//    runs there once per 24 growths: tests/core/test_reserve.cpp);
+//  - use: a growth about to create (after idle handles and holes) takes reserve pages when they cover all it
+//    still misses (taking fewer would save no create), frontier or gap, also after a create of its own was
+//    refused part way; where creating would exceed the device it takes them for part of the growth too,
+//    before the last resort's holes that need a wait. A frontier growth so served rounds nothing up to a cell,
+//    and its pages are mappings of a page each;
+//  - limits: as a refill (Note [Refills]), the reserve may not take reserved past reserve_slack above the
+//    peak of live bytes plus two pages: made once live memory has stopped growing, with free memory held
+//    elsewhere, it would be memory no growth needs (a zoo serving draw held 18 MiB of reserve at its peak,
+//    4 MiB above expandable, without this bound). The worker creates only on a free-memory answer known
+//    without asking that a growth would still use (Note [Asking for free memory]), and only while what stays
+//    creatable after the pages is more than half of what the process may hold plus an eighth of the device,
+//    within per_process_memory_fraction (never near the limit, where the memory belongs to requests);
+//    never during a capture (no job runs while a pool routing is active); reserve pages count in reserved and
+//    in idle_bytes, and a release of the default pools (empty_cache, the out-of-memory retry, teardown; not a
+//    graph pool's) gives them back with the idle handles and forgets the demand. A create the driver refuses
+//    ends the job with what it made, forgets the known free memory and halves the demand (no job is taken
+//    again before a growth has asked the driver); the growth that then misses creates on its own path, with
+//    its own out-of-memory retry. A page that the memory fraction, lowered while the job ran, no longer
+//    allows goes to the deferred releases. Once demand fades the reserve is kept (at most a cell of the live
+//    bytes when it was made), for the next growth that would create.
+// Measured (docs/RESULTS.md, "Driver time on the allocation path"): that rollout's path falls to 0.78 s (peak
+// +20 MiB, still 3.6 GiB below expandable's); over the driver table no input changes which targets it meets
+// (rl's path from 205.9 to 174.6 ms); over five seeds of the general table's draws, 180 of 400 meet every
+// target against 181 without the reserve, for 22% less path time.
 //
 // Note [Refills]
 // A repeated step can make re-backing cycle: a miss at R takes memory from hole H, the next step's miss at
@@ -160,7 +211,9 @@ class FraglessPolicy final : public GrowablePolicy {
   std::size_t near_fit_pages() const override { return kNearFitPages; }
   PolicyKind kind() const override { return PolicyKind::fragless; }
   // Idle handles, and released ones a lent range still maps (LentRanges::hold_released): held, not mapped.
-  std::size_t idle_bytes() const override { return pool_.idle_pages() * page_ + lent_.held_bytes(); }
+  std::size_t idle_bytes() const override {
+    return (pool_.idle_pages() + pool_.reserve_pages()) * page_ + lent_.held_bytes();
+  }
   bool small_from_large_remnants() const override { return s_.opts.small_in_remnants; }
   bool retry_searches_cache() const override { return true; }
   std::string check() const override;
@@ -193,6 +246,12 @@ class FraglessPolicy final : public GrowablePolicy {
   // the segments the release dropped are forgotten (Note [Strips die with their segment]).
   void after_release() override {
     pool_.release_idle([&](PhysHandle h, std::size_t pages) { release_handle(h, pages); });
+    // Note [Growth reserve]: given back by a release of the default pools (empty_cache, the out-of-memory
+    // retry, teardown), not by a graph pool's, and not made again until gap growths want it again.
+    if (releasing_defaults_) {
+      pool_.release_reserve([&](PhysHandle h, std::size_t pages) { release_handle(h, pages); });
+      gap_demand_ = 0;
+    }
     std::erase_if(stripped_, [&](const Stripped& s) { return !s_.has_segment(s.seg); });
   }
 
@@ -273,6 +332,13 @@ class FraglessPolicy final : public GrowablePolicy {
   Status create(Growth& g, std::size_t missing, std::size_t room, std::size_t at, bool small, bool frontier,
                 std::vector<PhysHandle>* created);
   void add_created(Growth& g, PhysHandle h, std::size_t pages, std::vector<PhysHandle>* created);
+  // Note [Growth reserve]
+  void reserve_demand(const Growth& g, bool gap);
+  void refill_reserve();
+  std::size_t reserve_target() const;
+  bool take_reserve_job(BackgroundJob* job);
+  static void run_reserve(Driver& d, std::size_t page, BackgroundJob& job, const std::atomic<bool>& abort);
+  void finish_reserve(BackgroundJob& job);
   std::size_t cell_pages(bool small) const;
   // Note [The small pool keeps a cell]: at most this many free small-pool pages are kept from a large growth.
   std::size_t small_keep() const {
@@ -284,6 +350,14 @@ class FraglessPolicy final : public GrowablePolicy {
   HandlePool pool_;
   HandleSplitter splitter_{s_, pool_, page_};  // Note [Split in the background]
   std::uint64_t tick_ = 0;         // growths so far
+  // Note [Growth reserve]: pages gap growths had to get new, less kReserveDecay of it every growth; the
+  // reserve wanted from kReserveMinDemand on, 1/kReserveShare of it; whether the worker is creating reserve pages.
+  static constexpr double kReserveDecay = 1.0 / 32;
+  static constexpr double kReserveMinDemand = 16;
+  static constexpr double kReserveShare = 1;
+  double gap_demand_ = 0;
+  bool reserve_in_flight_ = false;
+  bool releasing_defaults_ = false;  // release_free is releasing the default pools (or everything)
   std::deque<Stripped> stripped_;  // ranges reclaims took memory from, within kRefillWindow growths
   LentRanges lent_{s_, page_};    // lent ranges still mapped at their old address
   // What the driver last answered about free memory (Note [Asking for free memory]).
@@ -296,6 +370,12 @@ class FraglessPolicy final : public GrowablePolicy {
   static constexpr unsigned kAskEvery = 64;               // growths
   static constexpr unsigned kRefreshAt = kAskEvery / 2;  // ...and the worker asks after this many
   KnownFree known_free_;
+  // The device's free memory now, as k tells it with fragless holding `held`: what fragless added since it
+  // asked comes out of the free memory; what it gave back goes into it.
+  static std::size_t known_now(const KnownFree& k, std::size_t held) {
+    return held >= k.reserved ? (k.free > held - k.reserved ? k.free - (held - k.reserved) : 0)
+                              : std::min(k.total, k.free + (k.reserved - held));
+  }
   enum class Refresh : std::uint8_t { none, wanted, asking } refresh_ = Refresh::none;  // the worker's question
   std::uint64_t answers_ = 0;  // new_answer calls so far
   // Note [Growth buffers]

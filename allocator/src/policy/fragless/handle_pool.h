@@ -1,9 +1,11 @@
 // The fragless policy's physical handle pool: every handle the policy created and has not released, each
-// a whole number of pages, each in exactly one of three states:
+// a whole number of pages, each in exactly one of four states:
 //   idle   — mapped nowhere the engine sees; any request may take it;
+//   reserve — one page the worker created ahead of growths (Note [Growth reserve], fragless_policy.h); only a
+//            growth about to create takes it;
 //   taken  — chosen for the request being mapped (from the idle set, or reclaimed from a hole);
 //   mapped — mapped, whole, at one place in one segment (driver.h, R5: a mapping is one whole handle).
-// Invariant (check()): idle + taken + mapped pages = created pages, and nothing is taken between
+// Invariant (check()): idle + reserve + taken + mapped pages = created pages, and nothing is taken between
 // operations. A handle lent without a sync (Note [Lending pages without a sync]) is also still mapped at
 // its old address until its event completes; the pool sees only the engine's mapping.
 #pragma once
@@ -21,7 +23,7 @@ namespace fragless {
 
 class HandlePool {
  public:
-  enum class State : unsigned char { idle, taken, mapped };
+  enum class State : unsigned char { idle, taken, mapped, reserve };
 
   void add_taken(PhysHandle h, std::size_t pages) {
     info_[h] = Info{pages, State::taken};
@@ -47,6 +49,35 @@ class HandlePool {
     std::size_t n = 0;
     for (auto it = idle_.begin(); it != idle_.end() && it->first <= room; ++it) n += it->first * it->second.count();
     return n;
+  }
+
+  // Note [Growth reserve]: pages the worker created ahead, one page a handle.
+  void add_reserve(PhysHandle h) {
+    info_[h] = Info{1, State::reserve};
+    total_pages_ += 1;
+    reserve_.push_back(h);
+  }
+  std::size_t reserve_pages() const { return reserve_.size(); }
+  // Takes up to n reserve pages for the request, to be mapped after what it has taken; returns how many.
+  std::size_t take_reserve(std::size_t n) {
+    const std::size_t k = std::min(n, reserve_.size());
+    for (std::size_t i = 0; i < k; ++i) {
+      const PhysHandle h = reserve_.back();
+      reserve_.pop_back();
+      at(h).state = State::taken;
+      taken_.push_back(h);
+    }
+    return k;
+  }
+  // Removes every reserve page, calling f(handle, 1) for each (to release it).
+  template <class F>
+  void release_reserve(F&& f) {
+    for (PhysHandle h : reserve_) {
+      f(h, std::size_t{1});
+      info_.erase(h);
+      total_pages_ -= 1;
+    }
+    reserve_.clear();
   }
 
   void take_idle(PhysHandle h) {
@@ -114,10 +145,14 @@ class HandlePool {
   // `mapped_in_segments`: pages the segments map with this pool's handles, counted by the caller.
   std::string check(std::size_t mapped_in_segments) const {
     if (!taken_.empty()) return "fragless handle pool: handles taken for a request were left over";
-    std::size_t idle = 0, mapped = 0;
-    info_.for_each([&](PhysHandle, const Info& i) { (i.state == State::idle ? idle : mapped) += i.pages; });
+    std::size_t idle = 0, reserve = 0, mapped = 0;
+    info_.for_each([&](PhysHandle, const Info& i) {
+      (i.state == State::idle ? idle : i.state == State::reserve ? reserve : mapped) += i.pages;
+    });
     if (idle != idle_pages_) return "fragless handle pool: idle pages miscounted";
-    if (idle + mapped != total_pages_) return "fragless handle pool: idle + mapped pages != created pages";
+    if (reserve != reserve_.size()) return "fragless handle pool: reserve pages miscounted";
+    if (idle + reserve + mapped != total_pages_)
+      return "fragless handle pool: idle + reserve + mapped pages != created pages";
     if (mapped != mapped_in_segments) return "fragless handle pool: mapped pages != pages the segments map";
     return {};
   }
@@ -170,6 +205,7 @@ class HandlePool {
   // engine's end makes every free handle idle at once (tens of thousands in a replay), then releases them.
   std::map<std::size_t, IdleList> idle_;
   std::vector<PhysHandle> taken_;                // in the order they are to be mapped
+  std::vector<PhysHandle> reserve_;              // Note [Growth reserve]: one page each
   std::size_t idle_pages_ = 0, total_pages_ = 0;
 };
 

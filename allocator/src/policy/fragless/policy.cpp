@@ -38,6 +38,7 @@ Status FraglessPolicy::map_pages(Segment& seg, std::size_t first, std::size_t* n
                                  const Run& run) {
   const std::size_t need = *n_io;
   ++tick_;
+  gap_demand_ *= 1 - kReserveDecay;
   if (s_.capturing()) {
     // Note [Capture rules] (engine_state.h): no event query, no wait, no reclaim; idle and new handles only.
     if (lent_.overlaps(seg, first, need)) return fail_request(Status::out_of_memory, {});
@@ -62,7 +63,8 @@ Status FraglessPolicy::map_pages(Segment& seg, std::size_t first, std::size_t* n
     // Touch nothing when even everything together cannot succeed: the retry chain takes over.
     // (The recount of what could be reclaimed walks the free blocks: only when creating alone falls short.)
     const std::size_t creatable = creatable_pages(g);
-    if (g.planned + creatable < need && g.planned + reclaimable_pages(g) + creatable < need)
+    const std::size_t has = g.planned + pool_.reserve_pages();
+    if (has + creatable < need && has + reclaimable_pages(g) + creatable < need)
       return fail_request(Status::out_of_memory, {});
     // Note [The small pool keeps a cell]: only where all that is missing could be created instead.
     g.keep_small = !seg.small && creatable >= need - g.planned;
@@ -70,6 +72,8 @@ Status FraglessPolicy::map_pages(Segment& seg, std::size_t first, std::size_t* n
     // Holes of other streams that have no unfinished work, with no wait (Note [Lending across streams]).
     if (g.planned < need && lend_across()) reclaim(g, /*other_streams=*/true, need, room);
   }
+  // Note [Growth reserve]: what a growth into a gap still misses is the reserve's demand.
+  if (g.planned < need) reserve_demand(g, /*gap=*/first + room != seg.pages.size());
   std::vector<PhysHandle>& created = created_;  // Note [Growth buffers]
   created.clear();
   for (bool again = false;; again = true) {
@@ -77,7 +81,9 @@ Status FraglessPolicy::map_pages(Segment& seg, std::size_t first, std::size_t* n
     // streams (after a host wait): the last resort, when creating would exceed the device. The small pool's
     // kept pages come before it (the device's free memory may have changed since it was asked).
     if (g.planned < need && !can_create(g, need - g.planned) && !s_.capturing()) {
-      if (g.keep_small) {
+      // The reserve's pages first, for part of the growth too: they need no wait (Note [Growth reserve]).
+      g.planned += pool_.take_reserve(need - g.planned);
+      if (g.planned < need && g.keep_small) {
         g.keep_small = false;
         reclaim(g, /*other_streams=*/false, need, room);
         if (g.planned < need && lend_across()) reclaim(g, /*other_streams=*/true, need, room);
@@ -86,6 +92,11 @@ Status FraglessPolicy::map_pages(Segment& seg, std::size_t first, std::size_t* n
         reclaim(g, /*other_streams=*/true, need, room, /*busy_too=*/true);
     }
     if (g.planned >= need) break;
+    // The reserve covers all that is missing: no create (taking less would save none).
+    if (pool_.reserve_pages() >= need - g.planned) {
+      g.planned += pool_.take_reserve(need - g.planned);
+      break;
+    }
     // (During a capture creating is the only way: holes are not taken, Note [Capture rules].)
     if (audit_on_ && !refill && !s_.capturing() && !g.unmap_failed)
       audit_creation(g, seg, need - g.planned, room - g.planned);
@@ -101,6 +112,7 @@ Status FraglessPolicy::map_pages(Segment& seg, std::size_t first, std::size_t* n
     }
     return fail_request(st, created);
   }
+  refill_reserve();
 
   // Map every taken handle whole, in order, from `first`; then one set_access over them all (R6).
   Driver& d = *s_.driver;
@@ -171,7 +183,9 @@ std::size_t FraglessPolicy::unmap_pages(Segment& seg, std::size_t first, std::si
 void FraglessPolicy::release_free(PoolSet* only, bool device_synchronized) {
   lent_.finish(nullptr, 0, 0);
   splitter_.coarse();  // Note [Split in the background]: releases cost one call per handle
+  releasing_defaults_ = only == nullptr || only == &s_.default_pools;
   GrowablePolicy::release_free(only, device_synchronized);
+  releasing_defaults_ = false;
 }
 
 // ---- Background work: splitting free multi-page handles (Note [Split in the background]) ----
@@ -205,9 +219,10 @@ void FraglessPolicy::freed(Block* b, DevicePtr lo, DevicePtr hi) {
 }
 
 // A free-memory question first (one short call, and growths are waiting to use its answer), then unmaps of
-// lent ranges (one call each, and they free address space), then splits.
+// lent ranges (one call each, and they free address space), then the reserve's pages (growths are creating
+// on their path without them: Note [Growth reserve]), then splits.
 bool FraglessPolicy::take_background_job(BackgroundJob* job) {
-  return !s_.capturing() && (take_memory_info(job) || lent_.take(job) || splitter_.take(job));
+  return !s_.capturing() && (take_memory_info(job) || lent_.take(job) || take_reserve_job(job) || splitter_.take(job));
 }
 
 void FraglessPolicy::run_background_job(BackgroundJob& job, const std::atomic<bool>& abort, bool manual) {
@@ -219,6 +234,7 @@ void FraglessPolicy::run_background_job(BackgroundJob& job, const std::atomic<bo
       }
       break;
     case BackgroundJob::Kind::unmap_lent: LentRanges::run(*s_.driver, job, abort); break;
+    case BackgroundJob::Kind::reserve: run_reserve(*s_.driver, page_, job, abort); break;
     default: HandleSplitter::run(*s_.driver, page_, job, abort, manual);
   }
 }
@@ -227,6 +243,7 @@ void FraglessPolicy::finish_background_job(BackgroundJob& job) {
   switch (job.kind) {
     case BackgroundJob::Kind::memory_info: finish_memory_info(job); break;
     case BackgroundJob::Kind::unmap_lent: lent_.finish_job(job); break;
+    case BackgroundJob::Kind::reserve: finish_reserve(job); break;
     default: splitter_.finish(job);
   }
 }

@@ -127,6 +127,10 @@ void FraglessPolicy::reclaim(Growth& g, bool other_streams, std::size_t need, st
 // BM_GrowthPath. So it runs only in an engine whose invariants are being checked: from the first check()
 // on (the randomized tests and the fuzzers call it after every operation).
 void FraglessPolicy::audit_creation(Growth& g, const Segment& target, std::size_t missing, std::size_t room) {
+  if (pool_.reserve_pages() >= missing) {
+    audit_ = "fragless: created memory while the reserve held all it missed (Note [Growth reserve])";
+    return;
+  }
   if (pool_.idle_pages_within(room) > 0) {
     audit_ = "fragless: created memory while an idle handle fitted the request (Note [Complete re-backing])";
     return;
