@@ -3,6 +3,8 @@
 // the allocator finds the lock free and the books whole; a fork from a thread that holds the lock itself
 // (from an event sink) neither deadlocks nor loses the lock.
 #include <catch2/catch.hpp>
+#include <gnu/libc-version.h>
+#include <pthread.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -510,4 +512,134 @@ TEST_CASE("fork with tracing on, the engines' fork handlers registered first: no
   stop_holding_across_fork(&tag);
   a.reset();
   std::system(("rm -rf " + dir).c_str());
+}
+
+// Note [Handlers installed during a fork] (background.cpp): a fork whose host driver's handlers were installed
+// before it began and whose workers' handlers were installed while it ran. The host driver's prepare handler
+// runs (it holds the driver's locks), the workers' does not, and the load handler, which runs last, takes the
+// device locks; a thread that holds a device lock and calls that driver waited for the forking thread, which
+// waited for it (a draw of fragless-capi-fork --random hung so). That state needs a process in which nothing
+// installed the workers' handlers before, so the visible case runs the hidden one below in a process of its
+// own. There, in registration order: the load handler, with a slow lock of its own (200 ms, after the host
+// driver's locks are held: the window in which the other thread's next driver call waits for them, under its
+// device lock); a host driver, whose handlers come next; and the program's handler, which runs first: it has
+// another thread make an engine on that driver (the workers' handlers installed during the fork) and allocate
+// page after page, each allocation calling the driver under the device lock, and returns once it does. The
+// fork must return (a watchdog fails it otherwise) and its child must use that engine. Registering during a
+// fork needs glibc 2.36 or later (before, it waits for the fork's end, and the state cannot be made).
+TEST_CASE("fork: the host driver's handlers installed before the fork and the workers' during it: the device locks "
+          "are taken first, no deadlock (a process of its own)",
+          "[fork][driver]") {
+  const char* glibc = gnu_get_libc_version();
+  int major = 0, minor = 0;
+  REQUIRE(std::sscanf(glibc, "%d.%d", &major, &minor) == 2);
+  if (major < 2 || (major == 2 && minor < 36)) {
+    WARN("glibc " << glibc << " waits for a fork's end to register a handler: this test's state cannot be made");
+    return;
+  }
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  REQUIRE(n > 0);
+  self[n] = '\0';
+  const std::string cmd = std::string("'") + self + "' -w NoTests '[.fork-host-first]' 2>&1";
+  FILE* child = popen(cmd.c_str(), "r");
+  REQUIRE(child);
+  std::string out;
+  char buf[512];
+  while (std::size_t got = std::fread(buf, 1, sizeof buf, child)) out.append(buf, got);
+  const int status = pclose(child);
+  INFO(cmd << "\n" << out);
+  CHECK(status == 0);  // the hidden case passed: no watchdog, no hung child
+  CHECK_THAT(out, Catch::Contains("fork-host-first: the engine was made during the fork"));
+}
+
+namespace host_first {
+
+constexpr std::size_t kPage = 2 * MiB;
+std::atomic<bool> g_go{false}, g_stop{false};
+std::atomic<DeviceEngine*> g_engine{nullptr};
+std::atomic<long> g_allocations{0};
+std::atomic<int> g_made_in_fork{-1};  // 1: made, and allocating, while the prepare handler below waited
+
+// The program's prepare handler (the only fork of its process): the engine is made, and allocating, now.
+void prepare() {
+  g_go = true;
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (g_allocations.load() < 3 && std::chrono::steady_clock::now() < give_up)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  g_made_in_fork = g_allocations.load() >= 3 ? 1 : 0;
+}
+
+}  // namespace host_first
+
+TEST_CASE("fork: (child process) the host driver's handlers installed before the fork, the workers' during it",
+          "[.fork-host-first]") {
+  using namespace host_first;
+  hold_across_fork_from_load([](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(200)); },
+                             [](void*) {}, [](void*) {}, nullptr);
+  HostDriverOptions h;
+  h.capacity = 256 * MiB;
+  h.page_size = kPage;
+  std::string err;
+  std::unique_ptr<Driver> driver = make_host_driver(h, &err);  // its fork handlers installed here
+  REQUIRE(driver);
+  REQUIRE(pthread_atfork(&prepare, nullptr, nullptr) == 0);
+  struct Joined {  // stopped and joined however this case ends (a failed REQUIRE included)
+    std::thread thread;
+    ~Joined() {
+      g_stop = true;
+      if (thread.joinable()) thread.join();
+    }
+  } allocating;
+  allocating.thread = std::thread([&] {
+    while (!g_go) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    Options o;
+    o.driver = DriverKind::host;
+    auto engine = std::make_unique<DeviceEngine>(o, std::move(driver));  // the workers' handlers installed here
+    g_engine = engine.get();
+    std::vector<void*> live;
+    while (!g_stop) {
+      // A new page each time: the allocation calls the driver, under the device lock.
+      void* p = engine->allocate(kPage, 0, nullptr);
+      if (p) live.push_back(p);
+      ++g_allocations;
+      if (live.size() >= 64 || !p) {
+        for (void* q : live) engine->free(q);
+        live.clear();
+        engine->empty_cache(nullptr);
+      }
+    }
+    for (void* q : live) engine->free(q);
+    g_engine = nullptr;
+    engine.reset();
+  });
+  pid_t pid = -1;
+  {
+    test::Watchdog dog("a fork with the host driver's handlers installed before it, the workers' during it", 60);
+    std::fflush(stdout);
+    std::fflush(stderr);
+    pid = fork();
+    if (pid == 0) {
+      alarm(test::child_alarm_s());
+      if (DeviceEngine* e = g_engine.load()) child_uses(e);
+      _exit(20);
+    }
+  }
+  const long at_fork = g_allocations.load();
+  int status = -1;
+  if (pid > 0)
+    status = test::wait_for_child(pid, "the child of a fork whose workers' handlers were installed during it");
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (g_allocations.load() < at_fork + 10 && std::chrono::steady_clock::now() < give_up)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const bool went_on = g_allocations.load() >= at_fork + 10;  // the allocating thread goes on after the fork
+  g_stop = true;
+  allocating.thread.join();
+  CHECK(went_on);
+  REQUIRE(pid > 0);
+  REQUIRE(g_made_in_fork.load() == 1);
+  std::printf("fork-host-first: the engine was made during the fork; the child %s\n",
+              test::describe_status(status).c_str());
+  INFO("the child " << test::describe_status(status) << " (exit 10 to 13: allocate, free, the books; 20: no engine)");
+  CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
 }

@@ -85,7 +85,9 @@ class HostDriver final : public Driver {
   // an mmap, its books or its counters at the fork. It runs after the background workers' (host_fork.h),
   // which holds every device lock and has paused the workers, so no engine's call is between the two either
   // (done here, not yet in the contract's tables): an engine calls its driver under its device lock, its
-  // worker between a take and a finish (Note [Device locks across fork]). The child handler allocates nothing.
+  // worker between a take and a finish (Note [Device locks across fork]). Where the workers' handler did not
+  // run before it (installed during the fork), the load handler lets these locks go, takes the device locks and
+  // takes these again (Note [Handlers installed during a fork]). The child handler allocates nothing.
   void lock_for_fork() {
     fork_lock_ = impl_lock();
     fork_tables_lock_ = std::unique_lock(tables_mutex());
@@ -541,17 +543,30 @@ std::unique_ptr<Driver> make_host_driver_for(const Options& o, int device, std::
 // handlers registered twice], state/background.cpp).
 thread_local int t_host_fork_depth = 0;
 
-void host_before_fork() {
-  if (t_host_fork_depth++) return;
+namespace {
+void lock_hosts_for_fork() {
   hosts().mu.lock();  // held until the parent or child handler: no host driver is made or destroyed
   for (HostDriver* d : hosts().drivers) d->lock_for_fork();
+}
+void unlock_hosts_after_fork() {
+  for (HostDriver* d : hosts().drivers) d->unlock_after_fork();
+  hosts().mu.unlock();
+}
+}  // namespace
+
+void host_before_fork() {
+  if (t_host_fork_depth++) return;
+  lock_hosts_for_fork();
 }
 
 void host_after_fork_parent() {
   if (--t_host_fork_depth) return;
-  for (HostDriver* d : hosts().drivers) d->unlock_after_fork();
-  hosts().mu.unlock();
+  unlock_hosts_after_fork();
 }
+
+bool host_fork_locks_held() { return t_host_fork_depth > 0; }
+void host_let_go_in_fork() { unlock_hosts_after_fork(); }
+void host_take_again_in_fork() { lock_hosts_for_fork(); }
 
 void host_after_fork_child() {
   if (--t_host_fork_depth) return;

@@ -12,5 +12,11 @@ void install_host_fork_handlers();
 void host_before_fork();
 void host_after_fork_parent();
 void host_after_fork_child();
+// Whether host_before_fork has taken the host drivers' locks in the fork under way on this thread; where it has
+// and the workers' handler has not run, the load handler lets them go, takes the device locks, and takes them
+// again: a device lock is never waited for while a host driver's lock is held (the same Note).
+bool host_fork_locks_held();
+void host_let_go_in_fork();
+void host_take_again_in_fork();
 
 }  // namespace fragless

@@ -118,8 +118,25 @@ thread_local int t_load_fork_depth = 0, t_fork_depth = 0;
 // locks (the making's among them, so nothing is published from then on) and then, when the allocator's
 // handlers are installed but did not run in this fork (t_bg_ran), runs them itself, the workers' then the
 // host driver's, as their own order would; its parent and child handlers, which run first, end them.
-thread_local bool t_bg_ran = false;   // Background::before_fork ran in the fork under way on this thread
-thread_local bool t_bg_ours = false;  // ...because load_locks_before_fork ran it
+// The host driver's handlers may also be installed before the fork and the workers' during it (a host driver
+// is made, installing its handlers, before its engine is, installing the workers'). The host driver's prepare
+// handler has then run, and holds every host driver's locks, when this one finds the workers' not run; taking
+// the device locks under them deadlocked: a thread that held a device lock called its driver under it (an
+// allocation creating a handle) and waited for the driver's lock, while the forking thread waited for that
+// device lock (a draw of fragless-capi-fork --random hung so; a worker's job in flight, which quiesce waits
+// for, would do the same). The rule, in every order of installation and fork: no device lock is waited for
+// while a host driver's lock is held. So where the host driver's prepare handler ran (host_fork_locks_held),
+// this one lets its locks go, takes the device locks and takes the host driver's again. The host driver's own
+// parent and child handlers end them; this one's, which run before those, end only the workers' (t_host_ours
+// false): releasing the device locks first makes no cycle. Where the handlers run twice (Note [Fork handlers
+// registered twice]), the outer run holds the host driver's locks, and they are let go and taken again without
+// its depth changing. This is decided here, in the last prepare handler, rather than in the host driver's:
+// whether the workers' handlers are installed (g_installed) may change between the two while the fork runs.
+// "fork: the host driver's handlers installed before the fork and the workers' during it ..."
+// (test_fork_locks.cpp) hung in 60 runs of 60 without this.
+thread_local bool t_bg_ran = false;     // Background::before_fork ran in the fork under way on this thread
+thread_local bool t_bg_ours = false;    // ...because load_locks_before_fork ran it
+thread_local bool t_host_ours = false;  // ...and host_before_fork as well (the host driver's did not run)
 
 void load_locks_before_fork() {
   if (t_load_fork_depth++) return;
@@ -127,8 +144,10 @@ void load_locks_before_fork() {
   for (const LoadLock& l : load_locks()) l.lock(l.arg);
   if (g_installed.load() && !t_bg_ran) {
     t_bg_ours = true;
+    t_host_ours = !host_fork_locks_held();
+    if (!t_host_ours) host_let_go_in_fork();  // the device locks first
     Background::before_fork();
-    host_before_fork();
+    t_host_ours ? host_before_fork() : host_take_again_in_fork();
   }
   // A trace writer begun before any engine (Note [Forking while a thread starts]); where the workers' handler
   // ran in this fork it closed the gate and waited already, so a thread that never begins costs one wait.
@@ -140,7 +159,8 @@ void load_locks_after_fork(bool child) {
   child ? forget_starting_threads() : open_thread_starts();
   if (t_bg_ours) {
     t_bg_ours = false;
-    child ? host_after_fork_child() : host_after_fork_parent();
+    if (t_host_ours) child ? host_after_fork_child() : host_after_fork_parent();
+    t_host_ours = false;
     child ? Background::after_fork_child() : Background::after_fork_parent();
   }
   for (auto l = load_locks().rbegin(); l != load_locks().rend(); ++l) (child ? l->child : l->unlock)(l->arg);
