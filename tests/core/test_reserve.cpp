@@ -219,8 +219,8 @@ TEST_CASE("reserve: never near the limit, never past the memory fraction", "[res
 TEST_CASE("reserve: a repeated decoding step: the reserve makes no call after warm-up", "[reserve]") {
   // The same step again and again (grow 24 caches by 16 tokens from the same prompt, then free them): the
   // reserve made while memory first grew is used or kept, and the steps after warm-up make exactly the calls
-  // they make without it. (Not none: fragless re-backs a page per cache and step here, a cycle longer than
-  // Note [Refills]' window, with or without the reserve.)
+  // they make without it. (Not none: fragless re-backs a page per cache and step here, and its worker splits
+  // again every few steps, with or without the reserve: docs/RESULTS.md, "Growth reserve".)
   DriverCounters per_step[2];
   for (int on = 0; on < 2; ++on) {
     auto e = make_engine(reserve_spec(BackgroundMode::manual, on ? "" : "growth_reserve:False"));
