@@ -79,19 +79,10 @@ TEST_CASE("bad input: invalid devices and driver choices are refused clearly", "
 // is this binary again, in a child process told to load a library that does not exist, running the hidden
 // test below, which prints the error it got.
 TEST_CASE("bad input: a machine without libcuda gets a clear error (a process of its own)", "[bad-input][cuda]") {
-  char self[4096];
-  const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-  REQUIRE(n > 0);
-  self[n] = '\0';
   const std::string missing = "/nonexistent/libcuda.so.1";
-  const std::string cmd = "FRAGLESS_TEST_LIBCUDA=" + missing + " FRAGLESS_LIBCUDA=" + missing + " '" + self +
-                          "' -w NoTests '[.without-libcuda]' 2>&1";
-  FILE* child = popen(cmd.c_str(), "r");
-  REQUIRE(child);
-  std::string out;
-  char buf[512];
-  while (std::size_t got = std::fread(buf, 1, sizeof buf, child)) out.append(buf, got);
-  const int status = pclose(child);
+  std::string cmd, out;
+  const int status = run_hidden_case("FRAGLESS_TEST_LIBCUDA=" + missing + " FRAGLESS_LIBCUDA=" + missing,
+                                     "[.without-libcuda]", &cmd, &out);
   INFO(cmd << "\n" << out);
   CHECK(status == 0);  // the child's own checks passed, and it did not crash
 #if defined(FRAGLESS_HAVE_CUDA)

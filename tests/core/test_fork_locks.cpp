@@ -537,17 +537,8 @@ TEST_CASE("fork: the host driver's handlers installed before the fork and the wo
     WARN("glibc " << glibc << " waits for a fork's end to register a handler: this test's state cannot be made");
     return;
   }
-  char self[4096];
-  const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-  REQUIRE(n > 0);
-  self[n] = '\0';
-  const std::string cmd = std::string("'") + self + "' -w NoTests '[.fork-host-first]' 2>&1";
-  FILE* child = popen(cmd.c_str(), "r");
-  REQUIRE(child);
-  std::string out;
-  char buf[512];
-  while (std::size_t got = std::fread(buf, 1, sizeof buf, child)) out.append(buf, got);
-  const int status = pclose(child);
+  std::string cmd, out;
+  const int status = test::run_hidden_case("", "[.fork-host-first]", &cmd, &out);
   INFO(cmd << "\n" << out);
   CHECK(status == 0);  // the hidden case passed: no watchdog, no hung child
   CHECK_THAT(out, Catch::Contains("fork-host-first: the engine was made during the fork"));

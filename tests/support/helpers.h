@@ -1,6 +1,9 @@
 // Shared helpers for the tests: engines over every driver and policy.
 #pragma once
+#include <unistd.h>
+
 #include <catch2/catch.hpp>
+#include <cstdio>
 #include <memory>
 #include <string>
 
@@ -66,5 +69,22 @@ inline void require_consistent(DeviceEngine& e) {
 }
 
 inline const char* name(PolicyKind p) { return policy_name(p); }
+
+// Runs this test binary again on the hidden test spec `spec` ('[.name]'), in a process of its own, behind the
+// shell words `env` (variables to set, or ""); its exit status, with the command and its output (stdout and
+// stderr) in *cmd and *out.
+inline int run_hidden_case(const std::string& env, const std::string& spec, std::string* cmd, std::string* out) {
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  REQUIRE(n > 0);
+  self[n] = '\0';
+  *cmd = env + (env.empty() ? "" : " ") + "'" + self + "' -w NoTests '" + spec + "' 2>&1";
+  FILE* child = popen(cmd->c_str(), "r");
+  REQUIRE(child);
+  out->clear();
+  char buf[512];
+  while (std::size_t got = std::fread(buf, 1, sizeof buf, child)) out->append(buf, got);
+  return pclose(child);
+}
 
 }  // namespace fragless::test

@@ -92,10 +92,8 @@ void FraglessPolicy::finish_memory_info(const BackgroundJob& job) {
 std::size_t FraglessPolicy::creatable_pages(Growth& g, std::size_t* limit_pages) {
   if (!g.asked) device_free(g);
   std::size_t free_b = g.free_bytes;
-  if (s_.memory_limited) {
-    const std::size_t held = s_.held_bytes();  // once: the worker's creates change it without the engine's lock
-    free_b = std::min(free_b, s_.allowed_memory_maximum > held ? s_.allowed_memory_maximum - held : 0);
-  }
+  // The held bytes are read once: the worker's creates change them without the engine's lock.
+  if (s_.memory_limited) free_b = within_fraction(free_b, s_.held_bytes());
   if (limit_pages) *limit_pages = process_limit(g.total_bytes) / page_;
   return free_b / page_;
 }
@@ -271,8 +269,7 @@ bool FraglessPolicy::take_reserve_job(BackgroundJob* job) {
   // over the general table's five seeds 179 draws meeting every target against 180, and 758 MiB above a peer
   // against 748.)
   const std::size_t pages = want - have, bytes = pages * page_;
-  const auto peak = static_cast<double>(std::max<std::int64_t>(0, s_.stats.live_bytes.peak));
-  if (static_cast<double>(s_.total_reserved + bytes) > peak * (1 + s_.opts.reserve_slack) + 2.0 * page_) return false;
+  if (past_refill_bound(bytes)) return false;
   // Only on an answer known without asking, and never near the limit: what is left creatable after the
   // pages must stay above half of what the process may hold (memory_tight's rule), within the fraction.
   // The answer must be one a growth would still use (kAskEvery), and the pages must leave that half with the
@@ -280,9 +277,7 @@ bool FraglessPolicy::take_reserve_job(BackgroundJob* job) {
   const KnownFree& k = known_free_;
   if (!k.valid || k.uses >= kAskEvery) return false;
   const std::size_t held = s_.held_bytes();
-  std::size_t creatable = known_now(k, held);
-  if (s_.memory_limited)
-    creatable = std::min(creatable, s_.allowed_memory_maximum > held ? s_.allowed_memory_maximum - held : 0);
+  const std::size_t creatable = s_.memory_limited ? within_fraction(known_now(k, held), held) : known_now(k, held);
   if (creatable < bytes + process_limit(k.total) / 2 + k.total / 8 || !s_.capacity_allows(bytes)) return false;
   job->kind = BackgroundJob::Kind::reserve;
   job->pages = pages;

@@ -283,6 +283,7 @@ class FraglessPolicy final : public GrowablePolicy {
   // The handles mapped from pages [first, first + n) of seg, each at its first page.
   static std::vector<PhysHandle> handles_at(const Segment& seg, std::size_t first, std::size_t n);
   bool refills(const Segment& seg, std::size_t first, std::size_t missing);
+  bool past_refill_bound(std::size_t bytes) const;
   void move_reserved(bool to_small, std::size_t bytes);
   void release_handle(PhysHandle h, std::size_t pages, bool memory_goes = true);
 
@@ -316,6 +317,10 @@ class FraglessPolicy final : public GrowablePolicy {
   // What the process may hold at most, in bytes: the device (total_bytes), or per_process_memory_fraction of it.
   std::size_t process_limit(std::size_t total_bytes) const {
     return s_.memory_limited ? std::min(total_bytes, s_.allowed_memory_maximum) : total_bytes;
+  }
+  // free_b, less what the memory fraction leaves to a process holding `held` (with per_process_memory_fraction).
+  std::size_t within_fraction(std::size_t free_b, std::size_t held) const {
+    return std::min(free_b, s_.allowed_memory_maximum > held ? s_.allowed_memory_maximum - held : 0);
   }
   // With limit_pages: also process_limit, in pages.
   std::size_t creatable_pages(Growth& g, std::size_t* limit_pages = nullptr);

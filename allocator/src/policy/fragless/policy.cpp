@@ -323,14 +323,19 @@ void FraglessPolicy::give_back(Segment& seg, std::size_t first, std::size_t n, G
 // were stripped by a reclaim lately, and the new memory keeps reserved within reserve_slack of the peak
 // of live bytes plus two pages, so a refill never raises the overhead over live beyond that.
 bool FraglessPolicy::refills(const Segment& seg, std::size_t first, std::size_t missing) {
-  const auto peak = static_cast<double>(std::max<std::int64_t>(0, s_.stats.live_bytes.peak));
-  if (static_cast<double>(s_.total_reserved + missing * page_) > peak * (1 + s_.opts.reserve_slack) + 2.0 * page_)
-    return false;
+  if (past_refill_bound(missing * page_)) return false;
   while (!stripped_.empty() && tick_ - stripped_.front().tick >= kRefillWindow) stripped_.pop_front();
   const std::size_t n = missing;
   for (const Stripped& s : stripped_)
     if (s.times >= 2 && s.seg == &seg && s.lo < first + n && s.hi > first) return true;
   return false;
+}
+
+// Whether `bytes` more would take reserved past reserve_slack above the peak of live bytes plus two pages: the
+// bound of a refill (Note [Refills]) and of the reserve (Note [Growth reserve]).
+bool FraglessPolicy::past_refill_bound(std::size_t bytes) const {
+  const auto peak = static_cast<double>(std::max<std::int64_t>(0, s_.stats.live_bytes.peak));
+  return static_cast<double>(s_.total_reserved + bytes) > peak * (1 + s_.opts.reserve_slack) + 2.0 * page_;
 }
 
 // Reserved is reported per pool as mapped bytes; idle handles count as large-pool reserve.
