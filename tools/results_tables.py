@@ -24,6 +24,9 @@
                                  beyond the driver table's inputs: every trace cut into windows (quarters,
                                  halves) and random draws of the built-in workloads (docs/RESULTS.md,
                                  "Beyond the inputs at hand")
+  tools/results_tables.py steady   [--conf KEY:VALUE,...]   repeated steps of one shape (no length drawn anew):
+                                 per workload and policy, the driver calls and modelled driver time of each
+                                 step after warm-up (docs/RESULTS.md, "Repeated steps")
   tools/results_tables.py headline FILES...   the README introduction's figures: over the inputs of `targets`
                                  and `zoo` together, fragless's mean and largest overhead over live and the
                                  inputs where it holds more than classic or expandable
@@ -556,6 +559,68 @@ def general_table(args):
                                                           a and f"+{a:.0f} MiB over a peer") if m))
 
 
+# Workloads whose steps all have one shape (no length, crop or token count drawn anew): the same step again,
+# as a training loop at a fixed sequence length or image size runs it. Their steps=N is added.
+STEADY_WORKLOADS = (
+    [f"transformer-train:seqlen=fixed:{n},dtype={t},layers=8" for n in (256, 700, 1500) for t in ("fp32", "bf16")]
+    + [f"transformer-infer:seqlen=fixed:{n},layers=8" for n in (300, 1000)]
+    + ["ckpt-accum:seqlen=fixed:512,layers=8", "ckpt-accum:seqlen=fixed:1200,layers=8,dtype=bf16",
+       "unet2d:jitter=0", "unet2d:jitter=0,res=384,seed=2", "unet2d:jitter=0,train=0,batch=4",
+       "unet3d:jitter=0", "unet3d:jitter=0,res=128,seed=3"])
+STEADY_WARM, STEADY_MORE = 48, 16  # steps of warm-up, then steps measured
+
+
+def steady_table(args):
+    """Per fixed-shape workload: each policy replayed for STEADY_WARM and for STEADY_WARM + STEADY_MORE steps; the
+    difference is what the steps after warm-up cost. Event calls (record, query, release) and memory queries are
+    left out of the calls: they change no mapping (the replay counts them in the modelled time)."""
+    conf = []
+    if args and args[0] == "--conf":
+        conf, args = args[:2], args[2:]
+    if args:
+        sys.exit(f"steady: unexpected arguments {args}")
+    ins = [f"workload:{w},steps={n}" for w in STEADY_WORKLOADS for n in (STEADY_WARM, STEADY_WARM + STEADY_MORE)]
+    res = {(r["input"], r["policy"]): r for r in run([*conf, *ins])}
+    quiet = ("record_event", "query_event", "release_event", "memory_info")
+
+    def after(w, policy, key):
+        a = res[(f"workload:{w},steps={STEADY_WARM}", policy)]
+        b = res[(f"workload:{w},steps={STEADY_WARM + STEADY_MORE}", policy)]
+        if key == "calls":
+            return sum(b["driver_calls"][k] - a["driver_calls"][k] for k in b["driver_calls"] if k not in quiet)
+        if key == "creates":
+            return b["driver_calls"]["create"] - a["driver_calls"]["create"]
+        return b[key] - a[key]
+
+    header("workload (steps of one shape)", "peak live MiB", "reserved MiB classic / expandable / fragless",
+           "calls per step classic / expandable / fragless", "fragless creates per step",
+           "fragless alloc-path µs per step (share of the step)", "fragless background µs per step")
+    zero = {p: 0 for p in ("classic", "expandable", "fragless")}
+    path = bg = 0.0
+    for w in STEADY_WORKLOADS:
+        last = {p: res[(f"workload:{w},steps={STEADY_WARM + STEADY_MORE}", p)] for p in zero}
+        calls = {p: after(w, p, "calls") / STEADY_MORE for p in zero}
+        for p in zero:
+            zero[p] += calls[p] == 0
+        per_path = after(w, "fragless", "alloc_path_driver_us") / STEADY_MORE
+        per_bg = after(w, "fragless", "background_driver_us") / STEADY_MORE
+        step = after(w, "fragless", "model_duration_us") / STEADY_MORE  # the compute model's time of a step
+        path += per_path
+        bg += per_bg
+        print(f"| {w} | {mib(last['fragless']['peak_live_bytes'])} | "
+              f"{' / '.join(mib(last[p]['peak_reserved_bytes']) for p in zero)} | "
+              f"{' / '.join(f'{calls[p]:.1f}' for p in zero)} | {after(w, 'fragless', 'creates') / STEADY_MORE:.1f} | "
+              f"{per_path:.1f} ({100 * per_path / step:.2f}%) | {per_bg:.1f} |")
+    total = {p: sum(res[(f"workload:{w},steps={STEADY_WARM + STEADY_MORE}", p)]["peak_reserved_bytes"]
+                    for w in STEADY_WORKLOADS) for p in zero}
+    print()
+    print(f"Steps {STEADY_WARM + 1} to {STEADY_WARM + STEADY_MORE} without a driver call: classic "
+          f"{zero['classic']}, expandable {zero['expandable']}, fragless {zero['fragless']} of "
+          f"{len(STEADY_WORKLOADS)} workloads. fragless per step, summed over them: {path:.0f} µs on the allocation "
+          f"path, {bg:.0f} µs in the background. Peak reserved summed: classic {mib(total['classic'])}, expandable "
+          f"{mib(total['expandable'])}, fragless {mib(total['fragless'])} MiB.")
+
+
 PLACEHOLDERS = {"FILE", "FILES", "FILE...", "FILES...", "DIR", "PROBE.json", "…", "..."}
 
 
@@ -737,6 +802,9 @@ def make_parser():
     general.add_argument("--draws", type=int, default=3)
     general.add_argument("files", nargs="*", metavar="FILE")
     general.set_defaults(run=general_table)
+    steady = sub.add_parser("steady", allow_abbrev=False)
+    steady.add_argument("--conf", metavar="KEY:VALUE,...")
+    steady.set_defaults(run=steady_table, files=[])
     check = sub.add_parser("check", allow_abbrev=False)
     check.add_argument("docs", nargs="+", metavar="DOC")
     check.set_defaults(run=check_docs, files=[])
@@ -754,6 +822,8 @@ def main():
         args = [a.directory]
     elif a.command == "driver":
         args = (["--costs", a.costs] if a.costs else []) + (["--conf", a.conf] if a.conf else []) + a.files
+    elif a.command == "steady":
+        args = ["--conf", a.conf] if a.conf else []
     elif a.command == "general":
         args = (["--conf", a.conf] if a.conf else []) + ["--seed", str(a.seed), "--draws", str(a.draws)] + a.files
     else:

@@ -4,8 +4,11 @@
 // cuMemCreate on the caller's path), what bounds it (a cell, the peak of live bytes, the memory fraction),
 // what gives it back (empty_cache, the out-of-memory retry), and what it may not do (add a call to a repeated
 // step after warm-up, leak or crash when its creates fail). The thread test is tagged [concurrency] for the
-// ThreadSanitizer run.
+// ThreadSanitizer run. Last, a hidden survey ([.survey]) of repeated decoding and random steps per policy,
+// which docs/RESULTS.md ("Repeated steps") quotes.
 #include <algorithm>
+#include <cstdio>
+#include <random>
 #include <string_view>
 #include <thread>
 #include <vector>
@@ -365,4 +368,104 @@ TEST_CASE("reserve: the worker thread makes it while threads decode, and stops w
   e->drain_background();
   require_consistent(*e);
   e.reset();
+}
+
+namespace {
+
+// One policy's outcome over a family of repeated steps: how many reach a step without a driver call, the calls
+// (event calls and memory queries left out: they change no mapping) of the steps measured after warm-up, and
+// the peak reserved and live bytes summed over the family.
+struct SurveyRow {
+  int steady = 0, members = 0;
+  std::uint64_t calls = 0;
+  std::int64_t reserved_mib = 0, live_mib = 0;
+};
+
+// Runs `step` `warm` times, then `more` times, on a fresh engine made by `spec`, and adds the outcome to row.
+template <class Step>
+void survey(SurveyRow& row, const EngineSpec& spec, int warm, int more, Step&& step) {
+  auto e = make_engine(spec);
+  for (int i = 0; i < warm; ++i) step(*e);
+  const DriverCounters before = e->driver_counters();
+  for (int i = 0; i < more; ++i) step(*e);
+  std::uint64_t calls = 0;
+  for (DriverCall c : {DriverCall::create, DriverCall::release, DriverCall::map, DriverCall::unmap,
+                       DriverCall::set_access, DriverCall::synchronize_stream, DriverCall::synchronize_event,
+                       DriverCall::synchronize_device, DriverCall::stream_wait_event})
+    calls += e->driver_counters()[c] - before[c];
+  row.steady += calls == 0;
+  ++row.members;
+  row.calls += calls;
+  row.reserved_mib += e->stats().reserved_bytes.all().peak / static_cast<std::int64_t>(MiB);
+  row.live_mib += e->stats().live_bytes.peak / static_cast<std::int64_t>(MiB);
+}
+
+}  // namespace
+
+TEST_CASE("survey: repeated steps of KV caches grown by concatenation and of random shapes, per policy",
+          "[.survey]") {
+  // A measurement, not a check (hidden; docs/RESULTS.md, "Repeated steps", quotes what it prints): the same
+  // step again and again, in two families the replay's workloads do not hold.
+  //  - decode: the KvDecode step above behind 2 GiB of weights, for 8, 24 and 48 caches, prompts of 16, 64 and
+  //    200 tokens, 8 and 32 new tokens, and tokens of 1 MiB and 256 KiB (36 steps); 40 steps of warm-up, 10
+  //    measured, the worker run after every token;
+  //  - random: 20 steps drawn once each (seeds 1 to 20: 100 to 400 allocations of 512 B to 576 MiB, each freed
+  //    1 to 60 allocations later, the rest at the step's end) behind 1 GiB; 30 of warm-up, 10 measured, the
+  //    worker run every 8 allocations.
+  struct Setting { const char* name; PolicyKind policy; const char* conf; };
+  const Setting settings[] = {{"classic", PolicyKind::classic, ""},
+                              {"expandable", PolicyKind::expandable, ""},
+                              {"fragless", PolicyKind::fragless, ""},
+                              {"fragless reserve_slack:0.125", PolicyKind::fragless, "reserve_slack:0.125"}};
+  std::printf("| family | setting | steps without a driver call | calls per measured step | peak reserved MiB (sum) "
+              "| peak live MiB (sum) |\n|---|---|---|---|---|---|\n");
+  for (const char* family : {"decode", "random"})
+    for (const Setting& set : settings) {
+      EngineSpec spec = reserve_spec(BackgroundMode::manual, set.conf);
+      spec.policy = set.policy;
+      SurveyRow row;
+      int measured = 0;
+      if (std::string_view(family) == "decode") {
+        for (int caches : {8, 24, 48})
+          for (int prompt : {16, 64, 200})
+            for (int toks : {8, 32})
+              for (std::size_t unit : {MiB, MiB / 4})
+                survey(row, spec, 40, 10, [&](DeviceEngine& e) {
+                  void* weights = e.allocate(2048 * MiB, kStream, nullptr);
+                  {
+                    KvDecode d(e, 1, caches, prompt, unit);
+                    d.tokens(toks, [&] { e.run_background(1e18); });
+                  }
+                  e.free(weights);
+                });
+        measured = 10;
+      } else {
+        for (std::uint64_t seed = 1; seed <= 20; ++seed) {
+          std::mt19937_64 rng(seed);
+          struct Op { std::size_t size; int life; };
+          std::vector<Op> ops(100 + rng() % 300);
+          for (Op& op : ops) {
+            const auto kind = rng() % 10;
+            op.size = kind < 3 ? 512 + rng() % MiB : kind < 8 ? MiB + rng() % (64 * MiB) : 64 * MiB + rng() % (512 * MiB);
+            op.life = 1 + static_cast<int>(rng() % 60);
+          }
+          survey(row, spec, 30, 10, [&](DeviceEngine& e) {
+            void* weights = e.allocate(1024 * MiB, kStream, nullptr);
+            std::vector<std::pair<int, void*>> live;  // (index of the allocation that frees it, pointer)
+            for (int i = 0; i < static_cast<int>(ops.size()); ++i) {
+              std::erase_if(live, [&](const auto& l) { return l.first <= i && (e.free(l.second), true); });
+              if (void* p = e.allocate(ops[i].size, kStream, nullptr)) live.push_back({i + ops[i].life, p});
+              if (i % 8 == 0) e.run_background(1e18);
+            }
+            for (const auto& l : live) e.free(l.second);
+            e.free(weights);
+            e.run_background(1e18);
+          });
+        }
+        measured = 10;
+      }
+      std::printf("| %s | %s | %d of %d | %.1f | %lld | %lld |\n", family, set.name, row.steady, row.members,
+                  static_cast<double>(row.calls) / (row.members * measured), static_cast<long long>(row.reserved_mib),
+                  static_cast<long long>(row.live_mib));
+    }
 }

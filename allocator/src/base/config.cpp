@@ -220,7 +220,9 @@ constexpr OptionInfo kOptions[] = {
      "fragless policy: memory is only created when the memory held cannot be put under the request; this "
      "share of live bytes bounds what a growth may create past its request (a cell of handles cells, the "
      "rounding of ends or whole) and what a refill that ends a re-backing cycle may add past the peak of live "
-     "bytes (plus two pages).",
+     "bytes (plus two pages). A repeated step whose cycle needs more keeps moving those pages every step (maps "
+     "and a set-access on the allocation path, no create): 0.125 took those calls off the path on every "
+     "fixed-shape workload of docs/RESULTS.md's \"Repeated steps\", for about what expandable segments hold.",
      &fraction_field<&Options::reserve_slack, false>, &fragless_policy_only},
     {"lend_pages", "True or False", "True",
      "fragless policy: pages of a hole on the requesting stream are mapped where needed without a "
