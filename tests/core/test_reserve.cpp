@@ -378,6 +378,7 @@ namespace {
 struct SurveyRow {
   int steady = 0, members = 0;
   std::uint64_t calls = 0;
+  double path_us = 0;  // modelled driver time on the allocation path
   std::int64_t reserved_mib = 0, live_mib = 0;
 };
 
@@ -396,6 +397,7 @@ void survey(SurveyRow& row, const EngineSpec& spec, int warm, int more, Step&& s
   row.steady += calls == 0;
   ++row.members;
   row.calls += calls;
+  row.path_us += e->driver_counters().on_path_us() - before.on_path_us();
   row.reserved_mib += e->stats().reserved_bytes.all().peak / static_cast<std::int64_t>(MiB);
   row.live_mib += e->stats().live_bytes.peak / static_cast<std::int64_t>(MiB);
 }
@@ -416,9 +418,11 @@ TEST_CASE("survey: repeated steps of KV caches grown by concatenation and of ran
   const Setting settings[] = {{"classic", PolicyKind::classic, ""},
                               {"expandable", PolicyKind::expandable, ""},
                               {"fragless", PolicyKind::fragless, ""},
-                              {"fragless reserve_slack:0.125", PolicyKind::fragless, "reserve_slack:0.125"}};
-  std::printf("| family | setting | steps without a driver call | calls per measured step | peak reserved MiB (sum) "
-              "| peak live MiB (sum) |\n|---|---|---|---|---|---|\n");
+                              {"fragless reserve_slack:0.125", PolicyKind::fragless, "reserve_slack:0.125"},
+                              {"fragless handle_max_mb:16", PolicyKind::fragless, "handle_max_mb:16"},
+                              {"fragless handles:pages", PolicyKind::fragless, "handles:pages"}};
+  std::printf("| family | setting | steps without a driver call | calls per measured step | alloc-path µs per "
+              "measured step | peak reserved MiB (sum) | peak live MiB (sum) |\n|---|---|---|---|---|---|---|\n");
   for (const char* family : {"decode", "random"})
     for (const Setting& set : settings) {
       EngineSpec spec = reserve_spec(BackgroundMode::manual, set.conf);
@@ -464,8 +468,8 @@ TEST_CASE("survey: repeated steps of KV caches grown by concatenation and of ran
         }
         measured = 10;
       }
-      std::printf("| %s | %s | %d of %d | %.1f | %lld | %lld |\n", family, set.name, row.steady, row.members,
-                  static_cast<double>(row.calls) / (row.members * measured), static_cast<long long>(row.reserved_mib),
-                  static_cast<long long>(row.live_mib));
+      std::printf("| %s | %s | %d of %d | %.1f | %.1f | %lld | %lld |\n", family, set.name, row.steady, row.members,
+                  static_cast<double>(row.calls) / (row.members * measured), row.path_us / (row.members * measured),
+                  static_cast<long long>(row.reserved_mib), static_cast<long long>(row.live_mib));
     }
 }
