@@ -120,8 +120,8 @@
 // creates new memory instead (idle handles still come first), so both places keep memory and the
 // step reaches a steady state with no driver call. A refill is bounded: it may not take reserved past
 // reserve_slack above the peak of live bytes plus two pages, and past it the cycle goes on (a U-Net step at
-// one image size moves 128 pages one way and back every other step: maps and a set-access on the path, no
-// create; 0.40% to 1.19% of a step on 4 of docs/RESULTS.md's 15 fixed-shape workloads, "Repeated steps",
+// one image size moves 128 pages at every step, to one place and at the next step back: maps and a set-access
+// on the path, no create; 0.40% to 1.19% of a step on 4 of docs/RESULTS.md's 15 fixed-shape workloads, "Repeated steps",
 // which a larger reserve_slack buys off for about what expandable holds); a larger growth into stripped pages (a
 // repeated chain of doubling activations, whose second pass lands where the first pass took memory from)
 // re-backs completely instead, at the price of its driver calls. Lent ranges whose events have completed
@@ -174,9 +174,10 @@
 // (after_release): a new segment has no history. (The splitter's queue names handles, not segments: a
 // handle of a dropped segment was unmapped, so its queued split is dropped when its turn comes.)
 //
-// In a steady state (the same step again) every request hits the cache, so no driver call and no
-// synchronisation happen at all, except where a refill that would end a re-backing cycle is past its bound
-// (Note [Refills]); otherwise the driver is only touched when the working set changes shape.
+// In a steady state (the same step again) no driver call and no synchronisation happen once every request
+// hits the cache; where re-backing keeps cycling instead (Note [Refills]: some fixed-shape steps, and
+// repeated decoding and random steps, docs/RESULTS.md "Repeated steps"), each step maps the same pages again,
+// creating nothing. Otherwise the driver is only touched when the working set changes shape.
 #pragma once
 #include <atomic>
 #include <deque>

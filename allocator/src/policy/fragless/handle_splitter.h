@@ -14,9 +14,9 @@
 // is freed (freed() queues only the handles the freed block overlaps), so memory that is used in small parts
 // becomes pages, and memory that is not stays in few handles: fewer creates for the worker, and fewer cuMemRelease
 // calls when empty_cache gives it back (an empty_cache waits for one release per handle). A piece is split into
-// pages, not pieces again, so a repeated step reaches its steady state (no driver call) after a few passes (the
-// fixed-length transformer step of the steady-state test: its allocation path by the third, the worker by the
-// fifth); except once the engine has given its free memory back (empty_cache or an OOM retry: release_free): such a
+// pages, not pieces again, so a repeated step's splits end after a few passes (the fixed-length transformer step
+// of the steady-state test: its allocation path by the third, the worker by the fifth; a step whose re-backing
+// keeps cycling still maps pages every step, docs/RESULTS.md "Repeated steps"); except once the engine has given its free memory back (empty_cache or an OOM retry: release_free): such a
 // program pays one cuMemRelease per handle each time it does so (mercuryb1's program calls empty_cache 28 times,
 // and pages made its releases 48,417 where expandable's 20 MiB pages made 5,799), so from then on a piece is split
 // into pieces again (any number of pages can still be re-backed, a piece at a time), and a repeated step takes up
