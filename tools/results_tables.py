@@ -575,11 +575,7 @@ def steady_table(args):
     difference is what the steps after warm-up cost. Calls: the replay's counted calls (reservations, creates,
     maps, set-access, unmaps, releases) and forced synchronisations; memory queries are left out (they change no
     mapping), and event calls are not counted by the replay's JSON (they are in the modelled time)."""
-    conf = []
-    if args and args[0] == "--conf":
-        conf, args = args[:2], args[2:]
-    if args:
-        sys.exit(f"steady: unexpected arguments {args}")
+    conf = args  # [] or ["--conf", KEY:VALUE,...] (main builds it)
     ins = [f"workload:{w},steps={n}" for w in STEADY_WORKLOADS for n in (STEADY_WARM, STEADY_WARM + STEADY_MORE)]
     res = {(r["input"], r["policy"]): r for r in run([*conf, *ins])}
     quiet = ("memory_info",)

@@ -77,7 +77,8 @@ struct BackgroundJob {
   // How it ended: done; cancelled (nothing changed, the range as it was); gave back (the range is unmapped
   // and its old handle released, or handed to the deferred releases when release_failed).
   enum class Outcome : std::uint8_t { cancelled, done, gave_back } outcome = Outcome::cancelled;
-  bool release_failed = false;      // split: the old handle's release; reserve: a create was refused
+  bool release_failed = false;      // split: the old handle's release
+  bool create_refused = false;      // reserve: the driver refused a page
 
   // A new job's values, keeping the lists' storage: the worker takes every job into the same object, so a
   // split's lists are not allocated and freed again for each one (the replay makes tens of thousands).

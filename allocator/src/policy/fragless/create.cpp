@@ -257,7 +257,7 @@ void FraglessPolicy::refill_reserve() {
 
 std::size_t FraglessPolicy::reserve_target() const {
   if (!s_.opts.growth_reserve || gap_demand_ < kReserveMinDemand) return 0;
-  return std::min(cell_pages(false), static_cast<std::size_t>(gap_demand_ / kReserveShare));
+  return std::min(cell_pages(false), static_cast<std::size_t>(gap_demand_));
 }
 
 bool FraglessPolicy::take_reserve_job(BackgroundJob* job) {
@@ -291,7 +291,7 @@ void FraglessPolicy::run_reserve(Driver& d, std::size_t page, BackgroundJob& job
   for (std::size_t i = 0; i < job.pages && !abort.load(std::memory_order_relaxed); ++i) {
     PhysHandle h = 0;
     if (d.create(page, &h) != Status::ok) {
-      job.release_failed = true;  // reserve: a create was refused
+      job.create_refused = true;
       return;
     }
     job.created.push_back(h);
@@ -305,7 +305,7 @@ void FraglessPolicy::run_reserve(Driver& d, std::size_t page, BackgroundJob& job
 // the deferred releases, released at the next slow path with no driver call here.
 void FraglessPolicy::finish_reserve(BackgroundJob& job) {
   reserve_in_flight_ = false;
-  if (job.release_failed) {
+  if (job.create_refused) {
     forget_device_free();
     gap_demand_ /= 2;
   }

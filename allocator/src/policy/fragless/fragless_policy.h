@@ -361,10 +361,10 @@ class FraglessPolicy final : public GrowablePolicy {
   HandleSplitter splitter_{s_, pool_, page_};  // Note [Split in the background]
   std::uint64_t tick_ = 0;         // growths so far
   // Note [Growth reserve]: pages gap growths had to get new, less kReserveDecay of it every growth; the
-  // reserve wanted from kReserveMinDemand on, 1/kReserveShare of it; whether the worker is creating reserve pages.
+  // reserve wanted from kReserveMinDemand on, as many pages as the demand; whether the worker is creating reserve
+  // pages.
   static constexpr double kReserveDecay = 1.0 / 32;
   static constexpr double kReserveMinDemand = 16;
-  static constexpr double kReserveShare = 1;
   double gap_demand_ = 0;
   bool reserve_in_flight_ = false;
   bool releasing_defaults_ = false;  // release_free is releasing the default pools (or everything)
