@@ -146,7 +146,7 @@ TEST_CASE("cuda driver: a failure at every call site of map, set access, unmap a
               CHECK_FALSE(ok);  // reached the caller, named
               CHECK_THAT(werr, Catch::Contains(std::string(calls[c]) + ": CUDA_ERROR_ILLEGAL_ADDRESS"));
             } else if (p == PolicyKind::fragless && std::string(calls[c]) == "cuMemCreate") {
-              // A multi-page handle refused is created page by page first (policy/fragless/policy.cpp, create): the
+              // A multi-page handle refused is created page by page first (policy/fragless/create.cpp, create): the
               // retry chain runs only when a page is refused too.
               CHECK((ok || e.stats().num_alloc_retries >= 1));
               if (!ok) CHECK_THAT(werr, Catch::Contains("out of memory"));
