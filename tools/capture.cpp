@@ -122,8 +122,19 @@ int main(int argc, char** argv) {
     else return usage(("unknown option " + a).c_str());
     if (!ok) return usage(("bad value '" + v + "' for " + a).c_str());
   }
-  if (heads < 1 || d_model % heads || min_len < 2 || max_len < min_len || vocab < 2 || batch < 1)
-    return usage("need heads | d-model, 2 <= min-len <= max-len, vocab >= 2, batch >= 1");
+  // Each rule broken is named with the values given (the first one found).
+  const std::string why =
+      heads < 1 ? "--heads " + std::to_string(heads) + ": the model needs at least one head"
+      : d_model < 1 || d_model % heads ? "--d-model " + std::to_string(d_model) + " is not a positive multiple of --heads " +
+                                             std::to_string(heads) + " (each head gets d-model / heads dimensions)"
+      : min_len < 2 ? "--min-len " + std::to_string(min_len) + ": a sequence needs at least 2 tokens (one to predict)"
+      : max_len < min_len ? "--max-len " + std::to_string(max_len) + " is below --min-len " + std::to_string(min_len)
+      : vocab < 2 ? "--vocab " + std::to_string(vocab) + ": at least 2 tokens"
+      : batch < 1 ? "--batch " + std::to_string(batch) + ": at least one sequence a step"
+      : steps < 1 ? "--steps " + std::to_string(steps) + ": at least one step an epoch (0 would train nothing)"
+      : epochs < 1 ? "--epochs " + std::to_string(epochs) + ": at least one epoch (0 would train nothing)"
+                   : "";
+  if (!why.empty()) return std::fprintf(stderr, "fragless-capture: %s\n", why.c_str()), 2;
   // LibTorch's own allocator has no policy and no tracer: asking for either with it is a mistake, not a no-op.
   if (allocator == "default" && (policy_given || !trace.empty()))
     return usage(!trace.empty() ? "--trace needs --allocator fragless (LibTorch's own allocator records nothing)"

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -110,6 +111,24 @@ static std::string torch_save_container(const std::string& bytes) {
          "pickle.dump(torch.load(FILE), open(PATH, 'wb')), and give that";
 }
 
+// Whether the bytes begin as a protocol 0 or 1 pickle whose first opcode is GLOBAL ('c' module '\n' name
+// '\n', as `cos\nsystem\n` begins a hostile one): detected as a pickle, so that the snapshot reader refuses it
+// naming the opcode, rather than as a file of no known format.
+static bool protocol0_global(const std::string& bytes) {
+  if (bytes.empty() || bytes[0] != 'c') return false;
+  std::size_t at = 1;
+  for (int line = 0; line < 2; ++line) {
+    const std::size_t end = bytes.find('\n', at);
+    if (end == std::string::npos || end == at || end - at > 256) return false;
+    for (std::size_t i = at; i < end; ++i) {
+      const char ch = bytes[i];
+      if (!(std::isalnum(static_cast<unsigned char>(ch)) || ch == '_' || ch == '.')) return false;
+    }
+    at = end + 1;
+  }
+  return true;
+}
+
 bool detect_format(const std::string& bytes, Format* f) {
   if (bytes.size() >= sizeof kTraceMagic && std::memcmp(bytes.data(), kTraceMagic, sizeof kTraceMagic) == 0)
     *f = Format::native;
@@ -117,7 +136,7 @@ bool detect_format(const std::string& bytes, Format* f) {
     *f = Format::snapshot;
   // Protocols 0 and 1 have no PROTO opcode: a snapshot (a dict, or the oldest, a list of segments) then
   // begins MARK DICT/LIST (protocol 0: "(d", "(l") or EMPTY_DICT/EMPTY_LIST (protocol 1: '}', ']').
-  else if (bytes.rfind("(d", 0) == 0 || bytes.rfind("(l", 0) == 0 || bytes.rfind("}", 0) == 0 || bytes.rfind("]", 0) == 0)
+  else if (bytes.rfind("(", 0) == 0 || bytes.rfind("}", 0) == 0 || bytes.rfind("]", 0) == 0 || protocol0_global(bytes))
     *f = Format::snapshot;
   else if (bytes.rfind("Thread,", 0) == 0 || bytes.substr(0, bytes.find('\n')).find("Action") != std::string::npos)
     *f = Format::rmm_csv;
@@ -250,7 +269,7 @@ bool output_target(const std::string& path, std::string* target, std::string* er
   for (int hops = 0;; ++hops) {
     struct stat st;
     if (::lstat(p.c_str(), &st) != 0) {
-      if (errno == ENOENT) break;  // a new file (its folder is checked when it is created)
+      if (errno == ENOENT) break;  // a new file: its folder is checked below
       return refuse(std::string("cannot write (") + std::strerror(errno) + ")");
     }
     if (S_ISLNK(st.st_mode)) {
@@ -272,6 +291,18 @@ bool output_target(const std::string& path, std::string* target, std::string* er
     }
     break;
   }
+  // The folder the temporary file goes to, checked now: a command that reads its input first would
+  // otherwise fail only at the end, naming the temporary file.
+  const auto slash = p.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : p.substr(0, slash);
+  const std::string folder = "the folder " + dir + (p == path ? "" : " of its target " + p);
+  struct stat ds;
+  if (::stat(dir.c_str(), &ds) != 0)
+    return refuse(errno == ENOENT ? folder + " does not exist"
+                                  : "cannot reach " + folder + " (" + std::strerror(errno) + ")");
+  if (!S_ISDIR(ds.st_mode)) return refuse(folder + " is not a folder");
+  if (::access(dir.c_str(), W_OK | X_OK) != 0)
+    return refuse("cannot write in " + folder + " (" + std::strerror(errno) + ")");
   *target = p;
   return true;
 }

@@ -90,6 +90,9 @@ int run(int argc, char** argv) {
   std::string err;
   if (!cl.seqlen_file.empty() && !read_seqlen_file(cl.seqlen_file, &lengths, &err)) return fail(err);
   const std::vector<int>* seqlens = cl.seqlen_file.empty() ? nullptr : &lengths;
+  if (seqlens && cl.max_key != "max_seq")  // (a search of max_seq tries many)
+    for (const std::string& in : cl.inputs)
+      if (const std::string note = seqlen_file_note(in, lengths, cl.seqlen_file); !note.empty()) print_error(note);
   CostModel costs;
   std::string unmeasured;
   if (!cl.costs_file.empty() && !load_costs(cl.costs_file, &costs, &err, &unmeasured)) return fail(err);

@@ -155,8 +155,10 @@ void print_fit_table(const std::vector<formats::Trace>& traces, const std::vecto
 void print_max_table(const std::vector<std::string>& inputs, const std::vector<MaxTask>& tasks,
                      const Searches<MaxResult>& search, const std::string& key, std::uint64_t capacity) {
   const auto& found = search.answers;
-  // fragless's largest value over policy p's, for the same workload; -1 where either has no answer.
-  auto ratio = [&](std::size_t k, PolicyKind p) -> double {
+  // fragless's largest value over policy p's, for the same workload, as text: '-' where either has no
+  // answer or both are the largest value the workload accepts; an answer at that limit is a lower bound of
+  // the value that fits, so a ratio with one is a bound too ('>' when fragless's is, '<' when p's is).
+  auto ratio = [&](std::size_t k, PolicyKind p) -> std::string {
     auto answer = [&](PolicyKind q) -> const MaxResult* {
       for (std::size_t j = 0; j < tasks.size(); ++j)
         if (tasks[j].input == tasks[k].input && tasks[j].policy == q && found[j].error.empty()) return &found[j];
@@ -164,7 +166,11 @@ void print_max_table(const std::vector<std::string>& inputs, const std::vector<M
     };
     const MaxResult* f = answer(PolicyKind::fragless);
     const MaxResult* b = answer(p);
-    return f && b && b->max_value > 0 ? static_cast<double>(f->max_value) / static_cast<double>(b->max_value) : -1;
+    if (!f || !b || b->max_value <= 0 || (f->at_limit && b->at_limit)) return "-";
+    char v[32];
+    std::snprintf(v, sizeof v, "%s%.2f", f->at_limit ? ">" : b->at_limit ? "<" : "",
+                  static_cast<double>(f->max_value) / static_cast<double>(b->max_value));
+    return v;
   };
   std::printf("%-44s %7s %-10s %-8s %8s %9s %9s %10s %11s %8s\n", "workload", "GiB", "policy", "key", "largest",
               "÷classic", "÷expand", "live MiB", "reserv MiB", "replays");
@@ -175,14 +181,14 @@ void print_max_table(const std::vector<std::string>& inputs, const std::vector<M
                   policy_name(tasks[k].policy), key.c_str(), "none");
       continue;
     }
-    char vc[32] = "-", ve[32] = "-";
+    std::string vc = "-", ve = "-";
     if (tasks[k].policy == PolicyKind::fragless) {
-      if (double r = ratio(k, PolicyKind::classic); r > 0) std::snprintf(vc, sizeof vc, "%.2f", r);
-      if (double r = ratio(k, PolicyKind::expandable); r > 0) std::snprintf(ve, sizeof ve, "%.2f", r);
+      vc = ratio(k, PolicyKind::classic);
+      ve = ratio(k, PolicyKind::expandable);
     }
     const std::string value = std::to_string(f.max_value) + (f.at_limit ? "*" : "");
     std::printf("%-44s %7.4g %-10s %-8s %8s %9s %9s %10.1f %11.1f %8d\n", short_name(inputs[tasks[k].input]).c_str(),
-                gib(capacity), policy_name(tasks[k].policy), key.c_str(), value.c_str(), vc, ve, mib(f.at.peak_live),
+                gib(capacity), policy_name(tasks[k].policy), key.c_str(), value.c_str(), vc.c_str(), ve.c_str(), mib(f.at.peak_live),
                 mib(f.at.peak_reserved), f.replays);
   }
   const auto at_limit = std::count_if(found.begin(), found.end(), [](const MaxResult& f) { return f.error.empty() && f.at_limit; });
@@ -192,7 +198,7 @@ void print_max_table(const std::vector<std::string>& inputs, const std::vector<M
   std::printf("max: %zu searches, %d replays, %.2f s; %s%s\n", found.size(), search.replays, search.seconds,
               checked_answers(found.size(), search.failed, "one above it").c_str(),
               at_limit ? ("; except the " + std::to_string(at_limit) + " marked '*': the largest value the workload "
-                          "accepts, which fits, with no value above it").c_str()
+                          "accepts, which fits, with no value above it (a ratio with one is a bound: > or <)").c_str()
                        : "");
 }
 

@@ -227,6 +227,9 @@ class SeqLen {
       if (!integer_text(c.seqlen.substr(6), &n) || n < 1 || n > kMaxIntValue)
         *error = "workload option seqlen: bad value '" + c.seqlen + "': fixed:N needs an integer N in [1, " +
                  std::to_string(kMaxIntValue) + "]";
+      else if (n > c.max_seq)  // no sequence is longer than max_seq: a length past it would be cut, unseen
+        *error = "workload option seqlen: fixed:" + std::to_string(n) + " is longer than max_seq=" +
+                 std::to_string(c.max_seq) + " (the longest sequence the model takes): raise max_seq or lower N";
       fixed_ = static_cast<int>(n);
       return;
     }
@@ -569,6 +572,18 @@ bool workload_key_range(const std::string& spec, const std::string& key, long lo
     *error = "workload " + name + " has no key '" + key + "' to search; --max-of KEY searches one of its numeric keys: " +
              names + "seed";
   return false;
+}
+
+std::string seqlen_file_note(const std::string& input, const std::vector<int>& lengths, const std::string& path) {
+  if (!draws_seqlen_file(input)) return {};
+  Config c;
+  std::string error;
+  if (!parse(input, &c, &error)) return {};  // the input's own error is reported when it is made
+  const auto longer = std::count_if(lengths.begin(), lengths.end(), [&](int n) { return n > c.max_seq; });
+  if (longer == 0) return {};
+  return "note: " + input + ": " + std::to_string(longer) + " of the " + std::to_string(lengths.size()) +
+         " lengths in " + path + " are longer than max_seq=" + std::to_string(c.max_seq) +
+         " and are cut to it (as training truncates to its context); give a larger max_seq to keep them whole";
 }
 
 bool draws_seqlen_file(const std::string& input) {

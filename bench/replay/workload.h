@@ -86,6 +86,9 @@ bool workload_key_range(const std::string& spec, const std::string& key, long lo
 // Whether the input draws its sequence lengths from --seqlen-file: a transformer workload (transformer-train,
 // transformer-infer, ckpt-accum) whose spec does not set seqlen.
 bool draws_seqlen_file(const std::string& input);
+// For an input that draws from --seqlen-file (at `path`): a note saying how many of its lengths are longer
+// than the input's max_seq and so are cut to it; empty when none is (or the input does not draw from it).
+std::string seqlen_file_note(const std::string& input, const std::vector<int>& lengths, const std::string& path);
 // The spec with key=value added (workload_key_range has checked that the spec does not set key itself).
 std::string workload_with(const std::string& spec, const std::string& key, long long value);
 

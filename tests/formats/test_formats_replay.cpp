@@ -101,6 +101,15 @@ TEST_CASE("pickle: reads data and refuses anything that could run code", "[forma
     CHECK_FALSE(h.value);
     CHECK(h.error.find(want) != std::string::npos);
   }
+  // A protocol 0 or 1 pickle has no PROTO opcode: one that begins with GLOBAL (`cos\nsystem\n`) or MARK is
+  // still read as a pickle, so its GLOBAL is refused by name (it was "unknown trace format" before).
+  for (const std::string payload : {std::string("cos\nsystem\n(S'echo pwned'\ntR."),
+                                    std::string("(cos\nsystem\nS'x'\ntR.")}) {
+    const auto r = trace_from_bytes(payload, "old.pickle");
+    INFO(r.error);
+    CHECK_FALSE(r.ok);
+    CHECK(r.error.find("refused GLOBAL") != std::string::npos);
+  }
   // Deep nesting is refused, not a stack overflow.
   std::string deep = str({0x80, 2});
   for (int i = 0; i < 5000; ++i) deep += ']';

@@ -129,6 +129,16 @@ check_error "--seqlen-file: a length out of range states the range" "long.csv:3:
   "$bin/fragless-replay" --seqlen-file "$work/long.csv" "workload:transformer-train:steps=2,layers=2"
 check_error "--seqlen-file that no input uses is an error" "--seqlen-file: no input draws its lengths from it" \
   "$bin/fragless-replay" --seqlen-file "$work/lens.csv" "workload:moe" "workload:transformer-train:seqlen=fixed:64"
+# No sequence is longer than max_seq: fixed:N past it is an error, a file's longer lengths are cut to it and
+# counted in a note (they were cut unseen before).
+check_error "seqlen=fixed:N longer than max_seq is an error naming both" "fixed:4096 is longer than max_seq=2048" \
+  "$bin/fragless-replay" --policy classic "workload:transformer-train:steps=1,layers=2,seqlen=fixed:4096"
+check_exit 0 "--seqlen-file: lengths longer than max_seq are cut, and a note counts them" \
+  "1 of the 3 lengths in $work/lens.csv are longer than max_seq=1024 and are cut to it" \
+  "$bin/fragless-replay" --policy classic --seqlen-file "$work/lens.csv" "workload:transformer-train:steps=1,layers=2,max_seq=1024"
+check "... and no note where none is longer" \
+  "$bin/fragless-replay" --policy classic --seqlen-file "$work/lens.csv" "workload:transformer-train:steps=1,layers=2"
+if grep -q "longer than max_seq" "$work/err"; then fail "... but a note was printed"; else pass "... none printed"; fi
 
 # Bad input: exit code 2, the file and the position named.
 head -c 100 "$work/o.fgt" >"$work/cut.fgt"
@@ -176,8 +186,12 @@ check "convert through a symbolic link" "$bin/fragless-trace" convert "$work/ora
 check "... the link is still a link" test -L "$work/link.fgt"
 check_output "... and its target holds the trace" "format native" "$bin/fragless-trace" info "$work/target.txt"
 ln -s missing/deeper.fgt "$work/dangling.fgt"
-check_error "a link to a missing folder names the target" "cannot write $work/missing/deeper.fgt" \
+check_error "a link to a missing folder names the target" "the folder $work/missing of its target $work/missing/deeper.fgt does not exist" \
   "$bin/fragless-trace" convert "$work/oracle.csv" "$work/dangling.fgt"
+check_error "convert into a missing folder says so before reading its input" \
+  "x.fgt: the folder $work/none does not exist" "$bin/fragless-trace" convert "$work/oracle.csv" "$work/none/x.fgt"
+check_error "convert under a file names it" "x.fgt: cannot write (Not a directory)" \
+  "$bin/fragless-trace" convert "$work/oracle.csv" "$work/target.txt/x.fgt"
 mkfifo "$work/out.fifo"
 check_error "a FIFO as the output is refused" "out.fifo: is a FIFO; outputs are written to regular files only" \
   "$bin/fragless-trace" convert --to native "$work/oracle.csv" "$work/out.fifo"
@@ -520,6 +534,10 @@ check_output "--max-of: the largest value a workload accepts is an answer when i
   "$bin/fragless-replay" --policy classic --max-of live_gib --capacity-gib 100 "workload:random:ops=50,steps=1"
 check_output "... marked as such" "except the 1 marked '\*': the largest value the workload accepts" \
   "$bin/fragless-replay" --policy classic --max-of live_gib --capacity-gib 100 "workload:random:ops=50,steps=1"
+# A ratio with an answer at that limit is a bound, not a measured ratio (it printed 566893.42 for min_bytes).
+check_output "--max-of: a ratio against an answer at the workload's limit is marked a bound" \
+  "fragless +min_bytes +1000000000\* +>[0-9.]+ " \
+  "$bin/fragless-replay" --policy classic,fragless --max-of min_bytes --capacity-gib 24 "workload:random:ops=300,steps=2"
 check_error "a zoo workload's seed past 1e15" "seed='1000000000000001' is not an integer in [0, 1000000000000000]" \
   "$bin/fragless-replay" --policy classic "workload:random:ops=10,steps=1,seed=1000000000000001"
 check_output "--help exits 0 and documents --fit" "--fit" "$bin/fragless-replay" --help

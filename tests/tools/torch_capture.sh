@@ -24,6 +24,13 @@ if [ "$run" = default ]; then
   done
   [ ! -e "$dir/never.fgt" ] || { echo "FAIL: a refused run wrote a trace"; exit 1; }
   echo "ok: --trace and --policy refused with LibTorch's own allocator"
+  # A broken rule is named with the values given (it listed every rule, and --steps 0 trained nothing, exit 0).
+  for bad in "--min-len 100 --max-len 10|--max-len 10 is below --min-len 100" "--steps 0|--steps 0: at least one step" \
+             "--d-model 10 --heads 4|--d-model 10 is not a positive multiple of --heads 4"; do
+    err=$("$bin/fragless-capture" --allocator default ${bad%%|*} 2>&1 >/dev/null); rc=$?
+    { [ $rc -eq 2 ] && grep -qF -- "${bad#*|}" <<<"$err"; } || { echo "FAIL: ${bad%%|*}: exit $rc: $err"; exit 1; }
+  done
+  echo "ok: bad model and run settings refused, each named"
   exit 0
 fi
 [ -s "$dir/default.txt" ] || { echo "FAIL: $dir/default.txt is missing (run with 'default' first)"; exit 1; }
