@@ -218,11 +218,11 @@ LoadResult native_from(std::uint64_t size, const ReadAt& read_at, const std::str
     r.warning = name + ": the trace ends in " + std::to_string(size - (h.header_size + n * sizeof(NativeTraceRecord))) +
                 " zero bytes from byte " + std::to_string(h.header_size + n * sizeof(NativeTraceRecord)) +
                 " (blocks never written, as a crash of the machine leaves them); read " + std::to_string(n) +
-                " complete records before them";
+                " complete records before them (events, and the segments and blocks present before the first)";
   else if (body % sizeof(NativeTraceRecord))
     r.warning = name + ": the trace ends in a partial record at byte " +
                 std::to_string(h.header_size + n * sizeof(NativeTraceRecord)) + " (cut short, e.g. by a crash); read " +
-                std::to_string(n) + " complete records";
+                std::to_string(n) + " complete records (events, and the segments and blocks present before the first)";
   r.ok = true;
   return r;
 }

@@ -564,7 +564,8 @@ TEST_CASE("native format: cut short, corrupt, other versions", "[formats][bad-in
     CHECK(r.trace.events.size() + r.trace.seed.size() == records);
     CHECK(r.warning == "z.fgt: the trace ends in 8192 zero bytes from byte " + std::to_string(good.size()) +
                            " (blocks never written, as a crash of the machine leaves them); read " +
-                           std::to_string(records) + " complete records before them");
+                           std::to_string(records) +
+                           " complete records before them (events, and the segments and blocks present before the first)");
     auto cut = trace_from_native_bytes(good.substr(0, good.size() - 48) + std::string(100, '\0'), "z2.fgt");
     REQUIRE(cut.ok);
     CHECK(cut.trace.events.size() + cut.trace.seed.size() == records - 1);
