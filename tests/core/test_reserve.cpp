@@ -331,6 +331,24 @@ TEST_CASE("reserve: a growth whose create is refused part way takes the reserve 
   }
 }
 
+TEST_CASE("reserve: a growth the reserve covers only in part leaves it whole and creates", "[reserve]") {
+  // Note [Growth reserve], "use": the reserve is taken when it covers all a growth still misses (taking fewer
+  // pages would save no create); a larger growth creates and leaves the reserve for the gaps it is for.
+  auto e = make_engine(reserve_spec(BackgroundMode::manual, "reserve_slack:0.1"));
+  KvDecode d(*e, 128, 12, 16);
+  d.tokens(8, [&] { e->run_background(1e18); });
+  const std::int64_t held = unmapped_reserved(*e);
+  REQUIRE(held > 0);
+  const std::uint64_t creates = path_creates(*e);
+  void* p = e->allocate(static_cast<std::size_t>(held) + 64 * MiB, kStream, nullptr);  // misses more than it holds
+  REQUIRE(p);
+  INFO("unmapped reserved " << (held >> 20) << " -> " << (unmapped_reserved(*e) >> 20) << " MiB");
+  CHECK(path_creates(*e) > creates);
+  CHECK(unmapped_reserved(*e) == held);
+  require_consistent(*e);
+  e->free(p);
+}
+
 TEST_CASE("reserve: the worker thread makes it while threads decode, and stops with the engine",
           "[reserve][concurrency]") {
   // A worker thread makes the reserve while the decode runs, the engine checked after every token. Whether a
