@@ -1029,6 +1029,38 @@ TEST_CASE("fragless: the small pool keeps nothing from a growth that could not c
   for (void* p : {b, k}) REQUIRE(e->free(p) == Status::ok);
 }
 
+// Note [Refills]: a growth into pages that reclaims stripped once re-backs, as any growth does; only a range
+// stripped twice within the refill window creates its memory instead. (A mutation audit found that refilling
+// after one strip was caught only by a precondition of an unrelated test.) reserve_slack:1 puts the refill's
+// bound out of the way, so the threshold alone decides.
+TEST_CASE("fragless: a range stripped once is re-backed, not refilled", "[fragless]") {
+  EngineSpec spec;
+  spec.policy = PolicyKind::fragless;
+  spec.base.background = BackgroundMode::off;
+  spec.base.reserve_slack = 1.0;
+  spec.capacity = 4096 * MiB;
+  auto e = make_engine(spec);
+  require_consistent(*e);
+  void* a = e->allocate(120 * MiB, 0, nullptr);  // H's address range, 60 pages
+  void* b = e->allocate(2 * MiB, 0, nullptr);
+  void* c = e->allocate(100 * MiB, 0, nullptr);  // a hole later
+  void* d = e->allocate(2 * MiB, 0, nullptr);
+  REQUIRE((a && b && c && d));
+  REQUIRE(e->free(a) == Status::ok);
+  void* r = e->allocate(121 * MiB, 0, nullptr);  // fits no free block: grows at the end, re-backing H's pages
+  REQUIRE(r);
+  REQUIRE(e->free(c) == Status::ok);  // a 50-page hole
+  const auto before = reserved(*e);
+  void* h = e->allocate(110 * MiB, 0, nullptr);  // fits no free block: grows into H, stripped once
+  REQUIRE(h);
+  INFO("reserved " << (before >> 20) << " -> " << (reserved(*e) >> 20) << " MiB");
+  // The hole's 50 pages re-backed under it and the rest created (28 MiB more reserved, measured), not all 55
+  // pages created (110 MiB more, measured with a refill after one strip).
+  CHECK(reserved(*e) - before <= static_cast<std::int64_t>(60 * MiB));
+  require_consistent(*e);
+  for (void* p : {b, d, r, h}) REQUIRE(e->free(p) == Status::ok);
+}
+
 TEST_CASE("fragless: a repeated chain of doubling activations re-backs completely (two passes)", "[fragless]") {
   // One 300 MiB tensor live; twice, a chain 350 -> 437.5 -> ... -> 7000 MiB, each allocated before the
   // previous one is freed, then a second 7000 MiB before the first goes, then 1400 MiB; all freed. The
