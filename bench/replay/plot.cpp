@@ -69,9 +69,27 @@ bool draw_plot(const std::string& path, const std::vector<ReplayResult>& results
     const double end = seconds[k] ? r.curve.back().seconds : r.curve.back().index;
     lead[k] = std::max(lead[k], 0.03 * std::max(end, 1e-9));
   }
+  // Each panel's x extent: one point (a trace of one event) is drawn over [x - 1, x + 1], where gnuplot's
+  // autoscale would warn of an empty x range.
+  std::vector<double> x_lo(panels.size(), 1e300), x_hi(panels.size(), -1e300), y_hi(panels.size(), 0);
   std::size_t block = 0;
   for (auto& r : results) {
     const bool secs = seconds[panel_of(r)];
+    {
+      const std::size_t k = panel_of(r);
+      if (lead[k] > 0) {
+        x_lo[k] = std::min(x_lo[k], -lead[k]);
+        x_hi[k] = std::max(x_hi[k], 0.0);
+        y_hi[k] = std::max({y_hi[k], mib(r.window_start.live), mib(r.window_start.reserved)});
+      }
+      for (auto& p : r.curve)
+        if (!secs || p.seconds >= 0) {
+          const double x = secs ? p.seconds : p.index;
+          x_lo[k] = std::min(x_lo[k], x);
+          x_hi[k] = std::max(x_hi[k], x);
+          y_hi[k] = std::max({y_hi[k], mib(p.live), mib(p.allocated), mib(p.reserved)});
+        }
+    }
     script += "$d" + std::to_string(block++) + " << EOD\n";
     if (const double l = lead[panel_of(r)]; l > 0) {
       const auto& w = r.window_start;
@@ -129,6 +147,15 @@ bool draw_plot(const std::string& path, const std::vector<ReplayResult>& results
                             "set label 1 \"window start\" at 0, graph 0.04 offset 0.5, 0 tc rgb \"gray40\"\n"
                           : "unset arrow 1\nunset label 1\n";
     script += std::string("set xlabel \"") + (seconds[k] ? "trace time (s)" : "trace entry (every kind and device)") + "\"\n";
+    if (x_lo[k] == x_hi[k]) {
+      char range[96];
+      std::snprintf(range, sizeof range, "set xrange [%.6f:%.6f]\n", x_lo[k] - 1, x_hi[k] + 1);
+      script += range;
+    } else {
+      script += "set autoscale x\n";
+    }
+    // (and a panel whose values are all 0 MiB over [0, 1], where autoscale would warn of an empty y range)
+    script += y_hi[k] > 0 ? "set yrange [0:*]\n" : "set yrange [0:1]\n";
     script += "plot " + plots.substr(0, plots.size() - 2) + "\n";
   }
   script += "unset multiplot\n";

@@ -82,6 +82,11 @@ if [ "$section" = plots ]; then
   check_png "the fit plot is a PNG" "$work/fit.png"
   check "--plot-x event" "$bin/fragless-replay" --plot "$work/ev.png" --plot-x event "$work/oracle.csv"
   check_png "the event-axis plot is a PNG" "$work/ev.png"
+  # A trace of one event: one point a curve, which gnuplot's autoscale would call an empty x (and y) range.
+  printf 'Thread,Time,Action,Pointer,Size,Stream\n1,00:00:00.000001,allocate,0x1000,100,0\n' >"$work/one.csv"
+  check "--plot of a one-event trace" "$bin/fragless-replay" --policy expandable --plot "$work/one.png" "$work/one.csv"
+  check_png "... is a PNG" "$work/one.png"
+  if grep -qi "warning" "$work/err"; then fail "... but gnuplot warned"; else pass "... with no warning from gnuplot"; fi
   finish
 fi
 [ "$section" = tools ] || { echo "usage: tools_e2e.sh BIN_DIR [plots]"; exit 2; }
