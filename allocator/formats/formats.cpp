@@ -154,6 +154,14 @@ static bool format_of(const std::string& bytes, Format* f, std::string* why) {
   if (detect_format(bytes, f)) return true;
   *why = "unknown trace format (expected a fragless native trace, a PyTorch memory snapshot pickle or an RMM log CSV; "
          "its first bytes are none of them)";
+  // A CSV that is not an RMM log: say what its header needs.
+  const std::string first = bytes.substr(0, std::min(bytes.find('\n'), std::size_t{4096}));
+  const bool text = std::all_of(first.begin(), first.end(), [](char c) {
+    return std::isprint(static_cast<unsigned char>(c)) || c == '\r' || c == '\t';
+  });
+  if (text && first.find(',') != std::string::npos)
+    *why += "; a CSV is read as an RMM log when its header names an Action column, as RMM's does "
+            "(Thread,Time,Action,Pointer,Size,Stream)";
   return false;
 }
 
