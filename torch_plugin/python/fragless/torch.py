@@ -243,8 +243,8 @@ def _check_driver(conf):
         _f.check_driver(conf)
     except RuntimeError as e:
         # The way to CPU use, where the settings keep the cuda driver (a trace path refused under the host
-        # driver needs no such advice).
-        hint = "" if re.search(r"(^|,)\s*driver\s*:\s*(host|sim)\s*(,|$)", conf or "") else (
+        # driver needs no such advice, nor a message that already gives it).
+        hint = "" if re.search(r"(^|,)\s*driver\s*:\s*(host|sim)\s*(,|$)", conf or "") or "driver:host" in str(e) else (
             ". For CPU use (a machine without a GPU or without libcuda), fragless runs on host memory with the host "
             "driver: fragless.torch.enable(\"driver:host\")")
         raise RuntimeError("fragless.torch.enable(): %s%s" % (str(e).rstrip("."), hint)) from None
