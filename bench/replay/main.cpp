@@ -88,7 +88,9 @@ int run(int argc, char** argv) {
   if (const auto status = parse_command_line(argc, argv, &cl)) return *status;
   std::vector<int> lengths;
   std::string err;
-  if (!cl.seqlen_file.empty() && !read_seqlen_file(cl.seqlen_file, &lengths, &err)) return fail(err);
+  std::string column_note;
+  if (!cl.seqlen_file.empty() && !read_seqlen_file(cl.seqlen_file, &lengths, &err, &column_note)) return fail(err);
+  if (!column_note.empty()) print_error(column_note);
   const std::vector<int>* seqlens = cl.seqlen_file.empty() ? nullptr : &lengths;
   if (seqlens && cl.max_key != "max_seq")  // (a search of max_seq tries many)
     for (const std::string& in : cl.inputs)

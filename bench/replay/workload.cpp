@@ -599,7 +599,7 @@ std::string workload_with(const std::string& spec, const std::string& key, long 
   return spec + sep + key + "=" + std::to_string(value);
 }
 
-bool read_seqlen_file(const std::string& path, std::vector<int>* out, std::string* error) {
+bool read_seqlen_file(const std::string& path, std::vector<int>* out, std::string* error, std::string* note) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {
     *error = path + ": is a directory (--seqlen-file takes a CSV file)";
@@ -637,10 +637,24 @@ bool read_seqlen_file(const std::string& path, std::vector<int>* out, std::strin
   constexpr std::pair<const char*, const char*> kPairs[] = {
       {"ContextTokens", "GeneratedTokens"}, {"num_prefill_tokens", "num_decode_tokens"}, {"input_length", "output_length"}};
   std::vector<int> cols;
+  std::vector<std::string> usable;  // every column (or pair) the header offers, in the order taken
   for (const char* n : kSingle)
-    if (cols.empty() && col(n) >= 0) cols = {col(n)};
+    if (col(n) >= 0) {
+      if (cols.empty()) cols = {col(n)};
+      usable.push_back(n);
+    }
   for (auto [a, b] : kPairs)
-    if (cols.empty() && col(a) >= 0 && col(b) >= 0) cols = {col(a), col(b)};
+    if (col(a) >= 0 && col(b) >= 0) {
+      if (cols.empty()) cols = {col(a), col(b)};
+      usable.push_back(std::string(a) + " + " + b);
+    }
+  if (note && usable.size() > 1) {
+    std::string others;
+    for (std::size_t i = 1; i < usable.size(); ++i) others += (i > 1 ? ", " : "") + usable[i];
+    *note = "note: " + path + " has more than one sequence-length column: lengths are read from " + usable[0] +
+            " (not " + others + "; the order taken: seqlen, length, tokens, total_tokens, num_total_tokens, then the "
+            "pairs)";
+  }
   if (cols.empty()) {
     std::string found, single, pairs;
     for (const auto& h : header) found += std::string(found.empty() ? "" : ", ") + "'" + h + "'";

@@ -96,6 +96,7 @@ std::string workload_with(const std::string& spec, const std::string& key, long 
 // num_total_tokens; else the sum of a prompt/output pair (ContextTokens + GeneratedTokens,
 // num_prefill_tokens + num_decode_tokens, input_length + output_length). A header with none of them, a
 // length outside [1, 10^7] or a cell that is not an integer is an error naming the file and the line.
-bool read_seqlen_file(const std::string& path, std::vector<int>* out, std::string* error);
+// *note (when given) is set when the header offers more than one such column, naming the one read.
+bool read_seqlen_file(const std::string& path, std::vector<int>* out, std::string* error, std::string* note = nullptr);
 
 }  // namespace fragless::replay

@@ -144,6 +144,10 @@ check_exit 0 "--seqlen-file: lengths longer than max_seq are cut, and a note cou
 check "... and no note where none is longer" \
   "$bin/fragless-replay" --policy classic --seqlen-file "$work/lens.csv" "workload:transformer-train:steps=1,layers=2"
 if grep -q "longer than max_seq" "$work/err"; then fail "... but a note was printed"; else pass "... none printed"; fi
+printf 'seqlen,length\n100,200\n' >"$work/two.csv"
+check_exit 0 "--seqlen-file with two length columns names the one it reads" \
+  "lengths are read from seqlen (not length;" \
+  "$bin/fragless-replay" --policy classic --seqlen-file "$work/two.csv" "workload:transformer-train:steps=1,layers=2"
 
 # Bad input: exit code 2, the file and the position named.
 head -c 100 "$work/o.fgt" >"$work/cut.fgt"
