@@ -284,9 +284,19 @@ int run(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help
-    // Said as every other error of the tool is: named, on one line, then where the usage is.
+    // Said as every other error of the tool is: named, on one line, then where the usage is. CLI11's words for
+    // a missing command or argument are put in the tool's own.
+    std::string what = e.what();
+    static const std::pair<const char*, const char*> kMissing[] = {
+        {"A subcommand is required", "no command given: info, convert or summary"},
+        {"files is required", "info needs one or more trace files"},
+        {"input is required", "convert needs an input trace and an output file"},
+        {"output is required", "convert needs an output file after the input trace"},
+        {"file is required", "summary needs a trace file"}};
+    for (const auto& [cli, ours] : kMissing)
+      if (what == cli) what = ours;
     std::fprintf(stderr, "fragless-trace: %s\n(fragless-trace --help lists the commands; COMMAND --help its options)\n",
-                 e.what());
+                 what.c_str());
     return 2;
   }
 

@@ -108,8 +108,9 @@ check_error "summary --points in hex is refused" "'0x10' is not a number of poin
   "$bin/fragless-trace" summary --json --points 0x10 "$work/o.pickle"
 check_error "convert --device past what a trace holds" "'4096' is not a device index (an integer from 0 to 4095)" \
   "$bin/fragless-trace" convert --device 4096 "$work/o.pickle" "$work/d.csv"
-check_error "a missing argument is said as the tool's other errors are" "fragless-trace: file is required" \
+check_error "a missing argument is said as the tool's other errors are" "fragless-trace: summary needs a trace file" \
   "$bin/fragless-trace" summary
+check_error "... and a missing command" "fragless-trace: no command given: info, convert or summary" "$bin/fragless-trace"
 check_output "classic reserves 192 MiB on the RMM log" '"policy":"classic".*"peak_reserved_bytes":201326592' \
   "$bin/fragless-replay" --policy classic --json "$work/oracle.csv"
 check_output "the same from the converted snapshot" '"peak_reserved_bytes":201326592' \
