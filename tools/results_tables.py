@@ -60,6 +60,14 @@ def replay_command():
     return REPLAY
 
 
+def replay_failed(args, p):
+    """Ends the script with the replay's own error first, then the command that met it (cut when long)."""
+    command = "fragless-replay --json " + " ".join(args)
+    if len(command) > 300:
+        command = command[:300] + " ... (%d arguments)" % len(args)
+    sys.exit(f"{p.stderr.strip() or 'no message'}\n(exit {p.returncode} from: {command})")
+
+
 def run(args, empty_ok=False):
     """The results of fragless-replay --json ARGS; with empty_ok, none where no input has an allocation to replay
     (a --window that holds none)."""
@@ -67,7 +75,7 @@ def run(args, empty_ok=False):
     if empty_ok and p.returncode == 2 and "nothing to replay" in p.stderr:
         return []
     if p.returncode != 0:
-        sys.exit(f"fragless-replay {' '.join(args)}: exit {p.returncode}: {p.stderr}")
+        replay_failed(args, p)
     return json.loads(p.stdout)["results"]
 
 
@@ -75,7 +83,7 @@ def run_search(args):
     """A --fit or --max-of run: exit 1 (a search without an answer) still has its JSON, the answer null."""
     p = subprocess.run([replay_command(), "--json", *args], capture_output=True, text=True)
     if p.returncode not in (0, 1):
-        sys.exit(f"fragless-replay {' '.join(args)}: exit {p.returncode}: {p.stderr}")
+        replay_failed(args, p)
     return json.loads(p.stdout)
 
 

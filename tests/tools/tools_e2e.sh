@@ -366,6 +366,10 @@ check_error "transformer seed=1.5" "workload option seed: bad value '1.5'" "$bin
 check_error "results_tables.py: an unknown command" "invalid choice: 'bogus'" python3 "$(dirname "$(realpath "$0")")/../../tools/results_tables.py" bogus
 check_error "results_tables.py general --seed abc" "argument --seed: invalid int value: 'abc'" \
   python3 "$(dirname "$(realpath "$0")")/../../tools/results_tables.py" general --seed abc
+check_exit 1 "results_tables.py: a replay's error comes first, then the command that met it" \
+  "fragless-replay: $work/g.bin: unknown trace format" \
+  env FRAGLESS_REPLAY="$bin/fragless-replay" python3 "$(dirname "$(realpath "$0")")/../../tools/results_tables.py" replay "$work/g.bin"
+if head -1 "$work/err" | grep -q "^fragless-replay: "; then pass "... on its first line"; else fail "... not on its first line"; fi
 # results_tables.py check: a table a quoted command prints must stand in the docs line for line.
 rt="$(dirname "$(realpath "$0")")/../../tools/results_tables.py"
 check "results_tables.py zoo (the table the checks below quote)" env FRAGLESS_REPLAY="$bin/fragless-replay" python3 "$rt" zoo
