@@ -308,7 +308,7 @@ bool output_target(const std::string& path, std::string* target, std::string* er
   if (::stat(dir.c_str(), &ds) != 0)
     return refuse(errno == ENOENT ? folder + " does not exist"
                                   : "cannot reach " + folder + " (" + std::strerror(errno) + ")");
-  if (!S_ISDIR(ds.st_mode)) return refuse(folder + " is not a folder");
+  if (!S_ISDIR(ds.st_mode)) return refuse(dir + (p == path ? "" : " (the folder of its target " + p + ")") + " is not a folder");
   if (::access(dir.c_str(), W_OK | X_OK) != 0)
     return refuse("cannot write in " + folder + " (" + std::strerror(errno) + ")");
   *target = p;

@@ -1,10 +1,7 @@
 // The command line of fragless-replay (cli.h).
 #include "cli.h"
 
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -184,21 +181,9 @@ bool plot_path_ok(const std::string& path, std::string* error) {
     *error = "--plot " + path + ": is a directory; --plot takes a file name (FILE.png, or FILE.gp for the script)";
     return false;
   }
-  const fs::path parent = fs::path(path).parent_path();
-  const std::string dir = parent.empty() ? "." : parent.string();
-  if (!fs::exists(dir, ec)) {
-    *error = "--plot " + path + ": the folder " + dir + " does not exist";
-    return false;
-  }
-  if (!fs::is_directory(dir, ec)) {
-    *error = "--plot " + path + ": " + dir + " is not a folder";
-    return false;
-  }
-  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
-    *error = "--plot " + path + ": cannot write in the folder " + dir + " (" + std::strerror(errno) + ")";
-    return false;
-  }
-  std::string target;  // a symbolic link is followed; a FIFO or device is refused (Note [Writing an output file])
+  // Its folder (the target's, a symbolic link followed) must exist and take a new file; a FIFO or device is
+  // refused (Note [Writing an output file]).
+  std::string target;
   if (!formats::output_target(path, &target, error)) {
     *error = "--plot " + *error;
     return false;

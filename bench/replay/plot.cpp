@@ -69,30 +69,19 @@ bool draw_plot(const std::string& path, const std::vector<ReplayResult>& results
     const double end = seconds[k] ? r.curve.back().seconds : r.curve.back().index;
     lead[k] = std::max(lead[k], 0.03 * std::max(end, 1e-9));
   }
-  // Each panel's x extent: one point (a trace of one event) is drawn over [x - 1, x + 1], where gnuplot's
-  // autoscale would warn of an empty x range.
+  // Each panel's extent, taken as its data is written: one point (a trace of one event) is drawn over
+  // [x - 1, x + 1], and values all 0 MiB over [0, 1], where gnuplot's autoscale would warn of an empty range.
   std::vector<double> x_lo(panels.size(), 1e300), x_hi(panels.size(), -1e300), y_hi(panels.size(), 0);
   std::size_t block = 0;
   for (auto& r : results) {
-    const bool secs = seconds[panel_of(r)];
-    {
-      const std::size_t k = panel_of(r);
-      if (lead[k] > 0) {
-        x_lo[k] = std::min(x_lo[k], -lead[k]);
-        x_hi[k] = std::max(x_hi[k], 0.0);
-        y_hi[k] = std::max({y_hi[k], mib(r.window_start.live), mib(r.window_start.reserved)});
-      }
-      for (auto& p : r.curve)
-        if (!secs || p.seconds >= 0) {
-          const double x = secs ? p.seconds : p.index;
-          x_lo[k] = std::min(x_lo[k], x);
-          x_hi[k] = std::max(x_hi[k], x);
-          y_hi[k] = std::max({y_hi[k], mib(p.live), mib(p.allocated), mib(p.reserved)});
-        }
-    }
+    const std::size_t k = panel_of(r);
+    const bool secs = seconds[k];
     script += "$d" + std::to_string(block++) + " << EOD\n";
-    if (const double l = lead[panel_of(r)]; l > 0) {
+    if (const double l = lead[k]; l > 0) {
       const auto& w = r.window_start;
+      x_lo[k] = std::min(x_lo[k], -l);
+      x_hi[k] = std::max(x_hi[k], 0.0);
+      y_hi[k] = std::max({y_hi[k], mib(w.live), mib(w.reserved)});
       char line[160];
       std::snprintf(line, sizeof line, "%.6f %.3f %.3f %.3f\n%.6f %.3f %.3f %.3f\n", -l, mib(w.live), mib(w.allocated),
                     mib(w.reserved), 0.0, mib(w.live), mib(w.allocated), mib(w.reserved));
@@ -100,9 +89,12 @@ bool draw_plot(const std::string& path, const std::vector<ReplayResult>& results
     }
     for (auto& p : r.curve) {
       if (secs && p.seconds < 0) continue;
+      const double x = secs ? p.seconds : p.index;
+      x_lo[k] = std::min(x_lo[k], x);
+      x_hi[k] = std::max(x_hi[k], x);
+      y_hi[k] = std::max({y_hi[k], mib(p.live), mib(p.allocated), mib(p.reserved)});
       char line[128];
-      std::snprintf(line, sizeof line, "%.6f %.3f %.3f %.3f\n", secs ? p.seconds : p.index, mib(p.live),
-                    mib(p.allocated), mib(p.reserved));
+      std::snprintf(line, sizeof line, "%.6f %.3f %.3f %.3f\n", x, mib(p.live), mib(p.allocated), mib(p.reserved));
       script += line;
     }
     script += "EOD\n";
@@ -120,7 +112,7 @@ bool draw_plot(const std::string& path, const std::vector<ReplayResult>& results
   const std::string drawn = target + ".tmp" + std::to_string(::getpid()) + ".png";
   script += "set output " + quote(script_only ? path.substr(0, path.size() - 3) + ".png" : drawn) + "\n";
   script += "set multiplot layout " + std::to_string(rows) + ",1\n";
-  script += "set key below horizontal maxrows 3\nset ylabel \"MiB\"\nset grid\nset yrange [0:*]\n";
+  script += "set key below horizontal maxrows 3\nset ylabel \"MiB\"\nset grid\n";  // each panel sets its ranges
   const char* colours[] = {"#1f77b4", "#d62728", "#2ca02c"};
   for (std::size_t k = 0; k < panels.size(); ++k) {
     const auto& [input, dev] = panels[k];
@@ -154,7 +146,6 @@ bool draw_plot(const std::string& path, const std::vector<ReplayResult>& results
     } else {
       script += "set autoscale x\n";
     }
-    // (and a panel whose values are all 0 MiB over [0, 1], where autoscale would warn of an empty y range)
     script += y_hi[k] > 0 ? "set yrange [0:*]\n" : "set yrange [0:1]\n";
     script += "plot " + plots.substr(0, plots.size() - 2) + "\n";
   }
