@@ -441,36 +441,42 @@ void random_pattern(const std::map<std::string, double>& k, Emit& em) {
   const u64 cap = static_cast<u64>(D(k, "live_gib") * 1024) * MiB;
   struct Live { u64 addr, bytes; int until; };
   std::vector<Live> keep;  // long-lived tensors survive into the next step
+  // This step's other tensors by the operation that frees them (its `until`), each list in allocation order:
+  // the operation `op` frees exactly the list of `op`, since every earlier one was freed at its own
+  // operation, which costs each operation its own tensors only (a scan of every live tensor made long
+  // lifetimes quadratic: 800,000 operations with lifetime=1000000 took 100 s to generate).
+  std::unordered_map<int, std::vector<Live>> due;
   for (int s = 0; s < steps; ++s) {
-    std::vector<Live> live;
     u64 live_bytes = 0;
     for (const Live& l : keep) live_bytes += l.bytes;
     for (int op = 0; op < ops; ++op) {
-      for (auto it = live.begin(); it != live.end();)
-        if (it->until <= op) {
-          em.free(it->addr);
-          live_bytes -= it->bytes;
-          it = live.erase(it);
-        } else {
-          ++it;
+      if (auto it = due.find(op); it != due.end()) {
+        for (const Live& l : it->second) {
+          em.free(l.addr);
+          live_bytes -= l.bytes;
         }
+        due.erase(it);
+      }
       const u64 bytes = static_cast<u64>(std::exp(em.uniform(lo, hi)));
       if (live_bytes + bytes > cap) continue;
       const u64 stream = static_cast<u64>(em.rng() % static_cast<u64>(streams));
       const int life = static_cast<int>(std::exponential_distribution<double>(1.0 / D(k, "lifetime"))(em.rng)) + 1;
       Live l{em.produce(bytes, 0, stream), bytes, op + life};
       live_bytes += bytes;
-      if (em.uniform(0, 1) < 0.03) keep.push_back(l); else live.push_back(l);
+      if (em.uniform(0, 1) < 0.03) keep.push_back(l); else due[l.until].push_back(l);
     }
-    for (const Live& l : live) em.free(l.addr);
+    // What outlives the step's operations is freed in allocation order (addresses only grow: Note [Workload
+    // addresses]).
+    std::vector<Live> rest;
+    for (auto& [until, list] : due) rest.insert(rest.end(), list.begin(), list.end());
+    due.clear();
+    std::sort(rest.begin(), rest.end(), [](const Live& a, const Live& b) { return a.addr < b.addr; });
+    for (const Live& l : rest) em.free(l.addr);
     // Half of the long-lived tensors end with this step.
-    for (auto it = keep.begin(); it != keep.end();)
-      if (em.rng() % 2) {
-        em.free(it->addr);
-        it = keep.erase(it);
-      } else {
-        ++it;
-      }
+    std::size_t kept = 0;
+    for (const Live& l : keep)
+      if (em.rng() % 2) em.free(l.addr); else keep[kept++] = l;
+    keep.resize(kept);
   }
   for (const Live& l : keep) em.free(l.addr);
 }
@@ -877,6 +883,16 @@ bool make_zoo_workload(const std::string& name, const std::string& options, form
                "=" + number_text(values[b.bound]) + " (" + b.key + " counts " + b.bound + " from 0)";
       return false;
     }
+  // random draws a size for every operation of every step, one its live_gib cap skips included, so a spec whose
+  // events stay few can still run for hours (ops=10000000,steps=100000: 10^12 draws, about 20 ns each): past
+  // 20 draws per event a workload may make it is refused now, not after the 20 millionth event.
+  if (name == "random" && values["ops"] * values["steps"] > 20.0 * static_cast<double>(kMaxWorkloadEvents)) {
+    *error = "workload:" + name + ":" + options + ": ops x steps = " + number_text(values["ops"] * values["steps"]) +
+             " operations, more than " + std::to_string(20 * kMaxWorkloadEvents) +
+             " (each is drawn, even one the live_gib cap skips); give fewer ops or steps";
+    if (too_large) *too_large = true;
+    return false;
+  }
   *out = formats::Trace{};
   out->source = "workload:" + name + (options.empty() ? "" : ":" + options);
   Emit em(out, static_cast<u64>(values["seed"]));

@@ -540,6 +540,11 @@ check_output "... not a target" "only a cap \(an allocation that would pass it i
 # A workload past 20 million events is refused with the spec named (it crashed with std::bad_alloc before).
 check_error "a workload too large to generate" "workload:transformer-train:layers=1000000: more than 20000000 allocation events" \
   "$bin/fragless-replay" --policy classic "workload:transformer-train:layers=1000000"
+# random draws every operation, skipped or not: ops=10^7 and steps=10^5 made few events and ran for hours
+# before it reached the event cap (the timeout fails the check on that code).
+check_error "a random workload of more operations than it may draw is refused at once" \
+  "ops x steps = 1000000000000 operations, more than 400000000 (each is drawn, even one the live_gib cap skips)" \
+  timeout 60 "$bin/fragless-replay" --policy classic "workload:random:ops=10000000,steps=100000"
 check_exit 1 "a search that cannot converge" "cannot converge" \
   "$bin/fragless-replay" --policy classic --max-of seed --capacity-gib 8 "workload:transformer-infer:layers=2,steps=2"
 check_exit 1 "... says it stopped below the seeds a transformer workload takes" \
