@@ -116,7 +116,9 @@
 // A repeated step can make re-backing cycle: a miss at R takes memory from hole H, the next step's miss at
 // H takes it back from R, and so on, an unmap and a map every step for ever. The sign is a growth into
 // pages that reclaims stripped twice within kRefillWindow growths: the memory taken from there keeps being
-// needed there. (Once is no sign: a step of another shape re-backs there legitimately.) Such a growth
+// needed there. (Once is no sign: a step of another shape re-backs there legitimately.) Strips older than
+// the window are forgotten where strips are added and read (forget_old_strips), so the list holds one
+// window's strips, whatever the growths do (check() asserts it). Such a growth
 // creates new memory instead (idle handles still come first), so both places keep memory and the
 // step reaches a steady state with no driver call. A refill is bounded: it may not take reserved past
 // reserve_slack above the peak of live bytes plus two pages, and past it the cycle goes on (a U-Net step at
@@ -288,6 +290,7 @@ class FraglessPolicy final : public GrowablePolicy {
   // The handles mapped from pages [first, first + n) of seg, each at its first page.
   static std::vector<PhysHandle> handles_at(const Segment& seg, std::size_t first, std::size_t n);
   bool refills(const Segment& seg, std::size_t first, std::size_t missing);
+  void forget_old_strips();
   bool past_refill_bound(std::size_t bytes) const;
   void move_reserved(bool to_small, std::size_t bytes);
   void release_handle(PhysHandle h, std::size_t pages, bool memory_goes = true);
