@@ -545,6 +545,14 @@ check_error "a workload too large to generate" "workload:transformer-train:layer
 check_error "a random workload of more operations than it may draw is refused at once" \
   "ops x steps = 1000000000000 operations, more than 400000000 (each is drawn, even one the live_gib cap skips)" \
   timeout 60 "$bin/fragless-replay" --policy classic "workload:random:ops=10000000,steps=100000"
+check_error "a transformer workload drawing more lengths than it may is refused at once" \
+  "batch x steps = 1000000000000 sequence lengths to draw, more than 400000000" \
+  timeout 60 "$bin/fragless-replay" --policy classic "workload:transformer-train:batch=1000000,steps=1000000"
+# A field's leading spaces were erased one at a time: 6.4 million of them took minutes (now milliseconds).
+{ printf 'Thread,Time,Action,Pointer,Size,Stream\n1,00:00:00.000001,allocate,0x1000,'
+  head -c 6400000 /dev/zero | tr '\0' ' '; printf '100,0\n'; } >"$work/spaces.csv"
+check_output "an RMM field after millions of spaces is read in linear time" "1 events of every kind" \
+  timeout 60 "$bin/fragless-trace" info "$work/spaces.csv"
 check_exit 1 "a search that cannot converge" "cannot converge" \
   "$bin/fragless-replay" --policy classic --max-of seed --capacity-gib 8 "workload:transformer-infer:layers=2,steps=2"
 check_exit 1 "... says it stopped below the seeds a transformer workload takes" \
