@@ -19,6 +19,7 @@ template <class V>
 class FlatTable {
  public:
   std::size_t size() const { return size_; }
+  std::size_t capacity() const { return slots_.size(); }  // what for_each walks: it never shrinks
   bool empty() const { return size_ == 0; }
 
   V* find(std::uint64_t key) {

@@ -84,9 +84,11 @@ bool DriverContract::any_mapped(DevicePtr va, std::size_t size) const {
     const std::uint64_t lo = std::max(first, w * 64) - w * 64, hi = std::min(last, w * 64 + 63) - w * 64;
     return (~std::uint64_t{0} >> (63 - hi)) & (~std::uint64_t{0} << lo);
   };
-  // Whichever is fewer: the range's words, or the words with a page mapped (a whole reservation of a
-  // large device spans many words, of which few may be in use).
-  if (last / 64 - first / 64 >= mapped_pages_.size()) {
+  // Whichever is fewer: the range's words, or the table's slots, which for_each walks (a whole reservation of a
+  // large device spans many words, of which few may be in use). Compared with the words in use instead, a
+  // table grown at a peak made every later check walk all its slots: a reservation per stream's segment, each
+  // freed with this check at teardown, cost streams x slots (a replay on 32,000 streams: 4.8 s, now 3.1 s).
+  if (last / 64 - first / 64 >= mapped_pages_.capacity()) {
     bool any = false;
     mapped_pages_.for_each([&](std::uint64_t w, std::uint64_t word) {
       any = any || (w >= first / 64 && w <= last / 64 && (word & bits(w)));
