@@ -105,7 +105,8 @@ class DeviceEngine {
   // The allocated block holding ptr (its first byte or any byte inside it): its address, and its size in
   // *size; nullptr when no allocated block of this engine holds ptr. *freed (when given): whether the program
   // freed it already (defer_free, or an exported block held for other processes after its owner's free).
-  // Walks the segments (for queries such as LD_PRELOAD's cuMemGetAddressRange, not for the allocation path).
+  // A block's first byte is looked up at once; a byte inside a block walks the segments (for queries such as
+  // LD_PRELOAD's cuMemGetAddressRange, not for the allocation path).
   void* allocation_containing(void* ptr, std::size_t* size, bool* freed = nullptr);
 
   // Gives back every cached byte it can. A wait that failed keeps the memory under that work cached (tried

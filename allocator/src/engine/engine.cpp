@@ -268,6 +268,11 @@ void* DeviceEngine::allocation_containing(void* ptr, std::size_t* size, bool* fr
   State& s = *s_;
   const auto p = reinterpret_cast<DevicePtr>(ptr);
   std::lock_guard lk(s.mu);
+  if (Block* b = s.active_blocks.get(p); b && b->state == BlockState::allocated) {  // a block's start: no walk
+    if (size) *size = b->size;
+    if (freed) *freed = b->deferred || (b->exported && s.exports.at(b->ptr).owner_freed);
+    return ptr;
+  }
   for (const auto& seg : s.segments) {
     if (p < seg->base || p >= seg->base + seg->va_size) continue;
     for (Block* b = seg->first; b; b = b->next)
