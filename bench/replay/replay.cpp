@@ -387,12 +387,12 @@ ReplayResult replay(const formats::Trace& t, int device, PolicyKind policy, cons
     r.at_peak.reset();  // only a moment found, not looked at
     return r;
   }
-  // The replay is deterministic (the sim driver, the background on the trace's clock), so a second one meets
-  // the same moment.
+  // The replay is deterministic (the sim driver, the background on the trace's clock), so a second one with the
+  // same settings meets the same moment (`check` included: the checker has the fragless policy audit its
+  // creations, which may ask the driver for free memory).
   ReplayOptions again = opt;
   again.curve_points = 0;
   again.progress = nullptr;
-  again.check = false;
   const ReplayResult::PeakDetail moment = *r.at_peak;
   r.at_peak = replay_once(t, device, policy, again, &moment).at_peak;
   if (!r.at_peak)
