@@ -163,13 +163,11 @@ ReplayResult replay_once(const formats::Trace& t, int device, PolicyKind policy,
   // --peak-detail: the first moment of the peak of reserved memory is found by one replay and looked at in a
   // second, which stops there (a look at every new peak made a replay that keeps growing quadratic: 17 s for
   // 320,000 events).
-  std::int64_t detailed = -1;
   bool looked = false;
   auto detail_peak = [&](std::uint64_t event, const DeviceEngine::Usage& at) {
     if (!opt.peak_detail) return;
     if (!look_at) {
-      if (at.reserved <= detailed) return;
-      detailed = at.reserved;
+      if (r.at_peak && at.reserved <= r.at_peak->reserved) return;
       r.at_peak = ReplayResult::PeakDetail{};
       r.at_peak->event = event;
       r.at_peak->reserved = at.reserved;

@@ -465,12 +465,10 @@ bool make_workload(const std::string& spec, formats::Trace* out, std::string* er
     if (too_large) *too_large = true;
     return false;
   }
-  // Every step draws `batch` lengths and makes a few dozen events whatever the batch, so batch=1000000 with
-  // steps=200000 would draw for hours inside the event cap: past 20 draws per event a workload may make, the
-  // spec is refused now (random's ops x steps has the same bound).
-  if (static_cast<double>(c.batch) * c.steps > 20.0 * static_cast<double>(kMaxWorkloadEvents)) {
+  // Every step draws `batch` lengths and makes a few dozen events whatever the batch (kMaxWorkloadDraws).
+  if (static_cast<double>(c.batch) * c.steps > kMaxWorkloadDraws) {
     *error = spec + ": batch x steps = " + std::to_string(static_cast<long long>(c.batch) * c.steps) +
-             " sequence lengths to draw, more than " + std::to_string(20 * kMaxWorkloadEvents) +
+             " sequence lengths to draw, more than " + std::to_string(static_cast<long long>(kMaxWorkloadDraws)) +
              "; give a smaller batch or fewer steps";
     if (too_large) *too_large = true;
     return false;

@@ -20,6 +20,10 @@ bool make_workload(const std::string& spec, formats::Trace* out, std::string* er
                    const std::vector<int>* lengths = nullptr, bool* too_large = nullptr);
 
 inline constexpr std::size_t kMaxWorkloadEvents = 20'000'000;
+// Draws a generator may make, 20 per event it may make: a spec whose draws (random's ops x steps, a transformer's
+// batch x steps) pass it is refused before generating, since most of them would make no event and the spec
+// would run for hours inside kMaxWorkloadEvents (about 20 s of drawing at this bound).
+inline constexpr double kMaxWorkloadDraws = 20.0 * kMaxWorkloadEvents;
 // Thrown by the generators' emitters past kMaxWorkloadEvents; make_workload turns it into its error.
 struct TooManyEvents {};
 // Called by an emitter before it adds an event to t (its window or its seed).

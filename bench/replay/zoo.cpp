@@ -883,12 +883,11 @@ bool make_zoo_workload(const std::string& name, const std::string& options, form
                "=" + number_text(values[b.bound]) + " (" + b.key + " counts " + b.bound + " from 0)";
       return false;
     }
-  // random draws a size for every operation of every step, one its live_gib cap skips included, so a spec whose
-  // events stay few can still run for hours (ops=10000000,steps=100000: 10^12 draws, about 20 ns each): past
-  // 20 draws per event a workload may make it is refused now, not after the 20 millionth event.
-  if (name == "random" && values["ops"] * values["steps"] > 20.0 * static_cast<double>(kMaxWorkloadEvents)) {
+  // random draws a size for every operation of every step, one its live_gib cap skips included
+  // (kMaxWorkloadDraws: ops=10000000,steps=100000 made few events and ran for hours).
+  if (name == "random" && values["ops"] * values["steps"] > kMaxWorkloadDraws) {
     *error = "workload:" + name + ":" + options + ": ops x steps = " + number_text(values["ops"] * values["steps"]) +
-             " operations, more than " + std::to_string(20 * kMaxWorkloadEvents) +
+             " operations, more than " + number_text(kMaxWorkloadDraws) +
              " (each is drawn, even one the live_gib cap skips); give fewer ops or steps";
     if (too_large) *too_large = true;
     return false;

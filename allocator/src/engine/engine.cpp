@@ -268,20 +268,17 @@ void* DeviceEngine::allocation_containing(void* ptr, std::size_t* size, bool* fr
   State& s = *s_;
   const auto p = reinterpret_cast<DevicePtr>(ptr);
   std::lock_guard lk(s.mu);
-  if (Block* b = s.active_blocks.get(p); b && b->state == BlockState::allocated) {  // a block's start: no walk
+  auto found = [&](const Block* b) -> void* {
+    if (b->state != BlockState::allocated) return nullptr;
     if (size) *size = b->size;
     if (freed) *freed = b->deferred || (b->exported && s.exports.at(b->ptr).owner_freed);
-    return ptr;
-  }
+    return reinterpret_cast<void*>(b->ptr);
+  };
+  if (const Block* b = s.active_blocks.get(p); b && b->state == BlockState::allocated) return found(b);  // its start
   for (const auto& seg : s.segments) {
     if (p < seg->base || p >= seg->base + seg->va_size) continue;
     for (Block* b = seg->first; b; b = b->next)
-      if (p >= b->ptr && p < b->ptr + b->size) {
-        if (b->state != BlockState::allocated) return nullptr;
-        if (size) *size = b->size;
-        if (freed) *freed = b->deferred || (b->exported && s.exports.at(b->ptr).owner_freed);
-        return reinterpret_cast<void*>(b->ptr);
-      }
+      if (p >= b->ptr && p < b->ptr + b->size) return found(b);
     return nullptr;
   }
   return nullptr;

@@ -67,35 +67,9 @@ class ClassicPolicy final : public Policy {
   }
 
   bool release_whole_segment(Block* b) override {
-    if (b->is_split() || b->segment->growable || !b->reusable()) return false;
-    Segment* seg = b->segment;
-    Driver& d = *s_.driver;
-    // cuMemUnmap and cuMemRelease are not stream-ordered (cudaFree, which PyTorch calls here, synchronises
-    // the device): kernels queued on the segment's stream before the free may still use it. Other streams'
-    // uses are behind the block's events, which have completed (the block is reusable). A failed wait
-    // keeps the segment (Note [Failed waits]).
-    if (failed_.count(seg->stream)) return false;
-    if (!synced_.count(seg->stream) && s_.forced_sync(seg->stream) != Status::ok) return false;
-    s_.pool_erase(b);
-    // A failure here leaves the memory where it was: keep the segment cached rather than lose track of it.
-    if (d.unmap(seg->base, seg->va_size) != Status::ok) {
-      s_.pool_insert(b);
-      return false;
-    }
-    s_.give_back_handle(seg->pages[0].handle);
-    s_.give_back_reservation(seg->base, seg->va_size);
-    s_.add_reserved(seg->small, -static_cast<std::int64_t>(seg->va_size));
-    s_.stats.segment.add(seg->small, -1);
-    if (seg->va_size >= s_.opts.max_split_size) s_.stats.oversize_segments.add(-1);
-    ++s_.stats.num_device_free;
-    emit(s_, TraceAction::segment_free, seg->stream, seg->base, seg->va_size, seg->va_size);
-    s_.delete_block(b);
-    // Inside release_free the segment leaves the list with the others, in one pass after the loop: one pass
-    // per segment made a release of n segments (empty_cache, teardown) cost n^2 (a million live 1 MiB blocks:
-    // 26 s of a 28 s replay). Nothing walks the segments in between.
-    if (releasing_) dropped_.insert(seg);
-    else std::erase_if(s_.segments, [&](const auto& p) { return p.get() == seg; });
-    return true;
+    Segment* seg = give_back_segment(b);
+    if (seg) std::erase_if(s_.segments, [&](const auto& p) { return p.get() == seg; });
+    return seg != nullptr;
   }
 
   void release_free(PoolSet* only, bool device_synchronized) override {
@@ -112,18 +86,46 @@ class ClassicPolicy final : public Policy {
       if (device_synchronized || s_.forced_sync(st) == Status::ok) synced_.insert(st);
       else failed_.insert(st);
     }
-    releasing_ = true;
-    for (Block* b : whole) release_whole_segment(b);
-    releasing_ = false;
-    if (!dropped_.empty()) std::erase_if(s_.segments, [&](const auto& p) { return dropped_.count(p.get()) > 0; });
-    dropped_.clear();
+    // The segments given back leave the list in one pass: one pass each made a release of n segments
+    // (empty_cache, teardown) cost n^2 (a million live 1 MiB blocks: 26 s of a 28 s replay).
+    std::unordered_set<const Segment*> gone;
+    for (Block* b : whole)
+      if (Segment* seg = give_back_segment(b)) gone.insert(seg);
+    if (!gone.empty()) std::erase_if(s_.segments, [&](const auto& p) { return gone.count(p.get()) > 0; });
     synced_.clear();
     failed_.clear();
   }
 
  private:
-  bool releasing_ = false;
-  std::unordered_set<const Segment*> dropped_;  // segments release_free has given back, not yet off the list
+  // Gives whole segment b's memory back to the driver and deletes b; the segment, still on the list, is
+  // returned (null when b is not a whole reusable segment or its memory stays).
+  Segment* give_back_segment(Block* b) {
+    if (b->is_split() || b->segment->growable || !b->reusable()) return nullptr;
+    Segment* seg = b->segment;
+    Driver& d = *s_.driver;
+    // cuMemUnmap and cuMemRelease are not stream-ordered (cudaFree, which PyTorch calls here, synchronises
+    // the device): kernels queued on the segment's stream before the free may still use it. Other streams'
+    // uses are behind the block's events, which have completed (the block is reusable). A failed wait
+    // keeps the segment (Note [Failed waits]).
+    if (failed_.count(seg->stream)) return nullptr;
+    if (!synced_.count(seg->stream) && s_.forced_sync(seg->stream) != Status::ok) return nullptr;
+    s_.pool_erase(b);
+    // A failure here leaves the memory where it was: keep the segment cached rather than lose track of it.
+    if (d.unmap(seg->base, seg->va_size) != Status::ok) {
+      s_.pool_insert(b);
+      return nullptr;
+    }
+    s_.give_back_handle(seg->pages[0].handle);
+    s_.give_back_reservation(seg->base, seg->va_size);
+    s_.add_reserved(seg->small, -static_cast<std::int64_t>(seg->va_size));
+    s_.stats.segment.add(seg->small, -1);
+    if (seg->va_size >= s_.opts.max_split_size) s_.stats.oversize_segments.add(-1);
+    ++s_.stats.num_device_free;
+    emit(s_, TraceAction::segment_free, seg->stream, seg->base, seg->va_size, seg->va_size);
+    s_.delete_block(b);
+    return seg;
+  }
+
   std::set<Stream> synced_;  // streams synchronised for the release under way
   std::set<Stream> failed_;  // streams whose synchronisation failed in it
 };
